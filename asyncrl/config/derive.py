@@ -1,0 +1,66 @@
+"""Derived defaults, computed exactly as the seeds state them. Pure.
+
+- ``rollout_buffer.max_inflight_groups = ceil(max_running_requests x instances x 1.2 / group_size)``
+  (RLinf), or ``max_concurrent_samples // group_size`` when that Miles setting is given;
+- ``rollout_buffer.max_buffered_groups = 2 x data.rollout_batch_size``;
+- ``rollout_buffer.max_dropped_groups_per_step = 10 x data.rollout_batch_size``;
+- ``rollout_buffer.submission_granularity = "sample"`` in async mode (Miles), ``"group"`` otherwise;
+- ``rollout.model_path = actor.model_path``;
+- ``agentloop.max_requests_per_engine = rollout.max_running_requests``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from asyncrl.config.schema import Config, ConfigError
+
+INFLIGHT_MARGIN = 1.2  # RLinf: margin for groups waiting on a tool or on their slowest member
+
+
+def num_engines(cfg: Config) -> int:
+    """Rollout instances: rollout devices / devices per engine (0 when the placement is unparsable)."""
+    from asyncrl.cluster.placement import parse_devices
+
+    for key, spec in cfg.cluster.component_placement.items():
+        if "rollout" in [n.strip() for n in key.split(",")]:
+            try:
+                n = len(parse_devices(spec, f"cluster.component_placement.{key}"))
+            except ConfigError:
+                return 0
+            return max(1, n // cfg.rollout.tensor_parallel_size)
+    return 0
+
+
+def default_max_inflight_groups(*, max_running_requests: int, instances: int, group_size: int) -> int:
+    return max(1, math.ceil(max_running_requests * instances * INFLIGHT_MARGIN / group_size))
+
+
+def resolve(cfg: Config) -> Config:
+    derived = set(cfg.derived)
+    rb = cfg.rollout_buffer
+    B = cfg.data.rollout_batch_size
+    updates = {}
+    if rb.max_inflight_groups is None:
+        if rb.max_concurrent_samples is not None:
+            updates["max_inflight_groups"] = max(1, rb.max_concurrent_samples // cfg.algorithm.group_size)
+        else:
+            updates["max_inflight_groups"] = default_max_inflight_groups(
+                max_running_requests=cfg.rollout.max_running_requests,
+                instances=max(1, num_engines(cfg)), group_size=cfg.algorithm.group_size)
+    if rb.max_buffered_groups is None:
+        updates["max_buffered_groups"] = 2 * B
+    if rb.max_dropped_groups_per_step is None:
+        updates["max_dropped_groups_per_step"] = 10 * B
+    if rb.submission_granularity is None:
+        updates["submission_granularity"] = "sample" if cfg.runner.async_mode else "group"
+    derived |= {f"rollout_buffer.{k}" for k in updates}
+    out = replace(cfg, rollout_buffer=replace(rb, **updates))
+    if out.rollout.model_path is None:
+        out = replace(out, rollout=replace(out.rollout, model_path=out.actor.model_path))
+        derived.add("rollout.model_path")
+    if out.agentloop.max_requests_per_engine is None:
+        out = replace(out, agentloop=replace(out.agentloop, max_requests_per_engine=out.rollout.max_running_requests))
+        derived.add("agentloop.max_requests_per_engine")
+    return replace(out, derived=frozenset(derived))

@@ -1,0 +1,406 @@
+"""The TOML schema: one frozen dataclass per component, every field typed, defaulted and documented.
+
+Contract
+- Precedence: dataclass defaults -> TOML -> ``key.sub=value`` overrides (see ``loader``).
+- Fields whose default is *derived* from other fields (the seeds' formulas) are ``None`` here and
+  filled in by ``derive.resolve``; the resolved config records which keys were derived.
+- Bounds of a single field are checked in ``__post_init__`` (``ConfigError`` naming the dotted
+  key); rules across fields live in ``validate.validate``.
+- This module never imports torch, megatron or sglang: it must stay light to import.
+
+Setting names follow the two seed documents (RLinf's asynchronous agentic RL page and Miles'
+fully async page); where Miles names a flag ``--max-weight-staleness`` we keep RLinf's
+``agentloop.max_actor_accept_staleness`` (same meaning) and note the alias in the field doc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem, always naming the dotted key at fault and how to fix it."""
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _positive(value, key: str) -> None:
+    if value is not None:
+        _require(value > 0, key, f"must be > 0, got {value!r}")
+
+
+def _non_negative(value, key: str) -> None:
+    if value is not None:
+        _require(value >= 0, key, f"must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    async_mode: bool = False
+    """Overlap generation and training (RLinf ``runner.async_mode``). False: they take turns."""
+    max_steps: int = 20
+    """Training steps to run."""
+    seed: int = 1234
+    """Seed of everything (data order, init, sampling)."""
+    checkpoint_interval: int = 0
+    """Save a checkpoint every N steps (0 = only at the end when ``save_at_end``)."""
+    save_at_end: bool = False
+    """Save a checkpoint after the last step."""
+    resume: bool = False
+    """Resume from the newest checkpoint in the run directory if one exists."""
+    save_hf: bool = False
+    """Also export a HF checkpoint with every actor checkpoint (Miles ``--save-hf``)."""
+    eval_before_after: bool = True
+    """Run the held-out test set before the first and after the last step (embedded default)."""
+
+    def __post_init__(self):
+        _positive(self.max_steps, "runner.max_steps")
+        _non_negative(self.checkpoint_interval, "runner.checkpoint_interval")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    component_placement: dict[str, str] = field(
+        default_factory=lambda: {"actor": "0", "rollout,reward": "1"}
+    )
+    """Component -> devices, e.g. ``actor = "0-7"``, ``"rollout,reward" = "8-15"``. Global rank r
+    uses device r (on CPU a device is just a rank). A ``reward`` entry is always required."""
+    num_nodes: int = 1
+    """Nodes of the job (used by ``--dry-run`` outside torchrun; torchrun's WORLD_SIZE wins)."""
+    num_devices_per_node: int = 2
+    """Devices (GPUs, or CPU ranks) per node; torchrun's LOCAL_WORLD_SIZE wins."""
+    store_timeout_s: float = 300.0
+    """How long a rank waits for another to publish an address in the discovery store."""
+    shutdown_grace_s: float = 10.0
+    """Grace period between SIGTERM and SIGKILL when tearing children down."""
+
+    def __post_init__(self):
+        _positive(self.num_nodes, "cluster.num_nodes")
+        _positive(self.num_devices_per_node, "cluster.num_devices_per_node")
+        _positive(self.store_timeout_s, "cluster.store_timeout_s")
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    backend_type: Literal["server", "engine"] = "server"
+    """RLinf ``rollout.sglang.backend_type``; async mode requires ``server``."""
+    mem_fraction_static: float = 0.8
+    """SGLang ``--mem-fraction-static``."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra ``sglang.launch_server`` flags, passed through verbatim."""
+
+    def __post_init__(self):
+        _require(0.0 < self.mem_fraction_static <= 1.0, "rollout.sglang.mem_fraction_static",
+                 f"must be in (0, 1], got {self.mem_fraction_static!r}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+
+    def __post_init__(self):
+        _non_negative(self.temperature, "rollout.sampling.temperature")
+        _require(0.0 < self.top_p <= 1.0, "rollout.sampling.top_p", f"must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    rollout_backend: Literal["sglang", "cpu"] = "sglang"
+    """``sglang`` (SGLang servers on GPUs) or ``cpu`` (the project's CPU engine, same HTTP API)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    pause_mode: Literal["retract", "in_place", "drain", "abort"] = "retract"
+    """What in-flight requests do during a weight sync (RLinf ``rollout.pause_mode``)."""
+    max_running_requests: int = 64
+    """Concurrent requests per engine (SGLang ``--max-running-requests``)."""
+    update_weights_interval: int = 1
+    """Sync weights into the engines every N training steps."""
+    tensor_parallel_size: int = 1
+    """Devices per engine (SGLang ``--tp-size``); engines = rollout devices / this."""
+    model_path: Optional[str] = None
+    """Checkpoint the engines load at start; defaults to ``actor.model_path``."""
+    port: int = 30000
+    """Port of the first engine on a node; engine k on that node uses port + k * 10."""
+    start_timeout_s: float = 600.0
+    """How long to wait for an engine to answer ``/model_info`` after launch."""
+    max_restarts: int = 2
+    """Restarts of a crashed engine before the run fails."""
+    request_timeout_s: float = 600.0
+    """Timeout of one ``/generate`` call."""
+    control_timeout_s: float = 60.0
+    """Timeout of pause/continue/update/flush calls."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self):
+        _positive(self.max_running_requests, "rollout.max_running_requests")
+        _positive(self.update_weights_interval, "rollout.update_weights_interval")
+        _positive(self.tensor_parallel_size, "rollout.tensor_parallel_size")
+        _non_negative(self.max_restarts, "rollout.max_restarts")
+        _positive(self.request_timeout_s, "rollout.request_timeout_s")
+        _positive(self.control_timeout_s, "rollout.control_timeout_s")
+        _require(0 < self.port < 65536, "rollout.port", f"must be a TCP port, got {self.port!r}")
+
+
+@dataclass(frozen=True)
+class ToolConfig:
+    retriever: Literal["bm25", "http"] = "bm25"
+    """``bm25`` (in process, bm25s) or ``http`` (Search-R1's ``/retrieve`` server)."""
+    corpus_path: Optional[str] = None
+    """Search-R1 JSONL corpus for the in-process BM25 retriever."""
+    retriever_url: Optional[str] = None
+    """``http://host:port/retrieve`` of a Search-R1 retrieval server."""
+    topk: int = 3
+    """Documents per search."""
+    max_obs_tokens: int = 500
+    """Tool output is cut to this many tokens."""
+    timeout_s: float = 30.0
+    """Timeout of one retrieval call."""
+    max_retries: int = 3
+    """Retries (with exponential backoff) before the trajectory is aborted."""
+
+    def __post_init__(self):
+        _positive(self.topk, "agentloop.tool.topk")
+        _positive(self.max_obs_tokens, "agentloop.tool.max_obs_tokens")
+        _positive(self.timeout_s, "agentloop.tool.timeout_s")
+        _non_negative(self.max_retries, "agentloop.tool.max_retries")
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    task_name: Optional[str] = None
+    """Agent task (``searchr1``); required in async mode."""
+    max_actor_accept_staleness: Optional[int] = None
+    """Drop groups staler than this before training (Miles ``--max-weight-staleness``).
+    Unset: staleness is measured, not capped."""
+    max_turns: int = 2
+    """Generate calls per trajectory."""
+    max_tokens_per_turn: int = 500
+    """``max_new_tokens`` of one generate call."""
+    max_total_tokens: int = 4096
+    """Prompt + response limit of a trajectory; longer ones are cut cleanly and marked."""
+    max_requests_per_engine: Optional[int] = None
+    """Generate calls a worker keeps in flight per engine; defaults to ``rollout.max_running_requests``."""
+    chat_template: bool = False
+    """Wrap prompts in the tokenizer's chat template (instruct models)."""
+    heartbeat_interval_s: float = 2.0
+    """How often an agent worker heartbeats to the broker."""
+    tool: ToolConfig = field(default_factory=ToolConfig)
+
+    def __post_init__(self):
+        _non_negative(self.max_actor_accept_staleness, "agentloop.max_actor_accept_staleness")
+        _positive(self.max_turns, "agentloop.max_turns")
+        _positive(self.max_tokens_per_turn, "agentloop.max_tokens_per_turn")
+        _positive(self.max_total_tokens, "agentloop.max_total_tokens")
+        _positive(self.max_requests_per_engine, "agentloop.max_requests_per_engine")
+        _positive(self.heartbeat_interval_s, "agentloop.heartbeat_interval_s")
+
+
+@dataclass(frozen=True)
+class RolloutBufferConfig:
+    max_inflight_groups: Optional[int] = None
+    """In-flight limit (engine load). Derived: ceil(max_running_requests x instances x 1.2 / group_size)."""
+    max_concurrent_samples: Optional[int] = None
+    """Miles ``--async-max-concurrent-samples``: in-flight cap in trajectories; when set,
+    max_inflight_groups defaults to ``value // group_size`` instead."""
+    max_buffered_groups: Optional[int] = None
+    """Buffer limit (data age): in-flight + buffered < this. Derived: 2 x data.rollout_batch_size."""
+    max_dropped_groups_per_step: Optional[int] = None
+    """Stop the run past this many drops in one step. Derived: 10 x data.rollout_batch_size."""
+    submission_granularity: Optional[Literal["group", "sample"]] = None
+    """When a finished unit frees an in-flight slot (Miles ``--rollout-submission-granularity``).
+    Derived: ``sample`` in async mode, ``group`` otherwise."""
+    unused_groups: Literal["drop", "retry"] = "drop"
+    """Aborted or too-stale groups: ``drop`` (prompt returns next epoch) or ``retry`` (re-queued now)
+    (Miles ``--async-unused-samples-handler``)."""
+    dynamic_sampling_filter_path: Optional[str] = None
+    """``module:function(group) -> None | reason`` run at put time; a reason drops the group."""
+    sample_filter_path: Optional[str] = None
+    """``module:function(groups) -> groups`` run on the assembled batch (Miles ``--rollout-sample-filter-path``)."""
+    custom_data_buffer_path: Optional[str] = None
+    """``module:Class`` replacing the built-in DataBuffer (Miles ``--custom-async-data-buffer-path``)."""
+    no_data_warning_s: float = 30.0
+    """Warn ``No completed rollout groups for 30.0s`` when the actor waits that long for nothing."""
+    worker_heartbeat_timeout_s: float = 15.0
+    """A worker silent for this long is declared dead; its in-flight groups are re-issued."""
+
+    def __post_init__(self):
+        for name in ("max_inflight_groups", "max_concurrent_samples", "max_buffered_groups",
+                     "max_dropped_groups_per_step"):
+            _positive(getattr(self, name), f"rollout_buffer.{name}")
+        _positive(self.no_data_warning_s, "rollout_buffer.no_data_warning_s")
+        _positive(self.worker_heartbeat_timeout_s, "rollout_buffer.worker_heartbeat_timeout_s")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    rollout_batch_size: int = 8
+    """Groups (prompts) trained per step."""
+    train_path: Optional[str] = None
+    """Search-R1 parquet or JSONL of training prompts."""
+    test_path: Optional[str] = None
+    """Held-out prompts for evaluation."""
+    shuffle: bool = True
+    """Seeded shuffle per epoch."""
+    max_prompt_tokens: int = 4096
+    """Prompts longer than this are skipped with a counted warning."""
+
+    def __post_init__(self):
+        _positive(self.rollout_batch_size, "data.rollout_batch_size")
+        _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    group_size: int = 5
+    """Trajectories per prompt (GRPO group)."""
+    adv_estimator: Literal["grpo"] = "grpo"
+    normalize_adv_by_std: bool = True
+    """GRPO: divide the group-centred reward by the group's std."""
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c (> 1) for negative advantages; unset disables it."""
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    kl_coef: float = 0.0
+    """KL penalty to the reference model (0 = no reference model)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    off_policy_correction: Literal["none", "tis", "decoupled"] = "none"
+    """``none`` (rollout log-prob is the old log-prob, the RLinf default), ``tis`` (truncated
+    importance sampling vs the recomputed policy), ``decoupled`` (AReaL's decoupled PPO)."""
+    tis_cap: float = 2.0
+    """Truncation of the importance weight under ``tis``/``decoupled``."""
+
+    def __post_init__(self):
+        _positive(self.group_size, "algorithm.group_size")
+        _require(0 <= self.clip_ratio_low < 1, "algorithm.clip_ratio_low", f"must be in [0, 1), got {self.clip_ratio_low!r}")
+        _non_negative(self.clip_ratio_high, "algorithm.clip_ratio_high")
+        if self.dual_clip is not None:
+            _require(self.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {self.dual_clip!r}")
+        _non_negative(self.kl_coef, "algorithm.kl_coef")
+        _positive(self.tis_cap, "algorithm.tis_cap")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    model_path: str = "runs/tiny/model"
+    """HF checkpoint (config.json, safetensors, tokenizer) the actor starts from."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    params_dtype: Literal["fp32", "bf16"] = "bf16"
+    """Training dtype; CPU runs always use fp32."""
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Gradient norm clip (0 disables)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one micro-batch (packed sequences)."""
+    use_distributed_optimizer: bool = False
+    checkpoint_dir: Optional[str] = None
+    """Where checkpoints go; defaults to ``<run_dir>/checkpoints``."""
+
+    def __post_init__(self):
+        _positive(self.tensor_model_parallel_size, "actor.tensor_model_parallel_size")
+        _positive(self.pipeline_model_parallel_size, "actor.pipeline_model_parallel_size")
+        _positive(self.lr, "actor.lr")
+        _non_negative(self.lr_warmup_steps, "actor.lr_warmup_steps")
+        _non_negative(self.grad_clip, "actor.grad_clip")
+        _positive(self.max_tokens_per_microbatch, "actor.max_tokens_per_microbatch")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    bucket_bytes: int = 512 * 1024 * 1024
+    """Bytes per broadcast bucket of the weight sync (512 MiB, as slime/Miles)."""
+    flattened_bucket: bool = False
+    """Send each bucket as one flat tensor (``load_format = "flattened_bucket"``)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend of the weight-sync group; ``auto`` = nccl with CUDA, else gloo."""
+    join_timeout_s: float = 120.0
+    """An engine that has not joined the weight-sync group by then fails the run."""
+    step_timeout_s: float = 600.0
+    """Timeout of each HTTP step of one sync."""
+    group_name: str = "weight_update_group"
+
+    def __post_init__(self):
+        _positive(self.bucket_bytes, "sync.bucket_bytes")
+        _positive(self.join_timeout_s, "sync.join_timeout_s")
+        _positive(self.step_timeout_s, "sync.step_timeout_s")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The evaluation settings of the Miles fully-async page."""
+
+    eval_interval: Optional[int] = None
+    """Evaluate every N steps (unset: no periodic eval)."""
+    eval_num_gpus: int = 0
+    """Dedicated eval fleet size (0 = evaluate on the shared rollout engines)."""
+    eval_num_gpus_per_engine: int = 1
+    """TP of the eval fleet's engines."""
+    eval_function_path: Optional[str] = None
+    """``module:Class`` implementing CheckpointEvalFn (external backend)."""
+    eval_hf_dir: Optional[str] = None
+    """Snapshot staging directory (tmpfs recommended)."""
+    eval_prompt_data: dict[str, str] = field(default_factory=dict)
+    """Dataset name -> path."""
+    eval_overflow_policy: Literal["backpressure", "skip"] = "backpressure"
+    eval_keep_snapshots: int = 2
+    """Retired snapshots kept on disk."""
+    eval_max_in_flight: int = 2
+    """Snapshots still being evaluated at once."""
+    eval_sglang: dict[str, str] = field(default_factory=dict)
+    """Per-field overrides of the rollout engines' SGLang settings for the eval fleet."""
+
+    def __post_init__(self):
+        _positive(self.eval_interval, "eval.eval_interval")
+        _non_negative(self.eval_num_gpus, "eval.eval_num_gpus")
+        _positive(self.eval_num_gpus_per_engine, "eval.eval_num_gpus_per_engine")
+        _non_negative(self.eval_keep_snapshots, "eval.eval_keep_snapshots")
+        _positive(self.eval_max_in_flight, "eval.eval_max_in_flight")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, TensorBoard events, logs, checkpoints."""
+    tensorboard: bool = True
+    jsonl: bool = True
+    console: bool = True
+    """One fixed-format progress line per step."""
+    engine_metrics_interval_s: float = 5.0
+    """How often engines' ``/metrics`` are scraped."""
+    custom_rollout_log_function_path: Optional[str] = None
+    """Miles ``--custom-rollout-log-function-path``: returning True skips the default logging."""
+    custom_eval_rollout_log_function_path: Optional[str] = None
+    """Miles ``--custom-eval-rollout-log-function-path``."""
+
+
+@dataclass(frozen=True)
+class Config:
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agentloop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    rollout_buffer: RolloutBufferConfig = field(default_factory=RolloutBufferConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    derived: frozenset[str] = field(default_factory=frozenset)
+    """Dotted keys whose value was computed by ``derive.resolve`` (not user-set). Not a TOML key."""

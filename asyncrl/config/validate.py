@@ -1,0 +1,113 @@
+"""Cross-field validation: one pass, run on every rank before any worker starts. Pure.
+
+Errors raise ``ConfigError`` naming the dotted key, the bad value and the fix. Warnings are
+returned as strings (the launcher prints them once, on global rank 0) and the run continues.
+
+    warnings = validate(cfg, world_size=2)
+"""
+
+from __future__ import annotations
+
+import os
+
+from asyncrl.cluster.placement import Placement, parse_devices, parse_placement
+from asyncrl.config.schema import Config, ConfigError
+
+PAUSE_MODES = ("retract", "in_place", "drain")
+
+
+def job_world_size(cfg: Config) -> int:
+    """torchrun's WORLD_SIZE when launched by it, else nodes x devices per node from the config."""
+    env = os.environ.get("WORLD_SIZE")
+    if env:
+        return int(env)
+    return cfg.cluster.num_nodes * cfg.cluster.num_devices_per_node
+
+
+def _component_devices(cfg: Config, name: str) -> set[int]:
+    out: set[int] = set()
+    for key, spec in cfg.cluster.component_placement.items():
+        if name in [n.strip() for n in key.split(",")]:
+            out |= set(parse_devices(spec, f"cluster.component_placement.{key}"))
+    return out
+
+
+def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
+    world = job_world_size(cfg) if world_size is None else world_size
+    warnings: list[str] = []
+    r, rb, B = cfg.runner, cfg.rollout_buffer, cfg.data.rollout_batch_size
+
+    if r.async_mode:
+        shared = _component_devices(cfg, "actor") & _component_devices(cfg, "rollout")
+        if shared:
+            raise ConfigError(
+                f"cluster.component_placement: runner.async_mode = true needs the actor and the rollout on "
+                f"separate devices, but both use {sorted(shared)}; e.g. actor = \"0-7\", \"rollout,reward\" = \"8-15\"")
+        ok_backend = cfg.rollout.rollout_backend == "cpu" or (
+            cfg.rollout.rollout_backend == "sglang" and cfg.rollout.sglang.backend_type == "server")
+        if not ok_backend:
+            raise ConfigError(
+                f"rollout.sglang.backend_type: runner.async_mode = true needs the SGLang server backend "
+                f"(weight sync pauses generation over HTTP), got rollout_backend = "
+                f"{cfg.rollout.rollout_backend!r}, backend_type = {cfg.rollout.sglang.backend_type!r}; "
+                f"set rollout.sglang.backend_type = \"server\"")
+        if not cfg.agentloop.task_name:
+            raise ConfigError("agentloop.task_name: required when runner.async_mode = true (e.g. \"searchr1\")")
+        if cfg.rollout.pause_mode == "abort":
+            raise ConfigError(
+                "rollout.pause_mode: 'abort' would kill every in-flight request at each weight sync and is "
+                "rejected in async mode; use \"retract\" (default), \"in_place\" or \"drain\"")
+    elif cfg.rollout.pause_mode not in PAUSE_MODES + ("abort",):  # pragma: no cover - Literal catches it
+        raise ConfigError(f"rollout.pause_mode: must be one of {PAUSE_MODES}")
+
+    placement: Placement = parse_placement(
+        cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size)
+
+    n_actor = len(placement.actor_ranks)
+    mp = cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size
+    if n_actor % mp:
+        raise ConfigError(
+            f"actor.tensor_model_parallel_size: TP {cfg.actor.tensor_model_parallel_size} x PP "
+            f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices")
+
+    if rb.max_buffered_groups < B:
+        raise ConfigError(
+            f"rollout_buffer.max_buffered_groups: {rb.max_buffered_groups} is below data.rollout_batch_size "
+            f"= {B}, so a batch could never be assembled; raise it to at least {2 * B} (the default 2 x B)")
+    if rb.max_dropped_groups_per_step < 1:  # pragma: no cover - __post_init__ catches it
+        raise ConfigError("rollout_buffer.max_dropped_groups_per_step: must be >= 1")
+
+    tool = cfg.agentloop.tool
+    if cfg.agentloop.task_name:
+        if tool.retriever == "http" and not tool.retriever_url:
+            raise ConfigError("agentloop.tool.retriever_url: required when agentloop.tool.retriever = \"http\"")
+        if tool.retriever == "bm25" and not tool.corpus_path:
+            raise ConfigError("agentloop.tool.corpus_path: required when agentloop.tool.retriever = \"bm25\"")
+    if cfg.eval.eval_num_gpus and cfg.eval.eval_function_path:
+        raise ConfigError(
+            "eval.eval_function_path: an external eval backend and a dedicated fleet (eval.eval_num_gpus) "
+            "each select a backend; set only one")
+    if (cfg.eval.eval_num_gpus or cfg.eval.eval_function_path) and cfg.eval.eval_interval is None:
+        raise ConfigError("eval.eval_interval: required with a dedicated fleet or an external eval backend")
+    if cfg.algorithm.off_policy_correction != "none" and not r.async_mode:
+        warnings.append(
+            f"algorithm.off_policy_correction = {cfg.algorithm.off_policy_correction!r} in synchronous mode: "
+            f"data is on-policy up to engine/actor numerics; the correction only guards that mismatch")
+
+    natural_bound = rb.max_buffered_groups / B
+    cap = cfg.agentloop.max_actor_accept_staleness
+    if cap is not None and cap < natural_bound:
+        warnings.append(
+            f"agentloop.max_actor_accept_staleness = {cap} is below the staleness the buffer limit produces "
+            f"on its own (max_buffered_groups / rollout_batch_size = {natural_bound:g}): the oldest groups of "
+            f"every batch will be dropped; raise it to at least {natural_bound:g} or lower max_buffered_groups")
+    if rb.max_buffered_groups < rb.max_inflight_groups + B:
+        warnings.append(
+            f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < max_inflight_groups "
+            f"({rb.max_inflight_groups}) + rollout_batch_size ({B}): when generation is the bottleneck, buffered "
+            f"groups take budget from in-flight ones and the engines run short of work")
+    if rb.max_buffered_groups < 2 * B:
+        warnings.append(
+            f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < 2 x rollout_batch_size ({2 * B}): "
+            f"when training is the bottleneck the next batch can only start after this one is handed off")
+    return warnings
