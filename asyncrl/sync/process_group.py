@@ -1,0 +1,96 @@
+"""The weight-update process group, created exactly the way SGLang's engines create theirs.
+
+Contract
+- ``init_weight_update_group`` is the ONE place in asyncrl that touches torch's private
+  ``torch.distributed.distributed_c10d._new_process_group_helper``. Both ends use it: the trainer
+  (rank 0, hosts the rendezvous store) and the CPU engine (ranks ``rank_offset + tp_rank``). SGLang's
+  own engines build the same thing on their side, so trainer code is identical for both engines.
+- Rendezvous: ``tcp://master_address:master_port`` (rank 0's TCPStore; ``init`` blocks until all
+  ``world_size`` ranks connected or ``timeout_s`` passed), the store wrapped in
+  ``PrefixStore(group_name, store)``, then the private helper with ``global_ranks_in_group=[]``
+  and an identity rank map registered for the group. A plain ``dist.new_group`` would NOT match:
+  it needs every process in one default world, which engines never share with the trainer.
+- Works in a process with no default group (the engine) and in one that already has a default
+  group (the trainer's actor world); the new group never becomes the default.
+- Collectives on it take group ranks: ``dist.broadcast(t, group_src=0, group=pg)`` (the identity
+  map also makes ``src=0`` right).
+
+    pg = init_weight_update_group("127.0.0.1", 29555, rank=0, world_size=2, group_name="weight_update_group")
+    dist.broadcast(tensor, group_src=0, group=pg)
+    destroy_weight_update_group(pg)
+
+Owner of the private-API shim: asyncrl/rollout (issue 4). Checked against torch 2.13
+(signature ``(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
+backend_options=None, timeout=None, pg_tag=None, device_id=None, group_desc=None)``);
+tests/integration/test_engine_process_group.py pins it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP_NAME,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> dist.ProcessGroup:
+    """Join (rank 0: host) the weight-update group; blocks until all ``world_size`` ranks joined.
+
+    Raises ``RuntimeError`` naming the rendezvous address when the others do not arrive in
+    ``timeout_s`` (torch's DistStoreError / timeout is chained), and ``ValueError`` when a group of
+    that name already exists in this process (destroy it first).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"weight-update group {group_name!r}: rank {rank} not in [0, {world_size})")
+    if group_name in _c10d._world.pg_names.values():
+        raise ValueError(
+            f"weight-update group {group_name!r} already exists in this process; "
+            "destroy it (destroy_weight_update_group) before joining again")
+    timeout = _dt.timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{int(master_port)}"
+    try:
+        store, rank, world_size = next(
+            dist.rendezvous(url, rank=rank, world_size=world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = dist.PrefixStore(group_name, store)
+        pg, _ = _c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            backend,
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
+    except (RuntimeError, dist.DistError) as e:  # DistStoreError/DistNetworkError on timeouts
+        raise RuntimeError(
+            f"weight-update group {group_name!r} at {url} (rank {rank}/{world_size}, {backend}): "
+            f"rendezvous failed: {e}") from e
+    # Identity map group rank -> "global" rank, as SGLang registers it: lets src=<group rank> work.
+    _c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
+    """Shut the group down and forget it (its name can be joined again afterwards)."""
+    dist.destroy_process_group(pg)
+
+
+def find_group(group_name: str) -> dist.ProcessGroup | None:
+    """The live process group registered under ``group_name`` in this process, if any."""
+    for pg, name in _c10d._world.pg_names.items():
+        if name == group_name:
+            return pg
+    return None
