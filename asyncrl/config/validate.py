@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-from asyncrl.cluster.placement import Placement, parse_devices, parse_placement
 from asyncrl.config.schema import Config, ConfigError
 
 PAUSE_MODES = ("retract", "in_place", "drain")
@@ -25,6 +24,8 @@ def job_world_size(cfg: Config) -> int:
 
 
 def _component_devices(cfg: Config, name: str) -> set[int]:
+    from asyncrl.cluster.placement import parse_devices
+
     out: set[int] = set()
     for key, spec in cfg.cluster.component_placement.items():
         if name in [n.strip() for n in key.split(",")]:
@@ -33,6 +34,8 @@ def _component_devices(cfg: Config, name: str) -> set[int]:
 
 
 def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
+    from asyncrl.cluster.placement import parse_placement  # lazy: cluster imports config
+
     world = job_world_size(cfg) if world_size is None else world_size
     warnings: list[str] = []
     r, rb, B = cfg.runner, cfg.rollout_buffer, cfg.data.rollout_batch_size
@@ -60,7 +63,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
     elif cfg.rollout.pause_mode not in PAUSE_MODES + ("abort",):  # pragma: no cover - Literal catches it
         raise ConfigError(f"rollout.pause_mode: must be one of {PAUSE_MODES}")
 
-    placement: Placement = parse_placement(
+    placement = parse_placement(
         cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size)
 
     n_actor = len(placement.actor_ranks)

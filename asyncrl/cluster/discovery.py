@@ -1,0 +1,57 @@
+"""Discovery through the store torchrun already runs (MASTER_ADDR/MASTER_PORT).
+
+Each use has its own key prefix under one run prefix, so two jobs on one store never mix:
+``asyncrl/<run_id>/<restart>/broker/address``, ``.../engine/<i>/url``, ``.../shutdown``.
+
+    d = Discovery.from_env(timeout_s=300)
+    d.publish("broker/address", "tcp://10.0.0.1:5555")
+    d.lookup("broker/address")          # blocks until set, or TimeoutError naming the key
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+
+class Discovery:
+    def __init__(self, store, prefix: str, *, timeout_s: float):
+        import torch.distributed as dist
+
+        self.raw_store = store
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.store = dist.PrefixStore(prefix, store)
+
+    @classmethod
+    def from_env(cls, *, timeout_s: float) -> Discovery:
+        import torch.distributed as dist
+
+        addr = os.environ.get("MASTER_ADDR")
+        port = os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise RuntimeError("MASTER_ADDR/MASTER_PORT are not set: launch with torchrun "
+                               "(e.g. torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml)")
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                              use_libuv=True)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(store, f"asyncrl/{run_id}/{restart}/", timeout_s=timeout_s)
+
+    def publish(self, key: str, value: str) -> None:
+        self.store.set(key, value.encode())
+
+    def lookup(self, key: str, timeout_s: float | None = None) -> str:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.store.wait([key], timedelta(seconds=t))
+        except RuntimeError as e:  # torch raises DistStoreError (a RuntimeError) on timeout
+            raise TimeoutError(f"no value for discovery key {self.prefix}{key!r} after {t:.0f}s: "
+                               f"the rank that publishes it did not start or failed ({e})") from None
+        return self.store.get(key).decode()
+
+    def is_set(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def sub(self, prefix: str) -> Discovery:
+        return Discovery(self.raw_store, self.prefix + prefix, timeout_s=self.timeout_s)

@@ -1,0 +1,155 @@
+"""Child-process supervision: spawn with a log file, die with the parent, tear down by PID.
+
+Contract
+- Every child (broker, engine, retrieval server) is started through ``spawn_child``: its own
+  session (so a signal to it reaches its whole tree), stdout+stderr into ``<run_dir>/logs/NAME.log``,
+  and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent.
+- ``stop_all()`` (also run at exit and on SIGTERM/SIGINT once ``install_signal_handlers`` ran)
+  sends SIGTERM to every live child's process group, waits ``grace_s``, then SIGKILLs.
+- ``wait_until(pred, timeout_s, what, child=...)`` is the one readiness wait: it times out with a
+  clear error, says "still waiting" now and then, and fails at once if the child died (with the
+  last lines of its log).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("asyncrl.process")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: rely on stop_all()
+        pass
+
+
+class ChildFailed(RuntimeError):
+    """A supervised child exited unexpectedly or never became ready."""
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        return tail_file(self.log_path, n)
+
+
+_children: list[Child] = []
+_handlers_installed = False
+
+
+def tail_file(path: Path, n: int = 30) -> str:
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log yet)"
+    return "\n".join(lines[-n:])
+
+
+def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | None = None,
+                cwd: str | None = None) -> Child:
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    out = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+                             cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
+    out.close()
+    child = Child(name=name, popen=popen, log_path=log_path)
+    _children.append(child)
+    log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+    return child
+
+
+def stop_child(child: Child, grace_s: float = 10.0) -> None:
+    if child.alive():
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            child.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) ignored SIGTERM for %.0fs; killing", child.name, child.pid, grace_s)
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.popen.wait(timeout=5)
+    if child in _children:
+        _children.remove(child)
+
+
+def stop_all(grace_s: float = 10.0) -> None:
+    for child in list(reversed(_children)):
+        stop_child(child, grace_s)
+
+
+def live_children() -> list[Child]:
+    return [c for c in _children if c.alive()]
+
+
+def install_signal_handlers(grace_s: float = 10.0) -> None:
+    """SIGTERM/SIGINT: stop children, then exit 128+signum. Idempotent."""
+    global _handlers_installed
+    if _handlers_installed:
+        return
+    _handlers_installed = True
+
+    def handler(signum, frame):
+        stop_all(grace_s)
+        sys.stderr.write(f"asyncrl: stopped by signal {signum}\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    atexit.register(stop_all, grace_s)
+
+
+def wait_until(pred: Callable[[], bool], *, timeout_s: float, what: str, child: Child | None = None,
+               interval_s: float = 0.2, report_every_s: float = 30.0) -> None:
+    t0 = time.monotonic()
+    last_report = t0
+    while True:
+        if pred():
+            return
+        now = time.monotonic()
+        if child is not None and not child.alive():
+            raise ChildFailed(f"{child.name} exited with code {child.popen.returncode} while waiting for {what}; "
+                              f"last lines of {child.log_path}:\n{child.tail()}")
+        if now - t0 > timeout_s:
+            extra = f"; last lines of {child.log_path}:\n{child.tail()}" if child is not None else ""
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}{extra}")
+        if now - last_report > report_every_s:
+            log.info("still waiting for %s (%.0fs)", what, now - t0)
+            last_report = now
+        time.sleep(interval_s)
