@@ -1,0 +1,152 @@
+"""The Search-R1 task: prompt template, action parser, observation format, exact-match reward.
+
+Texts and rules as in the Search-R1 repository (see shared/notes/search-r1.md):
+- prompt: the base template with the question (``?`` appended when missing) and a trailing
+  newline; instruct models get it as the single user message of the chat template, with the
+  generation prompt;
+- action: the last complete ``<search>...</search>`` / ``<answer>...</answer>`` of one turn's
+  generated text (content stripped); no complete pair -> invalid action;
+- observation: ``\\n\\n<information>Doc 1(Title: t) text\\nDoc 2(...)...</information>\\n\\n``
+  where a document's title is the first line of its ``contents`` and its text the rest;
+- reward: 1.0 when the last complete ``<answer>`` of the *generated* text, normalized (lowercase,
+  no punctuation, no a/an/the, single spaces), equals a normalized gold answer, else 0.0. Only
+  generated text is ever scored, so the example ``<answer> Beijing </answer>`` of the prompt
+  cannot count.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any, Sequence
+
+from asyncrl.agent.tasks import Action
+
+PROMPT_TEMPLATE = (
+    "Answer the given question. "
+    "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+    "</search> and it will return the top searched results between <information> and </information>. "
+    "You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
+    "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: {question}\n"
+)
+"""Search-R1's base template, verbatim (its typo "as your want" included: token parity matters)."""
+
+INVALID_ACTION_MESSAGE = (
+    "\nMy previous action is invalid. "
+    "If I want to search, I should put the query between <search> and </search>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+
+STOP = ("</search>", "</answer>")
+
+# The innermost tag pair: the content may not contain another opening tag, so
+# "<search> a <search> b </search>" yields "b" (the last complete action).
+_ACTION_RE = re.compile(r"<(search|answer)>((?:(?!<(?:search|answer)>).)*?)</\1>", re.DOTALL)
+_ANSWER_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
+_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def normalize_question(question: str) -> str:
+    question = question.strip()
+    if question and not question.endswith("?"):
+        question += "?"
+    return question
+
+
+def build_prompt(question: str, *, chat_template: bool = False, tokenizer: Any = None) -> str:
+    """The full prompt text. ``chat_template`` needs a tokenizer with ``apply_chat_template``."""
+    content = PROMPT_TEMPLATE.format(question=normalize_question(question))
+    if not chat_template:
+        return content
+    if tokenizer is None:
+        raise ValueError("agentloop.chat_template = true needs a tokenizer with a chat template")
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def parse_action(generated_text: str) -> Action:
+    """The last complete search/answer action of one turn's generated text."""
+    last = None
+    for last in _ACTION_RE.finditer(generated_text):
+        pass
+    if last is None:
+        return Action("invalid")
+    return Action(last.group(1), last.group(2).strip())  # type: ignore[arg-type]
+
+
+def format_passages(docs: Sequence[dict]) -> str:
+    """``Doc i(Title: t) text`` lines, as Search-R1's ``_passages2string``."""
+    lines = []
+    for i, doc in enumerate(docs):
+        contents = doc["contents"]
+        title, _, text = contents.partition("\n")
+        lines.append(f"Doc {i + 1}(Title: {title}) {text}\n")
+    return "".join(lines)
+
+
+def format_observation(docs: Sequence[dict]) -> str:
+    """The information block appended after a search (loss mask 0)."""
+    return f"\n\n<information>{format_passages(docs).strip()}</information>\n\n"
+
+
+OBSERVATION_HEAD = "\n\n<information>"
+OBSERVATION_TAIL = "</information>\n\n"
+
+
+def normalize_answer(text: str) -> str:
+    """Search-R1 / SQuAD normalization: lowercase, strip punctuation, drop articles, collapse spaces."""
+    text = text.lower().translate(_PUNCT)
+    text = _ARTICLES_RE.sub(" ", text)
+    return " ".join(text.split())
+
+
+def extract_answer(generated_text: str) -> str | None:
+    """The stripped content of the last complete ``<answer>`` pair, or None."""
+    last = None
+    for last in _ANSWER_RE.finditer(generated_text):
+        pass
+    return None if last is None else last.group(1).strip()
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> bool:
+    pred = normalize_answer(prediction)
+    if not pred:  # an empty answer never matches
+        return False
+    return any(pred == normalize_answer(gold) for gold in answers)
+
+
+def compute_reward(generated_text: str, answers: Sequence[str]) -> float:
+    """1.0 for an exact match of the generated text's last answer with any gold answer, else 0.0."""
+    answer = extract_answer(generated_text)
+    if answer is None:
+        return 0.0
+    return 1.0 if exact_match(answer, answers) else 0.0
+
+
+class SearchR1Task:
+    name = "searchr1"
+    stop = STOP
+    invalid_action_message = INVALID_ACTION_MESSAGE
+    observation_head = OBSERVATION_HEAD
+    observation_tail = OBSERVATION_TAIL
+
+    def build_prompt(self, question: str, *, chat_template: bool = False, tokenizer: Any = None) -> str:
+        return build_prompt(question, chat_template=chat_template, tokenizer=tokenizer)
+
+    def parse_action(self, generated_text: str) -> Action:
+        return parse_action(generated_text)
+
+    def format_observation(self, docs: Sequence[dict]) -> str:
+        return format_observation(docs)
+
+    def reward(self, generated_text: str, answers: Sequence[str]) -> float:
+        return compute_reward(generated_text, answers)
+
+
+TASK = SearchR1Task()
