@@ -390,6 +390,33 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class PrepareConfig:
+    """The embedded default's artefacts, made on first use and cached (``runs/tiny/...``)."""
+
+    enabled: bool = False
+    """Make missing data, tokenizer, tiny checkpoint and warm start under ``dir`` before the run."""
+    dir: str = "runs/tiny"
+    """Layout: ``dir/data/{corpus,train,test}.jsonl``, ``dir/model`` (random), ``dir/model_sft`` (warm start)."""
+    seed: int = 0
+    num_entities: int = 200
+    """Synthetic knowledge-base size (entities with facts)."""
+    sft_steps: int = 300
+    """Supervised warm-start steps on synthetic demonstrations."""
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 32
+    sft_correct_fraction: float = 0.6
+    """Fraction of demonstrations that search and copy the right answer (the rest answer wrongly)."""
+
+    def __post_init__(self):
+        _non_negative(self.sft_steps, "prepare.sft_steps")
+        _positive(self.sft_lr, "prepare.sft_lr")
+        _positive(self.sft_batch_size, "prepare.sft_batch_size")
+        _positive(self.num_entities, "prepare.num_entities")
+        _require(0.0 <= self.sft_correct_fraction <= 1.0, "prepare.sft_correct_fraction",
+                 f"must be in [0, 1], got {self.sft_correct_fraction!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -402,5 +429,6 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     derived: frozenset[str] = field(default_factory=frozenset)
     """Dotted keys whose value was computed by ``derive.resolve`` (not user-set). Not a TOML key."""

@@ -1,0 +1,152 @@
+"""Role bodies: what each torchrun rank does once the launcher gave it a role.
+
+Contract (who starts whom, who waits for whom; every wait has a timeout)
+- global rank 0 prepares the embedded default's artefacts if they are missing (``prepare``) and
+  publishes ``prepared``; every other rank waits for that key.
+- actor ranks form their own default process group (Megatron's world = the actor ranks only);
+  actor rank 0 spawns the broker process, publishes ``broker/address``, waits for every engine's
+  ``engine/<i>/url``, runs the step loop (``asyncrl.runner.loop``) and at the end tells the broker
+  to shut down and publishes ``shutdown``.
+- the first rank of each engine launches its engine child (SGLang server or the CPU engine),
+  publishes its URL, and runs the agent worker against it until the broker says shutdown.
+- other ranks (an engine's other TP ranks, reward-only ranks) wait for ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.cluster import process
+from asyncrl.cluster.discovery import Discovery
+
+log = logging.getLogger("asyncrl.roles")
+
+SHUTDOWN_KEY = "shutdown"
+
+
+def local_address() -> str:
+    """This host's address as seen from the master (multi-node safe); 127.0.0.1 on one host."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if master in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # UDP connect sends nothing
+        return s.getsockname()[0]
+    finally:
+        s.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run_role(ctx) -> int:
+    cfg = ctx.cfg
+    disc = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s)
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.rank == 0:
+        from asyncrl.runner.prepare import prepare_if_needed
+
+        prepare_if_needed(cfg)
+        (ctx.run_dir / "config.resolved.toml").write_text(_render(cfg))
+        disc.publish("prepared", "1")
+    else:
+        disc.lookup("prepared", timeout_s=max(cfg.cluster.store_timeout_s, 1800.0))
+    role = ctx.role
+    if role == "actor":
+        return run_actor(ctx, disc)
+    if role == "rollout":
+        return run_rollout(ctx, disc)
+    return run_idle(ctx, disc)
+
+
+def _render(cfg) -> str:
+    from asyncrl.cluster.launcher import render_config
+
+    return render_config(cfg)
+
+
+def _base_cmd(ctx) -> list[str]:
+    return [ctx.config_path, *ctx.overrides]
+
+
+def run_actor(ctx, disc: Discovery) -> int:
+    import torch.distributed as dist
+
+    cfg = ctx.cfg
+    actor_ranks = ctx.placement.actor_ranks
+    actor_rank = actor_ranks.index(ctx.rank)
+    backend = "nccl" if cfg.rollout.rollout_backend == "sglang" else "gloo"
+    from datetime import timedelta
+
+    dist.init_process_group(backend, store=dist.PrefixStore(disc.prefix + "actor_world", disc.raw_store),
+                            rank=actor_rank, world_size=len(actor_ranks),
+                            timeout=timedelta(seconds=cfg.cluster.store_timeout_s))
+    try:
+        broker = None
+        engine_urls: list[str] = []
+        if actor_rank == 0:
+            port = free_port()
+            bind = f"tcp://0.0.0.0:{port}"
+            broker = process.spawn_child(
+                "broker", [sys.executable, "-m", "asyncrl.broker", "--bind", bind, *_base_cmd(ctx)],
+                log_dir=ctx.run_dir / "logs")
+            address = f"tcp://{local_address()}:{port}"
+            disc.publish("broker/address", address)
+            for i in range(len(ctx.placement.engines)):
+                engine_urls.append(disc.lookup(f"engine/{i}/url", timeout_s=cfg.rollout.start_timeout_s + 60))
+            log.info("broker at %s; engines %s", address, engine_urls)
+        from asyncrl.runner.loop import run_training
+
+        return run_training(ctx, broker_address=disc.lookup("broker/address") if actor_rank == 0 else None,
+                            engine_urls=engine_urls, broker_child=broker, actor_rank=actor_rank)
+    finally:
+        if actor_rank == 0:
+            disc.publish(SHUTDOWN_KEY, "1")
+        dist.destroy_process_group()
+
+
+def run_rollout(ctx, disc: Discovery) -> int:
+    cfg = ctx.cfg
+    e = ctx.placement.engine_of(ctx.rank)
+    ranks = ctx.placement.engines[e]
+    if ctx.rank != ranks[0]:
+        return run_idle(ctx, disc)
+    model_path = Path(cfg.rollout.model_path)
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"rollout.model_path: no HF checkpoint (config.json) at {str(model_path)!r}")
+    from asyncrl.rollout.sglang_launcher import EngineSupervisor
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
+    base_gpu = ranks[0] % per_node
+    sup = EngineSupervisor.from_config(cfg, engine_index=e, base_gpu_id=base_gpu, host=local_address(),
+                                       run_dir=ctx.run_dir)
+    sup.start()
+    try:
+        disc.publish(f"engine/{e}/url", sup.url)
+        broker_address = disc.lookup("broker/address")
+        from asyncrl.agent.worker import run_worker
+
+        run_worker(cfg, broker_address=broker_address, engine_urls=[sup.url], tokenizer_path=str(model_path),
+                   worker_id=f"engine{e}", supervisor=sup)
+    finally:
+        sup.stop()
+    return 0
+
+
+def run_idle(ctx, disc: Discovery) -> int:
+    while True:
+        try:
+            disc.lookup(SHUTDOWN_KEY, timeout_s=60)
+            return 0
+        except TimeoutError:
+            log.info("rank %d (%s) idle, waiting for shutdown", ctx.rank, ctx.role)
+            time.sleep(0.1)
