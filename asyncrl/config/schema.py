@@ -164,12 +164,15 @@ class ToolConfig:
     """Timeout of one retrieval call."""
     max_retries: int = 3
     """Retries (with exponential backoff) before the trajectory is aborted."""
+    retry_backoff_s: float = 0.5
+    """First retry delay of the HTTP retriever; doubles after each failed attempt."""
 
     def __post_init__(self):
         _positive(self.topk, "agentloop.tool.topk")
         _positive(self.max_obs_tokens, "agentloop.tool.max_obs_tokens")
         _positive(self.timeout_s, "agentloop.tool.timeout_s")
         _non_negative(self.max_retries, "agentloop.tool.max_retries")
+        _non_negative(self.retry_backoff_s, "agentloop.tool.retry_backoff_s")
 
 
 @dataclass(frozen=True)
