@@ -1,0 +1,135 @@
+"""Blocking JSON-over-HTTP calls to engines for the weight sync, fanned out on threads.
+
+Contract
+- Every call has a timeout and every failure raises ``EngineStepError`` naming the engine URL and
+  the step (e.g. ``"pause_generation"``) — connection refused, HTTP error status, a timeout, or an
+  SGLang-style ``{"success": false, "message": ...}`` answer alike.
+- ``fan_out`` runs one call per engine concurrently and returns their answers in engine order; it
+  raises on the FIRST failure (it does not wait for the slow ones) and, at its deadline, names every
+  engine that has not answered.
+- Daemon threads (not asyncio) on purpose: the trainer thread must be free to run the blocking
+  ``torch.distributed.broadcast`` while the engines' HTTP calls are open, and a call still blocked
+  on a dead engine when the run fails must not keep the process alive at exit.
+
+    fan_out(urls, lambda u: post_json(u, "/flush_cache", {}, timeout_s=60, step="flush_cache"),
+            timeout_s=60, step="flush_cache")
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Sequence
+
+
+class EngineStepError(RuntimeError):
+    """A weight-sync step failed on one (or several) engines; ``urls`` and ``step`` say where."""
+
+    def __init__(self, urls: str | Sequence[str], step: str, detail: str):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        self.step = step
+        self.detail = detail
+        super().__init__(f"weight sync step {step!r} failed on engine {', '.join(self.urls)}: {detail}")
+
+
+def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url.rstrip("/") + path, data=data, method=method,
+        headers={"Content-Type": "application/json"} if data is not None else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")[:2000]
+        raise EngineStepError(url, step, f"HTTP {e.code} from {method} {path}: {text}") from e
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, (TimeoutError, socket.timeout)):
+            raise EngineStepError(url, step, f"{method} {path} timed out after {timeout_s:g} s") from e
+        raise EngineStepError(url, step, f"{method} {path} unreachable: {e.reason}") from e
+    except (TimeoutError, socket.timeout) as e:
+        raise EngineStepError(url, step, f"{method} {path} timed out after {timeout_s:g} s") from e
+    except (ConnectionError, OSError) as e:  # reset/closed mid-response
+        raise EngineStepError(url, step, f"{method} {path} connection error: {e}") from e
+
+
+def _decode(raw: bytes, url: str, path: str, step: str) -> Any:
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise EngineStepError(url, step, f"{path} answered non-JSON: {raw[:200]!r}") from e
+
+
+def post_json(url: str, path: str, body: Any, *, timeout_s: float, step: str,
+              check_success: bool = True) -> dict:
+    """POST ``body`` as JSON; with ``check_success``, a ``{"success": false}`` answer raises."""
+    out = _decode(_request(url, path, method="POST", body=body, timeout_s=timeout_s, step=step),
+                  url, path, step)
+    if check_success and isinstance(out, dict) and out.get("success") is False:
+        raise EngineStepError(url, step, f"{path} answered success=false: {out.get('message', '')}")
+    return out
+
+
+def get_json(url: str, path: str, *, timeout_s: float, step: str) -> Any:
+    return _decode(_request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step),
+                   url, path, step)
+
+
+def get_text(url: str, path: str, *, timeout_s: float, step: str) -> str:
+    return _request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step).decode(
+        errors="replace")
+
+
+def spawn(fn: Callable[..., Any], *args: Any, name: str = "sync-http", **kwargs: Any) -> cf.Future:
+    """Run ``fn(*args, **kwargs)`` on a fresh daemon thread; result or exception lands in the Future."""
+    fut: cf.Future = cf.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter, never swallowed
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+def fan_out(urls: Sequence[str], call: Callable[[str], Any], *, timeout_s: float,
+            step: str) -> list[Any]:
+    """``call(url)`` for every engine at once; answers in ``urls`` order; first failure raises."""
+    futures = {spawn(call, u, name=f"sync-{step}"): u for u in urls}
+    return wait_all(futures, timeout_s=timeout_s, step=step)
+
+
+def wait_all(futures: dict[cf.Future, str], *, timeout_s: float, step: str,
+             poll: Callable[[], bool] | None = None) -> list[Any]:
+    """Wait for ``{future: url}``; raise on the first failure or, at the deadline, name the laggards.
+
+    ``poll`` (optional) is called every ~50 ms while waiting; it may raise to abort the wait (the
+    caller's own side of the step failed), so one loop watches both sides.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = set(futures)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            late = [futures[f] for f in futures if f in pending]
+            raise EngineStepError(late, step, f"no answer within {timeout_s:g} s")
+        done, pending = cf.wait(pending, timeout=min(left, 0.05) if poll else left,
+                                return_when=cf.FIRST_EXCEPTION)
+        for f in done:
+            exc = f.exception()
+            if exc is not None:
+                if isinstance(exc, EngineStepError):
+                    raise exc
+                raise EngineStepError(futures[f], step, f"{type(exc).__name__}: {exc}") from exc
+        if poll is not None:
+            poll()
+    return [f.result() for f in futures]
