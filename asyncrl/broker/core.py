@@ -1,0 +1,571 @@
+"""The broker's pure core: dataloader, the two admission limits, the buffer, staleness, drops, metrics.
+
+No sockets, no threads: time comes from an injected ``clock`` and every decision is a method call.
+The ZeroMQ server (``server.py``), the simulator (``benchmarks/simulate.py``) and the tests drive
+this same class.
+
+Contract
+- Wires: ``Dataloader`` (prompts) -> admission -> agent workers (``take_issues``) -> finished groups
+  (``group_finished``) -> ``DataBuffer`` -> the actor's batch (``request_batch`` / ``take_batch``).
+- Admission issues a group only while both limits hold (re-checked after every event: a group
+  arrives, a group is dropped, a batch is handed over, a trajectory finishes, a worker joins or a
+  sync ends):
+    in-flight limit  ``group``:  inflight_groups < max_inflight_groups
+                     ``sample``: inflight_samples + group_size <= max_inflight_groups * group_size
+                     (``inflight_samples`` = trajectories issued and not yet reported finished, so
+                     each finished trajectory frees its own slot: Miles' ``sample`` granularity)
+    buffer limit     inflight_groups + buffered_groups < max_buffered_groups
+  so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds.
+- Hand-off: the oldest ``rollout_batch_size`` buffered groups (arrival order), after the get-time
+  staleness filter. staleness = actor version at the start of the step - group.min_version;
+  it splits exactly into version_span = finished_version - min_version (versions that passed while
+  the group generated; finished_version = max(broker version at arrival, group.max_version)) and
+  queue_steps = actor version - finished_version (versions it waited in the buffer).
+- Unused groups (aborted at put time, too stale at get time): ``drop`` -> the prompt comes back in
+  the next epoch (every epoch visits every prompt); ``retry`` -> re-queued at once (same epoch).
+  Dynamic-filter rejects are always dropped. More than ``max_dropped_groups_per_step`` drops
+  between two hand-offs sets ``failure`` (a ``TooManyDropsError``) and stops issuing; the next
+  ``request_batch`` / ``take_batch`` raises it.
+- A worker that misses heartbeats (``tick``) or leaves has its in-flight groups re-issued (same
+  prompt and epoch, new group_id); late reports for old group ids are ignored and counted.
+- Sync mode (``runner.async_mode = false``): nothing is issued unless a batch request is pending,
+  and then only up to ``rollout_batch_size - inflight - buffered`` groups: exactly one batch, plus
+  replacements for drops. ``sync_begin("drain")`` pauses issuing until ``sync_end(version)``.
+
+    core = BrokerCore(prompts, settings=CoreSettings(rollout_batch_size=8, group_size=4,
+                      max_inflight_groups=10, max_buffered_groups=16, max_dropped_groups_per_step=80),
+                      clock=time.monotonic)
+    core.add_worker("w0", capacity=32); issues = core.take_issues()
+    core.group_finished(issues[0].group_id, trajectories); core.request_batch(step=0); core.take_batch()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from asyncrl.broker.buffer import BufferSettings, DataBuffer, DefaultDataBuffer, Rejection, import_path, \
+    make_data_buffer
+from asyncrl.broker.dataloader import Dataloader
+from asyncrl.broker.types import Group, PromptItem, Trajectory
+
+log = logging.getLogger("asyncrl.broker")
+
+
+class BrokerError(RuntimeError):
+    """A failure of the broker that stops the run (reported to the actor)."""
+
+
+class TooManyDropsError(BrokerError):
+    pass
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    rollout_batch_size: int
+    group_size: int
+    max_inflight_groups: int
+    max_buffered_groups: int
+    max_dropped_groups_per_step: int
+    submission_granularity: Literal["group", "sample"] = "group"
+    unused_groups: Literal["drop", "retry"] = "drop"
+    max_staleness: Optional[int] = None
+    sync_mode: bool = False
+    seed: int = 0
+    shuffle: bool = True
+    no_data_warning_s: float = 30.0
+    worker_heartbeat_timeout_s: float = 15.0
+    dynamic_sampling_filter_path: Optional[str] = None
+    custom_data_buffer_path: Optional[str] = None
+
+    @classmethod
+    def from_config(cls, cfg) -> CoreSettings:
+        """From a resolved ``asyncrl.config.Config``."""
+        rb = cfg.rollout_buffer
+        return cls(
+            rollout_batch_size=cfg.data.rollout_batch_size, group_size=cfg.algorithm.group_size,
+            max_inflight_groups=rb.max_inflight_groups, max_buffered_groups=rb.max_buffered_groups,
+            max_dropped_groups_per_step=rb.max_dropped_groups_per_step,
+            submission_granularity=rb.submission_granularity or ("sample" if cfg.runner.async_mode else "group"),
+            unused_groups=rb.unused_groups, max_staleness=cfg.agentloop.max_actor_accept_staleness,
+            sync_mode=not cfg.runner.async_mode, seed=cfg.runner.seed, shuffle=cfg.data.shuffle,
+            no_data_warning_s=rb.no_data_warning_s, worker_heartbeat_timeout_s=rb.worker_heartbeat_timeout_s,
+            dynamic_sampling_filter_path=rb.dynamic_sampling_filter_path,
+            custom_data_buffer_path=rb.custom_data_buffer_path)
+
+
+@dataclass
+class Issue:
+    """A group to send to a worker."""
+
+    worker_id: str
+    group_id: int
+    item: PromptItem
+    epoch: int
+    group_size: int
+    version: int
+
+
+@dataclass
+class Batch:
+    """What the actor gets for one step."""
+
+    step: int
+    groups: list[Group]
+    wait_s: float
+    metrics: dict[str, float]
+
+
+@dataclass
+class Drop:
+    group_id: int
+    item: PromptItem
+    epoch: int
+    reason: str
+    retried: bool
+
+
+@dataclass
+class _Inflight:
+    group_id: int
+    item: PromptItem
+    epoch: int
+    worker_id: str
+    issued_version: int
+    outstanding: int
+    trajectories: dict[int, Trajectory] = field(default_factory=dict)
+
+
+@dataclass
+class _Worker:
+    capacity: int
+    last_seen: float
+    groups: set[int] = field(default_factory=set)
+    outstanding: int = 0
+
+
+@dataclass
+class _Request:
+    step: int
+    actor_version: int
+    t: float
+
+
+class BrokerCore:
+    def __init__(self, prompts: list[PromptItem], *, settings: CoreSettings, clock: Callable[[], float],
+                 data_buffer: Optional[DataBuffer] = None):
+        s = settings
+        assert s.rollout_batch_size <= s.max_buffered_groups, "validate(): max_buffered_groups >= rollout_batch_size"
+        self.s = settings
+        self.clock = clock
+        self.dataloader = Dataloader(prompts, seed=s.seed, shuffle=s.shuffle)
+        if data_buffer is None:
+            flt = None
+            if s.dynamic_sampling_filter_path:
+                flt = import_path(s.dynamic_sampling_filter_path, "rollout_buffer.dynamic_sampling_filter_path")
+            bs = BufferSettings(max_staleness=s.max_staleness, dynamic_filter=flt, capacity=s.max_buffered_groups)
+            data_buffer = make_data_buffer(bs, s.custom_data_buffer_path) if s.custom_data_buffer_path \
+                else DefaultDataBuffer(bs)
+        self.buffer = data_buffer
+        self.version = 0
+        self.failure: Optional[BrokerError] = None
+        self._inflight: dict[int, _Inflight] = {}
+        self._inflight_samples = 0
+        self._workers: dict[str, _Worker] = {}
+        self._retry: deque[tuple[PromptItem, int]] = deque()
+        self._next_group_id = 0
+        self._paused = False
+        self._request: Optional[_Request] = None
+        self._batch: Optional[Batch] = None
+        self._issues: list[Issue] = []
+        self._drops: list[Drop] = []
+        self._cancelled: list[tuple[str, int]] = []
+        now = clock()
+        self._last_t = now
+        self._last_arrival_t = now
+        self._last_warning_t = now
+        self.counters: Counter[str] = Counter()
+        """Lifetime totals: issued, finished, trained, dropped, retried, reissued, unknown_reports, ..."""
+        self.last_metrics: dict[str, float] = {}
+        self._reset_step(now)
+
+    # ----------------------------------------------------------------- read-only state
+    @property
+    def num_inflight_groups(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def num_inflight_samples(self) -> int:
+        return self._inflight_samples
+
+    @property
+    def num_buffered_groups(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def hold_new_turns(self) -> bool:
+        """True during a ``drain`` sync: workers must not start new turns."""
+        return self._paused
+
+    @property
+    def waiting_step(self) -> Optional[int]:
+        return None if self._request is None else self._request.step
+
+    def workers(self) -> dict[str, int]:
+        """worker id -> in-flight groups."""
+        return {w: len(ws.groups) for w, ws in self._workers.items()}
+
+    def held(self) -> list[tuple[int, int]]:
+        """(epoch, prompt index) of every prompt issued or queued and not yet trained or dropped."""
+        out = [(e, it.index) for it, e in self._retry]
+        out += [(g.epoch, g.item.index) for g in self._inflight.values()]
+        out += [(g.epoch, g.item.index) for g in self.buffer.groups()]
+        return out
+
+    def inflight_group_ids(self) -> list[int]:
+        return list(self._inflight)
+
+    # ----------------------------------------------------------------- outputs for the shell
+    def take_issues(self) -> list[Issue]:
+        out, self._issues = self._issues, []
+        return out
+
+    def take_drops(self) -> list[Drop]:
+        out, self._drops = self._drops, []
+        return out
+
+    def take_cancelled(self) -> list[tuple[str, int]]:
+        """(worker id, group id) of groups the worker should stop (after ``load_state_dict``)."""
+        out, self._cancelled = self._cancelled, []
+        return out
+
+    def take_batch(self) -> Optional[Batch]:
+        if self.failure is not None:
+            raise self.failure
+        out, self._batch = self._batch, None
+        return out
+
+    # ----------------------------------------------------------------- workers
+    def add_worker(self, worker_id: str, *, capacity: int) -> None:
+        self._advance()
+        if worker_id in self._workers:
+            self._workers[worker_id].capacity = max(1, capacity)
+            self._workers[worker_id].last_seen = self._last_t
+        else:
+            self._workers[worker_id] = _Worker(capacity=max(1, capacity), last_seen=self._last_t)
+        self._admit()
+
+    def heartbeat(self, worker_id: str) -> bool:
+        """False for a worker the core does not know (it must say hello again)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        w.last_seen = self.clock()
+        return True
+
+    def remove_worker(self, worker_id: str) -> list[int]:
+        """Forget a worker; its in-flight groups are re-queued first. Returns their old group ids."""
+        self._advance()
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return []
+        gone = sorted(w.groups)
+        for gid in reversed(gone):
+            g = self._inflight.pop(gid)
+            self._inflight_samples -= g.outstanding
+            self._retry.appendleft((g.item, g.epoch))
+        self.counters["reissued"] += len(gone)
+        self._step["reissued"] += len(gone)
+        if gone:
+            log.warning("worker %s left with %d in-flight groups; re-issuing them", worker_id, len(gone))
+        self._admit()
+        return gone
+
+    # ----------------------------------------------------------------- worker results
+    def trajectory_finished(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> bool:
+        """One trajectory of a group finished (frees its slot under ``sample`` granularity)."""
+        g = self._inflight.get(group_id)
+        if g is None or not (0 <= index < self.s.group_size):
+            self.counters["unknown_reports"] += 1
+            return False
+        self._advance()
+        self._touch(g.worker_id)
+        if index not in g.trajectories:
+            g.trajectories[index] = trajectory
+            g.outstanding -= 1
+            self._inflight_samples -= 1
+            self._workers[g.worker_id].outstanding -= 1
+        elif trajectory is not None:
+            g.trajectories[index] = trajectory
+        self._admit()
+        return True
+
+    def group_finished(self, group_id: int, trajectories: Optional[list[Trajectory]] = None, *,
+                       aborted: bool = False) -> bool:
+        """A whole group came back. ``trajectories=None``: use the ones reported one by one."""
+        g = self._inflight.get(group_id)
+        if g is None:
+            self.counters["unknown_reports"] += 1
+            return False
+        self._advance()
+        self._touch(g.worker_id)
+        del self._inflight[group_id]
+        self._inflight_samples -= g.outstanding
+        w = self._workers[g.worker_id]
+        w.outstanding -= g.outstanding
+        w.groups.discard(group_id)
+        if trajectories is None:
+            trajectories = [g.trajectories[i] for i in sorted(g.trajectories) if g.trajectories[i] is not None]
+        if not aborted and len(trajectories) != self.s.group_size:
+            log.warning("group %d came back with %d trajectories, expected group_size = %d; treating it as aborted",
+                        group_id, len(trajectories), self.s.group_size)
+            self.counters["malformed_groups"] += 1
+            aborted = True
+        group = Group(group_id=group_id, item=g.item, epoch=g.epoch, trajectories=list(trajectories),
+                      issued_version=g.issued_version, aborted=aborted)
+        group.finished_version = max(self.version, group.max_version)
+        self.counters["finished"] += 1
+        self._last_arrival_t = self._last_t
+        rej = self.buffer.put(group)
+        if rej is not None:
+            self._reject(rej)
+        self._try_handoff()
+        self._admit()
+        return True
+
+    # ----------------------------------------------------------------- the actor
+    def request_batch(self, step: int, *, actor_version: Optional[int] = None) -> None:
+        """The actor is ready for step ``step``; the batch appears in ``take_batch`` when complete."""
+        if self.failure is not None:
+            raise self.failure
+        self._advance()
+        v = self.version if actor_version is None else int(actor_version)
+        if v < self.version:
+            raise ValueError(f"request_batch: actor version {v} is behind the engines' version {self.version}")
+        if self._request is None:
+            self._request = _Request(step=step, actor_version=v, t=self._last_t)
+            self._last_warning_t = self._last_t
+        self._try_handoff()
+        self._admit()
+
+    def cancel_request(self) -> None:
+        self._advance()
+        self._request = None
+
+    def sync_begin(self, mode: str = "retract") -> None:
+        """A weight sync starts; ``drain`` stops issuing (workers hold new turns) until ``sync_end``."""
+        self._advance()
+        if mode == "drain":
+            self._paused = True
+
+    def sync_end(self, version: int) -> None:
+        self._advance()
+        if version < self.version:
+            raise ValueError(f"sync_end: new version {version} is older than the current {self.version}")
+        self.version = int(version)
+        self._paused = False
+        self._admit()
+
+    def tick(self) -> list[str]:
+        """Periodic: expire silent workers, warn when the actor waits and nothing arrives."""
+        self._advance()
+        now = self._last_t
+        for wid in [w for w, ws in self._workers.items()
+                    if now - ws.last_seen > self.s.worker_heartbeat_timeout_s]:
+            log.warning("worker %s missed heartbeats for %.1fs (rollout_buffer.worker_heartbeat_timeout_s = %.1f)",
+                        wid, now - self._workers[wid].last_seen, self.s.worker_heartbeat_timeout_s)
+            self.remove_worker(wid)
+        out = []
+        if self._request is not None and self.failure is None:
+            since = now - max(self._last_arrival_t, self._last_warning_t)
+            if since >= self.s.no_data_warning_s:
+                msg = (f"No completed rollout groups for {self.s.no_data_warning_s:.1f}s (actor waiting for step "
+                       f"{self._request.step}: {len(self.buffer)}/{self.s.rollout_batch_size} groups buffered, "
+                       f"{len(self._inflight)} in flight, {len(self._workers)} workers)")
+                log.warning(msg)
+                out.append(msg)
+                self._last_warning_t = now
+                self.counters["no_data_warnings"] += 1
+        return out
+
+    # ----------------------------------------------------------------- internals
+    def _touch(self, worker_id: str) -> None:
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.last_seen = self._last_t
+
+    def _reset_step(self, now: float) -> None:
+        self._step_start = now
+        self._step: Counter[str] = Counter()
+        self._wait_inflight = 0.0
+        self._wait_buffer = 0.0
+
+    def _inflight_ok(self) -> bool:
+        if self.s.submission_granularity == "sample":
+            return self._inflight_samples + self.s.group_size <= self.s.max_inflight_groups * self.s.group_size
+        return len(self._inflight) < self.s.max_inflight_groups
+
+    def _buffer_ok(self) -> bool:
+        return len(self._inflight) + len(self.buffer) < self.s.max_buffered_groups
+
+    def _issue_allowance(self) -> float:
+        """How many groups may be issued regardless of the limits (pause, sync mode, no workers)."""
+        if self.failure is not None or self._paused or not self._workers:
+            return 0
+        if self.s.sync_mode:
+            if self._request is None:
+                return 0
+            return max(0, self.s.rollout_batch_size - len(self._inflight) - len(self.buffer))
+        return math.inf
+
+    def _advance(self) -> None:
+        """Integrate the admission-wait time since the previous event (state was constant meanwhile)."""
+        now = self.clock()
+        dt = now - self._last_t
+        if dt > 0 and self._issue_allowance() > 0:
+            if not self._inflight_ok():
+                self._wait_inflight += dt
+            if not self._buffer_ok():
+                self._wait_buffer += dt
+        self._last_t = max(now, self._last_t)
+
+    def _admit(self) -> None:
+        n = 0
+        allowance = self._issue_allowance()
+        while n < allowance and self._inflight_ok() and self._buffer_ok():
+            item, epoch = self._retry.popleft() if self._retry else self.dataloader.next()
+            wid = min(self._workers, key=lambda w: (self._workers[w].outstanding / self._workers[w].capacity, w))
+            gid = self._next_group_id
+            self._next_group_id += 1
+            self._inflight[gid] = _Inflight(gid, item, epoch, wid, self.version, outstanding=self.s.group_size)
+            self._inflight_samples += self.s.group_size
+            w = self._workers[wid]
+            w.groups.add(gid)
+            w.outstanding += self.s.group_size
+            self._issues.append(Issue(wid, gid, item, epoch, self.s.group_size, self.version))
+            n += 1
+        self.counters["issued"] += n
+        self._step["issued"] += n
+
+    def _reject(self, rej: Rejection) -> None:
+        g = rej.group
+        retried = rej.handler == "unused" and self.s.unused_groups == "retry"
+        if retried:
+            self._retry.append((g.item, g.epoch))
+        self._drops.append(Drop(g.group_id, g.item, g.epoch, rej.reason, retried))
+        self.counters["dropped"] += 1
+        self.counters["retried"] += int(retried)
+        self._step["dropped"] += 1
+        self._step["retried"] += int(retried)
+        self._step["drop_" + rej.reason] += 1
+        if self._step["dropped"] > self.s.max_dropped_groups_per_step and self.failure is None:
+            self.failure = TooManyDropsError(self._too_many_drops_message())
+            log.error(str(self.failure))
+
+    def _too_many_drops_message(self) -> str:
+        reasons = {k[5:]: v for k, v in self._step.items() if k.startswith("drop_")}
+        fixes = []
+        if reasons.get("stale"):
+            fixes.append(f"raise agentloop.max_actor_accept_staleness (now {self.s.max_staleness}) above "
+                         f"max_buffered_groups / rollout_batch_size = "
+                         f"{self.s.max_buffered_groups / self.s.rollout_batch_size:g}, or lower "
+                         f"rollout_buffer.max_buffered_groups")
+        if reasons.get("aborted"):
+            fixes.append("fix what aborts the groups (engine or retriever failures: see the agent worker logs)")
+        others = [r for r in reasons if r not in ("stale", "aborted")]
+        if others:
+            fixes.append(f"loosen the dynamic-sampling filter (rollout_buffer.dynamic_sampling_filter_path) "
+                         f"rejecting for {others}")
+        return (f"rollout_buffer.max_dropped_groups_per_step: {self._step['dropped']} groups were dropped since the "
+                f"last batch (limit {self.s.max_dropped_groups_per_step}; by reason {reasons}): groups are dropped "
+                f"faster than training uses them. To fix: {'; '.join(fixes)}; or raise "
+                f"rollout_buffer.max_dropped_groups_per_step.")
+
+    def _try_handoff(self) -> None:
+        req = self._request
+        if req is None or self.failure is not None or self._batch is not None:
+            return
+        if self.s.max_staleness is None and len(self.buffer) < self.s.rollout_batch_size:
+            return
+        groups, rejected = self.buffer.get(self.s.rollout_batch_size, actor_version=req.actor_version)
+        for r in rejected:
+            self._reject(r)
+        if groups is None or self.failure is not None:
+            if groups is not None:  # the limit tripped in this very call: keep the groups out of training
+                self.buffer.restore(groups + self.buffer.groups())
+            return
+        now = self._last_t
+        self._batch = Batch(step=req.step, groups=groups, wait_s=now - req.t,
+                            metrics=self._step_metrics(groups, req.actor_version, now - req.t))
+        self.last_metrics = self._batch.metrics
+        self.counters["trained"] += len(groups)
+        self._request = None
+        self._reset_step(now)
+
+    def _step_metrics(self, groups: list[Group], v: int, wait_s: float) -> dict[str, float]:
+        now = self._last_t
+        dur = now - self._step_start
+        st = [v - g.min_version for g in groups]
+        span = [g.finished_version - g.min_version for g in groups]
+        queue = [v - g.finished_version for g in groups]
+        n = len(groups)
+        m = {
+            "rollout/buffer/admission_wait_inflight_limit": self._wait_inflight / dur if dur > 0 else 0.0,
+            "rollout/buffer/admission_wait_buffer_full": self._wait_buffer / dur if dur > 0 else 0.0,
+            "rollout/data_staleness/mean": sum(st) / n,
+            "rollout/data_staleness/max": float(max(st)),
+            "rollout/version_span/mean": sum(span) / n,
+            "rollout/queue_steps/mean": sum(queue) / n,
+            "rollout/buffer/num_inflight_groups": float(len(self._inflight)),
+            "rollout/buffer/num_inflight_samples": float(self._inflight_samples),
+            "rollout/buffer/num_buffered_groups": float(len(self.buffer)),
+            "rollout/buffer/num_workers": float(len(self._workers)),
+            "rollout/buffer/issued_groups": float(self._step["issued"]),
+            "rollout/buffer/dropped_groups": float(self._step["dropped"]),
+            "rollout/buffer/retried_groups": float(self._step["retried"]),
+            "rollout/buffer/reissued_groups": float(self._step["reissued"]),
+            "rollout/buffer/step_duration_s": dur,
+            "rollout/epoch": float(max(g.epoch for g in groups)),
+            "rollout/weight_version": float(v),
+            "time/wait_data": wait_s,
+        }
+        for k, c in sorted(Counter(st).items()):
+            m[f"rollout/data_staleness/ratio_{k}"] = c / n
+        m.update(self.buffer.get_metrics())
+        return m
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Dataloader position, version, queued prompts, in-flight prompts (re-issued on resume) and the
+        buffered groups (``Group`` objects; the protocol encodes them)."""
+        return {
+            "version": self.version,
+            "next_group_id": self._next_group_id,
+            "dataloader": self.dataloader.state_dict(),
+            "queued": [(it, e) for it, e in self._retry],
+            "inflight": [(g.item, g.epoch) for g in sorted(self._inflight.values(), key=lambda g: g.group_id)],
+            "buffered": self.buffer.groups(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore; groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
+        prompts are issued first."""
+        self._advance()
+        for gid, g in list(self._inflight.items()):
+            self._cancelled.append((g.worker_id, gid))
+            w = self._workers[g.worker_id]
+            w.groups.discard(gid)
+            w.outstanding -= g.outstanding
+        self._inflight.clear()
+        self._inflight_samples = 0
+        self.version = int(state["version"])
+        self._next_group_id = max(self._next_group_id, int(state["next_group_id"]))
+        self.dataloader.load_state_dict(state["dataloader"])
+        self._retry = deque(list(state["inflight"]) + list(state["queued"]))
+        self.buffer.restore(list(state["buffered"]))
+        self._batch = None
+        self._admit()
