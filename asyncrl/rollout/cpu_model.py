@@ -1,0 +1,363 @@
+"""A small fp32 torch implementation of the HF Qwen2 / Qwen3 / Llama decoder, for the CPU engine.
+
+Contract
+- ``load_model(path)`` reads ``config.json`` (+ ``generation_config.json``) and the safetensors
+  (single file or sharded with ``model.safetensors.index.json``); parameters keep their HF names
+  (``model.layers.3.self_attn.q_proj.weight``) so the weight sync can address them directly.
+- Parameters live in fused buffers (qkv, gate_up) and the HF-named tensors are *views* into them,
+  so ``model.load_weights([(name, tensor)])`` copies straight into what the forward uses.
+- ``model.forward(tokens_BN, past_len_B, new_len_B, kv, row0)`` runs a batch of requests whose
+  KV lives in rows ``row0 .. row0+B-1`` of a ``KVPool``: request b has ``past_len_B[b]`` cached
+  tokens and ``new_len_B[b]`` new ones (right-padded to N). Decode is the case N = 1; a prefill
+  or a continuation after a prefix hit is the same call with N > 1. Returns hidden states [B, N, H];
+  ``model.logits`` maps them to the vocabulary.
+
+    model = load_model("runs/tiny/model")
+    kv = KVPool(model.spec, max_rows=8)
+    h = model.forward(torch.tensor([[5, 6, 7]]), torch.tensor([0]), torch.tensor([3]), kv, row0=0)
+    logits_V = model.logits(h[0, -1])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+
+def spec_from_hf_config(cfg: dict, generation_config: Optional[dict] = None, *, where: str = "config.json") -> ModelSpec:
+    """Read the architecture from a HF ``config.json`` dict; errors name the key at fault."""
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type={mt!r} is not supported by the CPU engine "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where}: hidden_act={act!r} is not supported (only silu)")
+    if mt == "llama" and cfg.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias=true is not supported")
+    nh = int(cfg["num_attention_heads"])
+    h = int(cfg["hidden_size"])
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_scaling = cfg.get("rope_scaling") or None
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = rope_params
+    theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+    if rope_scaling is not None:
+        rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rtype not in ("default", "linear", "llama3"):
+            raise ValueError(f"{where}: rope_scaling.rope_type={rtype!r} is not supported "
+                             "(default, linear, llama3)")
+        if rtype == "default":
+            rope_scaling = None
+    eos: list[int] = []
+    for src in (cfg, generation_config or {}):
+        e = src.get("eos_token_id")
+        if e is None:
+            continue
+        for t in (e if isinstance(e, list) else [e]):
+            if int(t) not in eos:
+                eos.append(int(t))
+    return ModelSpec(
+        model_type=mt,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=h,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=nh,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
+        head_dim=int(cfg.get("head_dim") or h // nh),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,
+        qkv_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
+        qk_norm=(mt == "qwen3"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+    rs = spec.rope_scaling
+    if rs is None:
+        return inv
+    rtype = rs.get("rope_type", rs.get("type"))
+    factor = float(rs["factor"])
+    if rtype == "linear":
+        return inv / factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth blend between.
+    low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old_ctx = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+class KVPool:
+    """Per-request KV rows: k[layer] and v[layer] are [max_rows, kv_heads, capacity, head_dim].
+
+    A running request owns one row; the scheduler keeps running requests in rows 0..n-1 (it moves
+    a row when one finishes). ``capacity`` grows on demand (``ensure_capacity``).
+    """
+
+    GROW_TOKENS = 256  # capacity is rounded up to this: fewer reallocations, little waste
+
+    def __init__(self, spec: ModelSpec, max_rows: int, capacity: int = 256):
+        self.spec = spec
+        self.max_rows = max_rows
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure_capacity(capacity)
+
+    def ensure_capacity(self, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        cap = -(-tokens // self.GROW_TOKENS) * self.GROW_TOKENS
+        s = self.spec
+        shape = (self.max_rows, s.num_kv_heads, cap, s.head_dim)
+        for store in (self.k, self.v):
+            for layer in range(s.num_layers):
+                new = torch.zeros(shape, dtype=torch.float32)
+                if store and len(store) > layer:
+                    new[:, :, : self.capacity].copy_(store[layer])
+                    store[layer] = new
+                else:
+                    store.append(new)
+        self.capacity = cap
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for store in (self.k, self.v):
+            for t in store:
+                t[dst, :, :length].copy_(t[src, :, :length])
+
+    def read_row(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one row's first ``length`` positions: ([L, kvh, length, d], same)."""
+        return (torch.stack([t[row, :, :length] for t in self.k]).clone(),
+                torch.stack([t[row, :, :length] for t in self.v]).clone())
+
+    def write_row(self, row: int, k_L: torch.Tensor, v_L: torch.Tensor, length: int) -> None:
+        self.ensure_capacity(length)
+        for layer in range(self.spec.num_layers):
+            self.k[layer][row, :, :length].copy_(k_L[layer, :, :length])
+            self.v[layer][row, :, :length].copy_(v_L[layer, :, :length])
+
+    def nbytes_per_token(self) -> int:
+        s = self.spec
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4
+
+
+class CausalLM:
+    """The decoder with HF-named parameters (views into fused buffers). fp32, no autograd."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        s = spec
+        h, d, nh, nkv, ffn = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.intermediate_size
+        self.params: dict[str, torch.Tensor] = {}
+        self.embed = torch.zeros(s.vocab_size, h)
+        self.params["model.embed_tokens.weight"] = self.embed
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            L = {
+                "ln1": torch.ones(h),
+                "qkv_w": torch.zeros((nh + 2 * nkv) * d, h),
+                "qkv_b": torch.zeros((nh + 2 * nkv) * d) if s.qkv_bias else None,
+                "o_w": torch.zeros(h, nh * d),
+                "ln2": torch.ones(h),
+                "gu_w": torch.zeros(2 * ffn, h),
+                "down_w": torch.zeros(h, ffn),
+                "q_norm": torch.ones(d) if s.qk_norm else None,
+                "k_norm": torch.ones(d) if s.qk_norm else None,
+            }
+            self.layers.append(L)
+            q_end, k_end = nh * d, (nh + nkv) * d
+            self.params[p + "input_layernorm.weight"] = L["ln1"]
+            self.params[p + "self_attn.q_proj.weight"] = L["qkv_w"][:q_end]
+            self.params[p + "self_attn.k_proj.weight"] = L["qkv_w"][q_end:k_end]
+            self.params[p + "self_attn.v_proj.weight"] = L["qkv_w"][k_end:]
+            if s.qkv_bias:
+                self.params[p + "self_attn.q_proj.bias"] = L["qkv_b"][:q_end]
+                self.params[p + "self_attn.k_proj.bias"] = L["qkv_b"][q_end:k_end]
+                self.params[p + "self_attn.v_proj.bias"] = L["qkv_b"][k_end:]
+            if s.qk_norm:
+                self.params[p + "self_attn.q_norm.weight"] = L["q_norm"]
+                self.params[p + "self_attn.k_norm.weight"] = L["k_norm"]
+            self.params[p + "self_attn.o_proj.weight"] = L["o_w"]
+            self.params[p + "post_attention_layernorm.weight"] = L["ln2"]
+            self.params[p + "mlp.gate_proj.weight"] = L["gu_w"][:ffn]
+            self.params[p + "mlp.up_proj.weight"] = L["gu_w"][ffn:]
+            self.params[p + "mlp.down_proj.weight"] = L["down_w"]
+        self.norm = torch.ones(h)
+        self.params["model.norm.weight"] = self.norm
+        if s.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = torch.zeros(s.vocab_size, h)
+            self.params["lm_head.weight"] = self.lm_head
+        self.inv_freq = rope_inv_freq(spec)
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, strict_names: bool = True) -> int:
+        """Copy HF-named tensors into the model (any float dtype; converted to fp32). Returns the
+        number loaded. Unknown names raise ``KeyError`` naming them; ``lm_head.weight`` of a model
+        with tied embeddings is skipped (as SGLang does)."""
+        n = 0
+        with torch.no_grad():
+            for name, t in named:
+                dst = self.params.get(name)
+                if dst is None:
+                    if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                        continue
+                    if name.endswith("rotary_emb.inv_freq") or not strict_names:
+                        continue
+                    raise KeyError(f"unknown parameter {name!r} for {self.spec.model_type}")
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}")
+                dst.copy_(t.to(torch.float32))
+                n += 1
+        return n
+
+    def missing_after(self, names: set[str]) -> list[str]:
+        return sorted(set(self.params) - names)
+
+    # ---- forward -------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    @torch.inference_mode()
+    def forward(self, tokens_BN: torch.Tensor, past_len_B: torch.Tensor, new_len_B: torch.Tensor,
+                kv: KVPool, row0: int) -> torch.Tensor:
+        s = self.spec
+        B, N = tokens_BN.shape
+        d, nh, nkv = s.head_dim, s.num_heads, s.num_kv_heads
+        j_N = torch.arange(N)
+        pos_BN = past_len_B[:, None] + j_N[None, :]
+        total_B = past_len_B + new_len_B
+        Lmax = int(total_B.max())
+        kv.ensure_capacity(Lmax)
+        # rope tables for these positions: [B, 1, N, d]
+        freqs = pos_BN.to(torch.float32)[..., None] * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        cos, sin = emb.cos(), emb.sin()
+        # which (row, j) are real tokens, and where their KV goes
+        if N == 1:
+            b_idx = torch.arange(B)
+            j_idx = torch.zeros(B, dtype=torch.long)
+        else:
+            valid_BN = j_N[None, :] < new_len_B[:, None]
+            b_idx, j_idx = valid_BN.nonzero(as_tuple=True)
+        rows = b_idx + row0
+        kpos = past_len_B[b_idx] + j_idx
+        # attention mask [B, 1, N, Lmax]: query j of row b sees keys <= past_b + min(j, n_b - 1)
+        last_B = (new_len_B - 1).clamp(min=0)
+        qpos_BN = past_len_B[:, None] + torch.minimum(j_N[None, :], last_B[:, None])
+        mask = torch.arange(Lmax)[None, None, :] <= qpos_BN[:, :, None]
+        mask = mask[:, None]
+
+        x = F.embedding(tokens_BN, self.embed)
+        for layer, L in enumerate(self.layers):
+            hdn = F.rms_norm(x, (s.hidden_size,), L["ln1"], s.rms_norm_eps)
+            qkv = F.linear(hdn, L["qkv_w"], L["qkv_b"])
+            q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
+            q = q.view(B, N, nh, d).transpose(1, 2)
+            k = k.view(B, N, nkv, d).transpose(1, 2)
+            v = v.view(B, N, nkv, d).transpose(1, 2)
+            if s.qk_norm:
+                q = F.rms_norm(q, (d,), L["q_norm"], s.rms_norm_eps)
+                k = F.rms_norm(k, (d,), L["k_norm"], s.rms_norm_eps)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            kc, vc = kv.k[layer], kv.v[layer]
+            kc[rows, :, kpos] = k.transpose(1, 2)[b_idx, j_idx]
+            vc[rows, :, kpos] = v.transpose(1, 2)[b_idx, j_idx]
+            keys = kc[row0: row0 + B, :, :Lmax]
+            vals = vc[row0: row0 + B, :, :Lmax]
+            att = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=nh != nkv)
+            att = att.transpose(1, 2).reshape(B, N, nh * d)
+            x = x + F.linear(att, L["o_w"])
+            hdn = F.rms_norm(x, (s.hidden_size,), L["ln2"], s.rms_norm_eps)
+            gu = F.linear(hdn, L["gu_w"])
+            g, u = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, L["down_w"])
+        return F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from None
+
+
+def iter_safetensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found")
+    for f in files:
+        yield from load_file(str(model_dir / f)).items()
+
+
+def load_model(model_path: str | Path) -> CausalLM:
+    """Load a HF checkpoint directory into a ``CausalLM`` (fp32). Errors name the file/key."""
+    p = Path(model_path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model path {str(p)!r}: no config.json")
+    gen = p / "generation_config.json"
+    spec = spec_from_hf_config(_read_json(p / "config.json"), _read_json(gen) if gen.is_file() else None,
+                               where=str(p / "config.json"))
+    model = CausalLM(spec)
+    seen: set[str] = set()
+    for name, t in iter_safetensors(p):
+        if model.load_weights([(name, t)]):
+            seen.add(name)
+    missing = model.missing_after(seen)
+    if missing:
+        raise ValueError(f"model path {str(p)!r}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    return model
