@@ -145,7 +145,8 @@ def flatten_bucket(bucket: Bucket) -> torch.Tensor:
 
 
 def unflatten_bucket(flat: torch.Tensor, meta: BucketMeta) -> Bucket:
-    """Cut a received flat uint8 tensor back into ``(name, tensor)`` views (no copy)."""
+    """Cut a received flat uint8 tensor back into ``(name, tensor)`` (views where the byte offset is
+    aligned to the dtype's size, copies where it is not: the wire format has no padding)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"weight sync: flat bucket must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
     ranges = byte_ranges(meta)
@@ -154,7 +155,11 @@ def unflatten_bucket(flat: torch.Tensor, meta: BucketMeta) -> Bucket:
             f"weight sync: flat bucket has {flat.numel()} bytes, metadata says {flat_nbytes(meta)}")
     out: Bucket = []
     for name, dtype, shape, (a, b) in zip(meta.names, meta.dtypes, meta.shapes, ranges):
-        out.append((name, flat[a:b].view(dtype_from_name(dtype)).view(shape)))
+        dt = dtype_from_name(dtype)
+        part = flat[a:b]
+        if (flat.storage_offset() + a) % part.new_empty((), dtype=dt).element_size():
+            part = part.clone()
+        out.append((name, part.view(dt).view(shape)))
     return out
 
 

@@ -59,10 +59,11 @@ def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, s
 
 
 def _decode(raw: bytes, url: str, path: str, step: str) -> Any:
+    """JSON answer, or ``{"text": ...}`` for the plain-text ones (SGLang's ``/flush_cache``)."""
     try:
         return json.loads(raw) if raw else {}
-    except json.JSONDecodeError as e:
-        raise EngineStepError(url, step, f"{path} answered non-JSON: {raw[:200]!r}") from e
+    except json.JSONDecodeError:
+        return {"text": raw.decode(errors="replace")}
 
 
 def post_json(url: str, path: str, body: Any, *, timeout_s: float, step: str,

@@ -1,0 +1,280 @@
+"""One weight sync: pause the engines, broadcast the actor's buckets, bump the version, resume.
+
+Contract
+- Wires: the actor (rank 0 of the weight-sync group; hands in an iterable of buckets, each a list of
+  ``(hf_name, full unsharded tensor)``), the engines (HTTP control + the group of
+  ``asyncrl.sync.group``), and optionally the broker (``SyncHooks``: ``sync_begin(mode)`` and
+  ``sync_end(version)``; absent in tests).
+- The sequence of ``WeightSyncer.sync(buckets, version)``, every HTTP step sent to all engines at
+  once, each step bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
+  the engine(s) and the step:
+    1. ``hooks.sync_begin(mode)``
+    2. pause: ``retract`` / ``in_place`` / ``abort`` -> ``POST /pause_generation {mode}``;
+       ``drain`` -> wait until every engine reports no running and no queued request (the broker
+       stopped issuing and workers hold new turns after ``sync_begin``), then a ``retract`` pause
+       as a guard so nothing can start during the update.
+    3. ``POST /begin_weight_update``
+    4. per bucket: ``POST /update_weights_from_distributed`` (``flush_cache = mode != in_place``,
+       ``load_format = "flattened_bucket"`` with ``sync.flattened_bucket``) on threads while the
+       trainer broadcasts the bucket's tensors from group rank 0 in ``names`` order (or one flat
+       uint8 tensor); an engine that fails its call fails the sync at once, not at the group timeout.
+    5. ``POST /update_weight_version {new_version, abort_all_requests: false}``; every engine's
+       ``/model_info.weight_version`` is then checked to equal it.
+    6. ``POST /end_weight_update``; ``POST /flush_cache`` unless in_place; ``POST /continue_generation``.
+    7. ``hooks.sync_end(version)``
+- Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
+  On an error the engines are left paused and the error propagates (the run fails).
+- Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s), ``sync/bytes_per_s``
+  (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / bucket phase), ``time/sync_pause``,
+  ``time/sync_transfer``, ``time/sync_finish``, ``sync/num_bytes``, ``sync/num_buckets``.
+
+    group = WeightSyncGroup(engines, cfg.sync); group.init()
+    syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
+                          hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
+    result = syncer.sync(actor.iter_hf_buckets(cfg.sync.bucket_bytes), version=step)
+
+Pipeline parallelism: each stage has its own group (``stage_group_name``); the coordinator runs
+``pause`` and ``finish`` once, and each stage leader runs ``push_buckets`` on its own group.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.config.schema import SyncConfig
+from asyncrl.sync.bucketing import Bucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
+from asyncrl.sync.engine_http import EngineStepError, fan_out, get_json, get_text, post_json, spawn, wait_all
+from asyncrl.sync.group import WeightSyncGroup
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("retract", "in_place", "drain", "abort")
+# How often the drain wait re-reads the engines' load; short, the wait is bounded by step_timeout_s.
+_DRAIN_POLL_S = 0.05
+
+
+@dataclass
+class SyncHooks:
+    """Broker notifications around a sync; both optional (tests run without a broker)."""
+
+    sync_begin: Optional[Callable[[str], Any]] = None
+    """Called with the pause mode before anything else; under ``drain`` it must make the broker
+    stop issuing and the workers hold new turns."""
+    sync_end: Optional[Callable[[Any], Any]] = None
+    """Called with the new version after the engines resumed."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    version: str
+    num_bytes: int
+    num_buckets: int
+    num_tensors: int
+    time_s: float
+    pause_s: float
+    transfer_s: float
+    finish_s: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "time/sync_weights": self.time_s,
+            "time/sync_pause": self.pause_s,
+            "time/sync_transfer": self.transfer_s,
+            "time/sync_finish": self.finish_s,
+            "sync/bytes_per_s": self.num_bytes / self.time_s if self.time_s > 0 else 0.0,
+            "sync/transfer_bytes_per_s": self.num_bytes / self.transfer_s if self.transfer_s > 0 else 0.0,
+            "sync/num_bytes": float(self.num_bytes),
+            "sync/num_buckets": float(self.num_buckets),
+        }
+
+
+_METRIC_RE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs)(\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def parse_engine_load(metrics_text: str) -> Optional[float]:
+    """Running + queued requests from a Prometheus ``/metrics`` page (None if it has neither)."""
+    vals = [float(m.group(3)) for m in _METRIC_RE.finditer(metrics_text)]
+    return sum(vals) if vals else None
+
+
+def _find_key(obj: Any, keys: tuple[str, ...]) -> Optional[float]:
+    """Sum of numeric values under any of ``keys`` anywhere in a JSON document."""
+    found: list[float] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            for k, v in o.items():
+                if k in keys and isinstance(v, (int, float)):
+                    found.append(float(v))
+                else:
+                    walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return sum(found) if found else None
+
+
+def engine_load(url: str, *, timeout_s: float) -> float:
+    """Running + queued requests of one engine: ``/metrics``, else ``/server_info``."""
+    try:
+        load = parse_engine_load(get_text(url, "/metrics", timeout_s=timeout_s, step="drain"))
+    except EngineStepError as e:
+        if "HTTP 404" not in e.detail:
+            raise
+        load = None
+    if load is None:
+        info = get_json(url, "/server_info", timeout_s=timeout_s, step="drain")
+        load = _find_key(info, ("num_running_reqs", "num_queue_reqs", "#running-req", "#queue-req"))
+    if load is None:
+        raise EngineStepError(url, "drain", "neither /metrics (sglang:num_running_reqs) nor "
+                              "/server_info reports running requests; start SGLang with --enable-metrics")
+    return load
+
+
+def push_buckets(
+    group: WeightSyncGroup,
+    buckets: Iterable[Bucket],
+    *,
+    flush_cache: bool,
+    flattened: bool,
+    step_timeout_s: float,
+) -> tuple[int, int, int]:
+    """Send every bucket: engines' update calls on threads, the trainer's broadcast from rank 0.
+
+    Returns ``(num_bytes, num_buckets, num_tensors)``.
+    """
+    if group.pg is None:
+        raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
+    num_bytes = num_buckets = num_tensors = 0
+    step = "update_weights_from_distributed"
+    for bucket in buckets:
+        meta = bucket_meta(bucket)
+        body = update_request(meta, group_name=group.group_name, flush_cache=flush_cache,
+                              flattened=flattened)
+        futures = {spawn(post_json, e.url, "/update_weights_from_distributed", body,
+                         timeout_s=step_timeout_s, step=step, name="sync-update"): e.url
+                   for e in group.engines}
+        if flattened:
+            tensors = [flatten_bucket(bucket)]
+        else:
+            tensors = [t.detach().contiguous() for _, t in bucket]
+        works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
+        waited: set[int] = set()
+
+        def check_broadcast() -> None:
+            for i, w in enumerate(works):
+                if i not in waited and w.is_completed():
+                    w.wait()  # raises if the collective failed
+                    waited.add(i)
+
+        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=check_broadcast)
+        for i, w in enumerate(works):
+            if i not in waited:
+                w.wait()
+        num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
+        num_buckets += 1
+        num_tensors += len(bucket)
+    return num_bytes, num_buckets, num_tensors
+
+
+class WeightSyncer:
+    """Runs syncs against one group's engines (see module contract)."""
+
+    def __init__(
+        self,
+        group: WeightSyncGroup,
+        *,
+        pause_mode: str,
+        sync_cfg: SyncConfig,
+        hooks: Optional[SyncHooks] = None,
+    ):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"rollout.pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.group = group
+        self.pause_mode = pause_mode
+        self.cfg = sync_cfg
+        self.hooks = hooks or SyncHooks()
+
+    @property
+    def urls(self) -> list[str]:
+        return self.group.urls
+
+    def _all(self, path: str, body: Any, step: str, *, check_success: bool = True) -> list[Any]:
+        t = self.cfg.step_timeout_s
+        return fan_out(self.urls, lambda u: post_json(u, path, body, timeout_s=t, step=step,
+                                                      check_success=check_success),
+                       timeout_s=t + 1, step=step)
+
+    def wait_idle(self) -> None:
+        """Poll every engine until none has running or queued requests (``drain``)."""
+        t = self.cfg.step_timeout_s
+        deadline = time.monotonic() + t
+        while True:
+            loads = fan_out(self.urls, lambda u: engine_load(u, timeout_s=t), timeout_s=t + 1, step="drain")
+            busy = [u for u, n in zip(self.urls, loads) if n > 0]
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise EngineStepError(busy, "drain", f"still has running requests after {t:g} s")
+            time.sleep(_DRAIN_POLL_S)
+
+    def pause(self) -> None:
+        """Steps 1-3: tell the broker, pause (or drain) every engine, begin the weight update."""
+        if self.hooks.sync_begin is not None:
+            self.hooks.sync_begin(self.pause_mode)
+        if self.pause_mode == "drain":
+            self.wait_idle()
+            self._all("/pause_generation", {"mode": "retract"}, "pause_generation")
+        else:
+            self._all("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
+        self._all("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
+
+    def push(self, buckets: Iterable[Bucket]) -> tuple[int, int, int]:
+        """Step 4 on this syncer's group."""
+        return push_buckets(self.group, buckets, flush_cache=self.pause_mode != "in_place",
+                            flattened=self.cfg.flattened_bucket, step_timeout_s=self.cfg.step_timeout_s)
+
+    def finish(self, version: Any) -> None:
+        """Steps 5-7: version bump (checked), end the update, flush, resume, tell the broker."""
+        v = str(version)
+        self._all("/update_weight_version", {"new_version": v, "abort_all_requests": False},
+                  "update_weight_version")
+        infos = fan_out(self.urls, lambda u: get_json(u, "/model_info", timeout_s=self.cfg.step_timeout_s,
+                                                      step="model_info"),
+                        timeout_s=self.cfg.step_timeout_s + 1, step="model_info")
+        wrong = [f"{u} has {i.get('weight_version')!r}" for u, i in zip(self.urls, infos)
+                 if str(i.get("weight_version")) != v]
+        if wrong:
+            raise EngineStepError([w.split(" ")[0] for w in wrong], "update_weight_version",
+                                  f"weight_version is not {v!r} after the update: {'; '.join(wrong)}")
+        self._all("/end_weight_update", {}, "end_weight_update")
+        if self.pause_mode != "in_place":
+            self._all("/flush_cache", {}, "flush_cache")
+        self._all("/continue_generation", {}, "continue_generation")
+        if self.hooks.sync_end is not None:
+            self.hooks.sync_end(version)
+
+    def sync(self, buckets: Iterable[Bucket], version: Any) -> SyncResult:
+        """One full sync (module contract steps 1-7); returns its figures."""
+        t0 = time.perf_counter()
+        self.pause()
+        t1 = time.perf_counter()
+        num_bytes, num_buckets, num_tensors = self.push(buckets)
+        t2 = time.perf_counter()
+        self.finish(version)
+        t3 = time.perf_counter()
+        res = SyncResult(version=str(version), num_bytes=num_bytes, num_buckets=num_buckets,
+                         num_tensors=num_tensors, time_s=t3 - t0, pause_s=t1 - t0,
+                         transfer_s=t2 - t1, finish_s=t3 - t2)
+        log.info("weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s)", res.version,
+                 self.pause_mode, num_bytes, num_buckets, res.time_s, res.metrics()["sync/bytes_per_s"] / 1e6)
+        return res
