@@ -1,0 +1,96 @@
+"""The agent loop's tokenizer: an HF checkpoint's ``tokenizer.json`` through ``tokenizers`` (no transformers).
+
+Used to tokenize a prompt once, to decode the engine's output ids (for parsing only: generated
+ids are never re-encoded) and to tokenize tool observations. ``apply_chat_template`` renders the
+checkpoint's Jinja chat template as HF does (``messages``, ``add_generation_prompt`` and the
+special-token strings in the context).
+
+    tok = AgentTokenizer.from_pretrained("runs/tiny/model")
+    ids = tok.encode("Answer the given question. ...")
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class AgentTokenizer:
+    def __init__(self, tokenizer: Any, *, eos_token_ids: Sequence[int], chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None, path: str = ""):
+        self.tokenizer = tokenizer
+        """A ``tokenizers.Tokenizer``."""
+        self.eos_token_ids = list(eos_token_ids)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self.path = path
+        self._template = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "AgentTokenizer":
+        from tokenizers import Tokenizer
+
+        root = Path(path)
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"tokenizer path {str(root)!r}: no tokenizer.json there")
+        tokenizer = Tokenizer.from_file(str(tok_file))
+        tcfg = _read_json(root / "tokenizer_config.json")
+        special = {k: _token_str(tcfg.get(k)) for k in ("eos_token", "bos_token", "pad_token", "unk_token")}
+        special = {k: v for k, v in special.items() if v}
+        eos: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(root / name).get("eos_token_id")
+            if value is not None:
+                eos = [value] if isinstance(value, int) else list(value)
+                break
+        if not eos and "eos_token" in special:
+            tid = tokenizer.token_to_id(special["eos_token"])
+            eos = [] if tid is None else [tid]
+        return cls(tokenizer, eos_token_ids=eos, chat_template=tcfg.get("chat_template"),
+                   special_tokens=special, path=str(root))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no BOS/EOS added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> Any:
+        if not self.chat_template:
+            raise ValueError(f"agentloop.chat_template = true but the tokenizer at {self.path!r} has no chat_template")
+        if self._template is None:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise jinja2.exceptions.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special_tokens)
+        return self.encode(text) if tokenize else text
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialized as a dict
+        return value.get("content")
+    return value
