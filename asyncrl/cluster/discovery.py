@@ -11,7 +11,10 @@ Each use has its own key prefix under one run prefix, so two jobs on one store n
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
+
+_SLICE_S = 1.0  # a blocked C++ wait delays Python signal handlers by at most this long
 
 
 class Discovery:
@@ -42,13 +45,20 @@ class Discovery:
         self.store.set(key, value.encode())
 
     def lookup(self, key: str, timeout_s: float | None = None) -> str:
+        """Block until ``key`` is set. Waits in short slices so SIGTERM/Ctrl-C are handled promptly."""
         t = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            self.store.wait([key], timedelta(seconds=t))
-        except RuntimeError as e:  # torch raises DistStoreError (a RuntimeError) on timeout
-            raise TimeoutError(f"no value for discovery key {self.prefix}{key!r} after {t:.0f}s: "
-                               f"the rank that publishes it did not start or failed ({e})") from None
-        return self.store.get(key).decode()
+        deadline = time.monotonic() + t
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait([key], timedelta(seconds=max(0.01, min(_SLICE_S, left))))
+                return self.store.get(key).decode()
+            except RuntimeError as e:  # torch raises DistStoreError (a RuntimeError) on timeout
+                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    raise
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no value for discovery key {self.prefix}{key!r} after {t:.0f}s: "
+                                       f"the rank that publishes it did not start or failed") from None
 
     def is_set(self, key: str) -> bool:
         return self.store.check([key])
