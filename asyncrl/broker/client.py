@@ -1,0 +1,346 @@
+"""Clients of the broker: ``WorkerConnection`` / ``AsyncWorkerConnection`` (agent workers) and
+``BrokerClient`` (actor rank 0). Each owns one DEALER socket that **connects** to the broker's ROUTER.
+
+Worker side (every call has a timeout; a silent broker raises ``TimeoutError`` from ``connect``):
+
+    conn = WorkerConnection(address, worker_id="engine0", capacity=64, heartbeat_interval_s=2.0)
+    welcome = conn.connect(timeout_s=30)              # -> Welcome(version, group_size, hold, ...)
+    for ev in conn.poll(timeout_s=0.1):               # also sends a heartbeat when one is due
+        if isinstance(ev, Assignment): ...            # run ev.group_size trajectories of ev.item
+        elif isinstance(ev, Control): ...             # ev.hold: hold new turns (drain); ev.version
+        elif isinstance(ev, Cancel): ...              # stop these group ids (results are ignored)
+        elif isinstance(ev, Shutdown): ...
+    conn.send_trajectory(group_id, index, traj)       # optional, per finished trajectory
+    conn.send_group(group_id, trajs, aborted=False)   # the finished group (trajs=None: use the ones sent)
+
+``poll`` must be called at least every ``heartbeat_interval_s``; ``AsyncWorkerConnection`` has the
+same methods as coroutines and heartbeats from a background task. Neither is thread-safe.
+
+Actor side:
+
+    client = BrokerClient(address, timeout_s=60)
+    batch = client.get_batch(step, timeout_s=600)     # -> Batch(step, groups, wait_s, metrics)
+    client.sync_begin("retract"); client.sync_end(new_version)
+    blob = client.get_state(); client.set_state(blob) # checkpoint / resume (opaque bytes)
+    client.metrics(); client.status(); client.shutdown()
+
+Batches decode zero-copy: token fields of the returned trajectories are numpy arrays
+(``prompt_ids``/``response_ids``/``weight_versions`` int32, ``rollout_logprobs`` float32,
+``loss_mask`` uint8); pass ``as_lists=True`` for plain lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import zmq
+import zmq.asyncio
+
+from asyncrl.broker import protocol as P
+from asyncrl.broker.core import Batch, BrokerError
+from asyncrl.broker.types import PromptItem, Trajectory
+
+
+@dataclass
+class Welcome:
+    version: int
+    group_size: int
+    hold: bool
+    heartbeat_interval_s: float
+
+
+@dataclass
+class Assignment:
+    """A group to generate: ``group_size`` trajectories of ``item``."""
+
+    group_id: int
+    item: PromptItem
+    epoch: int
+    group_size: int
+    version: int
+    """The broker's weight version when it was issued."""
+
+
+@dataclass
+class Control:
+    hold: bool
+    """True while a ``drain`` weight sync runs: start no new turns (finish running ones)."""
+    version: int
+
+
+@dataclass
+class Cancel:
+    group_ids: list[int]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+WorkerEvent = Union[Assignment, Control, Cancel, Shutdown]
+
+
+def _dealer(ctx: zmq.Context, address: str, identity: Optional[str]) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    return sock
+
+
+def _group_frames(group_id: int, trajectories: Optional[Sequence[Trajectory]], aborted: bool, error: str):
+    metas, blobs = P.pack_trajectories(trajectories or [])
+    return P.encode(P.GROUP, {"group_id": group_id, "aborted": aborted, "error": error, "trajs": metas}, blobs)
+
+
+def _traj_frames(group_id: int, index: int, trajectory: Optional[Trajectory]):
+    if trajectory is None:
+        return P.encode(P.TRAJ, {"group_id": group_id, "index": index, "traj": None})
+    meta, blob = P.pack_trajectory(trajectory, 0)
+    return P.encode(P.TRAJ, {"group_id": group_id, "index": index, "traj": meta}, [blob])
+
+
+def _to_event(msg: P.Message) -> Optional[WorkerEvent]:
+    b = msg.body
+    if msg.type == P.ISSUE:
+        return Assignment(int(b["group_id"]), P.item_from_wire(b["item"]), int(b["epoch"]), int(b["group_size"]),
+                          int(b["version"]))
+    if msg.type == P.CONTROL:
+        return Control(bool(b["hold"]), int(b["version"]))
+    if msg.type == P.CANCEL:
+        return Cancel([int(g) for g in b["group_ids"]])
+    if msg.type == P.SHUTDOWN:
+        return Shutdown()
+    return None
+
+
+class WorkerConnection:
+    """Blocking worker-side connection (see the module docstring)."""
+
+    def __init__(self, address: str, *, worker_id: str, capacity: int, heartbeat_interval_s: float = 2.0,
+                 context: Optional[zmq.Context] = None):
+        self.address, self.worker_id, self.capacity = address, worker_id, capacity
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.sock = _dealer(context or zmq.Context.instance(), address, worker_id)
+        self._last_sent = 0.0
+        self.welcome: Optional[Welcome] = None
+
+    def _send(self, frames: list, copy: bool = True) -> None:
+        self.sock.send_multipart(frames, copy=copy)
+        self._last_sent = time.monotonic()
+
+    def connect(self, *, timeout_s: float = 30.0) -> Welcome:
+        """Say hello and wait for the welcome (events that arrive first are kept for ``poll``)."""
+        self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+        deadline = time.monotonic() + timeout_s
+        self._early: list[WorkerEvent] = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise TimeoutError(f"broker at {self.address} did not answer hello from worker {self.worker_id!r} "
+                                   f"within {timeout_s:.0f}s")
+            msg = P.decode(self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
+            if msg.type == P.WELCOME:
+                b = msg.body
+                self.welcome = Welcome(int(b["version"]), int(b["group_size"]), bool(b["hold"]),
+                                       float(b["heartbeat_interval_s"]))
+                return self.welcome
+            if msg.type == P.ERROR:
+                raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
+            ev = _to_event(msg)
+            if ev is not None:
+                self._early.append(ev)
+
+    def poll(self, timeout_s: float = 0.0) -> list[WorkerEvent]:
+        """Events received within ``timeout_s`` (returns as soon as one arrives); heartbeats when due."""
+        if time.monotonic() - self._last_sent >= self.heartbeat_interval_s:
+            self.heartbeat()
+        out: list[WorkerEvent] = list(getattr(self, "_early", []))
+        self._early = []
+        if not out and not self.sock.poll(int(timeout_s * 1000)):
+            return out
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = P.decode(frames, allowed=P.TO_WORKER_TYPES | {P.ERROR})
+            if msg.type == P.REHELLO:
+                self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+            elif msg.type == P.ERROR:
+                raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
+            elif msg.type != P.WELCOME:
+                out.append(_to_event(msg))
+
+    def heartbeat(self) -> None:
+        self._send(P.encode(P.HEARTBEAT, {"worker_id": self.worker_id}))
+
+    def send_trajectory(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> None:
+        """Trajectory ``index`` of the group finished (frees its slot under ``sample`` granularity). With
+        ``trajectory`` its data travels now and ``send_group(..., None)`` may omit it."""
+        self._send(_traj_frames(group_id, index, trajectory))
+
+    def send_group(self, group_id: int, trajectories: Optional[Sequence[Trajectory]] = None, *,
+                   aborted: bool = False, error: str = "") -> None:
+        """The group finished. ``aborted=True`` (a generate/tool call failed; ``error`` says what) makes the
+        broker apply ``rollout_buffer.unused_groups``; it is never trained."""
+        self._send(_group_frames(group_id, trajectories, aborted, error))
+
+    def close(self, *, say_bye: bool = True) -> None:
+        if say_bye:
+            try:
+                self.sock.send_multipart(P.encode(P.BYE, {"worker_id": self.worker_id}), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        self.sock.close(linger=500 if say_bye else 0)
+
+
+class AsyncWorkerConnection:
+    """The same as ``WorkerConnection`` for asyncio programs (pyzmq's asyncio sockets).
+
+        conn = AsyncWorkerConnection(address, worker_id="engine0", capacity=64)
+        await conn.connect(timeout_s=30)       # starts the heartbeat task
+        ev = await conn.recv(timeout_s=1.0)    # one WorkerEvent or None
+        await conn.send_group(gid, trajs)
+        await conn.close()
+    """
+
+    def __init__(self, address: str, *, worker_id: str, capacity: int, heartbeat_interval_s: float = 2.0,
+                 context: Optional[zmq.asyncio.Context] = None):
+        self.address, self.worker_id, self.capacity = address, worker_id, capacity
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.sock = _dealer(context or zmq.asyncio.Context.instance(), address, worker_id)
+        self._hb_task: Optional[asyncio.Task] = None
+        self._early: list[WorkerEvent] = []
+        self.welcome: Optional[Welcome] = None
+
+    async def connect(self, *, timeout_s: float = 30.0) -> Welcome:
+        await self.sock.send_multipart(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+        deadline = time.monotonic() + timeout_s
+        while self.welcome is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self.sock.poll(int(left * 1000)):
+                raise TimeoutError(f"broker at {self.address} did not answer hello from worker {self.worker_id!r} "
+                                   f"within {timeout_s:.0f}s")
+            msg = P.decode(await self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
+            if msg.type == P.WELCOME:
+                b = msg.body
+                self.welcome = Welcome(int(b["version"]), int(b["group_size"]), bool(b["hold"]),
+                                       float(b["heartbeat_interval_s"]))
+            elif msg.type == P.ERROR:
+                raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
+            elif (ev := _to_event(msg)) is not None:
+                self._early.append(ev)
+        self._hb_task = asyncio.create_task(self._heartbeats())
+        return self.welcome
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            await self.sock.send_multipart(P.encode(P.HEARTBEAT, {"worker_id": self.worker_id}))
+
+    async def recv(self, *, timeout_s: Optional[float] = None) -> Optional[WorkerEvent]:
+        """The next event, or None after ``timeout_s`` (None = wait forever)."""
+        if self._early:
+            return self._early.pop(0)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not await self.sock.poll(None if left is None else int(left * 1000)):
+                return None
+            msg = P.decode(await self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
+            if msg.type == P.REHELLO:
+                await self.sock.send_multipart(
+                    P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+            elif msg.type == P.ERROR:
+                raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
+            elif msg.type != P.WELCOME:
+                return _to_event(msg)
+
+    async def send_trajectory(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> None:
+        await self.sock.send_multipart(_traj_frames(group_id, index, trajectory))
+
+    async def send_group(self, group_id: int, trajectories: Optional[Sequence[Trajectory]] = None, *,
+                         aborted: bool = False, error: str = "") -> None:
+        await self.sock.send_multipart(_group_frames(group_id, trajectories, aborted, error))
+
+    async def close(self, *, say_bye: bool = True) -> None:
+        if self._hb_task is not None:
+            self._hb_task.cancel()
+        if say_bye:
+            await self.sock.send_multipart(P.encode(P.BYE, {"worker_id": self.worker_id}))
+        self.sock.close(linger=500 if say_bye else 0)
+
+
+class BrokerClient:
+    """The actor's connection (actor rank 0). One request at a time; every call has a timeout."""
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0, context: Optional[zmq.Context] = None):
+        self.address, self.timeout_s = address, timeout_s
+        self.sock = _dealer(context or zmq.Context.instance(), address, f"actor-{os.getpid()}-{id(self):x}")
+
+    def _call(self, msg_type: str, body: Optional[dict] = None, blobs=(), *, timeout_s: Optional[float] = None
+              ) -> P.Message:
+        self.sock.send_multipart(P.encode(msg_type, body, blobs), copy=not blobs)
+        t = self.timeout_s if timeout_s is None else timeout_s
+        if not self.sock.poll(int(t * 1000)):
+            raise TimeoutError(f"broker at {self.address} did not answer {msg_type!r} within {t:.0f}s "
+                               f"(is the broker process alive? see its log in the run directory)")
+        msg = P.decode(self.sock.recv_multipart(copy=False), allowed=P.TO_ACTOR_TYPES)
+        if msg.type == P.ERROR:
+            raise BrokerError(msg.body.get("message", "broker error"))
+        return msg
+
+    def get_batch(self, step: int, *, timeout_s: float, actor_version: Optional[int] = None,
+                  as_lists: bool = False) -> Batch:
+        """Block until the oldest ``rollout_batch_size`` groups are ready (``Batch.wait_s`` is time/wait_data).
+        Raises TimeoutError after ``timeout_s`` (the request is withdrawn) and BrokerError when the broker
+        stopped the run (e.g. ``rollout_buffer.max_dropped_groups_per_step``)."""
+        body = {"step": step, "timeout_s": timeout_s, "actor_version": actor_version}
+        msg = self._call(P.GET_BATCH, body, timeout_s=timeout_s + self.timeout_s)
+        if msg.type == P.TIMEOUT:
+            raise TimeoutError(f"no batch for step {step} from the broker at {self.address} within {timeout_s:.1f}s")
+        b = msg.body
+        groups = P.unpack_groups(b["groups"], msg.blobs, as_lists=as_lists)
+        return Batch(step=int(b["step"]), groups=groups, wait_s=float(b["wait_s"]), metrics=dict(b["metrics"]))
+
+    def sync_begin(self, mode: str = "retract") -> None:
+        """A weight sync starts (``drain``: the broker stops issuing and workers hold new turns)."""
+        self._call(P.SYNC_BEGIN, {"mode": mode})
+
+    def sync_end(self, version: int) -> None:
+        """The engines now carry weight ``version``; issuing resumes."""
+        self._call(P.SYNC_END, {"version": int(version)})
+
+    def metrics(self) -> dict[str, Any]:
+        """``{"metrics": last step's metrics, "counters": lifetime totals, "status": status()}``."""
+        return self._call(P.METRICS).body
+
+    def status(self) -> dict[str, Any]:
+        return self._call(P.STATUS).body
+
+    def get_state(self) -> bytes:
+        """Opaque checkpoint blob: dataloader position, version, queued and in-flight prompts, buffered groups."""
+        msg = self._call(P.GET_STATE)
+        return P.state_to_bytes(msg.body["state"], msg.blobs)
+
+    def set_state(self, state: bytes) -> None:
+        """Restore a ``get_state`` blob; groups in flight at checkpoint time are issued again first."""
+        body, blobs = P.state_from_bytes(state)
+        self._call(P.SET_STATE, {"state": body}, blobs)
+
+    def shutdown(self) -> None:
+        """Stop the broker (it tells the workers to shut down)."""
+        self._call(P.SHUTDOWN)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,250 @@
+"""The broker's wire protocol: every message between the broker, the agent workers and the actor.
+
+Both ends import this module (the clients in ``client.py`` use it; so does ``server.py``).
+
+Framing: one ZeroMQ multipart message = ``[header, *blobs]``. ``header`` is a msgpack map with
+``"v"`` (``PROTOCOL_VERSION``) and ``"t"`` (the type, below) plus the type's fields. Token data
+never goes through msgpack lists: each trajectory's arrays travel as one raw blob frame, laid out
+``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] |
+weight_versions int32[nw] | loss_mask uint8[nr]`` (little-endian; ``nw`` is 0 or ``nr``), and its
+scalar fields as a small map in the header (``TRAJ_META``). Decoding is zero-copy
+(``np.frombuffer`` over the frame): decoded token fields are numpy arrays unless ``as_lists``.
+
+Worker -> broker (DEALER, identity = worker id)          Broker -> worker
+  hello      {worker_id, capacity}                        welcome  {version, group_size, hold, heartbeat_interval_s}
+  hb         {worker_id}                                  issue    {group_id, group_size, version, epoch, item}
+  traj       {group_id, index, traj: meta | None} +blob?  control  {hold, version}
+  group      {group_id, aborted, error, trajs: [meta]}    cancel   {group_ids}
+             +one blob per meta (trajs = [] -> use the     rehello  {}   (broker does not know you: send hello)
+             trajectories sent one by one with ``traj``)  shutdown {}
+  bye        {worker_id}
+Actor -> broker (DEALER)                                 Broker -> actor (one reply per request)
+  get_batch  {step, timeout_s, actor_version | None}      batch {step, wait_s, metrics, groups: [group]} +blobs
+                                                          | timeout {step} | error {message}
+  sync_begin {mode}   sync_end {version}                  ok {}
+  metrics    {}                                           metrics {metrics, counters, status}
+  status     {}                                           status {...counts...}
+  get_state  {}                                           state {state} +blobs
+  set_state  {state} +blobs                               ok {}
+  shutdown   {}                                           ok {}
+A ``group`` map is ``{group_id, epoch, issued_version, finished_version, aborted, item, trajs: [meta]}``;
+an ``item`` map is ``{index, prompt, answers, data_source, extra}``; a trajectory ``meta`` carries
+``b`` (its blob's index in the message's blob frames) and the lengths ``np``, ``nr``, ``nw``.
+A message that fails to decode, has another version or an unknown type raises ``ProtocolError``;
+the broker logs and counts it and goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from asyncrl.broker.types import Group, PromptItem, Trajectory
+
+PROTOCOL_VERSION = 1
+
+# worker -> broker
+HELLO, HEARTBEAT, TRAJ, GROUP, BYE = "hello", "hb", "traj", "group", "bye"
+# broker -> worker
+WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN = "welcome", "issue", "control", "cancel", "rehello", "shutdown"
+# actor -> broker
+GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE = (
+    "get_batch", "sync_begin", "sync_end", "metrics", "status", "get_state", "set_state")
+# broker -> actor
+BATCH, TIMEOUT, OK, ERROR, STATE = "batch", "timeout", "ok", "error", "state"
+
+WORKER_TYPES = frozenset({HELLO, HEARTBEAT, TRAJ, GROUP, BYE})
+ACTOR_TYPES = frozenset({GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE, SHUTDOWN})
+TO_WORKER_TYPES = frozenset({WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN})
+TO_ACTOR_TYPES = frozenset({BATCH, TIMEOUT, OK, ERROR, STATE, METRICS, STATUS})
+
+
+class ProtocolError(ValueError):
+    """A malformed message, a message of another protocol version, or an unknown type."""
+
+
+@dataclass
+class Message:
+    type: str
+    body: dict[str, Any]
+    blobs: list[Any] = field(default_factory=list)
+    """Raw frames after the header (bytes, memoryview or zmq.Frame buffers)."""
+
+
+def encode(msg_type: str, body: dict[str, Any] | None = None, blobs: Sequence[Any] = ()) -> list[Any]:
+    header = {"v": PROTOCOL_VERSION, "t": msg_type}
+    if body:
+        header.update(body)
+    return [msgpack.packb(header, use_bin_type=True), *blobs]
+
+
+def decode(frames: Sequence[Any], *, allowed: frozenset[str] | None = None) -> Message:
+    """Frames (bytes or zmq.Frame) -> Message. Raises ProtocolError."""
+    if not frames:
+        raise ProtocolError("empty message")
+    raw = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+    try:
+        header = msgpack.unpackb(raw[0], raw=False, strict_map_key=False)
+    except (ValueError, msgpack.exceptions.ExtraData, TypeError) as e:
+        raise ProtocolError(f"undecodable header: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is not a map: {type(header).__name__}")
+    v = header.pop("v", None)
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {v!r}, expected {PROTOCOL_VERSION}")
+    t = header.pop("t", None)
+    if not isinstance(t, str) or (allowed is not None and t not in allowed):
+        raise ProtocolError(f"unknown message type {t!r}")
+    return Message(t, header, raw[1:])
+
+
+# ---------------------------------------------------------------- items, trajectories, groups
+def item_to_wire(item: PromptItem) -> dict:
+    return {"index": item.index, "prompt": item.prompt, "answers": list(item.answers),
+            "data_source": item.data_source, "extra": item.extra}
+
+
+def item_from_wire(d: dict) -> PromptItem:
+    try:
+        return PromptItem(index=int(d["index"]), prompt=d["prompt"], answers=list(d.get("answers", [])),
+                          data_source=d.get("data_source", ""), extra=dict(d.get("extra", {})))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"bad prompt item: {e!r}") from None
+
+
+_SCALARS = ("reward", "min_version", "max_version", "num_turns", "num_tool_calls", "num_retractions",
+            "finish_reason", "truncated", "aborted", "error", "timings", "extra")
+
+
+def _arr(x, dtype) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+def pack_trajectory(t: Trajectory, blob_index: int) -> tuple[dict, bytes]:
+    """-> (meta for the header, one blob with all token arrays)."""
+    p = _arr(t.prompt_ids, "<i4")
+    r = _arr(t.response_ids, "<i4")
+    lp = _arr(t.rollout_logprobs, "<f4")
+    wv = _arr(t.weight_versions, "<i4")
+    lm = _arr(t.loss_mask, np.uint8)
+    meta = {k: getattr(t, k) for k in _SCALARS}
+    meta["reward"] = float(t.reward)
+    meta.update(b=blob_index, np=len(p), nr=len(r), nw=len(wv))
+    return meta, b"".join([p.data, r.data, lp.data, wv.data, lm.data])
+
+
+def unpack_trajectory(meta: dict, blob: Any, *, as_lists: bool = False) -> Trajectory:
+    try:
+        n_p, n_r, n_w = int(meta["np"]), int(meta["nr"]), int(meta["nw"])
+        buf = memoryview(blob).cast("B")
+        if len(buf) != 4 * n_p + 9 * n_r + 4 * n_w:
+            raise ProtocolError(f"trajectory blob has {len(buf)} bytes, expected {4 * n_p + 9 * n_r + 4 * n_w}")
+        off = 0
+        p = np.frombuffer(buf, "<i4", n_p, off); off += 4 * n_p
+        r = np.frombuffer(buf, "<i4", n_r, off); off += 4 * n_r
+        lp = np.frombuffer(buf, "<f4", n_r, off); off += 4 * n_r
+        wv = np.frombuffer(buf, "<i4", n_w, off); off += 4 * n_w
+        lm = np.frombuffer(buf, np.uint8, n_r, off)
+        arrays = (p, r, lm, lp, wv)
+        if as_lists:
+            arrays = tuple(a.tolist() for a in arrays)
+        kw = {k: meta[k] for k in _SCALARS if k in meta}
+        return Trajectory(prompt_ids=arrays[0], response_ids=arrays[1], loss_mask=arrays[2],
+                          rollout_logprobs=arrays[3], weight_versions=arrays[4], **kw)
+    except (KeyError, TypeError, ValueError, AssertionError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"bad trajectory: {e!r}") from None
+
+
+def pack_trajectories(trajs: Sequence[Trajectory], first_blob: int = 0) -> tuple[list[dict], list[bytes]]:
+    metas, blobs = [], []
+    for i, t in enumerate(trajs):
+        m, b = pack_trajectory(t, first_blob + i)
+        metas.append(m)
+        blobs.append(b)
+    return metas, blobs
+
+
+def unpack_trajectories(metas: list, blobs: Sequence[Any], *, as_lists: bool = False) -> list[Trajectory]:
+    out = []
+    for m in metas:
+        try:
+            blob = blobs[int(m["b"])]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ProtocolError(f"trajectory refers to a missing blob: {m.get('b') if isinstance(m, dict) else m!r}") \
+                from None
+        out.append(unpack_trajectory(m, blob, as_lists=as_lists))
+    return out
+
+
+def pack_groups(groups: Sequence[Group], blobs: list[bytes]) -> list[dict]:
+    """Groups -> header maps; their blobs are appended to ``blobs``."""
+    out = []
+    for g in groups:
+        metas, bl = pack_trajectories(g.trajectories, len(blobs))
+        blobs.extend(bl)
+        out.append({"group_id": g.group_id, "epoch": g.epoch, "issued_version": g.issued_version,
+                    "finished_version": g.finished_version, "aborted": g.aborted, "item": item_to_wire(g.item),
+                    "trajs": metas})
+    return out
+
+
+def unpack_groups(maps: list, blobs: Sequence[Any], *, as_lists: bool = False) -> list[Group]:
+    out = []
+    for d in maps:
+        try:
+            out.append(Group(group_id=int(d["group_id"]), item=item_from_wire(d["item"]), epoch=int(d["epoch"]),
+                             trajectories=unpack_trajectories(d["trajs"], blobs, as_lists=as_lists),
+                             issued_version=int(d["issued_version"]), finished_version=int(d["finished_version"]),
+                             aborted=bool(d["aborted"])))
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"bad group: {e!r}") from None
+    return out
+
+
+# ---------------------------------------------------------------- broker state (checkpoints)
+def pack_state(state: dict) -> tuple[dict, list[bytes]]:
+    """``BrokerCore.state_dict()`` -> (header map, blobs)."""
+    blobs: list[bytes] = []
+    body = {"version": state["version"], "next_group_id": state["next_group_id"],
+            "dataloader": state["dataloader"],
+            "queued": [[item_to_wire(it), e] for it, e in state["queued"]],
+            "inflight": [[item_to_wire(it), e] for it, e in state["inflight"]],
+            "buffered": pack_groups(state["buffered"], blobs)}
+    return body, blobs
+
+
+def unpack_state(body: dict, blobs: Sequence[Any]) -> dict:
+    try:
+        return {"version": int(body["version"]), "next_group_id": int(body["next_group_id"]),
+                "dataloader": dict(body["dataloader"]),
+                "queued": [(item_from_wire(it), int(e)) for it, e in body["queued"]],
+                "inflight": [(item_from_wire(it), int(e)) for it, e in body["inflight"]],
+                "buffered": unpack_groups(body["buffered"], blobs)}
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"bad broker state: {e!r}") from None
+
+
+def state_to_bytes(body: dict, blobs: Sequence[Any]) -> bytes:
+    """A self-contained blob (what the runner writes into its checkpoint)."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, "state": body, "blobs": [bytes(b) for b in blobs]},
+                         use_bin_type=True)
+
+
+def state_from_bytes(data: bytes) -> tuple[dict, list[bytes]]:
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if d.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError(f"broker checkpoint of protocol version {d.get('v')!r}, expected {PROTOCOL_VERSION}")
+        return d["state"], d["blobs"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"bad broker checkpoint: {e!r}") from None

@@ -1,0 +1,310 @@
+"""The broker process's shell: one ZeroMQ ROUTER socket around ``BrokerCore``. Moves bytes only.
+
+Contract
+- Socket: the broker **binds** one ROUTER socket (``bind``, default ``tcp://127.0.0.1:0``: the OS
+  picks the port; ``address`` is the resolved endpoint, published by ``__main__`` in an address file).
+  Agent workers and the actor **connect** DEALER sockets (``client.py``); workers set their ZMQ
+  identity to their worker id, so a reconnecting worker keeps its identity.
+- High-water marks are 0 (unlimited) on the ROUTER: what can queue is bounded by the admission
+  limits (issues <= in-flight groups, at most one batch per actor request), so nothing is ever
+  dropped by ZeroMQ. ``ROUTER_MANDATORY`` is on: a send to a peer that vanished raises, and that
+  worker is treated as gone (its groups are re-issued).
+- Slow joiners: nothing is published; the broker only sends to a worker after its ``hello``
+  (request/reply style), so a late connection loses nothing. A worker the broker does not know
+  (e.g. declared dead after missed heartbeats) gets ``rehello`` and re-registers.
+- One thread, a poll loop: every received message becomes one core call; after each batch of
+  messages the core's outputs (issues, cancellations, a ready batch, control changes) are sent.
+  ``core.tick()`` runs every ``tick_s`` (heartbeat expiry, the no-data warning).
+- A malformed, unknown or other-version message is logged and counted
+  (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal.
+
+    server = BrokerServer(core, bind="tcp://127.0.0.1:0", heartbeat_interval_s=2.0)
+    print(server.address); server.serve_forever()   # returns after an actor ``shutdown``
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import zmq
+
+from asyncrl.broker import protocol as P
+from asyncrl.broker.core import BrokerCore, BrokerError
+
+log = logging.getLogger("asyncrl.broker")
+
+MAX_MESSAGES_PER_ROUND = 256  # bound the work between two flushes of the core's outputs
+
+
+@dataclass
+class _PendingBatch:
+    ident: bytes
+    step: int
+    deadline: float
+
+
+class BrokerServer:
+    def __init__(self, core: BrokerCore, *, bind: str = "tcp://127.0.0.1:0", heartbeat_interval_s: float = 2.0,
+                 tick_s: float = 0.2, context: Optional[zmq.Context] = None):
+        self.core = core
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.tick_s = tick_s
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.bind(bind)
+        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.stats: Counter[str] = Counter()
+        self._worker_ident: dict[str, bytes] = {}
+        self._pending: Optional[_PendingBatch] = None
+        self._control_sent: dict[str, tuple[bool, int]] = {}
+        self._stop = False
+        self._last_tick = 0.0
+
+    # ----------------------------------------------------------------- loop
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        log.info("broker listening on %s", self.address)
+        while not self._stop:
+            events = dict(poller.poll(timeout=int(self.tick_s * 1000)))
+            if self.sock in events:
+                for _ in range(MAX_MESSAGES_PER_ROUND):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+                    if self._stop:
+                        break
+            now = time.monotonic()
+            if now - self._last_tick >= self.tick_s:
+                self._last_tick = now
+                self.core.tick()
+            self._flush()
+        self._close()
+
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+
+    def _close(self) -> None:
+        for wid in list(self._worker_ident):
+            self._send_worker(wid, P.SHUTDOWN, {})
+        self.sock.close(linger=1000)
+
+    # ----------------------------------------------------------------- sending
+    def _send(self, ident: bytes, msg_type: str, body: Optional[dict] = None, blobs=()) -> bool:
+        frames = [ident, *P.encode(msg_type, body, blobs)]
+        try:
+            self.sock.send_multipart(frames, copy=len(blobs) == 0)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+
+    def _send_worker(self, wid: str, msg_type: str, body: dict) -> None:
+        ident = self._worker_ident.get(wid)
+        if ident is None or not self._send(ident, msg_type, body):
+            self._worker_gone(wid, "unreachable")
+
+    def _worker_gone(self, wid: str, why: str) -> None:
+        self._worker_ident.pop(wid, None)
+        self._control_sent.pop(wid, None)
+        gone = self.core.remove_worker(wid)
+        self.stats["workers_lost"] += 1
+        log.warning("worker %s gone (%s); %d in-flight groups re-queued", wid, why, len(gone))
+
+    def _flush(self) -> None:
+        core = self.core
+        cancels: dict[str, list[int]] = {}
+        for wid, gid in core.take_cancelled():
+            cancels.setdefault(wid, []).append(gid)
+        for wid, gids in cancels.items():
+            if wid in self._worker_ident:
+                self._send_worker(wid, P.CANCEL, {"group_ids": gids})
+        control = (core.hold_new_turns, core.version)
+        for wid in list(self._worker_ident):
+            if self._control_sent.get(wid) != control:
+                self._control_sent[wid] = control
+                self._send_worker(wid, P.CONTROL, {"hold": control[0], "version": control[1]})
+        for _ in range(8):  # a lost worker re-queues groups, which issues again
+            issues = core.take_issues()
+            if not issues:
+                break
+            for iss in issues:
+                if iss.worker_id not in self._worker_ident:  # issued to a worker that just vanished
+                    continue
+                self._send_worker(iss.worker_id, P.ISSUE, {
+                    "group_id": iss.group_id, "group_size": iss.group_size, "version": iss.version,
+                    "epoch": iss.epoch, "item": P.item_to_wire(iss.item)})
+        for d in core.take_drops():
+            log.debug("dropped group %d (prompt %d, epoch %d): %s%s", d.group_id, d.item.index, d.epoch, d.reason,
+                      " -> retried" if d.retried else "")
+        self._flush_batch()
+
+    def _flush_batch(self) -> None:
+        pend = self._pending
+        if pend is None:
+            return
+        try:
+            batch = self.core.take_batch()
+        except BrokerError as e:
+            self._pending = None
+            self._send(pend.ident, P.ERROR, {"message": str(e), "kind": type(e).__name__})
+            return
+        if batch is not None:
+            self._pending = None
+            blobs: list[bytes] = []
+            groups = P.pack_groups(batch.groups, blobs)
+            self._send(pend.ident, P.BATCH, {"step": batch.step, "wait_s": batch.wait_s, "metrics": batch.metrics,
+                                             "groups": groups}, blobs)
+        elif time.monotonic() >= pend.deadline:
+            self._pending = None
+            self.core.cancel_request()
+            self._send(pend.ident, P.TIMEOUT, {"step": pend.step})
+
+    # ----------------------------------------------------------------- receiving
+    def _handle(self, frames: list) -> None:
+        ident = bytes(frames[0].buffer) if frames else b""
+        try:
+            msg = P.decode(frames[1:], allowed=P.WORKER_TYPES | P.ACTOR_TYPES)
+            if msg.type in P.WORKER_TYPES:
+                self._on_worker(ident, msg)
+            else:
+                self._on_actor(ident, msg)
+        except (P.ProtocolError, KeyError, TypeError, ValueError) as e:  # bad fields of a decodable message too
+            self.stats["malformed"] += 1
+            log.warning("malformed message from %r (%d so far): %s", ident, self.stats["malformed"], e)
+            if ident:
+                self._send(ident, P.ERROR, {"message": f"malformed message: {e}", "kind": "ProtocolError"})
+
+    def _on_worker(self, ident: bytes, msg: P.Message) -> None:
+        b = msg.body
+        wid = b.get("worker_id") or ident.decode("utf-8", "replace")
+        self.stats["worker_" + msg.type] += 1
+        if msg.type == P.HELLO:
+            cap = b.get("capacity")
+            if not isinstance(cap, int) or cap < 1:
+                raise P.ProtocolError(f"hello: capacity must be a positive integer, got {cap!r}")
+            self._worker_ident[wid] = ident
+            self._control_sent[wid] = (self.core.hold_new_turns, self.core.version)
+            self._send(ident, P.WELCOME, {"version": self.core.version, "group_size": self.core.s.group_size,
+                                          "hold": self.core.hold_new_turns,
+                                          "heartbeat_interval_s": self.heartbeat_interval_s})
+            self.core.add_worker(wid, capacity=cap)
+            log.info("worker %s joined (capacity %d)", wid, cap)
+            return
+        if wid not in self._worker_ident:
+            if msg.type != P.BYE:
+                self.stats["unknown_worker"] += 1
+                self._send(ident, P.REHELLO, {})
+            return
+        if msg.type == P.BYE:
+            self._worker_gone(wid, "said bye")
+            return
+        self.core.heartbeat(wid)
+        if msg.type == P.TRAJ:
+            traj = None
+            if b.get("traj") is not None:
+                traj = P.unpack_trajectories([b["traj"]], msg.blobs)[0]
+            self._count_known(self.core.trajectory_finished(int(b["group_id"]), int(b["index"]), traj))
+        elif msg.type == P.GROUP:
+            metas = b.get("trajs") or []
+            trajs = P.unpack_trajectories(metas, msg.blobs) if metas else None
+            if b.get("aborted") and b.get("error"):
+                log.warning("worker %s aborted group %s: %s", wid, b.get("group_id"), b.get("error"))
+            self._count_known(self.core.group_finished(int(b["group_id"]), trajs, aborted=bool(b.get("aborted"))))
+
+    def _count_known(self, known: bool) -> None:
+        if not known:
+            self.stats["late_reports"] += 1
+
+    def _on_actor(self, ident: bytes, msg: P.Message) -> None:
+        b, core = msg.body, self.core
+        self.stats["actor_" + msg.type] += 1
+        try:
+            if msg.type == P.GET_BATCH:
+                if self._pending is not None and self._pending.ident != ident:
+                    raise P.ProtocolError("get_batch: another actor request is already pending")
+                self._pending = _PendingBatch(ident, int(b["step"]), time.monotonic() + float(b["timeout_s"]))
+                core.request_batch(int(b["step"]), actor_version=b.get("actor_version"))
+                self._flush_batch()
+            elif msg.type == P.SYNC_BEGIN:
+                core.sync_begin(str(b.get("mode", "retract")))
+                self._send(ident, P.OK)
+            elif msg.type == P.SYNC_END:
+                core.sync_end(int(b["version"]))
+                self._send(ident, P.OK)
+            elif msg.type == P.METRICS:
+                self._send(ident, P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters),
+                                              "status": self.status()})
+            elif msg.type == P.STATUS:
+                self._send(ident, P.STATUS, self.status())
+            elif msg.type == P.GET_STATE:
+                body, blobs = P.pack_state(core.state_dict())
+                self._send(ident, P.STATE, {"state": body}, blobs)
+            elif msg.type == P.SET_STATE:
+                core.load_state_dict(P.unpack_state(b["state"], msg.blobs))
+                self._send(ident, P.OK)
+            elif msg.type == P.SHUTDOWN:
+                self._send(ident, P.OK)
+                self._stop = True
+        except (BrokerError, ValueError) as e:
+            if isinstance(e, P.ProtocolError):
+                raise
+            if msg.type == P.GET_BATCH:
+                self._pending = None
+            self.stats["actor_errors"] += 1
+            self._send(ident, P.ERROR, {"message": str(e), "kind": type(e).__name__})
+        except (KeyError, TypeError) as e:
+            raise P.ProtocolError(f"{msg.type}: {e!r}") from None
+
+    def status(self) -> dict:
+        c = self.core
+        return {"version": c.version, "num_inflight_groups": c.num_inflight_groups,
+                "num_inflight_samples": c.num_inflight_samples, "num_buffered_groups": c.num_buffered_groups,
+                "workers": c.workers(), "hold": c.hold_new_turns, "waiting_step": c.waiting_step,
+                "failure": None if c.failure is None else str(c.failure),
+                "counters": dict(c.counters), "stats": dict(self.stats)}
+
+
+def run_broker(cfg, *, bind: str = "tcp://127.0.0.1:0", address_file: Optional[str] = None,
+               prompts_path: Optional[str] = None) -> None:
+    """Build the core from a resolved ``Config``, serve until shutdown. Publishes the endpoint."""
+    import os
+    import sys
+
+    from asyncrl.agent.data.loaders import load_prompts
+    from asyncrl.broker.core import CoreSettings
+
+    path = prompts_path or cfg.data.train_path
+    if not path:
+        raise ValueError("data.train_path: the broker needs a prompt file (Search-R1 parquet or JSONL)")
+    prompts = load_prompts(path)
+    core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
+    server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
+    server.install_signal_handlers()
+    if address_file:
+        tmp = f"{address_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(server.address)
+        os.replace(tmp, address_file)
+    print(f"ASYNCRL_BROKER_ADDRESS={server.address}", flush=True)
+    log.info("broker: %d prompts from %s, limits inflight=%d buffered=%d batch=%d group_size=%d (%s, %s mode)",
+             len(prompts), path, core.s.max_inflight_groups, core.s.max_buffered_groups, core.s.rollout_batch_size,
+             core.s.group_size, core.s.submission_granularity, "sync" if core.s.sync_mode else "async")
+    server.serve_forever()
+    sys.stdout.flush()
