@@ -1,0 +1,560 @@
+"""The CPU engine: an HTTP server that speaks SGLang's API (the subset an RL trainer uses).
+
+    python -m asyncrl.rollout.cpu_engine --model-path DIR --port P [--host H]
+        [--max-running-requests N] [--weight-version V] [--seed S]
+
+Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer code drive SGLang)
+- Threads: the aiohttp event loop answers HTTP; one engine thread runs ``Scheduler.run`` (model
+  steps, continuous batching). Handlers never touch scheduler state directly: requests go through
+  ``Scheduler.submit`` and every control action through ``Scheduler.call`` (runs between two model
+  steps). ``/init_weights_update_group`` blocks a worker thread (not the scheduler) until the
+  trainer joins.
+- Weight updates: ``/update_weights_from_distributed`` fails (400) unless ``/begin_weight_update``
+  was called and not yet ended; tensors are received by ``broadcast`` from group rank 0 in the
+  order of ``names`` (``load_format="flattened_bucket"``: ONE uint8 broadcast holding each
+  tensor's raw bytes back to back, in that order, as SGLang's FlattenedTensorBucket), on the engine
+  thread, so a weight load never overlaps a forward.
+- Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control
+  calls answer ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while
+  requests are running.
+- A crash of the engine thread exits the process with status 1 (the launcher restarts it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures as cf
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from aiohttp import web
+
+from asyncrl.rollout.cpu_model import load_model
+from asyncrl.rollout.cpu_scheduler import (
+    PAUSE_MODES,
+    Request,
+    RequestError,
+    Scheduler,
+    new_rid,
+    parse_sampling_params,
+)
+
+log = logging.getLogger("asyncrl.cpu_engine")
+
+ENGINE_VERSION = "asyncrl-cpu-engine-0.1"
+HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    max_running_requests: int = 64
+    weight_version: str = "default"
+    seed: int = 0
+    prefix_cache_tokens: int = 32768
+    """Tokens of finished requests' KV kept for prefix reuse (0 disables)."""
+    context_length: Optional[int] = None
+    """Defaults to the model's max_position_embeddings."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads (default: torch's choice)."""
+    weight_sync_timeout_s: float = 600.0
+    """Timeout of the weight-update group (join and each broadcast)."""
+
+
+def _json_error(msg: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": msg}}, status=status)
+
+
+def _result(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+async def _body(request: web.Request, *, required: bool = True) -> dict:
+    raw = await request.read()
+    if not raw:
+        if required:
+            raise RequestError("a JSON body is required (send {} for the defaults)")
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"invalid JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the JSON body must be an object")
+    return data
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    n = str(name).removeprefix("torch.")
+    dt = getattr(torch, n, None)
+    if not isinstance(dt, torch.dtype):
+        raise RequestError(f"unknown dtype {name!r}")
+    return dt
+
+
+class CpuEngine:
+    def __init__(self, args: EngineArgs):
+        from tokenizers import Tokenizer
+
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        t0 = time.monotonic()
+        self.model = load_model(args.model_path)
+        tok_path = Path(args.model_path) / "tokenizer.json"
+        if not tok_path.is_file():
+            raise FileNotFoundError(f"model path {args.model_path!r}: no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        self.scheduler = Scheduler(
+            self.model, self._decode, max_running_requests=args.max_running_requests, seed=args.seed,
+            weight_version=args.weight_version, prefix_cache_tokens=args.prefix_cache_tokens,
+            context_length=args.context_length)
+        self.groups: dict[str, Any] = {}
+        self.update_open = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
+        log.info("loaded %s (%s, %d layers) in %.1fs", args.model_path, self.model.spec.model_type,
+                 self.model.spec.num_layers, time.monotonic() - t0)
+
+    def _decode(self, ids: list[int], skip_special: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def _run(self) -> None:
+        try:
+            self.scheduler.run(self._stop)
+        except BaseException:
+            log.error("engine thread crashed:\n%s", traceback.format_exc())
+            sys.stderr.flush()
+            os._exit(1)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    async def _call(self, fn):
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    # ---- app -----------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        r = app.router
+        for path in ("/generate",):
+            r.add_post(path, self.generate)
+            r.add_put(path, self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/weight_version", "/get_weight_version"):
+            r.add_get(path, self.weight_version)
+        r.add_get("/metrics", self.metrics)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        self.stop()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return _json_error(str(e))
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported by the CPU engine")
+        ids = body.get("input_ids")
+        if ids is None and body.get("text") is not None:
+            text = body["text"]
+            ids = ([self.tokenizer.encode(t).ids for t in text] if isinstance(text, list)
+                   else self.tokenizer.encode(text).ids)
+        if ids is None:
+            raise RequestError("input_ids (or text) is required")
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        n_prompts = len(prompts)
+
+        def per(key: str, default: Any) -> list[Any]:
+            v = body.get(key, default)
+            if batch and isinstance(v, list) and key != "sampling_params":
+                if len(v) != n_prompts:
+                    raise RequestError(f"{key}: {len(v)} values for {n_prompts} prompts")
+                return v
+            if batch and key == "sampling_params" and isinstance(v, list):
+                if len(v) != n_prompts:
+                    raise RequestError(f"sampling_params: {len(v)} values for {n_prompts} prompts")
+                return v
+            return [v] * n_prompts
+
+        rids = body.get("rid")
+        if batch:
+            if rids is not None and (not isinstance(rids, list) or len(rids) != n_prompts):
+                raise RequestError("rid: a batch needs a list of rids, one per prompt")
+        rid_list = rids if batch else [rids]
+        params_list = [parse_sampling_params(p) for p in per("sampling_params", {})]
+        rlp = per("return_logprob", False)
+        lsl = per("logprob_start_len", -1)
+        loop = asyncio.get_running_loop()
+        reqs: list[Request] = []
+        futs: list[asyncio.Future] = []
+        for i, prompt in enumerate(prompts):
+            if not all(isinstance(t, int) for t in prompt) or not prompt:
+                raise RequestError(f"input_ids[{i}] must be a non-empty list of ints" if batch
+                                   else "input_ids must be a non-empty list of ints")
+            vocab = self.model.spec.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            p = params_list[i]
+            for k in range(p.n):
+                base = rid_list[i] if rid_list[i] is not None else new_rid()
+                rid = str(base) if p.n == 1 else f"{base}_{k}"
+                fut = loop.create_future()
+                reqs.append(Request(rid=rid, input_ids=list(prompt), params=p, return_logprob=bool(rlp[i]),
+                                    logprob_start_len=int(lsl[i] if lsl[i] is not None else -1),
+                                    deliver=self._deliverer(loop, fut)))
+                futs.append(fut)
+        submitted: list[Request] = []
+        try:
+            for req in reqs:
+                self.scheduler.submit(req)
+                submitted.append(req)
+        except RequestError:
+            for req in submitted:  # all or nothing
+                self.scheduler.call(lambda s, rid=req.rid: s.abort(rid))
+            raise
+        try:
+            outs = await asyncio.gather(*futs)
+        except asyncio.CancelledError:  # the client went away: abort its requests
+            for req in submitted:
+                self.scheduler.call(lambda s, rid=req.rid: s.abort(rid))
+            raise
+        if not batch and len(outs) == 1:
+            return web.json_response(outs[0])
+        return web.json_response(list(outs))
+
+    @staticmethod
+    def _deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+        def deliver(out: dict) -> None:
+            def _set() -> None:
+                if not fut.done():
+                    fut.set_result(out)
+            loop.call_soon_threadsafe(_set)
+        return deliver
+
+    async def health(self, request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        req = Request(rid=f"HEALTH_CHECK_{time.time()}", input_ids=[0],
+                      params=parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}),
+                      deliver=self._deliverer(loop, fut))
+        self.scheduler.submit(req)
+        try:
+            await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.scheduler.call(lambda s: s.abort(req.rid))
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+        await self._call(lambda s: s.abort(rid, abort_all=abort_all))
+        return web.Response(status=200)
+
+    # ---- pause / continue ----------------------------------------------------------------
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode={mode!r} is not one of {list(PAUSE_MODES)}")
+        await self._call(lambda s: s.pause(mode))
+        log.info("paused (%s)", mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _body(request, required=False)
+        await self._call(lambda s: s.resume())
+        log.info("continued")
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await self._call(lambda s: s.flush_cache())
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                 "waiting requests, the operation will not be performed.)\n",
+            status=200 if ok else 400)
+
+    # ---- weight updates ------------------------------------------------------------------
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from asyncrl.sync.process_group import init_weight_update_group
+
+        body = await _body(request)
+        try:
+            addr = str(body["master_address"])
+            port = int(body["master_port"])
+            rank = int(body["rank_offset"])  # tp_rank 0: the CPU engine is one rank
+            world = int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            return _result(False, f"init_weights_update_group: bad or missing field: {e!r}")
+        name = str(body.get("group_name", "weight_update_group"))
+        backend = str(body.get("backend", "nccl"))
+        if backend != "gloo":
+            return _result(False, f"backend={backend!r} is not available on the CPU engine; use 'gloo'")
+        if name in self.groups:
+            return _result(False, f"group {name!r} already exists; destroy it first")
+        try:
+            pg = await asyncio.to_thread(init_weight_update_group, addr, port, rank, world, name,
+                                         backend=backend, timeout_s=self.args.weight_sync_timeout_s)
+        except (RuntimeError, ValueError) as e:
+            log.error("init_weights_update_group failed: %s", e)
+            return _result(False, f"Failed to initialize custom process group: {e}")
+        self.groups[name] = pg
+        log.info("joined weight-update group %s at %s:%d as rank %d/%d", name, addr, port, rank, world)
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        from asyncrl.sync.process_group import destroy_weight_update_group
+
+        body = await _body(request)
+        name = str(body.get("group_name", "weight_update_group"))
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            return _result(False, f"group {name!r} does not exist")
+        await self._call(lambda s: destroy_weight_update_group(pg))
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        body = await _body(request, required=False)
+        selector = body.get("selector", "all")
+        if selector != "all":
+            return _result(False, f"selector={selector!r} is not supported (only 'all')")
+        self.update_open = True
+        return _result(True, "Weight update begun.")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _body(request, required=False)
+        if not self.update_open:
+            return _result(False, "no weight update in progress: call /begin_weight_update first")
+        self.update_open = False
+        return _result(True, "Weight update ended.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and names):
+            return _result(False, "names, dtypes and shapes must be non-empty lists of the same length")
+        if not self.update_open:
+            return _result(False, "weight update not begun: call /begin_weight_update before "
+                                  "/update_weights_from_distributed")
+        name = str(body.get("group_name", "weight_update_group"))
+        pg = self.groups.get(name)
+        if pg is None:
+            return _result(False, f"group {name!r} does not exist: call /init_weights_update_group first")
+        fmt = body.get("load_format")
+        if fmt not in (None, "flattened_bucket"):
+            return _result(False, f"load_format={fmt!r} is not supported (null or 'flattened_bucket')")
+        try:
+            dts = [_torch_dtype(d) for d in dtypes]
+        except RequestError as e:
+            return _result(False, str(e))
+        flush = bool(body.get("flush_cache", True))
+        version = body.get("weight_version")
+        if body.get("abort_all_requests"):
+            await self._call(lambda s: s.abort(abort_all=True))
+        fn = lambda s: self._receive(s, pg, names, dts, shapes, fmt, flush, version)  # noqa: E731
+        ok, msg = await self._call(fn)
+        return _result(ok, msg)
+
+    def _receive(self, sched: Scheduler, pg, names, dts, shapes, fmt, flush, version) -> tuple[bool, str]:
+        """Engine thread: receive the broadcast, load it, maybe flush and bump the version."""
+        import torch.distributed as dist
+
+        t0 = time.monotonic()
+        try:
+            if fmt == "flattened_bucket":
+                sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size()
+                         for s, d in zip(shapes, dts)]
+                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+                dist.broadcast(buf, group_src=0, group=pg)
+                tensors, off = [], 0
+                for size, s, d in zip(sizes, shapes, dts):
+                    tensors.append(buf[off: off + size].view(d).reshape(s))
+                    off += size
+            else:
+                tensors = []
+                for s, d in zip(shapes, dts):
+                    t = torch.empty(tuple(s), dtype=d)
+                    dist.broadcast(t, group_src=0, group=pg)
+                    tensors.append(t)
+        except (RuntimeError, dist.DistError) as e:
+            return False, f"Failed to receive weights by broadcast: {e}"
+        try:
+            self.model.load_weights(zip(names, tensors))
+        except (KeyError, ValueError) as e:
+            return False, f"Failed to load received weights: {e}"
+        msg = "Succeeded to update parameter online."
+        if flush and not sched.flush_cache():
+            log.info("update_weights: flush_cache skipped (requests are running)")
+        if version is not None:
+            sched.weight_version = str(version)
+            msg += f" Weight version updated to {version}."
+        log.info("received %d tensors in %.3fs (%s)", len(names), time.monotonic() - t0, fmt or "per-tensor")
+        return True, msg
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if "new_version" not in body:
+            return _result(False, "new_version is required")
+        v = str(body["new_version"])
+        abort_all = bool(body.get("abort_all_requests", True))  # SGLang's default is True
+
+        def apply(s: Scheduler) -> None:
+            if abort_all:
+                s.abort(abort_all=True)
+            s.weight_version = v
+
+        await self._call(apply)
+        return _result(True, f"Weight version updated to {v}", new_version=v)
+
+    # ---- info / metrics ------------------------------------------------------------------
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.args.model_path,
+            "tokenizer_path": self.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.model.spec.model_type,
+            "architectures": None,
+        })
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.scheduler.weight_version})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        m = await self._call(lambda s: {**s.metrics(), "paused": s.paused})
+        a = asdict(self.args)
+        return web.json_response({
+            **a,
+            "tp_size": 1,
+            "dp_size": 1,
+            "random_seed": self.args.seed,
+            "enable_metrics": True,
+            "device": "cpu",
+            "context_length": self.scheduler.context_length,
+            "weight_version": self.scheduler.weight_version,
+            "max_total_num_tokens": self.scheduler.kv.max_rows * self.scheduler.context_length,
+            "internal_states": [m],
+            "version": ENGINE_VERSION,
+        })
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        m = await self._call(lambda s: s.metrics())
+        return web.Response(text=prometheus_text(m, model_name=self.args.model_path),
+                            content_type="text/plain", charset="utf-8")
+
+
+# SGLang's series (name, type, help); counters are exposed with their ``_total`` name.
+_SERIES = (
+    ("num_running_reqs", "gauge", "The number of running requests."),
+    ("num_queue_reqs", "gauge", "The number of requests in the waiting queue."),
+    ("num_paused_reqs", "gauge", "The number of requests paused in place."),
+    ("num_retracted_reqs", "gauge", "The number of retracted requests waiting to be re-run."),
+    ("token_usage", "gauge", "The token usage of the KV cache."),
+    ("cache_hit_rate", "gauge", "The prefix cache hit rate."),
+    ("gen_throughput", "gauge", "The generation throughput (token/s)."),
+    ("prompt_tokens_total", "counter", "Number of prefill tokens processed."),
+    ("generation_tokens_total", "counter", "Number of generation tokens processed."),
+    ("cached_tokens_total", "counter", "Number of cached prompt tokens."),
+    ("num_requests_total", "counter", "Number of requests processed."),
+    ("num_aborted_requests_total", "counter", "Number of requests aborted."),
+    ("num_retractions_total", "counter", "Number of request retractions."),
+)
+
+
+def prometheus_text(values: dict[str, float], *, model_name: str) -> str:
+    label = '{model_name="%s",engine_type="unified",tp_rank="0",pp_rank="0"}' % model_name.replace('"', "'")
+    lines = []
+    for name, kind, help_ in _SERIES:
+        full = f"sglang:{name}"
+        lines.append(f"# HELP {full} {help_}")
+        lines.append(f"# TYPE {full} {kind}")
+        lines.append(f"{full}{label} {float(values.get(name, 0.0))!r}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.rollout.cpu_engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
+    ap.add_argument("--prefix-cache-tokens", type=int, default=32768)
+    ap.add_argument("--context-length", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
+    a = ap.parse_args(argv)
+    if a.max_running_requests < 1:
+        ap.error("--max-running-requests must be >= 1")
+    return EngineArgs(model_path=a.model_path, port=a.port, host=a.host,
+                      max_running_requests=a.max_running_requests, weight_version=a.weight_version,
+                      seed=a.seed, prefix_cache_tokens=a.prefix_cache_tokens, context_length=a.context_length,
+                      num_threads=a.num_threads, weight_sync_timeout_s=a.weight_sync_timeout_s)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s cpu_engine: %(message)s")
+    args = parse_args(argv)
+    engine = CpuEngine(args)
+    engine.start()
+    app = engine.build_app()
+
+    async def _ready(app: web.Application) -> None:
+        log.info("The server is fired up and ready to roll! http://%s:%d", args.host, args.port)
+
+    app.on_startup.append(_ready)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,580 @@
+"""The CPU engine's scheduler: continuous batching, sampling, stop rules, pause modes, prefix reuse.
+
+Contract
+- One engine thread owns all state and calls ``run(stop_event)``; other threads only use the
+  thread-safe ``submit(req)`` (new request; duplicate in-flight rid -> ``RequestError``) and
+  ``call(fn)`` (run ``fn(scheduler)`` on the engine thread between two model steps; returns a
+  ``concurrent.futures.Future``). Every control action (pause, abort, weight load) goes through
+  ``call``, so it never overlaps a forward pass.
+- Invariant: running request i owns KV row i (rows 0..n-1; a finished request's row is refilled
+  by moving the last one down); its KV holds every token but the last sampled one
+  (``kv_len == len(input_ids) + len(output_ids) - 1``). Prefill, continuation after a prefix hit,
+  re-prefill after a retract and decode are all one operation: feed ``tokens[kv_len:]``, sample.
+- Pause modes (SGLang's): ``abort`` finishes running and queued requests now (finish_reason
+  abort, partial output); ``retract`` frees running requests' KV and puts them back at the head
+  of the queue with their tokens (they finish after ``resume``, ``num_retractions`` + 1);
+  ``in_place`` just stops stepping (KV kept). Requests submitted while paused wait for ``resume``.
+- ``weight_versions`` of a request: runs ``{"version", "start", "end"}`` over output token indices,
+  split whenever ``weight_version`` changed between two of its tokens.
+- Each finished request is delivered once, as SGLang's ``/generate`` JSON, through its
+  ``deliver`` callback (called on the engine thread).
+
+    sched = Scheduler(model, decode_fn, max_running_requests=8, seed=0, weight_version="default")
+    threading.Thread(target=sched.run, args=(stop_event,), daemon=True).start()
+    sched.submit(Request(rid="a", input_ids=[1, 2, 3], params=parse_sampling_params({}), deliver=print))
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from asyncrl.rollout.cpu_model import CausalLM, KVPool
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+# Padded prefill tokens per forward (rows x longest feed): bounds the padding waste and the
+# attention-mask memory of one prefill batch.
+PREFILL_TOKEN_BUDGET = 2048
+# A finished request's KV goes to the prefix cache only when it has at least this many tokens.
+MIN_PREFIX_TOKENS = 4
+MAX_PREFIX_ENTRIES = 512  # linear-scan lookup: keep it short
+
+
+class RequestError(ValueError):
+    """A request the engine rejects (HTTP 400); the message names the field at fault."""
+
+
+# Every key SGLang's SamplingParams accepts (0.5.x). Unknown keys are a 400, as in SGLang.
+_SGLANG_SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+    "logit_bias", "sampling_seed",
+}
+# Known to SGLang but not implemented here: accepted only at their neutral value.
+_NEUTRAL = {
+    "stop_regex": (None, [], ""), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
+    "structural_tag": (None,), "logit_bias": (None, {}), "custom_params": (None, {}),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    min_new_tokens: int = 0
+    n: int = 1
+    sampling_seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+
+def parse_sampling_params(raw: Any) -> SamplingParams:
+    """SGLang's ``sampling_params`` dict -> ``SamplingParams``; ``RequestError`` names the bad key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _SGLANG_SAMPLING_KEYS)
+    if unknown:
+        raise RequestError(f"sampling_params: unexpected keyword argument(s) {unknown}")
+    for key, neutral in _NEUTRAL.items():
+        if key in raw and raw[key] not in neutral:
+            raise RequestError(f"sampling_params.{key}={raw[key]!r} is not supported by the CPU engine")
+    kw: dict[str, Any] = {}
+    try:
+        if raw.get("max_new_tokens") is not None:
+            kw["max_new_tokens"] = int(raw["max_new_tokens"])
+        for k in ("temperature", "top_p", "min_p"):
+            if raw.get(k) is not None:
+                kw[k] = float(raw[k])
+        for k in ("top_k", "min_new_tokens", "n"):
+            if raw.get(k) is not None:
+                kw[k] = int(raw[k])
+        if raw.get("sampling_seed") is not None:
+            kw["sampling_seed"] = int(raw["sampling_seed"])
+        stop = raw.get("stop")
+        if stop is not None:
+            kw["stop"] = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+        if raw.get("stop_token_ids") is not None:
+            kw["stop_token_ids"] = tuple(int(t) for t in raw["stop_token_ids"])
+        for k in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if raw.get(k) is not None:
+                kw[k] = bool(raw[k])
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"sampling_params: {e}") from None
+    p = SamplingParams(**kw)
+    if p.max_new_tokens < 0:
+        raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
+    if p.temperature < 0:
+        raise RequestError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise RequestError(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
+    if not 0 <= p.min_p <= 1:
+        raise RequestError(f"sampling_params.min_p must be in [0, 1], got {p.min_p}")
+    if p.top_k != -1 and p.top_k < 1:
+        raise RequestError(f"sampling_params.top_k must be -1 or >= 1, got {p.top_k}")
+    if p.min_new_tokens < 0 or p.n < 1:
+        raise RequestError("sampling_params: min_new_tokens must be >= 0 and n >= 1")
+    if any(s == "" for s in p.stop):
+        raise RequestError("sampling_params.stop: empty stop string")
+    return p
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    deliver: Callable[[dict], None]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: Optional[list[Optional[float]]] = None
+    weight_versions: list[dict] = field(default_factory=list)
+    num_retractions: int = 0
+    retracted: bool = False
+    cached_tokens: int = 0
+    kv_len: int = 0
+    row: int = -1
+    created_s: float = field(default_factory=time.monotonic)
+    generator: Optional[torch.Generator] = None
+    finish_reason: Optional[dict] = None
+    stop_text: Optional[str] = None
+
+    def tokens(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+
+class PrefixCache:
+    """Finished requests' KV keyed by their token sequence, LRU-bounded in tokens."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.entries: "collections.OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]" = (
+            collections.OrderedDict())
+        self.tokens = 0
+
+    def insert(self, key: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.max_tokens <= 0 or len(key) > self.max_tokens or key in self.entries:
+            return
+        self.entries[key] = (k, v)
+        self.tokens += len(key)
+        while self.tokens > self.max_tokens or len(self.entries) > MAX_PREFIX_ENTRIES:
+            old, _ = self.entries.popitem(last=False)
+            self.tokens -= len(old)
+
+    def lookup(self, tokens: list[int], limit: int) -> tuple[int, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """Longest common prefix (capped at ``limit``) with any entry, and that entry's KV."""
+        best, best_kv, best_key = 0, None, None
+        if not self.entries or limit <= 0:
+            return 0, None
+        x = torch.tensor(tokens[:limit])
+        for key, kv in self.entries.items():
+            if key[0] != tokens[0]:
+                continue
+            m = min(len(key), limit)
+            neq = (torch.tensor(key[:m]) != x[:m]).nonzero()
+            lcp = int(neq[0]) if len(neq) else m
+            if lcp > best:
+                best, best_kv, best_key = lcp, kv, key
+        if best_key is not None:
+            self.entries.move_to_end(best_key)
+        return best, best_kv
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.tokens = 0
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    retractions: int = 0
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+    """(monotonic time, tokens generated in that step), for the generation throughput gauge."""
+
+
+class Scheduler:
+    def __init__(self, model: CausalLM, decode: Callable[[list[int], bool], str], *,
+                 max_running_requests: int, seed: int = 0, weight_version: str = "default",
+                 prefix_cache_tokens: int = 32768, context_length: Optional[int] = None):
+        self.model = model
+        self.decode = decode
+        self.max_running = max_running_requests
+        self.weight_version = weight_version
+        self.context_length = context_length or model.spec.max_position_embeddings
+        self.kv = KVPool(model.spec, max_running_requests)
+        self.prefix = PrefixCache(prefix_cache_tokens)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.eos_ids = set(model.spec.eos_token_ids)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.paused: Optional[str] = None
+        self.counters = Counters()
+        self._cond = threading.Condition()
+        self._inbox: list[Request] = []
+        self._calls: list[tuple[Callable[["Scheduler"], Any], cf.Future]] = []
+        self._live: set[str] = set()  # rids submitted and not yet delivered (guarded by _cond)
+
+    # ---- thread-safe entry points ------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        if not req.input_ids:
+            raise RequestError("input_ids is empty")
+        if len(req.input_ids) >= self.context_length:
+            raise RequestError(f"input_ids has {len(req.input_ids)} tokens; the context length is "
+                               f"{self.context_length}")
+        if req.params.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
+        with self._cond:
+            if req.rid in self._live:
+                raise RequestError(f"Duplicate request ID detected: rid={req.rid!r} is already in flight")
+            self._live.add(req.rid)
+            self._inbox.append(req)
+            self._cond.notify()
+
+    def call(self, fn: Callable[["Scheduler"], Any]) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._cond:
+            self._calls.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def in_flight(self, rid: str) -> bool:
+        with self._cond:
+            return rid in self._live
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self._drain()
+            if self.paused is None and (self.running or self.waiting):
+                self.step()
+                continue
+            with self._cond:
+                if not self._inbox and not self._calls:
+                    self._cond.wait(timeout=0.2)
+
+    def _drain(self) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+            calls, self._calls = self._calls, []
+        self.waiting.extend(inbox)
+        for fn, fut in calls:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self))
+            except BaseException as e:  # handed to the caller, which reports it
+                fut.set_exception(e)
+
+    def step(self) -> None:
+        """One scheduling step: a decode batch for the running requests, then admit and prefill."""
+        if self.running:
+            self._extend(self.running, row0=0)
+        admit: list[Request] = []
+        while self.waiting and len(self.running) + len(admit) < self.max_running:
+            admit.append(self.waiting.popleft())
+        if admit:
+            self._admit(admit)
+        self._compact()
+
+    def _admit(self, reqs: list[Request]) -> None:
+        hits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for r in reqs:
+            toks = r.tokens()
+            r.kv_len = 0
+            if r.logprob_start_len < 0 and not r.retracted:
+                hit, kv = self.prefix.lookup(toks, len(toks) - 1)
+                if hit >= MIN_PREFIX_TOKENS and kv is not None:
+                    r.kv_len = hit
+                    r.cached_tokens = hit
+                    hits[id(r)] = kv
+            if not r.retracted:
+                self.counters.prompt_tokens += len(r.input_ids)
+                self.counters.cached_tokens += r.cached_tokens
+        reqs.sort(key=lambda r: len(r.tokens()) - r.kv_len)
+        start = len(self.running)
+        for i, r in enumerate(reqs):
+            r.row = start + i
+            self.running.append(r)
+            if r.kv_len:
+                k, v = hits[id(r)]
+                self.kv.write_row(r.row, k, v, r.kv_len)
+        # prefill in chunks of contiguous rows under the padded-token budget
+        i = 0
+        while i < len(reqs):
+            j = i + 1
+            while j < len(reqs) and (j + 1 - i) * (len(reqs[j].tokens()) - reqs[j].kv_len) <= PREFILL_TOKEN_BUDGET:
+                j += 1
+            self._extend(reqs[i:j], row0=start + i)
+            i = j
+
+    def _extend(self, batch: list[Request], *, row0: int) -> None:
+        """Feed every request its tokens[kv_len:], sample one token each, apply stop rules."""
+        feeds = [r.tokens()[r.kv_len:] for r in batch]
+        n_B = torch.tensor([len(f) for f in feeds])
+        N = int(n_B.max())
+        toks = torch.zeros(len(batch), N, dtype=torch.long)
+        for b, f in enumerate(feeds):
+            toks[b, : len(f)] = torch.tensor(f)
+        past_B = torch.tensor([r.kv_len for r in batch])
+        hidden = self.model.forward(toks, past_B, n_B, self.kv, row0)
+        last_h = hidden[torch.arange(len(batch)), n_B - 1]
+        logits = self.model.logits(last_h)
+        for b, r in enumerate(batch):
+            if r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None:
+                self._input_logprobs(r, hidden[b, : len(r.input_ids)])
+            r.kv_len += len(feeds[b])
+        now = time.monotonic()
+        live = [b for b, r in enumerate(batch) if len(r.output_ids) < r.params.max_new_tokens]
+        for b, r in enumerate(batch):
+            if r.params.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
+        if not live:
+            return
+        tokens, logprobs = self._sample(logits[live], [batch[b] for b in live])
+        self.counters.generation_tokens += len(live)
+        self.counters.recent.append((now, len(live)))
+        for b, tok, lp in zip(live, tokens, logprobs):
+            self._append(batch[b], tok, lp)
+
+    def _input_logprobs(self, r: Request, hidden_PH: torch.Tensor) -> None:
+        logits = self.model.logits(hidden_PH).float()
+        if not r.params.greedy:
+            logits = logits / r.params.temperature
+        lp = torch.log_softmax(logits, dim=-1)
+        ids = torch.tensor(r.input_ids)
+        vals = lp[:-1].gather(1, ids[1:, None])[:, 0].tolist()
+        full: list[Optional[float]] = [None] + vals
+        r.input_logprobs = full[r.logprob_start_len:]
+
+    def _sample(self, logits_BV: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
+        B, V = logits_BV.shape
+        logits_BV = logits_BV.float().clone()
+        for b, r in enumerate(reqs):  # min_new_tokens: eos and stop tokens are banned until then
+            if len(r.output_ids) < r.params.min_new_tokens:
+                ban = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
+                ban = [t for t in ban if 0 <= t < V]
+                if ban:
+                    logits_BV[b, ban] = float("-inf")
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
+        scaled = logits_BV / temps[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        greedy = torch.tensor([r.params.greedy for r in reqs])
+        out = scaled.argmax(dim=-1)
+        if not bool(greedy.all()):
+            probs = logp.exp()
+            if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs):
+                probs, order = probs.sort(dim=-1, descending=True)
+                top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else V for r in reqs])
+                top_p = torch.tensor([r.params.top_p for r in reqs])
+                min_p = torch.tensor([r.params.min_p for r in reqs])
+                rank = torch.arange(V)[None, :]
+                cum = probs.cumsum(dim=-1)
+                drop = (rank >= top_k[:, None]) | ((cum - probs) > top_p[:, None])
+                drop |= probs < (min_p[:, None] * probs[:, :1])
+                drop[:, 0] = False
+                probs = probs.masked_fill(drop, 0.0)
+            else:
+                order = None
+            u = torch.empty(B)
+            for b, r in enumerate(reqs):
+                u[b] = torch.rand((), generator=r.generator or self.generator)
+            cdf = probs.cumsum(dim=-1)
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=V - 1)[:, 0]
+            # never pick a zero-probability token (float edge at the top of the cdf)
+            sampled = order.gather(1, pick[:, None])[:, 0] if order is not None else pick
+            out = torch.where(greedy, out, sampled)
+        lps = logp.gather(1, out[:, None])[:, 0]
+        return out.tolist(), lps.tolist()
+
+    def _append(self, r: Request, tok: int, lp: float) -> None:
+        idx = len(r.output_ids)
+        r.output_ids.append(tok)
+        r.output_logprobs.append(lp)
+        wv = r.weight_versions
+        if wv and wv[-1]["version"] == self.weight_version and wv[-1]["end"] == idx:
+            wv[-1]["end"] = idx + 1
+        else:
+            wv.append({"version": self.weight_version, "start": idx, "end": idx + 1})
+        p = r.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            if len(r.output_ids) >= p.min_new_tokens:
+                self._finish(r, {"type": "stop", "matched": tok})
+                return
+        if p.stop and len(r.output_ids) >= p.min_new_tokens:
+            window = max(len(s) for s in p.stop) + 4
+            tail = self.decode(r.output_ids[-window:], p.skip_special_tokens)
+            for s in p.stop:
+                if s in tail:
+                    r.stop_text = s
+                    self._finish(r, {"type": "stop", "matched": s})
+                    return
+        if len(r.output_ids) >= p.max_new_tokens:
+            self._finish(r, {"type": "length", "length": p.max_new_tokens})
+        elif len(r.input_ids) + len(r.output_ids) >= self.context_length:
+            self._finish(r, {"type": "length", "length": len(r.output_ids)})
+
+    # ---- finishing -------------------------------------------------------------------------
+    def _finish(self, r: Request, reason: dict) -> None:
+        """Mark finished and deliver; the KV row is released by ``_compact``."""
+        if r.finish_reason is not None:
+            return
+        r.finish_reason = reason
+        if reason["type"] == "abort":
+            self.counters.aborted_requests += 1
+        else:
+            self.counters.finished_requests += 1
+        if r.row >= 0 and r.kv_len >= MIN_PREFIX_TOKENS and reason["type"] != "abort":
+            k, v = self.kv.read_row(r.row, r.kv_len)
+            self.prefix.insert(tuple(r.tokens()[: r.kv_len]), k, v)
+        try:
+            r.deliver(self.response(r))
+        finally:
+            with self._cond:
+                self._live.discard(r.rid)
+
+    def _compact(self) -> None:
+        keep = [r for r in self.running if r.finish_reason is None]
+        for new_row, r in enumerate(keep):
+            if r.row != new_row:
+                self.kv.move_row(r.row, new_row, r.kv_len)
+                r.row = new_row
+        for r in self.running:
+            if r.finish_reason is not None:
+                r.row = -1
+        self.running = keep
+
+    def response(self, r: Request) -> dict:
+        p = r.params
+        reason = r.finish_reason or {"type": "abort", "message": "Aborted"}
+        ids = r.output_ids
+        if not p.no_stop_trim and reason["type"] == "stop" and isinstance(reason.get("matched"), int):
+            text = self.decode(ids[:-1], p.skip_special_tokens)
+        else:
+            text = self.decode(ids, p.skip_special_tokens)
+            if not p.no_stop_trim and r.stop_text is not None and r.stop_text in text:
+                text = text[: text.index(r.stop_text)]
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": r.cached_tokens,
+            "num_retractions": r.num_retractions,
+            "e2e_latency": time.monotonic() - r.created_s,
+            "weight_version": self.weight_version,
+            "weight_versions": [dict(w) for w in r.weight_versions],
+        }
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, ids)]
+            start = r.logprob_start_len
+            meta["input_token_logprobs"] = (
+                [[lp, t, None] for lp, t in zip(r.input_logprobs or [], r.input_ids[start:])]
+                if start >= 0 else [])
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    # ---- control (engine thread, through ``call``) -------------------------------------
+    def abort(self, rid: Optional[str] = None, *, abort_all: bool = False) -> int:
+        """Abort matching requests (rid prefix match, as SGLang); returns how many."""
+        def hit(r: Request) -> bool:
+            return abort_all or (rid is not None and rid != "" and r.rid.startswith(rid))
+
+        n = 0
+        for r in list(self.running):
+            if hit(r):
+                self._finish(r, {"type": "abort", "message": "Aborted"})
+                n += 1
+        still = collections.deque()
+        for r in self.waiting:
+            if hit(r):
+                self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
+                n += 1
+            else:
+                still.append(r)
+        self.waiting = still
+        self._compact()
+        return n
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode={mode!r} is not one of {list(PAUSE_MODES)}")
+        self._drain_requests_only()
+        if mode == "abort":
+            self.abort(abort_all=True)
+        elif mode == "retract":
+            for r in self.running:
+                r.kv_len = 0
+                r.row = -1
+                r.retracted = True
+                r.num_retractions += 1
+                self.counters.retractions += 1
+            self.waiting.extendleft(reversed(self.running))
+            self.running = []
+        self.paused = mode
+
+    def _drain_requests_only(self) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        self.waiting.extend(inbox)
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests hold KV (running)."""
+        if self.running:
+            return False
+        self.prefix.clear()
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        now = time.monotonic()
+        recent = [(t, n) for t, n in c.recent if now - t < 10.0]
+        span = (now - recent[0][0]) if len(recent) > 1 else 0.0
+        used = sum(r.kv_len for r in self.running)
+        return {
+            "num_running_reqs": len(self.running),
+            "num_queue_reqs": len(self.waiting),
+            "num_paused_reqs": len(self.running) if self.paused == "in_place" else 0,
+            "num_retracted_reqs": sum(1 for r in self.waiting if r.retracted),
+            "token_usage": used / max(1, self.kv.max_rows * self.kv.capacity),
+            "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "gen_throughput": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
+            "prompt_tokens_total": c.prompt_tokens,
+            "generation_tokens_total": c.generation_tokens,
+            "cached_tokens_total": c.cached_tokens,
+            "num_requests_total": c.finished_requests + c.aborted_requests,
+            "num_aborted_requests_total": c.aborted_requests,
+            "num_retractions_total": c.retractions,
+        }
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
