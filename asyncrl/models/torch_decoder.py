@@ -1,0 +1,156 @@
+"""A trainable plain-PyTorch decoder with HF parameter names (Qwen2 / Qwen3 / Llama).
+
+Used for the embedded default's supervised warm start (one process, before the Megatron world
+exists) and as the "plain PyTorch" baseline of ``benchmarks/actor_bench.py``. Its
+``state_dict()`` keys are exactly the HF checkpoint's, so ``load_hf``/``save_hf`` round-trip
+``model.safetensors`` and the CPU engine and the actor load the result unchanged.
+
+    model = TorchDecoder.from_pretrained("runs/tiny/model")
+    logits_BTV = model(ids_BT)
+    model.save_pretrained("runs/tiny/model_sft", copy_from="runs/tiny/model")
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        h, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+        d = c.get("head_dim") or h // nh
+        bias = c.get("attention_bias", c["model_type"] == "qwen2")
+        self.nh, self.nkv, self.d = nh, nkv, d
+        self.q_proj = nn.Linear(h, nh * d, bias=bias)
+        self.k_proj = nn.Linear(h, nkv * d, bias=bias)
+        self.v_proj = nn.Linear(h, nkv * d, bias=bias)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        if c["model_type"] == "qwen3":
+            self.q_norm = _RMSNorm(d, c["rms_norm_eps"])
+            self.k_norm = _RMSNorm(d, c["rms_norm_eps"])
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        h, f = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = _MLP(c)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c["num_hidden_layers"]))
+        self.norm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+
+class TorchDecoder(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        if config.get("model_type") not in ("qwen2", "qwen3", "llama"):
+            raise ValueError(f"config.json model_type={config.get('model_type')!r}: expected qwen2, qwen3 or llama")
+        self.config = config
+        self.model = _Body(config)
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        self.lm_head = None if self.tied else nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        theta = float(config.get("rope_theta", 10000.0))
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d),
+                             persistent=False)
+
+    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        T = ids_BT.shape[1]
+        freqs = torch.arange(T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        x = self.model.embed_tokens(ids_BT)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        x = self.model.norm(x)
+        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(x, w)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> TorchDecoder:
+        from safetensors.torch import load_file
+
+        root = Path(path)
+        config = json.loads((root / "config.json").read_text())
+        model = cls(config)
+        state = {}
+        for f in sorted(root.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        if model.tied:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{root}: checkpoint does not match config.json (missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
+        return model
+
+    def save_pretrained(self, out: str | Path, *, copy_from: str | Path) -> Path:
+        """Write model.safetensors into ``out`` and copy config/tokenizer files from ``copy_from``."""
+        from safetensors.torch import save_file
+
+        out, src = Path(out), Path(copy_from)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy2(f, out / f.name)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
