@@ -1,0 +1,319 @@
+"""Asyncio client for one SGLang server (or the CPU engine, which speaks the same API).
+
+Contract
+- One ``SGLangClient`` per engine URL; it owns one pooled ``aiohttp.ClientSession`` (created
+  lazily inside the running loop; ``close()`` or ``async with`` releases it).
+- Every call has a timeout: ``request_timeout_s`` for ``/generate``, ``control_timeout_s`` for
+  everything else (both overridable per call). A weight-sync call that blocks on the trainer
+  (``init_weights_update_group``, ``update_weights_from_distributed``) takes ``timeout_s``.
+- Every failure raises ``EngineError`` carrying ``url``, ``endpoint``, ``status`` (None for
+  connection errors and timeouts) and the server's ``message``; an SGLang ``{"success": false}``
+  answer is a failure too.
+- ``generate`` is token-in/token-out: it sends ``input_ids`` and returns the output ids exactly as
+  the engine produced them (untrimmed), never re-tokenized.
+
+    async with SGLangClient("http://127.0.0.1:30000") as c:
+        r = await c.generate([1, 2, 3], {"max_new_tokens": 16, "temperature": 1.0})
+        r.output_ids, r.output_logprobs, r.finish_reason["type"], r.weight_versions
+        await c.pause_generation("retract"); ...; await c.continue_generation()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Sequence
+
+import aiohttp
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class EngineError(RuntimeError):
+    """An engine call failed. ``status`` is the HTTP status (None: no answer / timeout)."""
+
+    def __init__(self, url: str, endpoint: str, message: str, status: Optional[int] = None):
+        self.url = url
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+        where = f"{url.rstrip('/')}{endpoint}"
+        super().__init__(f"{where}: " + (f"HTTP {status}: " if status is not None else "") + message)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One ``/generate`` answer, typed. ``output_ids`` are untrimmed (stop tokens included)."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: Optional[list[float]]
+    """Log-prob of each output token (None unless ``return_logprob``)."""
+    finish_reason: dict
+    """``{"type": "stop", "matched": id|str}``, ``{"type": "length", "length": N}`` or
+    ``{"type": "abort", "message": ...}``."""
+    weight_version: str
+    """The engine's weight version when the request finished."""
+    weight_versions: list[dict]
+    """``[{"version", "start", "end"}]``: which output tokens came from which version (may be empty
+    on SGLang < 0.5.19)."""
+    num_retractions: int
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    meta_info: dict = field(repr=False)
+    """The raw ``meta_info`` (e.g. ``input_token_logprobs``, ``e2e_latency``)."""
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.get("type") == "abort"
+
+    @property
+    def versions(self) -> list[str]:
+        """Distinct weight versions this output was generated with, in order."""
+        out: list[str] = []
+        for w in self.weight_versions:
+            if w["version"] not in out:
+                out.append(w["version"])
+        return out or [self.weight_version]
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """What ``/metrics`` says about load; values summed over label sets (e.g. TP ranks: max)."""
+
+    num_running_reqs: float
+    num_queue_reqs: float
+    cache_hit_rate: float
+    generation_tokens_total: float
+    raw: dict[str, float] = field(repr=False)
+    """Every ``sglang:*`` sample by series name (without the prefix)."""
+
+
+def parse_generate_response(data: dict) -> GenerateResult:
+    meta = data.get("meta_info") or {}
+    lps = meta.get("output_token_logprobs")
+    return GenerateResult(
+        rid=str(meta.get("id", "")),
+        output_ids=list(data.get("output_ids") or []),
+        output_logprobs=[float(x[0]) for x in lps] if lps is not None else None,
+        finish_reason=meta.get("finish_reason") or {},
+        weight_version=str(meta.get("weight_version", "")),
+        weight_versions=list(meta.get("weight_versions") or []),
+        num_retractions=int(meta.get("num_retractions", 0) or 0),
+        text=data.get("text", ""),
+        prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+        meta_info=meta,
+    )
+
+
+_SAMPLE = re.compile(r"^sglang:([A-Za-z_][A-Za-z0-9_]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``sglang:*`` samples -> {name: value}. Gauges/counters reported per label set (TP/DP
+    ranks) are combined: counters summed, ``num_*``/``token_usage`` summed, rates averaged."""
+    acc: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            acc.setdefault(m.group(1), []).append(float(m.group(3)))
+        except ValueError:
+            continue
+    out: dict[str, float] = {}
+    for name, vals in acc.items():
+        out[name] = sum(vals) / len(vals) if name.endswith("_rate") else sum(vals)
+    return out
+
+
+class SGLangClient:
+    def __init__(self, url: str, *, request_timeout_s: float = 600.0, control_timeout_s: float = 60.0,
+                 max_connections: int = 1024):
+        self.url = url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.max_connections = max_connections
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    @classmethod
+    def from_config(cls, url: str, rollout_cfg) -> "SGLangClient":
+        """Timeouts from ``asyncrl.config.schema.RolloutConfig``."""
+        return cls(url, request_timeout_s=rollout_cfg.request_timeout_s,
+                   control_timeout_s=rollout_cfg.control_timeout_s,
+                   max_connections=max(64, 2 * rollout_cfg.max_running_requests))
+
+    async def __aenter__(self) -> "SGLangClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False))
+        return self._session
+
+    # ---- transport -----------------------------------------------------------------------
+    async def _request(self, method: str, endpoint: str, body: Any = None, *,
+                       timeout_s: Optional[float] = None, want: str = "json") -> Any:
+        t = self.control_timeout_s if timeout_s is None else timeout_s
+        try:
+            async with self._sess().request(
+                method, self.url + endpoint, json=body,
+                timeout=aiohttp.ClientTimeout(total=t),
+            ) as resp:
+                raw = await resp.read()
+                text = raw.decode(errors="replace")
+                if resp.status >= 400:
+                    raise EngineError(self.url, endpoint, _server_message(text), resp.status)
+                if want == "text":
+                    return text
+                if want == "none" or not raw:
+                    return None
+                try:
+                    return json.loads(raw)
+                except json.JSONDecodeError:
+                    raise EngineError(self.url, endpoint, f"non-JSON answer: {text[:500]!r}", resp.status) from None
+        except asyncio.TimeoutError:
+            raise EngineError(self.url, endpoint, f"no answer within {t:g}s (timeout)") from None
+        except aiohttp.ClientError as e:
+            raise EngineError(self.url, endpoint, f"{type(e).__name__}: {e}") from e
+
+    async def _control(self, endpoint: str, body: Any, *, timeout_s: Optional[float] = None) -> dict:
+        """A call answering ``{"success", "message"}``; success false raises."""
+        data = await self._request("POST", endpoint, body, timeout_s=timeout_s)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(self.url, endpoint, str(data.get("message", data)), 200)
+        return data or {}
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None, *,
+                       rid: Optional[str] = None, return_logprob: bool = True,
+                       logprob_start_len: Optional[int] = None,
+                       timeout_s: Optional[float] = None) -> GenerateResult:
+        """POST /generate for one prompt of token ids. An aborted request is returned (not raised):
+        check ``result.aborted``. ``logprob_start_len >= 0`` also asks for prompt log-probs
+        (``meta_info["input_token_logprobs"]``)."""
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
+                                "return_logprob": return_logprob, "stream": False}
+        if rid is not None:
+            body["rid"] = rid
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
+        data = await self._request("POST", "/generate", body,
+                                   timeout_s=self.request_timeout_s if timeout_s is None else timeout_s)
+        if isinstance(data, list):  # n > 1 in sampling_params: take the first, keep all raw
+            data = data[0]
+        return parse_generate_response(data)
+
+    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
+        """POST /abort_request (SGLang matches ``rid`` by prefix)."""
+        await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, want="none")
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> dict:
+        return await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self, *, torch_empty_cache: bool = False) -> dict:
+        return await self._request("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
+
+    async def flush_cache(self) -> None:
+        """POST /flush_cache; raises EngineError (400) while requests are running."""
+        await self._request("POST", "/flush_cache", None, want="text")
+
+    # ---- weight sync ---------------------------------------------------------------------
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl", timeout_s: Optional[float] = None) -> dict:
+        """Blocks until every rank joined: run it as a task, then join the group on the trainer."""
+        return await self._control("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s=timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        return await self._control("/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> dict:
+        return await self._control("/end_weight_update", {})
+
+    async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]],
+                                              group_name: str = "weight_update_group",
+                                              flush_cache: bool = True, weight_version: Optional[str] = None,
+                                              load_format: Optional[str] = None,
+                                              timeout_s: Optional[float] = None) -> dict:
+        """Send while the trainer broadcasts the tensors from group rank 0 in ``names`` order
+        (``load_format="flattened_bucket"``: one uint8 tensor, each tensor's bytes back to back)."""
+        return await self._control("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": weight_version, "load_format": load_format}, timeout_s=timeout_s)
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
+        """Note: our default is False; SGLang's server default (if the key is omitted) is True."""
+        return await self._control("/update_weight_version", {
+            "new_version": str(new_version), "abort_all_requests": abort_all_requests})
+
+    # ---- info ----------------------------------------------------------------------------
+    async def model_info(self, *, timeout_s: Optional[float] = None) -> dict:
+        """GET /model_info (falls back to /get_model_info on older SGLang)."""
+        try:
+            return await self._request("GET", "/model_info", timeout_s=timeout_s)
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return await self._request("GET", "/get_model_info", timeout_s=timeout_s)
+
+    async def server_info(self) -> dict:
+        try:
+            return await self._request("GET", "/server_info")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return await self._request("GET", "/get_server_info")
+
+    async def weight_version(self) -> str:
+        return str((await self.model_info())["weight_version"])
+
+    async def metrics(self) -> EngineMetrics:
+        """Scrape GET /metrics (needs ``--enable-metrics`` on SGLang)."""
+        raw = parse_prometheus(await self._request("GET", "/metrics", want="text"))
+        return EngineMetrics(
+            num_running_reqs=raw.get("num_running_reqs", 0.0),
+            num_queue_reqs=raw.get("num_queue_reqs", 0.0),
+            cache_hit_rate=raw.get("cache_hit_rate", 0.0),
+            generation_tokens_total=raw.get("generation_tokens_total", 0.0),
+            raw=raw,
+        )
+
+
+def _server_message(text: str) -> str:
+    """The server's error message from ``{"error": {"message"}}``, ``{"error": "..."}``,
+    ``{"message"}``, FastAPI's ``{"detail"}`` or plain text."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:2000] or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for k in ("message", "detail"):
+            if k in data:
+                return str(data[k])
+    return text.strip()[:2000]

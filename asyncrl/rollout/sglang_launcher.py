@@ -1,0 +1,205 @@
+"""Launch and supervise one rollout engine: an SGLang server (GPU) or the CPU engine, same API.
+
+Contract
+- Two pure command builders, one supervisor: ``sglang_command`` (``python -m
+  sglang.launch_server ...``) and ``cpu_engine_command`` (``python -m asyncrl.rollout.cpu_engine
+  ...``) turn the typed ``Config`` into argv; ``engine_command`` picks by
+  ``rollout.rollout_backend``. Nothing here imports sglang or CUDA.
+- ``EngineSupervisor`` starts the command as a child of the engine's first rank (through
+  ``asyncrl.cluster.process.spawn_child``: own process group, log in ``<run_dir>/logs/``, dies with
+  its parent), waits until ``GET /model_info`` answers (``EngineLaunchError`` after
+  ``rollout.start_timeout_s``, with the last lines of the log; at once if the child dies), restarts
+  a crashed engine at most ``rollout.max_restarts`` times (``check()``), and stops it with
+  SIGTERM, a grace period, then SIGKILL.
+- A restarted engine is back at the checkpoint's weights and initial weight version and has left
+  the weight-update group: ``restarts`` tells the caller to re-join the group and re-sync.
+
+    sup = EngineSupervisor.from_config(cfg, engine_index=0, base_gpu_id=8, run_dir="runs/x")
+    sup.start()             # blocks until /model_info answers
+    sup.url                 # "http://host:30000"
+    sup.check()             # in the rank's loop: restarts a crashed engine or raises
+    sup.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
+from asyncrl.config.schema import Config
+
+log = logging.getLogger("asyncrl.rollout.launcher")
+
+INITIAL_WEIGHT_VERSION = "0"  # the actor's version before its first step; versions are integers
+PORT_STRIDE = 10  # engine k on a node listens on rollout.port + k * PORT_STRIDE (config doc)
+
+
+class EngineLaunchError(RuntimeError):
+    """An engine did not come up, or crashed more often than ``rollout.max_restarts``."""
+
+
+def engine_port(cfg: Config, local_engine_index: int) -> int:
+    return cfg.rollout.port + local_engine_index * PORT_STRIDE
+
+
+def _model_path(cfg: Config) -> str:
+    return cfg.rollout.model_path or cfg.actor.model_path
+
+
+def sglang_command(cfg: Config, *, port: int, base_gpu_id: int, host: str = "0.0.0.0",
+                   weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
+    """argv of ``python -m sglang.launch_server`` for one engine (``--dp-size 1``: one server per
+    engine, as NCCL weight sync needs)."""
+    r = cfg.rollout
+    cmd = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", _model_path(cfg),
+        "--tp-size", str(r.tensor_parallel_size),
+        "--dp-size", "1",
+        "--base-gpu-id", str(base_gpu_id),
+        "--host", host,
+        "--port", str(port),
+        "--mem-fraction-static", str(r.sglang.mem_fraction_static),
+        "--max-running-requests", str(r.max_running_requests),
+        "--enable-metrics",
+        "--weight-version", str(weight_version),
+        "--random-seed", str(cfg.runner.seed),
+        "--skip-server-warmup",
+    ]
+    return cmd + [str(a) for a in r.sglang.extra_args]
+
+
+def cpu_engine_command(cfg: Config, *, port: int, host: str = "0.0.0.0",
+                       weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
+    """argv of the CPU engine for one engine (TP is always 1 on CPU)."""
+    r = cfg.rollout
+    return [
+        python, "-m", "asyncrl.rollout.cpu_engine",
+        "--model-path", _model_path(cfg),
+        "--host", host,
+        "--port", str(port),
+        "--max-running-requests", str(r.max_running_requests),
+        "--weight-version", str(weight_version),
+        "--seed", str(cfg.runner.seed),
+    ]
+
+
+def engine_command(cfg: Config, *, port: int, base_gpu_id: int = 0, host: str = "0.0.0.0",
+                   weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
+    if cfg.rollout.rollout_backend == "cpu":
+        return cpu_engine_command(cfg, port=port, host=host, weight_version=weight_version, python=python)
+    return sglang_command(cfg, port=port, base_gpu_id=base_gpu_id, host=host, weight_version=weight_version,
+                          python=python)
+
+
+def model_info_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """True when ``GET url/model_info`` answers 200 with a JSON object."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/model_info", timeout=timeout_s) as resp:
+            return resp.status == 200 and isinstance(json.loads(resp.read()), dict)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, json.JSONDecodeError, OSError):
+        return False
+
+
+class EngineSupervisor:
+    def __init__(self, command: list[str], *, url: str, name: str, log_dir: str | Path,
+                 start_timeout_s: float = 600.0, max_restarts: int = 2, shutdown_grace_s: float = 10.0,
+                 env: Optional[dict[str, str]] = None):
+        self.command = list(command)
+        self.url = url.rstrip("/")
+        self.name = name
+        self.log_dir = Path(log_dir)
+        self.start_timeout_s = start_timeout_s
+        self.max_restarts = max_restarts
+        self.shutdown_grace_s = shutdown_grace_s
+        self.env = env
+        self.restarts = 0
+        self.child: Optional[Child] = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, engine_index: int, local_engine_index: Optional[int] = None,
+                    base_gpu_id: int = 0, run_dir: Optional[str | Path] = None, host: str = "0.0.0.0",
+                    advertise_host: Optional[str] = None, port: Optional[int] = None) -> "EngineSupervisor":
+        """Engine ``engine_index`` (global; names the log) listening on
+        ``rollout.port + local_engine_index * 10`` unless ``port`` is given; its URL uses
+        ``advertise_host`` (default: this host's name, or 127.0.0.1 when bound to loopback)."""
+        local = engine_index if local_engine_index is None else local_engine_index
+        p = engine_port(cfg, local) if port is None else port
+        adv = advertise_host or ("127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostname())
+        env = {"OMP_NUM_THREADS": "1"} if cfg.rollout.rollout_backend == "cpu" else None
+        return cls(
+            engine_command(cfg, port=p, base_gpu_id=base_gpu_id, host=host),
+            url=f"http://{adv}:{p}", name=f"engine{engine_index}",
+            log_dir=Path(run_dir or cfg.logging.run_dir) / "logs",
+            start_timeout_s=cfg.rollout.start_timeout_s, max_restarts=cfg.rollout.max_restarts,
+            shutdown_grace_s=cfg.cluster.shutdown_grace_s, env=env)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.child.pid if self.child is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def alive(self) -> bool:
+        return self.child is not None and self.child.alive()
+
+    def start(self) -> None:
+        """Start the child and block until it serves ``/model_info``."""
+        if self.alive():
+            raise EngineLaunchError(f"{self.name} at {self.url} is already running (pid {self.pid})")
+        if model_info_ready(self.url, timeout_s=1.0):
+            raise EngineLaunchError(f"{self.name}: something already answers at {self.url}; "
+                                    "another engine on this port? change rollout.port")
+        log.info("starting %s: %s", self.name, " ".join(self.command))
+        self.child = spawn_child(self.name, self.command, log_dir=self.log_dir, env=self.env)
+        try:
+            wait_until(lambda: model_info_ready(self.url), timeout_s=self.start_timeout_s,
+                       what=f"{self.name} to answer {self.url}/model_info", child=self.child, interval_s=0.3)
+        except (ChildFailed, TimeoutError) as e:
+            self._kill()
+            raise EngineLaunchError(f"{self.name} at {self.url} did not start: {e}") from None
+        log.info("%s ready at %s (pid %d)", self.name, self.url, self.pid)
+
+    def check(self) -> bool:
+        """Call periodically. Returns True when the engine is up; restarts a dead engine (blocking
+        until ready) while restarts remain, and raises ``EngineLaunchError`` after that."""
+        if self.alive():
+            return True
+        code = self.child.popen.returncode if self.child is not None else None
+        tail = tail_file(self.log_path)
+        if self.restarts >= self.max_restarts:
+            raise EngineLaunchError(
+                f"{self.name} at {self.url} exited (code {code}) after {self.restarts} restart(s) "
+                f"(rollout.max_restarts={self.max_restarts}); last lines of {self.log_path}:\n{tail}")
+        self.restarts += 1
+        log.warning("%s exited with code %s; restart %d/%d", self.name, code, self.restarts, self.max_restarts)
+        self.child = None
+        self.start()
+        return False
+
+    def _kill(self) -> None:
+        if self.child is not None:
+            stop_child(self.child, self.shutdown_grace_s)
+
+    def stop(self) -> None:
+        """SIGTERM the engine's process group, wait the grace period, then SIGKILL."""
+        self._kill()
+        if self.child is not None:
+            log.info("%s stopped (code %s)", self.name, self.child.popen.returncode)
+
+    def wait_exit(self, timeout_s: float) -> Optional[int]:
+        """Wait up to ``timeout_s`` for the child to exit; its code or None."""
+        t0 = time.monotonic()
+        while self.alive() and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.05)
+        return None if self.alive() else self.child.popen.returncode
