@@ -42,12 +42,6 @@ def local_address() -> str:
         s.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def run_role(ctx) -> int:
     cfg = ctx.cfg
     disc = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s)
@@ -94,12 +88,17 @@ def run_actor(ctx, disc: Discovery) -> int:
         broker = None
         engine_urls: list[str] = []
         if actor_rank == 0:
-            port = free_port()
-            bind = f"tcp://0.0.0.0:{port}"
+            addr_file = ctx.run_dir / "broker.address"
+            addr_file.unlink(missing_ok=True)
+            host = local_address()
+            bind = "tcp://127.0.0.1:0" if host == "127.0.0.1" else "tcp://0.0.0.0:0"
             broker = process.spawn_child(
-                "broker", [sys.executable, "-m", "asyncrl.broker", "--bind", bind, *_base_cmd(ctx)],
-                log_dir=ctx.run_dir / "logs")
-            address = f"tcp://{local_address()}:{port}"
+                "broker", [sys.executable, "-m", "asyncrl.broker", "--bind", bind, "--address-file", str(addr_file),
+                           *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs")
+            process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
+                               child=broker)
+            port = addr_file.read_text().strip().rsplit(":", 1)[1]
+            address = f"tcp://{host}:{port}"
             disc.publish("broker/address", address)
             for i in range(len(ctx.placement.engines)):
                 engine_urls.append(disc.lookup(f"engine/{i}/url", timeout_s=cfg.rollout.start_timeout_s + 60))
@@ -127,7 +126,9 @@ def run_rollout(ctx, disc: Discovery) -> int:
 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     base_gpu = ranks[0] % per_node
-    sup = EngineSupervisor.from_config(cfg, engine_index=e, base_gpu_id=base_gpu, host=local_address(),
+    host = local_address()
+    sup = EngineSupervisor.from_config(cfg, engine_index=e, local_engine_index=ctx.local_rank, base_gpu_id=base_gpu,
+                                       host="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", advertise_host=host,
                                        run_dir=ctx.run_dir)
     sup.start()
     try:

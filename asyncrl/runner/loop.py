@@ -1,0 +1,278 @@
+"""The step loop on the actor ranks: get a batch, train, sync weights, log. Async and sync modes.
+
+Contract
+- Wires actor rank 0 to the broker (``BrokerClient``), the engines (``WeightSyncGroup`` +
+  ``WeightSyncer``) and the metrics writer; every actor rank runs the Megatron actor.
+- async (``runner.async_mode = true``): the broker keeps issuing while the actor trains; each step
+  takes the oldest ``rollout_batch_size`` groups (``time/wait_data`` = how long it waited), trains
+  (``time/training``) and, every ``rollout.update_weights_interval`` steps, syncs
+  (``time/sync_weights``) while generation goes on.
+- sync (``false``): the same parts taking turns: the broker issues exactly one batch when asked,
+  the actor waits for all of it (``time/rollout``), trains, syncs.
+- Weight version v = number of optimizer steps whose weights the engines carry; the engines start
+  at 0 with the actor's initial weights.
+- Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
+  ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
+
+    rc = run_training(ctx, broker_address=..., engine_urls=[...], broker_child=child, actor_rank=0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+log = logging.getLogger("asyncrl.runner")
+
+
+def _bcast_obj(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def rollout_metrics(groups) -> dict[str, float]:
+    """reward/mean, response length, turns and tool calls per trajectory of the trained batch."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    n = len(trajs)
+    gen_lens = [sum(t.loss_mask) for t in trajs]
+    return {
+        "reward/mean": sum(t.reward for t in trajs) / n,
+        "rollout/response_length/mean": sum(len(t.response_ids) for t in trajs) / n,
+        "rollout/generated_tokens/mean": sum(gen_lens) / n,
+        "rollout/turns/mean": sum(t.num_turns for t in trajs) / n,
+        "rollout/tool_calls/mean": sum(t.num_tool_calls for t in trajs) / n,
+        "rollout/truncated_ratio": sum(t.truncated for t in trajs) / n,
+        "rollout/retractions/mean": sum(t.num_retractions for t in trajs) / n,
+        "rollout/num_trajectories": float(n),
+    }
+
+
+class EngineScraper:
+    """Reads each engine's Prometheus ``/metrics`` (running requests, cache hit rate)."""
+
+    def __init__(self, urls: list[str], timeout_s: float = 5.0):
+        self.urls, self.timeout_s = urls, timeout_s
+
+    def scrape(self) -> dict[str, float]:
+        from asyncrl.rollout.sglang_client import parse_prometheus
+        from asyncrl.sync.engine_http import get_text
+
+        out: dict[str, float] = {}
+        running, hit = [], []
+        for i, u in enumerate(self.urls):
+            try:
+                vals = parse_prometheus(get_text(u, "/metrics", timeout_s=self.timeout_s, step="metrics"))
+            except Exception as e:  # noqa: BLE001 - a metrics scrape must never stop training; logged
+                log.warning("engine %s: /metrics scrape failed: %s", u, e)
+                continue
+            r = vals.get("sglang:num_running_reqs", 0.0)
+            h = vals.get("sglang:cache_hit_rate", 0.0)
+            out[f"engine/{i}/num_running_reqs"] = r
+            out[f"engine/{i}/cache_hit_rate"] = h
+            out[f"engine/{i}/num_queue_reqs"] = vals.get("sglang:num_queue_reqs", 0.0)
+            running.append(r)
+            hit.append(h)
+        if running:
+            out["sglang_num_running_reqs"] = sum(running) / len(running)
+            out["sglang_cache_hit_rate"] = sum(hit) / len(hit)
+        return out
+
+
+def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str) -> dict:
+    """Greedy held-out accuracy on the engines (shared-engine eval: the broker holds issuing)."""
+    from asyncrl.agent.data.loaders import load_prompts
+    from asyncrl.agent.loop import AgentLoop, EngineHandle
+    from asyncrl.agent.tasks import get_task
+    from asyncrl.agent.tokenizer import AgentTokenizer
+    from asyncrl.agent.tools import make_retriever
+    from asyncrl.rollout.sglang_client import SGLangClient
+
+    if not cfg.data.test_path:
+        return {}
+    items = load_prompts(cfg.data.test_path)
+
+    async def run():
+        clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in engine_urls]
+        try:
+            loop = AgentLoop(task=get_task(cfg.agentloop.task_name), tokenizer=AgentTokenizer.from_pretrained(tokenizer_path),
+                             retriever=make_retriever(cfg.agentloop.tool), agent_cfg=cfg.agentloop,
+                             sampling=cfg.rollout.sampling, rid_prefix="eval")
+            handles = [EngineHandle(c, max_in_flight=cfg.agentloop.max_requests_per_engine, url=u,
+                                    generate_raw=_raw_generate(c)) for c, u in zip(clients, engine_urls)]
+            return await loop.evaluate(items, handles)
+        finally:
+            for c in clients:
+                await c.close()
+
+    return asyncio.run(run())
+
+
+def _raw_generate(client):
+    async def gen(input_ids, sampling_params, rid):
+        res = await client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
+        return {"output_ids": res.output_ids, "text": res.text, "meta_info": res.meta_info}
+
+    return gen
+
+
+def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int) -> int:
+    from asyncrl.actor.trainer import Actor
+
+    cfg = ctx.cfg
+    is_leader = actor_rank == 0
+    actor = Actor(cfg)
+    ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
+    start_step = 0
+    state = None
+    if is_leader:
+        from asyncrl.broker.client import BrokerClient
+        from asyncrl.runner.metrics import MetricsWriter
+        from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+        from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
+
+        broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
+        writer = MetricsWriter(ctx.run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
+                               console=cfg.logging.console, max_steps=cfg.runner.max_steps)
+        group = WeightSyncGroup([EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls],
+                                cfg.sync)
+        group.init()
+        syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
+                              hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
+        scraper = EngineScraper(engine_urls)
+    latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
+    latest = _bcast_obj(str(latest) if latest else None)
+    if latest:
+        meta = actor.load_checkpoint(latest)
+        start_step = int(meta["step"])
+        if is_leader:
+            broker_state = Path(latest) / "broker_state.bin"
+            if broker_state.is_file():
+                broker.set_state(broker_state.read_bytes())
+            log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
+    summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
+    if is_leader and latest:
+        # engines start from the HF checkpoint: bring them to the resumed weights
+        pass
+    need_initial_sync = bool(latest)
+    if need_initial_sync:
+        _sync(actor, syncer if is_leader else None, cfg, is_leader)
+    if is_leader and cfg.runner.eval_before_after and start_step == 0:
+        summary["eval_before"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+        log.info("held-out accuracy before training: %s", json.dumps(summary["eval_before"]))
+    for step in range(start_step + 1, cfg.runner.max_steps + 1):
+        t_step = time.perf_counter()
+        m: dict[str, float] = {}
+        groups = None
+        if is_leader:
+            batch = broker.get_batch(step, timeout_s=cfg.rollout.request_timeout_s * 4, actor_version=actor.version)
+            groups = batch.groups
+            m.update(batch.metrics)
+            m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
+            m.update(rollout_metrics(groups))
+        t0 = time.perf_counter()
+        m.update(actor.train_step(groups))
+        m["time/training"] = time.perf_counter() - t0
+        if step % cfg.rollout.update_weights_interval == 0:
+            res = _sync(actor, syncer if is_leader else None, cfg, is_leader)
+            if res is not None:
+                m.update(res.metrics())
+        else:
+            m["time/sync_weights"] = 0.0
+        if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
+                cfg.runner.save_at_end and step == cfg.runner.max_steps):
+            _save(actor, ckpt_root, step, broker if is_leader else None)
+        if is_leader:
+            m["time/step"] = time.perf_counter() - t_step
+            m.update(scraper.scrape())
+            m["actor/weight_version"] = float(actor.version)
+            writer.log(m, step)
+            summary["steps"].append({k: m.get(k) for k in (
+                "reward/mean", "rollout/data_staleness/mean", "rollout/data_staleness/max", "time/step",
+                "time/training", "time/wait_data", "time/rollout", "time/sync_weights")})
+            summary["staleness_max"] = max(summary["staleness_max"], m.get("rollout/data_staleness/max", 0.0))
+            summary["drops"] += m.get("rollout/fully_async/stale_groups_filtered", 0.0) + m.get(
+                "rollout/fully_async/aborted_groups_filtered", 0.0)
+    if is_leader:
+        if cfg.runner.eval_before_after:
+            broker.sync_begin("drain")  # hold generation while evaluating on the shared engines
+            summary["eval_after"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+        print_summary(cfg, summary, ctx.run_dir)
+        broker.shutdown()
+        broker.close()
+        writer.close()
+        group.destroy()
+    dist.barrier()
+    return 0
+
+
+def _sync(actor, syncer, cfg, is_leader):
+    buckets = actor.iter_hf_buckets(cfg.sync.bucket_bytes)
+    if is_leader:
+        return syncer.sync(buckets, version=actor.version)
+    for _ in buckets:  # other ranks take part in gathering the shards
+        pass
+    return None
+
+
+def _latest_checkpoint(root: Path) -> Path | None:
+    if not root.is_dir():
+        return None
+    steps = sorted((p for p in root.glob("step_*") if (p / "complete").is_file()),
+                   key=lambda p: int(p.name.split("_")[1]))
+    return steps[-1] if steps else None
+
+
+def _save(actor, root: Path, step: int, broker) -> None:
+    d = root / f"step_{step:06d}"
+    actor.save_checkpoint(d, step=step)
+    if broker is not None:
+        (d / "broker_state.bin").write_bytes(broker.get_state())
+        (d / "complete").write_text("ok\n")
+
+
+def print_summary(cfg, summary: dict, run_dir: Path) -> None:
+    steps = summary["steps"]
+    rewards = [s["reward/mean"] for s in steps if s.get("reward/mean") is not None]
+    first = statistics.mean(rewards[:5]) if rewards else float("nan")
+    last = statistics.mean(rewards[-5:]) if rewards else float("nan")
+
+    def avg(key):
+        vals = [s[key] for s in steps if s.get(key) is not None]
+        return statistics.mean(vals) if vals else 0.0
+
+    out = {
+        "mode": "async" if cfg.runner.async_mode else "sync",
+        "steps": len(steps),
+        "reward_first5": first,
+        "reward_last5": last,
+        "reward_gain": last - first,
+        "test_accuracy_before": summary.get("eval_before", {}).get("accuracy"),
+        "test_accuracy_after": summary.get("eval_after", {}).get("accuracy"),
+        "staleness_mean": avg("rollout/data_staleness/mean"),
+        "staleness_max": summary["staleness_max"],
+        "dropped_groups": summary["drops"],
+        "time/step": avg("time/step"),
+        "time/training": avg("time/training"),
+        "time/wait_data": avg("time/wait_data"),
+        "time/rollout": avg("time/rollout"),
+        "time/sync_weights": avg("time/sync_weights"),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
+    lines = ["", "=" * 72, f"asyncrl summary ({out['mode']}, {out['steps']} steps, run dir {run_dir})",
+             f"  reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (gain {last - first:+.3f})",
+             f"  held-out accuracy: before {out['test_accuracy_before']} -> after {out['test_accuracy_after']}",
+             f"  staleness: mean {out['staleness_mean']:.2f}, max {out['staleness_max']:.0f}; "
+             f"dropped groups {out['dropped_groups']:.0f}",
+             f"  time/step {out['time/step']:.2f}s = training {out['time/training']:.2f}s + wait_data "
+             f"{out['time/wait_data']:.2f}s + rollout {out['time/rollout']:.2f}s + sync_weights "
+             f"{out['time/sync_weights']:.2f}s", "=" * 72]
+    print("\n".join(lines), flush=True)
