@@ -101,7 +101,7 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str) -> 
     items = load_prompts(cfg.data.test_path)
 
     async def run():
-        clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in engine_urls]
+        clients = [SGLangClient.from_config(u, cfg.rollout) for u in engine_urls]
         try:
             loop = AgentLoop(task=get_task(cfg.agentloop.task_name), tokenizer=AgentTokenizer.from_pretrained(tokenizer_path),
                              retriever=make_retriever(cfg.agentloop.tool), agent_cfg=cfg.agentloop,
