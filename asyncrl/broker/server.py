@@ -135,11 +135,7 @@ class BrokerServer:
         for wid, gids in cancels.items():
             if wid in self._worker_ident:
                 self._send_worker(wid, P.CANCEL, {"group_ids": gids})
-        control = (core.hold_new_turns, core.version)
-        for wid in list(self._worker_ident):
-            if self._control_sent.get(wid) != control:
-                self._control_sent[wid] = control
-                self._send_worker(wid, P.CONTROL, {"hold": control[0], "version": control[1]})
+        self._flush_control()
         for _ in range(8):  # a lost worker re-queues groups, which issues again
             issues = core.take_issues()
             if not issues:
@@ -154,6 +150,13 @@ class BrokerServer:
             log.debug("dropped group %d (prompt %d, epoch %d): %s%s", d.group_id, d.item.index, d.epoch, d.reason,
                       " -> retried" if d.retried else "")
         self._flush_batch()
+
+    def _flush_control(self) -> None:
+        control = (self.core.hold_new_turns, self.core.version)
+        for wid in list(self._worker_ident):
+            if self._control_sent.get(wid) != control:
+                self._control_sent[wid] = control
+                self._send_worker(wid, P.CONTROL, {"hold": control[0], "version": control[1]})
 
     def _flush_batch(self) -> None:
         pend = self._pending
@@ -244,9 +247,11 @@ class BrokerServer:
                 self._flush_batch()
             elif msg.type == P.SYNC_BEGIN:
                 core.sync_begin(str(b.get("mode", "retract")))
+                self._flush_control()  # the hold is on its way to every worker before the actor hears OK
                 self._send(ident, P.OK)
             elif msg.type == P.SYNC_END:
                 core.sync_end(int(b["version"]))
+                self._flush_control()
                 self._send(ident, P.OK)
             elif msg.type == P.METRICS:
                 self._send(ident, P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters),
