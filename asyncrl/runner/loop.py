@@ -56,6 +56,19 @@ def rollout_metrics(groups) -> dict[str, float]:
     }
 
 
+def broker_accounting(status: dict) -> dict[str, float]:
+    """Where every issued group is: trained, dropped, held (in flight or buffered), or re-issued
+    after its worker died. ``issued == trained + dropped + held + reissued`` at all times."""
+    c = status.get("counters", {})
+    return {
+        "broker/issued_groups": float(c.get("issued", 0)),
+        "broker/trained_groups": float(c.get("trained", 0)),
+        "broker/dropped_groups": float(c.get("dropped", 0)),
+        "broker/reissued_groups": float(c.get("reissued", 0)),
+        "broker/held_groups": float(status.get("num_inflight_groups", 0) + status.get("num_buffered_groups", 0)),
+    }
+
+
 class EngineScraper:
     """Reads each engine's Prometheus ``/metrics`` (running requests, cache hit rate)."""
 
@@ -84,6 +97,7 @@ class EngineScraper:
         if running:
             out["sglang_num_running_reqs"] = sum(running) / len(running)
             out["sglang_cache_hit_rate"] = sum(hit) / len(hit)
+            out["prefix_cache_hit_rate"] = out["sglang_cache_hit_rate"]  # Miles' per-step name
         return out
 
 
@@ -193,6 +207,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         if is_leader:
             m["time/step"] = time.perf_counter() - t_step
             m.update(scraper.scrape())
+            m.update(broker_accounting(broker.status()))
             m["actor/weight_version"] = float(actor.version)
             writer.log(m, step)
             summary["steps"].append({k: m.get(k) for k in (

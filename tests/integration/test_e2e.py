@@ -1,0 +1,162 @@
+"""End to end: the embedded default under torchrun (actor rank + rollout rank + broker + CPU engine).
+
+Asserts on the structured outputs (metrics.jsonl, TensorBoard events, summary.json), not on logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Every metric the two seed documents name (RLinf's page and Miles' page), as logged per step.
+SEED_METRICS_ASYNC = [
+    "rollout/buffer/admission_wait_inflight_limit",
+    "rollout/buffer/admission_wait_buffer_full",
+    "rollout/data_staleness/mean",
+    "rollout/data_staleness/max",
+    "rollout/version_span/mean",
+    "rollout/queue_steps/mean",
+    "rollout/fully_async/queue_size",
+    "rollout/fully_async/aborted_groups_filtered",
+    "rollout/fully_async/stale_groups_filtered",
+    "rollout/fully_async/avg_staleness",
+    "rollout/fully_async/max_staleness",
+    "rollout/fully_async/buffer_avg_staleness",
+    "rollout/fully_async/buffer_max_staleness",
+    "time/step",
+    "time/training",
+    "time/wait_data",
+    "time/sync_weights",
+    "sglang_num_running_reqs",
+    "sglang_cache_hit_rate",
+    "prefix_cache_hit_rate",
+    "reward/mean",
+    "train/loss",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            out.append(int(d.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The embedded default's artefacts, with a short warm start (the test checks plumbing, not learning)."""
+    from asyncrl.config import load_config
+    from asyncrl.runner.prepare import prepare_if_needed
+
+    d = tmp_path_factory.mktemp("tiny")
+    cfg = load_config(ROOT / "configs/tiny.toml", [f'prepare.dir="{d}"', "prepare.sft_steps=10",
+                                                    "prepare.num_entities=60"])
+    prepare_if_needed(cfg)
+    return d
+
+
+def run_job(prep: Path, run_dir: Path, *extra: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(ROOT / "launch/train.py"), "configs/tiny.toml",
+           f'prepare.dir="{prep}"', f'actor.model_path="{prep}/model_sft"',
+           f'data.train_path="{prep}/data/train.jsonl"', f'data.test_path="{prep}/data/test.jsonl"',
+           f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
+           f"rollout.port={_free_port()}", "data.rollout_batch_size=4", "algorithm.group_size=2",
+           "runner.eval_before_after=false", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _assert_clean_exit(r, run_dir: Path):
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
+    deadline = time.monotonic() + 10
+    while _pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pids_mentioning(str(run_dir)) == [], "processes of the run are left"
+
+
+def _assert_no_prompt_lost(recs: list[dict]):
+    last = recs[-1]
+    issued = last["broker/issued_groups"]
+    accounted = (last["broker/trained_groups"] + last["broker/dropped_groups"] + last["broker/held_groups"]
+                 + last["broker/reissued_groups"])
+    assert issued == accounted, last
+
+
+@pytest.mark.slow
+def test_async_steps(prepared, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_job(prepared, run_dir, "runner.max_steps=4")
+    _assert_clean_exit(r, run_dir)
+    recs = read_metrics(run_dir)
+    assert [x["step"] for x in recs] == [1, 2, 3, 4]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    missing = [m for m in SEED_METRICS_ASYNC if m not in tags]
+    assert not missing, f"metrics missing from TensorBoard: {missing}"
+    assert any(t.startswith("rollout/data_staleness/ratio_") for t in tags)
+
+    bound = 8 / 4 + 1  # max_buffered_groups / rollout_batch_size + 1
+    assert max(x["rollout/data_staleness/max"] for x in recs) <= bound
+    versions = [x["actor/weight_version"] for x in recs]
+    assert versions == sorted(versions) and versions[-1] == 4
+    _assert_no_prompt_lost(recs)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4
+
+
+@pytest.mark.slow
+def test_sync_steps(prepared, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_job(prepared, run_dir, "runner.max_steps=3", "runner.async_mode=false")
+    _assert_clean_exit(r, run_dir)
+    recs = read_metrics(run_dir)
+    assert [x["step"] for x in recs] == [1, 2, 3]
+    for key in ("time/rollout", "time/training", "time/sync_weights", "time/step"):
+        assert all(key in x for x in recs), key
+    # synchronous: every trained group was generated by the weights of the step before
+    assert max(x["rollout/data_staleness/max"] for x in recs) == 0
+    _assert_no_prompt_lost(recs)
+
+
+@pytest.mark.slow
+def test_kill_and_resume(prepared, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_job(prepared, run_dir, "runner.max_steps=2", "runner.checkpoint_interval=2")
+    _assert_clean_exit(r, run_dir)
+    assert (run_dir / "checkpoints" / "step_000002" / "complete").is_file()
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "runner.checkpoint_interval=2", "runner.resume=true")
+    _assert_clean_exit(r, run_dir)
+    recs = read_metrics(run_dir)
+    assert [x["step"] for x in recs] == [1, 2, 3, 4]
+    assert recs[-1]["actor/weight_version"] == 4
