@@ -131,9 +131,9 @@ def parse_generate_response(resp: dict, url: str) -> GenOutput:
 class EngineHandle:
     """One engine as the loop sees it: ``generate`` with at most ``max_in_flight`` calls at once.
 
-    ``client`` is the SGLang client of that engine; ``generate_raw`` defaults to its
-    ``generate(input_ids, sampling_params, rid=..., return_logprob=True)`` returning the raw
-    ``/generate`` JSON. Any failure (client error, timeout, HTTP status, malformed reply) becomes
+    ``client`` is the engine's ``asyncrl.rollout.sglang_client.SGLangClient``; ``generate_raw``
+    (tests, other transports) replaces its ``generate`` by a coroutine ``(input_ids,
+    sampling_params, rid) -> raw /generate JSON``. Any failure (client error, timeout, HTTP status, malformed reply) becomes
     ``EngineError`` naming the URL.
     """
 
@@ -150,15 +150,17 @@ class EngineHandle:
         """Trajectories assigned now (for least-loaded placement of groups)."""
 
     async def _client_generate(self, input_ids, sampling_params, rid):
-        return await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
+        result = await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
+        if isinstance(result, dict):
+            return result
+        # asyncrl.rollout.sglang_client.GenerateResult: the raw meta_info carries the (logprob, id) pairs
+        return {"output_ids": result.output_ids, "meta_info": result.meta_info}
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str) -> GenOutput:
         async with self._sem:
             self.in_flight += 1
             try:
                 resp = await self._generate_raw(input_ids, sampling_params, rid)
-            except asyncio.CancelledError:
-                raise
             except EngineError:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, RuntimeError) as exc:

@@ -260,7 +260,8 @@ def write_dataset(out_dir: str | Path, *, seed: int, num_countries: int = 200, n
     lines = [d["contents"] for d in docs]
     lines += [r["prompt"][0]["content"] for r in train + test]
     lines += [d["prompt"] + "".join(s["text"] for s in d["segments"]) for d in demos]
-    lines.append(searchr1.INVALID_ACTION_MESSAGE)
+    # the invalid-action message is tool text the policy reads often: give the BPE enough of it
+    lines += [searchr1.INVALID_ACTION_MESSAGE.strip()] * 50
     paths["tokenizer_text"].write_text("\n".join(lines) + "\n", encoding="utf-8")
     return paths
 
