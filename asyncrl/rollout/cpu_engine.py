@@ -222,7 +222,7 @@ class CpuEngine:
         if batch:
             if rids is not None and (not isinstance(rids, list) or len(rids) != n_prompts):
                 raise RequestError("rid: a batch needs a list of rids, one per prompt")
-        rid_list = rids if batch else [rids]
+        rid_list = (rids if rids is not None else [None] * n_prompts) if batch else [rids]
         params_list = [parse_sampling_params(p) for p in per("sampling_params", {})]
         rlp = per("return_logprob", False)
         lsl = per("logprob_start_len", -1)

@@ -46,6 +46,7 @@ class ModelSpec:
     rope_theta: float
     rope_scaling: Optional[dict]
     qkv_bias: bool
+    o_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
@@ -98,6 +99,7 @@ def spec_from_hf_config(cfg: dict, generation_config: Optional[dict] = None, *, 
         rope_theta=float(theta),
         rope_scaling=dict(rope_scaling) if rope_scaling else None,
         qkv_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
+        o_bias=(mt == "llama") and bool(cfg.get("attention_bias", False)),
         qk_norm=(mt == "qwen3"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
@@ -198,6 +200,7 @@ class CausalLM:
                 "qkv_w": torch.zeros((nh + 2 * nkv) * d, h),
                 "qkv_b": torch.zeros((nh + 2 * nkv) * d) if s.qkv_bias else None,
                 "o_w": torch.zeros(h, nh * d),
+                "o_b": torch.zeros(h) if s.o_bias else None,
                 "ln2": torch.ones(h),
                 "gu_w": torch.zeros(2 * ffn, h),
                 "down_w": torch.zeros(h, ffn),
@@ -218,6 +221,8 @@ class CausalLM:
                 self.params[p + "self_attn.q_norm.weight"] = L["q_norm"]
                 self.params[p + "self_attn.k_norm.weight"] = L["k_norm"]
             self.params[p + "self_attn.o_proj.weight"] = L["o_w"]
+            if s.o_bias:
+                self.params[p + "self_attn.o_proj.bias"] = L["o_b"]
             self.params[p + "post_attention_layernorm.weight"] = L["ln2"]
             self.params[p + "mlp.gate_proj.weight"] = L["gu_w"][:ffn]
             self.params[p + "mlp.up_proj.weight"] = L["gu_w"][ffn:]
@@ -261,7 +266,7 @@ class CausalLM:
         x1, x2 = x[..., :half], x[..., half:]
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, tokens_BN: torch.Tensor, past_len_B: torch.Tensor, new_len_B: torch.Tensor,
                 kv: KVPool, row0: int) -> torch.Tensor:
         s = self.spec
@@ -311,14 +316,14 @@ class CausalLM:
             vals = vc[row0: row0 + B, :, :Lmax]
             att = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=nh != nkv)
             att = att.transpose(1, 2).reshape(B, N, nh * d)
-            x = x + F.linear(att, L["o_w"])
+            x = x + F.linear(att, L["o_w"], L["o_b"])
             hdn = F.rms_norm(x, (s.hidden_size,), L["ln2"], s.rms_norm_eps)
             gu = F.linear(hdn, L["gu_w"])
             g, u = gu.chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, L["down_w"])
         return F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head)
 

@@ -1,0 +1,220 @@
+"""The CPU engine over real HTTP: every endpoint's success and error shapes, stop rules, logprobs,
+and the three pause modes with concurrent in-flight requests (driven through the SGLang client)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from asyncrl.models.tiny import make_tiny_checkpoint
+from asyncrl.rollout.sglang_client import EngineError, SGLangClient
+from asyncrl.rollout.testing import running_cpu_engine
+
+pytestmark = pytest.mark.slow
+
+LONG = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("proto")
+    model = make_tiny_checkpoint(d / "model", arch="qwen2", seed=0, num_hidden_layers=2, hidden_size=64,
+                                 intermediate_size=128)
+    with running_cpu_engine(model, log_dir=d / "logs", max_running_requests=8) as sup:
+        yield sup
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _raw(url, method, path, body=None, data=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url + path, json=body, data=data, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status, await r.text()
+
+
+async def _wait(pred, timeout_s=30.0):
+    t0 = time.monotonic()
+    while not await pred():
+        assert time.monotonic() - t0 < timeout_s, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+def test_generate_shapes_and_errors(engine):
+    async def go():
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            r = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0}, rid="g1",
+                                 logprob_start_len=0)
+            assert r.rid == "g1" and len(r.output_ids) == 6 and r.finish_reason == {"type": "length", "length": 6}
+            assert len(r.output_logprobs) == 6 and all(lp <= 0 for lp in r.output_logprobs)
+            entries = r.meta_info["output_token_logprobs"]
+            assert [e[1] for e in entries] == r.output_ids and entries[0][2] is None
+            inp = r.meta_info["input_token_logprobs"]
+            assert inp[0][0] is None and [e[1] for e in inp] == [5, 6, 7, 8] and all(e[0] < 0 for e in inp[1:])
+            assert r.weight_version == "0" and r.weight_versions == [{"version": "0", "start": 0, "end": 6}]
+            assert r.prompt_tokens == 4 and r.num_retractions == 0
+            again = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0})
+            assert again.output_ids == r.output_ids  # greedy is deterministic
+            # stop token id: output ids keep it, text drops it
+            stop_tok = r.output_ids[2]
+            s = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_tok]})
+            assert s.output_ids == r.output_ids[:3] and s.finish_reason == {"type": "stop", "matched": stop_tok}
+            # stop string: ids untrimmed, text cut before the string
+            full = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0, "skip_special_tokens": False})
+            word = full.text[len(full.text) // 2:][:2] or full.text
+            st = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0, "stop": [word],
+                                                 "skip_special_tokens": False})
+            assert st.finish_reason == {"type": "stop", "matched": word}
+            assert word not in st.text and r.output_ids[: len(st.output_ids)] == st.output_ids
+            # sampling with a seed is reproducible
+            a = await c.generate([9, 10], {"max_new_tokens": 8, "sampling_seed": 7})
+            b = await c.generate([9, 10], {"max_new_tokens": 8, "sampling_seed": 7})
+            assert a.output_ids == b.output_ids
+            # errors: unknown sampling key, empty ids, invalid JSON, duplicate in-flight rid
+            with pytest.raises(EngineError) as ei:
+                await c.generate([1, 2], {"max_new_tokens": 2, "nonsense": 1})
+            assert ei.value.status == 400 and "nonsense" in ei.value.message and ei.value.endpoint == "/generate"
+            status, text = await _raw(engine.url, "POST", "/generate", {"input_ids": []})
+            assert status == 400 and "message" in json.loads(text)["error"]
+            status, text = await _raw(engine.url, "POST", "/generate", data=b"{not json")
+            assert status == 400
+            long = asyncio.create_task(c.generate([3, 4], LONG, rid="dup"))
+            await _wait(lambda: _in_flight(c))
+            with pytest.raises(EngineError) as ei:
+                await c.generate([3, 4], {"max_new_tokens": 2}, rid="dup")
+            assert ei.value.status == 400 and "dup" in ei.value.message
+            await c.abort_request("du")  # prefix match
+            res = await long
+            assert res.aborted and res.finish_reason["message"] == "Aborted" and 0 < len(res.output_ids) < 400
+            # batch input
+            status, text = await _raw(engine.url, "POST", "/generate", {
+                "input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+            assert status == 200 and [len(x["output_ids"]) for x in json.loads(text)] == [2, 2]
+    run(go())
+
+
+async def _in_flight(c, n=1):
+    m = await c.metrics()
+    return m.num_running_reqs >= n
+
+
+def test_info_metrics_flush_and_prefix_reuse(engine):
+    async def go():
+        async with SGLangClient(engine.url) as c:
+            info = await c.model_info()
+            assert info["weight_version"] == "0" and info["model_path"].endswith("model")
+            si = await c.server_info()
+            assert si["max_running_requests"] == 8 and si["internal_states"][0]["num_running_reqs"] == 0
+            before = await c.metrics()
+            prompt = list(range(10, 40))
+            first = await c.generate(prompt, {"max_new_tokens": 5, "temperature": 0})
+            turn2 = prompt + first.output_ids + [50, 51, 52]
+            second = await c.generate(turn2, {"max_new_tokens": 5, "temperature": 0})
+            assert second.cached_tokens >= len(prompt)  # multi-turn continuation reuses the prefix KV
+            after = await c.metrics()
+            assert after.generation_tokens_total - before.generation_tokens_total == 10
+            assert after.cache_hit_rate > 0
+            status, text = await _raw(engine.url, "GET", "/metrics")
+            assert "# TYPE sglang:num_running_reqs gauge" in text and "sglang:generation_tokens_total{" in text
+            await c.flush_cache()
+            third = await c.generate(turn2, {"max_new_tokens": 5, "temperature": 0})
+            assert third.cached_tokens == 0 and third.output_ids == second.output_ids  # same result without cache
+            status, _ = await _raw(engine.url, "GET", "/health")
+            assert status == 200
+            status, text = await _raw(engine.url, "POST", "/update_weights_from_distributed",
+                                      {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]})
+            assert status == 400 and "begin_weight_update" in json.loads(text)["message"]
+            with pytest.raises(EngineError, match="begin_weight_update"):
+                await c.end_weight_update()
+            with pytest.raises(EngineError, match="does not exist"):
+                await c.destroy_weights_update_group("nope")
+            with pytest.raises(EngineError, match="gloo"):
+                await c.init_weights_update_group(master_address="127.0.0.1", master_port=1, rank_offset=1,
+                                                  world_size=2, backend="nccl")
+            status, text = await _raw(engine.url, "POST", "/pause_generation", {"mode": "drain"})
+            assert status == 400 and "drain" in text
+            status, text = await _raw(engine.url, "POST", "/pause_generation")  # a body is required
+            assert status == 400
+    run(go())
+
+
+def test_pause_abort_then_requests_wait_for_continue(engine):
+    async def go():
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            tasks = [asyncio.create_task(c.generate([20 + i, 21], LONG)) for i in range(3)]
+            await _wait(lambda: _in_flight(c, 3))
+            assert (await c.pause_generation("abort"))["status"] == "ok"
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert all(r.aborted and len(r.output_ids) < 400 for r in done)
+            late = asyncio.create_task(c.generate([30, 31], {"max_new_tokens": 4, "temperature": 0}))
+            await asyncio.sleep(0.3)
+            assert not late.done()  # accepted, but waits for continue
+            m = await c.metrics()
+            assert m.num_queue_reqs == 1 and m.num_running_reqs == 0
+            await c.continue_generation()
+            r = await asyncio.wait_for(late, 30)
+            assert r.finish_reason["type"] == "length" and len(r.output_ids) == 4
+    run(go())
+
+
+def test_pause_retract_resumes_under_new_version(engine):
+    async def go():
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            tasks = [asyncio.create_task(c.generate([40 + i, 41], LONG)) for i in range(3)]
+            await _wait(lambda: _in_flight(c, 3))
+            await c.pause_generation("retract")
+            m = await c.metrics()
+            assert m.num_running_reqs == 0 and m.num_queue_reqs == 3 and m.raw["num_retracted_reqs"] == 3
+            await c.flush_cache()  # nothing holds KV after a retract
+            await c.update_weight_version("1", abort_all_requests=False)
+            assert not any(t.done() for t in tasks)
+            await c.continue_generation()
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            for r in done:
+                assert r.finish_reason == {"type": "length", "length": 400} and len(r.output_ids) == 400
+                assert r.num_retractions == 1 and r.weight_version == "1"
+                (a, b) = r.weight_versions
+                assert a["version"] == "0" and b["version"] == "1"
+                assert a["start"] == 0 and a["end"] == b["start"] and b["end"] == 400 and 0 < a["end"] < 400
+            await c.update_weight_version("0", abort_all_requests=False)
+    run(go())
+
+
+def test_pause_in_place_keeps_kv(engine):
+    async def go():
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            tasks = [asyncio.create_task(c.generate([60 + i, 61], LONG)) for i in range(2)]
+            await _wait(lambda: _in_flight(c, 2))
+            await c.pause_generation("in_place")
+            m1 = await c.metrics()
+            await asyncio.sleep(0.3)
+            m2 = await c.metrics()
+            assert m1.num_running_reqs == 2 and m1.raw["num_paused_reqs"] == 2
+            assert m2.generation_tokens_total == m1.generation_tokens_total  # no stepping while paused
+            with pytest.raises(EngineError) as ei:
+                await c.flush_cache()  # refused: requests hold KV
+            assert ei.value.status == 400
+            await c.continue_generation()
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert all(len(r.output_ids) == 400 and r.num_retractions == 0 for r in done)
+    run(go())
+
+
+def test_update_weight_version_aborts_by_default(engine):
+    async def go():
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            t = asyncio.create_task(c.generate([70, 71], LONG))
+            await _wait(lambda: _in_flight(c))
+            status, text = await _raw(engine.url, "POST", "/update_weight_version", {"new_version": "5"})
+            assert status == 200 and json.loads(text) == {"success": True, "message": "Weight version updated to 5",
+                                                          "new_version": "5"}
+            r = await asyncio.wait_for(t, 30)
+            assert r.aborted
+            assert (await c.model_info())["weight_version"] == "5"
+            await c.update_weight_version("0")
+    run(go())

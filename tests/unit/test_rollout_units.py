@@ -1,0 +1,108 @@
+"""Pure parts of the rollout package: sampling-param validation, command builders, parsers, and
+the CPU model's parity with HF transformers (in process, no server)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from asyncrl.config.schema import Config, RolloutConfig, SGLangConfig
+from asyncrl.rollout.cpu_scheduler import RequestError, parse_sampling_params
+from asyncrl.rollout.sglang_client import EngineError, _server_message, parse_generate_response, parse_prometheus
+from asyncrl.rollout.sglang_launcher import cpu_engine_command, engine_command, engine_port, sglang_command
+
+
+def test_sampling_params_unknown_and_bad_values_name_the_key():
+    p = parse_sampling_params({"max_new_tokens": 3, "temperature": 0, "stop": "x", "stop_token_ids": [5]})
+    assert p.greedy and p.stop == ("x",) and p.stop_token_ids == (5,)
+    with pytest.raises(RequestError, match="bogus"):
+        parse_sampling_params({"bogus": 1})
+    with pytest.raises(RequestError, match="top_p"):
+        parse_sampling_params({"top_p": 0})
+    with pytest.raises(RequestError, match="regex"):
+        parse_sampling_params({"regex": "a+"})
+    assert parse_sampling_params({"regex": None, "frequency_penalty": 0.0}).max_new_tokens == 128
+
+
+def _cfg(**rollout) -> Config:
+    r = RolloutConfig(model_path="/m", max_running_requests=32, tensor_parallel_size=2, port=30000,
+                      sglang=SGLangConfig(mem_fraction_static=0.7, extra_args=["--log-level", "warning"]), **rollout)
+    return dataclasses.replace(Config(), rollout=r)
+
+
+def test_sglang_command_from_config_without_sglang_installed():
+    cmd = sglang_command(_cfg(), port=30010, base_gpu_id=8, host="0.0.0.0", python="py")
+    assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
+    flags = {a: cmd[i + 1] for i, a in enumerate(cmd) if a.startswith("--") and i + 1 < len(cmd)}
+    assert flags["--model-path"] == "/m" and flags["--tp-size"] == "2" and flags["--base-gpu-id"] == "8"
+    assert flags["--port"] == "30010" and flags["--mem-fraction-static"] == "0.7"
+    assert flags["--max-running-requests"] == "32" and flags["--weight-version"] == "0"
+    assert flags["--random-seed"] == str(Config().runner.seed)
+    assert "--enable-metrics" in cmd and cmd[-2:] == ["--log-level", "warning"]
+    assert engine_port(_cfg(), 2) == 30020
+
+
+def test_cpu_command_selected_by_backend():
+    cfg = _cfg(rollout_backend="cpu")
+    cmd = engine_command(cfg, port=31000, python="py")
+    assert cmd == cpu_engine_command(cfg, port=31000, python="py")
+    assert cmd[:3] == ["py", "-m", "asyncrl.rollout.cpu_engine"] and "--max-running-requests" in cmd
+    assert "sglang.launch_server" in engine_command(_cfg(), port=1, python="py")
+
+
+def test_prometheus_and_generate_parsers():
+    text = ('# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{tp_rank="0"} 3.0\n'
+            'sglang:num_running_reqs{tp_rank="1"} 1.0\nsglang:cache_hit_rate{a="b"} 0.5\n'
+            'sglang:cache_hit_rate{a="c"} 0.25\nsglang:generation_tokens_total 12\nother_metric 9\n')
+    m = parse_prometheus(text)
+    assert m == {"num_running_reqs": 4.0, "cache_hit_rate": 0.375, "generation_tokens_total": 12.0}
+    r = parse_generate_response({"text": "a", "output_ids": [4, 5], "meta_info": {
+        "id": "r", "finish_reason": {"type": "length", "length": 2}, "weight_version": "3",
+        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}],
+        "output_token_logprobs": [[-0.5, 4, None], [-1.5, 5, None]], "num_retractions": 1}})
+    assert r.output_logprobs == [-0.5, -1.5] and r.versions == ["2", "3"] and not r.aborted
+    assert _server_message('{"error": {"message": "boom"}}') == "boom"
+    assert _server_message('{"success": false, "message": "nope"}') == "nope"
+    e = EngineError("http://h:1", "/generate", "boom", 400)
+    assert "http://h:1/generate" in str(e) and "400" in str(e) and e.message == "boom"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_cpu_model_matches_transformers(tmp_path, arch):
+    """Prompt log-probs, a cached continuation and a padded batch match HF within 1e-4."""
+    transformers = pytest.importorskip("transformers")
+    from asyncrl.rollout.cpu_model import KVPool, load_model
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, rms_norm_eps=1e-6,
+                  max_position_embeddings=256)
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=5000.0)
+        hf = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True)
+        hf = transformers.LlamaForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():  # random, non-trivial norms and biases too
+            p.add_(0.1 * torch.randn_like(p))
+    hf.eval().save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
+    kv = KVPool(model.spec, max_rows=3)
+    full = torch.log_softmax(model.logits(model.forward(ids, torch.tensor([0]), torch.tensor([24]), kv, 0)[0]), -1)
+    assert (full - ref).abs().max().item() < 1e-4
+    # prefix of 10 in row 1, then the remaining 14 batched with a shorter, padded request in row 2
+    model.forward(ids[:, :10], torch.tensor([0]), torch.tensor([10]), kv, 1)
+    other = ids[:, 3:9]
+    toks = torch.zeros(2, 14, dtype=torch.long)
+    toks[0], toks[1, :6] = ids[0, 10:], other[0]
+    h = model.forward(toks, torch.tensor([10, 0]), torch.tensor([14, 6]), kv, 1)
+    assert (torch.log_softmax(model.logits(h[0]), -1) - ref[10:]).abs().max().item() < 1e-4
+    with torch.no_grad():
+        ref_other = torch.log_softmax(hf(other).logits[0].float(), -1)
+    assert (torch.log_softmax(model.logits(h[1, :6]), -1) - ref_other).abs().max().item() < 1e-4
