@@ -12,7 +12,8 @@ Contract
     2. pause: ``retract`` / ``in_place`` / ``abort`` -> ``POST /pause_generation {mode}``;
        ``drain`` -> wait until every engine reports no running and no queued request (the broker
        stopped issuing and workers hold new turns after ``sync_begin``), then a ``retract`` pause
-       as a guard so nothing can start during the update.
+       as a guard so nothing can start during the update; a request that still slipped in (it was
+       on the wire) is seen in the load re-read after the pause: resume, drain again.
     3. ``POST /begin_weight_update``
     4. per bucket: ``POST /update_weights_from_distributed`` (``flush_cache = mode != in_place``,
        ``load_format = "flattened_bucket"`` with ``sync.flattened_bucket``) on threads while the
@@ -219,7 +220,7 @@ class WeightSyncer:
         t = self.cfg.step_timeout_s
         deadline = time.monotonic() + t
         while True:
-            loads = fan_out(self.urls, lambda u: engine_load(u, timeout_s=t), timeout_s=t + 1, step="drain")
+            loads = self._loads()
             busy = [u for u, n in zip(self.urls, loads) if n > 0]
             if not busy:
                 return
@@ -227,13 +228,32 @@ class WeightSyncer:
                 raise EngineStepError(busy, "drain", f"still has running requests after {t:g} s")
             time.sleep(_DRAIN_POLL_S)
 
+    def _loads(self) -> list[float]:
+        t = self.cfg.step_timeout_s
+        return fan_out(self.urls, lambda u: engine_load(u, timeout_s=t), timeout_s=t + 1, step="drain")
+
+    def _drain(self) -> None:
+        """Wait idle, pause (retract) as a guard, re-read the load: a request that was already on
+        the wire when the broker stopped issuing may land in between; then resume, drain again."""
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        while True:
+            self.wait_idle()
+            self._all("/pause_generation", {"mode": "retract"}, "pause_generation")
+            busy = [u for u, n in zip(self.urls, self._loads()) if n > 0]
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise EngineStepError(busy, "drain", "requests keep arriving after the broker stopped "
+                                      f"issuing (sync_begin); not idle after {self.cfg.step_timeout_s:g} s")
+            log.info("drain: %s got a request during the pause; resuming to drain it", busy)
+            self._all("/continue_generation", {}, "continue_generation")
+
     def pause(self) -> None:
         """Steps 1-3: tell the broker, pause (or drain) every engine, begin the weight update."""
         if self.hooks.sync_begin is not None:
             self.hooks.sync_begin(self.pause_mode)
         if self.pause_mode == "drain":
-            self.wait_idle()
-            self._all("/pause_generation", {"mode": "retract"}, "pause_generation")
+            self._drain()
         else:
             self._all("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
         self._all("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
