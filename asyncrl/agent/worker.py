@@ -1,0 +1,172 @@
+"""The agent worker: the body of the process beside an engine (on the engine's first rank).
+
+Contract
+- Wires: the broker (``AsyncWorkerConnection``: hello, heartbeats from a background task, events),
+  one ``SGLangClient`` + ``EngineHandle`` per engine URL, the task, the tokenizer and the
+  retriever, and an ``AgentLoop`` that runs groups.
+- Who calls whom: the broker issues ``Assignment``s; each becomes an asyncio task that runs the
+  group's ``group_size`` trajectories concurrently on the least-loaded engine (all turns of a
+  trajectory on that engine), reports every finished trajectory (``send_trajectory`` with its
+  data) and then the group (``send_group``, aborted when any trajectory is, with the first error).
+- Control: ``Control(hold=True)`` closes the turn gate (no new generate call starts; running ones
+  finish) until ``hold=False``; ``Cancel`` cancels those groups (nothing is reported); ``Shutdown``
+  cancels everything, says bye and returns.
+- Invariant: at most ``max_requests_per_engine`` generate calls in flight per engine; a bug in a
+  group task (any exception other than the engine/retriever failures the loop turns into aborted
+  trajectories) stops the worker with that exception instead of hanging.
+
+    stats = run_worker(cfg, broker_address="tcp://10.0.0.1:5555", engine_urls=["http://127.0.0.1:31000"],
+                       tokenizer_path="runs/tiny/model_sft", worker_id="engine0")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional, Sequence
+
+from asyncrl.agent.loop import AgentLoop, EngineHandle, TurnGate
+from asyncrl.agent.tasks import get_task
+from asyncrl.agent.tokenizer import AgentTokenizer
+from asyncrl.agent.tools import Retriever, make_retriever
+from asyncrl.broker.client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
+from asyncrl.broker.types import Group
+from asyncrl.config.schema import Config
+
+log = logging.getLogger(__name__)
+
+# How long one wait for a broker event lasts before the worker checks its group tasks again.
+POLL_S = 0.2
+
+
+def requests_per_engine(cfg: Config) -> int:
+    return cfg.agentloop.max_requests_per_engine or cfg.rollout.max_running_requests
+
+
+class AgentWorker:
+    def __init__(self, cfg: Config, *, broker_address: str, engine_urls: Sequence[str], tokenizer_path: str,
+                 worker_id: str, retriever: Optional[Retriever] = None, connect_timeout_s: float = 60.0):
+        if not engine_urls:
+            raise ValueError(f"agent worker {worker_id}: no engine URLs")
+        self.cfg = cfg
+        self.broker_address = broker_address
+        self.engine_urls = list(engine_urls)
+        self.worker_id = worker_id
+        self.connect_timeout_s = connect_timeout_s
+        task_name = cfg.agentloop.task_name
+        if task_name is None:
+            log.warning("agentloop.task_name is unset; using 'searchr1'")
+            task_name = "searchr1"
+        self.task = get_task(task_name)
+        self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
+        self.retriever = retriever if retriever is not None else make_retriever(cfg.agentloop.tool)
+        self.gate = TurnGate()
+        self.loop = AgentLoop(task=self.task, tokenizer=self.tokenizer, retriever=self.retriever,
+                              agent_cfg=cfg.agentloop, sampling=cfg.rollout.sampling, gate=self.gate,
+                              rid_prefix=worker_id)
+        self.version = 0
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.stats = {"groups_done": 0, "groups_aborted": 0, "groups_cancelled": 0, "trajectories_done": 0,
+                      "trajectories_aborted": 0}
+
+    # -- lifecycle
+    async def run(self) -> dict:
+        from asyncrl.rollout.sglang_client import SGLangClient
+
+        clients = [SGLangClient.from_config(url, self.cfg.rollout) for url in self.engine_urls]
+        per_engine = requests_per_engine(self.cfg)
+        self.engines = [EngineHandle(c, max_in_flight=per_engine, url=c.url) for c in clients]
+        self.conn = AsyncWorkerConnection(self.broker_address, worker_id=self.worker_id,
+                                          capacity=per_engine * len(self.engines),
+                                          heartbeat_interval_s=self.cfg.agentloop.heartbeat_interval_s)
+        try:
+            welcome = await self.conn.connect(timeout_s=self.connect_timeout_s)
+            self.version = welcome.version
+            self._set_hold(welcome.hold)
+            log.info("worker %s connected to %s (%d engines, %d requests each)", self.worker_id,
+                     self.broker_address, len(self.engines), per_engine)
+            await self._event_loop()
+            await self.conn.close(say_bye=True)
+        finally:
+            await self._cancel_all()
+            for c in clients:
+                await c.close()
+            await self.retriever.close()
+        return dict(self.stats)
+
+    async def _event_loop(self) -> None:
+        while True:
+            self._raise_task_failures()
+            ev = await self.conn.recv(timeout_s=POLL_S)
+            if ev is None:
+                continue
+            if isinstance(ev, Assignment):
+                self._start_group(ev)
+            elif isinstance(ev, Control):
+                self.version = ev.version
+                self._set_hold(ev.hold)
+            elif isinstance(ev, Cancel):
+                for gid in ev.group_ids:
+                    t = self.tasks.pop(gid, None)
+                    if t is not None:
+                        t.cancel()
+                        self.stats["groups_cancelled"] += 1
+            elif isinstance(ev, Shutdown):
+                log.info("worker %s: shutdown from the broker", self.worker_id)
+                return
+
+    def _set_hold(self, hold: bool) -> None:
+        if hold:
+            self.gate.hold()
+        else:
+            self.gate.release()
+
+    def _raise_task_failures(self) -> None:
+        for gid, t in list(self.tasks.items()):
+            if t.done():
+                del self.tasks[gid]
+                if not t.cancelled() and t.exception() is not None:
+                    raise RuntimeError(f"agent worker {self.worker_id}: group {gid} failed") from t.exception()
+
+    async def _cancel_all(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.tasks.clear()
+
+    # -- groups
+    def _start_group(self, a: Assignment) -> None:
+        if a.group_id in self.tasks:
+            log.warning("worker %s: group %d issued twice; ignoring the second", self.worker_id, a.group_id)
+            return
+        self.tasks[a.group_id] = asyncio.create_task(self._run_group(a), name=f"group-{a.group_id}")
+
+    def pick_engine(self) -> EngineHandle:
+        return min(self.engines, key=lambda e: e.load / e.max_in_flight)
+
+    async def _run_group(self, a: Assignment) -> None:
+        t0 = time.perf_counter()
+        engine = self.pick_engine()
+        group = Group(group_id=a.group_id, item=a.item, epoch=a.epoch, issued_version=a.version)
+
+        async def report(index, traj):
+            self.stats["trajectories_done"] += 1
+            self.stats["trajectories_aborted"] += int(traj.aborted)
+            await self.conn.send_trajectory(a.group_id, index, traj)
+
+        group = await self.loop.run_group(group, engine, group_size=a.group_size, on_trajectory=report)
+        error = next((t.error for t in group.trajectories if t.aborted), "")
+        await self.conn.send_group(a.group_id, None, aborted=group.aborted, error=error)
+        self.stats["groups_done"] += 1
+        self.stats["groups_aborted"] += int(group.aborted)
+        log.debug("group %d done in %.2fs (aborted=%s)", a.group_id, time.perf_counter() - t0, group.aborted)
+
+
+def run_worker(cfg: Config, *, broker_address: str, engine_urls: list[str], tokenizer_path: str,
+               worker_id: str, retriever: Optional[Retriever] = None) -> dict:
+    """Run the agent worker until the broker says shutdown; returns its counters."""
+    worker = AgentWorker(cfg, broker_address=broker_address, engine_urls=engine_urls,
+                         tokenizer_path=tokenizer_path, worker_id=worker_id, retriever=retriever)
+    return asyncio.run(worker.run())
