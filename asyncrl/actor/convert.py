@@ -1,0 +1,279 @@
+"""HF <-> Megatron parameter conversion for Qwen2/Qwen2.5, Qwen3 and Llama (pure functions + CLI).
+
+Names (megatron-core 0.16.1, local layer spec; the transformer-engine spec's fused-norm names are
+accepted too, see ``canonical_megatron_name``)::
+
+    model.embed_tokens.weight                 <-> embedding.word_embeddings.weight   (vocab padded)
+    model.layers.N.input_layernorm.weight     <-> decoder.layers.N.input_layernorm.weight
+    model.layers.N.self_attn.{q,k,v}_proj.*   <-> decoder.layers.N.self_attention.linear_qkv.*
+        (rows grouped per query group: that group's q heads, then its k head, then its v head)
+    model.layers.N.self_attn.{q,k}_norm.weight<-> decoder.layers.N.self_attention.{q,k}_layernorm.weight
+    model.layers.N.self_attn.o_proj.weight    <-> decoder.layers.N.self_attention.linear_proj.weight
+    model.layers.N.post_attention_layernorm   <-> decoder.layers.N.pre_mlp_layernorm.weight
+    model.layers.N.mlp.{gate,up}_proj.weight  <-> decoder.layers.N.mlp.linear_fc1.weight (gate rows, then up)
+    model.layers.N.mlp.down_proj.weight       <-> decoder.layers.N.mlp.linear_fc2.weight
+    model.norm.weight                         <-> decoder.final_layernorm.weight
+    lm_head.weight                            <-> output_layer.weight                (vocab padded; absent if tied)
+
+A "full" Megatron tensor is the unsharded one; ``tp_shard``/``tp_merge`` split and join it the
+way megatron-core's column/row-parallel layers do (``linear_fc1`` shards gate and up separately).
+
+CLI (for users)::
+
+    python -m asyncrl.actor.convert hf-to-actor --hf DIR --out CKPT [--tp 2]
+    python -m asyncrl.actor.convert actor-to-hf --ckpt CKPT --out DIR
+
+The actor checkpoint format is described in ``asyncrl.actor.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Iterable, Iterator
+
+import torch
+
+from asyncrl.actor.model import ModelSpec, padded_vocab_size
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# transformer-engine spec name -> local spec name (layer-relative)
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",
+}
+
+# parallel split dimension of each full Megatron tensor (layer-relative names); None = replicated
+_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight")
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def canonical_megatron_name(name: str) -> str:
+    """Strip DDP/Float16 wrappers' ``module.`` prefixes and map TE-spec names to local-spec ones."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    m = _LAYER.match(name)
+    if m and m.group(2) in _TE_ALIASES:
+        return f"decoder.layers.{m.group(1)}.{_TE_ALIASES[m.group(2)]}"
+    return name
+
+
+def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
+    if t.shape[0] == padded:
+        return t
+    assert t.shape[0] < padded, (t.shape, padded)
+    pad = torch.zeros((padded - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+    return torch.cat([t, pad], dim=0)
+
+
+def _qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    ng, hd = spec.num_query_groups, spec.head_dim
+    per = spec.num_attention_heads // ng
+    tail = q.shape[1:]
+    qg = q.reshape(ng, per * hd, *tail)
+    kg = k.reshape(ng, hd, *tail)
+    vg = v.reshape(ng, hd, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(ng * (per + 2) * hd, *tail).contiguous()
+
+
+def _qkv_split(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ng, hd = spec.num_query_groups, spec.head_dim
+    per = spec.num_attention_heads // ng
+    tail = qkv.shape[1:]
+    g = qkv.reshape(ng, (per + 2) * hd, *tail)
+    q, k, v = torch.split(g, [per * hd, hd, hd], dim=1)
+    return (
+        q.reshape(ng * per * hd, *tail).contiguous(),
+        k.reshape(ng * hd, *tail).contiguous(),
+        v.reshape(ng * hd, *tail).contiguous(),
+    )
+
+
+def megatron_param_names(spec: ModelSpec) -> list[str]:
+    """Full-model Megatron parameter names (local spec), in model order."""
+    names = ["embedding.word_embeddings.weight"]
+    for i in range(spec.num_layers):
+        p = f"decoder.layers.{i}."
+        names.append(p + "input_layernorm.weight")
+        names.append(p + "self_attention.linear_qkv.weight")
+        if spec.qkv_bias:
+            names.append(p + "self_attention.linear_qkv.bias")
+        if spec.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names.append(p + "self_attention.linear_proj.weight")
+        names.append(p + "pre_mlp_layernorm.weight")
+        names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    names.append("decoder.final_layernorm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("output_layer.weight")
+    return names
+
+
+def hf_names_for(mg_name: str, spec: ModelSpec) -> list[str]:
+    """The HF tensors one full Megatron tensor is made of (in merge order)."""
+    name = canonical_megatron_name(mg_name)
+    if name == "embedding.word_embeddings.weight":
+        return ["model.embed_tokens.weight"]
+    if name == "decoder.final_layernorm.weight":
+        return ["model.norm.weight"]
+    if name == "output_layer.weight":
+        return ["lm_head.weight"]
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"unknown Megatron parameter {mg_name!r}")
+    i, rest = m.group(1), m.group(2)
+    p = f"model.layers.{i}."
+    table = {
+        "input_layernorm.weight": [p + "input_layernorm.weight"],
+        "self_attention.linear_qkv.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+        "self_attention.linear_qkv.bias": [p + f"self_attn.{x}_proj.bias" for x in "qkv"],
+        "self_attention.q_layernorm.weight": [p + "self_attn.q_norm.weight"],
+        "self_attention.k_layernorm.weight": [p + "self_attn.k_norm.weight"],
+        "self_attention.linear_proj.weight": [p + "self_attn.o_proj.weight"],
+        "pre_mlp_layernorm.weight": [p + "post_attention_layernorm.weight"],
+        "mlp.linear_fc1.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        "mlp.linear_fc2.weight": [p + "mlp.down_proj.weight"],
+    }
+    if rest not in table:
+        raise KeyError(f"unknown Megatron parameter {mg_name!r}")
+    return table[rest]
+
+
+def hf_to_megatron(mg_name: str, hf_tensors: list[torch.Tensor], spec: ModelSpec, *, tp: int) -> torch.Tensor:
+    """Build the full Megatron tensor ``mg_name`` from its HF parts (``hf_names_for`` order)."""
+    name = canonical_megatron_name(mg_name)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        (t,) = hf_tensors
+        if t.shape[0] != spec.vocab_size:
+            raise ValueError(f"{hf_names_for(name, spec)[0]} has {t.shape[0]} rows, config.json vocab_size={spec.vocab_size}")
+        return _pad_vocab(t, padded_vocab_size(spec.vocab_size, tp))
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return _qkv_merge(*hf_tensors, spec)
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat(hf_tensors, dim=0).contiguous()
+    (t,) = hf_tensors
+    return t
+
+
+def megatron_to_hf(mg_name: str, full: torch.Tensor, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+    """Split one full Megatron tensor into its HF-named tensors (vocab padding stripped)."""
+    name = canonical_megatron_name(mg_name)
+    hf = hf_names_for(name, spec)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return [(hf[0], full[: spec.vocab_size].contiguous())]
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return list(zip(hf, _qkv_split(full, spec)))
+    if name.endswith("linear_fc1.weight"):
+        gate, up = torch.chunk(full, 2, dim=0)
+        return [(hf[0], gate.contiguous()), (hf[1], up.contiguous())]
+    return [(hf[0], full)]
+
+
+def _layer_rest(name: str) -> str:
+    m = _LAYER.match(name)
+    return m.group(2) if m else name
+
+
+def tp_split_dim(mg_name: str) -> int | None:
+    """0 for column-parallel (and vocab-parallel) tensors, 1 for row-parallel, None if replicated."""
+    name = canonical_megatron_name(mg_name)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return 0
+    rest = _layer_rest(name)
+    if rest in _COLUMN:
+        return 0
+    if rest in _ROW:
+        return 1
+    return None
+
+
+def tp_shard(mg_name: str, full: torch.Tensor, *, rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's shard of a full Megatron tensor."""
+    dim = tp_split_dim(mg_name)
+    if dim is None or tp == 1:
+        return full
+    if _layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0).contiguous()
+    if full.shape[dim] % tp:
+        raise ValueError(f"{mg_name}: dim {dim} of size {full.shape[dim]} is not divisible by TP={tp}")
+    return full.chunk(tp, dim=dim)[rank].contiguous()
+
+
+def tp_merge(mg_name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of ``tp_shard`` over all TP ranks' shards (in rank order)."""
+    dim = tp_split_dim(mg_name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if _layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0).contiguous()
+    return torch.cat(shards, dim=dim).contiguous()
+
+
+def hf_state_to_megatron(hf_sd: dict[str, torch.Tensor], spec: ModelSpec, *, tp: int) -> dict[str, torch.Tensor]:
+    """Whole HF state dict -> full Megatron state dict (unsharded, vocab padded for ``tp``)."""
+    out = {}
+    used = set()
+    for name in megatron_param_names(spec):
+        parts = hf_names_for(name, spec)
+        missing = [p for p in parts if p not in hf_sd]
+        if missing:
+            raise KeyError(f"HF checkpoint lacks {missing} (needed for {name})")
+        used.update(parts)
+        out[name] = hf_to_megatron(name, [hf_sd[p] for p in parts], spec, tp=tp)
+    extra = sorted(set(hf_sd) - used - {"lm_head.weight"} if spec.tie_word_embeddings else set(hf_sd) - used)
+    extra = [e for e in extra if not e.endswith("rotary_emb.inv_freq")]
+    if extra:
+        raise KeyError(f"HF checkpoint has tensors the {spec.model_type} converter does not know: {extra[:5]}")
+    return out
+
+
+def megatron_state_to_hf(mg_sd: dict[str, torch.Tensor], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in mg_sd.items():
+        yield from megatron_to_hf(name, t, spec)
+
+
+def bucketize(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def main(argv: list[str] | None = None) -> int:
+    from asyncrl.actor import checkpoint as ckpt
+
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.actor.convert", description="HF <-> actor checkpoint")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("hf-to-actor", help="HF checkpoint dir -> actor checkpoint dir (model only)")
+    a.add_argument("--hf", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--tp", type=int, default=1)
+    b = sub.add_parser("actor-to-hf", help="actor checkpoint dir -> HF checkpoint dir")
+    b.add_argument("--ckpt", required=True)
+    b.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "hf-to-actor":
+        path = ckpt.hf_to_actor_checkpoint(args.hf, args.out, tp=args.tp)
+    else:
+        path = ckpt.actor_checkpoint_to_hf(args.ckpt, args.out)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

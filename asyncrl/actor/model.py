@@ -1,0 +1,190 @@
+"""Build a megatron-core GPTModel from a HF ``config.json`` (Qwen2/Qwen2.5, Qwen3, Llama).
+
+Pure description first (``ModelSpec`` from the HF dict, no torch.distributed), then
+``build_gpt_model`` which needs Megatron's model-parallel state to be initialised.
+
+The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (``padded_vocab_size``); the
+extra rows of the embedding and the output layer are zero and are stripped on export.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+VOCAB_MULTIPLE = 128
+"""Padded vocab = multiple of VOCAB_MULTIPLE * TP (Megatron's ``make_vocab_size_divisible_by``)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the converter and the model builder need to know about one HF model."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelSpec":
+        mt = hf.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json model_type={mt!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json hidden_act={hf.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported")
+        rope_scaling = hf.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"config.json rope_scaling={rope_scaling!r}: only plain RoPE is supported")
+        if hf.get("use_sliding_window"):
+            raise ValueError("config.json use_sliding_window=true is not supported")
+        if mt == "llama" and hf.get("mlp_bias"):
+            raise ValueError("config.json mlp_bias=true is not supported")
+        nh = int(hf["num_attention_heads"])
+        h = int(hf["hidden_size"])
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers 5 may nest it under rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        if mt == "qwen2":
+            qkv_bias = True
+        else:
+            qkv_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=mt,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=h,
+            ffn_hidden_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=nh,
+            num_query_groups=int(hf.get("num_key_value_heads") or nh),
+            head_dim=int(hf.get("head_dim") or h // nh),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            qkv_bias=qkv_bias,
+            qk_norm=(mt == "qwen3"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelSpec":
+        return cls.from_hf_config(load_hf_config(path))
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise ValueError(f"actor.model_path: no config.json in {str(Path(path))!r}")
+    return json.loads(p.read_text())
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    m = multiple * tp
+    return -(-vocab_size // m) * m
+
+
+def check_parallel_sizes(spec: ModelSpec, *, tp: int, pp: int) -> None:
+    """Raise ValueError naming the setting when the model cannot be split this way."""
+    key = "actor.tensor_model_parallel_size"
+    if spec.num_attention_heads % tp:
+        raise ValueError(f"{key}={tp} must divide num_attention_heads={spec.num_attention_heads}")
+    if spec.num_query_groups % tp:
+        raise ValueError(f"{key}={tp} must divide num_key_value_heads={spec.num_query_groups}")
+    if spec.ffn_hidden_size % tp:
+        raise ValueError(f"{key}={tp} must divide intermediate_size={spec.ffn_hidden_size}")
+    if pp != 1:
+        raise ValueError(f"actor.pipeline_model_parallel_size={pp}: only 1 is supported by this actor")
+
+
+def transformer_config(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype = torch.float32, **extra: Any):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    bf16 = params_dtype == torch.bfloat16
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype,
+        bf16=bf16,
+        pipeline_dtype=params_dtype,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        perform_initialization=False,  # weights always come from a HF checkpoint
+        **extra,
+    )
+
+
+def build_gpt_model(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype = torch.float32):
+    """A GPTModel (local layer spec) for this rank's TP shard; needs initialize_model_parallel."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    check_parallel_sizes(spec, tp=tp, pp=1)
+    cfg = transformer_config(spec, tp=tp, params_dtype=params_dtype)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+    )
+    _mark_tensor_parallel_params(model)
+    return model
+
+
+def _mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Set ``tensor_model_parallel``/``partition_dim`` on the sharded weights.
+
+    megatron-core 0.16.1 sets these only inside its weight-init helpers, which
+    ``perform_initialization=False`` skips; without them the grad norm (and clipping) would ignore
+    the other TP ranks' shards as "duplicates".
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from asyncrl.actor.convert import canonical_megatron_name, tp_split_dim
+
+    for name, param in model.named_parameters():
+        dim = tp_split_dim(canonical_megatron_name(name))
+        if dim is not None and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)

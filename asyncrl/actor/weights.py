@@ -1,0 +1,135 @@
+"""Weights in and out of the actor's (TP-sharded) GPTModel.
+
+- ``read_hf_state(path)``: a lazy view of a HF checkpoint's safetensors (single file or index).
+- ``load_hf_into_model(model, path, spec, tp_rank=, tp=)``: every rank reads only the tensors it
+  needs (one full tensor at a time, memory-mapped) and keeps its own TP shard.
+- ``iter_full_megatron(model, tp_group)``: full (unsharded) Megatron tensors, gathered over the
+  TP group with ``all_gather``. Collective: every rank of the TP group must iterate it to the end,
+  in the same order.
+- ``iter_hf_tensors`` / ``iter_hf_buckets``: the same as HF-named tensors, vocab padding stripped,
+  grouped in buckets of at most ``bucket_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.actor.convert import (
+    bucketize,
+    canonical_megatron_name,
+    hf_names_for,
+    hf_to_megatron,
+    megatron_to_hf,
+    tp_merge,
+    tp_shard,
+)
+from asyncrl.actor.model import ModelSpec
+
+
+class HFCheckpointReader:
+    """Lazy access to the tensors of a HF checkpoint directory (``model.safetensors`` or an index)."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif single.is_file():
+            weight_map = {}
+            with safe_open(str(single), framework="pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ValueError(f"actor.model_path: no model.safetensors(.index.json) in {str(self.path)!r}")
+        self.weight_map = weight_map
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise KeyError(f"{name!r} is not in the HF checkpoint {str(self.path)!r}")
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
+        return self._handles[fname].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def local_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(canonical Megatron name, parameter) of this rank's shard, in model order."""
+    return [(canonical_megatron_name(n), p) for n, p in model.named_parameters()]
+
+
+@torch.no_grad()
+def load_hf_into_model(model: torch.nn.Module, path: str | Path, spec: ModelSpec, *, tp_rank: int, tp: int) -> None:
+    reader = HFCheckpointReader(path)
+    seen = set()
+    for name, param in local_params(model):
+        parts = hf_names_for(name, spec)
+        full = hf_to_megatron(name, [reader.get(p) for p in parts], spec, tp=tp)
+        shard = tp_shard(name, full, rank=tp_rank, tp=tp)
+        if shard.shape != param.shape:
+            raise ValueError(f"{name}: checkpoint shard {tuple(shard.shape)} != model {tuple(param.shape)}")
+        param.copy_(shard.to(param.dtype))
+        seen.update(parts)
+    unknown = set(reader.keys()) - seen
+    if spec.tie_word_embeddings:
+        unknown.discard("lm_head.weight")
+    if unknown:
+        raise KeyError(f"HF checkpoint {str(path)!r} has tensors the {spec.model_type} converter does not use: {sorted(unknown)[:5]}")
+
+
+@torch.no_grad()
+def load_megatron_full_into_model(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, tp_rank: int, tp: int) -> None:
+    for name, param in local_params(model):
+        if name not in full_sd:
+            raise KeyError(f"checkpoint lacks {name}")
+        param.copy_(tp_shard(name, full_sd[name], rank=tp_rank, tp=tp).to(param.dtype))
+
+
+@torch.no_grad()
+def iter_full_megatron(
+    model: torch.nn.Module, *, tp_group: dist.ProcessGroup | None, tp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full Megatron tensors (TP all-gather). Collective over the TP group."""
+    for name, param in local_params(model):
+        local = param.detach().contiguous()
+        if tp == 1:
+            yield name, local.clone()
+            continue
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local, group=tp_group)
+        yield name, tp_merge(name, shards)
+
+
+def iter_hf_tensors(
+    model: torch.nn.Module, spec: ModelSpec, *, tp_group: dist.ProcessGroup | None, tp: int, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, full in iter_full_megatron(model, tp_group=tp_group, tp=tp):
+        for hf_name, t in megatron_to_hf(name, full, spec):
+            yield hf_name, (t if dtype is None else t.to(dtype))
+
+
+def iter_hf_buckets(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    bucket_bytes: int,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    tp: int,
+    dtype: torch.dtype | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    yield from bucketize(iter_hf_tensors(model, spec, tp_group=tp_group, tp=tp, dtype=dtype), bucket_bytes)

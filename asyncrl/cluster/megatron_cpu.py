@@ -1,0 +1,173 @@
+"""Run megatron-core (local layer spec, fp32, gloo) on a machine without CUDA.
+
+Contract
+- ``apply_cpu_shims()`` is idempotent and does nothing when ``torch.cuda.is_available()``: on a
+  GPU machine megatron-core runs unpatched. Call it before building any Megatron object (the
+  actor does). It checks the megatron-core version first, because the shims touch private names
+  that are only known to be right for ``SUPPORTED_MEGATRON_CORE``.
+- ``cuda_as_cpu()`` is a context manager for the few Megatron calls that create tensors on
+  ``"cuda"`` (optimizer construction, ``optimizer.step()``, grad-norm/clip, the grad scaler and
+  optimizer state loading). It is a no-op with CUDA. It is *scoped*, not global, because a
+  ``TorchFunctionMode`` costs a Python call per torch op: forward/backward run outside of it.
+
+What is patched (process-wide, CPU only), and why:
+1. ``torch.cuda.current_device()`` returns ``"cpu"``: RoPE, the global memory buffer and the DDP
+   grad buffers pass it as ``device=``.
+2. The model-parallel RNG tracker stores "CUDA" generator states: ``torch.cuda.get_rng_state``,
+   ``torch.cuda.manual_seed`` and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+   are mapped to the CPU default generator. CPU dropout draws from that generator, so
+   ``tracker.fork()`` keeps its meaning. ``model_parallel_cuda_manual_seed(seed)`` must still be
+   called after ``initialize_model_parallel``.
+3. ``transformer.utils.get_default_causal_mask`` (used when ``attention_mask=None``) builds its
+   mask on CPU instead of ``device="cuda"``.
+4. Inside ``cuda_as_cpu()``: factory calls with ``device="cuda"`` get ``device="cpu"``;
+   ``Tensor.cuda()`` returns the tensor; ``Tensor.type()`` on a CPU tensor reports the CUDA type
+   name (Megatron asserts ``grad.type() == "torch.cuda.FloatTensor"``); ``Tensor.is_cuda`` is
+   True (so the optimizer's offload/reload helpers leave CPU tensors alone).
+
+Not supported on CPU: ``sequence_parallel=True`` (needs TE/apex LayerNorm), the TE layer spec,
+fp16/bf16 mixed precision in the optimizer.
+
+Example::
+
+    from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
+    apply_cpu_shims()
+    with cuda_as_cpu():
+        opt = get_megatron_optimizer(opt_cfg, [ddp_model])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MEGATRON_CORE = "0.16.1"
+"""The shims patch private megatron-core names; they are checked against this exact version."""
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    """Return the installed megatron-core version; raise if it is not the supported one."""
+    if version is None:
+        import megatron.core
+
+        version = getattr(megatron.core, "__version__", "unknown")
+    if version != SUPPORTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"megatron-core=={version} is installed but asyncrl's CPU shims "
+            f"(asyncrl/cluster/megatron_cpu.py) are written for megatron-core=={SUPPORTED_MEGATRON_CORE}: "
+            f"`pip install megatron-core=={SUPPORTED_MEGATRON_CORE}`"
+        )
+    return version
+
+
+def shims_applied() -> bool:
+    return _APPLIED
+
+
+def apply_cpu_shims() -> bool:
+    """Patch torch.cuda / megatron-core for CPU. Returns True if the shims are (now) active."""
+    global _APPLIED
+    if cuda_available():
+        return False
+    if _APPLIED:
+        return True
+    check_megatron_version()
+
+    # 1. current_device: used as a `device=` argument.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+    # 2. RNG: the "CUDA" generator is the CPU default generator.
+    def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def _set_rng_state(new_state: torch.Tensor, device: Any = -1) -> None:
+        torch.set_rng_state(new_state)
+
+    def _manual_seed(seed: int) -> None:
+        # The generator itself, not torch.manual_seed (which calls torch.cuda.manual_seed_all).
+        torch.default_generator.manual_seed(int(seed))
+
+    torch.cuda.get_rng_state = _get_rng_state  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = _get_rng_state  # type: ignore[assignment]
+    torch.cuda.set_rng_state = _set_rng_state  # type: ignore[assignment]
+    torch.cuda.manual_seed = _manual_seed  # type: ignore[assignment]
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _mg_get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        assert not graph_safe, "CUDA-graph-safe RNG is not available on CPU"
+        return torch.get_rng_state()
+
+    def _mg_set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+        assert not graph_safe, "CUDA-graph-safe RNG is not available on CPU"
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _mg_get_cuda_rng_state
+    mrandom._set_cuda_rng_state = _mg_set_cuda_rng_state
+
+    # 3. The default causal mask (attention_mask=None) on CPU.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache(maxsize=32)
+    def _causal_mask_cpu(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    tutils.get_default_causal_mask = _causal_mask_cpu
+    fused_softmax.get_default_causal_mask = _causal_mask_cpu
+
+    _APPLIED = True
+    return True
+
+
+def _cpuify_device(dev: Any) -> Any:
+    if isinstance(dev, str) and dev.startswith("cuda"):
+        return "cpu"
+    if isinstance(dev, torch.device) and dev.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(dev, int):  # an int device means a CUDA ordinal to torch factories
+        return "cpu"
+    return dev
+
+
+_IS_CUDA_GET = torch.Tensor.is_cuda.__get__  # compared with ==: each access makes a new method-wrapper
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and "dtype" not in kwargs:
+            name = func(*args, **kwargs)
+            if isinstance(name, str) and name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch.") :]
+            return name
+        if func == _IS_CUDA_GET:
+            return True
+        if "device" in kwargs:
+            kwargs["device"] = _cpuify_device(kwargs["device"])
+        if func is torch.Tensor.to:
+            args = tuple(_cpuify_device(a) if i > 0 else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """Scope in which Megatron's ``device="cuda"`` tensors land on CPU (no-op with CUDA)."""
+    if cuda_available():
+        yield
+        return
+    assert _APPLIED, "call apply_cpu_shims() first"
+    with _CudaAsCpuMode():
+        yield
