@@ -98,8 +98,10 @@ def _dealer(ctx: zmq.Context, address: str, identity: Optional[str]) -> zmq.Sock
 
 
 def _group_frames(group_id: int, trajectories: Optional[Sequence[Trajectory]], aborted: bool, error: str):
-    metas, blobs = P.pack_trajectories(trajectories or [])
-    return P.encode(P.GROUP, {"group_id": group_id, "aborted": aborted, "error": error, "trajs": metas}, blobs)
+    if not trajectories:
+        return P.encode(P.GROUP, {"group_id": group_id, "aborted": aborted, "error": error, "trajs": []})
+    metas, blob = P.pack_group_blob(trajectories, 0)
+    return P.encode(P.GROUP, {"group_id": group_id, "aborted": aborted, "error": error, "trajs": metas}, [blob])
 
 
 def _traj_frames(group_id: int, index: int, trajectory: Optional[Trajectory]):
@@ -109,18 +111,18 @@ def _traj_frames(group_id: int, index: int, trajectory: Optional[Trajectory]):
     return P.encode(P.TRAJ, {"group_id": group_id, "index": index, "traj": meta}, [blob])
 
 
-def _to_event(msg: P.Message) -> Optional[WorkerEvent]:
+def _to_events(msg: P.Message) -> list[WorkerEvent]:
     b = msg.body
     if msg.type == P.ISSUE:
-        return Assignment(int(b["group_id"]), P.item_from_wire(b["item"]), int(b["epoch"]), int(b["group_size"]),
-                          int(b["version"]))
+        return [Assignment(int(g["group_id"]), P.item_from_wire(g["item"]), int(g["epoch"]), int(g["group_size"]),
+                           int(g["version"])) for g in b["groups"]]
     if msg.type == P.CONTROL:
-        return Control(bool(b["hold"]), int(b["version"]))
+        return [Control(bool(b["hold"]), int(b["version"]))]
     if msg.type == P.CANCEL:
-        return Cancel([int(g) for g in b["group_ids"]])
+        return [Cancel([int(g) for g in b["group_ids"]])]
     if msg.type == P.SHUTDOWN:
-        return Shutdown()
-    return None
+        return [Shutdown()]
+    return []
 
 
 class WorkerConnection:
@@ -156,9 +158,7 @@ class WorkerConnection:
                 return self.welcome
             if msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
-            ev = _to_event(msg)
-            if ev is not None:
-                self._early.append(ev)
+            self._early.extend(_to_events(msg))
 
     def poll(self, timeout_s: float = 0.0) -> list[WorkerEvent]:
         """Events received within ``timeout_s`` (returns as soon as one arrives); heartbeats when due."""
@@ -178,8 +178,8 @@ class WorkerConnection:
                 self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
-            elif msg.type != P.WELCOME:
-                out.append(_to_event(msg))
+            else:
+                out.extend(_to_events(msg))
 
     def heartbeat(self) -> None:
         self._send(P.encode(P.HEARTBEAT, {"worker_id": self.worker_id}))
@@ -238,8 +238,8 @@ class AsyncWorkerConnection:
                                        float(b["heartbeat_interval_s"]))
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
-            elif (ev := _to_event(msg)) is not None:
-                self._early.append(ev)
+            else:
+                self._early.extend(_to_events(msg))
         self._hb_task = asyncio.create_task(self._heartbeats())
         return self.welcome
 
@@ -263,8 +263,10 @@ class AsyncWorkerConnection:
                     P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
-            elif msg.type != P.WELCOME:
-                return _to_event(msg)
+            else:
+                self._early.extend(_to_events(msg))
+                if self._early:
+                    return self._early.pop(0)
 
     async def send_trajectory(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> None:
         await self.sock.send_multipart(_traj_frames(group_id, index, trajectory))

@@ -7,16 +7,18 @@ Framing: one ZeroMQ multipart message = ``[header, *blobs]``. ``header`` is a ms
 never goes through msgpack lists: each trajectory's arrays travel as one raw blob frame, laid out
 ``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] |
 weight_versions int32[nw] | loss_mask uint8[nr]`` (little-endian; ``nw`` is 0 or ``nr``), and its
-scalar fields as a small map in the header (``TRAJ_META``). Decoding is zero-copy
+scalar fields as a small map in the header (only the ones that differ from the dataclass default).
+A group's trajectories share one blob frame; a meta's ``o`` is its byte offset in it. Decoding is zero-copy
 (``np.frombuffer`` over the frame): decoded token fields are numpy arrays unless ``as_lists``.
 
 Worker -> broker (DEALER, identity = worker id)          Broker -> worker
   hello      {worker_id, capacity}                        welcome  {version, group_size, hold, heartbeat_interval_s}
-  hb         {worker_id}                                  issue    {group_id, group_size, version, epoch, item}
+  hb         {worker_id}                                  issue    {groups: [{group_id, group_size, version,
+                                                                              epoch, item}, ...]}
   traj       {group_id, index, traj: meta | None} +blob?  control  {hold, version}
   group      {group_id, aborted, error, trajs: [meta]}    cancel   {group_ids}
-             +one blob per meta (trajs = [] -> use the     rehello  {}   (broker does not know you: send hello)
-             trajectories sent one by one with ``traj``)  shutdown {}
+             +one blob for the group (trajs = [] -> use    rehello  {}   (broker does not know you: send hello)
+             the trajectories sent one by one, ``traj``)  shutdown {}
   bye        {worker_id}
 Actor -> broker (DEALER)                                 Broker -> actor (one reply per request)
   get_batch  {step, timeout_s, actor_version | None}      batch {step, wait_s, metrics, groups: [group]} +blobs
@@ -116,33 +118,59 @@ def item_from_wire(d: dict) -> PromptItem:
         raise ProtocolError(f"bad prompt item: {e!r}") from None
 
 
-_SCALARS = ("reward", "min_version", "max_version", "num_turns", "num_tool_calls", "num_retractions",
-            "finish_reason", "truncated", "aborted", "error", "timings", "extra")
+_SCALAR_DEFAULTS = {"reward": 0.0, "min_version": 0, "max_version": 0, "num_turns": 0, "num_tool_calls": 0,
+                    "num_retractions": 0, "finish_reason": "", "truncated": False, "aborted": False, "error": "",
+                    "timings": {}, "extra": {}}
+_ARRAY_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions")
 
 
 def _arr(x, dtype) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype)
 
 
-def pack_trajectory(t: Trajectory, blob_index: int) -> tuple[dict, bytes]:
-    """-> (meta for the header, one blob with all token arrays)."""
+def _reusable_blob(t: Trajectory):
+    """The blob a decoded trajectory came from, if its token arrays are still exactly those views."""
+    wire = t.__dict__.get("_wire")
+    if wire is None:
+        return None
+    blob, arrays = wire[0], wire[1]
+    for name, a in zip(_ARRAY_FIELDS, arrays):
+        if getattr(t, name) is not a:
+            return None
+    return blob
+
+
+def pack_trajectory(t: Trajectory, blob_index: int) -> tuple[dict, Any]:
+    """-> (meta for the header, one blob with all token arrays). Scalars equal to their default are omitted.
+    A trajectory decoded by ``unpack_trajectory`` and left unchanged re-uses its blob (no copy)."""
+    meta = {k: getattr(t, k) for k, d in _SCALAR_DEFAULTS.items() if getattr(t, k) != d}
+    if "reward" in meta:
+        meta["reward"] = float(meta["reward"])
+    blob = _reusable_blob(t)
+    if blob is not None:
+        wire_meta = t.__dict__["_wire_lengths"]
+        meta.update(b=blob_index, np=wire_meta[0], nr=wire_meta[1], nw=wire_meta[2])
+        return meta, blob
     p = _arr(t.prompt_ids, "<i4")
     r = _arr(t.response_ids, "<i4")
     lp = _arr(t.rollout_logprobs, "<f4")
     wv = _arr(t.weight_versions, "<i4")
     lm = _arr(t.loss_mask, np.uint8)
-    meta = {k: getattr(t, k) for k in _SCALARS}
-    meta["reward"] = float(t.reward)
     meta.update(b=blob_index, np=len(p), nr=len(r), nw=len(wv))
     return meta, b"".join([p.data, r.data, lp.data, wv.data, lm.data])
 
 
 def unpack_trajectory(meta: dict, blob: Any, *, as_lists: bool = False) -> Trajectory:
+    """``meta["o"]`` (default 0) is the trajectory's byte offset inside ``blob``."""
     try:
         n_p, n_r, n_w = int(meta["np"]), int(meta["nr"]), int(meta["nw"])
-        buf = memoryview(blob).cast("B")
-        if len(buf) != 4 * n_p + 9 * n_r + 4 * n_w:
-            raise ProtocolError(f"trajectory blob has {len(buf)} bytes, expected {4 * n_p + 9 * n_r + 4 * n_w}")
+        size = 4 * n_p + 9 * n_r + 4 * n_w
+        start = int(meta.get("o", 0))
+        base = memoryview(blob).cast("B")
+        buf = base
+        if start < 0 or start + size > len(buf) or ("o" not in meta and len(buf) != size):
+            raise ProtocolError(f"trajectory blob has {len(buf)} bytes, expected {size} at offset {start}")
+        buf = buf[start:start + size]
         off = 0
         p = np.frombuffer(buf, "<i4", n_p, off); off += 4 * n_p
         r = np.frombuffer(buf, "<i4", n_r, off); off += 4 * n_r
@@ -152,16 +180,20 @@ def unpack_trajectory(meta: dict, blob: Any, *, as_lists: bool = False) -> Traje
         arrays = (p, r, lm, lp, wv)
         if as_lists:
             arrays = tuple(a.tolist() for a in arrays)
-        kw = {k: meta[k] for k in _SCALARS if k in meta}
-        return Trajectory(prompt_ids=arrays[0], response_ids=arrays[1], loss_mask=arrays[2],
-                          rollout_logprobs=arrays[3], weight_versions=arrays[4], **kw)
+        kw = {k: meta[k] for k in _SCALAR_DEFAULTS if k in meta}
+        t = Trajectory(prompt_ids=arrays[0], response_ids=arrays[1], loss_mask=arrays[2],
+                       rollout_logprobs=arrays[3], weight_versions=arrays[4], **kw)
+        if not as_lists:
+            t.__dict__["_wire"] = (buf, arrays, base, start)
+            t.__dict__["_wire_lengths"] = (n_p, n_r, n_w)
+        return t
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         if isinstance(e, ProtocolError):
             raise
         raise ProtocolError(f"bad trajectory: {e!r}") from None
 
 
-def pack_trajectories(trajs: Sequence[Trajectory], first_blob: int = 0) -> tuple[list[dict], list[bytes]]:
+def pack_trajectories(trajs: Sequence[Trajectory], first_blob: int = 0) -> tuple[list[dict], list[Any]]:
     metas, blobs = [], []
     for i, t in enumerate(trajs):
         m, b = pack_trajectory(t, first_blob + i)
@@ -182,12 +214,30 @@ def unpack_trajectories(metas: list, blobs: Sequence[Any], *, as_lists: bool = F
     return out
 
 
-def pack_groups(groups: Sequence[Group], blobs: list[bytes]) -> list[dict]:
-    """Groups -> header maps; their blobs are appended to ``blobs``."""
+def pack_group_blob(trajs: Sequence[Trajectory], blob_index: int) -> tuple[list[dict], Any]:
+    """All token data of one group as ONE blob (metas address it by byte offset ``o``). When the
+    trajectories were decoded from one blob and are unchanged, that blob is re-used: no copy at all."""
+    metas, pieces = pack_trajectories(trajs, blob_index)
+    wires = [t.__dict__.get("_wire") for t in trajs]
+    if pieces and all(w is not None and _reusable_blob(t) is not None for w, t in zip(wires, trajs)):
+        base = wires[0][2]
+        if all(w[2].obj is base.obj and w[2].nbytes == base.nbytes for w in wires):
+            for m, w in zip(metas, wires):
+                m["b"], m["o"] = blob_index, w[3]
+            return metas, base
+    offset = 0
+    for m, b in zip(metas, pieces):
+        m["b"], m["o"] = blob_index, offset
+        offset += memoryview(b).nbytes
+    return metas, b"".join(pieces)
+
+
+def pack_groups(groups: Sequence[Group], blobs: list) -> list[dict]:
+    """Groups -> header maps; each group's token data is appended to ``blobs`` as one blob."""
     out = []
     for g in groups:
-        metas, bl = pack_trajectories(g.trajectories, len(blobs))
-        blobs.extend(bl)
+        metas, blob = pack_group_blob(g.trajectories, len(blobs))
+        blobs.append(blob)
         out.append({"group_id": g.group_id, "epoch": g.epoch, "issued_version": g.issued_version,
                     "finished_version": g.finished_version, "aborted": g.aborted, "item": item_to_wire(g.item),
                     "trajs": metas})

@@ -140,12 +140,14 @@ class BrokerServer:
             issues = core.take_issues()
             if not issues:
                 break
+            per_worker: dict[str, list[dict]] = {}
             for iss in issues:
-                if iss.worker_id not in self._worker_ident:  # issued to a worker that just vanished
-                    continue
-                self._send_worker(iss.worker_id, P.ISSUE, {
+                per_worker.setdefault(iss.worker_id, []).append({
                     "group_id": iss.group_id, "group_size": iss.group_size, "version": iss.version,
                     "epoch": iss.epoch, "item": P.item_to_wire(iss.item)})
+            for wid, groups in per_worker.items():
+                if wid in self._worker_ident:  # else: issued to a worker that just vanished (re-queued)
+                    self._send_worker(wid, P.ISSUE, {"groups": groups})
         for d in core.take_drops():
             log.debug("dropped group %d (prompt %d, epoch %d): %s%s", d.group_id, d.item.index, d.epoch, d.reason,
                       " -> retried" if d.retried else "")

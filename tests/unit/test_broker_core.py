@@ -269,3 +269,24 @@ def test_protocol_roundtrip_and_malformed():
             P.decode(bad, allowed=P.WORKER_TYPES)
     with pytest.raises(P.ProtocolError, match="blob"):
         P.unpack_groups(msg.body["groups"], [b"\x00" * 3])
+
+
+def test_group_blob_is_reused_without_copy_when_forwarded():
+    from asyncrl.broker.client import _group_frames
+
+    trajs = [Trajectory([9, 8], list(range(n)), [1] * n, [-1.0] * n, weight_versions=[2] * n, min_version=2,
+                        max_version=2) for n in (3, 5)]
+    msg = P.decode(_group_frames(4, trajs, False, ""))
+    assert len(msg.blobs) == 1
+    decoded = P.unpack_trajectories(msg.body["trajs"], msg.blobs)
+    g = Group(4, PromptItem(0, "q"), 0, decoded)
+    blobs: list = []
+    maps = P.pack_groups([g, g], blobs)
+    assert len(blobs) == 2 and all(memoryview(b).obj is memoryview(msg.blobs[0]).obj for b in blobs)  # no copy
+    again = P.unpack_groups(maps, [bytes(b) for b in blobs])
+    assert [t.response_ids.tolist() for t in again[1].trajectories] == [[0, 1, 2], [0, 1, 2, 3, 4]]
+    decoded[0].response_ids = np.array([7], np.int32)  # changed: must be packed afresh
+    decoded[0].loss_mask, decoded[0].rollout_logprobs, decoded[0].weight_versions = [1], [0.0], [2]
+    blobs = []
+    maps = P.pack_groups([g], blobs)
+    assert P.unpack_groups(maps, blobs)[0].trajectories[0].response_ids.tolist() == [7]

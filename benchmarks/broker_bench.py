@@ -1,0 +1,233 @@
+"""Broker throughput and hand-off latency: the real broker process, N worker processes, one consumer.
+
+Measures over loopback TCP:
+  1. groups/s through admission -> worker -> buffer -> hand-off, with small groups (workers answer
+     every assignment at once; the consumer takes batches as fast as it can);
+  2. p50/p99 hand-off latency of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer
+     already full, issuing paused by a ``drain`` sync so the hand-off runs alone: request -> decoded
+     ``Batch`` with zero-copy numpy token arrays), and the ratio to a raw ZeroMQ round trip
+     (DEALER -> ROUTER, one small request, one reply of the same number of bytes).
+Targets (issue 3): >= 20,000 small groups/s; hand-off within 2x the raw transfer.
+
+    python benchmarks/broker_bench.py --quick
+The last stdout line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from asyncrl.broker.client import Assignment, BrokerClient, Shutdown, WorkerConnection  # noqa: E402
+from asyncrl.broker.launch import start_broker  # noqa: E402
+from asyncrl.broker.types import Trajectory  # noqa: E402
+
+
+def _traj(n_prompt: int, n_resp: int, version: int) -> Trajectory:
+    return Trajectory(prompt_ids=np.arange(n_prompt, dtype=np.int32), response_ids=np.arange(n_resp, dtype=np.int32),
+                      loss_mask=np.ones(n_resp, np.uint8), rollout_logprobs=np.full(n_resp, -0.5, np.float32),
+                      weight_versions=np.full(n_resp, version, np.int32), reward=1.0, min_version=version,
+                      max_version=version)
+
+
+def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int) -> int:
+    conn = WorkerConnection(address, worker_id=worker_id, capacity=1 << 16, heartbeat_interval_s=1.0)
+    conn.connect(timeout_s=30)
+    cache: dict[int, list[Trajectory]] = {}
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        for ev in conn.poll(0.05):
+            if isinstance(ev, Shutdown):
+                conn.close(say_bye=False)
+                return 0
+            if isinstance(ev, Assignment):
+                trajs = cache.get(ev.group_size)
+                if trajs is None:
+                    trajs = cache[ev.group_size] = [_traj(n_prompt, n_resp, ev.version) for _ in range(ev.group_size)]
+                conn.send_group(ev.group_id, trajs)
+    return 1
+
+
+def _config(tmp: Path, *, batch: int, group_size: int, inflight: int, buffered: int) -> tuple[str, str]:
+    prompts = tmp / "prompts.jsonl"
+    with prompts.open("w") as f:
+        for i in range(1000):
+            f.write(json.dumps({"question": f"q{i}", "golden_answers": ["a"]}) + "\n")
+    cfg = tmp / "bench.toml"
+    cfg.write_text(f"[runner]\nasync_mode = true\n[data]\nrollout_batch_size = {batch}\n"
+                   f"[algorithm]\ngroup_size = {group_size}\n"
+                   f"[rollout_buffer]\nsubmission_granularity = \"group\"\nmax_inflight_groups = {inflight}\n"
+                   f"max_buffered_groups = {buffered}\nmax_dropped_groups_per_step = 1000000\n")
+    return str(cfg), str(prompts)
+
+
+def _start(tmp: Path, n_workers: int, n_prompt: int, n_resp: int, **cfg_kw):
+    cfg, prompts = _config(tmp, **cfg_kw)
+    broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp / "broker.log"), log_level="WARNING")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    workers = [subprocess.Popen([sys.executable, __file__, "--worker", broker.address, f"w{i}", str(n_prompt),
+                                 str(n_resp)], env=env) for i in range(n_workers)]
+    return broker, workers
+
+
+def _stop(broker, workers, client) -> None:
+    try:
+        client.shutdown()
+    except TimeoutError:
+        pass
+    client.close()
+    for w in workers:
+        try:
+            w.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait(timeout=10)
+    broker.stop()
+
+
+def bench_throughput(tmp: Path, *, n_workers: int, duration_s: float) -> dict:
+    batch = 512
+    broker, workers = _start(tmp, n_workers, 4, 8, batch=batch, group_size=2, inflight=2048, buffered=4096)
+    client = BrokerClient(broker.address, timeout_s=30)
+    try:
+        client.get_batch(0, timeout_s=60)  # warm-up: workers connected and flowing
+        t0, n, step = time.perf_counter(), 0, 1
+        while time.perf_counter() - t0 < duration_s:
+            n += len(client.get_batch(step, timeout_s=60).groups)
+            step += 1
+        dt = time.perf_counter() - t0
+    finally:
+        _stop(broker, workers, client)
+    return {"groups_per_s": n / dt, "groups": n, "seconds": dt, "workers": n_workers, "group_size": 2}
+
+
+def bench_handoff(tmp: Path, *, reps: int) -> dict:
+    batch, g, n_prompt, n_resp = 512, 5, 200, 1800
+    broker, workers = _start(tmp, 2, n_prompt, n_resp, batch=batch, group_size=g, inflight=batch, buffered=batch)
+    client = BrokerClient(broker.address, timeout_s=60)
+    lat, nbytes = [], 0
+    try:
+        for step in range(reps + 1):
+            deadline = time.monotonic() + 120
+            while client.status()["num_buffered_groups"] < batch:
+                assert time.monotonic() < deadline, "buffer did not fill"
+                time.sleep(0.02)
+            client.sync_begin("drain")  # no new issues: time the hand-off alone, like the raw transfer
+            t0 = time.perf_counter()
+            b = client.get_batch(step, timeout_s=120)
+            dt = time.perf_counter() - t0
+            client.sync_end(step + 1)
+            assert len(b.groups) == batch and len(b.groups[0].trajectories[0].response_ids) == n_resp
+            if step:  # the first is a warm-up
+                lat.append(dt)
+            nbytes = sum(4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
+                         for gr in b.groups for t in gr.trajectories)
+    finally:
+        _stop(broker, workers, client)
+    raw = raw_roundtrip(nbytes, reps)
+    p50, p99 = _pct(lat, 50), _pct(lat, 99)
+    return {"batch_groups": batch, "group_size": g, "tokens_per_traj": n_prompt + n_resp, "bytes": nbytes,
+            "handoff_p50_s": p50, "handoff_p99_s": p99, "raw_p50_s": raw["p50_s"], "raw_p99_s": raw["p99_s"],
+            "ratio_p50": p50 / raw["p50_s"], "reps": reps}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def raw_server_main(address_file: str, nbytes: int) -> int:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    payload = np.ones(nbytes, np.uint8).tobytes()
+    Path(address_file).write_text(f"tcp://127.0.0.1:{port}")
+    while True:
+        if not sock.poll(30_000):
+            return 1
+        ident, req = sock.recv_multipart()
+        if req == b"stop":
+            return 0
+        sock.send_multipart([ident, payload], copy=False)
+
+
+def raw_roundtrip(nbytes: int, reps: int) -> dict:
+    """A small request, a reply of ``nbytes`` bytes, over the same kind of sockets, in another process."""
+    fd, addr_file = tempfile.mkstemp()
+    os.close(fd)
+    os.unlink(addr_file)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, __file__, "--raw-server", addr_file, str(nbytes)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(addr_file):
+            assert time.monotonic() < deadline and proc.poll() is None, "raw server did not start"
+            time.sleep(0.02)
+        time.sleep(0.05)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(Path(addr_file).read_text())
+        lat = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            sock.send(b"get")
+            assert sock.poll(30_000)
+            frame = sock.recv(copy=False)
+            dt = time.perf_counter() - t0
+            assert len(frame.buffer) == nbytes
+            if i:
+                lat.append(dt)
+        sock.send(b"stop")
+        sock.close()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        os.unlink(addr_file)
+    return {"p50_s": _pct(lat, 50), "p99_s": _pct(lat, 99)}
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--raw-server":
+        return raw_server_main(sys.argv[2], int(sys.argv[3]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="under 60 s")
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    duration, reps = (5.0, 5) if args.quick else (20.0, 20)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as d:
+        tp = bench_throughput(Path(d), n_workers=args.workers, duration_s=duration)
+        print(f"throughput: {tp['groups_per_s']:.0f} groups/s ({tp['groups']} groups in {tp['seconds']:.1f}s, "
+              f"{args.workers} workers) target >= 20000")
+    with tempfile.TemporaryDirectory() as d:
+        ho = bench_handoff(Path(d), reps=reps)
+        print(f"hand-off of {ho['batch_groups']} groups x {ho['group_size']} x {ho['tokens_per_traj']} tokens "
+              f"({ho['bytes'] / 1e6:.1f} MB): p50 {ho['handoff_p50_s'] * 1e3:.1f} ms, p99 {ho['handoff_p99_s'] * 1e3:.1f} "
+              f"ms; raw ZeroMQ p50 {ho['raw_p50_s'] * 1e3:.1f} ms; ratio {ho['ratio_p50']:.2f} (target <= 2)")
+    out = {"groups_per_s": round(tp["groups_per_s"]), "throughput": tp, "handoff": ho,
+           "targets_met": {"groups_per_s>=20000": tp["groups_per_s"] >= 20000, "handoff<=2x_raw": ho["ratio_p50"] <= 2},
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "zmq": zmq.zmq_version()},
+           "wall_s": round(time.time() - t0, 1)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
