@@ -137,7 +137,7 @@ def run_rollout(ctx, disc: Discovery) -> int:
         from asyncrl.agent.worker import run_worker
 
         run_worker(cfg, broker_address=broker_address, engine_urls=[sup.url], tokenizer_path=str(model_path),
-                   worker_id=f"engine{e}", supervisor=sup)
+                   worker_id=f"engine{e}")
     finally:
         sup.stop()
     return 0
