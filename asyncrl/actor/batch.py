@@ -1,0 +1,155 @@
+"""From broker Groups to per-rank micro-batches (pure: no torch.distributed, no model).
+
+- ``groups_to_samples``: one ``Sample`` per trajectory, with its GRPO advantage and the per-token
+  aggregation weights of the *global* batch (see ``asyncrl.actor.loss.aggregation_weights``).
+  Aborted groups/trajectories are skipped.
+- ``split_balanced``: DP split that balances tokens (longest first onto the lightest rank); each
+  rank's list keeps the global order of its samples.
+- ``make_microbatches``: consecutive samples packed until the token budget would be exceeded (a
+  sample longer than the budget forms a micro-batch of its own).
+- ``pack``: one micro-batch as packed tensors (positions restart per sequence, block-diagonal
+  causal mask) with the indices of the response tokens' predicting positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from asyncrl.actor.loss import aggregation_weights, grpo_advantages
+from asyncrl.broker.types import Group
+
+
+@dataclass
+class Sample:
+    tokens: list[int]
+    """prompt + response token ids."""
+    prompt_len: int
+    loss_mask: list[int]
+    """Per response token: 1 = trained."""
+    rollout_logprobs: list[float]
+    """Per response token: the engine's log-prob (the behaviour policy)."""
+    advantage: float
+    agg_weight: list[float]
+    """Per response token: weight in the global aggregation (0 where masked)."""
+    reward: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def groups_to_samples(
+    groups: Sequence[Group], *, normalize_adv_by_std: bool, loss_agg_mode: str
+) -> list[Sample]:
+    rows: list[tuple] = []
+    for g in groups:
+        if g.aborted:
+            continue
+        trajs = [t for t in g.trajectories if not t.aborted]
+        if not trajs:
+            continue
+        adv = grpo_advantages(torch.tensor([[float(t.reward) for t in trajs]]), normalize_by_std=normalize_adv_by_std)[0]
+        for t, a in zip(trajs, adv.tolist()):
+            if not t.response_ids:
+                continue
+            rows.append((t, a))
+    weights = aggregation_weights([t.loss_mask for t, _ in rows], loss_agg_mode)  # type: ignore[arg-type]
+    return [
+        Sample(
+            tokens=list(t.prompt_ids) + list(t.response_ids),
+            prompt_len=len(t.prompt_ids),
+            loss_mask=[int(x) for x in t.loss_mask],
+            rollout_logprobs=[float(x) for x in t.rollout_logprobs],
+            advantage=float(a),
+            agg_weight=w,
+            reward=float(t.reward),
+        )
+        for (t, a), w in zip(rows, weights)
+    ]
+
+
+def split_balanced(token_counts: Sequence[int], num_parts: int) -> list[list[int]]:
+    """Indices per part, balancing the sum of token counts (greedy, longest first)."""
+    loads = [0] * num_parts
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    for i in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
+        k = min(range(num_parts), key=lambda j: (loads[j], j))
+        parts[k].append(i)
+        loads[k] += token_counts[i]
+    return [sorted(p) for p in parts]
+
+
+def make_microbatches(token_counts: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive indices grouped so each group's token sum is <= max_tokens (or is one sample)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, n in enumerate(token_counts):
+        if cur and size + n > max_tokens:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L]
+    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = masked out
+    pred_index: torch.Tensor  # [T] position whose logits predict each response token
+    labels: torch.Tensor  # [T] the response tokens
+    seq_of_token: torch.Tensor  # [T] index (within the micro-batch) of each token's sequence
+    num_tokens: int
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        return PackedBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.attention_mask.to(device),
+            self.pred_index.to(device),
+            self.labels.to(device),
+            self.seq_of_token.to(device),
+            self.num_tokens,
+        )
+
+
+def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> PackedBatch:
+    ids: list[int] = []
+    pos: list[int] = []
+    pred: list[int] = []
+    labels: list[int] = []
+    seq_idx: list[int] = []
+    L = sum(len(s) for s in seqs)
+    mask = torch.ones(L, L, dtype=torch.bool)
+    off = 0
+    for k, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        n = len(s)
+        if p < 1:
+            raise ValueError("every sequence needs at least one prompt token")
+        ids.extend(s)
+        pos.extend(range(n))
+        mask[off : off + n, off : off + n] = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+        pred.extend(range(off + p - 1, off + n - 1))
+        labels.extend(s[p:])
+        seq_idx.extend([k] * (n - p))
+        off += n
+    return PackedBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([pos], dtype=torch.long),
+        attention_mask=mask[None, None],
+        pred_index=torch.tensor(pred, dtype=torch.long),
+        labels=torch.tensor(labels, dtype=torch.long),
+        seq_of_token=torch.tensor(seq_idx, dtype=torch.long),
+        num_tokens=L,
+    )

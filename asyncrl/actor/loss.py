@@ -1,0 +1,232 @@
+"""The RL objective as pure functions: GRPO advantages, PPO clipping, KL, off-policy corrections.
+
+No torch.distributed, no model: tensors in, tensors out. The trainer feeds flat per-token tensors
+of one micro-batch (response tokens only) and sums the results over micro-batches and DP ranks.
+
+Aggregation is expressed as a per-token weight ``agg_weight`` computed once for the *global*
+batch (``aggregation_weights``), so that ``sum_t agg_weight_t * loss_t`` summed over all
+micro-batches and ranks is exactly the chosen mean:
+
+- ``token_mean``:          mask_t / (trained tokens in the global batch)
+- ``seq_mean_token_sum``:  mask_t / (sequences with a trained token)
+- ``seq_mean_token_mean``: mask_t / (len_trained(seq) * sequences with a trained token)
+
+Off-policy correction (``algorithm.off_policy_correction``), with ``behav`` = the engine's
+rollout log-prob and ``prox`` = the log-prob recomputed with the weights before this step:
+
+- ``none``:      old = behav (the RLinf default: the rollout log-prob is the old log-prob).
+- ``tis``:       old = prox; every token's loss is multiplied by ``min(exp(prox - behav), tis_cap)``.
+- ``decoupled``: AReaL's decoupled PPO: old = prox (the proximal policy); loss multiplied by the
+  behaviour weight ``exp(prox - behav)``, and tokens whose weight exceeds ``tis_cap`` are dropped.
+
+Example::
+
+    adv = grpo_advantages(torch.tensor([[1., 0., 0., 1.]]), normalize_by_std=True)
+    out = policy_loss(logp, old_logp=behav, behav_logp=behav, prox_logp=None, advantages=adv_t,
+                      agg_weight=w, mask=m, cfg=algorithm_cfg)
+    out.loss.backward()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+
+GRPO_STD_EPS = 1e-6
+"""Added to the group std before dividing (equal rewards give std 0 and advantage 0)."""
+
+AggMode = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+
+
+def grpo_advantages(rewards: torch.Tensor, *, normalize_by_std: bool, eps: float = GRPO_STD_EPS) -> torch.Tensor:
+    """Group-relative advantages. ``rewards``: [num_groups, group_size] -> same shape.
+
+    ``(r - mean(group))``, divided by ``std(group) + eps`` (unbiased std) when ``normalize_by_std``.
+    A group of one, or with equal rewards, gets advantage 0.
+    """
+    r = rewards.to(torch.float64)
+    centred = r - r.mean(dim=-1, keepdim=True)
+    if normalize_by_std and r.shape[-1] > 1:
+        centred = centred / (r.std(dim=-1, keepdim=True) + eps)
+    return centred.to(torch.float32)
+
+
+def aggregation_weights(masks: Sequence[Sequence[int]], mode: AggMode) -> list[list[float]]:
+    """Per-token weights for the whole (global) batch so that ``sum(w * loss)`` is the ``mode`` mean."""
+    lengths = [int(sum(m)) for m in masks]
+    num_seqs = sum(1 for n in lengths if n > 0)
+    num_tokens = sum(lengths)
+    out: list[list[float]] = []
+    for m, n in zip(masks, lengths):
+        if n == 0:
+            out.append([0.0] * len(m))
+        elif mode == "token_mean":
+            out.append([float(x) / num_tokens for x in m])
+        elif mode == "seq_mean_token_sum":
+            out.append([float(x) / num_seqs for x in m])
+        elif mode == "seq_mean_token_mean":
+            out.append([float(x) / (n * num_seqs) for x in m])
+        else:
+            raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of token_mean, seq_mean_token_sum, seq_mean_token_mean")
+    return out
+
+
+def ppo_clip(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss (to minimise).
+
+    Returns ``(loss_t, ratio_t, clipped_t, dual_clipped_t)``; ``clipped_t`` marks tokens where the
+    clipped branch is the active one (zero gradient), ``dual_clipped_t`` where the dual-clip bound
+    ``-A * c`` (negative advantages only) is active.
+    """
+    ratio = torch.exp(logp - old_logp)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    dual = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    return loss, ratio, clipped, dual
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k1", "k3"]) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate: k1 = log(pi/ref); k3 = ref/pi - log(ref/pi) - 1 (>= 0)."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        d = ref_logp - logp
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"algorithm.kl_estimator={estimator!r} is not one of k1, k3")
+
+
+def behaviour_weights(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mode: Literal["none", "tis", "decoupled"], cap: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Importance weight of each token and which tokens stay in the loss.
+
+    Returns ``(weight_t, keep_t, raw_ratio_t)`` with ``raw_ratio = exp(prox - behav)`` (detached).
+    """
+    raw = torch.exp((prox_logp - behav_logp).detach())
+    if mode == "none":
+        return torch.ones_like(raw), torch.ones_like(raw, dtype=torch.bool), raw
+    if mode == "tis":
+        return torch.clamp(raw, max=cap), torch.ones_like(raw, dtype=torch.bool), raw
+    if mode == "decoupled":
+        keep = raw <= cap
+        return torch.where(keep, raw, torch.zeros_like(raw)), keep, raw
+    raise ValueError(f"algorithm.off_policy_correction={mode!r} is not one of none, tis, decoupled")
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate: sum over tokens of agg_weight * per-token objective."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """Metric numerators and token counts (``*_sum`` over trained tokens, ``num_tokens``), to be
+    summed over micro-batches and ranks and divided by ``num_tokens``; ``loss`` and ``pg_loss``
+    are already globally normalised (sum them, do not divide)."""
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    *,
+    behav_logp: torch.Tensor,
+    prox_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    agg_weight: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    dual_clip: float | None = None,
+    off_policy_correction: Literal["none", "tis", "decoupled"] = "none",
+    tis_cap: float = 2.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: Literal["k1", "k3"] = "k3",
+) -> LossOutput:
+    """The full per-micro-batch objective; all inputs are flat [T] tensors of response tokens.
+
+    ``mask`` (bool or 0/1) marks trained tokens (tool tokens are 0); ``agg_weight`` is already 0
+    where the mask is 0. ``prox_logp`` is required for ``tis``/``decoupled``.
+    """
+    mask_b = mask.bool()
+    maskf = mask_b.to(logp.dtype)
+    if off_policy_correction == "none":
+        old = behav_logp
+        iw = torch.ones_like(logp)
+        keep = mask_b
+        raw = torch.exp((logp.detach() - behav_logp))
+    else:
+        if prox_logp is None:
+            raise ValueError(f"algorithm.off_policy_correction={off_policy_correction!r} needs the recomputed log-prob")
+        old = prox_logp
+        iw, keep_iw, raw = behaviour_weights(prox_logp, behav_logp, off_policy_correction, tis_cap)
+        keep = mask_b & keep_iw
+    pg, ratio, clipped, dual = ppo_clip(
+        logp, old, advantages, clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=dual_clip
+    )
+    w = agg_weight * keep.to(logp.dtype)
+    per_token = pg * iw
+    pg_loss = (w * per_token).sum()
+    total = pg_loss
+    kl_sum = 0.0
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        if kl_coef:
+            total = total + kl_coef * (w * kl).sum()
+        kl_sum = float((kl.detach() * maskf).sum())
+    ent_sum = 0.0
+    if entropy is not None:
+        if entropy_coef:
+            total = total - entropy_coef * (w * entropy).sum()
+        ent_sum = float((entropy.detach() * maskf).sum())
+    cur = logp.detach()
+    mismatch_ref = prox_logp if prox_logp is not None else cur
+    sums = {
+        "num_tokens": float(maskf.sum()),
+        "loss": float(total.detach()),
+        "pg_loss": float(pg_loss.detach()),
+        "clip_sum": float((clipped & mask_b).sum()),
+        "dual_clip_sum": float((dual & mask_b).sum()),
+        "ratio_sum": float((ratio.detach() * maskf).sum()),
+        "entropy_sum": ent_sum,
+        "kl_sum": kl_sum,
+        "mismatch_sum": float(((mismatch_ref - behav_logp).abs() * maskf).sum()),
+        "behav_ratio_sum": float((raw * maskf).sum()),
+        "iw_dropped_sum": float((mask_b & ~keep).sum()),
+        "iw_truncated_sum": float(((raw > tis_cap) & mask_b).sum()) if off_policy_correction != "none" else 0.0,
+    }
+    return LossOutput(loss=total, sums=sums)
+
+
+def finalize_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Turn globally summed ``LossOutput.sums`` into the ``train/*`` metrics (token means)."""
+    n = max(sums.get("num_tokens", 0.0), 1.0)
+    return {
+        "train/loss": sums.get("loss", 0.0),
+        "train/pg_loss": sums.get("pg_loss", 0.0),
+        "train/clip_fraction": sums.get("clip_sum", 0.0) / n,
+        "train/dual_clip_fraction": sums.get("dual_clip_sum", 0.0) / n,
+        "train/ratio_mean": sums.get("ratio_sum", 0.0) / n,
+        "train/entropy": sums.get("entropy_sum", 0.0) / n,
+        "train/kl": sums.get("kl_sum", 0.0) / n,
+        "train/logprob_mismatch": sums.get("mismatch_sum", 0.0) / n,
+        "train/behav_ratio_mean": sums.get("behav_ratio_sum", 0.0) / n,
+        "train/is_dropped_fraction": sums.get("iw_dropped_sum", 0.0) / n,
+        "train/is_truncated_fraction": sums.get("iw_truncated_sum", 0.0) / n,
+        "train/num_tokens": sums.get("num_tokens", 0.0),
+    }

@@ -1,0 +1,424 @@
+"""The Megatron actor: a GPTModel from a HF checkpoint, trained with GRPO/PPO on broker Groups.
+
+Contract
+- Process group: the actor ranks are the default ``torch.distributed`` world (the launcher calls
+  ``init_process_group`` on the actor ranks only; tests do it under torchrun). ``Actor(cfg)``
+  initialises Megatron's model parallelism on that world: TP = ``actor.tensor_model_parallel_size``,
+  DP = world / TP (PP must be 1). On a machine without CUDA the shims of
+  ``asyncrl.cluster.megatron_cpu`` are applied and everything runs in fp32 on gloo.
+- Every public method is collective: **all actor ranks call it, in the same order**.
+  ``train_step(groups)``: only global rank 0's ``groups`` are used (others pass ``None``); rank 0
+  turns them into samples (GRPO advantages, global aggregation weights), splits them across DP
+  ranks balancing tokens, and broadcasts. Each rank packs its share into micro-batches of at most
+  ``actor.max_tokens_per_microbatch`` tokens, accumulates gradients, and Megatron's DDP all-reduces
+  them; one optimizer step (Adam, warmup + constant/cosine, clipping) follows unless the loss or
+  the grad norm is non-finite (then the step is skipped with a warning and
+  ``train/skipped_steps`` counts it). Every rank returns the same metrics dict.
+- ``version`` is the weight version: the number of ``train_step`` calls so far (a skipped step
+  still counts: the version names the step, the weights are simply unchanged), restored on resume.
+- ``iter_hf_buckets(bucket_bytes)``: a generator of buckets (lists of ``(hf_name, full tensor)``,
+  vocab padding stripped, at most ``bucket_bytes`` each unless one tensor is larger). Collective
+  over the TP group: **every actor rank must iterate it to the end**; every rank receives the same
+  full tensors; global rank 0 is the one that sends them on (weight sync, HF export).
+
+Example (on every actor rank, after ``dist.init_process_group``)::
+
+    actor = Actor(cfg)
+    metrics = actor.train_step(groups if dist.get_rank() == 0 else None)
+    for bucket in actor.iter_hf_buckets(cfg.sync.bucket_bytes): ...
+    actor.save_checkpoint(run_dir / "checkpoints" / "step_000010", step=10)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.actor import checkpoint as ckpt_io
+from asyncrl.actor.batch import PackedBatch, Sample, groups_to_samples, make_microbatches, pack, split_balanced
+from asyncrl.actor.logprobs import forward_logprobs
+from asyncrl.actor.loss import finalize_metrics, policy_loss
+from asyncrl.actor.model import ModelSpec, build_gpt_model, load_hf_config, padded_vocab_size
+from asyncrl.actor.weights import iter_hf_buckets, load_hf_into_model, local_params
+from asyncrl.broker.types import Group
+from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
+from asyncrl.config.schema import Config
+
+log = logging.getLogger(__name__)
+
+
+class Actor:
+    def __init__(self, cfg: Config):
+        if not dist.is_initialized():
+            raise RuntimeError("Actor needs torch.distributed initialised on the actor ranks (the launcher does it)")
+        apply_cpu_shims()
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        self.cfg = cfg
+        acfg = cfg.actor
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.tp = acfg.tensor_model_parallel_size
+        if acfg.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"actor.pipeline_model_parallel_size={acfg.pipeline_model_parallel_size}: only 1 is supported"
+            )
+        if self.world % self.tp:
+            raise ValueError(f"actor.tensor_model_parallel_size={self.tp} must divide the {self.world} actor ranks")
+        self.dp = self.world // self.tp
+        self.spec = ModelSpec.from_hf_config(load_hf_config(acfg.model_path))
+        self.model_path = Path(acfg.model_path)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        elif ps.get_tensor_model_parallel_world_size() != self.tp:
+            raise RuntimeError("Megatron model parallelism is already initialised with another TP size")
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.runner.seed)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.padded_vocab = padded_vocab_size(self.spec.vocab_size, self.tp)
+        self.vocab_start = self.tp_rank * (self.padded_vocab // self.tp)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.dtype = torch.bfloat16 if (acfg.params_dtype == "bf16" and torch.cuda.is_available()) else torch.float32
+
+        self.model = self._build_and_load()
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=acfg.use_distributed_optimizer
+        )
+        self.ddp = DistributedDataParallel(self.model.config, ddp_cfg, self.model)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=acfg.lr,
+            min_lr=acfg.min_lr,
+            weight_decay=acfg.weight_decay,
+            adam_beta1=acfg.adam_beta1,
+            adam_beta2=acfg.adam_beta2,
+            adam_eps=acfg.adam_eps,
+            clip_grad=acfg.grad_clip,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=acfg.use_distributed_optimizer,
+        )
+        with cuda_as_cpu():
+            self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
+        decay_steps = max(cfg.runner.max_steps, acfg.lr_warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if acfg.lr_warmup_steps else acfg.lr,
+            max_lr=acfg.lr,
+            min_lr=acfg.min_lr,
+            lr_warmup_steps=acfg.lr_warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=acfg.lr_schedule,
+            start_wd=acfg.weight_decay,
+            end_wd=acfg.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+        )
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = self._build_and_load()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self._version = 0
+        self._step = 0
+        self.num_skipped_steps = 0
+
+    # ------------------------------------------------------------------ model
+    def _build_and_load(self) -> torch.nn.Module:
+        model = build_gpt_model(self.spec, tp=self.tp, params_dtype=self.dtype)
+        model.to(self.device)
+        load_hf_into_model(model, self.model_path, self.spec, tp_rank=self.tp_rank, tp=self.tp)
+        return model
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _logprobs(self, model, packed: PackedBatch, *, with_entropy: bool):
+        return forward_logprobs(
+            model,
+            packed.to(self.device),
+            vocab_start=self.vocab_start,
+            true_vocab=self.spec.vocab_size,
+            tp_group=self.tp_group,
+            tp=self.tp,
+            with_entropy=with_entropy,
+        )
+
+    # ------------------------------------------------------------------ data
+    def _distribute(self, groups: Sequence[Group] | None) -> list[Sample]:
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            if groups is None:
+                raise ValueError("train_step: actor rank 0 must be given the batch (a list of Group)")
+            a = self.cfg.algorithm
+            samples = groups_to_samples(groups, normalize_adv_by_std=a.normalize_adv_by_std, loss_agg_mode=a.loss_agg_mode)
+            parts = split_balanced([s.num_tokens for s in samples], self.dp)
+            payload = [[[samples[i] for i in p] for p in parts]]
+        if self.world > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0][self.dp_rank]
+
+    def _microbatches(self, samples: list[Sample]) -> list[tuple[PackedBatch, dict[str, torch.Tensor]]]:
+        out = []
+        for idx in make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch):
+            mb = [samples[i] for i in idx]
+            packed = pack([s.tokens for s in mb], [s.prompt_len for s in mb])
+            extra = {
+                "behav": torch.tensor([x for s in mb for x in s.rollout_logprobs], dtype=torch.float32),
+                "mask": torch.tensor([x for s in mb for x in s.loss_mask], dtype=torch.bool),
+                "agg": torch.tensor([x for s in mb for x in s.agg_weight], dtype=torch.float32),
+                "adv": torch.tensor([s.advantage for s in mb for _ in range(s.response_len)], dtype=torch.float32),
+            }
+            out.append((packed, {k: v.to(self.device) for k, v in extra.items()}))
+        return out
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def compute_logprobs(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, with_entropy: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Log-probs (and entropies) of each sequence's tokens after its prompt, current weights.
+
+        Collective; every rank passes the same inputs and gets the full result (float32, CPU).
+        """
+        lens = [len(s) for s in sequences]
+        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for idx in make_microbatches(lens, self.cfg.actor.max_tokens_per_microbatch):
+            packed = pack([sequences[i] for i in idx], [prompt_lens[i] for i in idx])
+            logp, ent = self._logprobs(self.model, packed, with_entropy=with_entropy)
+            for k in range(len(idx)):
+                sel = packed.seq_of_token == k
+                out.append((logp[sel.to(logp.device)].float().cpu(), None if ent is None else ent[sel.to(ent.device)].float().cpu()))
+        return out
+
+    def train_step(self, groups: Sequence[Group] | None, *, step: int | None = None) -> dict[str, float]:
+        """One optimizer step on a batch of groups (see the module contract)."""
+        t0 = time.perf_counter()
+        a = self.cfg.algorithm
+        samples = self._distribute(groups)
+        mbs = self._microbatches(samples)
+        prox: list[torch.Tensor | None] = [None] * len(mbs)
+        ref: list[torch.Tensor | None] = [None] * len(mbs)
+        with torch.no_grad():
+            for i, (packed, _) in enumerate(mbs):
+                if a.off_policy_correction != "none":
+                    prox[i] = self._logprobs(self.model, packed, with_entropy=False)[0].float()
+                if self.ref_model is not None:
+                    ref[i] = self._logprobs(self.ref_model, packed, with_entropy=False)[0].float()
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums: dict[str, float] = defaultdict(float)
+        num_seq_tokens = 0
+        for i, (packed, x) in enumerate(mbs):
+            logp, ent = self._logprobs(self.ddp, packed, with_entropy=True)
+            out = policy_loss(
+                logp,
+                behav_logp=x["behav"],
+                prox_logp=prox[i],
+                advantages=x["adv"],
+                agg_weight=x["agg"],
+                mask=x["mask"],
+                clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high,
+                dual_clip=a.dual_clip,
+                off_policy_correction=a.off_policy_correction,
+                tis_cap=a.tis_cap,
+                entropy=ent,
+                entropy_coef=a.entropy_coef,
+                ref_logp=ref[i],
+                kl_coef=a.kl_coef,
+                kl_estimator=a.kl_estimator,
+            )
+            # DDP averages gradients over DP ranks; the aggregation weights are already global.
+            (out.loss * self.dp).backward()
+            for k, v in out.sums.items():
+                sums[k] += v
+            num_seq_tokens += packed.num_tokens
+        self.ddp.finish_grad_sync()
+
+        keys = sorted(set(sums) | {"num_tokens", "loss"})
+        vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_seq_tokens)], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(vec, group=self.dp_group)
+        total = dict(zip(keys, vec[:-1].tolist()))
+        global_tokens = vec[-1].item()
+        loss_ok = torch.tensor([1.0 if all(math.isfinite(v) for v in total.values()) else 0.0])
+        dist.all_reduce(loss_ok, op=dist.ReduceOp.MIN)
+
+        grad_norm = float("nan")
+        applied = False
+        if loss_ok.item() == 1.0:
+            with cuda_as_cpu():
+                self.optimizer.prepare_grads()
+                grad_norm = float(self.optimizer.get_grad_norm())
+            if math.isfinite(grad_norm):
+                self.scheduler.step(increment=1)
+                with cuda_as_cpu():
+                    ok, gn, _ = self.optimizer.step()
+                applied = bool(ok)
+                if gn is not None:
+                    grad_norm = float(gn)
+        if not applied:
+            self.num_skipped_steps += 1
+            self.optimizer.zero_grad()
+            log.warning(
+                "actor step %d skipped: non-finite %s (skipped so far: %d)",
+                self._step + 1,
+                "loss" if loss_ok.item() != 1.0 else "gradient norm",
+                self.num_skipped_steps,
+            )
+        self._step = step if step is not None else self._step + 1
+        self._version += 1
+        dt = time.perf_counter() - t0
+        m = finalize_metrics(total)
+        m.update(
+            {
+                "train/grad_norm": grad_norm,
+                "train/lr": self.lr,
+                "train/tokens_per_s": global_tokens / dt if dt > 0 else 0.0,
+                "train/num_seq_tokens": global_tokens,
+                "train/num_microbatches": float(len(mbs)),
+                "train/step_skipped": 0.0 if applied else 1.0,
+                "train/skipped_steps": float(self.num_skipped_steps),
+                "time/training": dt,
+            }
+        )
+        return m
+
+    def iter_hf_buckets(self, bucket_bytes: int, *, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named weights in buckets (collective over TP: every actor rank iterates it all)."""
+        yield from iter_hf_buckets(self.model, self.spec, bucket_bytes, tp_group=self.tp_group, tp=self.tp, dtype=dtype)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str | Path, *, step: int | None = None) -> Path:
+        """Model, optimizer, scheduler, RNG, step and weight version (collective)."""
+        if self.cfg.actor.use_distributed_optimizer:
+            raise NotImplementedError("checkpoints with actor.use_distributed_optimizer=true are not supported yet")
+        d = Path(directory)
+        if self.rank == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        if self.dp_rank == 0:
+            shard = {name: p.detach() for name, p in local_params(self.model)}
+            ckpt_io.save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank))
+            tmp = d / (ckpt_io.optim_file(self.tp_rank) + ".tmp")
+            torch.save(self.optimizer.state_dict(), tmp)
+            tmp.replace(d / ckpt_io.optim_file(self.tp_rank))
+        torch.save(_rng_state(), d / ckpt_io.rng_file(self.rank))
+        if self.cfg.runner.save_hf:
+            buckets = self.iter_hf_buckets(1 << 62)
+            tensors = {k: v for b in buckets for k, v in b}
+            if self.rank == 0:
+                (d / "hf_export").mkdir(exist_ok=True)
+                ckpt_io.save_safetensors(tensors, d / "hf_export" / "model.safetensors")
+                ckpt_io.copy_hf_side_files(self.model_path, d / "hf_export")
+        if self.rank == 0:
+            (d / "sched.json").write_text(json.dumps(self.scheduler.state_dict()) + "\n")
+            ckpt_io.copy_hf_side_files(self.model_path, d / "hf")
+            ckpt_io.write_meta(
+                d,
+                {
+                    "step": self._step if step is None else int(step),
+                    "weight_version": self._version,
+                    "tp": self.tp,
+                    "pp": 1,
+                    "dp": self.dp,
+                    "padded_vocab_size": self.padded_vocab,
+                    "num_skipped_steps": self.num_skipped_steps,
+                    "has_optimizer": True,
+                    "model_path": str(self.model_path),
+                },
+            )
+        dist.barrier()
+        return d
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Restore what ``save_checkpoint`` wrote (or the model of a converted checkpoint)."""
+        d = Path(directory)
+        meta = ckpt_io.read_meta(d)
+        if int(meta["tp"]) != self.tp:
+            raise ValueError(
+                f"checkpoint {str(d)!r} has TP={meta['tp']} but actor.tensor_model_parallel_size={self.tp}: "
+                "convert it with `python -m asyncrl.actor.convert actor-to-hf` and start from the HF export"
+            )
+        shard = ckpt_io.load_safetensors(d / ckpt_io.model_file(self.tp_rank))
+        with torch.no_grad():
+            for name, p in local_params(self.model):
+                if name not in shard:
+                    raise KeyError(f"checkpoint {str(d)!r} lacks {name}")
+                p.copy_(shard[name].to(p.dtype))
+        if meta.get("has_optimizer"):
+            state = torch.load(d / ckpt_io.optim_file(self.tp_rank), map_location="cpu", weights_only=False)
+            with cuda_as_cpu():
+                self.optimizer.load_state_dict(state)
+            self.scheduler.load_state_dict(json.loads((d / "sched.json").read_text()))
+            rng = d / ckpt_io.rng_file(self.rank)
+            if rng.is_file() and meta.get("dp") == self.dp:
+                _set_rng_state(torch.load(rng, weights_only=False))
+            else:
+                log.warning("checkpoint %s: no RNG state for rank %d (or another DP size): RNG not restored", d, self.rank)
+        self._step = int(meta["step"])
+        self._version = int(meta["weight_version"])
+        self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
+        dist.barrier()
+        return meta
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is a dependency; keep the checkpoint usable without it
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
