@@ -414,16 +414,23 @@ class CpuEngine:
                 for size, s, d in zip(sizes, shapes, dts):
                     tensors.append(buf[off: off + size].view(d).reshape(s))
                     off += size
+                named = list(zip(names, tensors))
             else:
-                tensors = []
-                for s, d in zip(shapes, dts):
+                named = []
+                for name, s, d in zip(names, shapes, dts):
+                    # Receive straight into the weight when it matches (saves a full copy; we are
+                    # on the engine thread, between model steps) -- added by the sync helper (issue 7).
+                    dst = self.model.params.get(name)
+                    if dst is not None and dst.dtype == d and tuple(dst.shape) == tuple(s) and dst.is_contiguous():
+                        dist.broadcast(dst, group_src=0, group=pg)
+                        continue
                     t = torch.empty(tuple(s), dtype=d)
                     dist.broadcast(t, group_src=0, group=pg)
-                    tensors.append(t)
+                    named.append((name, t))
         except (RuntimeError, dist.DistError) as e:
             return False, f"Failed to receive weights by broadcast: {e}"
         try:
-            self.model.load_weights(zip(names, tensors))
+            self.model.load_weights(named)
         except (KeyError, ValueError) as e:
             return False, f"Failed to load received weights: {e}"
         msg = "Succeeded to update parameter online."
