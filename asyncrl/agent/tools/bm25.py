@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from asyncrl.agent.tools import RetrieverError
 
 
@@ -70,9 +72,35 @@ class BM25Retriever:
         if k <= 0:
             raise RetrieverError(f"{self.name}: topk must be > 0, got {topk!r}")
         q_ids = self._tokenizer.tokenize(list(queries), update_vocab=False, return_as="ids", show_progress=False)
-        idx, scores = self._bm25.retrieve(q_ids, k=k, show_progress=False, n_threads=0)
-        docs = [[self.docs[int(i)] for i in row] for row in idx]
-        return docs, [[float(s) for s in row] for row in scores]
+        docs, scores = [], []
+        for ids in q_ids:
+            top, top_scores = self._topk(ids, k)
+            docs.append([self.docs[i] for i in top])
+            scores.append(top_scores)
+        return docs, scores
+
+    def _topk(self, ids: list[int], k: int) -> tuple[list[int], list[float]]:
+        """Top-k over the documents that share a word with the query only (BM25 scores are >= 0 and
+        0 elsewhere): a full-corpus partial sort per query would dominate on large corpora. Ties
+        go to the lower document index; missing places are filled with zero-score documents."""
+        num_docs = len(self.docs)
+        if ids:
+            scores = self._bm25.get_scores_from_ids(ids)
+            cand = np.flatnonzero(scores)
+        else:
+            scores, cand = None, np.empty(0, dtype=np.int64)
+        if len(cand) > k:
+            cand = cand[np.argpartition(-scores[cand], k - 1)[:k]]
+        if len(cand):
+            cand = cand[np.lexsort((cand, -scores[cand]))]
+        top = [int(i) for i in cand]
+        top_scores = [float(scores[i]) for i in top] if len(top) else []
+        if len(top) < k:
+            chosen = set(top)
+            fill = [i for i in range(min(num_docs, k + len(top))) if i not in chosen][: k - len(top)]
+            top += fill
+            top_scores += [0.0] * len(fill)
+        return top, top_scores
 
     async def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]:
         if self._executor is None:
