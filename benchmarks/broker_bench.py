@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,10 +115,13 @@ def bench_throughput(tmp: Path, *, n_workers: int, duration_s: float) -> dict:
 
 
 def bench_handoff(tmp: Path, *, reps: int) -> dict:
+    """Hand-off and raw round trips are interleaved, so both see the same machine load."""
     batch, g, n_prompt, n_resp = 512, 5, 200, 1800
+    nbytes = batch * g * (4 * n_prompt + 9 * n_resp + 4 * n_resp)
     broker, workers = _start(tmp, 2, n_prompt, n_resp, batch=batch, group_size=g, inflight=batch, buffered=batch)
     client = BrokerClient(broker.address, timeout_s=60)
-    lat, nbytes = [], 0
+    raw = _RawPeer(nbytes)
+    lat, raw_lat = [], []
     try:
         for step in range(reps + 1):
             deadline = time.monotonic() + 120
@@ -131,18 +133,21 @@ def bench_handoff(tmp: Path, *, reps: int) -> dict:
             b = client.get_batch(step, timeout_s=120)
             dt = time.perf_counter() - t0
             client.sync_end(step + 1)
-            assert len(b.groups) == batch and len(b.groups[0].trajectories[0].response_ids) == n_resp
-            if step:  # the first is a warm-up
+            got = sum(4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
+                      for gr in b.groups for t in gr.trajectories)
+            assert len(b.groups) == batch and got == nbytes
+            del b
+            r = raw.roundtrip()
+            if step:  # the first of each is a warm-up
                 lat.append(dt)
-            nbytes = sum(4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
-                         for gr in b.groups for t in gr.trajectories)
+                raw_lat.append(r)
     finally:
+        raw.close()
         _stop(broker, workers, client)
-    raw = raw_roundtrip(nbytes, reps)
-    p50, p99 = _pct(lat, 50), _pct(lat, 99)
+    p50, p99, r50 = _pct(lat, 50), _pct(lat, 99), _pct(raw_lat, 50)
     return {"batch_groups": batch, "group_size": g, "tokens_per_traj": n_prompt + n_resp, "bytes": nbytes,
-            "handoff_p50_s": p50, "handoff_p99_s": p99, "raw_p50_s": raw["p50_s"], "raw_p99_s": raw["p99_s"],
-            "ratio_p50": p50 / raw["p50_s"], "reps": reps}
+            "handoff_p50_s": p50, "handoff_p99_s": p99, "raw_p50_s": r50, "raw_p99_s": _pct(raw_lat, 99),
+            "ratio_p50": p50 / r50, "reps": reps}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -164,41 +169,44 @@ def raw_server_main(address_file: str, nbytes: int) -> int:
         sock.send_multipart([ident, payload], copy=False)
 
 
-def raw_roundtrip(nbytes: int, reps: int) -> dict:
-    """A small request, a reply of ``nbytes`` bytes, over the same kind of sockets, in another process."""
-    fd, addr_file = tempfile.mkstemp()
-    os.close(fd)
-    os.unlink(addr_file)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, __file__, "--raw-server", addr_file, str(nbytes)], env=env)
-    try:
+class _RawPeer:
+    """A ROUTER in another process answering each small request with ``nbytes`` bytes (one frame)."""
+
+    def __init__(self, nbytes: int):
+        fd, self.addr_file = tempfile.mkstemp()
+        os.close(fd)
+        os.unlink(self.addr_file)
+        self.nbytes = nbytes
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", self.addr_file, str(nbytes)], env=env)
         deadline = time.monotonic() + 30
-        while not os.path.exists(addr_file):
-            assert time.monotonic() < deadline and proc.poll() is None, "raw server did not start"
+        while not os.path.exists(self.addr_file):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "raw server did not start"
             time.sleep(0.02)
         time.sleep(0.05)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(Path(addr_file).read_text())
-        lat = []
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            sock.send(b"get")
-            assert sock.poll(30_000)
-            frame = sock.recv(copy=False)
-            dt = time.perf_counter() - t0
-            assert len(frame.buffer) == nbytes
-            if i:
-                lat.append(dt)
-        sock.send(b"stop")
-        sock.close()
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        os.unlink(addr_file)
-    return {"p50_s": _pct(lat, 50), "p99_s": _pct(lat, 99)}
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(Path(self.addr_file).read_text())
+
+    def roundtrip(self) -> float:
+        t0 = time.perf_counter()
+        self.sock.send(b"get")
+        assert self.sock.poll(30_000), "raw server did not answer"
+        frame = self.sock.recv(copy=False)
+        dt = time.perf_counter() - t0
+        assert len(frame.buffer) == self.nbytes
+        return dt
+
+    def close(self) -> None:
+        try:
+            self.sock.send(b"stop")
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.sock.close()
+        if os.path.exists(self.addr_file):
+            os.unlink(self.addr_file)
 
 
 def main() -> int:
@@ -210,7 +218,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="under 60 s")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    duration, reps = (5.0, 5) if args.quick else (20.0, 20)
+    duration, reps = (5.0, 10) if args.quick else (20.0, 30)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as d:
         tp = bench_throughput(Path(d), n_workers=args.workers, duration_s=duration)

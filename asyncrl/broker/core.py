@@ -48,8 +48,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from asyncrl.broker.buffer import BufferSettings, DataBuffer, DefaultDataBuffer, Rejection, import_path, \
-    make_data_buffer
+from asyncrl.broker.buffer import (
+    BufferSettings,
+    DataBuffer,
+    DefaultDataBuffer,
+    Rejection,
+    import_path,
+    make_data_buffer,
+)
 from asyncrl.broker.dataloader import Dataloader
 from asyncrl.broker.types import Group, PromptItem, Trajectory
 

@@ -121,35 +121,46 @@ def item_from_wire(d: dict) -> PromptItem:
 _SCALAR_DEFAULTS = {"reward": 0.0, "min_version": 0, "max_version": 0, "num_turns": 0, "num_tool_calls": 0,
                     "num_retractions": 0, "finish_reason": "", "truncated": False, "aborted": False, "error": "",
                     "timings": {}, "extra": {}}
-_ARRAY_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions")
 
 
 def _arr(x, dtype) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype)
 
 
+def _unchanged(t: Trajectory, wire) -> bool:
+    arrays = wire[3]
+    return (t.prompt_ids is arrays[0] and t.response_ids is arrays[1] and t.loss_mask is arrays[2]
+            and t.rollout_logprobs is arrays[3] and t.weight_versions is arrays[4])
+
+
 def _reusable_blob(t: Trajectory):
-    """The blob a decoded trajectory came from, if its token arrays are still exactly those views."""
+    """The bytes a decoded trajectory came from, if its token arrays are still exactly those views."""
     wire = t.__dict__.get("_wire")
-    if wire is None:
+    if wire is None or not _unchanged(t, wire):
         return None
-    blob, arrays = wire[0], wire[1]
-    for name, a in zip(_ARRAY_FIELDS, arrays):
-        if getattr(t, name) is not a:
-            return None
-    return blob
+    base, start, size, _ = wire
+    return base[start:start + size]
+
+
+def _scalar_meta(t: Trajectory) -> dict:
+    meta = {}
+    for k, d in _SCALAR_DEFAULTS.items():
+        v = getattr(t, k)
+        if v != d:
+            meta[k] = v
+    if "reward" in meta:
+        meta["reward"] = float(meta["reward"])
+    return meta
 
 
 def pack_trajectory(t: Trajectory, blob_index: int) -> tuple[dict, Any]:
     """-> (meta for the header, one blob with all token arrays). Scalars equal to their default are omitted.
-    A trajectory decoded by ``unpack_trajectory`` and left unchanged re-uses its blob (no copy)."""
-    meta = {k: getattr(t, k) for k, d in _SCALAR_DEFAULTS.items() if getattr(t, k) != d}
-    if "reward" in meta:
-        meta["reward"] = float(meta["reward"])
+    A trajectory decoded by ``unpack_trajectory`` and left unchanged re-uses its bytes (no copy)."""
+    meta = _scalar_meta(t)
     blob = _reusable_blob(t)
     if blob is not None:
-        wire_meta = t.__dict__["_wire_lengths"]
-        meta.update(b=blob_index, np=wire_meta[0], nr=wire_meta[1], nw=wire_meta[2])
+        n_p, n_r, n_w = (len(a) for a in (t.prompt_ids, t.response_ids, t.weight_versions))
+        meta.update(b=blob_index, np=n_p, nr=n_r, nw=n_w)
         return meta, blob
     p = _arr(t.prompt_ids, "<i4")
     r = _arr(t.response_ids, "<i4")
@@ -162,30 +173,34 @@ def pack_trajectory(t: Trajectory, blob_index: int) -> tuple[dict, Any]:
 
 def unpack_trajectory(meta: dict, blob: Any, *, as_lists: bool = False) -> Trajectory:
     """``meta["o"]`` (default 0) is the trajectory's byte offset inside ``blob``."""
+    base = blob if isinstance(blob, memoryview) and blob.format == "B" and blob.ndim == 1 else memoryview(blob).cast("B")
+    return _unpack(meta, base, as_lists)
+
+
+def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
     try:
         n_p, n_r, n_w = int(meta["np"]), int(meta["nr"]), int(meta["nw"])
         size = 4 * n_p + 9 * n_r + 4 * n_w
         start = int(meta.get("o", 0))
-        base = memoryview(blob).cast("B")
-        buf = base
-        if start < 0 or start + size > len(buf) or ("o" not in meta and len(buf) != size):
-            raise ProtocolError(f"trajectory blob has {len(buf)} bytes, expected {size} at offset {start}")
-        buf = buf[start:start + size]
-        off = 0
-        p = np.frombuffer(buf, "<i4", n_p, off); off += 4 * n_p
-        r = np.frombuffer(buf, "<i4", n_r, off); off += 4 * n_r
-        lp = np.frombuffer(buf, "<f4", n_r, off); off += 4 * n_r
-        wv = np.frombuffer(buf, "<i4", n_w, off); off += 4 * n_w
-        lm = np.frombuffer(buf, np.uint8, n_r, off)
+        if n_p < 0 or n_r < 0 or n_w < 0 or start < 0 or start + size > base.nbytes or (
+                "o" not in meta and base.nbytes != size):
+            raise ProtocolError(f"trajectory blob has {base.nbytes} bytes, expected {size} at offset {start}")
+        o_r = start + 4 * n_p
+        o_lp = o_r + 4 * n_r
+        o_wv = o_lp + 4 * n_r
+        p = np.frombuffer(base, "<i4", n_p, start)
+        r = np.frombuffer(base, "<i4", n_r, o_r)
+        lp = np.frombuffer(base, "<f4", n_r, o_lp)
+        wv = np.frombuffer(base, "<i4", n_w, o_wv)
+        lm = np.frombuffer(base, np.uint8, n_r, o_wv + 4 * n_w)
         arrays = (p, r, lm, lp, wv)
         if as_lists:
             arrays = tuple(a.tolist() for a in arrays)
-        kw = {k: meta[k] for k in _SCALAR_DEFAULTS if k in meta}
+        kw = {k: v for k, v in meta.items() if k in _SCALAR_DEFAULTS}
         t = Trajectory(prompt_ids=arrays[0], response_ids=arrays[1], loss_mask=arrays[2],
                        rollout_logprobs=arrays[3], weight_versions=arrays[4], **kw)
         if not as_lists:
-            t.__dict__["_wire"] = (buf, arrays, base, start)
-            t.__dict__["_wire_lengths"] = (n_p, n_r, n_w)
+            t.__dict__["_wire"] = (base, start, size, arrays)
         return t
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         if isinstance(e, ProtocolError):
@@ -204,27 +219,34 @@ def pack_trajectories(trajs: Sequence[Trajectory], first_blob: int = 0) -> tuple
 
 def unpack_trajectories(metas: list, blobs: Sequence[Any], *, as_lists: bool = False) -> list[Trajectory]:
     out = []
+    bases: dict[int, memoryview] = {}
     for m in metas:
         try:
-            blob = blobs[int(m["b"])]
+            i = int(m["b"])
+            base = bases.get(i)
+            if base is None:
+                base = bases[i] = memoryview(blobs[i]).cast("B")
         except (KeyError, IndexError, TypeError, ValueError):
             raise ProtocolError(f"trajectory refers to a missing blob: {m.get('b') if isinstance(m, dict) else m!r}") \
                 from None
-        out.append(unpack_trajectory(m, blob, as_lists=as_lists))
+        out.append(_unpack(m, base, as_lists))
     return out
 
 
 def pack_group_blob(trajs: Sequence[Trajectory], blob_index: int) -> tuple[list[dict], Any]:
     """All token data of one group as ONE blob (metas address it by byte offset ``o``). When the
     trajectories were decoded from one blob and are unchanged, that blob is re-used: no copy at all."""
-    metas, pieces = pack_trajectories(trajs, blob_index)
     wires = [t.__dict__.get("_wire") for t in trajs]
-    if pieces and all(w is not None and _reusable_blob(t) is not None for w, t in zip(wires, trajs)):
-        base = wires[0][2]
-        if all(w[2].obj is base.obj and w[2].nbytes == base.nbytes for w in wires):
-            for m, w in zip(metas, wires):
-                m["b"], m["o"] = blob_index, w[3]
+    if wires and all(w is not None for w in wires):
+        base = wires[0][0]
+        if all(w[0].obj is base.obj and w[0].nbytes == base.nbytes and _unchanged(t, w) for t, w in zip(trajs, wires)):
+            metas = []
+            for t, w in zip(trajs, wires):
+                m = _scalar_meta(t)
+                m.update(b=blob_index, o=w[1], np=len(w[3][0]), nr=len(w[3][1]), nw=len(w[3][4]))
+                metas.append(m)
             return metas, base
+    metas, pieces = pack_trajectories(trajs, blob_index)
     offset = 0
     for m, b in zip(metas, pieces):
         m["b"], m["o"] = blob_index, offset
