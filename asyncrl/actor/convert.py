@@ -225,8 +225,8 @@ def hf_state_to_megatron(hf_sd: dict[str, torch.Tensor], spec: ModelSpec, *, tp:
             raise KeyError(f"HF checkpoint lacks {missing} (needed for {name})")
         used.update(parts)
         out[name] = hf_to_megatron(name, [hf_sd[p] for p in parts], spec, tp=tp)
-    extra = sorted(set(hf_sd) - used - {"lm_head.weight"} if spec.tie_word_embeddings else set(hf_sd) - used)
-    extra = [e for e in extra if not e.endswith("rotary_emb.inv_freq")]
+    ignorable = {"lm_head.weight"} if spec.tie_word_embeddings else set()
+    extra = sorted(k for k in set(hf_sd) - used - ignorable if not k.endswith("rotary_emb.inv_freq"))
     if extra:
         raise KeyError(f"HF checkpoint has tensors the {spec.model_type} converter does not know: {extra[:5]}")
     return out

@@ -1,0 +1,45 @@
+"""Groups -> samples, the DP split, micro-batching and packing (pure)."""
+
+import torch
+
+from asyncrl.actor.batch import groups_to_samples, make_microbatches, pack, split_balanced
+from asyncrl.actor.synthetic import synthetic_groups
+
+
+def test_groups_to_samples_skips_aborted_and_weights_sum_to_one():
+    groups = synthetic_groups(seed=1, num_groups=4, group_size=3, vocab_size=500)
+    groups[2].aborted = True
+    groups[3].trajectories[1].aborted = True
+    s = groups_to_samples(groups, normalize_adv_by_std=True, loss_agg_mode="token_mean")
+    assert len(s) == 3 + 3 + 2
+    assert all(x.advantage == 0.0 for x in s[:3])  # group 0 has equal rewards
+    assert abs(sum(sum(x.agg_weight) for x in s) - 1.0) < 1e-9
+    for x in s:
+        assert len(x.agg_weight) == len(x.loss_mask) == x.response_len
+        assert all(w == 0.0 for w, m in zip(x.agg_weight, x.loss_mask) if m == 0)
+    s2 = groups_to_samples(groups, normalize_adv_by_std=False, loss_agg_mode="seq_mean_token_mean")
+    assert abs(sum(sum(x.agg_weight) for x in s2) - 1.0) < 1e-9
+
+
+def test_split_balanced_and_microbatches():
+    counts = [10, 50, 20, 30, 40, 5]
+    parts = split_balanced(counts, 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    loads = [sum(counts[i] for i in p) for p in parts]
+    assert abs(loads[0] - loads[1]) <= 5
+    assert all(p == sorted(p) for p in parts)
+    assert split_balanced([3], 2) == [[0], []]
+    mbs = make_microbatches([10, 20, 30, 100, 5, 5], 40)
+    assert mbs == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_pack_positions_mask_and_targets():
+    p = pack([[1, 2, 3, 4], [5, 6, 7]], [2, 1])
+    assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert p.labels.tolist() == [3, 4, 6, 7]
+    assert p.pred_index.tolist() == [1, 2, 4, 5]
+    assert p.seq_of_token.tolist() == [0, 0, 1, 1]
+    m = p.attention_mask[0, 0]
+    assert not m[3, 0] and m[0, 1] and m[4, 3] and not m[6, 4]  # causal within, blocked across
+    assert m.shape == (7, 7) and m.dtype == torch.bool
