@@ -32,8 +32,9 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import aiohttp
 

@@ -12,8 +12,9 @@ special-token strings in the context).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 class AgentTokenizer:
@@ -28,7 +29,7 @@ class AgentTokenizer:
         self._template = None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "AgentTokenizer":
+    def from_pretrained(cls, path: str | Path) -> AgentTokenizer:
         from tokenizers import Tokenizer
 
         root = Path(path)

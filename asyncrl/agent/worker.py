@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from asyncrl.agent.loop import AgentLoop, EngineHandle, TurnGate
 from asyncrl.agent.tasks import get_task

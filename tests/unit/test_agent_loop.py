@@ -11,9 +11,8 @@ import json
 
 import pytest
 
-from asyncrl.agent.loop import AgentLoop, EngineError, EngineHandle, TurnGate, parse_generate_response, token_versions
-from asyncrl.agent.tasks import get_task
-from asyncrl.agent.tasks import searchr1
+from asyncrl.agent.loop import AgentLoop, EngineError, EngineHandle, parse_generate_response, token_versions
+from asyncrl.agent.tasks import get_task, searchr1
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import RetrieverError
 from asyncrl.agent.tools.bm25 import BM25Retriever

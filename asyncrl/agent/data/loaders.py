@@ -13,8 +13,9 @@ of the prompt; the gold answers from ``reward_model.ground_truth.target``, else 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from asyncrl.broker.types import PromptItem
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from asyncrl.agent.tasks import searchr1
 
@@ -185,7 +186,7 @@ def make_sft_demos(rows: Sequence[dict], search: SearchFn, *, num_demos: int, se
     rng = random.Random(seed)
     answer_pool = sorted({a for r in rows for a in r["golden_answers"]})
     demos = []
-    for n in range(num_demos):
+    for _ in range(num_demos):
         row = rows[rng.randrange(len(rows))]
         u = rng.random()
         kind = "correct" if u < correct_fraction else "wrong_copy" if u < correct_fraction + wrong_copy_fraction else "guess"

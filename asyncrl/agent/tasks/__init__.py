@@ -15,8 +15,9 @@ and returns its module-level ``TASK``, else, for ``"package.module:attr"``, that
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Protocol, Sequence
+from typing import Any, Literal, Optional, Protocol
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.agent.tasks import Action
 
@@ -72,9 +73,8 @@ def build_prompt(question: str, *, chat_template: bool = False, tokenizer: Any =
 
 def parse_action(generated_text: str) -> Action:
     """The last complete search/answer action of one turn's generated text."""
-    last = None
-    for last in _ACTION_RE.finditer(generated_text):
-        pass
+    matches = list(_ACTION_RE.finditer(generated_text))
+    last = matches[-1] if matches else None
     if last is None:
         return Action("invalid")
     return Action(last.group(1), last.group(2).strip())  # type: ignore[arg-type]
@@ -108,9 +108,8 @@ def normalize_answer(text: str) -> str:
 
 def extract_answer(generated_text: str) -> str | None:
     """The stripped content of the last complete ``<answer>`` pair, or None."""
-    last = None
-    for last in _ANSWER_RE.finditer(generated_text):
-        pass
+    matches = list(_ANSWER_RE.finditer(generated_text))
+    last = matches[-1] if matches else None
     return None if last is None else last.group(1).strip()
 
 

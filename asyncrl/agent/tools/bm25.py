@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class BM25Retriever:
         self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
-    def from_jsonl(cls, path: str | Path) -> "BM25Retriever":
+    def from_jsonl(cls, path: str | Path) -> BM25Retriever:
         return cls(read_corpus(path), name=f"bm25:{path}")
 
     def search(self, queries: Sequence[str], topk: int) -> tuple[list[list[dict]], list[list[float]]]:
