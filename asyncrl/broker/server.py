@@ -89,6 +89,11 @@ class BrokerServer:
             if now - self._last_tick >= self.tick_s:
                 self._last_tick = now
                 self.core.tick()
+                known = self.core.workers()
+                for wid in [w for w in self._worker_ident if w not in known]:  # expired by missed heartbeats
+                    self._worker_ident.pop(wid)
+                    self._control_sent.pop(wid, None)
+                    self.stats["workers_lost"] += 1
             self._flush()
         self._close()
 
@@ -220,7 +225,10 @@ class BrokerServer:
         if msg.type == P.BYE:
             self._worker_gone(wid, "said bye")
             return
-        self.core.heartbeat(wid)
+        if not self.core.heartbeat(wid):  # the core forgot it (cannot happen while the maps agree)
+            self._worker_ident.pop(wid, None)
+            self._send(ident, P.REHELLO, {})
+            return
         if msg.type == P.TRAJ:
             traj = None
             if b.get("traj") is not None:

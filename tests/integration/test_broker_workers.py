@@ -1,0 +1,115 @@
+"""Worker-side clients against the real broker process: the asyncio connection (drain hold, version),
+and a worker that goes silent, is declared dead, re-registers on ``rehello`` and gets new groups."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.broker.client import Assignment, AsyncWorkerConnection, BrokerClient, Control, WorkerConnection
+from asyncrl.broker.launch import start_broker
+from asyncrl.broker.types import Trajectory
+
+
+def _inputs(tmp: Path, rollout_buffer: str) -> tuple[str, str]:
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"q{i}", "golden_answers": ["a"]}) + "\n" for i in range(6)))
+    cfg = tmp / "b.toml"
+    cfg.write_text("[runner]\nasync_mode = true\n[data]\nrollout_batch_size = 2\n[algorithm]\ngroup_size = 2\n"
+                   f"[rollout_buffer]\nmax_inflight_groups = 2\nmax_buffered_groups = 4\n{rollout_buffer}")
+    return str(cfg), str(prompts)
+
+
+def _trajs(version: int, n: int = 2) -> list[Trajectory]:
+    return [Trajectory([1], [2, 3], [1, 1], [-0.1, -0.2], reward=1.0, weight_versions=[version] * 2,
+                       min_version=version, max_version=version) for _ in range(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_async_worker_connection_serves_and_sees_the_drain_hold(tmp_path):
+    cfg, prompts = _inputs(tmp_path, "")
+    broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp_path / "broker.log"))
+    client = BrokerClient(broker.address, timeout_s=20)
+
+    def consume() -> list[int]:
+        versions = []
+        for step in range(2):
+            batch = client.get_batch(step, timeout_s=20)
+            versions += [g.min_version for g in batch.groups]
+            client.sync_begin("drain")
+            time.sleep(0.3)  # the worker sees the hold while the "sync" runs
+            client.sync_end(step + 1)
+        return versions
+
+    async def serve() -> tuple[list[Control], list[int]]:
+        conn = AsyncWorkerConnection(broker.address, worker_id="aw", capacity=4, heartbeat_interval_s=0.1)
+        welcome = await conn.connect(timeout_s=20)
+        assert (welcome.version, welcome.group_size, welcome.hold) == (0, 2, False)
+        version, controls = 0, []
+        consumer = asyncio.ensure_future(asyncio.to_thread(consume))
+        while not consumer.done():
+            ev = await conn.recv(timeout_s=0.05)
+            if isinstance(ev, Control):
+                controls.append(ev)
+                version = ev.version
+            elif isinstance(ev, Assignment):
+                await conn.send_group(ev.group_id, _trajs(version))
+        await conn.close()
+        return controls, await consumer
+
+    try:
+        controls, versions = asyncio.run(serve())
+        assert [(c.hold, c.version) for c in controls[:2]] == [(True, 0), (False, 1)]
+        assert (controls[-1].hold, controls[-1].version) == (False, 2)
+        assert versions[:2] == [0, 0] and all(v <= 1 for v in versions)
+        client.shutdown()
+        assert broker.proc.wait(timeout=20) == 0
+    finally:
+        client.close()
+        broker.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_silent_worker_is_declared_dead_and_rejoins_on_rehello(tmp_path):
+    cfg, prompts = _inputs(tmp_path, "worker_heartbeat_timeout_s = 0.5\n")
+    broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp_path / "broker.log"))
+    client = BrokerClient(broker.address, timeout_s=20)
+    conn = WorkerConnection(broker.address, worker_id="quiet", capacity=4, heartbeat_interval_s=30.0)
+    try:
+        conn.connect(timeout_s=20)
+        first: list[Assignment] = []
+        deadline = time.monotonic() + 20
+        while len(first) < 2:
+            assert time.monotonic() < deadline
+            first += [e for e in conn.poll(0.1) if isinstance(e, Assignment)]
+        deadline = time.monotonic() + 20
+        while client.status()["workers"]:  # silent past worker_heartbeat_timeout_s: declared dead
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        for a in first:  # its late results are ignored; the broker answers "rehello"
+            conn.send_group(a.group_id, _trajs(0))
+        again: list[Assignment] = []
+        deadline = time.monotonic() + 20
+        while len(again) < 2:
+            assert time.monotonic() < deadline
+            again += [e for e in conn.poll(0.1) if isinstance(e, Assignment)]
+        assert {a.item.index for a in again} == {a.item.index for a in first}  # re-issued, same prompts
+        assert min(a.group_id for a in again) > max(a.group_id for a in first)
+        st = client.status()
+        assert st["counters"]["reissued"] == 2 and st["stats"]["unknown_worker"] >= 1
+        for a in again:
+            conn.send_group(a.group_id, _trajs(0))
+        batch = client.get_batch(0, timeout_s=20)
+        assert sorted(g.group_id for g in batch.groups) == sorted(a.group_id for a in again)
+        client.shutdown()
+        assert broker.proc.wait(timeout=20) == 0
+    finally:
+        conn.close(say_bye=False)
+        client.close()
+        broker.stop()
