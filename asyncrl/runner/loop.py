@@ -120,22 +120,14 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str) -> 
             loop = AgentLoop(task=get_task(cfg.agentloop.task_name), tokenizer=AgentTokenizer.from_pretrained(tokenizer_path),
                              retriever=make_retriever(cfg.agentloop.tool), agent_cfg=cfg.agentloop,
                              sampling=cfg.rollout.sampling, rid_prefix="eval")
-            handles = [EngineHandle(c, max_in_flight=cfg.agentloop.max_requests_per_engine, url=u,
-                                    generate_raw=_raw_generate(c)) for c, u in zip(clients, engine_urls)]
+            handles = [EngineHandle(c, max_in_flight=cfg.agentloop.max_requests_per_engine, url=u)
+                       for c, u in zip(clients, engine_urls)]
             return await loop.evaluate(items, handles)
         finally:
             for c in clients:
                 await c.close()
 
     return asyncio.run(run())
-
-
-def _raw_generate(client):
-    async def gen(input_ids, sampling_params, rid):
-        res = await client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
-        return {"output_ids": res.output_ids, "text": res.text, "meta_info": res.meta_info}
-
-    return gen
 
 
 def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int) -> int:
