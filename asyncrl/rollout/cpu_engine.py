@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures as cf
 import json
 import logging
 import os
@@ -516,7 +515,8 @@ _SERIES = (
 
 
 def prometheus_text(values: dict[str, float], *, model_name: str) -> str:
-    label = '{model_name="%s",engine_type="unified",tp_rank="0",pp_rank="0"}' % model_name.replace('"', "'")
+    name_ = model_name.replace('"', "'")
+    label = f'{{model_name="{name_}",engine_type="unified",tp_rank="0",pp_rank="0"}}'
     lines = []
     for name, kind, help_ in _SERIES:
         full = f"sglang:{name}"

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -294,7 +295,9 @@ class CausalLM:
         last_B = (new_len_B - 1).clamp(min=0)
         qpos_BN = past_len_B[:, None] + torch.minimum(j_N[None, :], last_B[:, None])
         mask = torch.arange(Lmax)[None, None, :] <= qpos_BN[:, :, None]
-        mask = mask[:, None]
+        neg_mask = ~mask[:, None, None]  # [B, 1, 1, N, Lmax]: True where a key is hidden
+        grp = nh // nkv
+        scale = 1.0 / math.sqrt(d)
 
         x = F.embedding(tokens_BN, self.embed)
         for layer, L in enumerate(self.layers):
@@ -314,7 +317,11 @@ class CausalLM:
             vc[rows, :, kpos] = v.transpose(1, 2)[b_idx, j_idx]
             keys = kc[row0: row0 + B, :, :Lmax]
             vals = vc[row0: row0 + B, :, :Lmax]
-            att = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=nh != nkv)
+            # grouped-query attention without repeating K/V: query head h reads kv head h // grp
+            scores = torch.matmul(q.reshape(B, nkv, grp * N, d), keys.transpose(-1, -2)).mul_(scale)
+            scores = scores.view(B, nkv, grp, N, Lmax).masked_fill_(neg_mask, float("-inf"))
+            probs = torch.softmax(scores.view(B, nkv, grp * N, Lmax), dim=-1)
+            att = torch.matmul(probs, vals).view(B, nh, N, d)
             att = att.transpose(1, 2).reshape(B, N, nh * d)
             x = x + F.linear(att, L["o_w"], L["o_b"])
             hdn = F.rms_norm(x, (s.hidden_size,), L["ln2"], s.rms_norm_eps)

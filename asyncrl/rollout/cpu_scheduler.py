@@ -31,8 +31,9 @@ import concurrent.futures as cf
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -165,13 +166,20 @@ class Request:
     def tokens(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def feed(self) -> list[int]:
+        """``tokens()[kv_len:]`` without building the whole list (decode: the last token)."""
+        n_in = len(self.input_ids)
+        if self.kv_len >= n_in:
+            return self.output_ids[self.kv_len - n_in:]
+        return self.input_ids[self.kv_len:] + self.output_ids
+
 
 class PrefixCache:
     """Finished requests' KV keyed by their token sequence, LRU-bounded in tokens."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.entries: "collections.OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]" = (
+        self.entries: collections.OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = (
             collections.OrderedDict())
         self.tokens = 0
 
@@ -238,7 +246,7 @@ class Scheduler:
         self.counters = Counters()
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
-        self._calls: list[tuple[Callable[["Scheduler"], Any], cf.Future]] = []
+        self._calls: list[tuple[Callable[[Scheduler], Any], cf.Future]] = []
         self._live: set[str] = set()  # rids submitted and not yet delivered (guarded by _cond)
 
     # ---- thread-safe entry points ------------------------------------------------------
@@ -257,7 +265,7 @@ class Scheduler:
             self._inbox.append(req)
             self._cond.notify()
 
-    def call(self, fn: Callable[["Scheduler"], Any]) -> cf.Future:
+    def call(self, fn: Callable[[Scheduler], Any]) -> cf.Future:
         fut: cf.Future = cf.Future()
         with self._cond:
             self._calls.append((fn, fut))
@@ -336,12 +344,15 @@ class Scheduler:
 
     def _extend(self, batch: list[Request], *, row0: int) -> None:
         """Feed every request its tokens[kv_len:], sample one token each, apply stop rules."""
-        feeds = [r.tokens()[r.kv_len:] for r in batch]
+        feeds = [r.feed() for r in batch]
         n_B = torch.tensor([len(f) for f in feeds])
         N = int(n_B.max())
-        toks = torch.zeros(len(batch), N, dtype=torch.long)
-        for b, f in enumerate(feeds):
-            toks[b, : len(f)] = torch.tensor(f)
+        if N == 1:
+            toks = torch.tensor(feeds, dtype=torch.long)
+        else:
+            toks = torch.zeros(len(batch), N, dtype=torch.long)
+            for b, f in enumerate(feeds):
+                toks[b, : len(f)] = torch.tensor(f)
         past_B = torch.tensor([r.kv_len for r in batch])
         hidden = self.model.forward(toks, past_B, n_B, self.kv, row0)
         last_h = hidden[torch.arange(len(batch)), n_B - 1]
@@ -352,7 +363,7 @@ class Scheduler:
             r.kv_len += len(feeds[b])
         now = time.monotonic()
         live = [b for b, r in enumerate(batch) if len(r.output_ids) < r.params.max_new_tokens]
-        for b, r in enumerate(batch):
+        for r in batch:
             if r.params.max_new_tokens == 0:
                 self._finish(r, {"type": "length", "length": 0})
         if not live:
@@ -402,9 +413,10 @@ class Scheduler:
                 probs = probs.masked_fill(drop, 0.0)
             else:
                 order = None
-            u = torch.empty(B)
+            u = torch.rand(B, generator=self.generator)
             for b, r in enumerate(reqs):
-                u[b] = torch.rand((), generator=r.generator or self.generator)
+                if r.generator is not None:  # sampling_seed: a per-request stream
+                    u[b] = torch.rand((), generator=r.generator)
             cdf = probs.cumsum(dim=-1)
             pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=V - 1)[:, 0]
             # never pick a zero-probability token (float edge at the top of the cdf)
@@ -461,14 +473,20 @@ class Scheduler:
 
     def _compact(self) -> None:
         keep = [r for r in self.running if r.finish_reason is None]
-        for new_row, r in enumerate(keep):
-            if r.row != new_row:
-                self.kv.move_row(r.row, new_row, r.kv_len)
-                r.row = new_row
+        if len(keep) == len(self.running):
+            return
+        n = len(keep)
+        # fill each hole below n with a request from a row >= n: one KV move per hole
+        holes = sorted(r.row for r in self.running if r.finish_reason is not None and r.row < n)
+        movers = sorted((r for r in keep if r.row >= n), key=lambda r: r.row)
+        for hole, r in zip(holes, movers):
+            self.kv.move_row(r.row, hole, r.kv_len)
+            r.row = hole
         for r in self.running:
             if r.finish_reason is not None:
                 r.row = -1
-        self.running = keep
+        self.running = sorted(keep, key=lambda r: r.row)
+        assert [r.row for r in self.running] == list(range(n))
 
     def response(self, r: Request) -> dict:
         p = r.params

@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 
 import aiohttp
 
@@ -141,13 +142,13 @@ class SGLangClient:
         self._session: Optional[aiohttp.ClientSession] = None
 
     @classmethod
-    def from_config(cls, url: str, rollout_cfg) -> "SGLangClient":
+    def from_config(cls, url: str, rollout_cfg) -> SGLangClient:
         """Timeouts from ``asyncrl.config.schema.RolloutConfig``."""
         return cls(url, request_timeout_s=rollout_cfg.request_timeout_s,
                    control_timeout_s=rollout_cfg.control_timeout_s,
                    max_connections=max(64, 2 * rollout_cfg.max_running_requests))
 
-    async def __aenter__(self) -> "SGLangClient":
+    async def __aenter__(self) -> SGLangClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -105,7 +105,7 @@ def model_info_ready(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/model_info", timeout=timeout_s) as resp:
             return resp.status == 200 and isinstance(json.loads(resp.read()), dict)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, json.JSONDecodeError, OSError):
+    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
         return False
 
 
@@ -127,7 +127,7 @@ class EngineSupervisor:
     @classmethod
     def from_config(cls, cfg: Config, *, engine_index: int, local_engine_index: Optional[int] = None,
                     base_gpu_id: int = 0, run_dir: Optional[str | Path] = None, host: str = "0.0.0.0",
-                    advertise_host: Optional[str] = None, port: Optional[int] = None) -> "EngineSupervisor":
+                    advertise_host: Optional[str] = None, port: Optional[int] = None) -> EngineSupervisor:
         """Engine ``engine_index`` (global; names the log) listening on
         ``rollout.port + local_engine_index * 10`` unless ``port`` is given; its URL uses
         ``advertise_host`` (default: this host's name, or 127.0.0.1 when bound to loopback)."""

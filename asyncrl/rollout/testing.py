@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from asyncrl.rollout.sglang_launcher import EngineSupervisor
 

@@ -64,7 +64,7 @@ def test_trainer_pushes_weights_and_version(tmp_path):
                     names=bucket, dtypes=[str(t.dtype) for t in tensors], shapes=[list(t.shape) for t in tensors],
                     group_name="wsync", flush_cache=True, load_format=fmt))
 
-                def send():
+                def send(fmt=fmt, tensors=tensors):
                     if fmt == "flattened_bucket":
                         flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
                         dist.broadcast(flat, group_src=0, group=pg)
