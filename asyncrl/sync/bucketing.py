@@ -20,8 +20,9 @@ Contract
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -151,8 +152,7 @@ def unflatten_bucket(flat: torch.Tensor, meta: BucketMeta) -> Bucket:
         raise ValueError(f"weight sync: flat bucket must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
     ranges = byte_ranges(meta)
     if flat.numel() != (ranges[-1][1] if ranges else 0):
-        raise ValueError(
-            f"weight sync: flat bucket has {flat.numel()} bytes, metadata says {flat_nbytes(meta)}")
+        raise ValueError(f"weight sync: flat bucket has {flat.numel()} bytes, metadata says {flat_nbytes(meta)}")
     out: Bucket = []
     for name, dtype, shape, (a, b) in zip(meta.names, meta.dtypes, meta.shapes, ranges):
         dt = dtype_from_name(dtype)

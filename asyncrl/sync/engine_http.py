@@ -24,7 +24,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class EngineStepError(RuntimeError):
@@ -40,8 +41,11 @@ class EngineStepError(RuntimeError):
 def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        url.rstrip("/") + path, data=data, method=method,
-        headers={"Content-Type": "application/json"} if data is not None else {})
+        url.rstrip("/") + path,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json"} if data is not None else {},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.read()
@@ -52,7 +56,7 @@ def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, s
         if isinstance(e.reason, (TimeoutError, socket.timeout)):
             raise EngineStepError(url, step, f"{method} {path} timed out after {timeout_s:g} s") from e
         raise EngineStepError(url, step, f"{method} {path} unreachable: {e.reason}") from e
-    except (TimeoutError, socket.timeout) as e:
+    except TimeoutError as e:
         raise EngineStepError(url, step, f"{method} {path} timed out after {timeout_s:g} s") from e
     except (ConnectionError, OSError) as e:  # reset/closed mid-response
         raise EngineStepError(url, step, f"{method} {path} connection error: {e}") from e
@@ -66,24 +70,20 @@ def _decode(raw: bytes, url: str, path: str, step: str) -> Any:
         return {"text": raw.decode(errors="replace")}
 
 
-def post_json(url: str, path: str, body: Any, *, timeout_s: float, step: str,
-              check_success: bool = True) -> dict:
+def post_json(url: str, path: str, body: Any, *, timeout_s: float, step: str, check_success: bool = True) -> dict:
     """POST ``body`` as JSON; with ``check_success``, a ``{"success": false}`` answer raises."""
-    out = _decode(_request(url, path, method="POST", body=body, timeout_s=timeout_s, step=step),
-                  url, path, step)
+    out = _decode(_request(url, path, method="POST", body=body, timeout_s=timeout_s, step=step), url, path, step)
     if check_success and isinstance(out, dict) and out.get("success") is False:
         raise EngineStepError(url, step, f"{path} answered success=false: {out.get('message', '')}")
     return out
 
 
 def get_json(url: str, path: str, *, timeout_s: float, step: str) -> Any:
-    return _decode(_request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step),
-                   url, path, step)
+    return _decode(_request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step), url, path, step)
 
 
 def get_text(url: str, path: str, *, timeout_s: float, step: str) -> str:
-    return _request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step).decode(
-        errors="replace")
+    return _request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step).decode(errors="replace")
 
 
 def spawn(fn: Callable[..., Any], *args: Any, name: str = "sync-http", **kwargs: Any) -> cf.Future:
@@ -102,15 +102,15 @@ def spawn(fn: Callable[..., Any], *args: Any, name: str = "sync-http", **kwargs:
     return fut
 
 
-def fan_out(urls: Sequence[str], call: Callable[[str], Any], *, timeout_s: float,
-            step: str) -> list[Any]:
+def fan_out(urls: Sequence[str], call: Callable[[str], Any], *, timeout_s: float, step: str) -> list[Any]:
     """``call(url)`` for every engine at once; answers in ``urls`` order; first failure raises."""
     futures = {spawn(call, u, name=f"sync-{step}"): u for u in urls}
     return wait_all(futures, timeout_s=timeout_s, step=step)
 
 
-def wait_all(futures: dict[cf.Future, str], *, timeout_s: float, step: str,
-             poll: Callable[[], bool] | None = None) -> list[Any]:
+def wait_all(
+    futures: dict[cf.Future, str], *, timeout_s: float, step: str, poll: Callable[[], bool] | None = None
+) -> list[Any]:
     """Wait for ``{future: url}``; raise on the first failure or, at the deadline, name the laggards.
 
     ``poll`` (optional) is called every ~50 ms while waiting; it may raise to abort the wait (the
@@ -123,8 +123,7 @@ def wait_all(futures: dict[cf.Future, str], *, timeout_s: float, step: str,
         if left <= 0:
             late = [futures[f] for f in futures if f in pending]
             raise EngineStepError(late, step, f"no answer within {timeout_s:g} s")
-        done, pending = cf.wait(pending, timeout=min(left, 0.05) if poll else left,
-                                return_when=cf.FIRST_EXCEPTION)
+        done, pending = cf.wait(pending, timeout=min(left, 0.05) if poll else left, return_when=cf.FIRST_EXCEPTION)
         for f in done:
             exc = f.exception()
             if exc is not None:

@@ -28,8 +28,9 @@ import logging
 import socket
 import time
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -155,24 +156,55 @@ class WeightSyncGroup:
         t0 = time.monotonic()
 
         def engine_join(engine: EngineEndpoint, offset: int) -> dict:
-            body = {"master_address": addr, "master_port": port, "rank_offset": offset,
-                    "world_size": world, "group_name": self.group_name, "backend": self.backend}
-            return post_json(engine.url, "/init_weights_update_group", body,
-                             timeout_s=timeout_s + _JOIN_HTTP_GRACE_S, step="init_weights_update_group")
+            body = {
+                "master_address": addr,
+                "master_port": port,
+                "rank_offset": offset,
+                "world_size": world,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
+            return post_json(
+                engine.url,
+                "/init_weights_update_group",
+                body,
+                timeout_s=timeout_s + _JOIN_HTTP_GRACE_S,
+                step="init_weights_update_group",
+            )
 
-        http = {spawn(engine_join, e, off, name="sync-join"): e.url
-                for e, off in zip(self.engines, rank_offsets(self.engines))}
-        trainer = spawn(_pgmod.init_weight_update_group, addr, port, 0, world, self.group_name,
-                        backend=self.backend, timeout_s=timeout_s, name="sync-join-trainer")
+        http = {
+            spawn(engine_join, e, off, name="sync-join"): e.url
+            for e, off in zip(self.engines, rank_offsets(self.engines))
+        }
+        trainer = spawn(
+            _pgmod.init_weight_update_group,
+            addr,
+            port,
+            0,
+            world,
+            self.group_name,
+            backend=self.backend,
+            timeout_s=timeout_s,
+            name="sync-join-trainer",
+        )
         self._wait_joined(http, trainer, timeout_s + _JOIN_HTTP_GRACE_S)
         self.master_port = port
-        log.info("weight-sync group %r formed: %d ranks at %s:%d in %.2f s (%s)", self.group_name,
-                 world, addr, port, time.monotonic() - t0, self.backend)
+        log.info(
+            "weight-sync group %r formed: %d ranks at %s:%d in %.2f s (%s)",
+            self.group_name,
+            world,
+            addr,
+            port,
+            time.monotonic() - t0,
+            self.backend,
+        )
 
     def _preflight(self) -> None:
         t = min(_PREFLIGHT_TIMEOUT_S, self.cfg.join_timeout_s)
-        futs = {spawn(get_json, e.url, "/model_info", timeout_s=t, step="model_info",
-                      name="sync-preflight"): e.url for e in self.engines}
+        futs = {
+            spawn(get_json, e.url, "/model_info", timeout_s=t, step="model_info", name="sync-preflight"): e.url
+            for e in self.engines
+        }
         try:
             wait_all(futs, timeout_s=t + 1, step="model_info")
         except EngineStepError as e:
@@ -197,22 +229,31 @@ class WeightSyncGroup:
                 late = [u for f, u in http.items() if not (f.done() and f.exception() is None)]
                 raise GroupJoinError(
                     late or self.urls,
-                    f"did not join within sync.join_timeout_s={self.cfg.join_timeout_s:g} s "
-                    f"({trainer.exception()})") from trainer.exception()
+                    f"did not join within sync.join_timeout_s={self.cfg.join_timeout_s:g} s ({trainer.exception()})",
+                ) from trainer.exception()
         self.pg = trainer.result()
 
     def destroy(self) -> None:
         """Engines drop the group (a restarted/dead engine only warns), then the trainer's end."""
         body = {"group_name": self.group_name}
-        futs = {spawn(post_json, e.url, "/destroy_weights_update_group", body,
-                      timeout_s=self.control_timeout_s, step="destroy_weights_update_group",
-                      name="sync-destroy"): e.url
-                for e in self.engines}
+        futs = {
+            spawn(
+                post_json,
+                e.url,
+                "/destroy_weights_update_group",
+                body,
+                timeout_s=self.control_timeout_s,
+                step="destroy_weights_update_group",
+                name="sync-destroy",
+            ): e.url
+            for e in self.engines
+        }
         cf.wait(futs, timeout=self.control_timeout_s + 1)
         for f, url in futs.items():
             if not f.done():
-                log.warning("engine %s: destroy_weights_update_group did not answer in %.0f s",
-                            url, self.control_timeout_s)
+                log.warning(
+                    "engine %s: destroy_weights_update_group did not answer in %.0f s", url, self.control_timeout_s
+                )
             elif f.exception() is not None:
                 log.warning("engine %s: destroy_weights_update_group: %s", url, f.exception())
         if self.pg is not None:

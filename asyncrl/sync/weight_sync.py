@@ -19,9 +19,10 @@ Contract
        ``load_format = "flattened_bucket"`` with ``sync.flattened_bucket``) on threads while the
        trainer broadcasts the bucket's tensors from group rank 0 in ``names`` order (or one flat
        uint8 tensor); an engine that fails its call fails the sync at once, not at the group timeout.
-    5. ``POST /update_weight_version {new_version, abort_all_requests: false}``; every engine's
-       ``/model_info.weight_version`` is then checked to equal it.
-    6. ``POST /end_weight_update``; ``POST /flush_cache`` unless in_place; ``POST /continue_generation``.
+    5. ``POST /update_weight_version {new_version, abort_all_requests: false}``.
+    6. ``POST /end_weight_update`` (alongside it, every engine's ``/model_info.weight_version`` is
+       checked to equal the new version); ``POST /flush_cache`` unless in_place;
+       ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
   On an error the engines are left paused and the error propagates (the run fails).
@@ -40,13 +41,14 @@ Pipeline parallelism: each stage has its own group (``stage_group_name``); the c
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from asyncrl.config.schema import SyncConfig
@@ -136,9 +138,20 @@ def engine_load(url: str, *, timeout_s: float) -> float:
         info = get_json(url, "/server_info", timeout_s=timeout_s, step="drain")
         load = _find_key(info, ("num_running_reqs", "num_queue_reqs", "#running-req", "#queue-req"))
     if load is None:
-        raise EngineStepError(url, "drain", "neither /metrics (sglang:num_running_reqs) nor "
-                              "/server_info reports running requests; start SGLang with --enable-metrics")
+        raise EngineStepError(
+            url,
+            "drain",
+            "neither /metrics (sglang:num_running_reqs) nor "
+            "/server_info reports running requests; start SGLang with --enable-metrics",
+        )
     return load
+
+
+def _check_works(works: list) -> None:
+    """Surface a failed broadcast while waiting for the engines (``wait`` raises if it failed)."""
+    for w in works:
+        if w.is_completed():
+            w.wait()
 
 
 def push_buckets(
@@ -159,28 +172,27 @@ def push_buckets(
     step = "update_weights_from_distributed"
     for bucket in buckets:
         meta = bucket_meta(bucket)
-        body = update_request(meta, group_name=group.group_name, flush_cache=flush_cache,
-                              flattened=flattened)
-        futures = {spawn(post_json, e.url, "/update_weights_from_distributed", body,
-                         timeout_s=step_timeout_s, step=step, name="sync-update"): e.url
-                   for e in group.engines}
+        body = update_request(meta, group_name=group.group_name, flush_cache=flush_cache, flattened=flattened)
+        futures = {
+            spawn(
+                post_json,
+                e.url,
+                "/update_weights_from_distributed",
+                body,
+                timeout_s=step_timeout_s,
+                step=step,
+                name="sync-update",
+            ): e.url
+            for e in group.engines
+        }
         if flattened:
             tensors = [flatten_bucket(bucket)]
         else:
             tensors = [t.detach().contiguous() for _, t in bucket]
         works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
-        waited: set[int] = set()
-
-        def check_broadcast() -> None:
-            for i, w in enumerate(works):
-                if i not in waited and w.is_completed():
-                    w.wait()  # raises if the collective failed
-                    waited.add(i)
-
-        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=check_broadcast)
-        for i, w in enumerate(works):
-            if i not in waited:
-                w.wait()
+        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
+        for w in works:
+            w.wait()  # all engines answered success: they have every tensor
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
         num_tensors += len(bucket)
@@ -211,9 +223,12 @@ class WeightSyncer:
 
     def _all(self, path: str, body: Any, step: str, *, check_success: bool = True) -> list[Any]:
         t = self.cfg.step_timeout_s
-        return fan_out(self.urls, lambda u: post_json(u, path, body, timeout_s=t, step=step,
-                                                      check_success=check_success),
-                       timeout_s=t + 1, step=step)
+        return fan_out(
+            self.urls,
+            lambda u: post_json(u, path, body, timeout_s=t, step=step, check_success=check_success),
+            timeout_s=t + 1,
+            step=step,
+        )
 
     def wait_idle(self) -> None:
         """Poll every engine until none has running or queued requests (``drain``)."""
@@ -243,8 +258,12 @@ class WeightSyncer:
             if not busy:
                 return
             if time.monotonic() > deadline:
-                raise EngineStepError(busy, "drain", "requests keep arriving after the broker stopped "
-                                      f"issuing (sync_begin); not idle after {self.cfg.step_timeout_s:g} s")
+                raise EngineStepError(
+                    busy,
+                    "drain",
+                    "requests keep arriving after the broker stopped "
+                    f"issuing (sync_begin); not idle after {self.cfg.step_timeout_s:g} s",
+                )
             log.info("drain: %s got a request during the pause; resuming to drain it", busy)
             self._all("/continue_generation", {}, "continue_generation")
 
@@ -260,23 +279,35 @@ class WeightSyncer:
 
     def push(self, buckets: Iterable[Bucket]) -> tuple[int, int, int]:
         """Step 4 on this syncer's group."""
-        return push_buckets(self.group, buckets, flush_cache=self.pause_mode != "in_place",
-                            flattened=self.cfg.flattened_bucket, step_timeout_s=self.cfg.step_timeout_s)
+        return push_buckets(
+            self.group,
+            buckets,
+            flush_cache=self.pause_mode != "in_place",
+            flattened=self.cfg.flattened_bucket,
+            step_timeout_s=self.cfg.step_timeout_s,
+        )
 
     def finish(self, version: Any) -> None:
         """Steps 5-7: version bump (checked), end the update, flush, resume, tell the broker."""
         v = str(version)
-        self._all("/update_weight_version", {"new_version": v, "abort_all_requests": False},
-                  "update_weight_version")
-        infos = fan_out(self.urls, lambda u: get_json(u, "/model_info", timeout_s=self.cfg.step_timeout_s,
-                                                      step="model_info"),
-                        timeout_s=self.cfg.step_timeout_s + 1, step="model_info")
-        wrong = [f"{u} has {i.get('weight_version')!r}" for u, i in zip(self.urls, infos)
-                 if str(i.get("weight_version")) != v]
+        self._all("/update_weight_version", {"new_version": v, "abort_all_requests": False}, "update_weight_version")
+        t = self.cfg.step_timeout_s
+
+        def end_and_check(u: str) -> Any:
+            # The version check rides along with /end_weight_update: two calls at once per engine.
+            info = spawn(get_json, u, "/model_info", timeout_s=t, step="model_info", name="sync-check")
+            post_json(u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update")
+            return info.result(timeout=t)
+
+        infos = fan_out(self.urls, end_and_check, timeout_s=t + 1, step="end_weight_update")
+        wrong = [u for u, i in zip(self.urls, infos) if str(i.get("weight_version")) != v]
         if wrong:
-            raise EngineStepError([w.split(" ")[0] for w in wrong], "update_weight_version",
-                                  f"weight_version is not {v!r} after the update: {'; '.join(wrong)}")
-        self._all("/end_weight_update", {}, "end_weight_update")
+            got = [repr(i.get("weight_version")) for u, i in zip(self.urls, infos) if u in wrong]
+            raise EngineStepError(
+                wrong,
+                "update_weight_version",
+                f"/model_info.weight_version is {', '.join(got)}, not {v!r}, after the update",
+            )
         if self.pause_mode != "in_place":
             self._all("/flush_cache", {}, "flush_cache")
         self._all("/continue_generation", {}, "continue_generation")
@@ -292,9 +323,23 @@ class WeightSyncer:
         t2 = time.perf_counter()
         self.finish(version)
         t3 = time.perf_counter()
-        res = SyncResult(version=str(version), num_bytes=num_bytes, num_buckets=num_buckets,
-                         num_tensors=num_tensors, time_s=t3 - t0, pause_s=t1 - t0,
-                         transfer_s=t2 - t1, finish_s=t3 - t2)
-        log.info("weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s)", res.version,
-                 self.pause_mode, num_bytes, num_buckets, res.time_s, res.metrics()["sync/bytes_per_s"] / 1e6)
+        res = SyncResult(
+            version=str(version),
+            num_bytes=num_bytes,
+            num_buckets=num_buckets,
+            num_tensors=num_tensors,
+            time_s=t3 - t0,
+            pause_s=t1 - t0,
+            transfer_s=t2 - t1,
+            finish_s=t3 - t2,
+        )
+        log.info(
+            "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s)",
+            res.version,
+            self.pause_mode,
+            num_bytes,
+            num_buckets,
+            res.time_s,
+            res.metrics()["sync/bytes_per_s"] / 1e6,
+        )
         return res

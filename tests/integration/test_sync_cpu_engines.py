@@ -50,16 +50,25 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("sync")
     ckpt = make_tiny_checkpoint(root / "model", arch="qwen2", seed=0, num_hidden_layers=2)
     extra = ["--weight-sync-timeout-s", str(TIMEOUT_S)]
-    with running_cpu_engine(ckpt, log_dir=root / "logs", max_running_requests=8, weight_version="0",
-                            extra=extra) as e1, \
-         running_cpu_engine(ckpt, log_dir=root / "logs", max_running_requests=8, weight_version="0",
-                            extra=extra) as e2:
+    with (
+        running_cpu_engine(ckpt, log_dir=root / "logs", max_running_requests=8, weight_version="0", extra=extra) as e1,
+        running_cpu_engine(ckpt, log_dir=root / "logs", max_running_requests=8, weight_version="0", extra=extra) as e2,
+    ):
         # Small buckets so a sync is several buckets; flattened on (the default SGLang path for
         # slime/Miles); the per-tensor path is covered by the recreate test below.
-        cfg = SyncConfig(bucket_bytes=256 * 1024, flattened_bucket=True, backend="gloo",
-                         join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S)
-        group = WeightSyncGroup([EngineEndpoint(e1.url), EngineEndpoint(e2.url)], cfg,
-                                master_address="127.0.0.1", control_timeout_s=TIMEOUT_S)
+        cfg = SyncConfig(
+            bucket_bytes=256 * 1024,
+            flattened_bucket=True,
+            backend="gloo",
+            join_timeout_s=TIMEOUT_S,
+            step_timeout_s=TIMEOUT_S,
+        )
+        group = WeightSyncGroup(
+            [EngineEndpoint(e1.url), EngineEndpoint(e2.url)],
+            cfg,
+            master_address="127.0.0.1",
+            control_timeout_s=TIMEOUT_S,
+        )
         group.init()
         try:
             yield Env(engines=[e1, e2], group=group, trainer=TorchDecoder.from_pretrained(ckpt), sync_cfg=cfg)
@@ -76,10 +85,18 @@ def _train_step(model: TorchDecoder, seed: int) -> None:
 
 
 def _engine_logprobs(url: str) -> tuple[list[int], list[float], dict]:
-    out = post_json(url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
-                                       "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                           "ignore_eos": True}},
-                    timeout_s=TIMEOUT_S, step="generate", check_success=False)
+    out = post_json(
+        url,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+        },
+        timeout_s=TIMEOUT_S,
+        step="generate",
+        check_success=False,
+    )
     lps = out["meta_info"]["output_token_logprobs"]
     return [t for _, t, _ in lps], [lp for lp, _, _ in lps], out["meta_info"]
 
@@ -89,7 +106,7 @@ def _trainer_logprobs(model: TorchDecoder, out_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logp = torch.log_softmax(model(ids)[0].float(), dim=-1)
     n = len(PROMPT)
-    return logp[n - 1: n - 1 + len(out_ids)].gather(1, torch.tensor(out_ids)[:, None])[:, 0]
+    return logp[n - 1 : n - 1 + len(out_ids)].gather(1, torch.tensor(out_ids)[:, None])[:, 0]
 
 
 def _assert_engines_match_trainer(env: Env) -> None:
@@ -115,8 +132,11 @@ class Traffic:
 
     def start(self) -> None:
         self.released.set()
-        self.threads = [threading.Thread(target=self._run, args=(u, i), daemon=True)
-                        for u in self.urls for i in range(self.per_engine)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(u, i), daemon=True)
+            for u in self.urls
+            for i in range(self.per_engine)
+        ]
         for t in self.threads:
             t.start()
 
@@ -124,11 +144,18 @@ class Traffic:
         try:
             for turn in range(self.turns):
                 assert self.released.wait(TIMEOUT_S), "held too long"
-                out = post_json(url, "/generate", {
-                    "input_ids": [3 + i, 8, 13 + turn], "rid": f"traffic-{url[-5:]}-{i}-{turn}",
-                    "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 1.0,
-                                        "ignore_eos": True}},
-                    timeout_s=TIMEOUT_S, step="generate", check_success=False)
+                out = post_json(
+                    url,
+                    "/generate",
+                    {
+                        "input_ids": [3 + i, 8, 13 + turn],
+                        "rid": f"traffic-{url[-5:]}-{i}-{turn}",
+                        "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 1.0, "ignore_eos": True},
+                    },
+                    timeout_s=TIMEOUT_S,
+                    step="generate",
+                    check_success=False,
+                )
                 self.results.append(out["meta_info"])
         except BaseException as e:  # noqa: BLE001 - re-raised by join()
             self.errors.append(e)
@@ -169,8 +196,9 @@ def test_sync_with_requests_in_flight(env: Env, mode: str):
         events.append(("end", v))
         traffic.released.set()
 
-    syncer = WeightSyncer(env.group, pause_mode=mode, sync_cfg=env.sync_cfg,
-                          hooks=SyncHooks(sync_begin=begin, sync_end=end))
+    syncer = WeightSyncer(
+        env.group, pause_mode=mode, sync_cfg=env.sync_cfg, hooks=SyncHooks(sync_begin=begin, sync_end=end)
+    )
     traffic.start()
     traffic.wait_running()
     buckets = iter_buckets(env.trainer.state_dict().items(), env.sync_cfg.bucket_bytes)
@@ -213,8 +241,9 @@ def test_engine_restart_then_recreate_group(env: Env):
     assert str(get_json(e2.url, "/model_info", timeout_s=10, step="t")["weight_version"]) == "0"
     env.group.recreate()
     _train_step(env.trainer, seed=999)
-    cfg = SyncConfig(bucket_bytes=1 << 20, flattened_bucket=False, backend="gloo",
-                     join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S)
+    cfg = SyncConfig(
+        bucket_bytes=1 << 20, flattened_bucket=False, backend="gloo", join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S
+    )
     syncer = WeightSyncer(env.group, pause_mode="retract", sync_cfg=cfg)
     env.version += 1
     syncer.sync(iter_buckets(env.trainer.state_dict().items(), cfg.bucket_bytes), version=env.version)

@@ -83,9 +83,12 @@ def engines():
 
 
 def _group(urls, join_timeout_s=3.0):
-    return WeightSyncGroup([EngineEndpoint(u) for u in urls], SyncConfig(join_timeout_s=join_timeout_s,
-                                                                          backend="gloo"),
-                           master_address="127.0.0.1", control_timeout_s=2.0)
+    return WeightSyncGroup(
+        [EngineEndpoint(u) for u in urls],
+        SyncConfig(join_timeout_s=join_timeout_s, backend="gloo"),
+        master_address="127.0.0.1",
+        control_timeout_s=2.0,
+    )
 
 
 def test_rank_offsets():

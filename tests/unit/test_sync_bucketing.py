@@ -58,8 +58,16 @@ def test_bucket_bytes_must_be_positive():
 
 
 def test_flatten_roundtrip_mixed_dtypes():
-    bucket = _named([((3, 5), torch.float32), ((7,), torch.bfloat16), ((2, 2, 2), torch.int64),
-                     ((0,), torch.float32), ((), torch.float16), ((4, 3), torch.uint8)])
+    bucket = _named(
+        [
+            ((3, 5), torch.float32),
+            ((7,), torch.bfloat16),
+            ((2, 2, 2), torch.int64),
+            ((0,), torch.float32),
+            ((), torch.float16),
+            ((4, 3), torch.uint8),
+        ]
+    )
     meta = bucket_meta(bucket)
     assert meta.dtypes == ("float32", "bfloat16", "int64", "float32", "float16", "uint8")
     assert meta.shapes[0] == (3, 5) and meta.shapes[4] == ()
