@@ -92,6 +92,7 @@ class DefaultDataBuffer(DataBuffer):
     def __init__(self, settings: BufferSettings):
         super().__init__(settings)
         self._q: deque[Group] = deque()
+        self._min_version: dict[int, int] = {}  # group_id -> group.min_version, computed once at put
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -114,16 +115,19 @@ class DefaultDataBuffer(DataBuffer):
                 self._filter_drops[reason] = self._filter_drops.get(reason, 0) + 1
                 return Rejection(group, reason, "drop")
         self._q.append(group)
+        self._min_version[group.group_id] = group.min_version
         return None
 
     def get(self, num_groups: int, *, actor_version: int) -> tuple[Optional[list[Group]], list[Rejection]]:
         rejected: list[Rejection] = []
         cap = self.settings.max_staleness
-        if cap is not None and any(staleness(g, actor_version) > cap for g in self._q):
+        mv = self._min_version
+        if cap is not None and self._q and actor_version - min(mv.values()) > cap:
             kept: deque[Group] = deque()
             for g in self._q:
-                if staleness(g, actor_version) > cap:
+                if actor_version - mv[g.group_id] > cap:
                     rejected.append(Rejection(g, "stale", "unused"))
+                    del mv[g.group_id]
                 else:
                     kept.append(g)
             self._q = kept
@@ -132,8 +136,8 @@ class DefaultDataBuffer(DataBuffer):
             return None, rejected
         self._queue_size = len(self._q)
         out = [self._q.popleft() for _ in range(num_groups)]
-        self._consumed.extend(staleness(g, actor_version) for g in out)
-        self._buffer_staleness = [staleness(g, actor_version) for g in self._q]
+        self._consumed.extend(actor_version - mv.pop(g.group_id) for g in out)
+        self._buffer_staleness = [actor_version - mv[g.group_id] for g in self._q]
         return out, rejected
 
     def get_metrics(self) -> dict[str, float]:
@@ -163,6 +167,7 @@ class DefaultDataBuffer(DataBuffer):
 
     def restore(self, groups: list[Group]) -> None:
         self._q = deque(groups)
+        self._min_version = {g.group_id: g.min_version for g in groups}
 
 
 def import_path(path: str, key: str):

@@ -38,6 +38,7 @@ the broker logs and counts it and goes on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,10 +128,51 @@ def _arr(x, dtype) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype)
 
 
+_ARRAY_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions")
+
+
+def _materialize(wire) -> tuple[np.ndarray, ...]:
+    base, start, _, (n_p, n_r, n_w) = wire
+    o_r = start + 4 * n_p
+    o_lp = o_r + 4 * n_r
+    o_wv = o_lp + 4 * n_r
+    return (np.frombuffer(base, "<i4", n_p, start), np.frombuffer(base, "<i4", n_r, o_r),
+            np.frombuffer(base, np.uint8, n_r, o_wv + 4 * n_w), np.frombuffer(base, "<f4", n_r, o_lp),
+            np.frombuffer(base, "<i4", n_w, o_wv))
+
+
+def _plain_trajectory(kw: dict) -> Trajectory:
+    return Trajectory(**kw)
+
+
+class WireTrajectory(Trajectory):
+    """A ``Trajectory`` decoded from the wire. Its token fields are read-only numpy views of the received
+    frame, created on first access (so a broker that only forwards it never builds them). Pickling or
+    ``copy.deepcopy`` gives a plain ``Trajectory`` with copied arrays."""
+
+    def __getattr__(self, name: str):
+        d = self.__dict__
+        if name in _ARRAY_FIELDS and "_wire" in d:
+            arrays = _materialize(d["_wire"])
+            d["_wire_arrays"] = arrays
+            for f, a in zip(_ARRAY_FIELDS, arrays):
+                d.setdefault(f, a)  # a field assigned before first access keeps its new value
+            return d[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __reduce_ex__(self, protocol):
+        return _plain_trajectory, ({f.name: getattr(self, f.name) for f in dataclasses.fields(Trajectory)},)
+
+
 def _unchanged(t: Trajectory, wire) -> bool:
-    arrays = wire[3]
-    return (t.prompt_ids is arrays[0] and t.response_ids is arrays[1] and t.loss_mask is arrays[2]
-            and t.rollout_logprobs is arrays[3] and t.weight_versions is arrays[4])
+    """True when no token field of a WireTrajectory was replaced since decoding."""
+    d = t.__dict__
+    mat = d.get("_wire_arrays")
+    for i, f in enumerate(_ARRAY_FIELDS):
+        v = d.get(f)
+        if v is not None and (mat is None or v is not mat[i]):
+            return False
+    return True
 
 
 def _reusable_blob(t: Trajectory):
@@ -159,7 +201,7 @@ def pack_trajectory(t: Trajectory, blob_index: int) -> tuple[dict, Any]:
     meta = _scalar_meta(t)
     blob = _reusable_blob(t)
     if blob is not None:
-        n_p, n_r, n_w = (len(a) for a in (t.prompt_ids, t.response_ids, t.weight_versions))
+        n_p, n_r, n_w = t.__dict__["_wire"][3]
         meta.update(b=blob_index, np=n_p, nr=n_r, nw=n_w)
         return meta, blob
     p = _arr(t.prompt_ids, "<i4")
@@ -185,22 +227,17 @@ def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
         if n_p < 0 or n_r < 0 or n_w < 0 or start < 0 or start + size > base.nbytes or (
                 "o" not in meta and base.nbytes != size):
             raise ProtocolError(f"trajectory blob has {base.nbytes} bytes, expected {size} at offset {start}")
-        o_r = start + 4 * n_p
-        o_lp = o_r + 4 * n_r
-        o_wv = o_lp + 4 * n_r
-        p = np.frombuffer(base, "<i4", n_p, start)
-        r = np.frombuffer(base, "<i4", n_r, o_r)
-        lp = np.frombuffer(base, "<f4", n_r, o_lp)
-        wv = np.frombuffer(base, "<i4", n_w, o_wv)
-        lm = np.frombuffer(base, np.uint8, n_r, o_wv + 4 * n_w)
-        arrays = (p, r, lm, lp, wv)
-        if as_lists:
-            arrays = tuple(a.tolist() for a in arrays)
+        wire = (base, start, size, (n_p, n_r, n_w))
         kw = {k: v for k, v in meta.items() if k in _SCALAR_DEFAULTS}
-        t = Trajectory(prompt_ids=arrays[0], response_ids=arrays[1], loss_mask=arrays[2],
-                       rollout_logprobs=arrays[3], weight_versions=arrays[4], **kw)
-        if not as_lists:
-            t.__dict__["_wire"] = (base, start, size, arrays)
+        if as_lists:
+            arrays = [a.tolist() for a in _materialize(wire)]
+            return Trajectory(**dict(zip(_ARRAY_FIELDS, arrays)), **kw)
+        t = WireTrajectory.__new__(WireTrajectory)
+        d = t.__dict__
+        for k, default in _SCALAR_DEFAULTS.items():
+            v = kw.get(k, default)
+            d[k] = dict(v) if isinstance(v, dict) else v
+        d["_wire"] = wire
         return t
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         if isinstance(e, ProtocolError):
@@ -243,7 +280,7 @@ def pack_group_blob(trajs: Sequence[Trajectory], blob_index: int) -> tuple[list[
             metas = []
             for t, w in zip(trajs, wires):
                 m = _scalar_meta(t)
-                m.update(b=blob_index, o=w[1], np=len(w[3][0]), nr=len(w[3][1]), nw=len(w[3][4]))
+                m.update(b=blob_index, o=w[1], np=w[3][0], nr=w[3][1], nw=w[3][2])
                 metas.append(m)
             return metas, base
     metas, pieces = pack_trajectories(trajs, blob_index)

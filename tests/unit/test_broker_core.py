@@ -290,3 +290,17 @@ def test_group_blob_is_reused_without_copy_when_forwarded():
     blobs = []
     maps = P.pack_groups([g], blobs)
     assert P.unpack_groups(maps, blobs)[0].trajectories[0].response_ids.tolist() == [7]
+
+
+def test_wire_trajectory_is_lazy_and_copies_to_a_plain_trajectory():
+    import copy
+    import pickle
+
+    from asyncrl.broker.client import _group_frames
+
+    msg = P.decode(_group_frames(1, [traj(vmin=4, n=3)], False, ""))
+    (t,) = P.unpack_trajectories(msg.body["trajs"], msg.blobs)
+    assert "response_ids" not in t.__dict__ and t.min_version == 4 and t.reward == 1.0
+    assert t.response_ids.tolist() == [0, 1, 2] and not t.response_ids.flags.writeable
+    for c in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        assert type(c) is Trajectory and c.loss_mask.tolist() == [1, 1, 1] and c.min_version == 4
