@@ -60,9 +60,11 @@ def init_weight_update_group(
     timeout = _dt.timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{int(master_port)}"
     try:
-        store, rank, world_size = next(
-            dist.rendezvous(url, rank=rank, world_size=world_size, timeout=timeout))
-        store.set_timeout(timeout)
+        # A TCPStore built directly, not ``dist.rendezvous(url)``: under torchrun
+        # (TORCHELASTIC_USE_AGENT_STORE=True) the rendezvous handler would make every rank, rank 0
+        # included, a client of a store nobody hosts. On the wire this is the same TCP rendezvous.
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
+                              timeout=timeout, wait_for_workers=False, use_libuv=True)
         store = dist.PrefixStore(group_name, store)
         pg, _ = _c10d._new_process_group_helper(
             world_size,
