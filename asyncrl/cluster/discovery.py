@@ -14,7 +14,7 @@ import os
 import time
 from datetime import timedelta
 
-_SLICE_S = 1.0  # a blocked C++ wait delays Python signal handlers by at most this long
+_POLL_S = 0.1  # discovery keys appear once per run; polling costs nothing and keeps signals prompt
 
 
 class Discovery:
@@ -45,20 +45,15 @@ class Discovery:
         self.store.set(key, value.encode())
 
     def lookup(self, key: str, timeout_s: float | None = None) -> str:
-        """Block until ``key`` is set. Waits in short slices so SIGTERM/Ctrl-C are handled promptly."""
+        """Block until ``key`` is set. Polls (no blocking C++ wait), so SIGTERM/Ctrl-C are handled at once."""
         t = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + t
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self.store.wait([key], timedelta(seconds=max(0.01, min(_SLICE_S, left))))
-                return self.store.get(key).decode()
-            except RuntimeError as e:  # torch raises DistStoreError (a RuntimeError) on timeout
-                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                    raise
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"no value for discovery key {self.prefix}{key!r} after {t:.0f}s: "
-                                       f"the rank that publishes it did not start or failed") from None
+        while not self.store.check([key]):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no value for discovery key {self.prefix}{key!r} after {t:.0f}s: "
+                                   f"the rank that publishes it did not start or failed")
+            time.sleep(_POLL_S)
+        return self.store.get(key).decode()
 
     def is_set(self, key: str) -> bool:
         return self.store.check([key])

@@ -179,7 +179,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         m: dict[str, float] = {}
         groups = None
         if is_leader:
-            batch = broker.get_batch(step, timeout_s=cfg.rollout.request_timeout_s * 4, actor_version=actor.version)
+            batch = broker.get_batch(step, timeout_s=cfg.rollout.request_timeout_s * 4, actor_version=actor.version,
+                                     as_lists=True)
             groups = batch.groups
             m.update(batch.metrics)
             m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
