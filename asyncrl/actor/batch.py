@@ -104,13 +104,20 @@ def make_microbatches(token_counts: Sequence[int], max_tokens: int) -> list[list
 
 @dataclass
 class PackedBatch:
-    input_ids: torch.Tensor  # [1, L]
-    position_ids: torch.Tensor  # [1, L]
-    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = masked out
-    pred_index: torch.Tensor  # [T] position whose logits predict each response token
+    """Sequences packed into rows of ``row_len`` tokens: [R, C] with a block-diagonal causal mask.
+
+    Attention costs R * C^2 (not (sum of lengths)^2 as a single packed row would), and the
+    padding is at most one row's worth of waste per row.
+    """
+
+    input_ids: torch.Tensor  # [R, C]
+    position_ids: torch.Tensor  # [R, C] restart at 0 for every sequence
+    attention_mask: torch.Tensor  # [R, 1, C, C] bool, True = masked out
+    pred_index: torch.Tensor  # [T] flat index (into R*C) of the position predicting each response token
     labels: torch.Tensor  # [T] the response tokens
     seq_of_token: torch.Tensor  # [T] index (within the micro-batch) of each token's sequence
     num_tokens: int
+    """Real tokens (padding excluded)."""
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         return PackedBatch(
@@ -124,32 +131,60 @@ class PackedBatch:
         )
 
 
-def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> PackedBatch:
-    ids: list[int] = []
-    pos: list[int] = []
+def _rows_first_fit(lengths: Sequence[int], cap: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, f in enumerate(free):
+            if lengths[i] <= f:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(cap - lengths[i])
+    return rows
+
+
+def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: int | None = None) -> PackedBatch:
+    """Pack sequences (first fit, longest first) into rows of ``row_len`` (default: the longest)."""
+    lengths = [len(s) for s in seqs]
+    cap = max(max(lengths), row_len or 0)
+    rows = _rows_first_fit(lengths, cap)
+    R = len(rows)
+    ids = torch.zeros(R, cap, dtype=torch.long)
+    pos = torch.zeros(R, cap, dtype=torch.long)
+    mask = torch.ones(R, cap, cap, dtype=torch.bool)
+    causal = torch.triu(torch.ones(cap, cap, dtype=torch.bool), diagonal=1)
+    where: dict[int, tuple[int, int]] = {}
+    for r, members in enumerate(rows):
+        off = 0
+        for i in members:
+            n = lengths[i]
+            ids[r, off : off + n] = torch.tensor(seqs[i], dtype=torch.long)
+            pos[r, off : off + n] = torch.arange(n)
+            mask[r, off : off + n, off : off + n] = causal[:n, :n]
+            where[i] = (r, off)
+            off += n
+        if off < cap:  # padding: its own causal block, so no query row is fully masked
+            mask[r, off:, off:] = causal[: cap - off, : cap - off]
     pred: list[int] = []
     labels: list[int] = []
     seq_idx: list[int] = []
-    L = sum(len(s) for s in seqs)
-    mask = torch.ones(L, L, dtype=torch.bool)
-    off = 0
-    for k, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        n = len(s)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
         if p < 1:
             raise ValueError("every sequence needs at least one prompt token")
-        ids.extend(s)
-        pos.extend(range(n))
-        mask[off : off + n, off : off + n] = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
-        pred.extend(range(off + p - 1, off + n - 1))
+        r, off = where[i]
+        base = r * cap + off
+        pred.extend(range(base + p - 1, base + len(s) - 1))
         labels.extend(s[p:])
-        seq_idx.extend([k] * (n - p))
-        off += n
+        seq_idx.extend([i] * (len(s) - p))
     return PackedBatch(
-        input_ids=torch.tensor([ids], dtype=torch.long),
-        position_ids=torch.tensor([pos], dtype=torch.long),
-        attention_mask=mask[None, None],
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask=mask[:, None],
         pred_index=torch.tensor(pred, dtype=torch.long),
         labels=torch.tensor(labels, dtype=torch.long),
         seq_of_token=torch.tensor(seq_idx, dtype=torch.long),
-        num_tokens=L,
+        num_tokens=sum(lengths),
     )

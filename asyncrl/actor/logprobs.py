@@ -77,8 +77,8 @@ def forward_logprobs(
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch."""
-    logits = model(packed.input_ids, packed.position_ids, packed.attention_mask)  # [1, L, V_local]
-    sel = logits[0].index_select(0, packed.pred_index)
+    logits = model(packed.input_ids, packed.position_ids, packed.attention_mask)  # [R, C, V_local]
+    sel = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.pred_index)
     return vocab_parallel_logprobs(
         sel,
         packed.labels,

@@ -34,12 +34,22 @@ def test_split_balanced_and_microbatches():
 
 
 def test_pack_positions_mask_and_targets():
-    p = pack([[1, 2, 3, 4], [5, 6, 7]], [2, 1])
-    assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
-    assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
-    assert p.labels.tolist() == [3, 4, 6, 7]
-    assert p.pred_index.tolist() == [1, 2, 4, 5]
+    # lengths 4, 3, 1: rows of 4 -> [seq0], [seq1, seq2]
+    p = pack([[1, 2, 3, 4], [5, 6, 7], [8]], [2, 1, 1])
+    assert p.input_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0]]
+    assert p.labels.tolist() == [3, 4, 6, 7]  # in sequence order; seq2 has no response token
+    assert p.pred_index.tolist() == [1, 2, 4, 5]  # flat index into the [2, 4] rows
     assert p.seq_of_token.tolist() == [0, 0, 1, 1]
+    m = p.attention_mask[:, 0]
+    assert m.shape == (2, 4, 4) and m.dtype == torch.bool
+    assert not m[1, 2, 0] and m[1, 0, 1] and m[1, 3, 2] and not m[1, 3, 3]  # causal within, blocked across
+    assert p.num_tokens == 8
+
+
+def test_pack_pads_rows():
+    p = pack([[1, 2, 3], [4, 5, 6]], [1, 1], row_len=4)
+    assert p.input_ids.tolist() == [[1, 2, 3, 0], [4, 5, 6, 0]]
     m = p.attention_mask[0, 0]
-    assert not m[3, 0] and m[0, 1] and m[4, 3] and not m[6, 4]  # causal within, blocked across
-    assert m.shape == (7, 7) and m.dtype == torch.bool
+    assert not m[3, 3] and m[3, 2]  # a padding position sees only itself: no fully masked row
+    assert p.pred_index.tolist() == [0, 1, 4, 5]

@@ -1,0 +1,127 @@
+"""Actor training throughput: the Megatron actor vs the same step in plain PyTorch.
+
+    python benchmarks/actor_bench.py [--quick]
+
+Builds the tiny Qwen2 checkpoint (asyncrl.models.tiny), a synthetic GRPO batch, and times
+``Actor.train_step`` (1 process, gloo world of 1, TP=1, fp32 on CPU) at two micro-batch token
+budgets; then the same step written as plain PyTorch: the HF transformers model, right-padded
+micro-batches under the same token budget, the same ``policy_loss``, grad clipping, torch AdamW.
+Figures are trained tokens (prompt + response, padding excluded) per second, median over the
+timed steps. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
+    """One GRPO step as plain PyTorch on the HF model; returns seconds."""
+    from asyncrl.actor.batch import make_microbatches
+    from asyncrl.actor.loss import policy_loss
+
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    for idx in make_microbatches([s.num_tokens for s in samples], budget):
+        mb = [samples[i] for i in idx]
+        L = max(s.num_tokens for s in mb)
+        ids = torch.zeros(len(mb), L, dtype=torch.long)
+        att = torch.zeros(len(mb), L, dtype=torch.long)
+        for r, s in enumerate(mb):
+            ids[r, : s.num_tokens] = torch.tensor(s.tokens)
+            att[r, : s.num_tokens] = 1
+        logits = model(input_ids=ids, attention_mask=att).logits.float()
+        logz = torch.log_softmax(logits, -1)
+        lp, ent, behav, adv, w, m = [], [], [], [], [], []
+        for r, s in enumerate(mb):
+            rows = logz[r, s.prompt_len - 1 : s.num_tokens - 1]
+            tgt = torch.tensor(s.tokens[s.prompt_len :])
+            lp.append(rows.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
+            ent.append(-(rows.exp() * rows).sum(-1))
+            behav.append(torch.tensor(s.rollout_logprobs))
+            adv.append(torch.full((s.response_len,), s.advantage))
+            w.append(torch.tensor(s.agg_weight))
+            m.append(torch.tensor(s.loss_mask, dtype=torch.bool))
+        out = policy_loss(torch.cat(lp), behav_logp=torch.cat(behav), prox_logp=None, advantages=torch.cat(adv),
+                          agg_weight=torch.cat(w), mask=torch.cat(m), clip_ratio_low=algo.clip_ratio_low,
+                          clip_ratio_high=algo.clip_ratio_high, entropy=torch.cat(ent))
+        out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small batch, few repeats (< 60 s)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.actor.batch import groups_to_samples
+    from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
+    from asyncrl.actor.trainer import Actor
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
+    num_groups, repeats = (8, 3) if args.quick else (32, 5)
+    budgets = (1024, 4096)
+    tmp = tempfile.mkdtemp(prefix="actor_bench_")
+    hf = make_tiny_checkpoint(Path(tmp) / "hf")
+    hf_cfg = json.loads((hf / "config.json").read_text())
+    groups = synthetic_groups(seed=0, num_groups=num_groups, group_size=4, vocab_size=hf_cfg["vocab_size"],
+                              prompt_len=(32, 64), response_len=(64, 160))
+    num_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+    result: dict[str, object] = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}",
+        "model": {k: hf_cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")},
+        "batch_sequences": num_groups * 4,
+        "batch_tokens": num_tokens,
+        "repeats": repeats,
+    }
+    from megatron.core import parallel_state as ps
+
+    for budget in budgets:
+        cfg = tiny_actor_config(str(hf), actor={"max_tokens_per_microbatch": budget}, runner={"max_steps": 100})
+        actor = Actor(cfg)
+        actor.train_step(groups)  # warm-up
+        times = [actor.train_step(groups)["time/training"] for _ in range(repeats)]
+        result[f"actor_tokens_per_s_budget{budget}"] = num_tokens / statistics.median(times)
+        ps.destroy_model_parallel()
+
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, weight_decay=0.0)
+        samples = groups_to_samples(groups, normalize_adv_by_std=True, loss_agg_mode="token_mean")
+        plain_pytorch_step(model, opt, samples, budget, cfg.algorithm)  # warm-up
+        ptimes = [plain_pytorch_step(model, opt, samples, budget, cfg.algorithm) for _ in range(repeats)]
+        result[f"plain_tokens_per_s_budget{budget}"] = num_tokens / statistics.median(ptimes)
+        result[f"actor_over_plain_budget{budget}"] = statistics.median(ptimes) / statistics.median(times)
+    dist.destroy_process_group()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
