@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                         "bare_bytes_per_s": model_bytes / s_bare,
                         "ratio": s_bare / s_whole,
                         "transfer_ratio": s_bare / s_transfer,
+                        "sync_reps_s": t["sync"],
+                        "bare_reps_s": t["bare"],
                     }
                 )
                 print(
@@ -245,6 +247,7 @@ def main(argv=None) -> int:
         "results": results,
         "min_ratio": min(r["ratio"] for r in results),
         "wall_s": time.perf_counter() - t_start,
+        "load_avg_1m": os.getloadavg()[0],
     }
     print(json.dumps(out))
     return 0
