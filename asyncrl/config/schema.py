@@ -403,6 +403,10 @@ class PrepareConfig:
     seed: int = 0
     num_entities: int = 200
     """Synthetic knowledge-base size (entities with facts)."""
+    vocab_size: int = 4096
+    """Tokenizer size: large enough that most made-up names are one token (copying is then one step)."""
+    hidden_size: int = 128
+    num_layers: int = 4
     sft_steps: int = 300
     """Supervised warm-start steps on synthetic demonstrations."""
     sft_lr: float = 3e-3
@@ -415,6 +419,9 @@ class PrepareConfig:
         _positive(self.sft_lr, "prepare.sft_lr")
         _positive(self.sft_batch_size, "prepare.sft_batch_size")
         _positive(self.num_entities, "prepare.num_entities")
+        _positive(self.vocab_size, "prepare.vocab_size")
+        _positive(self.hidden_size, "prepare.hidden_size")
+        _positive(self.num_layers, "prepare.num_layers")
         _require(0.0 <= self.sft_correct_fraction <= 1.0, "prepare.sft_correct_fraction",
                  f"must be in [0, 1], got {self.sft_correct_fraction!r}")
 
