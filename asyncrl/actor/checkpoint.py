@@ -6,6 +6,8 @@ A checkpoint is a directory::
     hf/                     the HF side files: config.json, tokenizer*, generation_config.json
     model_tp{R:02d}.safetensors   TP rank R's shard, canonical Megatron names (local layer spec)
     optim_tp{R:02d}.pt      Megatron optimizer state of TP rank R (absent in converted checkpoints)
+    optim_rank{G:03d}.pt    with actor.use_distributed_optimizer: global rank G's shard of the
+                            optimizer state (torch state + main params); resume needs the same DP
     sched.json              OptimizerParamScheduler state
     rng_rank{G:03d}.pt      RNG states of global actor rank G (CPU, CUDA, Megatron tracker, python)
     hf_export/              optional full HF export (runner.save_hf)
@@ -49,6 +51,10 @@ def model_file(tp_rank: int) -> str:
 
 def optim_file(tp_rank: int) -> str:
     return f"optim_tp{tp_rank:02d}.pt"
+
+
+def optim_shard_file(rank: int) -> str:
+    return f"optim_rank{rank:03d}.pt"
 
 
 def rng_file(rank: int) -> str:

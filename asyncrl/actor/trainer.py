@@ -318,8 +318,6 @@ class Actor:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | Path, *, step: int | None = None) -> Path:
         """Model, optimizer, scheduler, RNG, step and weight version (collective)."""
-        if self.cfg.actor.use_distributed_optimizer:
-            raise NotImplementedError("checkpoints with actor.use_distributed_optimizer=true are not supported yet")
         d = Path(directory)
         if self.rank == 0:
             d.mkdir(parents=True, exist_ok=True)
@@ -327,9 +325,10 @@ class Actor:
         if self.dp_rank == 0:
             shard = {name: p.detach() for name, p in local_params(self.model)}
             ckpt_io.save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank))
-            tmp = d / (ckpt_io.optim_file(self.tp_rank) + ".tmp")
-            torch.save(self.optimizer.state_dict(), tmp)
-            tmp.replace(d / ckpt_io.optim_file(self.tp_rank))
+            if not self.cfg.actor.use_distributed_optimizer:
+                _atomic_save(self.optimizer.state_dict(), d / ckpt_io.optim_file(self.tp_rank))
+        if self.cfg.actor.use_distributed_optimizer:  # each DP rank holds its own shard of the state
+            _atomic_save(self._optimizer_shard_state(), d / ckpt_io.optim_shard_file(self.rank))
         torch.save(_rng_state(), d / ckpt_io.rng_file(self.rank))
         if self.cfg.runner.save_hf:
             buckets = self.iter_hf_buckets(1 << 62)
@@ -352,11 +351,36 @@ class Actor:
                     "padded_vocab_size": self.padded_vocab,
                     "num_skipped_steps": self.num_skipped_steps,
                     "has_optimizer": True,
+                    "distributed_optimizer": self.cfg.actor.use_distributed_optimizer,
                     "model_path": str(self.model_path),
                 },
             )
         dist.barrier()
         return d
+
+    def _sub_optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _optimizer_shard_state(self) -> list[dict[str, Any]]:
+        """This rank's torch optimizer state and main (fp32) params, per Megatron sub-optimizer."""
+        return [
+            {
+                "inner": o.optimizer.state_dict(),
+                "main": [p.detach().cpu().clone() for g in o.optimizer.param_groups for p in g["params"]],
+            }
+            for o in self._sub_optimizers()
+        ]
+
+    @torch.no_grad()
+    def _load_optimizer_shard_state(self, states: list[dict[str, Any]]) -> None:
+        subs = self._sub_optimizers()
+        if len(states) != len(subs):
+            raise ValueError(f"optimizer checkpoint has {len(states)} sub-optimizers, the actor {len(subs)}")
+        for o, st in zip(subs, states):
+            o.optimizer.load_state_dict(st["inner"])
+            params = [p for g in o.optimizer.param_groups for p in g["params"]]
+            for p, t in zip(params, st["main"], strict=True):
+                p.copy_(t.to(p.device, p.dtype))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Restore what ``save_checkpoint`` wrote (or the model of a converted checkpoint)."""
@@ -374,9 +398,22 @@ class Actor:
                     raise KeyError(f"checkpoint {str(d)!r} lacks {name}")
                 p.copy_(shard[name].to(p.dtype))
         if meta.get("has_optimizer"):
-            state = torch.load(d / ckpt_io.optim_file(self.tp_rank), map_location="cpu", weights_only=False)
-            with cuda_as_cpu():
-                self.optimizer.load_state_dict(state)
+            dopt = bool(meta.get("distributed_optimizer", False))
+            if dopt != self.cfg.actor.use_distributed_optimizer or (dopt and meta.get("dp") != self.dp):
+                raise ValueError(
+                    f"checkpoint {str(d)!r} was saved with distributed_optimizer={dopt}, dp={meta.get('dp')}; "
+                    f"actor.use_distributed_optimizer={self.cfg.actor.use_distributed_optimizer}, dp={self.dp} "
+                    "cannot resume its optimizer state"
+                )
+            if dopt:
+                shard = torch.load(d / ckpt_io.optim_shard_file(self.rank), map_location="cpu", weights_only=False)
+                self._load_optimizer_shard_state(shard)
+            else:
+                state = torch.load(d / ckpt_io.optim_file(self.tp_rank), map_location="cpu", weights_only=False)
+                with cuda_as_cpu():
+                    self.optimizer.load_state_dict(state)
+            # Megatron's load_state_dict *adds* the saved step count to the current one
+            self.scheduler.num_steps = 0
             self.scheduler.load_state_dict(json.loads((d / "sched.json").read_text()))
             rng = d / ckpt_io.rng_file(self.rank)
             if rng.is_file() and meta.get("dp") == self.dp:
@@ -388,6 +425,12 @@ class Actor:
         self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
         dist.barrier()
         return meta
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -5,6 +5,7 @@ KL to the reference model, step 3 fed a NaN log-prob so it is skipped) records i
 final weights; then a fresh actor trains 2 steps, saves a checkpoint (with the HF export), starts
 step 3 and dies with ``os._exit`` (no clean-up). Launch 2 (``resume``): a fresh actor loads the
 checkpoint and trains steps 3-4: metrics and weights must equal the uninterrupted run exactly.
+Then, with the distributed optimizer (TP=1, DP=2): save, step, reload, redo the step: identical.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ def _batch(step: int, vocab: int):
     return groups
 
 
-def _actor(hf: str):
+def _actor(hf: str, *, tp: int = 2, distributed_optimizer: bool = False):
     from asyncrl.actor.synthetic import tiny_actor_config
     from asyncrl.actor.trainer import Actor
 
     cfg = tiny_actor_config(
         hf,
-        actor={"tensor_model_parallel_size": 2, "lr_warmup_steps": 1, "lr_schedule": "cosine", "min_lr": 1e-4,
-               "max_tokens_per_microbatch": 64},
+        actor={"tensor_model_parallel_size": tp, "lr_warmup_steps": 1, "lr_schedule": "cosine", "min_lr": 1e-4,
+               "max_tokens_per_microbatch": 64, "use_distributed_optimizer": distributed_optimizer},
         algorithm={"off_policy_correction": "decoupled", "kl_coef": 0.05, "tis_cap": 3.0},
         runner={"max_steps": NUM_STEPS, "save_hf": True},
     )
@@ -101,6 +102,20 @@ def main() -> None:
         if rank == 0:
             (work / "resumed.json").write_text(json.dumps({"metrics": resumed, "version": actor.version}))
             torch.save(w, work / "resumed_weights.pt")
+        ps.destroy_model_parallel()
+        # the distributed optimizer (TP=1, DP=2: state sharded over DP): save, step, reload, redo the step
+        actor = _actor(hf, tp=1, distributed_optimizer=True)
+        _train(actor, [1], vocab, rank)
+        actor.save_checkpoint(work / "ckpt_dopt")
+        first = _train(actor, [2], vocab, rank)
+        w_first = _weights(actor)
+        actor.load_checkpoint(work / "ckpt_dopt")
+        again = _train(actor, [2], vocab, rank)
+        w_again = _weights(actor)
+        if rank == 0:
+            same = first == again and all(torch.equal(w_first[k], w_again[k]) for k in w_first)
+            (work / "dopt.json").write_text(json.dumps({"same": same, "version": actor.version,
+                                                        "grad_norm": first[2]["train/grad_norm"]}))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -139,6 +154,8 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     for k in w_ckpt:
         assert torch.equal(w_ckpt[k], exported[k]) and torch.equal(w_ckpt[k], converted[k]), k
     assert not torch.equal(w_ckpt["lm_head.weight"], w_full["lm_head.weight"])
+    dopt = json.loads((tmp_path / "dopt.json").read_text())
+    assert dopt["same"] and dopt["version"] == 2 and dopt["grad_norm"] > 0
 
 
 if __name__ == "__main__":
