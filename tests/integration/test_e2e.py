@@ -110,9 +110,10 @@ def _assert_no_prompt_lost(recs: list[dict]):
 
 
 @pytest.mark.slow
-def test_async_steps(prepared, tmp_path):
+@pytest.mark.parametrize("pause_mode", ["retract", "drain"])
+def test_async_steps(prepared, tmp_path, pause_mode):
     run_dir = tmp_path / "run"
-    r = run_job(prepared, run_dir, "runner.max_steps=4")
+    r = run_job(prepared, run_dir, "runner.max_steps=4", f'rollout.pause_mode="{pause_mode}"')
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
@@ -133,6 +134,8 @@ def test_async_steps(prepared, tmp_path):
     _assert_no_prompt_lost(recs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4
+    if pause_mode == "drain":  # drain lets requests finish before a sync: nothing is ever retracted
+        assert all(x["rollout/retractions/mean"] == 0 for x in recs)
 
 
 @pytest.mark.slow
