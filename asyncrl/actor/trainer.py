@@ -43,6 +43,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed import finalize_model_grads
+
 from asyncrl.actor import checkpoint as ckpt_io
 from asyncrl.actor.batch import PackedBatch, Sample, groups_to_samples, make_microbatches, pack, split_balanced
 from asyncrl.actor.logprobs import forward_logprobs
@@ -260,7 +262,9 @@ class Actor:
             for k, v in out.sums.items():
                 sums[k] += v
             num_seq_tokens += packed.num_tokens
-        self.ddp.finish_grad_sync()
+        # DP all-reduce of the grad buffers, plus the TP all-reduce of replicated weights whose
+        # gradient is partial per TP rank (Qwen3's q/k norms).
+        finalize_model_grads([self.ddp])
 
         keys = sorted(set(sums) | {"num_tokens", "loss"})
         vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_seq_tokens)], dtype=torch.float64)

@@ -5,7 +5,8 @@ One torchrun launch runs the worker below (this file's ``__main__``): the tiny Q
 log-probs + entropy of packed variable-length sequences split over several micro-batches, one
 training step on synthetic groups (masked tool spans, an equal-reward group), the HF export.
 Rank 0 also computes the same things with HF transformers: log-probs/entropy, and the training
-step as plain PyTorch (policy_loss on HF log-probs, grad clipping, torch AdamW).
+step as plain PyTorch (policy_loss on HF log-probs, grad clipping, torch AdamW). Then the same
+at TP=2 for a 1-layer Qwen3 (q/k norm, no qkv bias) and a 1-layer Llama with tied embeddings.
 """
 
 from __future__ import annotations
@@ -43,12 +44,17 @@ def _actor_run(hf: str, tp: int, seqs, prompt_lens, groups) -> dict:
     cfg = tiny_actor_config(hf, actor={"tensor_model_parallel_size": tp, "max_tokens_per_microbatch": 48,
                                        "adam_eps": 1e-6}, algorithm=_algo())
     actor = Actor(cfg)
+    from safetensors.torch import load_file
+
+    w0 = load_file(str(Path(hf) / "model.safetensors"))
+    export0 = {k: v for b in actor.iter_hf_buckets(1 << 30) for k, v in b}
+    exact = sorted(export0) == sorted(w0) and all(torch.equal(export0[k], w0[k]) for k in w0)
     lps = actor.compute_logprobs(seqs, prompt_lens, with_entropy=True)
     metrics = actor.train_step(groups if dist.get_rank() == 0 else None)
     buckets = list(actor.iter_hf_buckets(64 * 1024))
     weights = {k: v for b in buckets for k, v in b}
     ps.destroy_model_parallel()
-    return {"lps": lps, "metrics": metrics, "weights": weights, "num_buckets": len(buckets),
+    return {"lps": lps, "metrics": metrics, "weights": weights, "num_buckets": len(buckets), "exact": exact,
             "max_bucket": max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets)}
 
 
@@ -93,7 +99,7 @@ def main() -> None:
 
     from asyncrl.actor.synthetic import synthetic_groups
 
-    hf, out = sys.argv[1], sys.argv[2]
+    hf, out, others = sys.argv[1], sys.argv[2], sys.argv[3:]
     dist.init_process_group("gloo")
     vocab = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
     groups = synthetic_groups(seed=GROUP_SEED, num_groups=4, group_size=4, vocab_size=vocab)
@@ -124,9 +130,24 @@ def main() -> None:
             "w_tp2_ref": max((r2["weights"][k] - ref["weights"][k]).abs().max().item() for k in w0),
             "w_moved": max((r2["weights"][k] - w0[k]).abs().max().item() for k in w0),
             "names_equal": sorted(r1["weights"]) == sorted(r2["weights"]) == sorted(w0),
+            "hf_roundtrip_exact": r1["exact"] and r2["exact"],
             "num_buckets": r2["num_buckets"],
             "max_bucket": r2["max_bucket"],
         }
+    # the other families (Qwen3 q/k norm, Llama, tied embeddings): HF -> actor at TP=2 -> HF exact,
+    # log-probs equal to transformers'
+    for other in others:
+        r = _actor_run(other, 2, seqs, prompt_lens, groups)
+        if dist.get_rank() == 0:
+            from safetensors.torch import load_file
+
+            ref = _hf_reference(other, seqs, prompt_lens, groups)
+            w0 = load_file(str(Path(other) / "model.safetensors"))
+            res[f"{other}/lp_hf"] = max((x[0] - y[0]).abs().max().item() for x, y in zip(r["lps"], ref["lps"]))
+            res[f"{other}/w_tp2_ref"] = max((r["weights"][k] - ref["weights"][k]).abs().max().item() for k in w0)
+            res[f"{other}/w_worst"] = max(w0, key=lambda k: (r["weights"][k] - ref["weights"][k]).abs().max().item())
+            res[f"{other}/names_equal"] = sorted(r["weights"]) == sorted(w0) and r["exact"]
+    if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(res, indent=1))
     dist.barrier()
     dist.destroy_process_group()
@@ -138,8 +159,11 @@ def test_actor_tp2_dp2_and_plain_pytorch(tmp_path):
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "hf", num_hidden_layers=2, vocab_size=1000)
+    others = [make_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3", num_hidden_layers=1, seed=1),
+              make_tiny_checkpoint(tmp_path / "llama", arch="llama", num_hidden_layers=1, seed=2,
+                                   tie_word_embeddings=True, vocab_size=1000)]
     out = tmp_path / "out.json"
-    proc = run_torchrun(Path(__file__), [str(hf), str(out)])
+    proc = run_torchrun(Path(__file__), [str(hf), str(out), *map(str, others)])
     assert proc.returncode == 0, proc.stderr[-5000:]
     r = json.loads(out.read_text())
     # log-probs: TP=2 == TP=1, and == transformers within 1e-4 (also the entropy)
@@ -159,8 +183,11 @@ def test_actor_tp2_dp2_and_plain_pytorch(tmp_path):
     assert r["w_moved"] > 5e-4
     assert r["w_tp1_tp2"] < 2e-5
     assert r["w_tp2_ref"] < 2e-5
-    assert r["names_equal"]
+    assert r["names_equal"] and r["hf_roundtrip_exact"]  # HF -> actor (TP=1 and TP=2) -> HF is bit-exact
     assert r["num_buckets"] > 5 and r["max_bucket"] <= 1000 * 128 * 4  # a single tensor may exceed a bucket
+    for other in others:
+        assert r[f"{other}/lp_hf"] < 1e-4 and r[f"{other}/names_equal"]
+        assert r[f"{other}/w_tp2_ref"] < 2e-5, (other, r[f"{other}/w_worst"])  # also the training step vs plain PyTorch
 
 
 if __name__ == "__main__":

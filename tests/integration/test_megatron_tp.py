@@ -47,7 +47,7 @@ def test_tp2_equals_tp1(tmp_path):
 def run(tp: int, hf_dir: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from asyncrl.actor.model import ModelSpec, build_gpt_model
@@ -81,7 +81,7 @@ def run(tp: int, hf_dir: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], fl
     opt.zero_grad()
     loss = ddp(ids, pos, mask, labels=labels).mean()  # vocab-parallel cross-entropy inside
     loss.backward()
-    ddp.finish_grad_sync()
+    finalize_model_grads([ddp])
     with cuda_as_cpu():
         ok, grad_norm, _ = opt.step()
     assert ok
