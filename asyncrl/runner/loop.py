@@ -138,7 +138,6 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     actor = Actor(cfg)
     ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
     start_step = 0
-    state = None
     if is_leader:
         from asyncrl.broker.client import BrokerClient
         from asyncrl.runner.metrics import MetricsWriter
@@ -165,11 +164,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
                 broker.set_state(broker_state.read_bytes())
             log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
     summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
-    if is_leader and latest:
-        # engines start from the HF checkpoint: bring them to the resumed weights
-        pass
-    need_initial_sync = bool(latest)
-    if need_initial_sync:
+    if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
         _sync(actor, syncer if is_leader else None, cfg, is_leader)
     if is_leader and cfg.runner.eval_before_after and start_step == 0:
         summary["eval_before"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
