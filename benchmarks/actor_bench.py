@@ -61,9 +61,17 @@ def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
             adv.append(torch.full((s.response_len,), s.advantage))
             w.append(torch.tensor(s.agg_weight))
             m.append(torch.tensor(s.loss_mask, dtype=torch.bool))
-        out = policy_loss(torch.cat(lp), behav_logp=torch.cat(behav), prox_logp=None, advantages=torch.cat(adv),
-                          agg_weight=torch.cat(w), mask=torch.cat(m), clip_ratio_low=algo.clip_ratio_low,
-                          clip_ratio_high=algo.clip_ratio_high, entropy=torch.cat(ent))
+        out = policy_loss(
+            torch.cat(lp),
+            behav_logp=torch.cat(behav),
+            prox_logp=None,
+            advantages=torch.cat(adv),
+            agg_weight=torch.cat(w),
+            mask=torch.cat(m),
+            clip_ratio_low=algo.clip_ratio_low,
+            clip_ratio_high=algo.clip_ratio_high,
+            entropy=torch.cat(ent),
+        )
         out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -89,8 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="actor_bench_")
     hf = make_tiny_checkpoint(Path(tmp) / "hf")
     hf_cfg = json.loads((hf / "config.json").read_text())
-    groups = synthetic_groups(seed=0, num_groups=num_groups, group_size=4, vocab_size=hf_cfg["vocab_size"],
-                              prompt_len=(32, 64), response_len=(64, 160))
+    groups = synthetic_groups(
+        seed=0,
+        num_groups=num_groups,
+        group_size=4,
+        vocab_size=hf_cfg["vocab_size"],
+        prompt_len=(32, 64),
+        response_len=(64, 160),
+    )
     num_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 

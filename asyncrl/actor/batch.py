@@ -13,8 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -45,9 +45,7 @@ class Sample:
         return len(self.tokens) - self.prompt_len
 
 
-def groups_to_samples(
-    groups: Sequence[Group], *, normalize_adv_by_std: bool, loss_agg_mode: str
-) -> list[Sample]:
+def groups_to_samples(groups: Sequence[Group], *, normalize_adv_by_std: bool, loss_agg_mode: str) -> list[Sample]:
     rows: list[tuple] = []
     for g in groups:
         if g.aborted:
@@ -55,7 +53,9 @@ def groups_to_samples(
         trajs = [t for t in g.trajectories if not t.aborted]
         if not trajs:
             continue
-        adv = grpo_advantages(torch.tensor([[float(t.reward) for t in trajs]]), normalize_by_std=normalize_adv_by_std)[0]
+        adv = grpo_advantages(torch.tensor([[float(t.reward) for t in trajs]]), normalize_by_std=normalize_adv_by_std)[
+            0
+        ]
         for t, a in zip(trajs, adv.tolist()):
             if not t.response_ids:
                 continue
@@ -119,7 +119,7 @@ class PackedBatch:
     num_tokens: int
     """Real tokens (padding excluded)."""
 
-    def to(self, device: torch.device | str) -> "PackedBatch":
+    def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(
             self.input_ids.to(device),
             self.position_ids.to(device),

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -148,7 +148,9 @@ def hf_to_megatron(mg_name: str, hf_tensors: list[torch.Tensor], spec: ModelSpec
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         (t,) = hf_tensors
         if t.shape[0] != spec.vocab_size:
-            raise ValueError(f"{hf_names_for(name, spec)[0]} has {t.shape[0]} rows, config.json vocab_size={spec.vocab_size}")
+            raise ValueError(
+                f"{hf_names_for(name, spec)[0]} has {t.shape[0]} rows, config.json vocab_size={spec.vocab_size}"
+            )
         return _pad_vocab(t, padded_vocab_size(spec.vocab_size, tp))
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         return _qkv_merge(*hf_tensors, spec)

@@ -29,8 +29,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -69,7 +70,9 @@ def aggregation_weights(masks: Sequence[Sequence[int]], mode: AggMode) -> list[l
         elif mode == "seq_mean_token_mean":
             out.append([float(x) / (n * num_seqs) for x in m])
         else:
-            raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of token_mean, seq_mean_token_sum, seq_mean_token_mean")
+            raise ValueError(
+                f"algorithm.loss_agg_mode={mode!r} is not one of token_mean, seq_mean_token_sum, seq_mean_token_mean"
+            )
     return out
 
 
@@ -169,7 +172,7 @@ def policy_loss(
         old = behav_logp
         iw = torch.ones_like(logp)
         keep = mask_b
-        raw = torch.exp((logp.detach() - behav_logp))
+        raw = torch.exp(logp.detach() - behav_logp)
     else:
         if prox_logp is None:
             raise ValueError(f"algorithm.off_policy_correction={off_policy_correction!r} needs the recomputed log-prob")

@@ -42,7 +42,7 @@ class ModelSpec:
     tie_word_embeddings: bool
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelSpec":
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelSpec:
         mt = hf.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"config.json model_type={mt!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
@@ -82,7 +82,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelSpec":
+    def from_pretrained(cls, path: str | Path) -> ModelSpec:
         return cls.from_hf_config(load_hf_config(path))
 
 

@@ -30,7 +30,7 @@ def synthetic_groups(
     for g in range(num_groups):
         prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_len))]
         trajs = []
-        for k in range(group_size):
+        for _ in range(group_size):
             n = rng.randint(*response_len)
             resp = [rng.randrange(3, vocab_size) for _ in range(n)]
             mask = [1] * n
@@ -54,8 +54,13 @@ def synthetic_groups(
     return groups
 
 
-def tiny_actor_config(model_path: str, *, actor: dict[str, Any] | None = None, algorithm: dict[str, Any] | None = None,
-                      runner: dict[str, Any] | None = None) -> Config:
+def tiny_actor_config(
+    model_path: str,
+    *,
+    actor: dict[str, Any] | None = None,
+    algorithm: dict[str, Any] | None = None,
+    runner: dict[str, Any] | None = None,
+) -> Config:
     """A Config for the tiny model on CPU (fp32), with field overrides per section."""
     a = ActorConfig(model_path=str(model_path), params_dtype="fp32", lr=1e-3, grad_clip=1.0, weight_decay=0.0)
     return replace(

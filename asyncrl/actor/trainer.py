@@ -37,12 +37,12 @@ import math
 import random
 import time
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from megatron.core.distributed import finalize_model_grads
 
 from asyncrl.actor import checkpoint as ckpt_io
@@ -91,7 +91,9 @@ class Actor:
         self.dp_group = ps.get_data_parallel_group()
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, self.tp)
         self.vocab_start = self.tp_rank * (self.padded_vocab // self.tp)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.dtype = torch.bfloat16 if (acfg.params_dtype == "bf16" and torch.cuda.is_available()) else torch.float32
 
         self.model = self._build_and_load()
@@ -178,7 +180,9 @@ class Actor:
             if groups is None:
                 raise ValueError("train_step: actor rank 0 must be given the batch (a list of Group)")
             a = self.cfg.algorithm
-            samples = groups_to_samples(groups, normalize_adv_by_std=a.normalize_adv_by_std, loss_agg_mode=a.loss_agg_mode)
+            samples = groups_to_samples(
+                groups, normalize_adv_by_std=a.normalize_adv_by_std, loss_agg_mode=a.loss_agg_mode
+            )
             parts = split_balanced([s.num_tokens for s in samples], self.dp)
             payload = [[[samples[i] for i in p] for p in parts]]
         if self.world > 1:
@@ -215,7 +219,12 @@ class Actor:
             logp, ent = self._logprobs(self.model, packed, with_entropy=with_entropy)
             for k in range(len(idx)):
                 sel = packed.seq_of_token == k
-                out.append((logp[sel.to(logp.device)].float().cpu(), None if ent is None else ent[sel.to(ent.device)].float().cpu()))
+                out.append(
+                    (
+                        logp[sel.to(logp.device)].float().cpu(),
+                        None if ent is None else ent[sel.to(ent.device)].float().cpu(),
+                    )
+                )
         return out
 
     def train_step(self, groups: Sequence[Group] | None, *, step: int | None = None) -> dict[str, float]:
@@ -315,7 +324,9 @@ class Actor:
         )
         return m
 
-    def iter_hf_buckets(self, bucket_bytes: int, *, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_hf_buckets(
+        self, bucket_bytes: int, *, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named weights in buckets (collective over TP: every actor rank iterates it all)."""
         yield from iter_hf_buckets(self.model, self.spec, bucket_bytes, tp_group=self.tp_group, tp=self.tp, dtype=dtype)
 
@@ -423,7 +434,9 @@ class Actor:
             if rng.is_file() and meta.get("dp") == self.dp:
                 _set_rng_state(torch.load(rng, weights_only=False))
             else:
-                log.warning("checkpoint %s: no RNG state for rank %d (or another DP size): RNG not restored", d, self.rank)
+                log.warning(
+                    "checkpoint %s: no RNG state for rank %d (or another DP size): RNG not restored", d, self.rank
+                )
         self._step = int(meta["step"])
         self._version = int(meta["weight_version"])
         self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
@@ -468,4 +481,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
-

@@ -13,8 +13,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -89,11 +89,15 @@ def load_hf_into_model(model: torch.nn.Module, path: str | Path, spec: ModelSpec
     if spec.tie_word_embeddings:
         unknown.discard("lm_head.weight")
     if unknown:
-        raise KeyError(f"HF checkpoint {str(path)!r} has tensors the {spec.model_type} converter does not use: {sorted(unknown)[:5]}")
+        raise KeyError(
+            f"HF checkpoint {str(path)!r} has tensors the {spec.model_type} converter does not use: {sorted(unknown)[:5]}"
+        )
 
 
 @torch.no_grad()
-def load_megatron_full_into_model(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, tp_rank: int, tp: int) -> None:
+def load_megatron_full_into_model(
+    model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, tp_rank: int, tp: int
+) -> None:
     for name, param in local_params(model):
         if name not in full_sd:
             raise KeyError(f"checkpoint lacks {name}")
@@ -116,7 +120,12 @@ def iter_full_megatron(
 
 
 def iter_hf_tensors(
-    model: torch.nn.Module, spec: ModelSpec, *, tp_group: dist.ProcessGroup | None, tp: int, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    tp: int,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, full in iter_full_megatron(model, tp_group=tp_group, tp=tp):
         for hf_name, t in megatron_to_hf(name, full, spec):

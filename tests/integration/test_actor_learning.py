@@ -26,9 +26,19 @@ RESPONSE_LEN = 4
 TARGET = set(range(100, 164))
 
 
-def run_torchrun(script: Path, args: list[str], *, nproc: int = 1, timeout_s: float = 240) -> subprocess.CompletedProcess:
+def run_torchrun(
+    script: Path, args: list[str], *, nproc: int = 1, timeout_s: float = 240
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 
@@ -54,8 +64,15 @@ def sample_groups(hf_model, prompts, gen: torch.Generator):
             resp = ids[row, p_len:].tolist()
             r = sum(t in TARGET for t in resp) / len(resp)
             rewards.append(r)
-            trajs.append(Trajectory(prompt_ids=list(p), response_ids=resp, loss_mask=[1] * len(resp),
-                                    rollout_logprobs=lps[row].tolist(), reward=r))
+            trajs.append(
+                Trajectory(
+                    prompt_ids=list(p),
+                    response_ids=resp,
+                    loss_mask=[1] * len(resp),
+                    rollout_logprobs=lps[row].tolist(),
+                    reward=r,
+                )
+            )
         groups.append(Group(group_id=g, item=PromptItem(index=g, prompt=""), epoch=0, trajectories=trajs))
     return groups, sum(rewards) / len(rewards)
 
@@ -70,8 +87,9 @@ def main() -> None:
     hf, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    cfg = tiny_actor_config(hf, actor={"lr": 5e-3}, algorithm={"group_size": GROUP_SIZE},
-                            runner={"max_steps": NUM_STEPS})
+    cfg = tiny_actor_config(
+        hf, actor={"lr": 5e-3}, algorithm={"group_size": GROUP_SIZE}, runner={"max_steps": NUM_STEPS}
+    )
     actor = Actor(cfg)
     hf_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)

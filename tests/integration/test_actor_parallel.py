@@ -24,9 +24,19 @@ REPO = Path(__file__).resolve().parents[2]
 GROUP_SEED = 5
 
 
-def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180) -> subprocess.CompletedProcess:
+def run_torchrun(
+    script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 
@@ -41,8 +51,11 @@ def _actor_run(hf: str, tp: int, seqs, prompt_lens, groups) -> dict:
     from asyncrl.actor.synthetic import tiny_actor_config
     from asyncrl.actor.trainer import Actor
 
-    cfg = tiny_actor_config(hf, actor={"tensor_model_parallel_size": tp, "max_tokens_per_microbatch": 48,
-                                       "adam_eps": 1e-6}, algorithm=_algo())
+    cfg = tiny_actor_config(
+        hf,
+        actor={"tensor_model_parallel_size": tp, "max_tokens_per_microbatch": 48, "adam_eps": 1e-6},
+        algorithm=_algo(),
+    )
     actor = Actor(cfg)
     from safetensors.torch import load_file
 
@@ -54,8 +67,14 @@ def _actor_run(hf: str, tp: int, seqs, prompt_lens, groups) -> dict:
     buckets = list(actor.iter_hf_buckets(64 * 1024))
     weights = {k: v for b in buckets for k, v in b}
     ps.destroy_model_parallel()
-    return {"lps": lps, "metrics": metrics, "weights": weights, "num_buckets": len(buckets), "exact": exact,
-            "max_bucket": max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets)}
+    return {
+        "lps": lps,
+        "metrics": metrics,
+        "weights": weights,
+        "num_buckets": len(buckets),
+        "exact": exact,
+        "max_bucket": max(sum(t.numel() * t.element_size() for _, t in b) for b in buckets),
+    }
 
 
 def _hf_reference(hf: str, seqs, prompt_lens, groups) -> dict:
@@ -82,11 +101,19 @@ def _hf_reference(hf: str, seqs, prompt_lens, groups) -> dict:
     total = 0.0
     for s in samples:
         lp, ent = logprobs(s.tokens, s.prompt_len)
-        out = policy_loss(lp, behav_logp=torch.tensor(s.rollout_logprobs), prox_logp=None,
-                          advantages=torch.full_like(lp, s.advantage), agg_weight=torch.tensor(s.agg_weight),
-                          mask=torch.tensor(s.loss_mask, dtype=torch.bool), clip_ratio_low=a["clip_ratio_low"],
-                          clip_ratio_high=a["clip_ratio_high"], dual_clip=a["dual_clip"], entropy=ent,
-                          entropy_coef=a["entropy_coef"])
+        out = policy_loss(
+            lp,
+            behav_logp=torch.tensor(s.rollout_logprobs),
+            prox_logp=None,
+            advantages=torch.full_like(lp, s.advantage),
+            agg_weight=torch.tensor(s.agg_weight),
+            mask=torch.tensor(s.loss_mask, dtype=torch.bool),
+            clip_ratio_low=a["clip_ratio_low"],
+            clip_ratio_high=a["clip_ratio_high"],
+            dual_clip=a["dual_clip"],
+            entropy=ent,
+            entropy_coef=a["entropy_coef"],
+        )
         out.loss.backward()
         total += out.sums["loss"]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
@@ -159,9 +186,12 @@ def test_actor_tp2_dp2_and_plain_pytorch(tmp_path):
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "hf", num_hidden_layers=2, vocab_size=1000)
-    others = [make_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3", num_hidden_layers=1, seed=1),
-              make_tiny_checkpoint(tmp_path / "llama", arch="llama", num_hidden_layers=1, seed=2,
-                                   tie_word_embeddings=True, vocab_size=1000)]
+    others = [
+        make_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3", num_hidden_layers=1, seed=1),
+        make_tiny_checkpoint(
+            tmp_path / "llama", arch="llama", num_hidden_layers=1, seed=2, tie_word_embeddings=True, vocab_size=1000
+        ),
+    ]
     out = tmp_path / "out.json"
     proc = run_torchrun(Path(__file__), [str(hf), str(out), *map(str, others)])
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -171,8 +201,14 @@ def test_actor_tp2_dp2_and_plain_pytorch(tmp_path):
     assert r["lp_tp2_hf"] < 1e-4 and r["ent_tp2_hf"] < 1e-4
     assert r["lp_mean"] < -3.0  # real log-probs of a random model over ~1000 tokens
     m1, m2 = r["metrics_tp1"], r["metrics_tp2"]
-    for k in ("train/loss", "train/grad_norm", "train/entropy", "train/clip_fraction", "train/logprob_mismatch",
-              "train/num_tokens"):
+    for k in (
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+        "train/clip_fraction",
+        "train/logprob_mismatch",
+        "train/num_tokens",
+    ):
         assert abs(m1[k] - m2[k]) <= 1e-5 * max(1.0, abs(m1[k])), k
     assert m1["train/num_microbatches"] >= 2  # the token budget split the batch
     assert m2["train/clip_fraction"] > 0  # random behaviour log-probs: clipping is exercised

@@ -25,9 +25,19 @@ CKPT_STEP = 2
 CRASH_CODE = 17
 
 
-def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180) -> subprocess.CompletedProcess:
+def run_torchrun(
+    script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 
@@ -47,8 +57,14 @@ def _actor(hf: str, *, tp: int = 2, distributed_optimizer: bool = False):
 
     cfg = tiny_actor_config(
         hf,
-        actor={"tensor_model_parallel_size": tp, "lr_warmup_steps": 1, "lr_schedule": "cosine", "min_lr": 1e-4,
-               "max_tokens_per_microbatch": 64, "use_distributed_optimizer": distributed_optimizer},
+        actor={
+            "tensor_model_parallel_size": tp,
+            "lr_warmup_steps": 1,
+            "lr_schedule": "cosine",
+            "min_lr": 1e-4,
+            "max_tokens_per_microbatch": 64,
+            "use_distributed_optimizer": distributed_optimizer,
+        },
         algorithm={"off_policy_correction": "decoupled", "kl_coef": 0.05, "tis_cap": 3.0},
         runner={"max_steps": NUM_STEPS, "save_hf": True},
     )
@@ -114,8 +130,9 @@ def main() -> None:
         w_again = _weights(actor)
         if rank == 0:
             same = first == again and all(torch.equal(w_first[k], w_again[k]) for k in w_first)
-            (work / "dopt.json").write_text(json.dumps({"same": same, "version": actor.version,
-                                                        "grad_norm": first[2]["train/grad_norm"]}))
+            (work / "dopt.json").write_text(
+                json.dumps({"same": same, "version": actor.version, "grad_norm": first[2]["train/grad_norm"]})
+            )
         dist.barrier()
         dist.destroy_process_group()
 

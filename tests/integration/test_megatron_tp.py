@@ -21,9 +21,19 @@ from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 120) -> subprocess.CompletedProcess:
+def run_torchrun(
+    script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 120
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 

@@ -52,7 +52,8 @@ def test_fc1_shards_gate_and_up_separately(tmp_path):
     gate, up = sd["model.layers.0.mlp.gate_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(s1, torch.cat([gate[176:], up[176:]]))
     assert canonical_megatron_name("module.module.decoder.layers.3.mlp.linear_fc1.layer_norm_weight") == (
-        "decoder.layers.3.pre_mlp_layernorm.weight")
+        "decoder.layers.3.pre_mlp_layernorm.weight"
+    )
 
 
 def test_cli_round_trip(tmp_path):

@@ -58,7 +58,9 @@ def test_ppo_clip_cases():
     assert g[2] == 0.0 and g[4] == 0.0  # clipped branch: no gradient
     assert g[0] == pytest.approx(-0.5) and g[3] == pytest.approx(1.5)  # d(-A r)/dlogp = -A r
     # dual clip (c = 3) bounds the loss of negative advantages at -A * c
-    loss, _, clipped, dual = ppo_clip(torch.log(t(ratio)), torch.zeros(6), adv, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    loss, _, clipped, dual = ppo_clip(
+        torch.log(t(ratio)), torch.zeros(6), adv, clip_low=0.2, clip_high=0.28, dual_clip=3.0
+    )
     assert loss.tolist() == pytest.approx([-0.5, -1.0, -1.28, 1.5, 0.8, 3.0])
     assert dual.tolist() == [False] * 5 + [True]
 
@@ -73,8 +75,16 @@ def test_kl_estimators():
 def test_policy_loss_masked_token_mean():
     # ratios 0.5, 1.5 (clipped to 1.28) and a masked token with a huge ratio that must not count
     logp = torch.log(t([0.5, 1.5, 50.0])).requires_grad_(True)
-    out = policy_loss(logp, behav_logp=torch.zeros(3), prox_logp=None, advantages=t([1, 1, 1]),
-                      agg_weight=t([0.5, 0.5, 0.0]), mask=t([1, 1, 0]), clip_ratio_low=0.2, clip_ratio_high=0.28)
+    out = policy_loss(
+        logp,
+        behav_logp=torch.zeros(3),
+        prox_logp=None,
+        advantages=t([1, 1, 1]),
+        agg_weight=t([0.5, 0.5, 0.0]),
+        mask=t([1, 1, 0]),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+    )
     assert out.loss.item() == pytest.approx(0.5 * -0.5 + 0.5 * -1.28)
     out.loss.backward()
     assert logp.grad.tolist() == pytest.approx([-0.25, 0.0, 0.0])
@@ -85,8 +95,16 @@ def test_policy_loss_masked_token_mean():
 
 def test_zero_advantage_gives_zero_loss_and_gradient():
     logp = torch.log(t([0.7, 1.3])).requires_grad_(True)
-    out = policy_loss(logp, behav_logp=torch.zeros(2), prox_logp=None, advantages=torch.zeros(2),
-                      agg_weight=t([0.5, 0.5]), mask=t([1, 1]), clip_ratio_low=0.2, clip_ratio_high=0.2)
+    out = policy_loss(
+        logp,
+        behav_logp=torch.zeros(2),
+        prox_logp=None,
+        advantages=torch.zeros(2),
+        agg_weight=t([0.5, 0.5]),
+        mask=t([1, 1]),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.2,
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and logp.grad.abs().sum().item() == 0.0
 
@@ -95,9 +113,21 @@ def test_kl_and_entropy_terms():
     logp = t([LN(0.5), LN(0.5)]).requires_grad_(True)
     ref = t([LN(0.25), LN(0.5)])
     ent = t([2.0, 4.0])
-    out = policy_loss(logp, behav_logp=logp.detach(), prox_logp=None, advantages=t([1, 1]), agg_weight=t([0.5, 0.5]),
-                      mask=t([1, 1]), clip_ratio_low=0.2, clip_ratio_high=0.2, ref_logp=ref, kl_coef=0.1,
-                      kl_estimator="k3", entropy=ent, entropy_coef=0.01)
+    out = policy_loss(
+        logp,
+        behav_logp=logp.detach(),
+        prox_logp=None,
+        advantages=t([1, 1]),
+        agg_weight=t([0.5, 0.5]),
+        mask=t([1, 1]),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.2,
+        ref_logp=ref,
+        kl_coef=0.1,
+        kl_estimator="k3",
+        entropy=ent,
+        entropy_coef=0.01,
+    )
     k3 = 0.5 + LN(2) - 1
     expected = 0.5 * (-1) * 2 + 0.1 * (0.5 * k3 + 0) - 0.01 * (0.5 * 2 + 0.5 * 4)
     assert out.loss.item() == pytest.approx(expected, abs=1e-6)
@@ -112,8 +142,16 @@ def test_off_policy_corrections():
     assert raw.tolist() == pytest.approx([4.0, 1.5]) and w.tolist() == pytest.approx([2.0, 1.5]) and keep.all()
     w, keep, _ = behaviour_weights(prox, behav, "decoupled", cap=2.0)
     assert w.tolist() == pytest.approx([0.0, 1.5]) and keep.tolist() == [False, True]
-    common = dict(behav_logp=behav, prox_logp=prox, advantages=t([1, 1]), agg_weight=t([0.5, 0.5]), mask=t([1, 1]),
-                  clip_ratio_low=0.2, clip_ratio_high=0.2, tis_cap=2.0)
+    common = dict(
+        behav_logp=behav,
+        prox_logp=prox,
+        advantages=t([1, 1]),
+        agg_weight=t([0.5, 0.5]),
+        mask=t([1, 1]),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.2,
+        tis_cap=2.0,
+    )
     logp = torch.zeros(2, requires_grad=True)  # current == proximal: ratio 1, no clipping
     tis = policy_loss(logp, off_policy_correction="tis", **common)
     assert tis.loss.item() == pytest.approx(0.5 * -1 * 2.0 + 0.5 * -1 * 1.5)
