@@ -75,6 +75,7 @@ def forward_logprobs(
     tp_group=None,
     tp: int = 1,
     with_entropy: bool = True,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch."""
     logits = model(packed.input_ids, packed.position_ids, packed.attention_mask)  # [R, C, V_local]
@@ -87,4 +88,5 @@ def forward_logprobs(
         tp_group=tp_group,
         tp=tp,
         with_entropy=with_entropy,
+        temperature=temperature,
     )

@@ -94,6 +94,9 @@ class Actor:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )
+        # Log-probs (and entropy) are those of the sampling distribution: logits / temperature, as
+        # the engines report them (before top-p/top-k), so the PPO ratio compares like with like.
+        self.temperature = cfg.rollout.sampling.temperature if cfg.rollout.sampling.temperature > 0 else 1.0
         self.dtype = torch.bfloat16 if (acfg.params_dtype == "bf16" and torch.cuda.is_available()) else torch.float32
 
         self.model = self._build_and_load()
@@ -171,6 +174,7 @@ class Actor:
             tp_group=self.tp_group,
             tp=self.tp,
             with_entropy=with_entropy,
+            temperature=self.temperature,
         )
 
     # ------------------------------------------------------------------ data
