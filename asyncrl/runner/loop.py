@@ -77,14 +77,14 @@ class EngineScraper:
 
     def scrape(self) -> dict[str, float]:
         from asyncrl.rollout.sglang_client import parse_prometheus
-        from asyncrl.sync.engine_http import get_text
+        from asyncrl.sync.engine_http import EngineStepError, get_text
 
         out: dict[str, float] = {}
         running, hit = [], []
         for i, u in enumerate(self.urls):
             try:
                 vals = parse_prometheus(get_text(u, "/metrics", timeout_s=self.timeout_s, step="metrics"))
-            except Exception as e:  # noqa: BLE001 - a metrics scrape must never stop training; logged
+            except (EngineStepError, OSError, ValueError) as e:  # a failed scrape is logged, never fatal
                 log.warning("engine %s: /metrics scrape failed: %s", u, e)
                 continue
             r = vals.get("sglang:num_running_reqs", 0.0)
