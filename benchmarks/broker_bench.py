@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from asyncrl.broker.client import Assignment, BrokerClient, Shutdown, WorkerConnection  # noqa: E402
 from asyncrl.broker.launch import start_broker  # noqa: E402
+from asyncrl.broker.server import tune_gc  # noqa: E402
 from asyncrl.broker.types import Trajectory  # noqa: E402
 
 
@@ -44,6 +45,7 @@ def _traj(n_prompt: int, n_resp: int, version: int) -> Trajectory:
 
 
 def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int) -> int:
+    tune_gc()
     conn = WorkerConnection(address, worker_id=worker_id, capacity=1 << 16, heartbeat_interval_s=1.0)
     conn.connect(timeout_s=30)
     cache: dict[int, list[Trajectory]] = {}
@@ -57,7 +59,8 @@ def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int) -> int
                 trajs = cache.get(ev.group_size)
                 if trajs is None:
                     trajs = cache[ev.group_size] = [_traj(n_prompt, n_resp, ev.version) for _ in range(ev.group_size)]
-                conn.send_group(ev.group_id, trajs)
+                conn.send_group(ev.group_id, trajs, flush=False)  # all groups of this poll: one message
+        conn.flush()
     return 1
 
 

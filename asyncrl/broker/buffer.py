@@ -100,11 +100,12 @@ class DefaultDataBuffer(DataBuffer):
         self._stale = 0
         self._filter_drops: dict[str, int] = {}
         self._consumed: list[int] = []
-        self._buffer_staleness: list[int] = []
+        self._buffer_staleness: tuple[float, int] = (0.0, 0)  # (mean, max) after the last get
         self._queue_size = len(self._q) if hasattr(self, "_q") else 0
 
     def put(self, group: Group) -> Optional[Rejection]:
-        if group.aborted or any(t.aborted for t in group.trajectories):
+        trajs = group.trajectories
+        if group.aborted or any([t.aborted for t in trajs]):
             self._aborted += 1
             return Rejection(group, "aborted", "unused")
         flt = self.settings.dynamic_filter
@@ -115,7 +116,7 @@ class DefaultDataBuffer(DataBuffer):
                 self._filter_drops[reason] = self._filter_drops.get(reason, 0) + 1
                 return Rejection(group, reason, "drop")
         self._q.append(group)
-        self._min_version[group.group_id] = group.min_version
+        self._min_version[group.group_id] = min([t.min_version for t in trajs]) if trajs else group.min_version
         return None
 
     def get(self, num_groups: int, *, actor_version: int) -> tuple[Optional[list[Group]], list[Rejection]]:
@@ -135,9 +136,12 @@ class DefaultDataBuffer(DataBuffer):
         if len(self._q) < num_groups:
             return None, rejected
         self._queue_size = len(self._q)
-        out = [self._q.popleft() for _ in range(num_groups)]
-        self._consumed.extend(actor_version - mv.pop(g.group_id) for g in out)
-        self._buffer_staleness = [actor_version - mv[g.group_id] for g in self._q]
+        pop = self._q.popleft
+        out = [pop() for _ in range(num_groups)]
+        self._consumed.extend([actor_version - mv.pop(g.group_id) for g in out])
+        # staleness of what stays buffered: mean and max from the cached min versions (no per-group objects)
+        self._buffer_staleness = (actor_version - sum(mv.values()) / len(mv), actor_version - min(mv.values())) \
+            if mv else (0.0, 0)
         return out, rejected
 
     def get_metrics(self) -> dict[str, float]:
@@ -151,8 +155,8 @@ class DefaultDataBuffer(DataBuffer):
             p + "stale_groups_filtered": float(self._stale),
             p + "avg_staleness": avg(self._consumed),
             p + "max_staleness": float(max(self._consumed, default=0)),
-            p + "buffer_avg_staleness": avg(self._buffer_staleness),
-            p + "buffer_max_staleness": float(max(self._buffer_staleness, default=0)),
+            p + "buffer_avg_staleness": float(self._buffer_staleness[0]),
+            p + "buffer_max_staleness": float(self._buffer_staleness[1]),
         }
         for reason, n in sorted(self._filter_drops.items()):
             m[f"rollout/dynamic_filter/drop_{reason}"] = float(n)

@@ -104,6 +104,10 @@ def _group_frames(group_id: int, trajectories: Optional[Sequence[Trajectory]], a
     return P.encode(P.GROUP, {"group_id": group_id, "aborted": aborted, "error": error, "trajs": metas}, [blob])
 
 
+MAX_GROUPS_PER_MESSAGE = 256
+"""A connection's queue of finished groups is sent as soon as it holds this many."""
+
+
 def _traj_frames(group_id: int, index: int, trajectory: Optional[Trajectory]):
     if trajectory is None:
         return P.encode(P.TRAJ, {"group_id": group_id, "index": index, "traj": None})
@@ -135,10 +139,20 @@ class WorkerConnection:
         self.sock = _dealer(context or zmq.Context.instance(), address, worker_id)
         self._last_sent = 0.0
         self.welcome: Optional[Welcome] = None
+        self._pending: list[tuple[int, Optional[Sequence[Trajectory]], bool, str]] = []
 
     def _send(self, frames: list, copy: bool = True) -> None:
+        if self._pending:
+            self.flush()
         self.sock.send_multipart(frames, copy=copy)
         self._last_sent = time.monotonic()
+
+    def flush(self) -> None:
+        """Send the groups queued by ``send_group(..., flush=False)`` as one ``groups`` message."""
+        if self._pending:
+            entries, self._pending = self._pending, []
+            self.sock.send_multipart(P.finished_groups_frames(entries))
+            self._last_sent = time.monotonic()
 
     def connect(self, *, timeout_s: float = 30.0) -> Welcome:
         """Say hello and wait for the welcome (events that arrive first are kept for ``poll``)."""
@@ -162,6 +176,7 @@ class WorkerConnection:
 
     def poll(self, timeout_s: float = 0.0) -> list[WorkerEvent]:
         """Events received within ``timeout_s`` (returns as soon as one arrives); heartbeats when due."""
+        self.flush()
         if time.monotonic() - self._last_sent >= self.heartbeat_interval_s:
             self.heartbeat()
         out: list[WorkerEvent] = list(getattr(self, "_early", []))
@@ -190,12 +205,24 @@ class WorkerConnection:
         self._send(_traj_frames(group_id, index, trajectory))
 
     def send_group(self, group_id: int, trajectories: Optional[Sequence[Trajectory]] = None, *,
-                   aborted: bool = False, error: str = "") -> None:
+                   aborted: bool = False, error: str = "", flush: bool = True) -> None:
         """The group finished. ``aborted=True`` (a generate/tool call failed; ``error`` says what) makes the
-        broker apply ``rollout_buffer.unused_groups``; it is never trained."""
-        self._send(_group_frames(group_id, trajectories, aborted, error))
+        broker apply ``rollout_buffer.unused_groups``; it is never trained. ``flush=False`` queues it: the
+        queued groups travel together in one message at the next ``flush``/``poll``/send (or when
+        ``max_groups_per_message`` are queued). Trajectories must not change until then."""
+        self._pending.append((group_id, trajectories, aborted, error))
+        if flush or len(self._pending) >= MAX_GROUPS_PER_MESSAGE:
+            self.flush()
+
+    def send_groups(self, groups: Sequence[tuple[int, Optional[Sequence[Trajectory]]]]) -> None:
+        """Several finished (not aborted) groups ``(group_id, trajectories | None)`` in one message."""
+        for gid, trajs in groups:
+            self.send_group(gid, trajs, flush=False)
+        self.flush()
 
     def close(self, *, say_bye: bool = True) -> None:
+        if self._pending:
+            self.flush()
         if say_bye:
             try:
                 self.sock.send_multipart(P.encode(P.BYE, {"worker_id": self.worker_id}), zmq.NOBLOCK)
@@ -222,6 +249,8 @@ class AsyncWorkerConnection:
         self._hb_task: Optional[asyncio.Task] = None
         self._early: list[WorkerEvent] = []
         self.welcome: Optional[Welcome] = None
+        self._pending: list[tuple[int, Optional[Sequence[Trajectory]], bool, str]] = []
+        self._flush_task: Optional[asyncio.Task] = None
 
     async def connect(self, *, timeout_s: float = 30.0) -> Welcome:
         await self.sock.send_multipart(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
@@ -269,15 +298,37 @@ class AsyncWorkerConnection:
                     return self._early.pop(0)
 
     async def send_trajectory(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> None:
+        await self.flush()
         await self.sock.send_multipart(_traj_frames(group_id, index, trajectory))
 
     async def send_group(self, group_id: int, trajectories: Optional[Sequence[Trajectory]] = None, *,
                          aborted: bool = False, error: str = "") -> None:
-        await self.sock.send_multipart(_group_frames(group_id, trajectories, aborted, error))
+        """Groups finished by several tasks in the same event-loop turn travel together in one ``groups``
+        message: the first caller yields once to the loop, then sends what was queued meanwhile (the others
+        return at once; their group is in that message). Trajectories must not change after the call."""
+        self._pending.append((group_id, trajectories, aborted, error))
+        if len(self._pending) >= MAX_GROUPS_PER_MESSAGE:
+            await self.flush()
+            return
+        if self._flush_task is None:
+            self._flush_task = asyncio.create_task(self._flush_soon())
+        await asyncio.shield(self._flush_task)  # a cancelled caller does not stop the others' groups
+
+    async def _flush_soon(self) -> None:
+        await asyncio.sleep(0)
+        self._flush_task = None
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Send the queued finished groups now (one message)."""
+        if self._pending:
+            entries, self._pending = self._pending, []
+            await self.sock.send_multipart(P.finished_groups_frames(entries))
 
     async def close(self, *, say_bye: bool = True) -> None:
         if self._hb_task is not None:
             self._hb_task.cancel()
+        await self.flush()
         if say_bye:
             await self.sock.send_multipart(P.encode(P.BYE, {"worker_id": self.worker_id}))
         self.sock.close(linger=500 if say_bye else 0)
@@ -307,12 +358,13 @@ class BrokerClient:
         """Block until the oldest ``rollout_batch_size`` groups are ready (``Batch.wait_s`` is time/wait_data).
         Raises TimeoutError after ``timeout_s`` (the request is withdrawn) and BrokerError when the broker
         stopped the run (e.g. ``rollout_buffer.max_dropped_groups_per_step``)."""
-        body = {"step": step, "timeout_s": timeout_s, "actor_version": actor_version}
+        body = {"step": step, "timeout_s": timeout_s, "actor_version": actor_version, "rows": True}
         msg = self._call(P.GET_BATCH, body, timeout_s=timeout_s + self.timeout_s)
         if msg.type == P.TIMEOUT:
             raise TimeoutError(f"no batch for step {step} from the broker at {self.address} within {timeout_s:.1f}s")
         b = msg.body
-        groups = P.unpack_groups(b["groups"], msg.blobs, as_lists=as_lists)
+        groups = P.unpack_group_rows(b["rows"], msg.blobs, as_lists=as_lists) if "rows" in b \
+            else P.unpack_groups(b["groups"], msg.blobs, as_lists=as_lists)
         return Batch(step=int(b["step"]), groups=groups, wait_s=float(b["wait_s"]), metrics=dict(b["metrics"]))
 
     def sync_begin(self, mode: str = "retract") -> None:

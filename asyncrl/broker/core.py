@@ -104,7 +104,7 @@ class CoreSettings:
             custom_data_buffer_path=rb.custom_data_buffer_path)
 
 
-@dataclass
+@dataclass(slots=True)
 class Issue:
     """A group to send to a worker."""
 
@@ -135,7 +135,7 @@ class Drop:
     retried: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class _Inflight:
     group_id: int
     item: PromptItem
@@ -152,6 +152,10 @@ class _Worker:
     last_seen: float
     groups: set[int] = field(default_factory=set)
     outstanding: int = 0
+
+
+def _worker_load(kv: tuple[str, _Worker]) -> tuple[float, str]:
+    return kv[1].outstanding / kv[1].capacity, kv[0]
 
 
 @dataclass
@@ -313,15 +317,41 @@ class BrokerCore:
     def group_finished(self, group_id: int, trajectories: Optional[list[Trajectory]] = None, *,
                        aborted: bool = False) -> bool:
         """A whole group came back. ``trajectories=None``: use the ones reported one by one."""
-        g = self._inflight.get(group_id)
-        if g is None:
+        if group_id not in self._inflight:
             self.counters["unknown_reports"] += 1
             return False
         self._advance()
-        self._touch(g.worker_id)
-        del self._inflight[group_id]
-        self._inflight_samples -= g.outstanding
+        self._finish(group_id, trajectories, aborted)
+        self.counters["finished"] += 1
+        self._try_handoff()
+        self._admit()
+        return True
+
+    def groups_finished(self, reports: list[tuple[int, Optional[list[Trajectory]], bool]]) -> list[bool]:
+        """Several ``group_finished(group_id, trajectories, aborted=aborted)`` at once, in order (the same
+        outcome as one call each; the hand-off and admission checks run once, after all of them)."""
+        self._advance()
+        known = []
+        for gid, trajectories, aborted in reports:
+            if gid in self._inflight:
+                self._finish(gid, trajectories, aborted)
+                known.append(True)
+            else:
+                known.append(False)
+        n = sum(known)
+        self.counters["finished"] += n
+        if n < len(known):
+            self.counters["unknown_reports"] += len(known) - n
+        if n:
+            self._try_handoff()
+            self._admit()
+        return known
+
+    def _finish(self, group_id: int, trajectories: Optional[list[Trajectory]], aborted: bool) -> None:
+        g = self._inflight.pop(group_id)
         w = self._workers[g.worker_id]
+        w.last_seen = self._last_t
+        self._inflight_samples -= g.outstanding
         w.outstanding -= g.outstanding
         w.groups.discard(group_id)
         if trajectories is None:
@@ -331,17 +361,13 @@ class BrokerCore:
                         group_id, len(trajectories), self.s.group_size)
             self.counters["malformed_groups"] += 1
             aborted = True
-        group = Group(group_id=group_id, item=g.item, epoch=g.epoch, trajectories=list(trajectories),
-                      issued_version=g.issued_version, aborted=aborted)
-        group.finished_version = max(self.version, group.max_version)
-        self.counters["finished"] += 1
+        group = Group(group_id, g.item, g.epoch, list(trajectories), g.issued_version, 0, aborted)
+        mx = g.issued_version if not trajectories else max([t.max_version for t in trajectories])
+        group.finished_version = self.version if self.version > mx else mx
         self._last_arrival_t = self._last_t
         rej = self.buffer.put(group)
         if rej is not None:
             self._reject(rej)
-        self._try_handoff()
-        self._admit()
-        return True
 
     # ----------------------------------------------------------------- the actor
     def request_batch(self, step: int, *, actor_version: Optional[int] = None) -> None:
@@ -440,20 +466,35 @@ class BrokerCore:
         self._last_t = max(now, self._last_t)
 
     def _admit(self) -> None:
-        n = 0
         allowance = self._issue_allowance()
-        while n < allowance and self._inflight_ok() and self._buffer_ok():
-            item, epoch = self._retry.popleft() if self._retry else self.dataloader.next()
-            wid = min(self._workers, key=lambda w: (self._workers[w].outstanding / self._workers[w].capacity, w))
-            gid = self._next_group_id
-            self._next_group_id += 1
-            self._inflight[gid] = _Inflight(gid, item, epoch, wid, self.version, outstanding=self.s.group_size)
-            self._inflight_samples += self.s.group_size
-            w = self._workers[wid]
+        if allowance <= 0:
+            return
+        s, gs = self.s, self.s.group_size
+        n_inflight = len(self._inflight)
+        if s.submission_granularity == "sample":
+            room = (s.max_inflight_groups * gs - self._inflight_samples) // gs  # each issue needs gs free slots
+        else:
+            room = s.max_inflight_groups - n_inflight
+        n = min(room, s.max_buffered_groups - n_inflight - len(self.buffer))
+        if n <= 0:
+            return
+        if allowance < n:
+            n = int(allowance)
+        workers = self._workers
+        single = next(iter(workers.items())) if len(workers) == 1 else None
+        retry, nxt = self._retry, self.dataloader.next
+        inflight, issues, version = self._inflight, self._issues, self.version
+        gid = self._next_group_id
+        for _ in range(n):
+            item, epoch = retry.popleft() if retry else nxt()
+            wid, w = single or min(workers.items(), key=_worker_load)
+            inflight[gid] = _Inflight(gid, item, epoch, wid, version, gs)
             w.groups.add(gid)
-            w.outstanding += self.s.group_size
-            self._issues.append(Issue(wid, gid, item, epoch, self.s.group_size, self.version))
-            n += 1
+            w.outstanding += gs
+            issues.append(Issue(wid, gid, item, epoch, gs, version))
+            gid += 1
+        self._next_group_id = gid
+        self._inflight_samples += n * gs
         self.counters["issued"] += n
         self._step["issued"] += n
 
@@ -515,8 +556,10 @@ class BrokerCore:
     def _step_metrics(self, groups: list[Group], v: int, wait_s: float) -> dict[str, float]:
         now = self._last_t
         dur = now - self._step_start
-        st = [v - g.min_version for g in groups]
-        span = [g.finished_version - g.min_version for g in groups]
+        mins = [min([t.min_version for t in g.trajectories]) if g.trajectories else g.issued_version
+                for g in groups]  # Group.min_version, computed once per group
+        st = [v - m for m in mins]
+        span = [g.finished_version - m for g, m in zip(groups, mins)]
         queue = [v - g.finished_version for g in groups]
         n = len(groups)
         m = {

@@ -30,11 +30,11 @@ class Dataloader:
     def __len__(self) -> int:
         return len(self.items)
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
+    def _epoch_order(self, epoch: int) -> list[int]:
         n = len(self.items)
         if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, epoch]).permutation(n)
+            return list(range(n))
+        return np.random.default_rng([self.seed, epoch]).permutation(n).tolist()
 
     def next(self) -> tuple[PromptItem, int]:
         """The next prompt and its epoch; rolls over into the next epoch at the end of one."""
@@ -42,7 +42,7 @@ class Dataloader:
             self.epoch += 1
             self.position = 0
             self._order = self._epoch_order(self.epoch)
-        item = self.items[int(self._order[self.position])]
+        item = self.items[self._order[self.position]]
         self.position += 1
         return item, self.epoch
 

@@ -19,9 +19,15 @@ Worker -> broker (DEALER, identity = worker id)          Broker -> worker
   group      {group_id, aborted, error, trajs: [meta]}    cancel   {group_ids}
              +one blob for the group (trajs = [] -> use    rehello  {}   (broker does not know you: send hello)
              the trajectories sent one by one, ``traj``)  shutdown {}
+  groups     {groups: [[group_id, aborted, error,
+              [trajectory row]]]} +ONE blob for all of
+             them: several finished groups per message
+             (``finished_groups_frames``; same meaning
+             as that many ``group`` messages, in order)
   bye        {worker_id}
 Actor -> broker (DEALER)                                 Broker -> actor (one reply per request)
-  get_batch  {step, timeout_s, actor_version | None}      batch {step, wait_s, metrics, groups: [group]} +blobs
+  get_batch  {step, timeout_s, actor_version | None,      batch {step, wait_s, metrics, groups: [group]} +blobs
+              rows?}                                        (``rows: true`` asked: ``rows: [group row]`` instead)
                                                           | timeout {step} | error {message}
   sync_begin {mode}   sync_end {version}                  ok {}
   metrics    {}                                           metrics {metrics, counters, status}
@@ -32,6 +38,10 @@ Actor -> broker (DEALER)                                 Broker -> actor (one re
 A ``group`` map is ``{group_id, epoch, issued_version, finished_version, aborted, item, trajs: [meta]}``;
 an ``item`` map is ``{index, prompt, answers, data_source, extra}``; a trajectory ``meta`` carries
 ``b`` (its blob's index in the message's blob frames) and the lengths ``np``, ``nr``, ``nw``.
+Rows (the high-volume ``groups`` and ``batch`` messages): a trajectory row is ``[b, o, np, nr, nw, reward,
+min_version, max_version, rest]`` (``rest``: None or a map of the other non-default scalars); a group row is
+``[group_id, epoch, issued_version, finished_version, aborted, [index, prompt, answers, data_source, extra],
+[trajectory row]]``. Maps stay the format of ``group``, ``traj`` and checkpoints.
 A message that fails to decode, has another version or an unknown type raises ``ProtocolError``;
 the broker logs and counts it and goes on.
 """
@@ -39,9 +49,10 @@ the broker logs and counts it and goes on.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import msgpack
 import numpy as np
@@ -51,7 +62,7 @@ from asyncrl.broker.types import Group, PromptItem, Trajectory
 PROTOCOL_VERSION = 1
 
 # worker -> broker
-HELLO, HEARTBEAT, TRAJ, GROUP, BYE = "hello", "hb", "traj", "group", "bye"
+HELLO, HEARTBEAT, TRAJ, GROUP, GROUPS, BYE = "hello", "hb", "traj", "group", "groups", "bye"
 # broker -> worker
 WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN = "welcome", "issue", "control", "cancel", "rehello", "shutdown"
 # actor -> broker
@@ -60,7 +71,7 @@ GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE = (
 # broker -> actor
 BATCH, TIMEOUT, OK, ERROR, STATE = "batch", "timeout", "ok", "error", "state"
 
-WORKER_TYPES = frozenset({HELLO, HEARTBEAT, TRAJ, GROUP, BYE})
+WORKER_TYPES = frozenset({HELLO, HEARTBEAT, TRAJ, GROUP, GROUPS, BYE})
 ACTOR_TYPES = frozenset({GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE, SHUTDOWN})
 TO_WORKER_TYPES = frozenset({WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN})
 TO_ACTOR_TYPES = frozenset({BATCH, TIMEOUT, OK, ERROR, STATE, METRICS, STATUS})
@@ -113,8 +124,9 @@ def item_to_wire(item: PromptItem) -> dict:
 
 def item_from_wire(d: dict) -> PromptItem:
     try:
-        return PromptItem(index=int(d["index"]), prompt=d["prompt"], answers=list(d.get("answers", [])),
-                          data_source=d.get("data_source", ""), extra=dict(d.get("extra", {})))
+        index = d["index"]
+        return PromptItem(index if type(index) is int else int(index), d["prompt"], list(d.get("answers", ())),
+                          d.get("data_source", ""), dict(d.get("extra", _EMPTY)))
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"bad prompt item: {e!r}") from None
 
@@ -122,6 +134,19 @@ def item_from_wire(d: dict) -> PromptItem:
 _SCALAR_DEFAULTS = {"reward": 0.0, "min_version": 0, "max_version": 0, "num_turns": 0, "num_tool_calls": 0,
                     "num_retractions": 0, "finish_reason": "", "truncated": False, "aborted": False, "error": "",
                     "timings": {}, "extra": {}}
+
+
+_SCALAR_ITEMS = tuple(_SCALAR_DEFAULTS.items())
+_FLAT_DEFAULTS = {k: v for k, v in _SCALAR_DEFAULTS.items() if not isinstance(v, dict)}
+_FLAT_GET = operator.itemgetter(*_FLAT_DEFAULTS)  # the non-dict scalar fields of a trajectory's __dict__, as a tuple
+_SCALAR_KEYS = frozenset(_SCALAR_DEFAULTS)
+_META_KEYS = _SCALAR_KEYS | {"b", "o", "np", "nr", "nw"}
+_ALL_GET = operator.itemgetter(*_SCALAR_DEFAULTS)
+_DEFAULT_VALUES = tuple(_SCALAR_DEFAULTS.values())
+_EMPTY: dict = {}
+
+
+_I4, _F4, _U1 = np.dtype("<i4"), np.dtype("<f4"), np.dtype(np.uint8)
 
 
 def _arr(x, dtype) -> np.ndarray:
@@ -164,15 +189,31 @@ class WireTrajectory(Trajectory):
         return _plain_trajectory, ({f.name: getattr(self, f.name) for f in dataclasses.fields(Trajectory)},)
 
 
+def _new_wire_trajectory() -> WireTrajectory:
+    return WireTrajectory.__new__(WireTrajectory)
+
+
 def _unchanged(t: Trajectory, wire) -> bool:
     """True when no token field of a WireTrajectory was replaced since decoding."""
     d = t.__dict__
     mat = d.get("_wire_arrays")
+    if mat is None:
+        return d.keys().isdisjoint(_ARRAY_FIELDS)
     for i, f in enumerate(_ARRAY_FIELDS):
         v = d.get(f)
-        if v is not None and (mat is None or v is not mat[i]):
+        if v is not None and v is not mat[i]:
             return False
     return True
+
+
+def _received_meta(t: Trajectory):
+    """The meta a WireTrajectory was decoded from, when none of its scalar fields changed since (else None)."""
+    d = t.__dict__
+    meta = d.get("_meta")
+    if meta is None or _FLAT_GET(d) != d["_snap"] or d["timings"] != meta.get("timings", _EMPTY) \
+            or d["extra"] != meta.get("extra", _EMPTY):
+        return None
+    return meta
 
 
 def _reusable_blob(t: Trajectory):
@@ -185,11 +226,13 @@ def _reusable_blob(t: Trajectory):
 
 
 def _scalar_meta(t: Trajectory) -> dict:
-    meta = {}
-    for k, d in _SCALAR_DEFAULTS.items():
-        v = getattr(t, k)
-        if v != d:
-            meta[k] = v
+    try:
+        vals = _ALL_GET(t.__dict__)
+    except KeyError:  # a field that does not live in __dict__ (a subclass): the slow way
+        vals = tuple(getattr(t, k) for k in _SCALAR_DEFAULTS)
+    if vals == _DEFAULT_VALUES:
+        return {}
+    meta = {k: v for k, v, dflt in zip(_SCALAR_DEFAULTS, vals, _DEFAULT_VALUES) if v != dflt}
     if "reward" in meta:
         meta["reward"] = float(meta["reward"])
     return meta
@@ -221,23 +264,32 @@ def unpack_trajectory(meta: dict, blob: Any, *, as_lists: bool = False) -> Traje
 
 def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
     try:
-        n_p, n_r, n_w = int(meta["np"]), int(meta["nr"]), int(meta["nw"])
+        n_p, n_r, n_w = meta["np"], meta["nr"], meta["nw"]
+        start = meta.get("o", 0)
+        if not (type(n_p) is int and type(n_r) is int and type(n_w) is int and type(start) is int):
+            n_p, n_r, n_w, start = int(n_p), int(n_r), int(n_w), int(start)
         size = 4 * n_p + 9 * n_r + 4 * n_w
-        start = int(meta.get("o", 0))
         if n_p < 0 or n_r < 0 or n_w < 0 or start < 0 or start + size > base.nbytes or (
                 "o" not in meta and base.nbytes != size):
             raise ProtocolError(f"trajectory blob has {base.nbytes} bytes, expected {size} at offset {start}")
         wire = (base, start, size, (n_p, n_r, n_w))
-        kw = {k: v for k, v in meta.items() if k in _SCALAR_DEFAULTS}
+        keys = meta.keys()
         if as_lists:
+            kw = {k: meta[k] for k in keys & _SCALAR_KEYS}
             arrays = [a.tolist() for a in _materialize(wire)]
             return Trajectory(**dict(zip(_ARRAY_FIELDS, arrays)), **kw)
-        t = WireTrajectory.__new__(WireTrajectory)
+        t = _new_wire_trajectory()
         d = t.__dict__
-        for k, default in _SCALAR_DEFAULTS.items():
-            v = kw.get(k, default)
-            d[k] = dict(v) if isinstance(v, dict) else v
+        d.update(_FLAT_DEFAULTS)
+        for k in keys & _SCALAR_KEYS:
+            d[k] = meta[k]
+        tm, ex = d.get("timings"), d.get("extra")
+        d["timings"] = {} if tm is None else dict(tm)
+        d["extra"] = {} if ex is None else dict(ex)
         d["_wire"] = wire
+        if keys <= _META_KEYS:  # forwarded unchanged, the received meta is re-used (see _forward_metas)
+            d["_meta"] = meta
+            d["_snap"] = _FLAT_GET(d)
         return t
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         if isinstance(e, ProtocolError):
@@ -254,65 +306,327 @@ def pack_trajectories(trajs: Sequence[Trajectory], first_blob: int = 0) -> tuple
     return metas, blobs
 
 
-def unpack_trajectories(metas: list, blobs: Sequence[Any], *, as_lists: bool = False) -> list[Trajectory]:
-    out = []
-    bases: dict[int, memoryview] = {}
-    for m in metas:
-        try:
-            i = int(m["b"])
-            base = bases.get(i)
-            if base is None:
-                base = bases[i] = memoryview(blobs[i]).cast("B")
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise ProtocolError(f"trajectory refers to a missing blob: {m.get('b') if isinstance(m, dict) else m!r}") \
-                from None
-        out.append(_unpack(m, base, as_lists))
-    return out
+def _blob_base(blobs: Sequence[Any], m: Any, bases: dict) -> memoryview:
+    try:
+        i = m["b"]
+        base = bases.get(i)
+        if base is None:
+            base = bases[int(i)] = memoryview(blobs[int(i)]).cast("B")
+        return base
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ProtocolError(f"trajectory refers to a missing blob: {m.get('b') if isinstance(m, dict) else m!r}") \
+            from None
+
+
+def unpack_trajectories(metas: list, blobs: Sequence[Any], *, as_lists: bool = False,
+                        bases: dict | None = None) -> list[Trajectory]:
+    """``bases`` (blob index -> memoryview) may be shared by the calls for one message, so that the
+    trajectories of many groups are views of the same frame object."""
+    if bases is None:
+        bases = {}
+    return [_unpack(m, _blob_base(blobs, m, bases), as_lists) for m in metas]
+
+
+def _wire_range(trajs: Sequence[Trajectory]):
+    """``(base, lo, hi)`` when every trajectory is an unchanged view of one received frame and together they
+    fill ``base[lo:hi]`` exactly (so forwarding that slice sends no foreign bytes); else None."""
+    if not trajs:
+        return None
+    w0 = trajs[0].__dict__.get("_wire")
+    if w0 is None:
+        return None
+    base = w0[0]
+    lo, hi, total = w0[1], w0[1] + w0[2], 0
+    for t in trajs:
+        w = t.__dict__.get("_wire")
+        if w is None or not (w[0] is base or (w[0].obj is base.obj and w[0].nbytes == base.nbytes)) \
+                or not _unchanged(t, w):
+            return None
+        if w[1] < lo:
+            lo = w[1]
+        if w[1] + w[2] > hi:
+            hi = w[1] + w[2]
+        total += w[2]
+    return (base, lo, hi) if hi - lo == total else None
+
+
+def _forward_metas(trajs: Sequence[Trajectory], blob_index: int, lo: int) -> list[dict]:
+    metas = []
+    for t in trajs:
+        d = t.__dict__
+        w = d["_wire"]
+        m = _received_meta(t)
+        if m is None:
+            m = _scalar_meta(t)
+            n = w[3]
+            m["np"], m["nr"], m["nw"] = n
+        else:
+            m = m.copy()
+        m["b"], m["o"] = blob_index, w[1] - lo
+        metas.append(m)
+    return metas
+
+
+def _pack_into(t: Trajectory, pieces: list, offset: int, blob_index: int) -> tuple[dict, int]:
+    """Append ``t``'s token arrays to ``pieces`` (to be joined into one blob at byte ``offset``)."""
+    meta = _scalar_meta(t)
+    n_p, n_r, n_w, size = _token_pieces(t, pieces)
+    meta["b"], meta["o"], meta["np"], meta["nr"], meta["nw"] = blob_index, offset, n_p, n_r, n_w
+    return meta, size
 
 
 def pack_group_blob(trajs: Sequence[Trajectory], blob_index: int) -> tuple[list[dict], Any]:
     """All token data of one group as ONE blob (metas address it by byte offset ``o``). When the
-    trajectories were decoded from one blob and are unchanged, that blob is re-used: no copy at all."""
-    wires = [t.__dict__.get("_wire") for t in trajs]
-    if wires and all(w is not None for w in wires):
-        base = wires[0][0]
-        if all(w[0].obj is base.obj and w[0].nbytes == base.nbytes and _unchanged(t, w) for t, w in zip(trajs, wires)):
-            metas = []
-            for t, w in zip(trajs, wires):
-                m = _scalar_meta(t)
-                m.update(b=blob_index, o=w[1], np=w[3][0], nr=w[3][1], nw=w[3][2])
-                metas.append(m)
-            return metas, base
-    metas, pieces = pack_trajectories(trajs, blob_index)
-    offset = 0
-    for m, b in zip(metas, pieces):
-        m["b"], m["o"] = blob_index, offset
-        offset += memoryview(b).nbytes
+    trajectories were decoded from one frame and are unchanged, a slice of that frame is re-used: no copy."""
+    r = _wire_range(trajs)
+    if r is not None:
+        base, lo, hi = r
+        return _forward_metas(trajs, blob_index, lo), (base if lo == 0 and hi == base.nbytes else base[lo:hi])
+    metas, pieces, offset = [], [], 0
+    for t in trajs:
+        m, n = _pack_into(t, pieces, offset, blob_index)
+        metas.append(m)
+        offset += n
     return metas, b"".join(pieces)
 
 
+def _group_map(g: Group, metas: list[dict]) -> dict:
+    return {"group_id": g.group_id, "epoch": g.epoch, "issued_version": g.issued_version,
+            "finished_version": g.finished_version, "aborted": g.aborted, "item": item_to_wire(g.item),
+            "trajs": metas}
+
+
 def pack_groups(groups: Sequence[Group], blobs: list) -> list[dict]:
-    """Groups -> header maps; each group's token data is appended to ``blobs`` as one blob."""
+    """Groups -> header maps; their token data is appended to ``blobs``. Groups forwarded unchanged from
+    received frames travel as zero-copy slices of those frames, consecutive groups of one frame as ONE slice
+    (a worker's multi-group message stays one frame); any other group is packed afresh as one blob."""
     out = []
+    run = None  # [base, lo, hi, blob index]: the frame slice being extended
     for g in groups:
-        metas, blob = pack_group_blob(g.trajectories, len(blobs))
-        blobs.append(blob)
-        out.append({"group_id": g.group_id, "epoch": g.epoch, "issued_version": g.issued_version,
-                    "finished_version": g.finished_version, "aborted": g.aborted, "item": item_to_wire(g.item),
-                    "trajs": metas})
+        trajs = g.trajectories
+        r = _wire_range(trajs)
+        if r is None:
+            metas, blob = pack_group_blob(trajs, len(blobs))
+            blobs.append(blob)
+        else:
+            base, lo, hi = r
+            if run is not None and run[0] is base and run[2] == lo:
+                run[2] = hi
+            else:
+                if run is not None:
+                    blobs[run[3]] = _slice(run)
+                run = [base, lo, hi, len(blobs)]
+                blobs.append(None)
+            metas = _forward_metas(trajs, run[3], run[1])
+        out.append(_group_map(g, metas))
+    if run is not None:
+        blobs[run[3]] = _slice(run)
     return out
+
+
+def _slice(run: list) -> memoryview:
+    base, lo, hi, _ = run
+    return base if lo == 0 and hi == base.nbytes else base[lo:hi]
 
 
 def unpack_groups(maps: list, blobs: Sequence[Any], *, as_lists: bool = False) -> list[Group]:
     out = []
+    bases: dict[int, memoryview] = {}
     for d in maps:
         try:
-            out.append(Group(group_id=int(d["group_id"]), item=item_from_wire(d["item"]), epoch=int(d["epoch"]),
-                             trajectories=unpack_trajectories(d["trajs"], blobs, as_lists=as_lists),
-                             issued_version=int(d["issued_version"]), finished_version=int(d["finished_version"]),
-                             aborted=bool(d["aborted"])))
+            trajs = [_unpack(m, _blob_base(blobs, m, bases), as_lists) for m in d["trajs"]]
+            out.append(Group(int(d["group_id"]), item_from_wire(d["item"]), int(d["epoch"]), trajs,
+                             int(d["issued_version"]), int(d["finished_version"]), bool(d["aborted"])))
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"bad group: {e!r}") from None
+    return out
+
+
+# ---------------------------------------------------------------- compact rows (the high-volume messages)
+# A trajectory row: [b, o, np, nr, nw, reward, min_version, max_version, rest] where ``rest`` is None or a map
+# of the other scalar fields that differ from their defaults. A group row:
+# [group_id, epoch, issued_version, finished_version, aborted, item row, [trajectory rows]] with the item row
+# [index, prompt, answers, data_source, extra]. Positional lists cost msgpack far less than maps (no key
+# strings per group/trajectory), and a row is built straight from the trajectory's fields.
+_REST = tuple(k for k in _SCALAR_DEFAULTS if k not in ("reward", "min_version", "max_version"))
+_REST_GET = operator.itemgetter(*_REST)
+_REST_DEFAULTS = tuple(_SCALAR_DEFAULTS[k] for k in _REST)
+
+
+def _row_scalars(t: Trajectory) -> tuple:
+    d = t.__dict__
+    try:
+        rest_vals = _REST_GET(d)
+        reward, mn, mx = d["reward"], d["min_version"], d["max_version"]
+    except KeyError:  # a field that does not live in __dict__ (a subclass): the slow way
+        rest_vals = tuple(getattr(t, k) for k in _REST)
+        reward, mn, mx = t.reward, t.min_version, t.max_version
+    rest = None if rest_vals == _REST_DEFAULTS else \
+        {k: v for k, v, dflt in zip(_REST, rest_vals, _REST_DEFAULTS) if v != dflt}
+    return float(reward), mn, mx, rest
+
+
+def _token_pieces(t: Trajectory, pieces: list) -> tuple[int, int, int, int]:
+    """Append ``t``'s token data (the blob layout) to ``pieces``; -> (np, nr, nw, bytes)."""
+    blob = _reusable_blob(t)
+    if blob is not None:
+        pieces.append(blob)
+        n_p, n_r, n_w = t.__dict__["_wire"][3]
+        return n_p, n_r, n_w, blob.nbytes
+    p = np.ascontiguousarray(t.prompt_ids, _I4)
+    r = np.ascontiguousarray(t.response_ids, _I4)
+    lp = np.ascontiguousarray(t.rollout_logprobs, _F4)
+    wv = np.ascontiguousarray(t.weight_versions, _I4)
+    lm = np.ascontiguousarray(t.loss_mask, _U1)
+    n_p, n_r, n_w = len(p), len(r), len(wv)
+    if len(lp) != n_r or len(lm) != n_r or n_w not in (0, n_r):
+        raise ValueError(f"trajectory arrays do not align: {n_r} response ids, {len(lp)} logprobs, "
+                         f"{len(lm)} loss_mask entries, {n_w} weight_versions")
+    size = 4 * n_p + 9 * n_r + 4 * n_w
+    if size <= 16384:  # small: bytes are cheaper to make than memoryviews (the join copies either way)
+        pieces += (p.tobytes(), r.tobytes(), lp.tobytes(), wv.tobytes(), lm.tobytes())
+    else:
+        pieces += (p.data, r.data, lp.data, wv.data, lm.data)
+    return n_p, n_r, n_w, size
+
+
+def _unpack_row(row: Any, blobs: Sequence[Any], bases: dict, as_lists: bool) -> Trajectory:
+    try:
+        b, start, n_p, n_r, n_w, reward, mn, mx, rest = row
+        base = bases.get(b)
+        if base is None:
+            base = bases[b] = memoryview(blobs[b]).cast("B")
+        if not (type(start) is int and type(n_p) is int and type(n_r) is int and type(n_w) is int
+                and type(mn) is int and type(mx) is int):
+            raise ProtocolError(f"trajectory row: offsets, lengths and versions must be integers: {row!r:.200}")
+        size = 4 * n_p + 9 * n_r + 4 * n_w
+        if n_p < 0 or n_r < 0 or n_w < 0 or start < 0 or start + size > base.nbytes:
+            raise ProtocolError(f"trajectory blob has {base.nbytes} bytes, expected {size} at offset {start}")
+        t = _new_wire_trajectory()
+        d = t.__dict__
+        d.update(_FLAT_DEFAULTS)
+        d["reward"] = float(reward)
+        d["min_version"] = mn
+        d["max_version"] = mx
+        d["timings"] = {}
+        d["extra"] = {}
+        if rest:
+            for k in rest.keys() & _SCALAR_KEYS:
+                v = rest[k]
+                d[k] = dict(v) if isinstance(v, dict) else v
+        d["_wire"] = (base, start, size, (n_p, n_r, n_w))
+    except (IndexError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"bad trajectory row {row!r:.200}: {e!r}") from None
+    if as_lists:
+        kw = {f.name: getattr(t, f.name) for f in dataclasses.fields(Trajectory)}
+        for f in _ARRAY_FIELDS:
+            kw[f] = kw[f].tolist()
+        return Trajectory(**kw)
+    return t
+
+
+def _item_row(item: PromptItem) -> list:
+    return [item.index, item.prompt, list(item.answers), item.data_source, item.extra]
+
+
+def _item_from_row(r: Any) -> PromptItem:
+    try:
+        index, prompt, answers, data_source, extra = r
+        return PromptItem(index if type(index) is int else int(index), prompt, list(answers), data_source,
+                          dict(extra))
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"bad prompt item row {r!r:.200}: {e!r}") from None
+
+
+def pack_group_rows(groups: Sequence[Group], blobs: list) -> list[list]:
+    """Groups -> compact group rows; token data appended to ``blobs`` like ``pack_groups`` does (unchanged
+    groups forwarded from received frames are zero-copy slices, consecutive ones of a frame ONE slice)."""
+    out = []
+    run = None  # [base, lo, hi, blob index]: the frame slice being extended
+    for g in groups:
+        trajs = g.trajectories
+        r = _wire_range(trajs)
+        rows = []
+        if r is None:
+            pieces, offset, b = [], 0, len(blobs)
+            for t in trajs:
+                n_p, n_r, n_w, size = _token_pieces(t, pieces)
+                rows.append([b, offset, n_p, n_r, n_w, *_row_scalars(t)])
+                offset += size
+            blobs.append(b"".join(pieces))
+        else:
+            base, lo, hi = r
+            if run is not None and run[0] is base and run[2] == lo:
+                run[2] = hi
+            else:
+                if run is not None:
+                    blobs[run[3]] = _slice(run)
+                run = [base, lo, hi, len(blobs)]
+                blobs.append(None)
+            b, lo0 = run[3], run[1]
+            for t in trajs:
+                w = t.__dict__["_wire"]
+                n = w[3]
+                rows.append([b, w[1] - lo0, n[0], n[1], n[2], *_row_scalars(t)])
+        out.append([g.group_id, g.epoch, g.issued_version, g.finished_version, g.aborted, _item_row(g.item), rows])
+    if run is not None:
+        blobs[run[3]] = _slice(run)
+    return out
+
+
+def unpack_group_rows(rows: Any, blobs: Sequence[Any], *, as_lists: bool = False) -> list[Group]:
+    if not isinstance(rows, list):
+        raise ProtocolError(f"group rows: expected a list, got {type(rows).__name__}")
+    out = []
+    bases: dict[int, memoryview] = {}
+    for r in rows:
+        try:
+            gid, epoch, iv, fv, aborted, item, trows = r
+            trajs = [_unpack_row(x, blobs, bases, as_lists) for x in trows]
+            out.append(Group(gid if type(gid) is int else int(gid), _item_from_row(item), int(epoch), trajs,
+                             int(iv), int(fv), bool(aborted)))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ProtocolError):
+                raise
+            raise ProtocolError(f"bad group row {r!r:.200}: {e!r}") from None
+    return out
+
+
+# ---------------------------------------------------------------- finished groups, several per message
+def finished_groups_frames(entries: Sequence[tuple[int, Optional[Sequence[Trajectory]], bool, str]]) -> list[Any]:
+    """A worker's ``groups`` message: ``entries`` = ``(group_id, trajectories | None, aborted, error)``.
+    Body ``{"groups": [[group_id, aborted, error, [trajectory rows]], ...]}``; the token data of all of them is
+    ONE blob (rows address it by offset)."""
+    out, pieces, offset = [], [], 0
+    for gid, trajs, aborted, error in entries:
+        rows = []
+        for t in trajs or ():
+            n_p, n_r, n_w, size = _token_pieces(t, pieces)
+            rows.append([0, offset, n_p, n_r, n_w, *_row_scalars(t)])
+            offset += size
+        out.append([int(gid), bool(aborted), str(error) if error else "", rows])
+    return encode(GROUPS, {"groups": out}, [b"".join(pieces)] if pieces else ())
+
+
+def unpack_finished_groups(msg: Message) -> list[tuple[int, Optional[list[Trajectory]], bool, str]]:
+    """The inverse of ``finished_groups_frames`` (trajectories are zero-copy views of the one blob)."""
+    groups = msg.body.get("groups")
+    if not isinstance(groups, list):
+        raise ProtocolError(f"groups: expected a list of groups, got {type(groups).__name__}")
+    bases: dict[int, memoryview] = {}
+    blobs = msg.blobs
+    out = []
+    for g in groups:
+        try:
+            gid, aborted, error, rows = g
+            trajs = [_unpack_row(x, blobs, bases, False) for x in rows] if rows else None
+            out.append((gid if type(gid) is int else int(gid), trajs, bool(aborted), str(error)))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ProtocolError):
+                raise
+            raise ProtocolError(f"groups: bad group {g!r:.200}: {e!r}") from None
     return out
 
 
