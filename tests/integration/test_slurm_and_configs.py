@@ -1,0 +1,194 @@
+"""The Slurm script and the Search-R1 GPU configs, checked on a machine without Slurm or GPUs.
+
+The sbatch script runs for real under bash, with stand-ins for the two Slurm commands it calls
+(``scontrol`` answers the node list, ``srun`` records the command line it was given), so the test
+sees the exact torchrun command each node would run. The configs go through the real launcher's
+``--dry-run``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SBATCH = ROOT / "launch/slurm/searchr1.sbatch"
+TRAIN = str(ROOT / "launch/train.py")
+
+FAKE_SCONTROL = """#!/bin/bash
+# stand-in for Slurm's scontrol: only 'show hostnames LIST' is used by the script
+echo "$@" >> "$FAKE_LOG_DIR/scontrol.args"
+if [ "$1 $2" != "show hostnames" ]; then echo "fake scontrol: unexpected $*" >&2; exit 1; fi
+printf 'gpu-node07\\ngpu-node08\\n'
+"""
+
+FAKE_SRUN = """#!/bin/bash
+# stand-in for Slurm's srun: record the argument vector, one argument per line
+printf '%s\\n' "$@" > "$FAKE_LOG_DIR/srun.args"
+echo "fake srun ran"
+"""
+
+
+def _clean_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("SLURM_") or k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                           "RUN_DIR", "RDZV_PORT", "NPROC_PER_NODE", "TORCHRUN"):
+            del env[k]
+    return env
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """A submit directory (links to the repo's launch/ and configs/) and a PATH with fake srun/scontrol."""
+    bin_dir, submit, logs = tmp_path / "bin", tmp_path / "submit", tmp_path / "logs"
+    for d in (bin_dir, submit, logs):
+        d.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (submit / "launch").symlink_to(ROOT / "launch")
+    (submit / "configs").symlink_to(ROOT / "configs")
+
+    def run(*args: str, job_id: str = "4242", **env_extra: str) -> subprocess.CompletedProcess:
+        env = _clean_env()
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_LOG_DIR=str(logs), PYTHON=sys.executable,
+                   SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="gpu-node[07-08]", SLURM_JOB_NUM_NODES="2",
+                   SLURM_SUBMIT_DIR=str(submit), **env_extra)
+        return subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    return run, submit, logs
+
+
+def _srun_argv(logs: Path) -> list[str]:
+    return (logs / "srun.args").read_text().splitlines()
+
+
+def _value_after(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} given {argv.count(flag)} times in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def test_sbatch_passes_bash_syntax_check():
+    r = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def test_sbatch_asks_for_two_nodes_of_eight_gpus_and_a_log_per_job():
+    heads = [line.split(None, 1)[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH ")]
+    assert "--nodes=2" in heads and "--ntasks-per-node=1" in heads and "--gpus-per-node=8" in heads
+    output = [h for h in heads if h.startswith("--output=")]
+    assert len(output) == 1 and "%j" in output[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["configs/searchr1.toml", "configs/searchr1_sync.toml"])
+def test_sbatch_builds_one_torchrun_per_node_with_a_job_rendezvous(fake_slurm, config):
+    run, submit, logs = fake_slurm
+    r = run(config, "runner.max_steps=5", job_id="4242")
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert "fake srun ran" in r.stdout
+    assert (logs / "scontrol.args").read_text().split() == ["show", "hostnames", "gpu-node[07-08]"]
+    argv = _srun_argv(logs)
+    # srun: one task per node on both nodes, then torchrun
+    assert _value_after(argv, "--nodes") == "2"
+    assert _value_after(argv, "--ntasks-per-node") == "1"
+    t = argv.index("torchrun")
+    torchrun = argv[t:]
+    assert _value_after(torchrun, "--nnodes") == "2"
+    assert _value_after(torchrun, "--nproc_per_node") == "8"
+    assert _value_after(torchrun, "--rdzv-backend") == "c10d"
+    assert _value_after(torchrun, "--rdzv-endpoint") == "gpu-node07:29500"  # the first node of the allocation
+    assert _value_after(torchrun, "--rdzv-id") == "4242"
+    # the program, its config, the per-job run directory, then the extra overrides in order
+    p = torchrun.index("launch/train.py")
+    run_dir = submit / "runs" / f"{Path(config).stem}-4242"
+    assert torchrun[p + 1:] == [config, f'logging.run_dir="{run_dir}"', "runner.max_steps=5"]
+    assert run_dir.is_dir()
+    # the config was validated before srun: the plan of the dry run is in the run directory
+    plan = (run_dir / "plan.txt").read_text()
+    assert "# plan: 16 ranks" in plan and f'run_dir = "{run_dir}"' in plan
+
+
+@pytest.mark.slow
+def test_two_jobs_get_their_own_rendezvous_and_run_directory(fake_slurm):
+    run, submit, logs = fake_slurm
+    seen = []
+    for job in ("101", "102"):
+        r = run(job_id=job, RDZV_PORT="29611")
+        assert r.returncode == 0, r.stderr
+        argv = _srun_argv(logs)
+        seen.append((_value_after(argv, "--rdzv-id"), argv[-1]))
+        assert _value_after(argv, "--rdzv-endpoint") == "gpu-node07:29611"
+        assert argv[argv.index("launch/train.py") + 1] == "configs/searchr1.toml"  # the default config
+    assert seen == [("101", f'logging.run_dir="{submit}/runs/searchr1-101"'),
+                    ("102", f'logging.run_dir="{submit}/runs/searchr1-102"')]
+
+
+@pytest.mark.slow
+def test_sbatch_bad_config_fails_before_srun(fake_slurm):
+    run, _, logs = fake_slurm
+    r = run("configs/searchr1.toml", "rollout.pause_mode=abort")
+    assert r.returncode != 0
+    assert "config error: rollout.pause_mode" in r.stderr
+    assert not (logs / "srun.args").exists()
+
+
+@pytest.mark.slow
+def test_sbatch_outside_slurm_refuses(tmp_path):
+    env = _clean_env()
+    r = subprocess.run(["bash", str(SBATCH)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "SLURM_JOB_ID" in r.stderr
+
+
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    env = _clean_env()
+    return subprocess.run([sys.executable, TRAIN, *args, "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_sync_config_dry_run_prints_placement_and_derived_values():
+    r = _dry_run("configs/searchr1_sync.toml")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "# plan: 16 ranks, mode sync, 8 engine(s), actor TP 2 x PP 1 x DP 4" in out
+    assert "async_mode = false\n" in out
+    for rank in range(8):
+        assert f"\n{rank:<5} 0     actor    cuda:{rank}" in out
+    for rank in range(8, 16):
+        assert f"\n{rank:<5} 1     rollout  cuda:{rank - 8}        engine {rank - 8} (SGLang server" in out
+    assert "max_inflight_groups = 308  # derived" in out
+    assert "max_buffered_groups = 1024  # derived" in out
+    assert 'submission_granularity = "group"  # derived' in out  # sync mode frees slots per group
+
+
+@pytest.mark.slow
+def test_async_config_dry_run_mode_and_granularity():
+    r = _dry_run("configs/searchr1.toml")
+    assert r.returncode == 0, r.stderr
+    assert "# plan: 16 ranks, mode async" in r.stdout
+    assert 'submission_granularity = "sample"  # derived' in r.stdout
+
+
+def test_sync_config_is_the_async_config_with_async_mode_off():
+    from asyncrl.config import load_config
+    from asyncrl.config.loader import to_dict
+
+    a = to_dict(load_config(ROOT / "configs/searchr1.toml", []))
+    s = to_dict(load_config(ROOT / "configs/searchr1_sync.toml", []))
+    diff = {(sec, k) for sec in a for k in a[sec] if a[sec][k] != s[sec][k]}
+    assert diff == {("runner", "async_mode"), ("logging", "run_dir"),
+                    ("rollout_buffer", "submission_granularity")}, diff
+    assert a["runner"]["async_mode"] is True and s["runner"]["async_mode"] is False
+    # the RLinf reference layout: actor on node 0, rollout and reward on node 1
+    assert a["cluster"]["component_placement"] == {"actor": "0-7", "rollout,reward": "8-15"}
+    assert a["rollout"]["rollout_backend"] == "sglang" and a["rollout"]["sglang"]["backend_type"] == "server"
+    assert "Qwen2.5-3B-Instruct" in a["actor"]["model_path"]
+    assert a["agentloop"]["tool"]["retriever"] == "http" and a["agentloop"]["tool"]["retriever_url"].startswith("http")
