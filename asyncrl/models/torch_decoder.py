@@ -113,6 +113,16 @@ class TorchDecoder(nn.Module):
                              persistent=False)
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]``."""
+        return self.lm_logits(self.hidden_states(ids_BT))
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of (any selection of) final hidden states: lets a loss skip positions it ignores."""
+        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    def hidden_states(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states ``[B, T, H]``."""
         T = ids_BT.shape[1]
         freqs = torch.arange(T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -120,9 +130,7 @@ class TorchDecoder(nn.Module):
         x = self.model.embed_tokens(ids_BT)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        x = self.model.norm(x)
-        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(x, w)
+        return self.model.norm(x)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> TorchDecoder:

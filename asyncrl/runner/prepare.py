@@ -117,10 +117,10 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
         lr = p.sft_lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, p.sft_steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        logits = model(ids_BT[:, :-1])
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids_BT[:, 1:].reshape(-1), reduction="none")
-        m = mask_BT[:, 1:].reshape(-1)
-        loss = (nll * m).sum() / m.sum().clamp(min=1)
+        hidden = model.hidden_states(ids_BT[:, :-1])
+        sel = mask_BT[:, 1:].bool()  # only generated tokens are trained: skip the LM head elsewhere
+        logits = model.lm_logits(hidden[sel])
+        loss = F.cross_entropy(logits, ids_BT[:, 1:][sel])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
