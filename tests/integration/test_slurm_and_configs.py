@@ -9,7 +9,6 @@ sees the exact torchrun command each node would run. The configs go through the 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
