@@ -132,6 +132,23 @@ def behaviour_weights(
     raise ValueError(f"algorithm.off_policy_correction={mode!r} is not one of none, tis, decoupled")
 
 
+SUM_KEYS = (
+    "num_tokens",
+    "loss",
+    "pg_loss",
+    "clip_sum",
+    "dual_clip_sum",
+    "ratio_sum",
+    "entropy_sum",
+    "kl_sum",
+    "mismatch_sum",
+    "behav_ratio_sum",
+    "iw_dropped_sum",
+    "iw_truncated_sum",
+)
+"""The keys of ``LossOutput.sums`` (fixed, so ranks can all-reduce them as one vector)."""
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor

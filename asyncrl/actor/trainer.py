@@ -13,7 +13,9 @@ Contract
   ``actor.max_tokens_per_microbatch`` tokens, accumulates gradients, and Megatron's DDP all-reduces
   them; one optimizer step (Adam, warmup + constant/cosine, clipping) follows unless the loss or
   the grad norm is non-finite (then the step is skipped with a warning and
-  ``train/skipped_steps`` counts it). Every rank returns the same metrics dict.
+  ``train/skipped_steps`` counts it). A batch without any trained token makes no update
+  (``train/empty_batch``). A DP rank that gets no sample still joins every collective. Every rank
+  returns the same metrics dict. Log-probs are computed at ``rollout.sampling.temperature``.
 - ``version`` is the weight version: the number of ``train_step`` calls so far (a skipped step
   still counts: the version names the step, the weights are simply unchanged), restored on resume.
 - ``iter_hf_buckets(bucket_bytes)``: a generator of buckets (lists of ``(hf_name, full tensor)``,
@@ -48,7 +50,7 @@ from megatron.core.distributed import finalize_model_grads
 from asyncrl.actor import checkpoint as ckpt_io
 from asyncrl.actor.batch import PackedBatch, Sample, groups_to_samples, make_microbatches, pack, split_balanced
 from asyncrl.actor.logprobs import forward_logprobs
-from asyncrl.actor.loss import finalize_metrics, policy_loss
+from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
 from asyncrl.actor.model import ModelSpec, build_gpt_model, load_hf_config, padded_vocab_size
 from asyncrl.actor.weights import iter_hf_buckets, load_hf_into_model, local_params
 from asyncrl.broker.types import Group
@@ -279,7 +281,7 @@ class Actor:
         # gradient is partial per TP rank (Qwen3's q/k norms).
         finalize_model_grads([self.ddp])
 
-        keys = sorted(set(sums) | {"num_tokens", "loss"})
+        keys = SUM_KEYS  # fixed order: a rank without samples still joins the all-reduce
         vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_seq_tokens)], dtype=torch.float64)
         if self.dp > 1:
             dist.all_reduce(vec, group=self.dp_group)
@@ -290,7 +292,12 @@ class Actor:
 
         grad_norm = float("nan")
         applied = False
-        if loss_ok.item() == 1.0:
+        empty = total["num_tokens"] == 0
+        if empty:  # nothing to train on: no update (Adam's momentum would still move the weights)
+            log.warning("actor step %d: the batch has no trained token; no update", self._step + 1)
+            grad_norm = 0.0
+            self.optimizer.zero_grad()
+        elif loss_ok.item() == 1.0:
             with cuda_as_cpu():
                 self.optimizer.prepare_grads()
                 grad_norm = float(self.optimizer.get_grad_norm())
@@ -301,7 +308,7 @@ class Actor:
                 applied = bool(ok)
                 if gn is not None:
                     grad_norm = float(gn)
-        if not applied:
+        if not applied and not empty:
             self.num_skipped_steps += 1
             self.optimizer.zero_grad()
             log.warning(
@@ -321,7 +328,8 @@ class Actor:
                 "train/tokens_per_s": global_tokens / dt if dt > 0 else 0.0,
                 "train/num_seq_tokens": global_tokens,
                 "train/num_microbatches": float(len(mbs)),
-                "train/step_skipped": 0.0 if applied else 1.0,
+                "train/step_skipped": 0.0 if applied or empty else 1.0,
+                "train/empty_batch": 1.0 if empty else 0.0,
                 "train/skipped_steps": float(self.num_skipped_steps),
                 "time/training": dt,
             }

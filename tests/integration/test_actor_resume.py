@@ -5,7 +5,9 @@ KL to the reference model, step 3 fed a NaN log-prob so it is skipped) records i
 final weights; then a fresh actor trains 2 steps, saves a checkpoint (with the HF export), starts
 step 3 and dies with ``os._exit`` (no clean-up). Launch 2 (``resume``): a fresh actor loads the
 checkpoint and trains steps 3-4: metrics and weights must equal the uninterrupted run exactly.
-Then, with the distributed optimizer (TP=1, DP=2): save, step, reload, redo the step: identical.
+Then, with the distributed optimizer (TP=1, DP=2): save, step, reload, redo the step: identical;
+a one-sequence batch (a DP rank without samples) and an empty batch (no update); and loading a
+checkpoint converted offline by ``hf_to_actor_checkpoint`` (model only).
 """
 
 from __future__ import annotations
@@ -128,11 +130,33 @@ def main() -> None:
         actor.load_checkpoint(work / "ckpt_dopt")
         again = _train(actor, [2], vocab, rank)
         w_again = _weights(actor)
+        # a batch of one sequence (one DP rank gets nothing) and an empty batch: no hang, no update
+        from asyncrl.actor.synthetic import synthetic_groups
+
+        one = synthetic_groups(seed=9, num_groups=1, group_size=1, vocab_size=vocab)
+        m_one = actor.train_step(one if rank == 0 else None)
+        w_one = _weights(actor)
+        m_empty = actor.train_step([] if rank == 0 else None)
+        w_empty = _weights(actor)
+        # a checkpoint converted offline from another HF checkpoint loads as the model (no optimizer)
+        meta = actor.load_checkpoint(work / "converted")
+        w_conv = _weights(actor)
         if rank == 0:
+            from safetensors.torch import load_file
+
+            other = load_file(str(work / "hf_other" / "model.safetensors"))
             same = first == again and all(torch.equal(w_first[k], w_again[k]) for k in w_first)
-            (work / "dopt.json").write_text(
-                json.dumps({"same": same, "version": actor.version, "grad_norm": first[2]["train/grad_norm"]})
-            )
+            result = {
+                "same": same,
+                "version": actor.version,
+                "grad_norm": first[2]["train/grad_norm"],
+                "one_tokens": m_one["train/num_tokens"],
+                "empty": m_empty["train/empty_batch"],
+                "empty_unchanged": all(torch.equal(w_one[k], w_empty[k]) for k in w_one),
+                "converted_exact": all(torch.equal(other[k], w_conv[k]) for k in other),
+                "converted_step": meta["step"],
+            }
+            (work / "dopt.json").write_text(json.dumps(result))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -141,10 +165,15 @@ def main() -> None:
 def test_kill_and_resume_is_bit_identical(tmp_path):
     from safetensors.torch import load_file
 
-    from asyncrl.actor.checkpoint import actor_checkpoint_to_hf
+    from asyncrl.actor.checkpoint import actor_checkpoint_to_hf, hf_to_actor_checkpoint
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "hf", arch="qwen3", num_hidden_layers=2)
+    hf_to_actor_checkpoint(
+        make_tiny_checkpoint(tmp_path / "hf_other", arch="qwen3", num_hidden_layers=2, seed=7),
+        tmp_path / "converted",
+        tp=1,
+    )
     p1 = run_torchrun(Path(__file__), ["full-then-crash", str(hf), str(tmp_path)])
     assert p1.returncode != 0 and (tmp_path / "full.json").is_file(), p1.stderr[-4000:]
     assert (tmp_path / "ckpt" / "meta.json").is_file()
@@ -172,7 +201,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
         assert torch.equal(w_ckpt[k], exported[k]) and torch.equal(w_ckpt[k], converted[k]), k
     assert not torch.equal(w_ckpt["lm_head.weight"], w_full["lm_head.weight"])
     dopt = json.loads((tmp_path / "dopt.json").read_text())
-    assert dopt["same"] and dopt["version"] == 2 and dopt["grad_norm"] > 0
+    assert dopt["same"] and dopt["grad_norm"] > 0
+    assert dopt["one_tokens"] > 0 and dopt["empty"] == 1.0 and dopt["empty_unchanged"]
+    assert dopt["converted_exact"] and dopt["converted_step"] == 0 and dopt["version"] == 0
 
 
 if __name__ == "__main__":
