@@ -3,7 +3,9 @@
 The pytest test launches this same file under ``torchrun --nproc_per_node 2`` (gloo). The worker
 builds the tiny Qwen2 model at TP=1 (DP=2), then at TP=2, from the same HF weights: the full
 logits must agree, and one SGD step through Megatron's DDP + ``get_megatron_optimizer`` (with
-grad clipping) must give the same weights and the same grad norm.
+grad clipping) must give the same weights and the same grad norm. The worker also checks each
+CPU shim (RNG tracker on the CPU generator, the default causal mask, the ``cuda_as_cpu`` scope) in
+its own process, since the shims patch ``torch.cuda`` process-wide.
 """
 
 import json
@@ -52,6 +54,9 @@ def test_tp2_equals_tp1(tmp_path):
     assert r["weights_changed"] > 1e-3  # the step moved the weights
     assert r["weights_max_diff"] < 1e-6
     assert abs(r["grad_norm_tp1"] - r["grad_norm_tp2"]) < 1e-4 * r["grad_norm_tp1"]
+    if not torch.cuda.is_available():
+        failed = [k for k, ok in r["shim_checks"].items() if not ok]
+        assert len(r["shim_checks"]) == 10 and not failed, failed
 
 
 def run(tp: int, hf_dir: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
@@ -100,10 +105,47 @@ def run(tp: int, hf_dir: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], fl
     return full_logits, weights, float(grad_norm)
 
 
+def shim_checks() -> dict[str, bool]:
+    """What the shims promise, checked in a process of its own (they patch torch.cuda globally)."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    checks = {"current_device_cpu": torch.cuda.current_device() == "cpu"}
+    tracker = mrandom.CudaRNGStatesTracker()
+    tracker.add("a", 11)
+    before = torch.get_rng_state()
+    with tracker.fork("a"):
+        x = torch.rand(3)
+    checks["fork_restores_default_state"] = torch.equal(before, torch.get_rng_state())
+    torch.manual_seed(11)
+    checks["fork_draws_from_tracked_seed"] = torch.equal(x, torch.rand(3))
+    with tracker.fork("a"):
+        y = torch.rand(3)
+    checks["tracked_state_advances"] = not torch.equal(x, y)
+    torch.set_rng_state(before)
+    m = get_default_causal_mask(4)
+    checks["causal_mask_cpu"] = m.device.type == "cpu" and bool(m[0, 1]) and not bool(m[1, 0])
+    with cuda_as_cpu():
+        t = torch.zeros(2, device="cuda")
+        u = torch.tensor([1.0], device="cuda")
+        checks["scope_factories_cpu"] = t.device.type == "cpu" and u.device.type == "cpu"
+        checks["scope_cuda_noop"] = t.cuda() is t
+        checks["scope_type_name"] = t.type() == "torch.cuda.FloatTensor" and t.is_cuda
+    checks["outside_scope_untouched"] = t.type() == "torch.FloatTensor" and not t.is_cuda
+    try:
+        torch.zeros(1, device="cuda")
+        checks["outside_scope_cuda_fails"] = False
+    except (AssertionError, RuntimeError):
+        checks["outside_scope_cuda_fails"] = True
+    return checks
+
+
 def main() -> None:
     hf_dir, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     assert apply_cpu_shims() or torch.cuda.is_available()
+    assert apply_cpu_shims() or torch.cuda.is_available()  # idempotent
+    checks = shim_checks() if not torch.cuda.is_available() else {}
     l1, w1, g1 = run(1, hf_dir)
     l2, w2, g2 = run(2, hf_dir)
     result = {
@@ -114,6 +156,7 @@ def main() -> None:
         "same_names": sorted(w1) == sorted(w2) == sorted(_hf(hf_dir)),
         "grad_norm_tp1": g1,
         "grad_norm_tp2": g2,
+        "shim_checks": checks,
     }
     if dist.get_rank() == 0:
         with open(out, "w") as f:
