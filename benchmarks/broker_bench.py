@@ -9,6 +9,12 @@ Measures over loopback TCP:
      (DEALER -> ROUTER, one small request, one reply of the same number of bytes).
 Targets (issue 3): >= 20,000 small groups/s; hand-off within 2x the raw transfer.
 
+The workers answer each poll's assignments with ONE ``groups`` message (``send_group(..., flush=False)`` +
+``flush()``), the consumer asks for compact group rows (``BrokerClient`` does), and every process of the run
+(broker, workers, consumer) uses ``asyncrl.broker.server.tune_gc`` (frozen start-up heap, rarer young
+collections). Also printed: the CPU each process spent per group during the run, and the broker's CPU
+per group in process (no sockets; CPU time, so the machine's other load does not inflate it).
+
     python benchmarks/broker_bench.py --quick
 The last stdout line is one JSON object with the figures.
 """
@@ -24,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import zmq
@@ -102,19 +109,30 @@ def _stop(broker, workers, client) -> None:
 
 
 def bench_throughput(tmp: Path, *, n_workers: int, duration_s: float) -> dict:
+    """``cpu_us_per_group``: CPU (all threads, ZeroMQ's I/O thread included) each process spent per group."""
     batch = 512
     broker, workers = _start(tmp, n_workers, 4, 8, batch=batch, group_size=2, inflight=2048, buffered=4096)
     client = BrokerClient(broker.address, timeout_s=30)
+    pids = {"broker": [broker.proc.pid], "workers": [w.pid for w in workers]}
     try:
         client.get_batch(0, timeout_s=60)  # warm-up: workers connected and flowing
+        cpu0 = {k: [_cpu_s(p) for p in v] for k, v in pids.items()}
+        c0 = time.process_time()
         t0, n, step = time.perf_counter(), 0, 1
         while time.perf_counter() - t0 < duration_s:
             n += len(client.get_batch(step, timeout_s=60).groups)
             step += 1
         dt = time.perf_counter() - t0
+        consumer_s = time.process_time() - c0
+        cpu1 = {k: [_cpu_s(p) for p in v] for k, v in pids.items()}
     finally:
         _stop(broker, workers, client)
-    return {"groups_per_s": n / dt, "groups": n, "seconds": dt, "workers": n_workers, "group_size": 2}
+    cpu_us = {"consumer": consumer_s / n * 1e6}
+    for k in pids:
+        if None not in cpu0[k] + cpu1[k]:
+            cpu_us[k] = sum(b - a for a, b in zip(cpu0[k], cpu1[k])) / n * 1e6
+    return {"groups_per_s": n / dt, "groups": n, "seconds": dt, "workers": n_workers, "group_size": 2,
+            "cpu_us_per_group": cpu_us}
 
 
 def bench_handoff(tmp: Path, *, reps: int) -> dict:
@@ -172,44 +190,59 @@ def raw_server_main(address_file: str, nbytes: int) -> int:
         sock.send_multipart([ident, payload], copy=False)
 
 
-def bench_broker_cpu(n_groups: int) -> dict:
-    """The broker's own work per small group, in process (no sockets): decode the worker's message, core
-    (finish, buffer, admission), encode the issue, and the hand-off packing. 1e6 / us_per_group is the
-    ceiling of one broker core on this machine."""
+def bench_broker_cpu(n_groups: int, *, per_message: int = 64) -> dict:
+    """The broker's own work per small group, in process (no sockets), as the server does it: decode the
+    workers' ``groups`` messages (``per_message`` groups each), core (finish, buffer, admission), encode the
+    issues (compact rows) and the hand-off (group rows). CPU time (``process_time``), so other jobs on the
+    machine do not inflate it; the workers' encoding is excluded. 1e6 / us_per_group is the ceiling of one
+    broker core on this machine."""
     from asyncrl.broker import protocol as P
-    from asyncrl.broker.client import _group_frames
     from asyncrl.broker.core import BrokerCore, CoreSettings
     from asyncrl.broker.types import PromptItem
 
-    core = BrokerCore([PromptItem(i, "q") for i in range(1000)], clock=time.monotonic, settings=CoreSettings(
-        rollout_batch_size=512, group_size=2, max_inflight_groups=2048, max_buffered_groups=4096,
-        max_dropped_groups_per_step=10**9, submission_granularity="group"))
-    core.add_worker("w", capacity=1 << 16)
+    core = BrokerCore([PromptItem(i, f"q{i}", ["a"]) for i in range(1000)], clock=time.monotonic,
+                      settings=CoreSettings(rollout_batch_size=512, group_size=2, max_inflight_groups=2048,
+                                            max_buffered_groups=4096, max_dropped_groups_per_step=10**9,
+                                            submission_granularity="group"))
+    core.add_worker("w0", capacity=1 << 16)
+    core.add_worker("w1", capacity=1 << 16)
     trajs = [_traj(4, 8, 0) for _ in range(2)]
-    done, step = 0, 0
-    t0 = time.perf_counter()
+    done, step, worker_s = 0, 0, 0.0
+    t0 = time.process_time()
     while done < n_groups:
         issues = core.take_issues()
-        if issues:
-            P.encode(P.ISSUE, {"groups": [{"group_id": i.group_id, "group_size": i.group_size, "version": i.version,
-                                          "epoch": i.epoch, "item": P.item_to_wire(i.item)} for i in issues]})
+        per_worker: dict[str, list] = {}
         for i in issues:
-            msg = P.decode(_group_frames(i.group_id, trajs, False, ""))  # worker-side encode excluded below
-            core.group_finished(int(msg.body["group_id"]), P.unpack_trajectories(msg.body["trajs"], msg.blobs))
-            done += 1
+            per_worker.setdefault(i.worker_id, []).append(
+                [i.group_id, i.group_size, i.version, i.epoch, P._item_row(i.item)])
+        for rows in per_worker.values():
+            P.encode(P.ISSUE, {"rows": rows})
+        reports = []
+        for k in range(0, len(issues), per_message):
+            t1 = time.process_time()
+            frames = P.finished_groups_frames([(i.group_id, trajs, False, "") for i in issues[k:k + per_message]])
+            worker_s += time.process_time() - t1
+            reports += [(gid, tr, ab) for gid, tr, ab, _ in P.unpack_finished_groups(P.decode(frames))]
+        core.groups_finished(reports)
+        done += len(reports)
         core.request_batch(step)
         batch = core.take_batch()
         if batch is not None:
             blobs: list = []
-            P.encode(P.BATCH, {"groups": P.pack_groups(batch.groups, blobs), "metrics": batch.metrics}, blobs)
+            P.encode(P.BATCH, {"rows": P.pack_group_rows(batch.groups, blobs), "metrics": batch.metrics}, blobs)
             step += 1
-    total = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    for _ in range(2000):
-        _group_frames(0, trajs, False, "")
-    worker_encode = (time.perf_counter() - t1) / 2000
-    us = (total / done - worker_encode) * 1e6
-    return {"us_per_group": us, "ceiling_groups_per_s": 1e6 / us}
+    us = (time.process_time() - t0 - worker_s) / done * 1e6
+    return {"us_per_group": us, "ceiling_groups_per_s": 1e6 / us, "groups_per_message": per_message}
+
+
+def _cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds (user + system, all threads) of a process, from /proc (None where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _RawPeer:
@@ -262,11 +295,13 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     duration, reps = (5.0, 10) if args.quick else (20.0, 30)
+    tune_gc()  # the consumer (an actor stand-in), like the broker and the workers: see server.tune_gc
     t0 = time.time()
     with tempfile.TemporaryDirectory() as d:
         tp = bench_throughput(Path(d), n_workers=args.workers, duration_s=duration)
         print(f"throughput: {tp['groups_per_s']:.0f} groups/s ({tp['groups']} groups in {tp['seconds']:.1f}s, "
-              f"{args.workers} workers) target >= 20000")
+              f"{args.workers} workers) target >= 20000; CPU us/group "
+              + ", ".join(f"{k} {v:.1f}" for k, v in tp["cpu_us_per_group"].items()))
     cpu = bench_broker_cpu(20000 if args.quick else 100000)
     print(f"broker CPU per small group (in process, no sockets): {cpu['us_per_group']:.1f} us "
           f"-> ceiling {cpu['ceiling_groups_per_s']:.0f} groups/s on one core of this machine")

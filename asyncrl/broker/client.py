@@ -118,6 +118,9 @@ def _traj_frames(group_id: int, index: int, trajectory: Optional[Trajectory]):
 def _to_events(msg: P.Message) -> list[WorkerEvent]:
     b = msg.body
     if msg.type == P.ISSUE:
+        if "rows" in b:  # compact: [group_id, group_size, version, epoch, item row]
+            return [Assignment(gid, P._item_from_row(item), epoch, size, version)
+                    for gid, size, version, epoch, item in b["rows"]]
         return [Assignment(int(g["group_id"]), P.item_from_wire(g["item"]), int(g["epoch"]), int(g["group_size"]),
                            int(g["version"])) for g in b["groups"]]
     if msg.type == P.CONTROL:
@@ -156,7 +159,7 @@ class WorkerConnection:
 
     def connect(self, *, timeout_s: float = 30.0) -> Welcome:
         """Say hello and wait for the welcome (events that arrive first are kept for ``poll``)."""
-        self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+        self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
         deadline = time.monotonic() + timeout_s
         self._early: list[WorkerEvent] = []
         while True:
@@ -190,7 +193,7 @@ class WorkerConnection:
                 return out
             msg = P.decode(frames, allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.REHELLO:
-                self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+                self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
             else:
@@ -253,7 +256,7 @@ class AsyncWorkerConnection:
         self._flush_task: Optional[asyncio.Task] = None
 
     async def connect(self, *, timeout_s: float = 30.0) -> Welcome:
-        await self.sock.send_multipart(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+        await self.sock.send_multipart(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
         deadline = time.monotonic() + timeout_s
         while self.welcome is None:
             left = deadline - time.monotonic()
@@ -289,7 +292,7 @@ class AsyncWorkerConnection:
             msg = P.decode(await self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.REHELLO:
                 await self.sock.send_multipart(
-                    P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity}))
+                    P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
             else:

@@ -12,9 +12,11 @@ A group's trajectories share one blob frame; a meta's ``o`` is its byte offset i
 (``np.frombuffer`` over the frame): decoded token fields are numpy arrays unless ``as_lists``.
 
 Worker -> broker (DEALER, identity = worker id)          Broker -> worker
-  hello      {worker_id, capacity}                        welcome  {version, group_size, hold, heartbeat_interval_s}
+  hello      {worker_id, capacity, rows?}                 welcome  {version, group_size, hold, heartbeat_interval_s}
   hb         {worker_id}                                  issue    {groups: [{group_id, group_size, version,
                                                                               epoch, item}, ...]}
+                                                          (hello ``rows: true``: {rows: [[group_id, group_size,
+                                                                   version, epoch, item row], ...]})
   traj       {group_id, index, traj: meta | None} +blob?  control  {hold, version}
   group      {group_id, aborted, error, trajs: [meta]}    cancel   {group_ids}
              +one blob for the group (trajs = [] -> use    rehello  {}   (broker does not know you: send hello)
@@ -544,35 +546,51 @@ def pack_group_rows(groups: Sequence[Group], blobs: list) -> list[list]:
     """Groups -> compact group rows; token data appended to ``blobs`` like ``pack_groups`` does (unchanged
     groups forwarded from received frames are zero-copy slices, consecutive ones of a frame ONE slice)."""
     out = []
-    run = None  # [base, lo, hi, blob index]: the frame slice being extended
+    run_base, run_lo, run_hi, run_b = None, 0, 0, -1  # the frame slice being extended
     for g in groups:
         trajs = g.trajectories
-        r = _wire_range(trajs)
+        # forwardable: every trajectory an unchanged view of the same frame object, together filling base[lo:hi]
+        base, lo, hi, total = None, 0, 0, 0
+        for t in trajs:
+            d = t.__dict__
+            w = d.get("_wire")
+            if w is None or (base is not None and w[0] is not base) or not (
+                    d.keys().isdisjoint(_ARRAY_FIELDS) if "_wire_arrays" not in d else _unchanged(t, w)):
+                base = None
+                break
+            if base is None:
+                base, lo, hi = w[0], w[1], w[1] + w[2]
+            else:
+                if w[1] < lo:
+                    lo = w[1]
+                if w[1] + w[2] > hi:
+                    hi = w[1] + w[2]
+            total += w[2]
         rows = []
-        if r is None:
+        if base is not None and hi - lo == total:
+            if base is run_base and run_hi == lo:
+                run_hi = hi
+            else:
+                if run_base is not None:
+                    blobs[run_b] = _slice([run_base, run_lo, run_hi, run_b])
+                run_base, run_lo, run_hi, run_b = base, lo, hi, len(blobs)
+                blobs.append(None)
+            for t in trajs:
+                w = t.__dict__["_wire"]
+                n = w[3]
+                rows.append([run_b, w[1] - run_lo, n[0], n[1], n[2], *_row_scalars(t)])
+        else:
             pieces, offset, b = [], 0, len(blobs)
             for t in trajs:
                 n_p, n_r, n_w, size = _token_pieces(t, pieces)
                 rows.append([b, offset, n_p, n_r, n_w, *_row_scalars(t)])
                 offset += size
             blobs.append(b"".join(pieces))
-        else:
-            base, lo, hi = r
-            if run is not None and run[0] is base and run[2] == lo:
-                run[2] = hi
-            else:
-                if run is not None:
-                    blobs[run[3]] = _slice(run)
-                run = [base, lo, hi, len(blobs)]
-                blobs.append(None)
-            b, lo0 = run[3], run[1]
-            for t in trajs:
-                w = t.__dict__["_wire"]
-                n = w[3]
-                rows.append([b, w[1] - lo0, n[0], n[1], n[2], *_row_scalars(t)])
-        out.append([g.group_id, g.epoch, g.issued_version, g.finished_version, g.aborted, _item_row(g.item), rows])
-    if run is not None:
-        blobs[run[3]] = _slice(run)
+        it = g.item
+        out.append([g.group_id, g.epoch, g.issued_version, g.finished_version, g.aborted,
+                    [it.index, it.prompt, list(it.answers), it.data_source, it.extra], rows])
+    if run_base is not None:
+        blobs[run_b] = _slice([run_base, run_lo, run_hi, run_b])
     return out
 
 

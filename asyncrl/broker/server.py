@@ -78,7 +78,8 @@ class BrokerServer:
         self._stop = False
         self._last_tick = 0.0
         self._finished: list[tuple[int, Any, bool]] = []  # finished groups received, not yet given to the core
-        self._item_wire: dict[int, tuple[Any, dict]] = {}  # prompt index -> (item, its wire map)
+        self._item_wire: dict[int, tuple[Any, dict, list]] = {}  # prompt index -> (item, wire map, wire row)
+        self._row_workers: set[str] = set()  # workers that asked for compact issue rows in their hello
 
     # ----------------------------------------------------------------- loop
     def serve_forever(self) -> None:
@@ -158,21 +159,25 @@ class BrokerServer:
             issues = core.take_issues()
             if not issues:
                 break
-            per_worker: dict[str, list[dict]] = {}
-            cache = self._item_wire
+            per_worker: dict[str, list] = {}
+            cache, rows_ok = self._item_wire, self._row_workers
             for iss in issues:
                 it = iss.item
                 hit = cache.get(it.index)
                 if hit is None or hit[0] is not it:
-                    hit = cache[it.index] = (it, P.item_to_wire(it))
-                lst = per_worker.get(iss.worker_id)
+                    hit = cache[it.index] = (it, P.item_to_wire(it), P._item_row(it))
+                wid = iss.worker_id
+                lst = per_worker.get(wid)
                 if lst is None:
-                    lst = per_worker[iss.worker_id] = []
-                lst.append({"group_id": iss.group_id, "group_size": iss.group_size, "version": iss.version,
-                            "epoch": iss.epoch, "item": hit[1]})
+                    lst = per_worker[wid] = []
+                if wid in rows_ok:
+                    lst.append([iss.group_id, iss.group_size, iss.version, iss.epoch, hit[2]])
+                else:
+                    lst.append({"group_id": iss.group_id, "group_size": iss.group_size, "version": iss.version,
+                                "epoch": iss.epoch, "item": hit[1]})
             for wid, groups in per_worker.items():
                 if wid in self._worker_ident:  # else: issued to a worker that just vanished (re-queued)
-                    self._send_worker(wid, P.ISSUE, {"groups": groups})
+                    self._send_worker(wid, P.ISSUE, {"rows" if wid in rows_ok else "groups": groups})
         drops = core.take_drops()
         for d in drops if log.isEnabledFor(logging.DEBUG) else ():
             log.debug("dropped group %d (prompt %d, epoch %d): %s%s", d.group_id, d.item.index, d.epoch, d.reason,
@@ -251,6 +256,10 @@ class BrokerServer:
             if not isinstance(cap, int) or cap < 1:
                 raise P.ProtocolError(f"hello: capacity must be a positive integer, got {cap!r}")
             self._worker_ident[wid] = ident
+            if b.get("rows"):
+                self._row_workers.add(wid)
+            else:
+                self._row_workers.discard(wid)
             self._control_sent[wid] = (self.core.hold_new_turns, self.core.version)
             self._send(ident, P.WELCOME, {"version": self.core.version, "group_size": self.core.s.group_size,
                                           "hold": self.core.hold_new_turns,
