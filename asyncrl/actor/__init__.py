@@ -1,0 +1,13 @@
+"""The Megatron actor (issue 6). Light to import: the submodules pull in torch/megatron.
+
+- ``trainer.Actor``: GPTModel from a HF checkpoint, GRPO/PPO training step, log-probs, HF export in
+  buckets, checkpoints (see its module contract for which ranks call what).
+- ``loss``: pure loss functions (GRPO advantages, PPO clip low/high + dual clip, KL k1/k3,
+  off-policy correction none/tis/decoupled, aggregation weights, metrics).
+- ``batch``: Groups -> samples, DP split balanced by tokens, token-budget micro-batches, packing.
+- ``logprobs``: vocab-parallel log-probs and entropy.
+- ``model`` / ``convert`` / ``weights``: HF config -> GPTModel, HF <-> Megatron names and TP shards,
+  loading and bucketed export; ``python -m asyncrl.actor.convert`` for users.
+- ``checkpoint``: the actor checkpoint format and offline HF <-> actor conversion.
+- ``synthetic``: deterministic synthetic groups and configs for tests and benchmarks.
+"""
