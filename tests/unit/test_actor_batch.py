@@ -1,6 +1,8 @@
 """Groups -> samples, the DP split, micro-batching and packing (pure)."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncrl.actor.batch import groups_to_samples, make_microbatches, pack, split_balanced
 from asyncrl.actor.synthetic import synthetic_groups
@@ -53,3 +55,31 @@ def test_pack_pads_rows():
     m = p.attention_mask[0, 0]
     assert not m[3, 3] and m[3, 2]  # a padding position sees only itself: no fully masked row
     assert p.pred_index.tolist() == [0, 1, 4, 5]
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=8),
+    st.integers(0, 12),
+)
+@settings(max_examples=60, deadline=None)
+def test_pack_invariants(shapes, row_len):
+    seqs, prompt_lens, tok = [], [], 1
+    for p, r in shapes:
+        seqs.append(list(range(tok, tok + p + r)))
+        prompt_lens.append(p)
+        tok += p + r
+    b = pack(seqs, prompt_lens, row_len=row_len or None)
+    flat = b.input_ids.reshape(-1)
+    assert b.num_tokens == sum(len(s) for s in seqs)
+    assert sorted(t for t in flat.tolist() if t) == list(range(1, tok))  # every token exactly once
+    assert b.labels.tolist() == [t for s, p in zip(seqs, prompt_lens) for t in s[p:]]
+    assert torch.equal(flat[b.pred_index + 1], b.labels)  # the next position holds the label
+    C = b.input_ids.shape[1]
+    mask = b.attention_mask[:, 0]
+    for s in seqs:
+        start = (flat == s[0]).nonzero()[0].item()
+        r, c = divmod(start, C)
+        for j in range(len(s)):
+            visible = (~mask[r, c + j]).nonzero().flatten().tolist()
+            assert visible == list(range(c, c + j + 1))  # own earlier tokens only
+            assert b.position_ids[r, c + j].item() == j
