@@ -83,3 +83,16 @@ def test_pack_invariants(shapes, row_len):
             visible = (~mask[r, c + j]).nonzero().flatten().tolist()
             assert visible == list(range(c, c + j + 1))  # own earlier tokens only
             assert b.position_ids[r, c + j].item() == j
+
+
+@given(st.lists(st.integers(1, 500), max_size=40), st.integers(1, 4), st.integers(1, 800))
+@settings(max_examples=80, deadline=None)
+def test_split_and_microbatch_invariants(counts, parts, budget):
+    split = split_balanced(counts, parts)
+    assert len(split) == parts and sorted(i for p in split for i in p) == list(range(len(counts)))
+    loads = [sum(counts[i] for i in p) for p in split]
+    if counts:
+        assert max(loads) - min(loads) <= max(counts)  # greedy longest-first bound
+    mbs = make_microbatches(counts, budget)
+    assert [i for mb in mbs for i in mb] == list(range(len(counts)))  # order kept, nothing lost
+    assert all(len(mb) == 1 or sum(counts[i] for i in mb) <= budget for mb in mbs)
