@@ -113,3 +113,57 @@ def test_silent_worker_is_declared_dead_and_rejoins_on_rehello(tmp_path):
         conn.close(say_bye=False)
         client.close()
         broker.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_finished_groups_travel_together_sync_and_async(tmp_path):
+    """``send_group(..., flush=False)`` + ``flush()`` (blocking) and groups finished in one event-loop turn
+    (asyncio) reach the broker as ONE ``groups`` message each, and are trained like single ``group`` messages."""
+    cfg, prompts = _inputs(tmp_path, "")
+    cfg_path = Path(cfg)
+    cfg_path.write_text(cfg_path.read_text().replace("max_inflight_groups = 2", "max_inflight_groups = 4")
+                        .replace("max_buffered_groups = 4", "max_buffered_groups = 8"))
+    broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp_path / "broker.log"))
+    client = BrokerClient(broker.address, timeout_s=20)
+    conn = WorkerConnection(broker.address, worker_id="sync", capacity=8, heartbeat_interval_s=1.0)
+    try:
+        conn.connect(timeout_s=20)
+        got: list[Assignment] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 4:
+            assert time.monotonic() < deadline
+            got += [e for e in conn.poll(0.1) if isinstance(e, Assignment)]
+        for a in got[:3]:
+            conn.send_group(a.group_id, _trajs(0), flush=False)
+        conn.send_group(got[3].group_id, None, aborted=True, error="tool http://r down", flush=False)
+        conn.flush()
+        b0 = client.get_batch(0, timeout_s=20)
+        st = client.status()
+        assert st["stats"]["worker_groups"] == 1 and st["stats"].get("worker_group", 0) == 0  # one message
+        assert st["counters"]["finished"] == 4 and st["counters"]["dropped"] == 1
+        assert sorted(g.group_id for g in b0.groups) == sorted(a.group_id for a in got[:2])
+        conn.close()
+
+        async def serve_async() -> None:
+            aconn = AsyncWorkerConnection(broker.address, worker_id="async", capacity=8, heartbeat_interval_s=1.0)
+            await aconn.connect(timeout_s=20)
+            mine: list[Assignment] = []
+            while len(mine) < 3:
+                ev = await aconn.recv(timeout_s=20)
+                assert ev is not None
+                if isinstance(ev, Assignment):
+                    mine.append(ev)
+            await asyncio.gather(*(aconn.send_group(a.group_id, _trajs(0)) for a in mine[:3]))
+            await aconn.close()
+
+        asyncio.run(serve_async())
+        b1 = client.get_batch(1, timeout_s=20)
+        st = client.status()
+        assert st["stats"]["worker_groups"] == 2  # the three concurrent send_group calls: one message
+        assert len(b1.groups) == 2 and st["counters"]["trained"] == 4
+        client.shutdown()
+        assert broker.proc.wait(timeout=20) == 0
+    finally:
+        client.close()
+        broker.stop()

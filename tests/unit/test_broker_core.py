@@ -304,3 +304,81 @@ def test_wire_trajectory_is_lazy_and_copies_to_a_plain_trajectory():
     assert t.response_ids.tolist() == [0, 1, 2] and not t.response_ids.flags.writeable
     for c in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
         assert type(c) is Trajectory and c.loss_mask.tolist() == [1, 1, 1] and c.min_version == 4
+
+
+def test_groups_message_and_group_rows_roundtrip_forward_zero_copy():
+    """A worker's multi-group ``groups`` message -> broker (decode) -> batch rows (forwarded slices) -> actor."""
+    rich = Trajectory([1, 2, 3], [4, 5], [1, 0], [-0.25, 0.0], reward=2.0, weight_versions=[3, -1], min_version=3,
+                      max_version=4, num_turns=2, finish_reason="answer", timings={"total_s": 1.5}, extra={"k": 1})
+    entries = [(10, [rich, traj(vmin=1, n=3)], False, ""), (11, [traj(vmin=2, n=1), traj(vmin=2, n=2)], False, ""),
+               (12, None, True, "engine http://x down")]
+    msg = P.decode(P.finished_groups_frames(entries), allowed=P.WORKER_TYPES)
+    assert msg.type == P.GROUPS and len(msg.blobs) == 1
+    got = P.unpack_finished_groups(msg)
+    assert [(g, a, e) for g, _, a, e in got] == [(10, False, ""), (11, False, ""), (12, True, "engine http://x down")]
+    assert got[2][1] is None
+    t0 = got[0][1][0]
+    assert "response_ids" not in t0.__dict__ and t0.response_ids.tolist() == [4, 5]
+    assert (t0.reward, t0.min_version, t0.max_version, t0.num_turns, t0.finish_reason, t0.timings, t0.extra) == \
+        (2.0, 3, 4, 2, "answer", {"total_s": 1.5}, {"k": 1})
+    groups = [Group(gid, PromptItem(gid, f"q{gid}", ["a"]), epoch=1, trajectories=trajs, issued_version=1,
+                    finished_version=4) for gid, trajs, _, _ in got[:2]]
+    blobs: list = []
+    rows = P.pack_group_rows(groups, blobs)
+    # consecutive groups of one received frame travel as ONE zero-copy slice of it
+    assert len(blobs) == 1 and memoryview(blobs[0]).obj is memoryview(msg.blobs[0]).obj
+    back = P.unpack_group_rows(msg_rows(rows, blobs), [bytes(b) for b in blobs])
+    assert [g.group_id for g in back] == [10, 11] and back[0].item.answers == ["a"] and back[0].epoch == 1
+    assert [[t.response_ids.tolist() for t in g.trajectories] for g in back] == [[[4, 5], [0, 1, 2]], [[0], [0, 1]]]
+    b0 = back[0].trajectories[0]
+    assert (b0.weight_versions.tolist(), b0.loss_mask.tolist(), b0.rollout_logprobs.tolist()) == \
+        ([3, -1], [1, 0], [-0.25, 0.0])
+    assert (b0.reward, b0.num_turns, b0.timings, back[0].min_version, back[1].finished_version) == \
+        (2.0, 2, {"total_s": 1.5}, 1, 4)
+    assert P.unpack_group_rows(msg_rows(rows, blobs), blobs, as_lists=True)[0].trajectories[0].prompt_ids == [1, 2, 3]
+    # a changed trajectory is packed afresh with its new values (and the others are still forwarded)
+    got[1][1][0].response_ids = np.array([9, 9], np.int32)
+    got[1][1][0].loss_mask, got[1][1][0].rollout_logprobs, got[1][1][0].weight_versions = [1, 1], [0.0, 0.0], []
+    got[0][1][1].reward = -1.0
+    blobs = []
+    back = P.unpack_group_rows(P.pack_group_rows(groups, blobs), blobs)
+    assert len(blobs) == 2 and back[1].trajectories[0].response_ids.tolist() == [9, 9]
+    assert back[0].trajectories[1].reward == -1.0
+
+
+def msg_rows(rows, blobs):
+    """Through msgpack, as the actor receives them."""
+    return P.decode(P.encode(P.BATCH, {"rows": rows}, blobs), allowed=P.TO_ACTOR_TYPES).body["rows"]
+
+
+@pytest.mark.parametrize("bad", [
+    [[1, False, "", [[0, 0, 4, 3]]]],                                 # a short trajectory row
+    [[1, False, "", [[0, 0, 4, 3, 3, 1.0, "0", 0, None]]]],           # a version that is not an integer
+    [[1, False, "", [[0, 90, 4, 3, 3, 1.0, 0, 0, None]]]],            # past the end of the blob
+    [[1, False, "", [[5, 0, 4, 3, 3, 1.0, 0, 0, None]]]],             # a missing blob
+    [["x", False, "", []]],                                            # not a group id
+    [[1, False]],                                                      # a short group
+    "nope",
+])
+def test_malformed_groups_message_is_a_protocol_error(bad):
+    msg = P.decode(P.encode(P.GROUPS, {"groups": bad}, [b"\x00" * 67]), allowed=P.WORKER_TYPES)
+    with pytest.raises(P.ProtocolError):
+        P.unpack_finished_groups(msg)
+
+
+def test_groups_finished_batch_matches_one_by_one():
+    def run(batched):
+        core, _ = make(rollout_batch_size=2, max_inflight_groups=4, max_buffered_groups=6)
+        core.add_worker("w", capacity=8)
+        gids = [i.group_id for i in core.take_issues()]
+        reports = [(g, [traj(0) for _ in range(core.s.group_size)], g == gids[1]) for g in gids[:3]]
+        reports.append((999, None, False))
+        if batched:
+            known = core.groups_finished(reports)
+        else:
+            known = [core.group_finished(g, t, aborted=a) for g, t, a in reports]
+        core.request_batch(0)
+        b = core.take_batch()
+        return known, [g.group_id for g in b.groups], dict(core.counters), core.num_inflight_groups
+    assert run(True) == run(False)
+    assert run(True)[0] == [True, True, True, False]

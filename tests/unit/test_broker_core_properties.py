@@ -32,6 +32,10 @@ events = st.lists(st.one_of(
     st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
     st.tuples(st.just("finish"), st.integers(0, 50), st.sampled_from(["ok", "ok", "ok", "aborted", "neg"]),
               st.integers(0, 3)),
+    st.tuples(st.just("finish_many"), st.lists(st.tuples(st.integers(0, 50),
+                                                        st.sampled_from(["ok", "ok", "aborted", "neg"]),
+                                                        st.integers(0, 3)), min_size=1, max_size=6),
+              st.booleans()),
     st.tuples(st.just("request"),),
     st.tuples(st.just("sync"), st.sampled_from(["retract", "drain"])),
     st.tuples(st.just("sync_end"),),
@@ -125,6 +129,17 @@ class Model:
         assert c.num_buffered_groups == len(self.arrived)
 
 
+def finished(core, model, gid, outcome, dv):
+    """The trajectories of a finished group (min version within what the engines could have used)."""
+    issued_v = model.issued[gid][2]
+    vmin = min(core.version, issued_v + dv)
+    model.versions_of[gid] = vmin
+    reward = -1.0 if outcome == "neg" else 1.0
+    trajs = [Trajectory([1], [2], [1], [0.0], reward=reward, min_version=vmin, max_version=core.version)
+             for _ in range(core.s.group_size)]
+    return trajs, outcome == "aborted"
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(s=core_settings, evs=events)
 def test_core_invariants_hold_after_every_event(s, evs):
@@ -148,15 +163,27 @@ def test_core_invariants_hold_after_every_event(s, evs):
             core.trajectory_finished(inflight[ev[1] % len(inflight)], ev[2] % s.group_size)
         elif kind == "finish" and inflight:
             gid = inflight[ev[1] % len(inflight)]
-            issued_v = model.issued[gid][2]
-            vmin = min(core.version, issued_v + ev[3])
-            model.versions_of[gid] = vmin
-            reward = -1.0 if ev[2] == "neg" else 1.0
-            trajs = [Trajectory([1], [2], [1], [0.0], reward=reward, min_version=vmin, max_version=core.version)
-                     for _ in range(s.group_size)]
-            aborted = ev[2] == "aborted"
+            trajs, aborted = finished(core, model, gid, ev[2], ev[3])
             core.group_finished(gid, trajs, aborted=aborted)
             model.arrived.append(gid)  # removed again below if the buffer rejected it
+        elif kind == "finish_many" and inflight:
+            # several groups in one call (a worker's ``groups`` message), possibly with a late/unknown id
+            reports, expect, seen = [], [], set()
+            for i, outcome, dv in ev[1]:
+                gid = inflight[i % len(inflight)]
+                if gid in seen:
+                    continue
+                seen.add(gid)
+                trajs, aborted = finished(core, model, gid, outcome, dv)
+                reports.append((gid, trajs, aborted))
+                expect.append(True)
+            if ev[2]:
+                reports.append((10**9, None, False))
+                expect.append(False)
+            unknown0 = core.counters["unknown_reports"]
+            assert core.groups_finished(reports) == expect
+            assert core.counters["unknown_reports"] - unknown0 == expect.count(False)
+            model.arrived += [gid for gid, _, _ in reports if gid in seen]
         elif kind == "request" and model.request_version is None and not syncing:
             model.request_version = core.version
             core.request_batch(model.step)
