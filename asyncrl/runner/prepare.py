@@ -96,8 +96,6 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     from asyncrl.models.torch_decoder import TorchDecoder
 
     p = cfg.prepare
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(threads, 2))  # the other ranks only wait during preparation
     torch.manual_seed(p.seed)
     tok = AgentTokenizer.from_pretrained(base_dir)
     examples = build_demo_examples(cfg, data_dir=data_dir, tokenizer=tok, num_demos=max(512, p.sft_batch_size * 8))
@@ -129,7 +127,6 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
         if step % 50 == 0 or step == p.sft_steps - 1:
             log.info("prepare: warm start step %d/%d loss %.3f", step + 1, p.sft_steps, loss.item())
     model.save_pretrained(out_dir, copy_from=base_dir)
-    torch.set_num_threads(threads)
     stats = {"steps": p.sft_steps, "first_loss": losses[0] if losses else None,
              "last_loss": sum(losses[-10:]) / max(1, len(losses[-10:])) if losses else None}
     (out_dir / "warm_start.json").write_text(json.dumps(stats) + "\n")
