@@ -1,0 +1,246 @@
+"""Sync vs async on the embedded default: how much of the step the overlap of generation and training saves.
+
+Runs the embedded default (``configs/tiny.toml``: one Megatron actor rank + the broker, one rollout
+rank with the CPU engine and the agent worker) under ``torchrun --nproc_per_node 2`` twice, back to
+back, on the same prepared tiny model and data, with the same config except ``runner.async_mode``:
+
+  * sync:  generation and training take turns: time/step = time/rollout + time/training + time/sync_weights
+  * async: the engine keeps generating while the actor trains: time/step = time/wait_data +
+           time/training + time/sync_weights
+
+and reports, from each run's ``metrics.jsonl``:
+  * time/step of each (mean over the steps after the first) and their ratio sync/async (target >= 1.5,
+    the RLinf reference halves the step: 278.6 s -> 139.0 s), plus the same over the second half
+    of the steps (``steady``: the async run's start-up head start - groups generated while the
+    actor was still loading - is used up by then);
+  * the time/step split of each;
+  * the overlap efficiency = ideal / measured async time/step, ideal = max(generation, training) +
+    sync, with generation, training and sync each measured alone in the sync run (time/rollout,
+    time/training, time/sync_weights). 1.0 = a perfect overlap; it can exceed 1 only through the
+    head start.
+
+The two ranks get one core each (torchrun sets OMP_NUM_THREADS=1, the CPU engine runs single
+threaded), so the overlap is real parallelism; on a machine shared with other work both modes are
+slowed, the async one more (it needs two cores at once).
+
+    python benchmarks/overlap.py --quick          # 8 steps per mode, ~1-2 min once prepared
+    python benchmarks/overlap.py                  # 20 steps per mode, sync/async/sync/async
+    python benchmarks/overlap.py --quick --save   # also write benchmarks/baselines/overlap.json
+
+The tiny model and data are prepared once under ``--prep-dir`` (default runs/overlap_bench,
+a short warm start; the first run pays ~1-3 min for it, not counted in the figures).
+The last stdout line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The workload: chosen so that one batch's generation (time/rollout) and its training
+# (time/training) take comparable time on one core each, which is where overlapping them pays most.
+WORKLOAD = [
+    "data.rollout_batch_size=4",
+    "algorithm.group_size=2",
+    "agentloop.max_tokens_per_turn=24",
+    "rollout.sampling.temperature=1.0",
+    "rollout.update_weights_interval=1",
+    "runner.eval_before_after=false",
+    "actor.lr_warmup_steps=0",
+]
+# The preparation: a short warm start (the benchmark measures time, not learning).
+PREPARE = ["prepare.sft_steps=20", "prepare.num_entities=60"]
+BASELINE_KEEP = 3  # runs of each kind kept in the baseline file
+RUN_TIMEOUT_S = 600.0  # one torchrun job; a hang fails the benchmark instead of blocking forever
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(prep_dir: Path) -> float:
+    from asyncrl.config import load_config
+    from asyncrl.runner.prepare import prepare_if_needed
+
+    t0 = time.perf_counter()
+    cfg = load_config(REPO / "configs/tiny.toml", [f'prepare.dir="{prep_dir}"', *PREPARE])
+    prepare_if_needed(cfg)
+    return time.perf_counter() - t0
+
+
+def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> list[str]:
+    return [
+        f'prepare.dir="{prep_dir}"', f'actor.model_path="{prep_dir}/model_sft"',
+        f'data.train_path="{prep_dir}/data/train.jsonl"', f'data.test_path="{prep_dir}/data/test.jsonl"',
+        f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
+        f"rollout.port={_free_port()}", f"runner.max_steps={steps}", *WORKLOAD, *extra,
+        f"runner.async_mode={'true' if async_mode else 'false'}",
+    ]
+
+
+def run_job(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(REPO / "launch/train.py"), "configs/tiny.toml",
+           *job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    wall_s = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
+        raise SystemExit(f"overlap: the {'async' if async_mode else 'sync'} job failed (exit {r.returncode}); "
+                         f"logs under {run_dir}")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"wall_s": wall_s, "records": recs}
+
+
+SPLIT = {
+    "sync": ("time/rollout", "time/training", "time/sync_weights"),
+    "async": ("time/wait_data", "time/training", "time/sync_weights"),
+}
+
+
+def _mean(recs: list[dict], key: str) -> float:
+    vals = [r[key] for r in recs if r.get(key) is not None]
+    return statistics.mean(vals) if vals else 0.0
+
+
+def summarize(mode: str, runs: list[dict]) -> dict:
+    """Figures of one mode over its repeats: the steps after the first of every run, and their second half."""
+    after_first = [rec for run in runs for rec in run["records"][1:]]
+    steady = [rec for run in runs for rec in run["records"][len(run["records"]) // 2:]]
+    out = {
+        "time_step_s": _mean(after_first, "time/step"),
+        "time_step_steady_s": _mean(steady, "time/step"),
+        "split_s": {k: _mean(after_first, k) for k in SPLIT[mode]},
+        "steps_per_run": [len(run["records"]) for run in runs],
+        "job_wall_s": [round(run["wall_s"], 1) for run in runs],
+        "response_length_mean": _mean(after_first, "rollout/response_length/mean"),
+        "generated_tokens_mean": _mean(after_first, "rollout/generated_tokens/mean"),
+        "turns_mean": _mean(after_first, "rollout/turns/mean"),
+        "staleness_mean": _mean(after_first, "rollout/data_staleness/mean"),
+        "staleness_max": max((r.get("rollout/data_staleness/max", 0.0) for r in after_first), default=0.0),
+    }
+    return out
+
+
+def figures(sync: dict, asyn: dict) -> dict:
+    gen = sync["split_s"]["time/rollout"]
+    train = sync["split_s"]["time/training"]
+    sync_w = sync["split_s"]["time/sync_weights"]
+    ideal = max(gen, train) + sync_w
+    return {
+        "sync_time_step_s": sync["time_step_s"],
+        "async_time_step_s": asyn["time_step_s"],
+        "ratio_sync_over_async": sync["time_step_s"] / asyn["time_step_s"],
+        "ratio_steady": sync["time_step_steady_s"] / asyn["time_step_steady_s"],
+        "ideal_async_time_step_s": ideal,
+        "ideal_ratio": sync["time_step_s"] / ideal,
+        "overlap_efficiency": ideal / asyn["time_step_s"],
+        "target_ratio": 1.5,
+    }
+
+
+def pair_ratios(runs: dict[str, list[dict]]) -> list[float]:
+    """sync/async time/step of each back-to-back pair (the spread shows the machine's noise)."""
+    return [summarize("sync", [s])["time_step_s"] / summarize("async", [a])["time_step_s"]
+            for s, a in zip(runs["sync"], runs["async"])]
+
+
+def _round(x):
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_round(v) for v in x]
+    return x
+
+
+def save_baseline(result: dict, *, argv: list[str], kind: str) -> Path:
+    """Append this run's figures to ``runs[kind]`` of benchmarks/baselines/overlap.json (the last
+    ``BASELINE_KEEP`` of each kind are kept: on a shared machine one run is not a baseline)."""
+    out = REPO / "benchmarks/baselines/overlap.json"
+    doc = json.loads(out.read_text()) if out.is_file() else {}
+    doc.update({
+        "benchmark": "benchmarks/overlap.py",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, python "
+                   f"{platform.python_version()}; shared with other jobs (load_avg_1m: 1-min load at start, end)",
+        "config": "configs/tiny.toml + the overrides below, the same for both modes except runner.async_mode",
+    })
+    kept = doc.setdefault("runs", {}).setdefault(kind, [])
+    kept.append({
+        "command": "python benchmarks/overlap.py " + " ".join(argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "figures": result,
+    })
+    doc["runs"][kind] = kept[-BASELINE_KEEP:]
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="8 steps per mode, one run each (~1-2 min once prepared)")
+    p.add_argument("--steps", type=int, help="steps per run (default 8 quick, 20 full)")
+    p.add_argument("--repeats", type=int, help="runs per mode, interleaved sync/async (default 1 quick, 2 full)")
+    p.add_argument("--prep-dir", default=str(REPO / "runs/overlap_bench"), help="prepared tiny model and data (cached)")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for both modes (repeatable)")
+    p.add_argument("--save", action="store_true", help="write benchmarks/baselines/overlap.json")
+    a = p.parse_args(argv)
+    steps = a.steps or (8 if a.quick else 20)
+    repeats = a.repeats or (1 if a.quick else 2)
+    prep_dir = Path(a.prep_dir).resolve()
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    prep_s = prepare(prep_dir)
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="overlap_") as tmp:
+        for i in range(repeats):
+            for mode in ("sync", "async"):
+                run_dir = Path(tmp) / f"{mode}{i}"
+                res = run_job(prep_dir, run_dir, async_mode=mode == "async", steps=steps, extra=a.extra)
+                runs[mode].append(res)
+                s = summarize(mode, [res])
+                print(f"{mode} run {i}: time/step {s['time_step_s']:.3f}s (steady {s['time_step_steady_s']:.3f}s) "
+                      f"split {json.dumps(_round(s['split_s']))} job {res['wall_s']:.1f}s", flush=True)
+    sync, asyn = summarize("sync", runs["sync"]), summarize("async", runs["async"])
+    result = {
+        "benchmark": "overlap",
+        **figures(sync, asyn),
+        "ratio_per_pair": pair_ratios(runs),
+        "sync": sync,
+        "async": asyn,
+        "steps": steps,
+        "repeats": repeats,
+        "overrides": WORKLOAD + a.extra,
+        "prepare": PREPARE,
+        "prepare_s": prep_s,
+        "total_s": time.perf_counter() - t_start,
+        "load_avg_1m": [load_start, os.getloadavg()[0]],
+    }
+    result = _round(result)
+    if a.save:
+        save_baseline(result, argv=sys.argv[1:] if argv is None else argv, kind="quick" if a.quick else "full")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
