@@ -79,6 +79,10 @@ def run_actor(ctx, disc: Discovery) -> int:
     actor_ranks = ctx.placement.actor_ranks
     actor_rank = actor_ranks.index(ctx.rank)
     backend = "nccl" if cfg.rollout.rollout_backend == "sglang" else "gloo"
+    if backend == "nccl":  # GPU jobs: global rank r drives its node's device local_rank
+        import torch
+
+        torch.cuda.set_device(ctx.local_rank)
     from datetime import timedelta
 
     dist.init_process_group(backend, store=dist.PrefixStore(disc.prefix + "actor_world", disc.raw_store),
