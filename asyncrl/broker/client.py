@@ -12,9 +12,17 @@ Worker side (every call has a timeout; a silent broker raises ``TimeoutError`` f
         elif isinstance(ev, Shutdown): ...
     conn.send_trajectory(group_id, index, traj)       # optional, per finished trajectory
     conn.send_group(group_id, trajs, aborted=False)   # the finished group (trajs=None: use the ones sent)
+    conn.send_group(gid, trajs, flush=False); conn.flush()   # several groups in ONE ``groups`` message
 
 ``poll`` must be called at least every ``heartbeat_interval_s``; ``AsyncWorkerConnection`` has the
 same methods as coroutines and heartbeats from a background task. Neither is thread-safe.
+
+Batching: finished groups travel as ``groups`` messages (several groups, one header, one blob), which cost
+the broker far less per group than one ``group`` message each. The blocking connection queues groups sent
+with ``flush=False`` until ``flush()``, ``poll()``, any other send or ``MAX_GROUPS_PER_MESSAGE`` queued; the
+asyncio connection coalesces by itself the groups finished in the same event-loop turn. Order is kept: a
+queued group always leaves before any later message. Workers say ``rows: true`` in their hello and get
+compact issue rows.
 
 Actor side:
 

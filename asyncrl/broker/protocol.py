@@ -576,9 +576,13 @@ def pack_group_rows(groups: Sequence[Group], blobs: list) -> list[list]:
                 run_base, run_lo, run_hi, run_b = base, lo, hi, len(blobs)
                 blobs.append(None)
             for t in trajs:
-                w = t.__dict__["_wire"]
+                d = t.__dict__
+                w = d["_wire"]
                 n = w[3]
-                rows.append([run_b, w[1] - run_lo, n[0], n[1], n[2], *_row_scalars(t)])
+                rest = _REST_GET(d)  # a WireTrajectory keeps every scalar field in its __dict__
+                rows.append([run_b, w[1] - run_lo, n[0], n[1], n[2], float(d["reward"]), d["min_version"],
+                             d["max_version"], None if rest == _REST_DEFAULTS else
+                             {k: v for k, v, dflt in zip(_REST, rest, _REST_DEFAULTS) if v != dflt}])
         else:
             pieces, offset, b = [], 0, len(blobs)
             for t in trajs:
