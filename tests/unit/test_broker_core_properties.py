@@ -25,6 +25,11 @@ core_settings = st.builds(
     st.integers(1, 4), st.integers(1, 3), st.integers(1, 6), st.integers(0, 6), st.sampled_from(["group", "sample"]),
     st.sampled_from(["drop", "retry"]), st.one_of(st.none(), st.integers(0, 2)), st.booleans())
 
+finish_many = st.tuples(st.just("finish_many"), st.lists(st.tuples(st.integers(0, 50),
+                                                                  st.sampled_from(["ok", "ok", "aborted", "neg"]),
+                                                                  st.integers(0, 3)), min_size=1, max_size=6),
+                        st.booleans())
+
 events = st.lists(st.one_of(
     st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
     st.tuples(st.just("add_worker"), st.integers(0, 2)),
@@ -32,10 +37,7 @@ events = st.lists(st.one_of(
     st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
     st.tuples(st.just("finish"), st.integers(0, 50), st.sampled_from(["ok", "ok", "ok", "aborted", "neg"]),
               st.integers(0, 3)),
-    st.tuples(st.just("finish_many"), st.lists(st.tuples(st.integers(0, 50),
-                                                        st.sampled_from(["ok", "ok", "aborted", "neg"]),
-                                                        st.integers(0, 3)), min_size=1, max_size=6),
-              st.booleans()),
+    finish_many, finish_many,  # twice: batched arrivals (a worker's ``groups`` message) as often as the rest
     st.tuples(st.just("request"),),
     st.tuples(st.just("sync"), st.sampled_from(["retract", "drain"])),
     st.tuples(st.just("sync_end"),),
@@ -143,6 +145,28 @@ def finished(core, model, gid, outcome, dv):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(s=core_settings, evs=events)
 def test_core_invariants_hold_after_every_event(s, evs):
+    run_events(s, evs)
+
+
+batch_events = st.lists(st.one_of(
+    finish_many, finish_many, finish_many,
+    st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
+    st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
+    st.tuples(st.just("request"),),
+    st.tuples(st.just("sync"), st.sampled_from(["retract", "drain"])),
+    st.tuples(st.just("sync_end"),),
+    st.tuples(st.just("remove_worker"), st.integers(0, 2)),
+), min_size=5, max_size=60)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=core_settings, evs=batch_events)
+def test_core_invariants_hold_with_batched_arrivals(s, evs):
+    """Workers present from the start; mostly several finished groups per call (``groups_finished``)."""
+    run_events(s, [("add_worker", 0), ("add_worker", 1)] + evs)
+
+
+def run_events(s, evs):
     now = [0.0]
     n_prompts = 5
     prompts = [PromptItem(index=i, prompt=f"q{i}") for i in range(n_prompts)]
