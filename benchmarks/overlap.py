@@ -13,6 +13,8 @@ and reports, from each run's ``metrics.jsonl``:
     the RLinf reference halves the step: 278.6 s -> 139.0 s), plus the same over the second half
     of the steps (``steady``: the async run's start-up head start - groups generated while the
     actor was still loading - is used up by then);
+  * the same from the wall clock between the first and last step's records (``ratio_wall``:
+    counts the per-step logging and the engines' /metrics scrape, which time/step leaves out);
   * the time/step split of each;
   * the overlap efficiency = ideal / measured async time/step, ideal = max(generation, training) +
     sync, with generation, training and sync each measured alone in the sync run (time/rollout,
@@ -124,8 +126,13 @@ def summarize(mode: str, runs: list[dict]) -> dict:
     """Figures of one mode over its repeats: the steps after the first of every run, and their second half."""
     after_first = [rec for run in runs for rec in run["records"][1:]]
     steady = [rec for run in runs for rec in run["records"][len(run["records"]) // 2:]]
+    # wall clock between the ends of the first and the last step (includes the per-step logging and
+    # /metrics scrape that time/step leaves out)
+    wall = [(run["records"][-1]["time"] - run["records"][0]["time"]) / (len(run["records"]) - 1)
+            for run in runs if len(run["records"]) > 1]
     out = {
         "time_step_s": _mean(after_first, "time/step"),
+        "wall_step_s": statistics.mean(wall) if wall else 0.0,
         "time_step_steady_s": _mean(steady, "time/step"),
         "split_s": {k: _mean(after_first, k) for k in SPLIT[mode]},
         "steps_per_run": [len(run["records"]) for run in runs],
@@ -149,6 +156,7 @@ def figures(sync: dict, asyn: dict) -> dict:
         "async_time_step_s": asyn["time_step_s"],
         "ratio_sync_over_async": sync["time_step_s"] / asyn["time_step_s"],
         "ratio_steady": sync["time_step_steady_s"] / asyn["time_step_steady_s"],
+        "ratio_wall": sync["wall_step_s"] / asyn["wall_step_s"],
         "ideal_async_time_step_s": ideal,
         "ideal_ratio": sync["time_step_s"] / ideal,
         "overlap_efficiency": ideal / asyn["time_step_s"],
