@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.broker.client import Assignment, AsyncWorkerConnection, BrokerClient, Control, WorkerConnection
+from asyncrl.broker.client import (
+    Assignment,
+    AsyncWorkerConnection,
+    BrokerClient,
+    Control,
+    WorkerConnection,
+    _group_frames,
+)
 from asyncrl.broker.launch import start_broker
 from asyncrl.broker.types import Trajectory
 
@@ -143,6 +150,18 @@ def test_finished_groups_travel_together_sync_and_async(tmp_path):
         assert st["stats"]["worker_groups"] == 1 and st["stats"].get("worker_group", 0) == 0  # one message
         assert st["counters"]["finished"] == 4 and st["counters"]["dropped"] == 1
         assert sorted(g.group_id for g in b0.groups) == sorted(a.group_id for a in got[:2])
+        # the one-group ``group`` message of older workers is still accepted
+        more: list[Assignment] = []
+        deadline = time.monotonic() + 20
+        while not more:
+            assert time.monotonic() < deadline
+            more = [e for e in conn.poll(0.1) if isinstance(e, Assignment)]
+        conn.sock.send_multipart(_group_frames(more[0].group_id, _trajs(0), False, ""))
+        deadline = time.monotonic() + 20
+        while client.status()["counters"]["finished"] < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.status()["stats"]["worker_group"] == 1
         conn.close()
 
         async def serve_async() -> None:
