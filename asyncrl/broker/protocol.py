@@ -288,6 +288,9 @@ def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
         tm, ex = d.get("timings"), d.get("extra")
         d["timings"] = {} if tm is None else dict(tm)
         d["extra"] = {} if ex is None else dict(ex)
+        if type(d["min_version"]) is not int or type(d["max_version"]) is not int:
+            raise ProtocolError(f"trajectory versions must be integers: min_version {d['min_version']!r}, "
+                                f"max_version {d['max_version']!r}")
         d["_wire"] = wire
         if keys <= _META_KEYS:  # forwarded unchanged, the received meta is re-used (see _forward_metas)
             d["_meta"] = meta
@@ -453,6 +456,7 @@ def unpack_groups(maps: list, blobs: Sequence[Any], *, as_lists: bool = False) -
 _REST = tuple(k for k in _SCALAR_DEFAULTS if k not in ("reward", "min_version", "max_version"))
 _REST_GET = operator.itemgetter(*_REST)
 _REST_DEFAULTS = tuple(_SCALAR_DEFAULTS[k] for k in _REST)
+_REST_KEYS = frozenset(_REST)
 
 
 def _row_scalars(t: Trajectory) -> tuple:
@@ -513,7 +517,7 @@ def _unpack_row(row: Any, blobs: Sequence[Any], bases: dict, as_lists: bool) -> 
         d["timings"] = {}
         d["extra"] = {}
         if rest:
-            for k in rest.keys() & _SCALAR_KEYS:
+            for k in rest.keys() & _REST_KEYS:
                 v = rest[k]
                 d[k] = dict(v) if isinstance(v, dict) else v
         d["_wire"] = (base, start, size, (n_p, n_r, n_w))

@@ -382,3 +382,16 @@ def test_groups_finished_batch_matches_one_by_one():
         return known, [g.group_id for g in b.groups], dict(core.counters), core.num_inflight_groups
     assert run(True) == run(False)
     assert run(True)[0] == [True, True, True, False]
+
+
+def test_trajectory_versions_are_validated_on_both_formats():
+    """The core computes staleness from them: a non-integer version never reaches it."""
+    m = P.decode(P.encode(P.GROUP, {"group_id": 1, "trajs": [{"b": 0, "np": 1, "nr": 1, "nw": 1, "max_version": "x"}]},
+                          [b"\x00" * 17]), allowed=P.WORKER_TYPES)
+    with pytest.raises(P.ProtocolError, match="versions must be integers"):
+        P.unpack_trajectories(m.body["trajs"], m.blobs)
+    rest = {"min_version": "x", "num_turns": 3}  # the rest map cannot override the checked positional fields
+    m = P.decode(P.encode(P.GROUPS, {"groups": [[1, False, "", [[0, 0, 1, 1, 1, 1.0, 2, 2, rest]]]]},
+                          [b"\x00" * 17]), allowed=P.WORKER_TYPES)
+    ((gid, (t,), aborted, error),) = P.unpack_finished_groups(m)
+    assert (gid, t.min_version, t.num_turns, aborted, error) == (1, 2, 3, False, "")
