@@ -10,11 +10,10 @@ actor trains on the groups (off_policy_correction = none: the rollout log-prob i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import proc_helpers  # tests/integration/proc_helpers.py
 import pytest
 import torch
 
@@ -26,20 +25,8 @@ RESPONSE_LEN = 4
 TARGET = set(range(100, 164))
 
 
-def run_torchrun(
-    script: Path, args: list[str], *, nproc: int = 1, timeout_s: float = 240
-) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+def run_torchrun(script: Path, args: list[str], *, nproc: int = 1, timeout_s: float = 240):
+    return proc_helpers.run_torchrun(script, args, nproc=nproc, timeout_s=timeout_s)
 
 
 @torch.no_grad()

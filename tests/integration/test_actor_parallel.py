@@ -12,11 +12,10 @@ at TP=2 for a 1-layer Qwen3 (q/k norm, no qkv bias) and a 1-layer Llama with tie
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import proc_helpers  # tests/integration/proc_helpers.py
 import pytest
 import torch
 
@@ -24,20 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 GROUP_SEED = 5
 
 
-def run_torchrun(
-    script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180
-) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180):
+    return proc_helpers.run_torchrun(script, args, nproc=nproc, timeout_s=timeout_s)
 
 
 def _algo() -> dict:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import proc_helpers  # tests/integration/proc_helpers.py
 import pytest
 import torch
 
@@ -27,20 +27,8 @@ CKPT_STEP = 2
 CRASH_CODE = 17
 
 
-def run_torchrun(
-    script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180
-) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180):
+    return proc_helpers.run_torchrun(script, args, nproc=nproc, timeout_s=timeout_s)
 
 
 def _batch(step: int, vocab: int):

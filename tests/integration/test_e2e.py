@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from proc_helpers import free_port, pids_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,24 +44,6 @@ SEED_METRICS_ASYNC = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            out.append(int(d.name))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +61,12 @@ def prepared(tmp_path_factory):
 
 def run_job(prep: Path, run_dir: Path, *extra: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "launch/train.py"), "configs/tiny.toml",
            f'prepare.dir="{prep}"', f'actor.model_path="{prep}/model_sft"',
            f'data.train_path="{prep}/data/train.jsonl"', f'data.test_path="{prep}/data/test.jsonl"',
            f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
-           f"rollout.port={_free_port()}", "data.rollout_batch_size=4", "algorithm.group_size=2",
+           f"rollout.port={free_port()}", "data.rollout_batch_size=4", "algorithm.group_size=2",
            "runner.eval_before_after=false", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
@@ -96,9 +78,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def _assert_clean_exit(r, run_dir: Path):
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
     deadline = time.monotonic() + 10
-    while _pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
+    while pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _pids_mentioning(str(run_dir)) == [], "processes of the run are left"
+    assert pids_mentioning(str(run_dir)) == [], "processes of the run are left"
 
 
 def _assert_no_prompt_lost(recs: list[dict]):

@@ -7,37 +7,18 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_helpers import free_port, pids_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            out.append(int(d.name))
-    return out
 
 
 @pytest.mark.slow
 def test_rank_failure_stops_job_and_children(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "launch/train.py"), "configs/tiny.toml", "prepare.enabled=false",
            f'rollout.model_path="{tmp_path}/no_such_model"', f'logging.run_dir="{run_dir}"']
     t0 = time.monotonic()
@@ -49,6 +30,6 @@ def test_rank_failure_stops_job_and_children(tmp_path):
     # actor rank 0 had started the broker child (its log exists); nothing of this run is left
     assert (run_dir / "logs" / "broker.log").exists()
     deadline = time.monotonic() + 10
-    while _pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
+    while pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _pids_mentioning(str(run_dir)) == []
+    assert pids_mentioning(str(run_dir)) == []

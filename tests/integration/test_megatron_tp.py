@@ -9,11 +9,10 @@ its own process, since the shims patch ``torch.cuda`` process-wide.
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import proc_helpers  # tests/integration/proc_helpers.py
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,20 +22,8 @@ from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_torchrun(
-    script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 120
-) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 120):
+    return proc_helpers.run_torchrun(script, args, nproc=nproc, timeout_s=timeout_s)
 
 
 @pytest.mark.slow
