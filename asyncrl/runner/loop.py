@@ -70,10 +70,34 @@ def broker_accounting(status: dict) -> dict[str, float]:
 
 
 class EngineScraper:
-    """Reads each engine's Prometheus ``/metrics`` (running requests, cache hit rate)."""
+    """Reads each engine's Prometheus ``/metrics`` (running requests, cache hit rate) on a background
+    thread every ``interval_s``, so a slow engine (busy re-prefilling after a retract) never stalls
+    the step loop; ``latest()`` returns the newest figures without blocking."""
 
-    def __init__(self, urls: list[str], timeout_s: float = 5.0):
-        self.urls, self.timeout_s = urls, timeout_s
+    def __init__(self, urls: list[str], *, interval_s: float = 5.0, timeout_s: float = 5.0):
+        import threading
+
+        self.urls, self.interval_s, self.timeout_s = urls, interval_s, timeout_s
+        self._latest: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            figures = self.scrape()
+            with self._lock:
+                self._latest = figures
+            self._stop.wait(self.interval_s)
+
+    def latest(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._latest)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + 1)
 
     def scrape(self) -> dict[str, float]:
         from asyncrl.rollout.sglang_client import parse_prometheus
@@ -152,7 +176,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         group.init()
         syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
                               hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
-        scraper = EngineScraper(engine_urls)
+        scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
     latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
     latest = _bcast_obj(str(latest) if latest else None)
     if latest:
@@ -194,7 +218,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             _save(actor, ckpt_root, step, broker if is_leader else None)
         if is_leader:
             m["time/step"] = time.perf_counter() - t_step
-            m.update(scraper.scrape())
+            m.update(scraper.latest())
             m.update(broker_accounting(broker.status()))
             m["actor/weight_version"] = float(actor.version)
             writer.log(m, step)
@@ -209,6 +233,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             broker.sync_begin("drain")  # hold generation while evaluating on the shared engines
             summary["eval_after"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
         print_summary(cfg, summary, ctx.run_dir)
+        scraper.close()
         broker.shutdown()
         broker.close()
         writer.close()
