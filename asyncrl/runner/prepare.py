@@ -22,6 +22,8 @@ from pathlib import Path
 
 log = logging.getLogger("asyncrl.prepare")
 
+MAX_DEMOS = 50_000  # bounds the demo set's memory and build time (~1 KB and well under 1 ms each)
+
 
 def _done(path: Path) -> bool:
     return (path / ".done").is_file()
@@ -98,7 +100,10 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     p = cfg.prepare
     torch.manual_seed(p.seed)
     tok = AgentTokenizer.from_pretrained(base_dir)
-    examples = build_demo_examples(cfg, data_dir=data_dir, tokenizer=tok, num_demos=max(512, p.sft_batch_size * 8))
+    # Fresh demonstrations for (almost) every step: with a small fixed set the tiny model memorizes
+    # the demos (wrong answers included) instead of learning to search and copy.
+    num_demos = min(MAX_DEMOS, max(512, p.sft_steps * p.sft_batch_size))
+    examples = build_demo_examples(cfg, data_dir=data_dir, tokenizer=tok, num_demos=num_demos)
     model = TorchDecoder.from_pretrained(base_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=0.0)
     rng = random.Random(p.seed)
