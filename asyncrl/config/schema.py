@@ -412,6 +412,9 @@ class PrepareConfig:
     sft_lr: float = 3e-3
     sft_batch_size: int = 32
     sft_correct_fraction: float = 0.6
+    sft_context_loss_weight: float = 0.3
+    """Weight of the next-token loss on prompt and tool tokens (the demos' generated tokens weigh 1):
+    the retrieved documents repeat names, which teaches the tiny model to copy much sooner."""
     """Fraction of demonstrations that search and copy the right answer (the rest answer wrongly)."""
 
     def __post_init__(self):

@@ -114,16 +114,23 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
         T = max(len(ids) for ids, _ in batch)
         ids_BT = torch.full((len(batch), T), pad, dtype=torch.long)
         mask_BT = torch.zeros((len(batch), T))
+        valid_BT = torch.zeros((len(batch), T), dtype=torch.bool)
         for b, (ids, mask) in enumerate(batch):
             ids_BT[b, : len(ids)] = torch.tensor(ids)
             mask_BT[b, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
+            valid_BT[b, : len(ids)] = True
         lr = p.sft_lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, p.sft_steps)))
         for g in opt.param_groups:
             g["lr"] = lr
         hidden = model.hidden_states(ids_BT[:, :-1])
-        sel = mask_BT[:, 1:].bool()  # only generated tokens are trained: skip the LM head elsewhere
-        logits = model.lm_logits(hidden[sel])
-        loss = F.cross_entropy(logits, ids_BT[:, 1:][sel])
+        targets, gen = ids_BT[:, 1:], mask_BT[:, 1:] > 0
+        if p.sft_context_loss_weight > 0:
+            valid = valid_BT[:, 1:]
+            nll = F.cross_entropy(model.lm_logits(hidden[valid]), targets[valid], reduction="none")
+            w = torch.where(gen[valid], 1.0, p.sft_context_loss_weight)
+            loss = (nll * w).sum() / w.sum()
+        else:  # only generated tokens are trained: skip the LM head elsewhere
+            loss = F.cross_entropy(model.lm_logits(hidden[gen]), targets[gen])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
