@@ -56,6 +56,31 @@ def rollout_metrics(groups) -> dict[str, float]:
     }
 
 
+def make_batch_filter(path: str | None):
+    """Miles' ``--rollout-sample-filter-path`` as ``rollout_buffer.sample_filter_path``: once the
+    trainer holds a full batch, the groups are sorted by prompt index and ``module:function(groups)
+    -> groups`` runs on the assembled batch. Returns the step's transform (identity sort when unset)."""
+    fn = None
+    if path:
+        from asyncrl.broker.buffer import import_path
+
+        fn = import_path(path, "rollout_buffer.sample_filter_path")
+        if not callable(fn):
+            raise ValueError(f"rollout_buffer.sample_filter_path: {path!r} is not callable")
+
+    def apply(groups: list) -> list:
+        ordered = sorted(groups, key=lambda g: (g.item.index, g.group_id))
+        if fn is None:
+            return ordered
+        out = fn(ordered)
+        if not isinstance(out, list):
+            raise ValueError(f"rollout_buffer.sample_filter_path: {path!r} returned {type(out).__name__}, "
+                             f"expected a list of groups")
+        return out
+
+    return apply
+
+
 def broker_accounting(status: dict) -> dict[str, float]:
     """Where every issued group is: trained, dropped, held (in flight or buffered), or re-issued
     after its worker died. ``issued == trained + dropped + held + reissued`` at all times."""
@@ -177,6 +202,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
                               hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
         scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
+        batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
     latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
     latest = _bcast_obj(str(latest) if latest else None)
     if latest:
@@ -200,7 +226,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         if is_leader:
             batch = broker.get_batch(step, timeout_s=cfg.rollout.request_timeout_s * 4, actor_version=actor.version,
                                      as_lists=True)
-            groups = batch.groups
+            groups = batch_filter(batch.groups)
+            m["rollout/sample_filter/kept_groups"] = float(len(groups))
             m.update(batch.metrics)
             m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
             m.update(rollout_metrics(groups))

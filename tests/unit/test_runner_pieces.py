@@ -1,0 +1,59 @@
+"""Pure pieces of the step loop: the batch-level sample filter, rollout metrics, broker accounting."""
+
+import sys
+import types
+
+import pytest
+
+from asyncrl.broker.types import Group, PromptItem, Trajectory
+from asyncrl.runner.loop import broker_accounting, make_batch_filter, rollout_metrics
+
+
+def _group(gid, index, rewards):
+    trajs = [Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 0, 1],
+                        rollout_logprobs=[-0.1, 0.0, -0.2], reward=r, num_turns=2, num_tool_calls=1)
+             for r in rewards]
+    return Group(group_id=gid, item=PromptItem(index=index, prompt="q"), epoch=0, trajectories=trajs)
+
+
+def test_batch_is_sorted_by_prompt_index_without_a_filter():
+    out = make_batch_filter(None)([_group(1, 7, [0]), _group(2, 3, [1]), _group(3, 5, [0])])
+    assert [g.item.index for g in out] == [3, 5, 7]
+
+
+def test_filter_by_import_path_runs_on_the_sorted_batch(monkeypatch):
+    mod = types.ModuleType("my_filters")
+    seen = []
+
+    def drop_all_zero(groups):
+        seen.append([g.item.index for g in groups])
+        return [g for g in groups if any(t.reward for t in g.trajectories)]
+
+    mod.drop_all_zero = drop_all_zero
+    mod.not_callable = 3
+    mod.bad_return = lambda groups: tuple(groups)
+    monkeypatch.setitem(sys.modules, "my_filters", mod)
+    out = make_batch_filter("my_filters:drop_all_zero")([_group(1, 9, [0, 0]), _group(2, 4, [1, 0])])
+    assert seen == [[4, 9]] and [g.group_id for g in out] == [2]
+    with pytest.raises(ValueError, match="rollout_buffer.sample_filter_path"):
+        make_batch_filter("my_filters:not_callable")
+    with pytest.raises(ValueError, match="rollout_buffer.sample_filter_path.*expected a list"):
+        make_batch_filter("my_filters:bad_return")([_group(1, 1, [0])])
+    with pytest.raises(ValueError, match="rollout_buffer.sample_filter_path"):
+        make_batch_filter("no_such_module_xyz:f")
+
+
+def test_rollout_metrics_of_a_batch():
+    m = rollout_metrics([_group(1, 0, [1.0, 0.0]), _group(2, 1, [1.0, 1.0])])
+    assert m["reward/mean"] == 0.75
+    assert m["rollout/response_length/mean"] == 3
+    assert m["rollout/generated_tokens/mean"] == 2
+    assert m["rollout/turns/mean"] == 2 and m["rollout/tool_calls/mean"] == 1
+
+
+def test_broker_accounting_adds_up():
+    st = {"counters": {"issued": 10, "trained": 4, "dropped": 1, "reissued": 1},
+          "num_inflight_groups": 3, "num_buffered_groups": 1}
+    a = broker_accounting(st)
+    assert a["broker/issued_groups"] == a["broker/trained_groups"] + a["broker/dropped_groups"] + \
+        a["broker/held_groups"] + a["broker/reissued_groups"]
