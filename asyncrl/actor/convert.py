@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -237,23 +237,6 @@ def hf_state_to_megatron(hf_sd: dict[str, torch.Tensor], spec: ModelSpec, *, tp:
 def megatron_state_to_hf(mg_sd: dict[str, torch.Tensor], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in mg_sd.items():
         yield from megatron_to_hf(name, t, spec)
-
-
-def bucketize(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actor.convert import (
-    bucketize,
     canonical_megatron_name,
     hf_names_for,
     hf_to_megatron,
@@ -29,6 +28,7 @@ from asyncrl.actor.convert import (
     tp_shard,
 )
 from asyncrl.actor.model import ModelSpec
+from asyncrl.sync.bucketing import iter_buckets
 
 
 class HFCheckpointReader:
@@ -141,4 +141,4 @@ def iter_hf_buckets(
     tp: int,
     dtype: torch.dtype | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    yield from bucketize(iter_hf_tensors(model, spec, tp_group=tp_group, tp=tp, dtype=dtype), bucket_bytes)
+    yield from iter_buckets(iter_hf_tensors(model, spec, tp_group=tp_group, tp=tp, dtype=dtype), bucket_bytes)

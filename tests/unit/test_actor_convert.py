@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.actor.convert import (
-    bucketize,
     canonical_megatron_name,
     hf_state_to_megatron,
     main,
@@ -18,6 +17,7 @@ from asyncrl.actor.convert import (
 )
 from asyncrl.actor.model import ModelSpec, padded_vocab_size
 from asyncrl.models.tiny import make_tiny_checkpoint
+from asyncrl.sync.bucketing import iter_buckets
 
 
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen3", False), ("llama", False), ("llama", True)])
@@ -83,7 +83,7 @@ def test_spec_rejects_unsupported(tmp_path):
 
 def test_bucketize():
     items = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
-    buckets = list(bucketize(items, 100))  # bytes: 40, 40, 120, 20, 400, 4
+    buckets = list(iter_buckets(items, 100))  # bytes: 40, 40, 120, 20, 400, 4
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
     with pytest.raises(ValueError):
-        list(bucketize(items, 0))
+        list(iter_buckets(items, 0))
