@@ -9,6 +9,9 @@
   sample longer than the budget forms a micro-batch of its own).
 - ``pack``: one micro-batch as packed tensors (positions restart per sequence, block-diagonal
   causal mask) with the indices of the response tokens' predicting positions.
+- ``uniform_shape`` / ``pack_uniform``: micro-batches packed to one common ``[rows, row_len]``
+  shape (pipeline parallelism sends fixed-shape activations between stages); the extra rows and
+  columns are padding that no real token attends to.
 """
 
 from __future__ import annotations
@@ -188,3 +191,39 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
         seq_of_token=torch.tensor(seq_idx, dtype=torch.long),
         num_tokens=sum(lengths),
     )
+
+
+def pad_rows(packed: PackedBatch, rows: int) -> PackedBatch:
+    """Append padding rows (token 0, each row its own causal block) up to ``rows`` rows."""
+    R, C = packed.input_ids.shape
+    if rows < R:
+        raise ValueError(f"pad_rows: the batch has {R} rows, more than {rows}")
+    if rows == R:
+        return packed
+    extra = rows - R
+    causal = torch.triu(torch.ones(C, C, dtype=torch.bool), diagonal=1)
+    return PackedBatch(
+        input_ids=torch.cat([packed.input_ids, torch.zeros(extra, C, dtype=packed.input_ids.dtype)]),
+        position_ids=torch.cat([packed.position_ids, torch.arange(C).expand(extra, C)]),
+        attention_mask=torch.cat([packed.attention_mask, causal.expand(extra, 1, C, C)]),
+        pred_index=packed.pred_index,  # flat indices of the first R rows are unchanged
+        labels=packed.labels,
+        seq_of_token=packed.seq_of_token,
+        num_tokens=packed.num_tokens,
+    )
+
+
+def uniform_shape(mbs: Sequence[Sequence[Sequence[int]]]) -> tuple[int, int]:
+    """``(rows, row_len)`` that every micro-batch (a list of sequences) fits when packed at that row length."""
+    if not mbs:
+        return 0, 0
+    row_len = max(len(s) for seqs in mbs for s in seqs)
+    rows = max(len(_rows_first_fit([len(s) for s in seqs], row_len)) for seqs in mbs)
+    return rows, row_len
+
+
+def pack_uniform(
+    mbs: Sequence[tuple[Sequence[Sequence[int]], Sequence[int]]], *, rows: int, row_len: int
+) -> list[PackedBatch]:
+    """Each ``(sequences, prompt_lens)`` micro-batch packed to exactly ``[rows, row_len]``."""
+    return [pad_rows(pack(seqs, pl, row_len=row_len), rows) for seqs, pl in mbs]

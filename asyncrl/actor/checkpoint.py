@@ -6,6 +6,10 @@ A checkpoint is a directory::
     hf/                     the HF side files: config.json, tokenizer*, generation_config.json
     model_tp{R:02d}.safetensors   TP rank R's shard, canonical Megatron names (local layer spec)
     optim_tp{R:02d}.pt      Megatron optimizer state of TP rank R (absent in converted checkpoints)
+                            At PP > 1 both are per stage S: model_tp{R:02d}_pp{S:02d}.safetensors,
+                            optim_tp{R:02d}_pp{S:02d}.pt; layer names are global (HF layer index),
+                            and with tied embeddings the last stage's file also holds its copy as
+                            output_layer.weight (dropped when converting to HF).
     optim_rank{G:03d}.pt    with actor.use_distributed_optimizer: global rank G's shard of the
                             optimizer state (torch state + main params); resume needs the same DP
     sched.json              OptimizerParamScheduler state
@@ -45,12 +49,33 @@ HF_SIDE_FILES = (
 )
 
 
-def model_file(tp_rank: int) -> str:
-    return f"model_tp{tp_rank:02d}.safetensors"
+def _stage(pp_rank: int, pp: int) -> str:
+    return "" if pp == 1 else f"_pp{pp_rank:02d}"
 
 
-def optim_file(tp_rank: int) -> str:
-    return f"optim_tp{tp_rank:02d}.pt"
+def model_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
+    return f"model_tp{tp_rank:02d}{_stage(pp_rank, pp)}.safetensors"
+
+
+def optim_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
+    return f"optim_tp{tp_rank:02d}{_stage(pp_rank, pp)}.pt"
+
+
+def read_model_tensors(ckpt: Path, tp_rank: int, pp: int, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of TP rank ``tp_rank``, from the stage files of a checkpoint saved at PP=``pp``."""
+    from safetensors import safe_open
+
+    want = set(names)
+    out: dict[str, torch.Tensor] = {}
+    for s in range(pp):
+        path = Path(ckpt) / model_file(tp_rank, s, pp)
+        if not path.is_file():
+            raise ValueError(f"checkpoint file {str(path)!r} is missing")
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():
+                if k in want and k not in out:
+                    out[k] = f.get_tensor(k)
+    return out
 
 
 def optim_shard_file(rank: int) -> str:
@@ -131,8 +156,16 @@ def load_full_megatron(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     """Merge all TP shards of a checkpoint into full Megatron tensors."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
-    shards = [load_safetensors(ckpt / model_file(r)) for r in range(int(meta["tp"]))]
-    return {k: tp_merge(k, [s[k] for s in shards]) for k in shards[0]}, meta
+    pp = int(meta.get("pp", 1))
+    tied = ModelSpec.from_hf_config(load_hf_config(ckpt / "hf")).tie_word_embeddings if pp > 1 else False
+    full: dict[str, torch.Tensor] = {}
+    for s in range(pp):
+        shards = [load_safetensors(ckpt / model_file(r, s, pp)) for r in range(int(meta["tp"]))]
+        for k in shards[0]:
+            if tied and k == "output_layer.weight":  # the last stage's copy of the tied embeddings
+                continue
+            full[k] = tp_merge(k, [sh[k] for sh in shards])
+    return full, meta
 
 
 def actor_checkpoint_to_hf(ckpt: str | Path, out: str | Path) -> Path:

@@ -7,7 +7,8 @@ padding added so the vocabulary divides by TP) are excluded from the softmax. Di
 the sums across TP use Megatron's all-reduce-forward / identity-backward mapping, the right
 gradient when every TP rank computes the same loss (Megatron's convention).
 
-``forward_logprobs(model, packed, ...)``: one packed micro-batch through the GPTModel.
+``forward_logprobs(model, packed, ...)``: one packed micro-batch through the GPTModel;
+``logprobs_from_logits``: the same from the last pipeline stage's logits.
 """
 
 from __future__ import annotations
@@ -79,6 +80,30 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch."""
     logits = model(packed.input_ids, packed.position_ids, packed.attention_mask)  # [R, C, V_local]
+    return logprobs_from_logits(
+        logits,
+        packed,
+        vocab_start=vocab_start,
+        true_vocab=true_vocab,
+        tp_group=tp_group,
+        tp=tp,
+        with_entropy=with_entropy,
+        temperature=temperature,
+    )
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    packed: PackedBatch,
+    *,
+    vocab_start: int,
+    true_vocab: int,
+    tp_group=None,
+    tp: int = 1,
+    with_entropy: bool = True,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits``: [R, C, V_local] of a packed micro-batch -> log-probs [T] (and entropies)."""
     sel = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.pred_index)
     return vocab_parallel_logprobs(
         sel,

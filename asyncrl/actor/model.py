@@ -9,6 +9,7 @@ extra rows of the embedding and the output layer are zero and are stripped on ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,13 +108,27 @@ def check_parallel_sizes(spec: ModelSpec, *, tp: int, pp: int) -> None:
         raise ValueError(f"{key}={tp} must divide num_key_value_heads={spec.num_query_groups}")
     if spec.ffn_hidden_size % tp:
         raise ValueError(f"{key}={tp} must divide intermediate_size={spec.ffn_hidden_size}")
-    if pp != 1:
-        raise ValueError(f"actor.pipeline_model_parallel_size={pp}: only 1 is supported by this actor")
+    if pp < 1 or spec.num_layers % pp:
+        raise ValueError(
+            f"actor.pipeline_model_parallel_size={pp} must divide num_hidden_layers={spec.num_layers} "
+            "(the layers are split evenly over the pipeline stages)"
+        )
 
 
-def transformer_config(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype = torch.float32, **extra: Any):
+def layer_offset(spec: ModelSpec, *, pp: int, pp_rank: int) -> int:
+    """Index of pipeline stage ``pp_rank``'s first layer (HF layer index = offset + local index)."""
+    return pp_rank * (spec.num_layers // pp)
+
+
+def transformer_config(
+    spec: ModelSpec, *, tp: int, pp: int = 1, params_dtype: torch.dtype = torch.float32, **extra: Any
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if pp > 1:
+        # p2p between stages: batched isend/irecv (gloo supports it) without the
+        # torch.cuda.synchronize() Megatron adds after each batch (no CUDA stream to sync on CPU).
+        extra = {"batch_p2p_comm": True, "batch_p2p_sync": torch.cuda.is_available(), **extra}
     bf16 = params_dtype == torch.bfloat16
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -132,7 +147,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype = 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
         sequence_parallel=False,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype,
@@ -149,26 +164,46 @@ def transformer_config(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype = 
     )
 
 
-def build_gpt_model(spec: ModelSpec, *, tp: int, params_dtype: torch.dtype = torch.float32):
-    """A GPTModel (local layer spec) for this rank's TP shard; needs initialize_model_parallel."""
+def build_gpt_model(spec: ModelSpec, *, tp: int, pp: int = 1, params_dtype: torch.dtype = torch.float32):
+    """A GPTModel (local layer spec) for this rank's TP shard and pipeline stage.
+
+    Needs ``initialize_model_parallel``. At PP > 1 the stage holds layers
+    ``[layer_offset, layer_offset + num_layers / pp)`` (named ``decoder.layers.<local index>``), the
+    embedding on the first stage, the final norm and output layer on the last. Tied embeddings at
+    PP > 1 are handled as Megatron does: the last stage holds a copy of the word embeddings as its
+    ``output_layer.weight`` (``shared=True``, so the grad norm counts it once), made equal at
+    construction and kept equal by the embedding-group gradient all-reduce in
+    ``finalize_model_grads``.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    check_parallel_sizes(spec, tp=tp, pp=1)
-    cfg = transformer_config(spec, tp=tp, params_dtype=params_dtype)
+    check_parallel_sizes(spec, tp=tp, pp=pp)
+    cfg = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype)
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(spec.vocab_size, tp),
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
-        parallel_output=True,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
-    )
+    pre_process = post_process = True
+    build = contextlib.nullcontext()
+    if pp > 1:
+        from megatron.core import parallel_state as ps
+
+        from asyncrl.cluster.megatron_cpu import cuda_as_cpu
+
+        pre_process, post_process = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        # tied embeddings: Megatron moves the last stage's copy with `.data.cuda()` and all-reduces it
+        build = cuda_as_cpu()
+    with build:
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=layer_spec,
+            vocab_size=padded_vocab_size(spec.vocab_size, tp),
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        )
     _mark_tensor_parallel_params(model)
     return model
 

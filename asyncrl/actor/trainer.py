@@ -48,14 +48,38 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
 from asyncrl.actor import checkpoint as ckpt_io
-from asyncrl.actor.batch import PackedBatch, Sample, groups_to_samples, make_microbatches, pack, split_balanced
-from asyncrl.actor.logprobs import forward_logprobs
+from asyncrl.actor.batch import (
+    PackedBatch,
+    Sample,
+    groups_to_samples,
+    make_microbatches,
+    pack,
+    pack_uniform,
+    split_balanced,
+    uniform_shape,
+)
+from asyncrl.actor.logprobs import forward_logprobs, logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
-from asyncrl.actor.model import ModelSpec, build_gpt_model, load_hf_config, padded_vocab_size
-from asyncrl.actor.weights import iter_hf_buckets, load_hf_into_model, local_params
+from asyncrl.actor.model import (
+    ModelSpec,
+    build_gpt_model,
+    check_parallel_sizes,
+    layer_offset,
+    load_hf_config,
+    padded_vocab_size,
+)
+from asyncrl.actor.pipeline import StageInfo, agree_shape, gather_to_rank0, run_schedule
+from asyncrl.actor.weights import (
+    is_tied_output_copy,
+    iter_hf_buckets,
+    iter_hf_tensors,
+    load_hf_into_model,
+    local_params,
+)
 from asyncrl.broker.types import Group
 from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
 from asyncrl.config.schema import Config
+from asyncrl.sync.bucketing import iter_buckets
 
 log = logging.getLogger(__name__)
 
@@ -73,24 +97,33 @@ class Actor:
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.tp = acfg.tensor_model_parallel_size
-        if acfg.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"actor.pipeline_model_parallel_size={acfg.pipeline_model_parallel_size}: only 1 is supported"
-            )
+        self.pp = acfg.pipeline_model_parallel_size
         if self.world % self.tp:
             raise ValueError(f"actor.tensor_model_parallel_size={self.tp} must divide the {self.world} actor ranks")
-        self.dp = self.world // self.tp
+        if self.world % (self.tp * self.pp):
+            raise ValueError(
+                f"actor.tensor_model_parallel_size={self.tp} x actor.pipeline_model_parallel_size={self.pp} "
+                f"must divide the {self.world} actor ranks"
+            )
+        self.dp = self.world // (self.tp * self.pp)
         self.spec = ModelSpec.from_hf_config(load_hf_config(acfg.model_path))
+        check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp)
         self.model_path = Path(acfg.model_path)
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
-        elif ps.get_tensor_model_parallel_world_size() != self.tp:
-            raise RuntimeError("Megatron model parallelism is already initialised with another TP size")
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
+        elif (
+            ps.get_tensor_model_parallel_world_size() != self.tp
+            or ps.get_pipeline_model_parallel_world_size() != self.pp
+        ):
+            raise RuntimeError("Megatron model parallelism is already initialised with other TP/PP sizes")
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.runner.seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.layer_offset = layer_offset(self.spec, pp=self.pp, pp_rank=self.pp_rank)
+        self.stage: StageInfo | None = StageInfo.current() if self.pp > 1 else None
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, self.tp)
         self.vocab_start = self.tp_rank * (self.padded_vocab // self.tp)
         self.device = (
@@ -150,9 +183,17 @@ class Actor:
 
     # ------------------------------------------------------------------ model
     def _build_and_load(self) -> torch.nn.Module:
-        model = build_gpt_model(self.spec, tp=self.tp, params_dtype=self.dtype)
+        model = build_gpt_model(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.dtype)
         model.to(self.device)
-        load_hf_into_model(model, self.model_path, self.spec, tp_rank=self.tp_rank, tp=self.tp)
+        load_hf_into_model(
+            model,
+            self.model_path,
+            self.spec,
+            tp_rank=self.tp_rank,
+            tp=self.tp,
+            layer_offset=self.layer_offset,
+            pp=self.pp,
+        )
         return model
 
     @property
@@ -200,14 +241,113 @@ class Actor:
         for idx in make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch):
             mb = [samples[i] for i in idx]
             packed = pack([s.tokens for s in mb], [s.prompt_len for s in mb])
-            extra = {
-                "behav": torch.tensor([x for s in mb for x in s.rollout_logprobs], dtype=torch.float32),
-                "mask": torch.tensor([x for s in mb for x in s.loss_mask], dtype=torch.bool),
-                "agg": torch.tensor([x for s in mb for x in s.agg_weight], dtype=torch.float32),
-                "adv": torch.tensor([s.advantage for s in mb for _ in range(s.response_len)], dtype=torch.float32),
-            }
-            out.append((packed, {k: v.to(self.device) for k, v in extra.items()}))
+            out.append((packed, self._extras(mb)))
         return out
+
+    def _extras(self, mb: list[Sample]) -> dict[str, torch.Tensor]:
+        extra = {
+            "behav": torch.tensor([x for s in mb for x in s.rollout_logprobs], dtype=torch.float32),
+            "mask": torch.tensor([x for s in mb for x in s.loss_mask], dtype=torch.bool),
+            "agg": torch.tensor([x for s in mb for x in s.agg_weight], dtype=torch.float32),
+            "adv": torch.tensor([s.advantage for s in mb for _ in range(s.response_len)], dtype=torch.float32),
+        }
+        return {k: v.to(self.device) for k, v in extra.items()}
+
+    # ------------------------------------------------------------------ pipeline (PP > 1)
+    def _pack_uniform(self, mbs: list[tuple[list[list[int]], list[int]]]) -> tuple[list[PackedBatch], int, int]:
+        """Micro-batches packed to the one ``[rows, row_len]`` shape the whole pipeline agrees on."""
+        assert self.stage is not None
+        rows, row_len = agree_shape(*uniform_shape([seqs for seqs, _ in mbs]), self.stage)
+        if not mbs:
+            return [], rows, row_len
+        packed = [p.to(self.device) for p in pack_uniform(mbs, rows=rows, row_len=row_len)]
+        return packed, rows, row_len
+
+    def _pp_logprobs(self, model, packed: list[PackedBatch], rows: int, row_len: int, *, with_entropy: bool):
+        """Forward-only schedule: ``[(logp, ent)]`` per micro-batch on the last stage, ``[]`` elsewhere."""
+
+        def loss_fn(item, logits):
+            lp = logprobs_from_logits(
+                logits,
+                item.packed,
+                vocab_start=self.vocab_start,
+                true_vocab=self.spec.vocab_size,
+                tp_group=self.tp_group,
+                tp=self.tp,
+                with_entropy=with_entropy,
+                temperature=self.temperature,
+            )
+            return torch.zeros((), device=logits.device), lp
+
+        with torch.no_grad():
+            return run_schedule(
+                model, [_Item(p) for p in packed], loss_fn=loss_fn, rows=rows, row_len=row_len, forward_only=True
+            )
+
+    def _accumulate_grads_pp(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:
+        """Forward/backward of this DP rank's samples through the pipeline (1F1B).
+
+        Returns the loss sums (broadcast from the last stage, so every stage has them), the number
+        of real tokens and of micro-batches.
+        """
+        assert self.stage is not None
+        a = self.cfg.algorithm
+        idxs = make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch)
+        mbs = [[samples[i] for i in idx] for idx in idxs]
+        packed, rows, row_len = self._pack_uniform([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
+        items = [_Item(p, self._extras(mb) if self.stage.is_last else None) for p, mb in zip(packed, mbs)]
+        if a.off_policy_correction != "none":
+            for it, lp in zip(items, self._pp_logprobs(self.model, packed, rows, row_len, with_entropy=False)):
+                it.prox = lp[0].float()
+        if self.ref_model is not None:
+            for it, lp in zip(items, self._pp_logprobs(self.ref_model, packed, rows, row_len, with_entropy=False)):
+                it.ref = lp[0].float()
+        n_mb = len(items)
+
+        def loss_fn(item, logits):
+            logp, ent = logprobs_from_logits(
+                logits,
+                item.packed,
+                vocab_start=self.vocab_start,
+                true_vocab=self.spec.vocab_size,
+                tp_group=self.tp_group,
+                tp=self.tp,
+                with_entropy=True,
+                temperature=self.temperature,
+            )
+            x = item.extra
+            out = policy_loss(
+                logp,
+                behav_logp=x["behav"],
+                prox_logp=item.prox,
+                advantages=x["adv"],
+                agg_weight=x["agg"],
+                mask=x["mask"],
+                clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high,
+                dual_clip=a.dual_clip,
+                off_policy_correction=a.off_policy_correction,
+                tis_cap=a.tis_cap,
+                entropy=ent,
+                entropy_coef=a.entropy_coef,
+                ref_logp=item.ref,
+                kl_coef=a.kl_coef,
+                kl_estimator=a.kl_estimator,
+            )
+            # As at PP=1 (x DP: DDP averages over DP ranks); x n_mb undoes the schedule's
+            # division of every micro-batch's loss by the number of micro-batches.
+            return out.loss * (self.dp * n_mb), out.sums
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        data = run_schedule(self.ddp, items, loss_fn=loss_fn, rows=rows, row_len=row_len, forward_only=False)
+        sums: dict[str, float] = defaultdict(float)
+        for d in data:
+            for k, v in d.items():
+                sums[k] += v
+        vec = torch.tensor([sums.get(k, 0.0) for k in SUM_KEYS], dtype=torch.float64)
+        dist.broadcast(vec, src=self.stage.last_rank, group=self.stage.group)
+        return dict(zip(SUM_KEYS, vec.tolist())), sum(p.num_tokens for p in packed), n_mb
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -220,6 +360,8 @@ class Actor:
         """
         lens = [len(s) for s in sequences]
         out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        if self.stage is not None:
+            return self._compute_logprobs_pp(sequences, prompt_lens, with_entropy=with_entropy)
         for idx in make_microbatches(lens, self.cfg.actor.max_tokens_per_microbatch):
             packed = pack([sequences[i] for i in idx], [prompt_lens[i] for i in idx])
             logp, ent = self._logprobs(self.model, packed, with_entropy=with_entropy)
@@ -233,11 +375,27 @@ class Actor:
                 )
         return out
 
-    def train_step(self, groups: Sequence[Group] | None, *, step: int | None = None) -> dict[str, float]:
-        """One optimizer step on a batch of groups (see the module contract)."""
-        t0 = time.perf_counter()
+    def _compute_logprobs_pp(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, with_entropy: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        assert self.stage is not None
+        idxs = make_microbatches([len(s) for s in sequences], self.cfg.actor.max_tokens_per_microbatch)
+        packed, rows, row_len = self._pack_uniform(
+            [([list(sequences[i]) for i in idx], [prompt_lens[i] for i in idx]) for idx in idxs]
+        )
+        results = self._pp_logprobs(self.model, packed, rows, row_len, with_entropy=with_entropy)
+        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for idx, p, (logp, ent) in zip(idxs, packed, results):  # empty except on the last stage
+            for k in range(len(idx)):
+                sel = (p.seq_of_token == k).to(logp.device)
+                out.append((logp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu()))
+        payload: list[Any] = [out]
+        dist.broadcast_object_list(payload, src=self.stage.last_rank, group=self.stage.group)
+        return payload[0]
+
+    def _accumulate_grads(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:
+        """Forward/backward of this DP rank's samples, micro-batch by micro-batch (PP = 1)."""
         a = self.cfg.algorithm
-        samples = self._distribute(groups)
         mbs = self._microbatches(samples)
         prox: list[torch.Tensor | None] = [None] * len(mbs)
         ref: list[torch.Tensor | None] = [None] * len(mbs)
@@ -277,8 +435,19 @@ class Actor:
             for k, v in out.sums.items():
                 sums[k] += v
             num_seq_tokens += packed.num_tokens
+        return sums, num_seq_tokens, len(mbs)
+
+    def train_step(self, groups: Sequence[Group] | None, *, step: int | None = None) -> dict[str, float]:
+        """One optimizer step on a batch of groups (see the module contract)."""
+        t0 = time.perf_counter()
+        samples = self._distribute(groups)
+        if self.stage is None:
+            sums, num_seq_tokens, num_mbs = self._accumulate_grads(samples)
+        else:
+            sums, num_seq_tokens, num_mbs = self._accumulate_grads_pp(samples)
         # DP all-reduce of the grad buffers, plus the TP all-reduce of replicated weights whose
-        # gradient is partial per TP rank (Qwen3's q/k norms).
+        # gradient is partial per TP rank (Qwen3's q/k norms), and (PP > 1, tied embeddings) the
+        # embedding-group all-reduce that keeps the last stage's copy of the embeddings in sync.
         finalize_model_grads([self.ddp])
 
         keys = SUM_KEYS  # fixed order: a rank without samples still joins the all-reduce
@@ -327,7 +496,7 @@ class Actor:
                 "train/lr": self.lr,
                 "train/tokens_per_s": global_tokens / dt if dt > 0 else 0.0,
                 "train/num_seq_tokens": global_tokens,
-                "train/num_microbatches": float(len(mbs)),
+                "train/num_microbatches": float(num_mbs),
                 "train/step_skipped": 0.0 if applied or empty else 1.0,
                 "train/empty_batch": 1.0 if empty else 0.0,
                 "train/skipped_steps": float(self.num_skipped_steps),
@@ -339,8 +508,16 @@ class Actor:
     def iter_hf_buckets(
         self, bucket_bytes: int, *, dtype: torch.dtype | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-named weights in buckets (collective over TP: every actor rank iterates it all)."""
-        yield from iter_hf_buckets(self.model, self.spec, bucket_bytes, tp_group=self.tp_group, tp=self.tp, dtype=dtype)
+        """Full HF-named weights in buckets (collective: every actor rank iterates it all)."""
+        if self.stage is None:
+            yield from iter_hf_buckets(
+                self.model, self.spec, bucket_bytes, tp_group=self.tp_group, tp=self.tp, dtype=dtype
+            )
+            return
+        own = iter_hf_tensors(
+            self.model, self.spec, tp_group=self.tp_group, tp=self.tp, dtype=dtype, layer_offset=self.layer_offset
+        )
+        yield from iter_buckets(gather_to_rank0(own, self.stage), bucket_bytes)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | Path, *, step: int | None = None) -> Path:
@@ -350,10 +527,10 @@ class Actor:
             d.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         if self.dp_rank == 0:
-            shard = {name: p.detach() for name, p in local_params(self.model)}
-            ckpt_io.save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank))
+            shard = {name: p.detach() for name, p in local_params(self.model, self.layer_offset)}
+            ckpt_io.save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank, self.pp_rank, self.pp))
             if not self.cfg.actor.use_distributed_optimizer:
-                _atomic_save(self.optimizer.state_dict(), d / ckpt_io.optim_file(self.tp_rank))
+                _atomic_save(self.optimizer.state_dict(), d / ckpt_io.optim_file(self.tp_rank, self.pp_rank, self.pp))
         if self.cfg.actor.use_distributed_optimizer:  # each DP rank holds its own shard of the state
             _atomic_save(self._optimizer_shard_state(), d / ckpt_io.optim_shard_file(self.rank))
         torch.save(_rng_state(), d / ckpt_io.rng_file(self.rank))
@@ -373,7 +550,7 @@ class Actor:
                     "step": self._step if step is None else int(step),
                     "weight_version": self._version,
                     "tp": self.tp,
-                    "pp": 1,
+                    "pp": self.pp,
                     "dp": self.dp,
                     "padded_vocab_size": self.padded_vocab,
                     "num_skipped_steps": self.num_skipped_steps,
@@ -418,12 +595,25 @@ class Actor:
                 f"checkpoint {str(d)!r} has TP={meta['tp']} but actor.tensor_model_parallel_size={self.tp}: "
                 "convert it with `python -m asyncrl.actor.convert actor-to-hf` and start from the HF export"
             )
-        shard = ckpt_io.load_safetensors(d / ckpt_io.model_file(self.tp_rank))
+        pp_saved = int(meta.get("pp", 1))
+        if self.pp == 1 and pp_saved == 1:
+            shard = ckpt_io.load_safetensors(d / ckpt_io.model_file(self.tp_rank))
+        else:  # this stage's tensors, from whichever stage file holds them (any saved PP)
+            names = [n for n, _ in local_params(self.model, self.layer_offset)]
+            shard = ckpt_io.read_model_tensors(d, self.tp_rank, pp_saved, names)
         with torch.no_grad():
-            for name, p in local_params(self.model):
+            for name, p in local_params(self.model, self.layer_offset):
+                if name not in shard and is_tied_output_copy(name, self.spec):
+                    name = "embedding.word_embeddings.weight"  # a checkpoint saved at PP=1
                 if name not in shard:
                     raise KeyError(f"checkpoint {str(d)!r} lacks {name}")
                 p.copy_(shard[name].to(p.dtype))
+        if meta.get("has_optimizer") and pp_saved != self.pp:
+            raise ValueError(
+                f"checkpoint {str(d)!r} has PP={pp_saved} but actor.pipeline_model_parallel_size={self.pp}: "
+                "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert "
+                "actor-to-hf` and start from the HF export"
+            )
         if meta.get("has_optimizer"):
             dopt = bool(meta.get("distributed_optimizer", False))
             if dopt != self.cfg.actor.use_distributed_optimizer or (dopt and meta.get("dp") != self.dp):
@@ -436,7 +626,9 @@ class Actor:
                 shard = torch.load(d / ckpt_io.optim_shard_file(self.rank), map_location="cpu", weights_only=False)
                 self._load_optimizer_shard_state(shard)
             else:
-                state = torch.load(d / ckpt_io.optim_file(self.tp_rank), map_location="cpu", weights_only=False)
+                state = torch.load(
+                    d / ckpt_io.optim_file(self.tp_rank, self.pp_rank, self.pp), map_location="cpu", weights_only=False
+                )
                 with cuda_as_cpu():
                     self.optimizer.load_state_dict(state)
             # Megatron's load_state_dict *adds* the saved step count to the current one
@@ -454,6 +646,16 @@ class Actor:
         self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
         dist.barrier()
         return meta
+
+
+class _Item:
+    """One pipeline micro-batch: the packed tokens (every stage) and the loss inputs (last stage)."""
+
+    def __init__(self, packed: PackedBatch, extra: dict[str, torch.Tensor] | None = None):
+        self.packed = packed
+        self.extra = extra
+        self.prox: torch.Tensor | None = None
+        self.ref: torch.Tensor | None = None
 
 
 def _atomic_save(obj: Any, path: Path) -> None:

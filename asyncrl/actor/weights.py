@@ -8,11 +8,18 @@
   in the same order.
 - ``iter_hf_tensors`` / ``iter_hf_buckets``: the same as HF-named tensors, vocab padding stripped,
   grouped in buckets of at most ``bucket_bytes``.
+
+Pipeline parallelism: a stage's parameters are named ``decoder.layers.<local index>`` by Megatron;
+``layer_offset`` (the stage's first global layer) turns them into the global names used
+everywhere else (HF layer index = offset + local index). With tied embeddings the last stage's
+``output_layer.weight`` is Megatron's copy of the word embeddings: it loads from
+``model.embed_tokens.weight`` and is never exported (the first stage's embedding is).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +36,8 @@ from asyncrl.actor.convert import (
 )
 from asyncrl.actor.model import ModelSpec
 from asyncrl.sync.bucketing import iter_buckets
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 class HFCheckpointReader:
@@ -68,23 +77,53 @@ class HFCheckpointReader:
         return self._handles[fname].get_tensor(name)  # type: ignore[attr-defined]
 
 
-def local_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """(canonical Megatron name, parameter) of this rank's shard, in model order."""
-    return [(canonical_megatron_name(n), p) for n, p in model.named_parameters()]
+def global_layer_name(name: str, layer_offset: int) -> str:
+    """``decoder.layers.<local>.x`` -> ``decoder.layers.<layer_offset + local>.x`` (other names unchanged)."""
+    if layer_offset == 0:
+        return name
+    m = _LAYER_NAME.match(name)
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}" if m else name
+
+
+def local_params(model: torch.nn.Module, layer_offset: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
+    """(canonical global Megatron name, parameter) of this rank's shard, in model order."""
+    return [(global_layer_name(canonical_megatron_name(n), layer_offset), p) for n, p in model.named_parameters()]
+
+
+def is_tied_output_copy(name: str, spec: ModelSpec) -> bool:
+    """The last pipeline stage's copy of tied word embeddings (Megatron keeps it in sync)."""
+    return spec.tie_word_embeddings and name == "output_layer.weight"
+
+
+def _hf_parts(name: str, spec: ModelSpec) -> list[str]:
+    return ["model.embed_tokens.weight"] if is_tied_output_copy(name, spec) else hf_names_for(name, spec)
 
 
 @torch.no_grad()
-def load_hf_into_model(model: torch.nn.Module, path: str | Path, spec: ModelSpec, *, tp_rank: int, tp: int) -> None:
+def load_hf_into_model(
+    model: torch.nn.Module,
+    path: str | Path,
+    spec: ModelSpec,
+    *,
+    tp_rank: int,
+    tp: int,
+    layer_offset: int = 0,
+    pp: int = 1,
+) -> None:
     reader = HFCheckpointReader(path)
     seen = set()
-    for name, param in local_params(model):
-        parts = hf_names_for(name, spec)
+    for name, param in local_params(model, layer_offset):
+        parts = _hf_parts(name, spec)
         full = hf_to_megatron(name, [reader.get(p) for p in parts], spec, tp=tp)
         shard = tp_shard(name, full, rank=tp_rank, tp=tp)
         if shard.shape != param.shape:
             raise ValueError(f"{name}: checkpoint shard {tuple(shard.shape)} != model {tuple(param.shape)}")
         param.copy_(shard.to(param.dtype))
         seen.update(parts)
+    if pp > 1:  # this stage reads only its own tensors: check against the whole model's
+        from asyncrl.actor.convert import megatron_param_names
+
+        seen = {p for n in megatron_param_names(spec) for p in hf_names_for(n, spec)}
     unknown = set(reader.keys()) - seen
     if spec.tie_word_embeddings:
         unknown.discard("lm_head.weight")
@@ -106,10 +145,10 @@ def load_megatron_full_into_model(
 
 @torch.no_grad()
 def iter_full_megatron(
-    model: torch.nn.Module, *, tp_group: dist.ProcessGroup | None, tp: int
+    model: torch.nn.Module, *, tp_group: dist.ProcessGroup | None, tp: int, layer_offset: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full Megatron tensors (TP all-gather). Collective over the TP group."""
-    for name, param in local_params(model):
+    for name, param in local_params(model, layer_offset):
         local = param.detach().contiguous()
         if tp == 1:
             yield name, local.clone()
@@ -126,8 +165,11 @@ def iter_hf_tensors(
     tp_group: dist.ProcessGroup | None,
     tp: int,
     dtype: torch.dtype | None = None,
+    layer_offset: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, full in iter_full_megatron(model, tp_group=tp_group, tp=tp):
+    for name, full in iter_full_megatron(model, tp_group=tp_group, tp=tp, layer_offset=layer_offset):
+        if is_tied_output_copy(name, spec):
+            continue
         for hf_name, t in megatron_to_hf(name, full, spec):
             yield hf_name, (t if dtype is None else t.to(dtype))
 

@@ -20,7 +20,15 @@ What is patched (process-wide, CPU only), and why:
    called after ``initialize_model_parallel``.
 3. ``transformer.utils.get_default_causal_mask`` (used when ``attention_mask=None``) builds its
    mask on CPU instead of ``device="cuda"``.
-4. Inside ``cuda_as_cpu()``: factory calls with ``device="cuda"`` get ``device="cpu"``;
+4. Pipeline parallelism: ``pipeline_parallel.schedules`` allocates its token counter with
+   ``torch.zeros(..., device="cuda")`` (``forward_backward_pipelining_without_interleaving``);
+   that module's ``torch`` name is replaced by a proxy of torch whose ``zeros``/``ones``/
+   ``empty``/``tensor`` map a CUDA device to CPU (everything else is torch itself). The p2p
+   receive buffers use ``torch.cuda.current_device()`` (shim 1); the actor turns Megatron's
+   ``torch.cuda.synchronize()`` after batched p2p off with ``batch_p2p_sync=False`` on CPU.
+   ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings at PP > 1) calls
+   ``weight.data.cuda()``: build such a model inside ``cuda_as_cpu()``.
+5. Inside ``cuda_as_cpu()``: factory calls with ``device="cuda"`` get ``device="cpu"``;
    ``Tensor.cuda()`` returns the tensor; ``Tensor.type()`` on a CPU tensor reports the CUDA type
    name (Megatron asserts ``grad.type() == "torch.cuda.FloatTensor"``); ``Tensor.is_cuda`` is
    True (so the optimizer's offload/reload helpers leave CPU tensors alone).
@@ -127,6 +135,11 @@ def apply_cpu_shims() -> bool:
     tutils.get_default_causal_mask = _causal_mask_cpu
     fused_softmax.get_default_causal_mask = _causal_mask_cpu
 
+    # 4. The pipeline schedules' `device="cuda"` token counter.
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchWithCpuFactories()
+
     _APPLIED = True
     return True
 
@@ -139,6 +152,25 @@ def _cpuify_device(dev: Any) -> Any:
     if isinstance(dev, int):  # an int device means a CUDA ordinal to torch factories
         return "cpu"
     return dev
+
+
+class _TorchWithCpuFactories:
+    """``torch`` for one Megatron module: its tensor factories put ``device="cuda"`` on CPU."""
+
+    _FACTORIES = frozenset({"zeros", "ones", "empty", "tensor", "full"})
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        @functools.wraps(attr)
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = _cpuify_device(kwargs["device"])
+            return attr(*args, **kwargs)
+
+        return factory
 
 
 _IS_CUDA_GET = torch.Tensor.is_cuda.__get__  # compared with ==: each access makes a new method-wrapper
