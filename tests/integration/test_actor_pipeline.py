@@ -7,11 +7,14 @@ one training step (metrics and weights); the same for a Llama with tied embeddin
 stage's copy of the word embeddings, kept in sync by the embedding-group all-reduce). Then a PP=2
 checkpoint: save after step 1, train step 2; a fresh actor loads the checkpoint and redoes step 2
 (decoupled PPO + KL to a reference model: forward-only schedules inside the step) bit-identically.
-Launch 2 (4 ranks): TP=2 x PP=2 against TP=2 x DP=2 (log-probs, one step, export).
+Launch 2 (4 ranks): TP=2 x PP=2 and PP=2 x DP=2 against TP=2 x DP=2 (log-probs before and after
+one step, the step's metrics and weights, the export), and a one-sequence batch at PP=2 x DP=2
+(one pipeline has no sample).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -39,7 +42,7 @@ def _cfg(hf: str, *, tp: int = 1, pp: int = 1, **algo):
     )
 
 
-def _run(hf: str, tp: int, pp: int, seqs, prompt_lens, groups) -> dict:
+def _run(hf: str, tp: int, pp: int, seqs, prompt_lens, groups, *, one_sequence: bool = False) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -50,12 +53,21 @@ def _run(hf: str, tp: int, pp: int, seqs, prompt_lens, groups) -> dict:
     lps = actor.compute_logprobs(seqs, prompt_lens, with_entropy=True)
     metrics = actor.train_step(groups if dist.get_rank() == 0 else None)
     b1 = list(actor.iter_hf_buckets(1 << 30))
+    # after the step (with tied embeddings: the last stage's copy must have moved with the embedding)
+    lps_after = actor.compute_logprobs(seqs[:4], prompt_lens[:4])
+    one = None
+    if one_sequence:  # one DP rank's pipeline gets no sample: it skips the schedule, joins the rest
+        batch = [copy.copy(groups[1])]
+        batch[0].trajectories = groups[1].trajectories[:1]
+        one = actor.train_step(batch if dist.get_rank() == 0 else None)["train/num_tokens"]
     ps.destroy_model_parallel()
     return {
         "export0": [[(k, v) for k, v in b] for b in b0],
         "lps": lps,
+        "lps_after": lps_after,
         "metrics": metrics,
         "weights": {k: v for b in b1 for k, v in b},
+        "one": one,
     }
 
 
@@ -78,6 +90,7 @@ def _compare(r1: dict, r2: dict, hf: str) -> dict:
         "lp": maxdiff([x[0] for x in r1["lps"]], [x[0] for x in r2["lps"]]),
         "ent": maxdiff([x[1] for x in r1["lps"]], [x[1] for x in r2["lps"]]),
         "n_lps": [len(r1["lps"]), len(r2["lps"])],
+        "lp_after": maxdiff([x[0] for x in r1["lps_after"]], [x[0] for x in r2["lps_after"]]),
         "metrics": {k: [m1[k], m2[k]] for k in keys},
         "num_microbatches": m2["train/num_microbatches"],
         "w": max((r1["weights"][k] - r2["weights"][k]).abs().max().item() for k in w0),
@@ -118,7 +131,8 @@ def _resume(hf: str, work: Path, vocab: int) -> dict:
     return {
         "same_metrics": first == again,
         "kl": first["train/kl"],
-        "same_weights": sorted(w_first) == sorted(w_again) and all(torch.equal(w_first[k], w_again[k]) for k in w_first),
+        "same_weights": sorted(w_first) == sorted(w_again)
+        and all(torch.equal(w_first[k], w_again[k]) for k in w_first),
         "meta_pp": meta["pp"],
         "w_ckpt": w_first,
     }
@@ -138,11 +152,16 @@ def main() -> None:
         groups = synthetic_groups(seed=GROUP_SEED, num_groups=4, group_size=4, vocab_size=vocab)
         seqs = [t.prompt_ids + t.response_ids for g in groups[:2] for t in g.trajectories]
         prompt_lens = [len(t.prompt_ids) for g in groups[:2] for t in g.trajectories]
-        tp = 2 if mode == "tp2" else 1
+        tp = 2 if mode == "four_ranks" else 1
         r1 = _run(hf, tp, 1, seqs, prompt_lens, groups)
         r2 = _run(hf, tp, 2, seqs, prompt_lens, groups)
         if rank == 0:
             res[hf] = _compare(r1, r2, hf)
+        if mode == "four_ranks":  # PP=2 x DP=2 (TP=1): DP replicas of a pipeline
+            r3 = _run(hf, 1, 2, seqs, prompt_lens, groups, one_sequence=True)
+            if rank == 0:
+                res["dp2"] = _compare(r1, r3, hf)
+                res["dp2_one_tokens"] = r3["one"]
     if mode == "pp2":
         vocab = json.loads((Path(hfs[0]) / "config.json").read_text())["vocab_size"]
         r = _resume(hfs[0], out.parent, vocab)
@@ -158,7 +177,7 @@ def main() -> None:
 def _check(r: dict) -> None:
     assert r["buckets_equal"] and r["export_exact"] and r["names"], r
     assert r["n_lps"][0] == r["n_lps"][1] == 8
-    assert r["lp"] < 1e-5 and r["ent"] < 1e-5, r
+    assert r["lp"] < 1e-5 and r["ent"] < 1e-5 and r["lp_after"] < 1e-5, r
     for k, (a, b) in r["metrics"].items():
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (k, a, b)
     assert r["num_microbatches"] >= 2  # the token budget split the batch: 1F1B over several micro-batches
@@ -192,14 +211,17 @@ def test_actor_pp2_equals_pp1_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_actor_tp2_pp2_on_four_ranks(tmp_path):
+def test_actor_tp2_pp2_and_pp2_dp2_on_four_ranks(tmp_path):
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "qwen3", arch="qwen3", num_hidden_layers=2, vocab_size=1000, seed=3)
     out = tmp_path / "out.json"
-    proc = proc_helpers.run_torchrun(Path(__file__), ["tp2", str(out), str(hf)], nproc=4)
+    proc = proc_helpers.run_torchrun(Path(__file__), ["four_ranks", str(out), str(hf)], nproc=4)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    _check(json.loads(out.read_text())[str(hf)])
+    r = json.loads(out.read_text())
+    _check(r[str(hf)])  # TP=2 x PP=2 == TP=2 x DP=2
+    _check(r["dp2"])  # PP=2 x DP=2 == TP=2 x DP=2
+    assert r["dp2_one_tokens"] > 0
 
 
 if __name__ == "__main__":

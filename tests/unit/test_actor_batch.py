@@ -4,7 +4,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.actor.batch import groups_to_samples, make_microbatches, pack, split_balanced
+from asyncrl.actor.batch import (
+    groups_to_samples,
+    make_microbatches,
+    pack,
+    pack_uniform,
+    split_balanced,
+    uniform_shape,
+)
 from asyncrl.actor.synthetic import synthetic_groups
 
 
@@ -96,3 +103,20 @@ def test_split_and_microbatch_invariants(counts, parts, budget):
     mbs = make_microbatches(counts, budget)
     assert [i for mb in mbs for i in mb] == list(range(len(counts)))  # order kept, nothing lost
     assert all(len(mb) == 1 or sum(counts[i] for i in mb) <= budget for mb in mbs)
+
+
+def test_pack_uniform_pads_to_one_shape_without_moving_tokens():
+    mbs = [([[5, 6, 7, 8, 9], [1, 2]], [2, 1]), ([[3, 4, 5]], [1]), ([[1, 2, 3], [4, 5, 6], [7, 8]], [1, 1, 1])]
+    rows, row_len = uniform_shape([seqs for seqs, _ in mbs])
+    assert (rows, row_len) == (2, 5)  # the longest sequence; first fit at that length needs 2 rows at most
+    packed = pack_uniform(mbs, rows=3, row_len=6)  # a larger agreed shape also works
+    for (seqs, pl), p in zip(mbs, packed):
+        assert p.input_ids.shape == (3, 6) and p.attention_mask.shape == (3, 1, 6, 6)
+        flat = p.input_ids.reshape(-1)
+        assert p.labels.tolist() == [t for s, n in zip(seqs, pl) for t in s[n:]]
+        # each response token is predicted from the position just before it, in its own sequence
+        assert all(flat[i + 1].item() == lab for i, lab in zip(p.pred_index.tolist(), p.labels.tolist()))
+        assert p.num_tokens == sum(len(s) for s in seqs)
+        # no query row is fully masked (padding rows are their own causal blocks)
+        assert not p.attention_mask.all(dim=-1).any()
+    assert uniform_shape([]) == (0, 0)

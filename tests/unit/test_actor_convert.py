@@ -81,6 +81,20 @@ def test_spec_rejects_unsupported(tmp_path):
         check_parallel_sizes(ModelSpec.from_hf_config(cfg), tp=4, pp=1)
 
 
+def test_pipeline_sizes_and_layer_offsets(tmp_path):
+    from asyncrl.actor.model import check_parallel_sizes, layer_offset
+    from asyncrl.actor.weights import global_layer_name
+
+    cfg = json.loads((make_tiny_checkpoint(tmp_path, num_hidden_layers=4) / "config.json").read_text())
+    spec = ModelSpec.from_hf_config({**cfg, "num_hidden_layers": 6})
+    check_parallel_sizes(spec, tp=1, pp=3)  # 6 layers over 3 stages
+    with pytest.raises(ValueError, match=r"actor.pipeline_model_parallel_size=4 must divide num_hidden_layers=6"):
+        check_parallel_sizes(spec, tp=1, pp=4)
+    assert [layer_offset(spec, pp=3, pp_rank=r) for r in range(3)] == [0, 2, 4]
+    assert global_layer_name("decoder.layers.1.mlp.linear_fc1.weight", 4) == "decoder.layers.5.mlp.linear_fc1.weight"
+    assert global_layer_name("decoder.final_layernorm.weight", 4) == "decoder.final_layernorm.weight"
+
+
 def test_bucketize():
     items = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
     buckets = list(iter_buckets(items, 100))  # bytes: 40, 40, 120, 20, 400, 4
