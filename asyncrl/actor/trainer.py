@@ -4,8 +4,10 @@ Contract
 - Process group: the actor ranks are the default ``torch.distributed`` world (the launcher calls
   ``init_process_group`` on the actor ranks only; tests do it under torchrun). ``Actor(cfg)``
   initialises Megatron's model parallelism on that world: TP = ``actor.tensor_model_parallel_size``,
-  DP = world / TP (PP must be 1). On a machine without CUDA the shims of
-  ``asyncrl.cluster.megatron_cpu`` are applied and everything runs in fp32 on gloo.
+  PP = ``actor.pipeline_model_parallel_size``, DP = world / (TP * PP); TP * PP must divide the
+  actor ranks and PP must divide the number of layers (split evenly; HF layer index = stage offset
+  + local index). On a machine without CUDA the shims of ``asyncrl.cluster.megatron_cpu`` are
+  applied and everything runs in fp32 on gloo.
 - Every public method is collective: **all actor ranks call it, in the same order**.
   ``train_step(groups)``: only global rank 0's ``groups`` are used (others pass ``None``); rank 0
   turns them into samples (GRPO advantages, global aggregation weights), splits them across DP
@@ -16,12 +18,27 @@ Contract
   ``train/skipped_steps`` counts it). A batch without any trained token makes no update
   (``train/empty_batch``). A DP rank that gets no sample still joins every collective. Every rank
   returns the same metrics dict. Log-probs are computed at ``rollout.sampling.temperature``.
+- Pipeline parallelism (PP > 1): the first stage holds the embedding, the last the final norm and
+  output layer (with tied embeddings, Megatron's copy of the word embeddings, kept equal through
+  the embedding-group gradient all-reduce). Log-probs and the training step go through
+  megatron-core's ``get_forward_backward_func()`` (1F1B; forward-only for log-probs,
+  ``asyncrl.actor.pipeline``) with p2p on gloo; each step's token-budget micro-batches are packed
+  to one ``[rows, row_len]`` shape agreed over the pipeline group. The loss is computed on the last
+  stage and its sums are broadcast to the other stages; the grad norm (clipping, the finite check)
+  is Megatron's, over the model-parallel (TP x PP) group. PP = 1 keeps the plain per-micro-batch
+  loop. ``compute_logprobs`` results are broadcast from the last stage, so every rank gets them.
 - ``version`` is the weight version: the number of ``train_step`` calls so far (a skipped step
   still counts: the version names the step, the weights are simply unchanged), restored on resume.
 - ``iter_hf_buckets(bucket_bytes)``: a generator of buckets (lists of ``(hf_name, full tensor)``,
-  vocab padding stripped, at most ``bucket_bytes`` each unless one tensor is larger). Collective
-  over the TP group: **every actor rank must iterate it to the end**; every rank receives the same
-  full tensors; global rank 0 is the one that sends them on (weight sync, HF export).
+  vocab padding stripped, at most ``bucket_bytes`` each unless one tensor is larger). Collective:
+  **every actor rank must iterate it to the end**. Global rank 0 receives every full tensor, in
+  the same order and buckets at any TP/PP, and is the one that sends them on (weight sync, HF
+  export). At PP = 1 every rank receives the same full tensors; at PP > 1 each stage's TP-rank-0 /
+  DP-rank-0 sends its stage's full tensors to global rank 0 point to point, stage by stage, and
+  the other ranks receive only their own stage's.
+- Checkpoints (``save_checkpoint`` / ``load_checkpoint``, collective): per-TP-rank model and
+  optimizer files, per stage at PP > 1 (``asyncrl.actor.checkpoint``); resuming needs the same
+  TP and PP (and DP with the distributed optimizer); a model-only checkpoint loads at any PP.
 
 Example (on every actor rank, after ``dist.init_process_group``)::
 
