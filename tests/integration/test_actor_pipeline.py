@@ -9,7 +9,8 @@ checkpoint: save after step 1, train step 2; a fresh actor loads the checkpoint 
 (decoupled PPO + KL to a reference model: forward-only schedules inside the step) bit-identically.
 Launch 2 (4 ranks): TP=2 x PP=2 and PP=2 x DP=2 against TP=2 x DP=2 (log-probs before and after
 one step, the step's metrics and weights, the export), and a one-sequence batch at PP=2 x DP=2
-(one pipeline has no sample).
+(one pipeline has no sample); the distributed optimizer at PP=2 x DP=2: save, step, reload, redo
+the step, identical.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 GROUP_SEED = 11
 
 
-def _cfg(hf: str, *, tp: int = 1, pp: int = 1, **algo):
+def _cfg(hf: str, *, tp: int = 1, pp: int = 1, save_hf: bool = False, **algo):
     from asyncrl.actor.synthetic import tiny_actor_config
 
     return tiny_actor_config(
@@ -38,7 +39,7 @@ def _cfg(hf: str, *, tp: int = 1, pp: int = 1, **algo):
             "adam_eps": 1e-6,
         },
         algorithm={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "entropy_coef": 0.01, **algo},
-        runner={"max_steps": 4},
+        runner={"max_steps": 4, "save_hf": save_hf},
     )
 
 
@@ -108,7 +109,7 @@ def _resume(hf: str, work: Path, vocab: int) -> dict:
     from asyncrl.actor.trainer import Actor
 
     rank = dist.get_rank()
-    cfg = _cfg(hf, pp=2, off_policy_correction="decoupled", kl_coef=0.05, tis_cap=3.0)
+    cfg = _cfg(hf, pp=2, save_hf=True, off_policy_correction="decoupled", kl_coef=0.05, tis_cap=3.0)
 
     def batch(s):
         return synthetic_groups(seed=200 + s, num_groups=3, group_size=4, vocab_size=vocab) if rank == 0 else None
@@ -138,6 +139,38 @@ def _resume(hf: str, work: Path, vocab: int) -> dict:
     }
 
 
+def _dopt_resume(hf: str, work: Path, vocab: int) -> bool:
+    """PP=2 x DP=2 with the distributed optimizer: save, step, reload, redo the step: identical."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
+    from asyncrl.actor.trainer import Actor
+
+    rank = dist.get_rank()
+    cfg = tiny_actor_config(
+        hf,
+        actor={"pipeline_model_parallel_size": 2, "use_distributed_optimizer": True, "max_tokens_per_microbatch": 48},
+    )
+
+    def batch(s):
+        return synthetic_groups(seed=300 + s, num_groups=3, group_size=4, vocab_size=vocab) if rank == 0 else None
+
+    actor = Actor(cfg)
+    actor.train_step(batch(1))
+    actor.save_checkpoint(work / "ckpt_dopt")
+    m1 = actor.train_step(batch(2))
+    w1 = {k: v for b in actor.iter_hf_buckets(1 << 30) for k, v in b}
+    ps.destroy_model_parallel()
+    actor = Actor(cfg)
+    actor.load_checkpoint(work / "ckpt_dopt")
+    m2 = actor.train_step(batch(2))
+    w2 = {k: v for b in actor.iter_hf_buckets(1 << 30) for k, v in b}
+    ps.destroy_model_parallel()
+    keys = ("train/loss", "train/grad_norm", "train/lr")
+    return all(m1[k] == m2[k] for k in keys) and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -159,9 +192,11 @@ def main() -> None:
             res[hf] = _compare(r1, r2, hf)
         if mode == "four_ranks":  # PP=2 x DP=2 (TP=1): DP replicas of a pipeline
             r3 = _run(hf, 1, 2, seqs, prompt_lens, groups, one_sequence=True)
+            same = _dopt_resume(hf, out.parent, vocab)
             if rank == 0:
                 res["dp2"] = _compare(r1, r3, hf)
                 res["dp2_one_tokens"] = r3["one"]
+                res["dopt_resume_same"] = same
     if mode == "pp2":
         vocab = json.loads((Path(hfs[0]) / "config.json").read_text())["vocab_size"]
         r = _resume(hfs[0], out.parent, vocab)
@@ -208,6 +243,9 @@ def test_actor_pp2_equals_pp1_and_resumes(tmp_path):
     assert (ckpt / "model_tp00_pp00.safetensors").is_file() and (ckpt / "optim_tp00_pp01.pt").is_file()
     conv = load_file(str(actor_checkpoint_to_hf(ckpt, tmp_path / "conv") / "model.safetensors"))
     assert sorted(conv) == sorted(load_file(str(qwen / "model.safetensors")))
+    # ... and equals the HF export written at save time (iter_hf_buckets gathered on rank 0)
+    exported = load_file(str(ckpt / "hf_export" / "model.safetensors"))
+    assert sorted(exported) == sorted(conv) and all(torch.equal(exported[k], conv[k]) for k in conv)
 
 
 @pytest.mark.slow
@@ -222,6 +260,7 @@ def test_actor_tp2_pp2_and_pp2_dp2_on_four_ranks(tmp_path):
     _check(r[str(hf)])  # TP=2 x PP=2 == TP=2 x DP=2
     _check(r["dp2"])  # PP=2 x DP=2 == TP=2 x DP=2
     assert r["dp2_one_tokens"] > 0
+    assert r["dopt_resume_same"]  # the distributed optimizer's per-rank state at PP=2 x DP=2
 
 
 if __name__ == "__main__":
