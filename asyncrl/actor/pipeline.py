@@ -18,6 +18,8 @@ Contract
   global rank 0 gets stage 0's then every later stage's (sent by the stage leader, point to point,
   in model order), i.e. the whole model in the PP=1 order; every other rank gets its own stage's.
   Collective: every actor rank must iterate it to the end.
+
+Small control tensors and receive buffers go on ``device`` (the actor's: CUDA under NCCL).
 """
 
 from __future__ import annotations
@@ -67,9 +69,9 @@ class StageInfo:
         )
 
 
-def agree_shape(rows: int, row_len: int, info: StageInfo) -> tuple[int, int]:
+def agree_shape(rows: int, row_len: int, info: StageInfo, device: torch.device | str = "cpu") -> tuple[int, int]:
     """The pipeline-wide ``(rows, row_len)`` (max over the stages: they must use one shape)."""
-    t = torch.tensor([rows, row_len], dtype=torch.long)
+    t = torch.tensor([rows, row_len], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.group)
     return int(t[0]), int(t[1])
 
@@ -109,7 +111,9 @@ def run_schedule(
     )
 
 
-def gather_to_rank0(own: Iterator[tuple[str, torch.Tensor]], info: StageInfo) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_to_rank0(
+    own: Iterator[tuple[str, torch.Tensor]], info: StageInfo, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     rank = dist.get_rank()
     if rank == 0:
         yield from own
@@ -120,7 +124,7 @@ def gather_to_rank0(own: Iterator[tuple[str, torch.Tensor]], info: StageInfo) ->
                 if header[0] is None:  # end of that stage
                     break
                 name, shape, dtype = header[0]
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(t, src=src)
                 yield name, t
     elif info.pp_rank > 0 and rank == info.leaders[info.pp_rank]:

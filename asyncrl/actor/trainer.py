@@ -274,7 +274,7 @@ class Actor:
     def _pack_uniform(self, mbs: list[tuple[list[list[int]], list[int]]]) -> tuple[list[PackedBatch], int, int]:
         """Micro-batches packed to the one ``[rows, row_len]`` shape the whole pipeline agrees on."""
         assert self.stage is not None
-        rows, row_len = agree_shape(*uniform_shape([seqs for seqs, _ in mbs]), self.stage)
+        rows, row_len = agree_shape(*uniform_shape([seqs for seqs, _ in mbs]), self.stage, self.device)
         if not mbs:
             return [], rows, row_len
         packed = [p.to(self.device) for p in pack_uniform(mbs, rows=rows, row_len=row_len)]
@@ -362,7 +362,7 @@ class Actor:
         for d in data:
             for k, v in d.items():
                 sums[k] += v
-        vec = torch.tensor([sums.get(k, 0.0) for k in SUM_KEYS], dtype=torch.float64)
+        vec = torch.tensor([sums.get(k, 0.0) for k in SUM_KEYS], dtype=torch.float64, device=self.device)
         dist.broadcast(vec, src=self.stage.last_rank, group=self.stage.group)
         return dict(zip(SUM_KEYS, vec.tolist())), sum(p.num_tokens for p in packed), n_mb
 
@@ -534,7 +534,7 @@ class Actor:
         own = iter_hf_tensors(
             self.model, self.spec, tp_group=self.tp_group, tp=self.tp, dtype=dtype, layer_offset=self.layer_offset
         )
-        yield from iter_buckets(gather_to_rank0(own, self.stage), bucket_bytes)
+        yield from iter_buckets(gather_to_rank0(own, self.stage, self.device), bucket_bytes)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | Path, *, step: int | None = None) -> Path:

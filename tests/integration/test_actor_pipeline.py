@@ -6,7 +6,8 @@ the HF file), log-probs + entropy of packed sequences over several micro-batches
 one training step (metrics and weights); the same for a Llama with tied embeddings (the last
 stage's copy of the word embeddings, kept in sync by the embedding-group all-reduce). Then a PP=2
 checkpoint: save after step 1, train step 2; a fresh actor loads the checkpoint and redoes step 2
-(decoupled PPO + KL to a reference model: forward-only schedules inside the step) bit-identically.
+(decoupled PPO + KL to a reference model: forward-only schedules inside the step) bit-identically,
+and a model-only checkpoint converted offline (PP=1 files) loads into the PP=2 stages.
 Launch 2 (4 ranks): TP=2 x PP=2 and PP=2 x DP=2 against TP=2 x DP=2 (log-probs before and after
 one step, the step's metrics and weights, the export), and a one-sequence batch at PP=2 x DP=2
 (one pipeline has no sample); the distributed optimizer at PP=2 x DP=2: save, step, reload, redo
@@ -128,8 +129,15 @@ def _resume(hf: str, work: Path, vocab: int) -> dict:
     meta = actor.load_checkpoint(work / "ckpt_pp2")
     again = step(actor, 2)
     w_again = {k: v for b in actor.iter_hf_buckets(1 << 30) for k, v in b}
+    # a model-only checkpoint converted offline (PP=1 files) loads into the PP=2 stages
+    actor.load_checkpoint(work / "converted")
+    w_conv = {k: v for b in actor.iter_hf_buckets(1 << 30) for k, v in b}
     ps.destroy_model_parallel()
+    from safetensors.torch import load_file
+
+    w0 = load_file(str(Path(hf) / "model.safetensors"))
     return {
+        "converted_exact": sorted(w_conv) == sorted(w0) and all(torch.equal(w_conv[k], w0[k]) for k in w0),
         "same_metrics": first == again,
         "kl": first["train/kl"],
         "same_weights": sorted(w_first) == sorted(w_again)
@@ -223,13 +231,14 @@ def _check(r: dict) -> None:
 def test_actor_pp2_equals_pp1_and_resumes(tmp_path):
     from safetensors.torch import load_file
 
-    from asyncrl.actor.checkpoint import actor_checkpoint_to_hf
+    from asyncrl.actor.checkpoint import actor_checkpoint_to_hf, hf_to_actor_checkpoint
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     qwen = make_tiny_checkpoint(tmp_path / "qwen2", num_hidden_layers=4, vocab_size=1000)
     llama = make_tiny_checkpoint(
         tmp_path / "llama", arch="llama", num_hidden_layers=2, seed=2, tie_word_embeddings=True, vocab_size=1000
     )
+    hf_to_actor_checkpoint(qwen, tmp_path / "converted", tp=1)
     out = tmp_path / "out.json"
     proc = proc_helpers.run_torchrun(Path(__file__), ["pp2", str(out), str(qwen), str(llama)], nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -238,6 +247,7 @@ def test_actor_pp2_equals_pp1_and_resumes(tmp_path):
     _check(r[str(llama)])  # tied embeddings: the last stage's copy trains like the PP=1 shared weight
     res = r["resume"]
     assert res["same_metrics"] and res["same_weights"] and res["meta_pp"] == 2 and res["kl"] > 0, res
+    assert res["converted_exact"]
     # the PP=2 checkpoint converts offline to the full HF model (stage files merged)
     ckpt = tmp_path / "ckpt_pp2"
     assert (ckpt / "model_tp00_pp00.safetensors").is_file() and (ckpt / "optim_tp00_pp01.pt").is_file()

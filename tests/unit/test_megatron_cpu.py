@@ -10,3 +10,14 @@ def test_version_pin():
     assert megatron_cpu.check_megatron_version() == megatron_cpu.SUPPORTED_MEGATRON_CORE
     with pytest.raises(RuntimeError, match=r"megatron-core==0.15.0 .*pip install megatron-core==0.16.1"):
         megatron_cpu.check_megatron_version("0.15.0")
+
+
+def test_schedule_torch_proxy_puts_cuda_factories_on_cpu():
+    """Shim 4 (the pipeline schedules' `device="cuda"` counter), checked without patching anything."""
+    import torch
+
+    proxy = megatron_cpu._TorchWithCpuFactories()
+    t = proxy.zeros([], dtype=torch.int, device="cuda")
+    assert t.device.type == "cpu" and t.dtype == torch.int and t.item() == 0
+    assert proxy.empty(2, 3, device=torch.device("cuda", 0)).shape == (2, 3)
+    assert proxy.Tensor is torch.Tensor and proxy.cat is torch.cat  # everything else is torch itself
