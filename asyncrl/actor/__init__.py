@@ -6,6 +6,8 @@
   off-policy correction none/tis/decoupled, aggregation weights, metrics).
 - ``batch``: Groups -> samples, DP split balanced by tokens, token-budget micro-batches, packing.
 - ``logprobs``: vocab-parallel log-probs and entropy.
+- ``pipeline``: pipeline parallelism: Megatron's 1F1B / forward-only schedule on fixed-shape
+  micro-batches, the HF export of every stage gathered onto global rank 0.
 - ``model`` / ``convert`` / ``weights``: HF config -> GPTModel, HF <-> Megatron names and TP shards,
   loading and bucketed export; ``python -m asyncrl.actor.convert`` for users.
 - ``checkpoint``: the actor checkpoint format and offline HF <-> actor conversion.
