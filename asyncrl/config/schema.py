@@ -412,13 +412,20 @@ class PrepareConfig:
     sft_lr: float = 3e-3
     sft_batch_size: int = 32
     sft_correct_fraction: float = 0.6
+    """Fraction of demonstrations that search and copy the right answer (the rest answer wrongly)."""
+    sft_wrong_copy_fraction: float = 0.2
+    """Fraction that search, then answer a wrong name; the rest (1 - correct - wrong_copy) answer at
+    once without searching."""
     sft_context_loss_weight: float = 0.3
     """Weight of the next-token loss on prompt and tool tokens (the demos' generated tokens weigh 1):
     the retrieved documents repeat names, which teaches the tiny model to copy much sooner."""
-    """Fraction of demonstrations that search and copy the right answer (the rest answer wrongly)."""
+    num_threads: int = 0
+    """CPU threads of the warm start (0 = every core this process may use: the other ranks only
+    wait for it)."""
 
     def __post_init__(self):
         _non_negative(self.sft_steps, "prepare.sft_steps")
+        _non_negative(self.num_threads, "prepare.num_threads")
         _positive(self.sft_lr, "prepare.sft_lr")
         _positive(self.sft_batch_size, "prepare.sft_batch_size")
         _positive(self.num_entities, "prepare.num_entities")
@@ -427,6 +434,9 @@ class PrepareConfig:
         _positive(self.num_layers, "prepare.num_layers")
         _require(0.0 <= self.sft_correct_fraction <= 1.0, "prepare.sft_correct_fraction",
                  f"must be in [0, 1], got {self.sft_correct_fraction!r}")
+        _require(0.0 <= self.sft_wrong_copy_fraction <= 1.0 - self.sft_correct_fraction,
+                 "prepare.sft_wrong_copy_fraction",
+                 f"must be in [0, 1 - sft_correct_fraction], got {self.sft_wrong_copy_fraction!r}")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,10 @@ class _Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
+        """Causal self-attention; with ``prefix_kv`` (keys/values ``[1, nkv, P, d]`` of a prefix
+        shared by every row) the rows also attend to that prefix. ``kv_out`` collects this call's
+        keys/values (for use as the next call's prefix)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
@@ -56,7 +59,18 @@ class _Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh != self.nkv)
+        if kv_out is not None:
+            kv_out.append((k, v))
+        gqa = self.nh != self.nkv
+        if prefix_kv is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            pk, pv = prefix_kv
+            P = pk.shape[2]
+            k = torch.cat((pk.expand(B, -1, -1, -1), k), dim=2)
+            v = torch.cat((pv.expand(B, -1, -1, -1), v), dim=2)
+            allowed = torch.ones(T, P + T, dtype=torch.bool).tril(P)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
 
 
@@ -85,8 +99,8 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.mlp = _MLP(c)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, prefix_kv, kv_out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,13 +137,26 @@ class TorchDecoder(nn.Module):
 
     def hidden_states(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states ``[B, T, H]``."""
+        return self._run(ids_BT, offset=0)
+
+    def hidden_states_shared_prefix(self, prefix_P: torch.Tensor, ids_BS: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of rows ``prefix + ids_BS[b]`` with the common prefix computed once:
+        ``([1, P, H] of the prefix, [B, S, H] of the rows' own tokens)``. Equal to
+        ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once."""
+        kvs: list = []
+        h_prefix = self._run(prefix_P[None], offset=0, kv_out=kvs)
+        return h_prefix, self._run(ids_BS, offset=prefix_P.shape[0], prefix_kvs=kvs)
+
+    def _run(self, ids_BT: torch.Tensor, *, offset: int, kv_out: list | None = None,
+             prefix_kvs: list | None = None) -> torch.Tensor:
         T = ids_BT.shape[1]
-        freqs = torch.arange(T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = torch.arange(offset, offset + T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
         x = self.model.embed_tokens(ids_BT)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, prefix_kvs[i] if prefix_kvs is not None else None, kv_out)
         return self.model.norm(x)
 
     @classmethod
