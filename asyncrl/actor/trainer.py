@@ -468,12 +468,14 @@ class Actor:
         finalize_model_grads([self.ddp])
 
         keys = SUM_KEYS  # fixed order: a rank without samples still joins the all-reduce
-        vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_seq_tokens)], dtype=torch.float64)
+        # on the actor's device: NCCL (GPU jobs) only reduces CUDA tensors
+        vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_seq_tokens)], dtype=torch.float64,
+                           device=self.device)
         if self.dp > 1:
             dist.all_reduce(vec, group=self.dp_group)
         total = dict(zip(keys, vec[:-1].tolist()))
         global_tokens = vec[-1].item()
-        loss_ok = torch.tensor([1.0 if all(math.isfinite(v) for v in total.values()) else 0.0])
+        loss_ok = torch.tensor([1.0 if all(math.isfinite(v) for v in total.values()) else 0.0], device=self.device)
         dist.all_reduce(loss_ok, op=dist.ReduceOp.MIN)
 
         grad_norm = float("nan")
