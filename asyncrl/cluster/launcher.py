@@ -19,7 +19,8 @@ import argparse
 import logging
 import os
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.cluster.placement import Placement, parse_placement
@@ -41,6 +42,10 @@ class RankContext:
     local_rank: int
     placement: Placement
     run_dir: Path
+    started_at: float = field(default_factory=time.time)
+    """When this rank's launcher started (the summary reports wall time from here)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in one-off phases (``prepare``), for the summary."""
 
     @property
     def role(self) -> str:

@@ -259,6 +259,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         if cfg.runner.eval_before_after:
             broker.sync_begin("drain")  # hold generation while evaluating on the shared engines
             summary["eval_after"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+        summary["wall_s"] = time.time() - ctx.started_at
+        summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
         print_summary(cfg, summary, ctx.run_dir)
         scraper.close()
         broker.shutdown()
@@ -320,6 +322,8 @@ def print_summary(cfg, summary: dict, run_dir: Path) -> None:
         "time/wait_data": avg("time/wait_data"),
         "time/rollout": avg("time/rollout"),
         "time/sync_weights": avg("time/sync_weights"),
+        "wall_s": summary.get("wall_s"),
+        "prepare_s": summary.get("prepare_s"),
     }
     (run_dir / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
     lines = ["", "=" * 72, f"asyncrl summary ({out['mode']}, {out['steps']} steps, run dir {run_dir})",
@@ -329,5 +333,9 @@ def print_summary(cfg, summary: dict, run_dir: Path) -> None:
              f"dropped groups {out['dropped_groups']:.0f}",
              f"  time/step {out['time/step']:.2f}s = training {out['time/training']:.2f}s + wait_data "
              f"{out['time/wait_data']:.2f}s + rollout {out['time/rollout']:.2f}s + sync_weights "
-             f"{out['time/sync_weights']:.2f}s", "=" * 72]
+             f"{out['time/sync_weights']:.2f}s"]
+    if out["wall_s"] is not None:
+        lines.append(f"  wall time {out['wall_s']:.0f}s (of which preparing the embedded default "
+                     f"{out['prepare_s'] or 0.0:.0f}s)")
+    lines.append("=" * 72)
     print("\n".join(lines), flush=True)

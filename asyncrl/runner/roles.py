@@ -49,7 +49,9 @@ def run_role(ctx) -> int:
     if ctx.rank == 0:
         from asyncrl.runner.prepare import prepare_if_needed
 
+        t0 = time.time()
         prepare_if_needed(cfg)
+        ctx.timings["prepare"] = time.time() - t0
         (ctx.run_dir / "config.resolved.toml").write_text(_render(cfg))
         disc.publish("prepared", "1")
     else:
