@@ -386,6 +386,15 @@ class BrokerClient:
         """The engines now carry weight ``version``; issuing resumes."""
         self._call(P.SYNC_END, {"version": int(version)})
 
+    def hold_issuing(self) -> None:
+        """Stop issuing new prompts (a blocking eval on the shared engines); in-flight groups go on and
+        are buffered, nothing is aborted, workers keep taking turns. Undo with ``release_issuing``."""
+        self._call(P.HOLD_ISSUING)
+
+    def release_issuing(self) -> None:
+        """Issue new prompts again."""
+        self._call(P.RELEASE_ISSUING)
+
     def metrics(self) -> dict[str, Any]:
         """``{"metrics": last step's metrics, "counters": lifetime totals, "status": status()}``."""
         return self._call(P.METRICS).body

@@ -31,6 +31,9 @@ Contract
 - Sync mode (``runner.async_mode = false``): nothing is issued unless a batch request is pending,
   and then only up to ``rollout_batch_size - inflight - buffered`` groups: exactly one batch, plus
   replacements for drops. ``sync_begin("drain")`` pauses issuing until ``sync_end(version)``.
+- ``hold_issuing()`` / ``release_issuing()`` (a blocking eval on the shared engines): no new prompt
+  is issued while held; in-flight groups go on (new turns too), finish and are buffered; nothing is
+  aborted. Independent of a sync's ``drain`` hold.
 
     core = BrokerCore(prompts, settings=CoreSettings(rollout_batch_size=8, group_size=4,
                       max_inflight_groups=10, max_buffered_groups=16, max_dropped_groups_per_step=80),
@@ -189,6 +192,7 @@ class BrokerCore:
         self._retry: deque[tuple[PromptItem, int]] = deque()
         self._next_group_id = 0
         self._paused = False
+        self._issuing_held = False
         self._request: Optional[_Request] = None
         self._batch: Optional[Batch] = None
         self._issues: list[Issue] = []
@@ -220,6 +224,11 @@ class BrokerCore:
     def hold_new_turns(self) -> bool:
         """True during a ``drain`` sync: workers must not start new turns."""
         return self._paused
+
+    @property
+    def issuing_held(self) -> bool:
+        """True between ``hold_issuing`` and ``release_issuing``: no new prompts are issued."""
+        return self._issuing_held
 
     @property
     def waiting_step(self) -> Optional[int]:
@@ -402,6 +411,17 @@ class BrokerCore:
         self._paused = False
         self._admit()
 
+    def hold_issuing(self) -> None:
+        """Stop issuing new prompts (in-flight groups finish and are buffered; turns are not held)."""
+        self._advance()
+        self._issuing_held = True
+
+    def release_issuing(self) -> None:
+        """Issue again (admission is re-checked at once)."""
+        self._advance()
+        self._issuing_held = False
+        self._admit()
+
     def tick(self) -> list[str]:
         """Periodic: expire silent workers, warn when the actor waits and nothing arrives."""
         self._advance()
@@ -446,7 +466,7 @@ class BrokerCore:
 
     def _issue_allowance(self) -> float:
         """How many groups may be issued regardless of the limits (pause, sync mode, no workers)."""
-        if self.failure is not None or self._paused or not self._workers:
+        if self.failure is not None or self._paused or self._issuing_held or not self._workers:
             return 0
         if self.s.sync_mode:
             if self._request is None:

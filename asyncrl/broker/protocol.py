@@ -32,6 +32,7 @@ Actor -> broker (DEALER)                                 Broker -> actor (one re
               rows?}                                        (``rows: true`` asked: ``rows: [group row]`` instead)
                                                           | timeout {step} | error {message}
   sync_begin {mode}   sync_end {version}                  ok {}
+  hold_issuing {}     release_issuing {}                  ok {}   (no new prompts issued while held)
   metrics    {}                                           metrics {metrics, counters, status}
   status     {}                                           status {...counts...}
   get_state  {}                                           state {state} +blobs
@@ -72,9 +73,12 @@ GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE = (
     "get_batch", "sync_begin", "sync_end", "metrics", "status", "get_state", "set_state")
 # broker -> actor
 BATCH, TIMEOUT, OK, ERROR, STATE = "batch", "timeout", "ok", "error", "state"
+# actor -> broker: a blocking eval on the shared engines stops issuing new prompts (turns go on)
+HOLD_ISSUING, RELEASE_ISSUING = "hold_issuing", "release_issuing"
 
 WORKER_TYPES = frozenset({HELLO, HEARTBEAT, TRAJ, GROUP, GROUPS, BYE})
-ACTOR_TYPES = frozenset({GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE, SHUTDOWN})
+ACTOR_TYPES = frozenset({GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE, SHUTDOWN,
+                         HOLD_ISSUING, RELEASE_ISSUING})
 TO_WORKER_TYPES = frozenset({WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN})
 TO_ACTOR_TYPES = frozenset({BATCH, TIMEOUT, OK, ERROR, STATE, METRICS, STATUS})
 

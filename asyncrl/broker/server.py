@@ -314,6 +314,12 @@ class BrokerServer:
                 core.sync_end(int(b["version"]))
                 self._flush_control()
                 self._send(ident, P.OK)
+            elif msg.type == P.HOLD_ISSUING:
+                core.hold_issuing()
+                self._send(ident, P.OK)
+            elif msg.type == P.RELEASE_ISSUING:
+                core.release_issuing()
+                self._send(ident, P.OK)
             elif msg.type == P.METRICS:
                 self._send(ident, P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters),
                                               "status": self.status()})
@@ -343,6 +349,7 @@ class BrokerServer:
         return {"version": c.version, "num_inflight_groups": c.num_inflight_groups,
                 "num_inflight_samples": c.num_inflight_samples, "num_buffered_groups": c.num_buffered_groups,
                 "workers": c.workers(), "hold": c.hold_new_turns, "waiting_step": c.waiting_step,
+                "issuing_held": c.issuing_held,
                 "failure": None if c.failure is None else str(c.failure),
                 "counters": dict(c.counters), "stats": dict(self.stats)}
 
