@@ -538,6 +538,21 @@ class Actor:
         )
         yield from iter_buckets(gather_to_rank0(own, self.stage, self.device), bucket_bytes)
 
+    def export_hf(self, directory: str | Path) -> Path:
+        """The current weights as a loadable HF checkpoint: ``model.safetensors`` plus the HF side files
+        (config, tokenizer) of ``actor.model_path``. Collective: every actor rank iterates the buckets;
+        global rank 0 alone writes (``runner.save_hf`` exports and the eval snapshots use this)."""
+        d = Path(directory)
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in self.iter_hf_buckets(self.cfg.sync.bucket_bytes):
+            if self.rank == 0:
+                tensors.update(bucket)
+        if self.rank == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            ckpt_io.save_safetensors(tensors, d / "model.safetensors")
+            ckpt_io.copy_hf_side_files(self.model_path, d)
+        return d
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | Path, *, step: int | None = None) -> Path:
         """Model, optimizer, scheduler, RNG, step and weight version (collective)."""
@@ -554,12 +569,7 @@ class Actor:
             _atomic_save(self._optimizer_shard_state(), d / ckpt_io.optim_shard_file(self.rank))
         torch.save(_rng_state(), d / ckpt_io.rng_file(self.rank))
         if self.cfg.runner.save_hf:
-            buckets = self.iter_hf_buckets(1 << 62)
-            tensors = {k: v for b in buckets for k, v in b}
-            if self.rank == 0:
-                (d / "hf_export").mkdir(exist_ok=True)
-                ckpt_io.save_safetensors(tensors, d / "hf_export" / "model.safetensors")
-                ckpt_io.copy_hf_side_files(self.model_path, d / "hf_export")
+            self.export_hf(d / "hf_export")
         if self.rank == 0:
             (d / "sched.json").write_text(json.dumps(self.scheduler.state_dict()) + "\n")
             ckpt_io.copy_hf_side_files(self.model_path, d / "hf")

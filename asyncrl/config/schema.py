@@ -361,12 +361,15 @@ class EvalConfig:
     eval_prompt_data: dict[str, str] = field(default_factory=dict)
     """Dataset name -> path."""
     eval_overflow_policy: Literal["backpressure", "skip"] = "backpressure"
+    """A due point while ``eval_max_in_flight`` snapshots are being evaluated: wait for a slot, or skip it."""
     eval_keep_snapshots: int = 2
     """Retired snapshots kept on disk."""
     eval_max_in_flight: int = 2
     """Snapshots still being evaluated at once."""
     eval_sglang: dict[str, str] = field(default_factory=dict)
     """Per-field overrides of the rollout engines' SGLang settings for the eval fleet."""
+    eval_wait_timeout_s: float = 600.0
+    """Longest wait for a free eval slot (``backpressure``) and for pending evals at the end of the run."""
 
     def __post_init__(self):
         _positive(self.eval_interval, "eval.eval_interval")
@@ -374,6 +377,7 @@ class EvalConfig:
         _positive(self.eval_num_gpus_per_engine, "eval.eval_num_gpus_per_engine")
         _non_negative(self.eval_keep_snapshots, "eval.eval_keep_snapshots")
         _positive(self.eval_max_in_flight, "eval.eval_max_in_flight")
+        _positive(self.eval_wait_timeout_s, "eval.eval_wait_timeout_s")
 
 
 @dataclass(frozen=True)

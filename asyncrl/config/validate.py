@@ -92,6 +92,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             "each select a backend; set only one")
     if (cfg.eval.eval_num_gpus or cfg.eval.eval_function_path) and cfg.eval.eval_interval is None:
         raise ConfigError("eval.eval_interval: required with a dedicated fleet or an external eval backend")
+    warnings += _validate_eval(cfg)
     if cfg.algorithm.off_policy_correction != "none" and not r.async_mode:
         warnings.append(
             f"algorithm.off_policy_correction = {cfg.algorithm.off_policy_correction!r} in synchronous mode: "
@@ -113,4 +114,45 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         warnings.append(
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < 2 x rollout_batch_size ({2 * B}): "
             f"when training is the bottleneck the next batch can only start after this one is handed off")
+    return warnings
+
+
+def _validate_eval(cfg: Config) -> list[str]:
+    """The periodic eval (Miles' three backends and the snapshot pipeline)."""
+    e, r = cfg.eval, cfg.runner
+    warnings: list[str] = []
+    if e.eval_num_gpus:
+        raise ConfigError(
+            f"eval.eval_num_gpus: a dedicated eval fleet ({e.eval_num_gpus} devices) is not supported yet: use "
+            f"eval.eval_function_path (an external CheckpointEvalFn) or the shared engines (leave both unset)")
+    if e.eval_interval is None:
+        return warnings
+    if e.eval_function_path:  # external backend: it evaluates a snapshot, from exactly one source
+        if ":" not in e.eval_function_path:
+            raise ConfigError(f"eval.eval_function_path: expected 'module:Class', got {e.eval_function_path!r}")
+        if not e.eval_hf_dir and not r.save_hf:
+            raise ConfigError(
+                "eval.eval_hf_dir: an external eval backend needs a weight snapshot source: set eval.eval_hf_dir "
+                "(a fresh HF export per eval point, tmpfs recommended) or runner.save_hf = true (reuse the "
+                "periodic HF checkpoints)")
+        if not e.eval_hf_dir:
+            ci = r.checkpoint_interval
+            if not ci or e.eval_interval % ci:
+                raise ConfigError(
+                    f"eval.eval_interval: reusing the periodic HF checkpoints (runner.save_hf, no eval.eval_hf_dir) "
+                    f"needs eval.eval_interval = {e.eval_interval} to be a multiple of runner.checkpoint_interval "
+                    f"= {ci}; change either, or set eval.eval_hf_dir for a fresh export per eval point")
+        return warnings
+    # shared engines
+    if not cfg.agentloop.task_name:
+        raise ConfigError("agentloop.task_name: the periodic eval on the shared engines (eval.eval_interval) runs "
+                          "the agent loop and needs a task (e.g. \"searchr1\")")
+    if not e.eval_prompt_data and not cfg.data.test_path:
+        raise ConfigError(
+            "eval.eval_prompt_data: eval.eval_interval is set but there is nothing to evaluate: give "
+            "eval.eval_prompt_data = { name = \"path.jsonl\" } or data.test_path")
+    if e.eval_hf_dir:
+        warnings.append(
+            f"eval.eval_hf_dir = {e.eval_hf_dir!r} is ignored: the eval runs on the shared rollout engines "
+            f"(no snapshot); it is used with eval.eval_function_path")
     return warnings

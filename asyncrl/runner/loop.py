@@ -11,6 +11,14 @@ Contract
   the actor waits for all of it (``time/rollout``), trains, syncs.
 - Weight version v = number of optimizer steps whose weights the engines carry; the engines start
   at 0 with the actor's initial weights.
+- Eval (``asyncrl.runner.evaluation``): every ``eval.eval_interval`` steps, after the step's sync and
+  checkpoint. Shared engines (default): actor rank 0 tells the broker to stop issuing new prompts
+  (``hold_issuing``: in-flight groups finish and buffer, nothing is aborted), evaluates greedily,
+  releases, and logs ``eval/<name>/accuracy`` etc. in the step's record. External
+  (``eval.eval_function_path``): every actor rank takes part in the snapshot export (or the periodic
+  ``save_hf`` checkpoint is reused), a background thread on rank 0 evaluates it, and the point is
+  logged later at its own step with ``eval/lag_steps``; pending points are waited for at the end.
+  ``runner.eval_before_after`` evaluates ``data.test_path`` before the first and after the last step.
 - Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
   ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
 
@@ -19,7 +27,6 @@ Contract
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import statistics
@@ -150,33 +157,22 @@ class EngineScraper:
         return out
 
 
-def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str) -> dict:
-    """Greedy held-out accuracy on the engines (shared-engine eval: the broker holds issuing)."""
-    from asyncrl.agent.data.loaders import load_prompts
-    from asyncrl.agent.loop import AgentLoop, EngineHandle
-    from asyncrl.agent.tasks import get_task
-    from asyncrl.agent.tokenizer import AgentTokenizer
-    from asyncrl.agent.tools import make_retriever
-    from asyncrl.rollout.sglang_client import SGLangClient
+def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, broker=None,
+                        evaluator=None) -> dict:
+    """Greedy held-out accuracy (``data.test_path``) on the shared engines; with ``broker``, no new prompt
+    is issued meanwhile (``hold_issuing``; in-flight groups finish) and issuing resumes after."""
+    from asyncrl.runner.evaluation import EngineEvaluator
 
     if not cfg.data.test_path:
         return {}
-    items = load_prompts(cfg.data.test_path)
-
-    async def run():
-        clients = [SGLangClient.from_config(u, cfg.rollout) for u in engine_urls]
-        try:
-            loop = AgentLoop(task=get_task(cfg.agentloop.task_name), tokenizer=AgentTokenizer.from_pretrained(tokenizer_path),
-                             retriever=make_retriever(cfg.agentloop.tool), agent_cfg=cfg.agentloop,
-                             sampling=cfg.rollout.sampling, rid_prefix="eval")
-            handles = [EngineHandle(c, max_in_flight=cfg.agentloop.max_requests_per_engine, url=u)
-                       for c, u in zip(clients, engine_urls)]
-            return await loop.evaluate(items, handles)
-        finally:
-            for c in clients:
-                await c.close()
-
-    return asyncio.run(run())
+    evaluator = evaluator or EngineEvaluator(cfg, engine_urls, tokenizer_path=tokenizer_path)
+    if broker is not None:
+        broker.hold_issuing()
+    try:
+        return evaluator.evaluate({"test": cfg.data.test_path})["test"]
+    finally:
+        if broker is not None:
+            broker.release_issuing()
 
 
 def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int) -> int:
@@ -203,6 +199,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
                               hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
         scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
+    periodic, evaluator = _make_evaluation(cfg, actor, is_leader, broker if is_leader else None, engine_urls,
+                                           ckpt_root)
     latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
     latest = _bcast_obj(str(latest) if latest else None)
     if latest:
@@ -217,7 +215,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
         _sync(actor, syncer if is_leader else None, cfg, is_leader)
     if is_leader and cfg.runner.eval_before_after and start_step == 0:
-        summary["eval_before"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+        summary["eval_before"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path,
+                                                     broker=broker, evaluator=evaluator)
         log.info("held-out accuracy before training: %s", json.dumps(summary["eval_before"]))
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
@@ -243,12 +242,15 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
                 cfg.runner.save_at_end and step == cfg.runner.max_steps):
             _save(actor, ckpt_root, step, broker if is_leader else None)
+        m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         if is_leader:
             m["time/step"] = time.perf_counter() - t_step
             m.update(scraper.latest())
             m.update(broker_accounting(broker.status()))
             m["actor/weight_version"] = float(actor.version)
             writer.log(m, step)
+            for eval_step, em in periodic.late_points(step):  # external evals: each at its own step
+                writer.log(em, eval_step)
             summary["steps"].append({k: m.get(k) for k in (
                 "reward/mean", "rollout/data_staleness/mean", "rollout/data_staleness/max", "time/step",
                 "time/training", "time/wait_data", "time/rollout", "time/sync_weights")})
@@ -256,9 +258,12 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             summary["drops"] += m.get("rollout/fully_async/stale_groups_filtered", 0.0) + m.get(
                 "rollout/fully_async/aborted_groups_filtered", 0.0)
     if is_leader:
-        if cfg.runner.eval_before_after:
-            broker.sync_begin("drain")  # hold generation while evaluating on the shared engines
-            summary["eval_after"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+        for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
+            writer.log(em, eval_step)
+        if cfg.runner.eval_before_after:  # no new prompts from here on: the run ends after this eval
+            broker.hold_issuing()
+            summary["eval_after"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path,
+                                                        evaluator=evaluator)
         summary["wall_s"] = time.time() - ctx.started_at
         summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
         print_summary(cfg, summary, ctx.run_dir)
@@ -269,6 +274,18 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         group.destroy()
     dist.barrier()
     return 0
+
+
+def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str], ckpt_root: Path):
+    """The periodic eval (``eval.*``) and, on the leader, the shared-engine evaluator (built once)."""
+    from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, select_backend
+
+    evaluator = None
+    if is_leader and (cfg.runner.eval_before_after and cfg.data.test_path or select_backend(cfg) == "shared"):
+        evaluator = EngineEvaluator(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+    periodic = PeriodicEval(cfg, actor=actor, is_leader=is_leader, broker=broker, engine_evaluator=evaluator,
+                            ckpt_root=ckpt_root, bcast=_bcast_obj)
+    return periodic, evaluator
 
 
 def _sync(actor, syncer, cfg, is_leader):

@@ -1,0 +1,486 @@
+"""Periodic evaluation during training: Miles' eval backends, the snapshot pipeline and the dispatcher.
+
+Contract
+- Backend (``select_backend``): ``shared`` when neither ``eval.eval_num_gpus`` nor
+  ``eval.eval_function_path`` is set; ``external`` with ``eval.eval_function_path = "module:Class"``
+  (a ``CheckpointEvalFn`` subclass); a dedicated fleet (``eval.eval_num_gpus``) is rejected by
+  ``asyncrl.config.validate`` (not supported yet). Evals run on every ``eval.eval_interval``-th step.
+- Shared engines (``evaluate_on_engines``): actor rank 0 tells the broker ``hold_issuing`` (no new
+  prompts; in-flight groups finish and buffer, nothing is aborted, turns go on), evaluates every
+  dataset greedily on the rollout engines, then ``release_issuing``. Blocking: the point lands at its
+  step. Metrics ``eval/<name>/{accuracy,response_len,num_turns,...}`` and ``eval/time_seconds``.
+- External: the trainer owns dispatch, logging and garbage collection. At an eval step the snapshot
+  is either a fresh HF export into ``eval.eval_hf_dir/step_XXXXXX`` (collective over every actor
+  rank, the one part the training loop waits for: ``eval/export_time_seconds``) or, with
+  ``eval_hf_dir`` unset and ``runner.save_hf``, the periodic checkpoint's ``hf_export``.
+  ``EvalDispatcher`` runs ``evaluate_checkpoint`` on ONE background thread (evals are serialized);
+  ``eval.eval_max_in_flight`` bounds the snapshots submitted and not yet finished. A due point with no
+  free slot waits (``backpressure``, at most ``eval.eval_wait_timeout_s``) or is skipped (``skip``:
+  counted in ``eval/skipped``, reason logged). ``EvalSkip(reason)`` is a skipped point; any other
+  exception is logged with its traceback and counted in ``eval/errors``; training goes on. Results
+  are logged at their eval step with ``eval/lag_steps`` = the step at which they were logged minus
+  it. Snapshots the pipeline exported are retired on every outcome and at most
+  ``eval.eval_keep_snapshots`` retired ones stay on disk; periodic checkpoints are never deleted.
+- At the end of the run ``close`` waits (bounded) for pending evals so their points are logged.
+
+    disp = EvalDispatcher(fn, max_in_flight=2, overflow_policy="backpressure", keep_snapshots=2)
+    if disp.admit(step): disp.submit(step, export_snapshot(actor, root, step))
+    for out in disp.poll(): writer.log(outcome_metrics(out, logged_at=current_step), out.step)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import shutil
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+log = logging.getLogger("asyncrl.eval")
+
+SNAPSHOT_META = "snapshot.json"
+"""Written last into a fresh snapshot: ``{"step", "weight_version"}`` (its presence marks it complete)."""
+
+
+class EvalSkip(Exception):
+    """Raised by ``CheckpointEvalFn.evaluate_checkpoint``: this point is skipped, for ``reason``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EvalInput:
+    """What an eval function gets with the snapshot path."""
+
+    step: int
+    """The training step (= weight version) whose weights the snapshot holds."""
+    datasets: dict[str, str]
+    """Dataset name -> prompts path (``eval.eval_prompt_data``, else ``{"test": data.test_path}``)."""
+    cfg: Any
+    """The run's resolved ``asyncrl.config.Config`` (the real training settings)."""
+
+
+class CheckpointEvalFn:
+    """Base class of an external eval backend (``eval.eval_function_path = "module:Class"``).
+
+    Built once per run as ``Class(cfg)`` on actor rank 0; ``evaluate_checkpoint`` is called on a
+    background thread, one snapshot at a time, with a directory that loads as a HF checkpoint
+    (``model.safetensors`` + config + tokenizer). Return ``{name: value}`` (logged as ``eval/<name>``
+    at ``input.step``); raise ``EvalSkip(reason)`` to skip the point. Do not keep the directory: it is
+    deleted once retired.
+    """
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: EvalInput) -> dict[str, float]:  # noqa: A002
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Called once at the end of the run (release servers, files)."""
+
+
+def load_eval_fn(path: str, cfg: Any) -> CheckpointEvalFn:
+    from asyncrl.broker.buffer import import_path
+
+    cls = import_path(path, "eval.eval_function_path")
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
+        raise ValueError(f"eval.eval_function_path: {path!r} is not a CheckpointEvalFn subclass "
+                         f"(asyncrl.runner.evaluation.CheckpointEvalFn)")
+    return cls(cfg)
+
+
+def select_backend(cfg: Any) -> Optional[Literal["shared", "external", "fleet"]]:
+    """Which backend runs the periodic eval (None: no ``eval.eval_interval``)."""
+    e = cfg.eval
+    if e.eval_interval is None:
+        return None
+    if e.eval_function_path:
+        return "external"
+    if e.eval_num_gpus:
+        return "fleet"
+    return "shared"
+
+
+def eval_datasets(cfg: Any) -> dict[str, str]:
+    """``eval.eval_prompt_data``, else the held-out ``data.test_path`` as ``test`` (empty: nothing to evaluate)."""
+    if cfg.eval.eval_prompt_data:
+        return dict(cfg.eval.eval_prompt_data)
+    return {"test": cfg.data.test_path} if cfg.data.test_path else {}
+
+
+def is_eval_step(step: int, interval: Optional[int]) -> bool:
+    return bool(interval) and step % interval == 0
+
+
+# ------------------------------------------------------------------------------------------- shared engines
+class EngineEvaluator:
+    """Greedy eval of several datasets on the rollout engines (tokenizer, retriever and prompts built once)."""
+
+    def __init__(self, cfg: Any, engine_urls: list[str], *, tokenizer_path: str):
+        from asyncrl.agent.tokenizer import AgentTokenizer
+        from asyncrl.agent.tools import make_retriever
+
+        self.cfg, self.engine_urls = cfg, engine_urls
+        self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
+        self.retriever = make_retriever(cfg.agentloop.tool)
+        self._items: dict[str, list] = {}
+
+    def items(self, name: str, path: str) -> list:
+        if name not in self._items:
+            from asyncrl.agent.data.loaders import load_prompts
+
+            self._items[name] = load_prompts(path)
+        return self._items[name]
+
+    def evaluate(self, datasets: dict[str, str]) -> dict[str, dict]:
+        """``{name: summary}``; a summary has accuracy (mean greedy reward), response_len, num_turns, ..."""
+        from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
+        from asyncrl.agent.tasks import get_task
+        from asyncrl.rollout.sglang_client import SGLangClient
+
+        cfg = self.cfg
+
+        async def run() -> dict[str, dict]:
+            clients = [SGLangClient.from_config(u, cfg.rollout) for u in self.engine_urls]
+            try:
+                loop = AgentLoop(task=get_task(cfg.agentloop.task_name), tokenizer=self.tokenizer,
+                                 retriever=self.retriever, agent_cfg=cfg.agentloop, sampling=cfg.rollout.sampling,
+                                 rid_prefix="eval")
+                handles = [EngineHandle(c, max_in_flight=cfg.agentloop.max_requests_per_engine, url=u)
+                           for c, u in zip(clients, self.engine_urls)]
+                out = {}
+                for name, path in datasets.items():
+                    items = self.items(name, path)
+                    trajs = await asyncio.gather(*(
+                        loop.run_trajectory(it, handles[k % len(handles)], greedy=True, rid=f"{name}{k}")
+                        for k, it in enumerate(items)))
+                    summary = summarize_eval(trajs)
+                    done = [t for t in trajs if not t.aborted]
+                    summary["response_len"] = sum(len(t.response_ids) for t in done) / len(done) if done else 0.0
+                    out[name] = summary
+                return out
+            finally:
+                for c in clients:
+                    await c.close()
+
+        return asyncio.run(run())
+
+
+def engine_eval_metrics(results: dict[str, dict]) -> dict[str, float]:
+    """``{name: summary}`` -> ``eval/<name>/accuracy``, ``response_len``, ``num_turns``, ``num_tool_calls``, ..."""
+    keys = {"accuracy": "accuracy", "response_len": "response_len", "mean_turns": "num_turns",
+            "mean_tool_calls": "num_tool_calls", "answer_rate": "answer_rate", "num_prompts": "num_prompts",
+            "num_aborted": "num_aborted"}
+    out = {}
+    for name, summary in results.items():
+        for src, dst in keys.items():
+            if src in summary:
+                out[f"eval/{name}/{dst}"] = float(summary[src])
+    return out
+
+
+def evaluate_on_engines(broker: Any, evaluator: EngineEvaluator, datasets: dict[str, str]) -> dict[str, float]:
+    """The blocking shared-engine eval: the broker stops issuing new prompts meanwhile (always released)."""
+    t0 = time.perf_counter()
+    broker.hold_issuing()
+    try:
+        results = evaluator.evaluate(datasets)
+    finally:
+        broker.release_issuing()
+    m = engine_eval_metrics(results)
+    m["eval/time_seconds"] = time.perf_counter() - t0
+    return m
+
+
+# ------------------------------------------------------------------------------------------- the runner's side
+class PeriodicEval:
+    """What the step loop calls, on EVERY actor rank (the fresh export is collective).
+
+    ``after_step(step)`` (after the step's weight sync and checkpoint) returns the metrics to add to the
+    step's record (shared: the eval itself; external: ``eval/export_time_seconds`` and overflow skips);
+    ``late_points(step)`` / ``finish(last_step)`` return ``[(eval_step, metrics)]`` of external points that
+    finished since, each to be logged at its own eval step. Non-leader ranks get empty results.
+    """
+
+    def __init__(self, cfg: Any, *, actor: Any, is_leader: bool, broker: Any = None,
+                 engine_evaluator: Optional[EngineEvaluator] = None, ckpt_root: str | Path | None = None,
+                 bcast: Callable[[Any], Any] = lambda x: x):
+        self.cfg, self.actor, self.is_leader, self.broker = cfg, actor, is_leader, broker
+        self.backend = select_backend(cfg)
+        self.interval = cfg.eval.eval_interval
+        self.datasets = eval_datasets(cfg)
+        self.engine_evaluator = engine_evaluator
+        self.ckpt_root = ckpt_root
+        self._bcast = bcast
+        self.fn: Optional[CheckpointEvalFn] = None
+        self.dispatcher: Optional[EvalDispatcher] = None
+        assert self.backend != "fleet", "validate() rejects eval.eval_num_gpus"
+        if self.backend == "shared" and is_leader:
+            assert engine_evaluator is not None and broker is not None
+        if self.backend == "external" and is_leader:
+            e = cfg.eval
+            self.fn = load_eval_fn(e.eval_function_path, cfg)
+            self.dispatcher = EvalDispatcher(self._evaluate, max_in_flight=e.eval_max_in_flight,
+                                             overflow_policy=e.eval_overflow_policy,
+                                             keep_snapshots=e.eval_keep_snapshots, wait_timeout_s=e.eval_wait_timeout_s)
+
+    def _evaluate(self, checkpoint_dir: str, step: int) -> dict:
+        assert self.fn is not None
+        return self.fn.evaluate_checkpoint(checkpoint_dir, EvalInput(step, dict(self.datasets), self.cfg))
+
+    def after_step(self, step: int) -> dict[str, float]:
+        if not is_eval_step(step, self.interval):
+            return {}
+        if self.backend == "shared":
+            if not self.is_leader:
+                return {}
+            m = evaluate_on_engines(self.broker, self.engine_evaluator, self.datasets)
+            m["eval/lag_steps"] = 0.0
+            log.info("eval at step %d on the shared engines: %s", step,
+                     {k: round(v, 4) for k, v in m.items() if k.endswith("/accuracy")})
+            return m
+        return self._external(step)
+
+    def _external(self, step: int) -> dict[str, float]:
+        e, disp = self.cfg.eval, self.dispatcher
+        admitted = self._bcast(disp.admit(step) if self.is_leader else None)  # every rank: export or not
+        if not admitted:
+            return {"eval/skipped": float(disp.num_skipped)} if self.is_leader else {}
+        if e.eval_hf_dir:
+            t0 = time.perf_counter()
+            d = export_snapshot(self.actor, e.eval_hf_dir, step, is_leader=self.is_leader)
+            m = {"eval/export_time_seconds": time.perf_counter() - t0}
+            owned = True
+        else:
+            d, m, owned = reused_snapshot(self.ckpt_root, step), {}, False
+        if self.is_leader:
+            disp.submit(step, d, owned=owned)
+            return m
+        return {}
+
+    def late_points(self, logged_at: int) -> list[tuple[int, dict[str, float]]]:
+        if self.dispatcher is None:
+            return []
+        return self._points(self.dispatcher.poll(), logged_at)
+
+    def _points(self, outcomes: list[EvalOutcome], logged_at: int) -> list[tuple[int, dict[str, float]]]:
+        disp = self.dispatcher
+        out = []
+        for o in outcomes:
+            m = outcome_metrics(o, logged_at=logged_at, num_skipped=disp.num_skipped, num_errors=disp.num_errors)
+            log.info("eval point of step %d (%s, logged at step %d): %s%s", o.step, o.status, logged_at,
+                     {k: round(v, 4) for k, v in o.metrics.items()}, f" ({o.reason})" if o.reason else "")
+            out.append((o.step, m))
+        return out
+
+    def finish(self, last_step: int) -> list[tuple[int, dict[str, float]]]:
+        """Wait (bounded by ``eval.eval_wait_timeout_s``) for pending external evals; their points."""
+        if self.dispatcher is None:
+            return []
+        try:
+            return self._points(self.dispatcher.close(), last_step)
+        finally:
+            self.fn.close()
+
+
+# ------------------------------------------------------------------------------------------- snapshots
+def snapshot_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def export_snapshot(actor: Any, root: str | Path, step: int, *, is_leader: bool) -> Path:
+    """A fresh HF export of the actor's weights into ``root/step_XXXXXX`` (collective: every actor rank
+    calls it). Rank 0 writes ``snapshot.json`` last, so a directory without it is incomplete."""
+    d = snapshot_dir(root, step)
+    if is_leader and d.exists():  # a left-over of an interrupted run at the same step
+        shutil.rmtree(d)
+    actor.export_hf(d)
+    if is_leader:
+        (d / SNAPSHOT_META).write_text(json.dumps({"step": step, "weight_version": int(actor.version)}) + "\n")
+    return d
+
+
+def reused_snapshot(ckpt_root: str | Path, step: int) -> Path:
+    """The periodic checkpoint's HF export (``runner.save_hf``) of ``step``."""
+    return Path(ckpt_root) / f"step_{step:06d}" / "hf_export"
+
+
+# ------------------------------------------------------------------------------------------- dispatcher
+@dataclass
+class EvalOutcome:
+    step: int
+    status: Literal["ok", "skipped", "error"]
+    metrics: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+    duration_s: float = 0.0
+    snapshot: Optional[str] = None
+
+
+@dataclass
+class _Point:
+    step: int
+    snapshot: Path
+    owned: bool
+
+
+class EvalDispatcher:
+    """Runs ``evaluate(snapshot_dir, step) -> {name: value}`` on one background thread, one point at a time.
+
+    ``admit(step)`` before exporting a due point (backpressure: wait for a slot; skip: False), then
+    ``submit(step, snapshot, owned=...)``. ``poll()`` returns finished outcomes in step order without
+    blocking; ``close(timeout_s)`` waits for the pending ones. Owned snapshots are deleted once more than
+    ``keep_snapshots`` have been retired (oldest first). Thread-safe for one caller thread.
+    """
+
+    def __init__(self, evaluate: Callable[[str, int], dict], *, max_in_flight: int,
+                 overflow_policy: Literal["backpressure", "skip"], keep_snapshots: int,
+                 wait_timeout_s: float = 600.0):
+        assert max_in_flight >= 1 and keep_snapshots >= 0
+        self._evaluate = evaluate
+        self.max_in_flight, self.overflow_policy = max_in_flight, overflow_policy
+        self.keep_snapshots, self.wait_timeout_s = keep_snapshots, wait_timeout_s
+        self.num_skipped = 0
+        """Skipped points so far (overflow under ``skip`` and ``EvalSkip``)."""
+        self.num_errors = 0
+        """Points whose eval function raised."""
+        self.num_completed = 0
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._done: deque[EvalOutcome] = deque()
+        self._retired: deque[Path] = deque()
+        self._queue: queue.Queue[Optional[_Point]] = queue.Queue()
+        # daemon: an eval that hangs past close()'s timeout must not keep the finished run alive
+        self._thread = threading.Thread(target=self._run, name="eval-dispatch", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_pending(self) -> int:
+        with self._cv:
+            return self._pending
+
+    def admit(self, step: int) -> bool:
+        """May a point for ``step`` be exported now? ``skip``: False when ``max_in_flight`` snapshots are still
+        being evaluated (counted and logged); ``backpressure``: waits for the oldest to finish."""
+        with self._cv:
+            if self._pending < self.max_in_flight:
+                return True
+            if self.overflow_policy == "skip":
+                self.num_skipped += 1
+                log.warning("eval point of step %d skipped: %d evals still in flight (eval.eval_max_in_flight = %d, "
+                            "eval.eval_overflow_policy = \"skip\")", step, self._pending, self.max_in_flight)
+                return False
+            if not self._cv.wait_for(lambda: self._pending < self.max_in_flight, timeout=self.wait_timeout_s):
+                raise TimeoutError(
+                    f"eval.eval_wait_timeout_s: no eval slot for step {step} within {self.wait_timeout_s:.0f}s "
+                    f"({self._pending} evals in flight, eval.eval_max_in_flight = {self.max_in_flight}); the eval "
+                    f"function is stuck or slower than training: raise the timeout or use "
+                    f"eval.eval_overflow_policy = \"skip\"")
+            return True
+
+    def submit(self, step: int, snapshot: str | Path, *, owned: bool) -> None:
+        """Queue ``snapshot`` (``owned``: the pipeline exported it and deletes it when retired)."""
+        with self._cv:
+            self._pending += 1
+        self._queue.put(_Point(step, Path(snapshot), owned))
+
+    def poll(self) -> list[EvalOutcome]:
+        with self._cv:
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def close(self, timeout_s: Optional[float] = None) -> list[EvalOutcome]:
+        """Wait (at most ``timeout_s``, default ``wait_timeout_s``) for pending evals; return the outcomes not
+        polled yet. Evals still running after that are abandoned with a warning."""
+        t = self.wait_timeout_s if timeout_s is None else timeout_s
+        with self._cv:
+            finished = self._cv.wait_for(lambda: self._pending == 0, timeout=t)
+            left = self._pending
+        if not finished:
+            log.warning("eval: %d evals still pending after %.0fs at the end of the run (eval.eval_wait_timeout_s); "
+                        "their points are not logged", left, t)
+        self._queue.put(None)
+        if finished:
+            self._thread.join(timeout=t)
+        return self.poll()
+
+    # ----------------------------------------------------------------- the background thread
+    def _run(self) -> None:
+        while True:
+            p = self._queue.get()
+            if p is None:
+                return
+            out = self._one(p)
+            self._retire(p)
+            with self._cv:
+                self._done.append(out)
+                self._pending -= 1
+                self._cv.notify_all()
+
+    def _one(self, p: _Point) -> EvalOutcome:
+        t0 = time.perf_counter()
+        try:
+            metrics = _float_metrics(self._evaluate(str(p.snapshot), p.step), p.step)
+        except EvalSkip as e:
+            with self._cv:
+                self.num_skipped += 1
+            log.warning("eval point of step %d skipped by the eval function: %s", p.step, e.reason)
+            return EvalOutcome(p.step, "skipped", reason=e.reason, duration_s=time.perf_counter() - t0,
+                               snapshot=str(p.snapshot))
+        except Exception as e:  # noqa: BLE001 - user code: logged with its traceback and counted, training goes on
+            with self._cv:
+                self.num_errors += 1
+            log.error("eval point of step %d failed (eval.eval_function_path); training goes on:\n%s", p.step,
+                      traceback.format_exc())
+            return EvalOutcome(p.step, "error", reason=f"{type(e).__name__}: {e}", duration_s=time.perf_counter() - t0,
+                               snapshot=str(p.snapshot))
+        with self._cv:
+            self.num_completed += 1
+        return EvalOutcome(p.step, "ok", metrics=metrics,
+                           duration_s=time.perf_counter() - t0, snapshot=str(p.snapshot))
+
+    def _retire(self, p: _Point) -> None:
+        if not p.owned:
+            return
+        self._retired.append(p.snapshot)
+        while len(self._retired) > self.keep_snapshots:
+            old = self._retired.popleft()
+            try:
+                shutil.rmtree(old)
+            except OSError as e:  # a snapshot we cannot delete costs disk, not the run
+                log.warning("eval: could not delete retired snapshot %s: %s", old, e)
+
+
+def _float_metrics(metrics: Any, step: int) -> dict[str, float]:
+    if not isinstance(metrics, dict):
+        raise TypeError(f"eval.eval_function_path: evaluate_checkpoint returned {type(metrics).__name__} for step "
+                        f"{step}, expected dict[str, float]")
+    out = {}
+    for k, v in metrics.items():
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            log.warning("eval: metric %r = %r of step %d is not a number; not logged", k, v, step)
+    return out
+
+
+def outcome_metrics(out: EvalOutcome, *, logged_at: int, num_skipped: int, num_errors: int) -> dict[str, float]:
+    """What to log for a finished point, at ``out.step``: its metrics as ``eval/<name>``, ``eval/lag_steps``,
+    ``eval/time_seconds`` and the running ``eval/skipped`` / ``eval/errors`` counts."""
+    m = {(k if k.startswith("eval/") else f"eval/{k}"): v for k, v in out.metrics.items()}
+    m["eval/lag_steps"] = float(logged_at - out.step)
+    m["eval/time_seconds"] = out.duration_s
+    m["eval/skipped"] = float(num_skipped)
+    m["eval/errors"] = float(num_errors)
+    return m
