@@ -145,3 +145,53 @@ def test_kill_and_resume(prepared, tmp_path):
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
     assert recs[-1]["actor/weight_version"] == 4
+
+
+@pytest.mark.slow
+def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path, monkeypatch):
+    """``eval.eval_interval = 2``: on the shared engines (points in the step's record, production held and
+    resumed), then with an external CheckpointEvalFn on fresh snapshots (points logged at their step with
+    ``eval/lag_steps``; the snapshot is the actor's weights at that step; retired snapshots are deleted)."""
+    from eval_helpers import weights_checksum
+
+    run_dir = tmp_path / "shared"
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2")
+    _assert_clean_exit(r, run_dir)
+    recs = read_metrics(run_dir)
+    assert [x["step"] for x in recs] == [1, 2, 3, 4]  # shared-engine points are part of their step's record
+    evals = {x["step"]: x for x in recs if "eval/test/accuracy" in x}
+    assert sorted(evals) == [2, 4]
+    for x in evals.values():
+        assert 0.0 <= x["eval/test/accuracy"] <= 1.0 and x["eval/test/num_prompts"] > 0
+        assert x["eval/test/response_len"] > 0 and x["eval/test/num_turns"] >= 1 and x["eval/time_seconds"] > 0
+    _assert_no_prompt_lost(recs)
+    assert recs[-1]["broker/issued_groups"] > recs[1]["broker/issued_groups"]  # production resumed after the eval
+
+    hf_dir = tmp_path / "eval_hf"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    run_dir = tmp_path / "external"
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2",
+                'eval.eval_function_path="eval_helpers:ChecksumEval"', f'eval.eval_hf_dir="{hf_dir}"',
+                "eval.eval_keep_snapshots=1", "runner.save_at_end=true", "runner.save_hf=true")
+    _assert_clean_exit(r, run_dir)
+    recs = read_metrics(run_dir)
+    steps = [x for x in recs if "time/step" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3, 4]
+    assert [x["step"] for x in steps if "eval/export_time_seconds" in x] == [2, 4]
+    points = {x["step"]: x for x in recs if "eval/checksum" in x}
+    assert sorted(points) == [2, 4]
+    for s, x in points.items():
+        assert x["eval/snapshot_step"] == s and x["eval/weight_version"] == s and x["eval/num_datasets"] == 1
+        assert 0 <= x["eval/lag_steps"] <= 4 - s and x["eval/errors"] == 0 and x["eval/skipped"] == 0
+    assert points[2]["eval/checksum"] != points[4]["eval/checksum"]  # the weights moved between the points
+    final_export = run_dir / "checkpoints" / "step_000004" / "hf_export"  # the actor's own HF export at step 4
+    assert points[4]["eval/checksum"] == pytest.approx(weights_checksum(final_export), rel=1e-12)
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["step_000004"]  # keep_snapshots = 1 retired snapshot
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/checksum")] == [2, 4]
+    assert {"eval/lag_steps", "eval/export_time_seconds"} <= set(acc.Tags()["scalars"])
