@@ -90,9 +90,9 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         raise ConfigError(
             "eval.eval_function_path: an external eval backend and a dedicated fleet (eval.eval_num_gpus) "
             "each select a backend; set only one")
+    warnings += _validate_eval(cfg)
     if (cfg.eval.eval_num_gpus or cfg.eval.eval_function_path) and cfg.eval.eval_interval is None:
         raise ConfigError("eval.eval_interval: required with a dedicated fleet or an external eval backend")
-    warnings += _validate_eval(cfg)
     if cfg.algorithm.off_policy_correction != "none" and not r.async_mode:
         warnings.append(
             f"algorithm.off_policy_correction = {cfg.algorithm.off_policy_correction!r} in synchronous mode: "
