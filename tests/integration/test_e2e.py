@@ -155,8 +155,10 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path, m
     from eval_helpers import weights_checksum
 
     run_dir = tmp_path / "shared"
-    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2")
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2", "runner.eval_before_after=true")
     _assert_clean_exit(r, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())  # the before/after eval holds issuing too
+    assert summary["test_accuracy_before"] is not None and summary["test_accuracy_after"] is not None
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]  # shared-engine points are part of their step's record
     evals = {x["step"]: x for x in recs if "eval/test/accuracy" in x}
