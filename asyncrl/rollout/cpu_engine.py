@@ -13,7 +13,8 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   was called and not yet ended; tensors are received by ``broadcast`` from group rank 0 in the
   order of ``names`` (``load_format="flattened_bucket"``: ONE uint8 broadcast holding each
   tensor's raw bytes back to back, in that order, as SGLang's FlattenedTensorBucket), on the engine
-  thread, so a weight load never overlaps a forward.
+  thread, so a weight load never overlaps a forward. ``/update_weights_from_disk`` reads a HF
+  safetensors directory on a worker thread and copies it in on the engine thread the same way.
 - Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control
   calls answer ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while
   requests are running.
@@ -166,6 +167,7 @@ class CpuEngine:
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_route("*", "/flush_cache", self.flush_cache)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
@@ -440,6 +442,69 @@ class CpuEngine:
             msg += f" Weight version updated to {version}."
         log.info("received %d tensors in %.3fs (%s)", len(names), time.monotonic() - t0, fmt or "per-tensor")
         return True, msg
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weights_from_disk``: ``{model_path, load_format?, weight_version?,
+        abort_all_requests?, flush_cache?}`` -> ``{success, message, num_paused_requests}``. The files are
+        read on a worker thread; the copy into the model runs on the engine thread, between two model
+        steps (never mid-forward). Every tensor's name and shape are checked before any is copied, so a
+        failed load leaves the running weights untouched. ``weight_version`` (when given) is set."""
+        body = await _body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            return _result(False, "update_weights_from_disk: model_path is required")
+        fmt = body.get("load_format")
+        if fmt not in (None, "auto", "safetensors"):
+            return _result(False, f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or "
+                                  f"'safetensors')")
+        t0 = time.monotonic()
+        try:
+            named = await asyncio.to_thread(self._read_checkpoint, Path(path))
+        except (FileNotFoundError, KeyError, ValueError, OSError) as e:
+            return _result(False, f"Failed to load weights from {path!r}: {e}")
+        flush = bool(body.get("flush_cache", True))
+        version = body.get("weight_version")
+        if body.get("abort_all_requests"):
+            await self._call(lambda s: s.abort(abort_all=True))
+
+        def apply(s: Scheduler) -> str:
+            self.model.load_weights(named)  # names and shapes checked in _read_checkpoint
+            if flush and not s.flush_cache():
+                log.info("update_weights_from_disk: flush_cache skipped (requests are running)")
+            if version is not None:
+                s.weight_version = str(version)
+            return s.weight_version
+
+        v = await self._call(apply)
+        log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path,
+                 time.monotonic() - t0, v)
+        return _result(True, f"Succeeded to update model weights from {path}. Weight version {v}.",
+                       num_paused_requests=0)
+
+    def _read_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
+        """Read a HF safetensors checkpoint directory and check it against the running model (same names and
+        shapes, no parameter missing). Errors name the directory."""
+        from asyncrl.rollout.cpu_model import iter_safetensors
+
+        if not d.is_dir():
+            raise FileNotFoundError(f"{str(d)!r} is not a directory")
+        m = self.model
+        named, seen = [], set()
+        for name, t in iter_safetensors(d):
+            dst = m.params.get(name)
+            if dst is None:
+                if name == "lm_head.weight" and m.spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise KeyError(f"{str(d)!r}: unknown parameter {name!r} for the running {m.spec.model_type}")
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(f"{str(d)!r}: parameter {name!r} has shape {tuple(t.shape)}, the running model's "
+                                 f"is {tuple(dst.shape)}")
+            named.append((name, t))
+            seen.add(name)
+        missing = m.missing_after(seen)
+        if missing:
+            raise ValueError(f"{str(d)!r}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        return named
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _body(request)

@@ -263,6 +263,17 @@ class SGLangClient:
             "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
             "weight_version": weight_version, "load_format": load_format}, timeout_s=timeout_s)
 
+    async def update_weights_from_disk(self, model_path: str, *, load_format: Optional[str] = None,
+                                       weight_version: Optional[str] = None, abort_all_requests: bool = False,
+                                       flush_cache: bool = True, timeout_s: Optional[float] = None) -> dict:
+        """POST /update_weights_from_disk: load the HF checkpoint at ``model_path`` (a path on the engine's
+        host) into the running engine; ``weight_version`` (when given) becomes the engine's version."""
+        body: dict[str, Any] = {"model_path": str(model_path), "load_format": load_format,
+                                "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._control("/update_weights_from_disk", body, timeout_s=timeout_s)
+
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
         """Note: our default is False; SGLang's server default (if the key is omitted) is True."""
         return await self._control("/update_weight_version", {
