@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from asyncrl.config.schema import ConfigError
 
-KNOWN_COMPONENTS = ("actor", "rollout", "reward")
+KNOWN_COMPONENTS = ("actor", "rollout", "reward", "eval")
+"""``eval``: the devices of the dedicated eval fleet (``eval.eval_num_gpus``), optional."""
 
 
 def parse_devices(spec: str, key: str) -> list[int]:
@@ -58,11 +59,26 @@ class Placement:
     def rollout_ranks(self) -> tuple[int, ...]:
         return self.components.get("rollout", ())
 
+    @property
+    def eval_ranks(self) -> tuple[int, ...]:
+        """The dedicated eval fleet's devices (the ``eval`` key; empty without a fleet)."""
+        return self.components.get("eval", ())
+
+    def eval_engines(self, tp: int) -> tuple[tuple[int, ...], ...]:
+        """The fleet's engines (``eval.eval_num_gpus_per_engine`` = ``tp`` devices each; first rank launches)."""
+        r = self.eval_ranks
+        if len(r) % tp:
+            raise ConfigError(f"eval.eval_num_gpus_per_engine: {tp} does not divide the {len(r)} devices of "
+                              f"cluster.component_placement.eval")
+        return tuple(tuple(r[i:i + tp]) for i in range(0, len(r), tp))
+
     def role_of(self, rank: int) -> str:
         if rank in self.actor_ranks:
             return "actor"
         if rank in self.rollout_ranks:
             return "rollout"
+        if rank in self.eval_ranks:
+            return "eval"
         return "idle"
 
     def engine_of(self, rank: int) -> int | None:

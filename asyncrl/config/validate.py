@@ -90,6 +90,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         raise ConfigError(
             "eval.eval_function_path: an external eval backend and a dedicated fleet (eval.eval_num_gpus) "
             "each select a backend; set only one")
+    _validate_fleet(cfg, placement)
     warnings += _validate_eval(cfg)
     if (cfg.eval.eval_num_gpus or cfg.eval.eval_function_path) and cfg.eval.eval_interval is None:
         raise ConfigError("eval.eval_interval: required with a dedicated fleet or an external eval backend")
@@ -117,22 +118,39 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
     return warnings
 
 
+def _validate_fleet(cfg: Config, placement) -> None:
+    """The dedicated eval fleet: its size, its devices (the ``eval`` placement key) and its engine settings."""
+    from asyncrl.runner.eval_fleet import eval_engine_config, fleet_size
+
+    e = cfg.eval
+    n_dev = len(placement.eval_ranks)
+    if not e.eval_num_gpus:
+        if n_dev:
+            raise ConfigError(
+                f"cluster.component_placement.eval: {n_dev} devices are placed for a dedicated eval fleet but "
+                f"eval.eval_num_gpus = 0; set eval.eval_num_gpus = {n_dev} or remove the 'eval' key")
+        return
+    fleet_size(e)
+    if n_dev != e.eval_num_gpus:
+        raise ConfigError(
+            f"cluster.component_placement.eval: {n_dev} devices are placed for the eval fleet but "
+            f"eval.eval_num_gpus = {e.eval_num_gpus}; they must match (e.g. eval = \"2\" for one device)")
+    eval_engine_config(cfg)  # the eval.eval_sglang overrides resolve
+
+
 def _validate_eval(cfg: Config) -> list[str]:
     """The periodic eval (Miles' three backends and the snapshot pipeline)."""
     e, r = cfg.eval, cfg.runner
     warnings: list[str] = []
-    if e.eval_num_gpus:
-        raise ConfigError(
-            f"eval.eval_num_gpus: a dedicated eval fleet ({e.eval_num_gpus} devices) is not supported yet: use "
-            f"eval.eval_function_path (an external CheckpointEvalFn) or the shared engines (leave both unset)")
     if e.eval_interval is None:
         return warnings
-    if e.eval_function_path:  # external backend: it evaluates a snapshot, from exactly one source
-        if ":" not in e.eval_function_path:
-            raise ConfigError(f"eval.eval_function_path: expected 'module:Class', got {e.eval_function_path!r}")
+    if e.eval_function_path and ":" not in e.eval_function_path:
+        raise ConfigError(f"eval.eval_function_path: expected 'module:Class', got {e.eval_function_path!r}")
+    if e.eval_function_path or e.eval_num_gpus:  # both evaluate a snapshot, from exactly one source
+        what = "an external eval backend" if e.eval_function_path else "a dedicated eval fleet"
         if not e.eval_hf_dir and not r.save_hf:
             raise ConfigError(
-                "eval.eval_hf_dir: an external eval backend needs a weight snapshot source: set eval.eval_hf_dir "
+                f"eval.eval_hf_dir: {what} needs a weight snapshot source: set eval.eval_hf_dir "
                 "(a fresh HF export per eval point, tmpfs recommended) or runner.save_hf = true (reuse the "
                 "periodic HF checkpoints)")
         if not e.eval_hf_dir:
@@ -142,16 +160,18 @@ def _validate_eval(cfg: Config) -> list[str]:
                     f"eval.eval_interval: reusing the periodic HF checkpoints (runner.save_hf, no eval.eval_hf_dir) "
                     f"needs eval.eval_interval = {e.eval_interval} to be a multiple of runner.checkpoint_interval "
                     f"= {ci}; change either, or set eval.eval_hf_dir for a fresh export per eval point")
-        return warnings
-    # shared engines
+        if e.eval_function_path:
+            return warnings
+    # shared engines and the fleet run the agent loop's greedy eval
+    where = "on the dedicated fleet" if e.eval_num_gpus else "on the shared engines"
     if not cfg.agentloop.task_name:
-        raise ConfigError("agentloop.task_name: the periodic eval on the shared engines (eval.eval_interval) runs "
+        raise ConfigError(f"agentloop.task_name: the periodic eval {where} (eval.eval_interval) runs "
                           "the agent loop and needs a task (e.g. \"searchr1\")")
     if not e.eval_prompt_data and not cfg.data.test_path:
         raise ConfigError(
             "eval.eval_prompt_data: eval.eval_interval is set but there is nothing to evaluate: give "
             "eval.eval_prompt_data = { name = \"path.jsonl\" } or data.test_path")
-    if e.eval_hf_dir:
+    if e.eval_hf_dir and not e.eval_num_gpus:
         warnings.append(
             f"eval.eval_hf_dir = {e.eval_hf_dir!r} is ignored: the eval runs on the shared rollout engines "
             f"(no snapshot); it is used with eval.eval_function_path")

@@ -3,12 +3,17 @@
 Contract
 - Backend (``select_backend``): ``shared`` when neither ``eval.eval_num_gpus`` nor
   ``eval.eval_function_path`` is set; ``external`` with ``eval.eval_function_path = "module:Class"``
-  (a ``CheckpointEvalFn`` subclass); a dedicated fleet (``eval.eval_num_gpus``) is rejected by
-  ``asyncrl.config.validate`` (not supported yet). Evals run on every ``eval.eval_interval``-th step.
+  (a ``CheckpointEvalFn`` subclass); ``fleet`` with ``eval.eval_num_gpus = N`` (engines of their own on
+  the ``eval`` placement devices, ``asyncrl.runner.eval_fleet``). Evals run on every
+  ``eval.eval_interval``-th step.
 - Shared engines (``evaluate_on_engines``): actor rank 0 tells the broker ``hold_issuing`` (no new
   prompts; in-flight groups finish and buffer, nothing is aborted, turns go on), evaluates every
   dataset greedily on the rollout engines, then ``release_issuing``. Blocking: the point lands at its
   step. Metrics ``eval/<name>/{accuracy,response_len,num_turns,...}`` and ``eval/time_seconds``.
+- Fleet: exactly as external (same snapshot sources, dispatcher, lag/overflow/GC semantics), with the
+  built-in job ``FleetEval`` in place of the user's function: every fleet engine loads the snapshot
+  (``/update_weights_from_disk``), then the datasets are evaluated greedily against the fleet; metrics
+  as the shared engines' plus ``eval/fleet/*``. Training never pauses for it.
 - External: the trainer owns dispatch, logging and garbage collection. At an eval step the snapshot
   is either a fresh HF export into ``eval.eval_hf_dir/step_XXXXXX`` (collective over every actor
   rank, the one part the training loop waits for: ``eval/export_time_seconds``) or, with
@@ -209,13 +214,13 @@ class PeriodicEval:
 
     ``after_step(step)`` (after the step's weight sync and checkpoint) returns the metrics to add to the
     step's record (shared: the eval itself; external: ``eval/export_time_seconds`` and overflow skips);
-    ``late_points(step)`` / ``finish(last_step)`` return ``[(eval_step, metrics)]`` of external points that
+    ``late_points(step)`` / ``finish(last_step)`` return ``[(eval_step, metrics)]`` of external/fleet points that
     finished since, each to be logged at its own eval step. Non-leader ranks get empty results.
     """
 
     def __init__(self, cfg: Any, *, actor: Any, is_leader: bool, broker: Any = None,
                  engine_evaluator: Optional[EngineEvaluator] = None, ckpt_root: str | Path | None = None,
-                 bcast: Callable[[Any], Any] = lambda x: x):
+                 bcast: Callable[[Any], Any] = lambda x: x, fleet_urls: Optional[list[str]] = None):
         self.cfg, self.actor, self.is_leader, self.broker = cfg, actor, is_leader, broker
         self.backend = select_backend(cfg)
         self.interval = cfg.eval.eval_interval
@@ -225,13 +230,19 @@ class PeriodicEval:
         self._bcast = bcast
         self.fn: Optional[CheckpointEvalFn] = None
         self.dispatcher: Optional[EvalDispatcher] = None
-        assert self.backend != "fleet", "validate() rejects eval.eval_num_gpus"
         if self.backend == "shared" and is_leader:
             assert engine_evaluator is not None and broker is not None
-        if self.backend == "external" and is_leader:
+        if self.backend in ("external", "fleet") and is_leader:
             e = cfg.eval
-            self.fn = load_eval_fn(e.eval_function_path, cfg)
-            self.dispatcher = EvalDispatcher(self._evaluate, max_in_flight=e.eval_max_in_flight,
+            if self.backend == "fleet":
+                from asyncrl.runner.eval_fleet import FleetEval
+
+                evaluate: Callable[[str, int], dict] = FleetEval(
+                    cfg, list(fleet_urls or []), tokenizer_path=cfg.rollout.model_path or cfg.actor.model_path)
+            else:
+                self.fn = load_eval_fn(e.eval_function_path, cfg)
+                evaluate = self._evaluate
+            self.dispatcher = EvalDispatcher(evaluate, max_in_flight=e.eval_max_in_flight,
                                              overflow_policy=e.eval_overflow_policy,
                                              keep_snapshots=e.eval_keep_snapshots, wait_timeout_s=e.eval_wait_timeout_s)
 
@@ -291,7 +302,8 @@ class PeriodicEval:
         try:
             return self._points(self.dispatcher.close(), last_step)
         finally:
-            self.fn.close()
+            if self.fn is not None:
+                self.fn.close()
 
 
 # ------------------------------------------------------------------------------------------- snapshots

@@ -18,6 +18,8 @@ Contract
   (``eval.eval_function_path``): every actor rank takes part in the snapshot export (or the periodic
   ``save_hf`` checkpoint is reused), a background thread on rank 0 evaluates it, and the point is
   logged later at its own step with ``eval/lag_steps``; pending points are waited for at the end.
+  Dedicated fleet (``eval.eval_num_gpus``): the same snapshot hand-off, and the background job loads
+  it into the fleet's engines (``eval_engine_urls``) and evaluates there; training never pauses.
   ``runner.eval_before_after`` evaluates ``data.test_path`` before the first and after the last step.
 - Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
   ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
@@ -175,7 +177,8 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
             broker.release_issuing()
 
 
-def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int) -> int:
+def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int,
+                 eval_engine_urls: list[str] | None = None) -> int:
     from asyncrl.actor.trainer import Actor
 
     cfg = ctx.cfg
@@ -200,7 +203,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
     periodic, evaluator = _make_evaluation(cfg, actor, is_leader, broker if is_leader else None, engine_urls,
-                                           ckpt_root)
+                                           ckpt_root, eval_engine_urls=eval_engine_urls)
     latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
     latest = _bcast_obj(str(latest) if latest else None)
     if latest:
@@ -249,7 +252,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             m.update(broker_accounting(broker.status()))
             m["actor/weight_version"] = float(actor.version)
             writer.log(m, step)
-            for eval_step, em in periodic.late_points(step):  # external evals: each at its own step
+            for eval_step, em in periodic.late_points(step):  # external/fleet evals: each at its own step
                 writer.log(em, eval_step)
             summary["steps"].append({k: m.get(k) for k in (
                 "reward/mean", "rollout/data_staleness/mean", "rollout/data_staleness/max", "time/step",
@@ -276,7 +279,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     return 0
 
 
-def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str], ckpt_root: Path):
+def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str], ckpt_root: Path, *,
+                     eval_engine_urls: list[str] | None = None):
     """The periodic eval (``eval.*``) and, on the leader, the shared-engine evaluator (built once)."""
     from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, select_backend
 
@@ -284,7 +288,7 @@ def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str]
     if is_leader and (cfg.runner.eval_before_after and cfg.data.test_path or select_backend(cfg) == "shared"):
         evaluator = EngineEvaluator(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
     periodic = PeriodicEval(cfg, actor=actor, is_leader=is_leader, broker=broker, engine_evaluator=evaluator,
-                            ckpt_root=ckpt_root, bcast=_bcast_obj)
+                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_urls=eval_engine_urls)
     return periodic, evaluator
 
 

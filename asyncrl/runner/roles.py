@@ -9,6 +9,9 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
   to shut down and publishes ``shutdown``.
 - the first rank of each engine launches its engine child (SGLang server or the CPU engine),
   publishes its URL, and runs the agent worker against it until the broker says shutdown.
+- the first rank of each dedicated eval-fleet engine (``eval`` placement key) launches it, publishes
+  ``eval_engine/<i>/url`` (actor rank 0 waits for them) and keeps it up until ``shutdown``
+  (``asyncrl.runner.eval_fleet.run_eval_engine``).
 - other ranks (an engine's other TP ranks, reward-only ranks) wait for ``shutdown``.
 """
 
@@ -61,6 +64,10 @@ def run_role(ctx) -> int:
         return run_actor(ctx, disc)
     if role == "rollout":
         return run_rollout(ctx, disc)
+    if role == "eval":
+        from asyncrl.runner.eval_fleet import run_eval_engine
+
+        return run_eval_engine(ctx, disc)
     return run_idle(ctx, disc)
 
 
@@ -93,6 +100,7 @@ def run_actor(ctx, disc: Discovery) -> int:
     try:
         broker = None
         engine_urls: list[str] = []
+        eval_urls: list[str] = []
         if actor_rank == 0:
             addr_file = ctx.run_dir / "broker.address"
             addr_file.unlink(missing_ok=True)
@@ -109,10 +117,16 @@ def run_actor(ctx, disc: Discovery) -> int:
             for i in range(len(ctx.placement.engines)):
                 engine_urls.append(disc.lookup(f"engine/{i}/url", timeout_s=cfg.rollout.start_timeout_s + 60))
             log.info("broker at %s; engines %s", address, engine_urls)
+            if cfg.eval.eval_num_gpus:
+                from asyncrl.runner.eval_fleet import lookup_fleet_urls
+
+                eval_urls = lookup_fleet_urls(cfg, disc)
+                log.info("eval fleet engines %s", eval_urls)
         from asyncrl.runner.loop import run_training
 
         return run_training(ctx, broker_address=disc.lookup("broker/address") if actor_rank == 0 else None,
-                            engine_urls=engine_urls, broker_child=broker, actor_rank=actor_rank)
+                            engine_urls=engine_urls, broker_child=broker, actor_rank=actor_rank,
+                            eval_engine_urls=eval_urls)
     finally:
         if actor_rank == 0:
             disc.publish(SHUTDOWN_KEY, "1")

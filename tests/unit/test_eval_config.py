@@ -10,10 +10,8 @@ from asyncrl.config import ConfigError, validate
 EXTERNAL = ['eval.eval_function_path="mod:Fn"', "eval.eval_interval=4"]
 
 
-def test_fleet_is_not_supported_yet(tmp_path):
-    msg = check(tmp_path, ["eval.eval_num_gpus=1", "eval.eval_interval=4"], "eval.eval_num_gpus")
-    assert "eval.eval_function_path" in msg and "shared engines" in msg
-    check(tmp_path, ["eval.eval_num_gpus=2"], "not supported yet")  # said at once, not after adding an interval
+def test_fleet_needs_its_devices_and_an_interval(tmp_path):  # the fleet's own rules: tests/unit/test_eval_fleet.py
+    check(tmp_path, ["eval.eval_num_gpus=1", "eval.eval_interval=4"], "cluster.component_placement.eval")
     check(tmp_path, ['eval.eval_function_path="m:F"', 'eval.eval_hf_dir="d"'], "eval.eval_interval")
 
 
