@@ -18,7 +18,8 @@ Contract
   engine loads the snapshot with ``/update_weights_from_disk`` (weight version = the snapshot's step;
   checked on every engine afterwards), then the eval datasets are evaluated greedily against the fleet
   with the shared-engine evaluator (prompts round-robin over the engines). Metrics:
-  ``eval/<name>/accuracy`` etc., ``eval/fleet/load_time_seconds``, ``eval/fleet/weight_version``. The
+  ``eval/<name>/accuracy`` etc., ``eval/fleet/load_time_seconds``, ``eval/fleet/weight_version``,
+  ``eval/fleet/probe_logprob`` (the fleet's log-prob of ``PROBE_IDS``: identifies its weights). The
   snapshot path must be readable on the engines' hosts (one node, or a shared file system).
 
     n = fleet_size(cfg.eval)                      # engines
@@ -44,6 +45,9 @@ log = logging.getLogger("asyncrl.eval.fleet")
 TP_TIED = ("dp_size", "pp_size", "ep_size", "attn_cp_size")
 """SGLang settings tied to TP: 1 (not inherited) when the fleet's TP differs from the rollout's."""
 URL_KEY = "eval_engine/{}/url"
+PROBE_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+"""After a load every fleet engine scores this prompt; the sum of its log-probs (``eval/fleet/probe_logprob``)
+identifies the weights it carries (the engines must agree)."""
 
 Value = Union[str, bool]
 
@@ -173,8 +177,9 @@ class FleetEval:
         self.datasets = eval_datasets(cfg)
         self.evaluator = EngineEvaluator(cfg, self.urls, tokenizer_path=tokenizer_path)
 
-    def load(self, snapshot_dir: str, version: str) -> None:
-        """``/update_weights_from_disk`` on every engine at once; each must then report ``version``."""
+    def load(self, snapshot_dir: str, version: str) -> float:
+        """``/update_weights_from_disk`` on every engine at once; each must then report ``version`` and the
+        same probe log-prob (returned)."""
         from asyncrl.rollout.sglang_client import SGLangClient
 
         r = self.cfg.rollout
@@ -187,11 +192,17 @@ class FleetEval:
                 if got != version:
                     raise RuntimeError(f"eval fleet engine {url}: weight version {got!r} after loading "
                                        f"{snapshot_dir}, expected {version!r}")
+                res = await c.generate(PROBE_IDS, {"max_new_tokens": 1, "temperature": 0.0}, logprob_start_len=0)
+                return sum(float(x[0]) for x in res.meta_info["input_token_logprobs"] if x[0] is not None)
 
-        async def all_() -> None:
-            await asyncio.gather(*(one(u) for u in self.urls))
+        async def all_() -> list[float]:
+            return list(await asyncio.gather(*(one(u) for u in self.urls)))
 
-        asyncio.run(all_())
+        probes = asyncio.run(all_())
+        if max(probes) - min(probes) > 1e-3 * (1 + abs(probes[0])):
+            raise RuntimeError(f"eval fleet engines {self.urls} disagree after loading {snapshot_dir}: probe "
+                               f"log-probs {probes}")
+        return probes[0]
 
     def __call__(self, snapshot_dir: str, step: int) -> dict[str, float]:
         from asyncrl.runner.evaluation import SNAPSHOT_META, engine_eval_metrics
@@ -199,8 +210,9 @@ class FleetEval:
         meta = Path(snapshot_dir) / SNAPSHOT_META
         version = json.loads(meta.read_text())["weight_version"] if meta.is_file() else step
         t0 = time.perf_counter()
-        self.load(snapshot_dir, str(version))
-        m = {"eval/fleet/load_time_seconds": time.perf_counter() - t0, "eval/fleet/weight_version": float(version)}
+        probe = self.load(snapshot_dir, str(version))
+        m = {"eval/fleet/load_time_seconds": time.perf_counter() - t0, "eval/fleet/weight_version": float(version),
+             "eval/fleet/probe_logprob": probe}
         m.update(engine_eval_metrics(self.evaluator.evaluate(self.datasets)))
         return m
 
