@@ -121,6 +121,11 @@ def render_plan(cfg: Config, placement: Placement) -> str:
             kind = "SGLang server" if gpu else "CPU engine"
             detail = (f"engine {e} ({kind}, TP {len(ranks)}) launcher + agent worker" if r == ranks[0]
                       else f"engine {e} TP rank {ranks.index(r)} (held by the engine's first rank)")
+        elif role == "eval":
+            tp = cfg.eval.eval_num_gpus_per_engine
+            e, ranks = next((i, rs) for i, rs in enumerate(placement.eval_engines(tp)) if r in rs)
+            detail = (f"eval fleet engine {e} (TP {tp}) launcher" if r == ranks[0]
+                      else f"eval fleet engine {e} TP rank {ranks.index(r)}")
         else:
             detail = "idle (reward is computed in the agent loop)"
         rows.append(f"{r:<5} {node:<5} {role:<8} {device:<13} {detail}")
