@@ -84,7 +84,7 @@ def make_knowledge_base(*, seed: int, num_countries: int = 200, num_test_countri
     for _ in range(num_countries):
         name = _unique(rng, used, lambda: _word(rng, rng.choice((1, 2)), rng.choice(_COUNTRY_SUFFIXES)))
         capital = _unique(rng, used, lambda: _word(rng, rng.choice((1, 2)), rng.choice(_CITY_SUFFIXES)))
-        currency = _unique(rng, used, lambda: _word(rng, 1, rng.choice(_CURRENCY_SUFFIXES)).lower())
+        currency = _unique(rng, used, lambda: _word(rng, rng.choice((1, 2)), rng.choice(_CURRENCY_SUFFIXES)).lower())
         leader = _unique(rng, used, lambda: f"{_word(rng, 2)} {_word(rng, 2)}")
         countries.append(Country(name, capital, currency, leader))
     births: dict[str, str] = {}
