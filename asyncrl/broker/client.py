@@ -395,6 +395,11 @@ class BrokerClient:
         """Issue new prompts again."""
         self._call(P.RELEASE_ISSUING)
 
+    def batch_filtered(self, group_ids: list[int]) -> None:
+        """The sample filter removed these groups of the last batch: the broker counts them as
+        dropped, not trained."""
+        self._call(P.BATCH_FILTERED, {"group_ids": [int(g) for g in group_ids]})
+
     def metrics(self) -> dict[str, Any]:
         """``{"metrics": last step's metrics, "counters": lifetime totals, "status": status()}``."""
         return self._call(P.METRICS).body

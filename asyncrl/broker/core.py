@@ -31,6 +31,8 @@ Contract
 - Sync mode (``runner.async_mode = false``): nothing is issued unless a batch request is pending,
   and then only up to ``rollout_batch_size - inflight - buffered`` groups: exactly one batch, plus
   replacements for drops. ``sync_begin("drain")`` pauses issuing until ``sync_end(version)``.
+- ``batch_filtered(group_ids)``: the trainer's sample filter removed these groups of the last
+  batch; they move from ``trained`` to ``dropped`` in the counters.
 - ``hold_issuing()`` / ``release_issuing()`` (a blocking eval on the shared engines): no new prompt
   is issued while held; in-flight groups go on (new turns too), finish and are buffered; nothing is
   aborted. Independent of a sync's ``drain`` hold.
@@ -47,7 +49,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -203,6 +205,8 @@ class BrokerCore:
         self._last_arrival_t = now
         self._last_warning_t = now
         self.counters: Counter[str] = Counter()
+        self._last_batch_ids: list[int] = []
+        """Group ids of the last batch handed out (``batch_filtered`` may remove only those)."""
         """Lifetime totals: issued, finished, trained, dropped, retried, reissued, unknown_reports, ..."""
         self.last_metrics: dict[str, float] = {}
         self._reset_step(now)
@@ -422,6 +426,24 @@ class BrokerCore:
         self._issuing_held = False
         self._admit()
 
+    def batch_filtered(self, group_ids: Sequence[int]) -> None:
+        """The trainer's batch-level sample filter (``rollout_buffer.sample_filter_path``) removed
+        these groups of the last batch: they count as dropped (``sample_filtered``), not trained, so
+        ``issued == trained + dropped + held + reissued`` stays true. Not retried, and not counted
+        against ``max_dropped_groups_per_step`` (the user's filter chose them)."""
+        ids = [int(g) for g in group_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"batch_filtered: repeated group ids {sorted(ids)}")
+        last = set(self._last_batch_ids)
+        unknown = [g for g in ids if g not in last]
+        if unknown:
+            raise ValueError(f"batch_filtered: groups {unknown} are not in the last batch handed out")
+        self._last_batch_ids = [g for g in self._last_batch_ids if g not in set(ids)]
+        n = len(ids)
+        self.counters["trained"] -= n
+        self.counters["dropped"] += n
+        self.counters["sample_filtered"] += n
+
     def tick(self) -> list[str]:
         """Periodic: expire silent workers, warn when the actor waits and nothing arrives."""
         self._advance()
@@ -570,6 +592,7 @@ class BrokerCore:
                             metrics=self._step_metrics(groups, req.actor_version, now - req.t))
         self.last_metrics = self._batch.metrics
         self.counters["trained"] += len(groups)
+        self._last_batch_ids = [g.group_id for g in groups]
         self._request = None
         self._reset_step(now)
 

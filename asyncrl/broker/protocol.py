@@ -33,6 +33,7 @@ Actor -> broker (DEALER)                                 Broker -> actor (one re
                                                           | timeout {step} | error {message}
   sync_begin {mode}   sync_end {version}                  ok {}
   hold_issuing {}     release_issuing {}                  ok {}   (no new prompts issued while held)
+  batch_filtered {group_ids}                              ok {} | error {message}   (sample filter)
   metrics    {}                                           metrics {metrics, counters, status}
   status     {}                                           status {...counts...}
   get_state  {}                                           state {state} +blobs
@@ -75,10 +76,12 @@ GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE = (
 BATCH, TIMEOUT, OK, ERROR, STATE = "batch", "timeout", "ok", "error", "state"
 # actor -> broker: a blocking eval on the shared engines stops issuing new prompts (turns go on)
 HOLD_ISSUING, RELEASE_ISSUING = "hold_issuing", "release_issuing"
+# actor -> broker: the batch-level sample filter removed these groups (dropped, not trained)
+BATCH_FILTERED = "batch_filtered"
 
 WORKER_TYPES = frozenset({HELLO, HEARTBEAT, TRAJ, GROUP, GROUPS, BYE})
 ACTOR_TYPES = frozenset({GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE, SHUTDOWN,
-                         HOLD_ISSUING, RELEASE_ISSUING})
+                         HOLD_ISSUING, RELEASE_ISSUING, BATCH_FILTERED})
 TO_WORKER_TYPES = frozenset({WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN})
 TO_ACTOR_TYPES = frozenset({BATCH, TIMEOUT, OK, ERROR, STATE, METRICS, STATUS})
 

@@ -320,6 +320,12 @@ class BrokerServer:
             elif msg.type == P.RELEASE_ISSUING:
                 core.release_issuing()
                 self._send(ident, P.OK)
+            elif msg.type == P.BATCH_FILTERED:
+                ids = b["group_ids"]
+                if not isinstance(ids, list):
+                    raise TypeError(f"batch_filtered: group_ids must be a list, got {type(ids).__name__}")
+                core.batch_filtered(ids)
+                self._send(ident, P.OK)
             elif msg.type == P.METRICS:
                 self._send(ident, P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters),
                                               "status": self.status()})

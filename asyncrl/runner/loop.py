@@ -229,7 +229,12 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             batch = broker.get_batch(step, timeout_s=cfg.rollout.request_timeout_s * 4, actor_version=actor.version,
                                      as_lists=True)
             groups = batch_filter(batch.groups)
+            kept = {g.group_id for g in groups}
+            removed = [g.group_id for g in batch.groups if g.group_id not in kept]
+            if removed:
+                broker.batch_filtered(removed)
             m["rollout/sample_filter/kept_groups"] = float(len(groups))
+            m["rollout/sample_filter/removed_groups"] = float(len(removed))
             m.update(batch.metrics)
             m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
             m.update(rollout_metrics(groups))
@@ -259,7 +264,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
                 "time/training", "time/wait_data", "time/rollout", "time/sync_weights")})
             summary["staleness_max"] = max(summary["staleness_max"], m.get("rollout/data_staleness/max", 0.0))
             summary["drops"] += m.get("rollout/fully_async/stale_groups_filtered", 0.0) + m.get(
-                "rollout/fully_async/aborted_groups_filtered", 0.0)
+                "rollout/fully_async/aborted_groups_filtered", 0.0) + m["rollout/sample_filter/removed_groups"]
     if is_leader:
         for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
             writer.log(em, eval_step)

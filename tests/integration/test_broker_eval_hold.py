@@ -61,6 +61,13 @@ def test_hold_issuing_buffers_inflight_and_issues_nothing_new(tmp_path):
         assert st["num_inflight_groups"] == 0 and st["counters"].get("dropped", 0) == 0 and st["hold"] is False
         batch = client.get_batch(1, timeout_s=20)  # buffered groups are still handed to the actor
         assert sorted(g.group_id for g in batch.groups) == sorted(a.group_id for a in first)
+        # the trainer's sample filter removed one of them: dropped, not trained; a bad report is an
+        # error reply naming the message, and the broker goes on
+        client.batch_filtered([first[0].group_id])
+        with pytest.raises(Exception, match="batch_filtered"):
+            client.batch_filtered([first[0].group_id])
+        c = client.status()["counters"]
+        assert c["trained"] == 1 and c["dropped"] == 1 and c["sample_filtered"] == 1
         client.release_issuing()
         again, _ = _assignments(conn, 2)
         assert min(a.group_id for a in again) > max(a.group_id for a in first)

@@ -72,3 +72,34 @@ def test_protocol_messages_are_actor_types():
     for t in (P.HOLD_ISSUING, P.RELEASE_ISSUING):
         assert t in P.ACTOR_TYPES
         assert P.decode(P.encode(t), allowed=P.ACTOR_TYPES).type == t
+
+
+def test_sample_filtered_groups_count_as_dropped_not_trained():
+    core = make(rollout_batch_size=3)
+    core.add_worker("w", capacity=8)
+    first = core.take_issues()
+    for g in first:
+        assert finish(core, g.group_id)
+    core.request_batch(1)
+    batch = core.take_batch()
+    ids = [g.group_id for g in batch.groups]
+    assert core.counters["trained"] == 3
+    core.batch_filtered([ids[1]])
+    assert core.counters["trained"] == 2 and core.counters["dropped"] == 1
+    assert core.counters["sample_filtered"] == 1
+    issued = core.counters["issued"]
+    held = core.num_inflight_groups + core.num_buffered_groups
+    assert issued == core.counters["trained"] + core.counters["dropped"] + held + core.counters["reissued"]
+    # only groups of the last batch, each once: a bad report is rejected and changes nothing
+    for bad in ([ids[1]], [10_000], [ids[0], ids[0]]):
+        try:
+            core.batch_filtered(bad)
+        except ValueError as e:
+            assert "batch_filtered" in str(e)
+        else:
+            raise AssertionError(f"batch_filtered({bad}) was accepted")
+    assert core.counters["trained"] == 2 and core.counters["dropped"] == 1
+
+
+def test_batch_filtered_is_an_actor_message():
+    assert P.BATCH_FILTERED in P.ACTOR_TYPES
