@@ -75,7 +75,7 @@ from asyncrl.actor.batch import (
     split_balanced,
     uniform_shape,
 )
-from asyncrl.actor.logprobs import forward_logprobs, logprobs_from_logits
+from asyncrl.actor.logprobs import logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
 from asyncrl.actor.model import (
     ModelSpec,
@@ -226,15 +226,36 @@ class Actor:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _logprobs(self, model, packed: PackedBatch, *, with_entropy: bool):
-        return forward_logprobs(
-            model,
-            packed.to(self.device),
-            vocab_start=self.vocab_start,
-            true_vocab=self.spec.vocab_size,
-            tp_group=self.tp_group,
-            tp=self.tp,
-            with_entropy=with_entropy,
-            temperature=self.temperature,
+        packed = packed.to(self.device)
+        return self._logprobs_of(model(packed.input_ids, packed.position_ids, packed.attention_mask), packed,
+                                 with_entropy=with_entropy)
+
+    def _logprobs_of(self, logits: torch.Tensor, packed: PackedBatch, *, with_entropy: bool):
+        """Response-token log-probs (and entropies) of a packed micro-batch's logits (vocab-parallel)."""
+        return logprobs_from_logits(logits, packed, vocab_start=self.vocab_start, true_vocab=self.spec.vocab_size,
+                                    tp_group=self.tp_group, tp=self.tp, with_entropy=with_entropy,
+                                    temperature=self.temperature)
+
+    def _policy_loss(self, logp, ent, x: dict[str, torch.Tensor], prox, ref):
+        """The configured PPO/GRPO loss of one micro-batch (``x``: its ``_extras``)."""
+        a = self.cfg.algorithm
+        return policy_loss(
+            logp,
+            behav_logp=x["behav"],
+            prox_logp=prox,
+            advantages=x["adv"],
+            agg_weight=x["agg"],
+            mask=x["mask"],
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            dual_clip=a.dual_clip,
+            off_policy_correction=a.off_policy_correction,
+            tis_cap=a.tis_cap,
+            entropy=ent,
+            entropy_coef=a.entropy_coef,
+            ref_logp=ref,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
         )
 
     # ------------------------------------------------------------------ data
@@ -284,17 +305,8 @@ class Actor:
         """Forward-only schedule: ``[(logp, ent)]`` per micro-batch on the last stage, ``[]`` elsewhere."""
 
         def loss_fn(item, logits):
-            lp = logprobs_from_logits(
-                logits,
-                item.packed,
-                vocab_start=self.vocab_start,
-                true_vocab=self.spec.vocab_size,
-                tp_group=self.tp_group,
-                tp=self.tp,
-                with_entropy=with_entropy,
-                temperature=self.temperature,
-            )
-            return torch.zeros((), device=logits.device), lp
+            return torch.zeros((), device=logits.device), self._logprobs_of(logits, item.packed,
+                                                                             with_entropy=with_entropy)
 
         with torch.no_grad():
             return run_schedule(
@@ -322,35 +334,8 @@ class Actor:
         n_mb = len(items)
 
         def loss_fn(item, logits):
-            logp, ent = logprobs_from_logits(
-                logits,
-                item.packed,
-                vocab_start=self.vocab_start,
-                true_vocab=self.spec.vocab_size,
-                tp_group=self.tp_group,
-                tp=self.tp,
-                with_entropy=True,
-                temperature=self.temperature,
-            )
-            x = item.extra
-            out = policy_loss(
-                logp,
-                behav_logp=x["behav"],
-                prox_logp=item.prox,
-                advantages=x["adv"],
-                agg_weight=x["agg"],
-                mask=x["mask"],
-                clip_ratio_low=a.clip_ratio_low,
-                clip_ratio_high=a.clip_ratio_high,
-                dual_clip=a.dual_clip,
-                off_policy_correction=a.off_policy_correction,
-                tis_cap=a.tis_cap,
-                entropy=ent,
-                entropy_coef=a.entropy_coef,
-                ref_logp=item.ref,
-                kl_coef=a.kl_coef,
-                kl_estimator=a.kl_estimator,
-            )
+            logp, ent = self._logprobs_of(logits, item.packed, with_entropy=True)
+            out = self._policy_loss(logp, ent, item.extra, item.prox, item.ref)
             # As at PP=1 (x DP: DDP averages over DP ranks); x n_mb undoes the schedule's
             # division of every micro-batch's loss by the number of micro-batches.
             return out.loss * (self.dp * n_mb), out.sums
@@ -429,24 +414,7 @@ class Actor:
         num_seq_tokens = 0
         for i, (packed, x) in enumerate(mbs):
             logp, ent = self._logprobs(self.ddp, packed, with_entropy=True)
-            out = policy_loss(
-                logp,
-                behav_logp=x["behav"],
-                prox_logp=prox[i],
-                advantages=x["adv"],
-                agg_weight=x["agg"],
-                mask=x["mask"],
-                clip_ratio_low=a.clip_ratio_low,
-                clip_ratio_high=a.clip_ratio_high,
-                dual_clip=a.dual_clip,
-                off_policy_correction=a.off_policy_correction,
-                tis_cap=a.tis_cap,
-                entropy=ent,
-                entropy_coef=a.entropy_coef,
-                ref_logp=ref[i],
-                kl_coef=a.kl_coef,
-                kl_estimator=a.kl_estimator,
-            )
+            out = self._policy_loss(logp, ent, x, prox[i], ref[i])
             # DDP averages gradients over DP ranks; the aggregation weights are already global.
             (out.loss * self.dp).backward()
             for k, v in out.sums.items():

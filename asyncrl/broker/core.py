@@ -432,13 +432,13 @@ class BrokerCore:
         ``issued == trained + dropped + held + reissued`` stays true. Not retried, and not counted
         against ``max_dropped_groups_per_step`` (the user's filter chose them)."""
         ids = [int(g) for g in group_ids]
-        if len(set(ids)) != len(ids):
+        removed = set(ids)
+        if len(removed) != len(ids):
             raise ValueError(f"batch_filtered: repeated group ids {sorted(ids)}")
-        last = set(self._last_batch_ids)
-        unknown = [g for g in ids if g not in last]
+        unknown = sorted(removed.difference(self._last_batch_ids))
         if unknown:
             raise ValueError(f"batch_filtered: groups {unknown} are not in the last batch handed out")
-        self._last_batch_ids = [g for g in self._last_batch_ids if g not in set(ids)]
+        self._last_batch_ids = [g for g in self._last_batch_ids if g not in removed]
         n = len(ids)
         self.counters["trained"] -= n
         self.counters["dropped"] += n
