@@ -340,8 +340,9 @@ class AgentLoop:
                 b.add_tool(obs)
         except EngineError as exc:
             return self._aborted(b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes)
-        except RetrieverError as exc:
-            return self._aborted(b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes)
+        except RetrieverError as exc:  # marked: an eval must fail on it, not count it as a wrong answer
+            return self._aborted(b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes,
+                                 kind="tool")
         reward = float(self.task.reward("".join(gen_texts), item.answers))
         stats["total_s"] = time.perf_counter() - t_start
         return b.build(reward=reward, num_turns=num_turns, num_tool_calls=num_tool_calls,
@@ -376,12 +377,14 @@ class AgentLoop:
             log.info("engine %s aborted request %s after %d tokens; re-issuing the rest of the turn",
                      engine.url, rid, len(turn_ids))
 
-    def _aborted(self, b, error, stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes):
+    def _aborted(self, b, error, stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes,
+                 kind: str = "engine"):
+        """An aborted trajectory; ``extra["error_kind"]`` says whether the ``engine`` or the ``tool`` failed."""
         stats["total_s"] = time.perf_counter() - t_start
         log.warning("trajectory aborted: %s", error)
         return b.build(reward=0.0, num_turns=num_turns, num_tool_calls=num_tool_calls,
                        num_retractions=num_retractions, finish_reason="abort", aborted=True, error=error,
-                       timings=stats, extra={"turn_finish_reasons": turn_finishes})
+                       timings=stats, extra={"turn_finish_reasons": turn_finishes, "error_kind": kind})
 
     # -- groups
     async def run_group(self, group: Group, engine: EngineHandle, *, group_size: int,

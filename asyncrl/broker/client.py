@@ -423,3 +423,19 @@ class BrokerClient:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def broker_handshake(address: str, *, timeout_s: float, who: str) -> dict[str, Any]:
+    """One real round trip to the broker (``status``) from ``who`` (e.g. ``rollout rank 8 (engine 0)``), so a
+    broker that this rank cannot reach fails the start within ``timeout_s``, naming the address, instead of a
+    silent worker later. Returns the broker's status."""
+    client = BrokerClient(address, timeout_s=timeout_s, context=zmq.Context.instance())
+    try:
+        return client.status()
+    except TimeoutError:
+        raise TimeoutError(
+            f"{who}: no answer from the broker at {address} within {timeout_s:.0f}s "
+            f"(cluster.broker_handshake_timeout_s); is that address reachable from this node? On several nodes set "
+            f"cluster.broker_host to an address of node 0 that every node reaches") from None
+    finally:
+        client.close()

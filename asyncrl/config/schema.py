@@ -77,11 +77,25 @@ class ClusterConfig:
     """How long a rank waits for another to publish an address in the discovery store."""
     shutdown_grace_s: float = 10.0
     """Grace period between SIGTERM and SIGKILL when tearing children down."""
+    actor_collective_timeout_s: float = 1800.0
+    """Timeout of each collective of the actor group (gloo/NCCL). Phases where actor rank 0 works alone
+    (eval, waiting for a batch, the end of the run) do not count: the other ranks wait for them on the store."""
+    broker_host: Optional[str] = None
+    """Address (or host name) of node 0 the broker binds on and advertises; unset: loopback on one node,
+    all interfaces and a routable address of node 0 on several."""
+    broker_handshake_timeout_s: float = 60.0
+    """Each rollout rank's start-up round trip to the broker must answer within this (the error names the address)."""
 
     def __post_init__(self):
         _positive(self.num_nodes, "cluster.num_nodes")
         _positive(self.num_devices_per_node, "cluster.num_devices_per_node")
         _positive(self.store_timeout_s, "cluster.store_timeout_s")
+        _positive(self.actor_collective_timeout_s, "cluster.actor_collective_timeout_s")
+        _positive(self.broker_handshake_timeout_s, "cluster.broker_handshake_timeout_s")
+        if self.broker_host is not None:
+            _require(bool(self.broker_host.strip()) and self.broker_host not in ("0.0.0.0", "*", "::"),
+                     "cluster.broker_host", f"must be an address the other nodes connect to, got "
+                     f"{self.broker_host!r} (the broker binds all interfaces by itself when it is unset)")
 
 
 @dataclass(frozen=True)
@@ -370,6 +384,8 @@ class EvalConfig:
     """Per-field overrides of the rollout engines' SGLang settings for the eval fleet."""
     eval_wait_timeout_s: float = 600.0
     """Longest wait for a free eval slot (``backpressure``) and for pending evals at the end of the run."""
+    max_samples: int = 0
+    """Prompts evaluated per dataset (the first N, in file order) by the before/after and periodic evals; 0 = all."""
 
     def __post_init__(self):
         _positive(self.eval_interval, "eval.eval_interval")
@@ -378,6 +394,7 @@ class EvalConfig:
         _non_negative(self.eval_keep_snapshots, "eval.eval_keep_snapshots")
         _positive(self.eval_max_in_flight, "eval.eval_max_in_flight")
         _positive(self.eval_wait_timeout_s, "eval.eval_wait_timeout_s")
+        _non_negative(self.max_samples, "eval.max_samples")
 
 
 @dataclass(frozen=True)

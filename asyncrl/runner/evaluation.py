@@ -10,6 +10,10 @@ Contract
   prompts; in-flight groups finish and buffer, nothing is aborted, turns go on), evaluates every
   dataset greedily on the rollout engines, then ``release_issuing``. Blocking: the point lands at its
   step. Metrics ``eval/<name>/{accuracy,response_len,num_turns,...}`` and ``eval/time_seconds``.
+- Shared engines and fleet evaluate the first ``eval.max_samples`` prompts of each dataset (0 = all; the
+  before/after eval too). The evaluator checks its tool URL when built (``check_retriever``, role named);
+  a trajectory whose tool failed, or all of them aborted, make the eval raise ``EvalError`` naming the
+  cause (never a lower accuracy).
 - Fleet: exactly as external (same snapshot sources, dispatcher, lag/overflow/GC semantics), with the
   built-in job ``FleetEval`` in place of the user's function: every fleet engine loads the snapshot
   (``/update_weights_from_disk``), then the datasets are evaluated greedily against the fleet; metrics
@@ -132,20 +136,24 @@ def is_eval_step(step: int, interval: Optional[int]) -> bool:
 class EngineEvaluator:
     """Greedy eval of several datasets on the rollout engines (tokenizer, retriever and prompts built once)."""
 
-    def __init__(self, cfg: Any, engine_urls: list[str], *, tokenizer_path: str):
+    def __init__(self, cfg: Any, engine_urls: list[str], *, tokenizer_path: str, role: str = "actor rank 0 (eval)"):
         from asyncrl.agent.tokenizer import AgentTokenizer
-        from asyncrl.agent.tools import make_retriever
+        from asyncrl.agent.tools import check_retriever, make_retriever
 
         self.cfg, self.engine_urls = cfg, engine_urls
         self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
         self.retriever = make_retriever(cfg.agentloop.tool)
+        check_retriever(cfg.agentloop.tool, role=role)  # an unreachable tool URL fails here, not as accuracy 0
         self._items: dict[str, list] = {}
 
     def items(self, name: str, path: str) -> list:
+        """The dataset's prompts, the first ``eval.max_samples`` of them (0 = all)."""
         if name not in self._items:
             from asyncrl.agent.data.loaders import load_prompts
 
-            self._items[name] = load_prompts(path)
+            items = load_prompts(path)
+            n = self.cfg.eval.max_samples
+            self._items[name] = items[:n] if n else items
         return self._items[name]
 
     def evaluate(self, datasets: dict[str, str]) -> dict[str, dict]:
@@ -170,6 +178,7 @@ class EngineEvaluator:
                     trajs = await asyncio.gather(*(
                         loop.run_trajectory(it, handles[k % len(handles)], greedy=True, rid=f"{name}{k}")
                         for k, it in enumerate(items)))
+                    raise_tool_failures(trajs, name)
                     summary = summarize_eval(trajs)
                     done = [t for t in trajs if not t.aborted]
                     summary["response_len"] = sum(len(t.response_ids) for t in done) / len(done) if done else 0.0
@@ -180,6 +189,21 @@ class EngineEvaluator:
                     await c.close()
 
         return asyncio.run(run())
+
+
+class EvalError(RuntimeError):
+    """The eval could not measure what it reports (a tool or every engine call failed); names the cause."""
+
+
+def raise_tool_failures(trajs: list, dataset: str) -> None:
+    """An eval whose tool failed, or whose every trajectory aborted, is an error (naming the URL), never a
+    lower accuracy: aborted trajectories are left out of the accuracy, and a dead retriever aborts them all."""
+    tool = [t for t in trajs if t.aborted and t.extra.get("error_kind") == "tool"]
+    if tool:
+        raise EvalError(f"eval of {dataset!r}: {len(tool)} of {len(trajs)} trajectories lost their tool: "
+                        f"{tool[0].error} (agentloop.tool)")
+    if trajs and all(t.aborted for t in trajs):
+        raise EvalError(f"eval of {dataset!r}: all {len(trajs)} trajectories aborted: {trajs[0].error}")
 
 
 def engine_eval_metrics(results: dict[str, dict]) -> dict[str, float]:
@@ -220,8 +244,12 @@ class PeriodicEval:
 
     def __init__(self, cfg: Any, *, actor: Any, is_leader: bool, broker: Any = None,
                  engine_evaluator: Optional[EngineEvaluator] = None, ckpt_root: str | Path | None = None,
-                 bcast: Callable[[Any], Any] = lambda x: x, fleet_urls: Optional[list[str]] = None):
+                 bcast: Callable[[Any], Any] = lambda x: x, fleet_urls: Optional[list[str]] = None,
+                 leader_phase: Optional[Callable[..., Any]] = None):
+        """``leader_phase(name, fn, timeout_s=...)`` runs ``fn`` on the leader while the other actor ranks wait
+        outside any collective (``asyncrl.runner.leader.LeaderPhases.run``; default: ``fn`` on the leader)."""
         self.cfg, self.actor, self.is_leader, self.broker = cfg, actor, is_leader, broker
+        self._phase = leader_phase or (lambda name, fn, timeout_s=None: fn() if is_leader else None)
         self.backend = select_backend(cfg)
         self.interval = cfg.eval.eval_interval
         self.datasets = eval_datasets(cfg)
@@ -254,18 +282,22 @@ class PeriodicEval:
         if not is_eval_step(step, self.interval):
             return {}
         if self.backend == "shared":
-            if not self.is_leader:
-                return {}
-            m = evaluate_on_engines(self.broker, self.engine_evaluator, self.datasets)
-            m["eval/lag_steps"] = 0.0
-            log.info("eval at step %d on the shared engines: %s", step,
-                     {k: round(v, 4) for k, v in m.items() if k.endswith("/accuracy")})
-            return m
+            return self._phase(f"eval at step {step} on the shared engines", lambda: self._shared(step)) or {}
         return self._external(step)
+
+    def _shared(self, step: int) -> dict[str, float]:
+        m = evaluate_on_engines(self.broker, self.engine_evaluator, self.datasets)
+        m["eval/lag_steps"] = 0.0
+        log.info("eval at step %d on the shared engines: %s", step,
+                 {k: round(v, 4) for k, v in m.items() if k.endswith("/accuracy")})
+        return m
 
     def _external(self, step: int) -> dict[str, float]:
         e, disp = self.cfg.eval, self.dispatcher
-        admitted = self._bcast(disp.admit(step) if self.is_leader else None)  # every rank: export or not
+        # every rank: export or not; the leader may wait for a slot (backpressure) while the others wait outside
+        # any collective
+        admitted = self._bcast(self._phase(f"eval slot for step {step}", lambda: disp.admit(step),
+                                           timeout_s=e.eval_wait_timeout_s))
         if not admitted:
             return {"eval/skipped": float(disp.num_skipped)} if self.is_leader else {}
         if e.eval_hf_dir:

@@ -21,6 +21,10 @@ Contract
   Dedicated fleet (``eval.eval_num_gpus``): the same snapshot hand-off, and the background job loads
   it into the fleet's engines (``eval_engine_urls``) and evaluates there; training never pauses.
   ``runner.eval_before_after`` evaluates ``data.test_path`` before the first and after the last step.
+- Leader-only phases (``asyncrl.runner.leader``): what actor rank 0 does alone (set-up, the evals on the
+  shared engines, waiting for a batch, the end of the run) runs in ``phases.run``; the other actor ranks
+  wait for it on the store, so ``cluster.actor_collective_timeout_s`` bounds real collectives only.
+- The before/after eval is logged as ``eval/test/*`` at step 0 and at the last step (its own record).
 - Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
   ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
 
@@ -177,8 +181,74 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
             broker.release_issuing()
 
 
+class _LeaderParts:
+    """What actor rank 0 alone holds: the broker client, the metrics writer, the weight sync, the scraper."""
+
+    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str]):
+        from asyncrl.broker.client import BrokerClient
+        from asyncrl.runner.metrics import MetricsWriter
+        from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+        from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
+
+        self.broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
+        self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
+                                    console=cfg.logging.console, max_steps=cfg.runner.max_steps)
+        self.group = WeightSyncGroup(
+            [EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls], cfg.sync)
+        self.group.init()
+        self.syncer = WeightSyncer(self.group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
+                                   hooks=SyncHooks(sync_begin=self.broker.sync_begin, sync_end=self.broker.sync_end))
+        self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
+        self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
+
+    def next_batch(self, cfg, step: int, actor_version: int) -> tuple[list, dict[str, float]]:
+        """The step's groups (after the sample filter) and their metrics."""
+        m: dict[str, float] = {}
+        batch = self.broker.get_batch(step, timeout_s=batch_timeout_s(cfg), actor_version=actor_version,
+                                      as_lists=True)
+        groups = self.batch_filter(batch.groups)
+        kept = {g.group_id for g in groups}
+        removed = [g.group_id for g in batch.groups if g.group_id not in kept]
+        if removed:
+            self.broker.batch_filtered(removed)
+        m["rollout/sample_filter/kept_groups"] = float(len(groups))
+        m["rollout/sample_filter/removed_groups"] = float(len(removed))
+        m.update(batch.metrics)
+        m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
+        m.update(rollout_metrics(groups))
+        return groups, m
+
+
+def batch_timeout_s(cfg) -> float:
+    """How long actor rank 0 waits for one batch from the broker."""
+    return cfg.rollout.request_timeout_s * 4
+
+
+def before_after_eval(cfg, parts: _LeaderParts, evaluator, engine_urls: list[str], *, step: int,
+                      release: bool) -> dict:
+    """The held-out eval before the first / after the last step: its summary, also logged at ``step`` as
+    ``eval/test/*`` (TensorBoard and metrics.jsonl). ``release=False`` leaves issuing held (the run ends)."""
+    from asyncrl.runner.evaluation import engine_eval_metrics
+
+    t0 = time.perf_counter()
+    if release:
+        result = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path, broker=parts.broker,
+                                     evaluator=evaluator)
+    else:
+        parts.broker.hold_issuing()
+        result = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path, evaluator=evaluator)
+    if result:
+        m = engine_eval_metrics({"test": result})
+        m["eval/time_seconds"] = time.perf_counter() - t0
+        parts.writer.log(m, step)
+    log.info("held-out accuracy %s training: %s", "before" if release else "after", json.dumps(result))
+    return result
+
+
 def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int,
-                 eval_engine_urls: list[str] | None = None) -> int:
+                 eval_engine_urls: list[str] | None = None, phases) -> int:
+    """The step loop on every actor rank. ``phases`` (``asyncrl.runner.leader.LeaderPhases``) runs what actor
+    rank 0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective."""
     from asyncrl.actor.trainer import Actor
 
     cfg = ctx.cfg
@@ -186,24 +256,13 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     actor = Actor(cfg)
     ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
     start_step = 0
-    if is_leader:
-        from asyncrl.broker.client import BrokerClient
-        from asyncrl.runner.metrics import MetricsWriter
-        from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
-        from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
-
-        broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
-        writer = MetricsWriter(ctx.run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
-                               console=cfg.logging.console, max_steps=cfg.runner.max_steps)
-        group = WeightSyncGroup([EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls],
-                                cfg.sync)
-        group.init()
-        syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
-                              hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
-        scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
-        batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
-    periodic, evaluator = _make_evaluation(cfg, actor, is_leader, broker if is_leader else None, engine_urls,
-                                           ckpt_root, eval_engine_urls=eval_engine_urls)
+    parts = phases.run("set up the weight sync and the metrics",
+                       lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls))
+    broker = parts.broker if is_leader else None
+    built = phases.run("build the evaluator (checks the tool URLs)", lambda: _make_evaluation(
+        cfg, actor, True, broker, engine_urls, ckpt_root, eval_engine_urls=eval_engine_urls, phases=phases))
+    periodic, evaluator = built if is_leader else _make_evaluation(cfg, actor, False, None, engine_urls, ckpt_root,
+                                                                   phases=phases)
     latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
     latest = _bcast_obj(str(latest) if latest else None)
     if latest:
@@ -216,84 +275,82 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
     summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
     if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
-        _sync(actor, syncer if is_leader else None, cfg, is_leader)
-    if is_leader and cfg.runner.eval_before_after and start_step == 0:
-        summary["eval_before"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path,
-                                                     broker=broker, evaluator=evaluator)
-        log.info("held-out accuracy before training: %s", json.dumps(summary["eval_before"]))
+        _sync(actor, parts.syncer if is_leader else None, cfg, is_leader)
+    if cfg.runner.eval_before_after and start_step == 0:
+        summary["eval_before"] = phases.run("eval before training", lambda: before_after_eval(
+            cfg, parts, evaluator, engine_urls, step=0, release=True))
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
-        m: dict[str, float] = {}
-        groups = None
-        if is_leader:
-            batch = broker.get_batch(step, timeout_s=cfg.rollout.request_timeout_s * 4, actor_version=actor.version,
-                                     as_lists=True)
-            groups = batch_filter(batch.groups)
-            kept = {g.group_id for g in groups}
-            removed = [g.group_id for g in batch.groups if g.group_id not in kept]
-            if removed:
-                broker.batch_filtered(removed)
-            m["rollout/sample_filter/kept_groups"] = float(len(groups))
-            m["rollout/sample_filter/removed_groups"] = float(len(removed))
-            m.update(batch.metrics)
-            m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
-            m.update(rollout_metrics(groups))
+        got = phases.run(f"wait for the batch of step {step}", lambda s=step: parts.next_batch(cfg, s, actor.version),
+                         timeout_s=batch_timeout_s(cfg) + cfg.rollout.control_timeout_s)
+        groups, m = got if is_leader else (None, {})
         t0 = time.perf_counter()
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
         if step % cfg.rollout.update_weights_interval == 0:
-            res = _sync(actor, syncer if is_leader else None, cfg, is_leader)
+            res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader)
             if res is not None:
                 m.update(res.metrics())
         else:
             m["time/sync_weights"] = 0.0
         if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
                 cfg.runner.save_at_end and step == cfg.runner.max_steps):
-            _save(actor, ckpt_root, step, broker if is_leader else None)
+            _save(actor, ckpt_root, step, broker)
         m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         if is_leader:
-            m["time/step"] = time.perf_counter() - t_step
-            m.update(scraper.latest())
-            m.update(broker_accounting(broker.status()))
-            m["actor/weight_version"] = float(actor.version)
-            writer.log(m, step)
-            for eval_step, em in periodic.late_points(step):  # external/fleet evals: each at its own step
-                writer.log(em, eval_step)
-            summary["steps"].append({k: m.get(k) for k in (
-                "reward/mean", "rollout/data_staleness/mean", "rollout/data_staleness/max", "time/step",
-                "time/training", "time/wait_data", "time/rollout", "time/sync_weights")})
-            summary["staleness_max"] = max(summary["staleness_max"], m.get("rollout/data_staleness/max", 0.0))
-            summary["drops"] += m.get("rollout/fully_async/stale_groups_filtered", 0.0) + m.get(
-                "rollout/fully_async/aborted_groups_filtered", 0.0) + m["rollout/sample_filter/removed_groups"]
-    if is_leader:
-        for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
-            writer.log(em, eval_step)
-        if cfg.runner.eval_before_after:  # no new prompts from here on: the run ends after this eval
-            broker.hold_issuing()
-            summary["eval_after"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path,
-                                                        evaluator=evaluator)
-        summary["wall_s"] = time.time() - ctx.started_at
-        summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
-        print_summary(cfg, summary, ctx.run_dir)
-        scraper.close()
-        broker.shutdown()
-        broker.close()
-        writer.close()
-        group.destroy()
+            _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
+    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls))
     dist.barrier()
     return 0
 
 
+def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: int, t_step: float,
+              version: int) -> None:
+    m["time/step"] = time.perf_counter() - t_step
+    m.update(parts.scraper.latest())
+    m.update(broker_accounting(parts.broker.status()))
+    m["actor/weight_version"] = float(version)
+    parts.writer.log(m, step)
+    for eval_step, em in periodic.late_points(step):  # external/fleet evals: each at its own step
+        parts.writer.log(em, eval_step)
+    summary["steps"].append({k: m.get(k) for k in (
+        "reward/mean", "rollout/data_staleness/mean", "rollout/data_staleness/max", "time/step",
+        "time/training", "time/wait_data", "time/rollout", "time/sync_weights")})
+    summary["staleness_max"] = max(summary["staleness_max"], m.get("rollout/data_staleness/max", 0.0))
+    summary["drops"] += m.get("rollout/fully_async/stale_groups_filtered", 0.0) + m.get(
+        "rollout/fully_async/aborted_groups_filtered", 0.0) + m["rollout/sample_filter/removed_groups"]
+
+
+def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine_urls: list[str]) -> None:
+    """Actor rank 0 at the end: pending external evals, the after-training eval, the summary, shutdown."""
+    cfg = ctx.cfg
+    for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
+        parts.writer.log(em, eval_step)
+    if cfg.runner.eval_before_after:  # no new prompts from here on: the run ends after this eval
+        summary["eval_after"] = before_after_eval(cfg, parts, evaluator, engine_urls, step=cfg.runner.max_steps,
+                                                  release=False)
+    summary["wall_s"] = time.time() - ctx.started_at
+    summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
+    print_summary(cfg, summary, ctx.run_dir)
+    parts.scraper.close()
+    parts.broker.shutdown()
+    parts.broker.close()
+    parts.writer.close()
+    parts.group.destroy()
+
+
 def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str], ckpt_root: Path, *,
-                     eval_engine_urls: list[str] | None = None):
-    """The periodic eval (``eval.*``) and, on the leader, the shared-engine evaluator (built once)."""
+                     eval_engine_urls: list[str] | None = None, phases=None):
+    """The periodic eval (``eval.*``) and, on the leader, the shared-engine evaluator (built once; it checks
+    the tool URLs it will call)."""
     from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, select_backend
 
     evaluator = None
     if is_leader and (cfg.runner.eval_before_after and cfg.data.test_path or select_backend(cfg) == "shared"):
         evaluator = EngineEvaluator(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
     periodic = PeriodicEval(cfg, actor=actor, is_leader=is_leader, broker=broker, engine_evaluator=evaluator,
-                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_urls=eval_engine_urls)
+                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_urls=eval_engine_urls,
+                            leader_phase=phases.run if phases is not None else None)
     return periodic, evaluator
 
 

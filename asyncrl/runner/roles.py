@@ -7,8 +7,13 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
   actor rank 0 spawns the broker process, publishes ``broker/address``, waits for every engine's
   ``engine/<i>/url``, runs the step loop (``asyncrl.runner.loop``) and at the end tells the broker
   to shut down and publishes ``shutdown``.
-- the first rank of each engine launches its engine child (SGLang server or the CPU engine),
-  publishes its URL, and runs the agent worker against it until the broker says shutdown.
+- actor rank 0 binds the broker on loopback (one host), on all interfaces or ``cluster.broker_host``
+  (several nodes) and publishes a routable address (``asyncrl.cluster.addresses``). What it does alone
+  (start-up, evals, batch waits) runs as leader phases (``asyncrl.runner.leader``): the other actor ranks
+  wait on the store, and ``cluster.actor_collective_timeout_s`` bounds only real collectives.
+- the first rank of each engine makes a round trip to the broker (``broker_handshake``, within
+  ``cluster.broker_handshake_timeout_s``) and checks its tool URL, launches its engine child (SGLang
+  server or the CPU engine), publishes its URL, and runs the agent worker until the broker says shutdown.
 - the first rank of each dedicated eval-fleet engine (``eval`` placement key) launches it, publishes
   ``eval_engine/<i>/url`` (actor rank 0 waits for them) and keeps it up until ``shutdown``
   (``asyncrl.runner.eval_fleet.run_eval_engine``).
@@ -19,12 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 from asyncrl.cluster import process
+from asyncrl.cluster.addresses import host_endpoint, num_nodes_from_env
 from asyncrl.cluster.discovery import Discovery
 
 log = logging.getLogger("asyncrl.roles")
@@ -33,16 +38,9 @@ SHUTDOWN_KEY = "shutdown"
 
 
 def local_address() -> str:
-    """This host's address as seen from the master (multi-node safe); 127.0.0.1 on one host."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if master in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # UDP connect sends nothing
-        return s.getsockname()[0]
-    finally:
-        s.close()
+    """This host's address for the other ranks to connect to: 127.0.0.1 when every rank is on this host,
+    else a routable address (never 127.x; ``asyncrl.cluster.addresses``)."""
+    return host_endpoint(num_nodes=num_nodes_from_env(1), what="this rank's servers").advertise_host
 
 
 def run_role(ctx) -> int:
@@ -96,41 +94,75 @@ def run_actor(ctx, disc: Discovery) -> int:
 
     dist.init_process_group(backend, store=dist.PrefixStore(disc.prefix + "actor_world", disc.raw_store),
                             rank=actor_rank, world_size=len(actor_ranks),
-                            timeout=timedelta(seconds=cfg.cluster.store_timeout_s))
+                            timeout=timedelta(seconds=cfg.cluster.actor_collective_timeout_s))
+    phases = _actor_phases(cfg, disc, is_leader=actor_rank == 0)
+    broker = None
     try:
-        broker = None
-        engine_urls: list[str] = []
-        eval_urls: list[str] = []
-        if actor_rank == 0:
-            addr_file = ctx.run_dir / "broker.address"
-            addr_file.unlink(missing_ok=True)
-            host = local_address()
-            bind = "tcp://127.0.0.1:0" if host == "127.0.0.1" else "tcp://0.0.0.0:0"
-            broker = process.spawn_child(
-                "broker", [sys.executable, "-m", "asyncrl.broker", "--bind", bind, "--address-file", str(addr_file),
-                           *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs")
-            process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
-                               child=broker)
-            port = addr_file.read_text().strip().rsplit(":", 1)[1]
-            address = f"tcp://{host}:{port}"
-            disc.publish("broker/address", address)
-            for i in range(len(ctx.placement.engines)):
-                engine_urls.append(disc.lookup(f"engine/{i}/url", timeout_s=cfg.rollout.start_timeout_s + 60))
-            log.info("broker at %s; engines %s", address, engine_urls)
-            if cfg.eval.eval_num_gpus:
-                from asyncrl.runner.eval_fleet import lookup_fleet_urls
-
-                eval_urls = lookup_fleet_urls(cfg, disc)
-                log.info("eval fleet engines %s", eval_urls)
+        # leader-only: the others wait on the store, not in a collective (engines may take long to start)
+        started = phases.run("start the broker and wait for the engines", lambda: _leader_startup(ctx, disc))
+        broker, address, engine_urls, eval_urls = started if actor_rank == 0 else (None, None, [], [])
         from asyncrl.runner.loop import run_training
 
-        return run_training(ctx, broker_address=disc.lookup("broker/address") if actor_rank == 0 else None,
-                            engine_urls=engine_urls, broker_child=broker, actor_rank=actor_rank,
-                            eval_engine_urls=eval_urls)
+        return run_training(ctx, broker_address=address, engine_urls=engine_urls, broker_child=broker,
+                            actor_rank=actor_rank, eval_engine_urls=eval_urls, phases=phases)
     finally:
+        phases.close()
         if actor_rank == 0:
             disc.publish(SHUTDOWN_KEY, "1")
         dist.destroy_process_group()
+
+
+def _actor_phases(cfg, disc: Discovery, *, is_leader: bool):
+    """The actor group's leader-only phases (``asyncrl.runner.leader``), on this run's store."""
+    from asyncrl.runner.leader import LeaderPhases
+
+    beat = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub("actor_phases/").store if is_leader else None
+    return LeaderPhases(disc.sub("actor_phases/").store, is_leader=is_leader, heartbeat_store=beat)
+
+
+def _leader_startup(ctx, disc: Discovery):
+    """Actor rank 0: spawn the broker, publish its address, wait for every engine (and eval-fleet) URL."""
+    cfg = ctx.cfg
+    broker, address = _spawn_broker(ctx, disc)
+    engine_urls = [disc.lookup(f"engine/{i}/url", timeout_s=cfg.rollout.start_timeout_s + 60)
+                   for i in range(len(ctx.placement.engines))]
+    log.info("broker at %s; engines %s", address, engine_urls)
+    eval_urls: list[str] = []
+    if cfg.eval.eval_num_gpus:
+        from asyncrl.runner.eval_fleet import lookup_fleet_urls
+
+        eval_urls = lookup_fleet_urls(cfg, disc)
+        log.info("eval fleet engines %s", eval_urls)
+    return broker, address, engine_urls, eval_urls
+
+
+def _spawn_broker(ctx, disc: Discovery):
+    """The broker child bound on loopback (one host), on all interfaces or on ``cluster.broker_host`` (several
+    nodes); its routable address is published as ``broker/address``. Returns (child, address)."""
+    cfg = ctx.cfg
+    ep = host_endpoint(num_nodes=num_nodes_from_env(cfg.cluster.num_nodes), configured_host=cfg.cluster.broker_host)
+    addr_file = ctx.run_dir / "broker.address"
+    addr_file.unlink(missing_ok=True)
+    broker = process.spawn_child(
+        "broker", [sys.executable, "-m", "asyncrl.broker", "--bind", f"tcp://{ep.bind_host}:0", "--address-file",
+                   str(addr_file), *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs")
+    process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
+                       child=broker)
+    port = addr_file.read_text().strip().rsplit(":", 1)[1]
+    address = f"tcp://{ep.advertise_host}:{port}"
+    disc.publish("broker/address", address)
+    return broker, address
+
+
+def broker_handshake(ctx, disc: Discovery) -> str:
+    """A rollout rank's start-up round trip to the broker (``cluster.broker_handshake_timeout_s``); its address."""
+    from asyncrl.broker.client import broker_handshake as round_trip
+
+    address = disc.lookup("broker/address")
+    round_trip(address, timeout_s=ctx.cfg.cluster.broker_handshake_timeout_s,
+               who=f"{ctx.role} rank {ctx.rank} on {os.uname().nodename}")
+    log.info("broker at %s answered rank %d", address, ctx.rank)
+    return address
 
 
 def run_rollout(ctx, disc: Discovery) -> int:
@@ -142,8 +174,11 @@ def run_rollout(ctx, disc: Discovery) -> int:
     model_path = Path(cfg.rollout.model_path)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"rollout.model_path: no HF checkpoint (config.json) at {str(model_path)!r}")
+    from asyncrl.agent.tools import check_retriever
     from asyncrl.rollout.sglang_launcher import EngineSupervisor
 
+    broker_address = broker_handshake(ctx, disc)  # before the engine's (long) start: fail fast, naming the address
+    check_retriever(cfg.agentloop.tool, role=f"rollout rank {ctx.rank} (engine {e})")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     base_gpu = ranks[0] % per_node
     host = local_address()
@@ -153,7 +188,6 @@ def run_rollout(ctx, disc: Discovery) -> int:
     sup.start()
     try:
         disc.publish(f"engine/{e}/url", sup.url)
-        broker_address = disc.lookup("broker/address")
         from asyncrl.agent.worker import run_worker
 
         run_worker(cfg, broker_address=broker_address, engine_urls=[sup.url], tokenizer_path=str(model_path),

@@ -10,10 +10,15 @@ Both return, per query, the top-k documents as ``{"id", "contents", ...}`` dicts
 
     retriever = make_retriever(cfg.agentloop.tool)
     docs = await retriever.retrieve(["capital of Zorvania"], topk=3)   # [[{"id": ..., "contents": ...}, ...]]
+    check_retriever(cfg.agentloop.tool, role="rollout rank 8")          # at start, from every role calling it
+
+``check_retriever`` makes one real ``/retrieve`` call (one attempt, ``timeout_s``) so an unreachable URL
+fails the start naming the URL and the role, not the first trajectories.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 from asyncrl.config.schema import ToolConfig
@@ -48,3 +53,25 @@ def make_retriever(tool: ToolConfig) -> Retriever:
         return HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=tool.max_retries,
                              backoff_s=tool.retry_backoff_s)
     raise ValueError(f"agentloop.tool.retriever: unknown retriever {tool.retriever!r} (bm25 | http)")
+
+
+def check_retriever(tool: ToolConfig, *, role: str) -> None:
+    """At start, from each role that calls the tool: one real request to every tool URL (the HTTP
+    retriever; BM25 runs in process). Raises ``RetrieverError`` naming the URL and ``role``."""
+    if tool.retriever != "http":
+        return
+    from asyncrl.agent.tools.http_retriever import HttpRetriever
+
+    async def once() -> None:
+        r = HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=0)
+        try:
+            await r.retrieve(["asyncrl start-up check"], topk=1)
+        finally:
+            await r.close()
+
+    try:
+        asyncio.run(once())
+    except RetrieverError as e:
+        raise RetrieverError(f"{role}: agentloop.tool.retriever_url {tool.retriever_url} does not answer a "
+                             f"/retrieve request: {e}; start the retriever where this node reaches it, or "
+                             f"point the URL at a host this node reaches") from None

@@ -1,0 +1,101 @@
+"""Leader-only phases of the actor group: actor rank 0 works alone, the other actor ranks wait on the store.
+
+Contract
+- The actor group's collectives have one timeout (``cluster.actor_collective_timeout_s``). A phase in which
+  actor rank 0 works alone (the before/after eval, a periodic eval on the shared engines, waiting for a
+  batch from the broker, the end of the run) must not count against it, so the other ranks do not wait
+  for it inside a collective: every actor rank calls ``phases.run(name, fn, timeout_s=...)`` at the same
+  point; rank 0 runs ``fn()`` and then publishes the phase's end under ``phase/<seq>`` (``ok`` or the
+  error); the others poll that key and only then go on to the next collective.
+- A waiting rank fails, naming the phase, when rank 0 reports a failure, when ``timeout_s`` (the phase's
+  own deadline; None = none) plus ``margin_s`` passes, or when rank 0's heartbeat (``alive``, bumped by a
+  thread every ``heartbeat_s`` for the whole run) stops for ``dead_after_s``: a dead or hung leader is
+  noticed in seconds, a slow one never.
+- Every actor rank runs the same phases in the same order (the sequence number is the key).
+
+    phases = LeaderPhases(store, is_leader=rank == 0, heartbeat_store=new_client() if rank == 0 else None)
+    batch = phases.run("get_batch", lambda: broker.get_batch(...), timeout_s=t)   # None on the others
+    phases.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
+
+log = logging.getLogger("asyncrl.leader")
+
+T = TypeVar("T")
+
+_POLL_S = 0.05  # a waiting rank's store poll: cheap, and the next collective starts within it
+
+
+class LeaderFailed(RuntimeError):
+    """Actor rank 0 failed or vanished during a leader-only phase (seen from another actor rank)."""
+
+
+class LeaderPhases:
+    def __init__(self, store: Any, *, is_leader: bool, heartbeat_store: Any = None, heartbeat_s: float = 1.0,
+                 dead_after_s: float = 30.0, margin_s: float = 60.0):
+        """``store``: a torch.distributed store (a ``PrefixStore`` of this run) every actor rank reaches;
+        ``heartbeat_store``: a second client of it for rank 0's heartbeat thread (a store client is used
+        from one thread at a time)."""
+        self.store, self.is_leader = store, is_leader
+        self.heartbeat_s, self.dead_after_s, self.margin_s = heartbeat_s, dead_after_s, margin_s
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        if is_leader:
+            assert heartbeat_store is not None, "the leader needs its own store client for the heartbeat"
+            self._thread = threading.Thread(target=self._beat, args=(heartbeat_store,), name="leader-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+
+    def _beat(self, store: Any) -> None:
+        while not self._stop.is_set():
+            store.add("alive", 1)
+            self._stop.wait(self.heartbeat_s)
+
+    def run(self, name: str, fn: Callable[[], T], *, timeout_s: Optional[float] = None) -> Optional[T]:
+        """``fn()`` on the leader (its result), a store wait on the others (None); see the contract."""
+        self._seq += 1
+        key = f"phase/{self._seq}"
+        if self.is_leader:
+            try:
+                out = fn()
+            except BaseException as e:
+                self.store.set(key, f"failed: {type(e).__name__}: {e}".encode())
+                raise
+            self.store.set(key, b"ok")
+            return out
+        self._wait(key, name, timeout_s)
+        return None
+
+    def _wait(self, key: str, name: str, timeout_s: Optional[float]) -> None:
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s + self.margin_s
+        last_beat, last_change = -1, start
+        while not self.store.check([key]):
+            now = time.monotonic()
+            beat = self.store.add("alive", 0)
+            if beat != last_beat:
+                last_beat, last_change = beat, now
+            elif now - last_change > self.dead_after_s:
+                raise LeaderFailed(f"actor rank 0 stopped heartbeating during its phase {name!r} (no sign for "
+                                   f"{now - last_change:.0f}s): it died or hangs; see its log")
+            if deadline is not None and now > deadline:
+                raise LeaderFailed(f"actor rank 0 did not finish its phase {name!r} within {timeout_s:.0f}s "
+                                   f"(+{self.margin_s:.0f}s margin)")
+            time.sleep(_POLL_S)
+        value = self.store.get(key).decode()
+        if value != "ok":
+            raise LeaderFailed(f"actor rank 0 failed in its phase {name!r}: {value}")
+        log.debug("leader phase %r ended after %.1fs", name, time.monotonic() - start)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat_s + 5)
