@@ -4,7 +4,8 @@ Contract
 - Every rank loads and validates the same TOML (+ ``key=value`` overrides); a bad config fails
   here, on every rank, before any process starts (exit code 2, the error names the key).
 - ``--dry-run`` prints the resolved config (derived values marked) and the rank -> role -> device
-  plan on global rank 0, then exits 0 on every rank.
+  plan on each node's first process, then exits 0 on every rank; with a node rank in the environment
+  (``GROUP_RANK`` as torchrun sets it, ``NODE_RANK``, ``SLURM_NODEID``) also that node's own rows.
 - Otherwise each rank takes its role from ``cluster.component_placement`` and calls its body in
   ``asyncrl.runner.roles`` with a ``RankContext``. Children (broker, engines) are supervised by
   ``asyncrl.cluster.process``: SIGTERM/Ctrl-C stop them; if any rank fails, torchrun stops the
@@ -101,10 +102,11 @@ def render_config(cfg: Config) -> str:
 _INLINE_TABLES = {"component_placement", "eval_prompt_data", "eval_sglang"}
 
 
-def render_plan(cfg: Config, placement: Placement) -> str:
+def _plan_rows(cfg: Config, placement: Placement) -> list[tuple[int, str]]:
+    """(node, row) of every rank of the plan table."""
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     gpu = cfg.rollout.rollout_backend == "sglang"
-    rows = ["rank  node  role     device        detail"]
+    rows = []
     for r in range(placement.world_size):
         role = placement.role_of(r)
         node, local = divmod(r, per_node)
@@ -128,12 +130,56 @@ def render_plan(cfg: Config, placement: Placement) -> str:
                       else f"eval fleet engine {e} TP rank {ranks.index(r)}")
         else:
             detail = "idle (reward is computed in the agent loop)"
-        rows.append(f"{r:<5} {node:<5} {role:<8} {device:<13} {detail}")
+        rows.append((node, f"{r:<5} {node:<5} {role:<8} {device:<13} {detail}"))
+    return rows
+
+
+_PLAN_HEADER = "rank  node  role     device        detail"
+
+
+def render_plan(cfg: Config, placement: Placement) -> str:
+    rows = [_PLAN_HEADER] + [row for _, row in _plan_rows(cfg, placement)]
     mode = "async" if cfg.runner.async_mode else "sync"
     head = (f"# plan: {placement.world_size} ranks, mode {mode}, {len(placement.engines)} engine(s), "
             f"actor TP {cfg.actor.tensor_model_parallel_size} x PP {cfg.actor.pipeline_model_parallel_size} "
             f"x DP {len(placement.actor_ranks) // (cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size)}")
     return head + "\n" + "\n".join(rows) + "\n"
+
+
+def node_rank_from_env() -> int | None:
+    """This node's rank as torchrun (``GROUP_RANK``), a launcher script (``NODE_RANK``) or Slurm (``SLURM_NODEID``)
+    sets it; None when none is set."""
+    for key in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"):
+        if os.environ.get(key, "").strip():
+            try:
+                return int(os.environ[key])
+            except ValueError:
+                raise ConfigError(f"{key}: expected a node rank (integer), got {os.environ[key]!r}") from None
+    return None
+
+
+def render_node_plan(cfg: Config, placement: Placement, node: int) -> str:
+    """The plan rows of one node: what this node's ranks run and on which devices."""
+    rows = [row for n, row in _plan_rows(cfg, placement) if n == node]
+    if not rows:
+        num_nodes = max(n for n, _ in _plan_rows(cfg, placement)) + 1
+        raise ConfigError(f"node rank {node}: the job has {placement.world_size} ranks on {num_nodes} node(s) "
+                          f"(cluster.num_devices_per_node / LOCAL_WORLD_SIZE per node); no rank runs on node {node}")
+    roles = sorted({row.split()[2] for row in rows})
+    return f"# this node: node {node}, {len(rows)} ranks, roles {', '.join(roles)}\n" + "\n".join(
+        [_PLAN_HEADER, *rows]) + "\n"
+
+
+def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement) -> None:
+    """Printed by each node's first process (or the one process outside torchrun)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    print(f"# resolved config of {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
+    print(render_config(cfg))
+    print(render_plan(cfg, placement))
+    node = node_rank_from_env()
+    if node is not None:
+        print(render_node_plan(cfg, placement, node))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         for w in warnings:
             print(f"config warning: {w}", file=sys.stderr)
     if args.dry_run:
-        if rank == 0:
-            print(f"# resolved config of {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
-            print(render_config(cfg))
-            print(render_plan(cfg, placement))
+        try:
+            _print_dry_run(args, cfg, placement)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         return 0
     if "MASTER_ADDR" not in os.environ:
         print("launch/train.py: run it under torchrun, e.g. "
