@@ -80,6 +80,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
     if rb.max_dropped_groups_per_step < 1:  # pragma: no cover - __post_init__ catches it
         raise ConfigError("rollout_buffer.max_dropped_groups_per_step: must be >= 1")
 
+    _validate_broker_host(cfg, world)
     tool = cfg.agentloop.tool
     if cfg.agentloop.task_name:
         if tool.retriever == "http" and not tool.retriever_url:
@@ -116,6 +117,19 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < 2 x rollout_batch_size ({2 * B}): "
             f"when training is the bottleneck the next batch can only start after this one is handed off")
     return warnings
+
+
+def _validate_broker_host(cfg: Config, world: int) -> None:
+    """``cluster.broker_host``: a loopback address cannot serve a job of several nodes."""
+    from asyncrl.cluster.addresses import is_loopback
+
+    host = cfg.cluster.broker_host
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
+    num_nodes = -(-world // per_node)
+    if host and num_nodes > 1 and is_loopback(host) and not is_loopback(os.environ.get("MASTER_ADDR", "node0")):
+        raise ConfigError(
+            f"cluster.broker_host: {host!r} is a loopback address but the job has {num_nodes} nodes; the rollout "
+            f"ranks on the other nodes could not reach the broker: give an address of node 0 they reach, or unset it")
 
 
 def _validate_fleet(cfg: Config, placement) -> None:
