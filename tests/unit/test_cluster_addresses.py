@@ -80,3 +80,24 @@ def test_config_rejects_a_wildcard_broker_host(tmp_path):
 
     with pytest.raises(ConfigError, match="cluster.broker_host"):
         load_config(Path(__file__).resolve().parents[2] / "configs/tiny.toml", ['cluster.broker_host="0.0.0.0"'])
+
+
+def test_searchr1_configs_bound_eval_and_collectives():
+    from asyncrl.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("searchr1.toml", "searchr1_sync.toml"):
+        cfg = load_config(root / "configs" / name, [])
+        assert cfg.eval.max_samples == 512 and cfg.cluster.actor_collective_timeout_s >= 1800
+        assert cfg.cluster.broker_host is None  # bind all interfaces, advertise a routable address
+
+
+def test_loopback_broker_host_on_two_nodes_is_a_config_error(monkeypatch):
+    from asyncrl.config import load_config, validate
+    from asyncrl.config.schema import ConfigError
+
+    for k in ("MASTER_ADDR", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/searchr1.toml", ['cluster.broker_host="127.0.0.1"'])
+    with pytest.raises(ConfigError, match="cluster.broker_host.*2 nodes"):
+        validate(cfg)
