@@ -159,10 +159,14 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path, m
     _assert_clean_exit(r, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())  # the before/after eval holds issuing too
     assert summary["test_accuracy_before"] is not None and summary["test_accuracy_after"] is not None
-    recs = read_metrics(run_dir)
+    every = read_metrics(run_dir)
+    recs = [x for x in every if "time/step" in x]
     assert [x["step"] for x in recs] == [1, 2, 3, 4]  # shared-engine points are part of their step's record
     evals = {x["step"]: x for x in recs if "eval/test/accuracy" in x}
     assert sorted(evals) == [2, 4]
+    before_after = [x for x in every if "time/step" not in x]  # records of their own, at step 0 and the last step
+    assert [x["step"] for x in before_after] == [0, 4] and all("eval/test/accuracy" in x for x in before_after)
+    assert before_after[0]["eval/test/accuracy"] == summary["test_accuracy_before"]
     for x in evals.values():
         assert 0.0 <= x["eval/test/accuracy"] <= 1.0 and x["eval/test/num_prompts"] > 0
         assert x["eval/test/response_len"] > 0 and x["eval/test/num_turns"] >= 1 and x["eval/time_seconds"] > 0
