@@ -161,3 +161,20 @@ def test_dry_run_for_node_rank_1_shows_its_roles_and_devices():
     r = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "configs/searchr1.toml", "--dry-run"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "node rank 2" in r.stderr
+
+
+@pytest.mark.slow
+def test_unreachable_tool_url_fails_the_start_naming_url_and_role(prepared, tmp_path):
+    """The HTTP retriever's URL answers nothing: the rollout rank's start-up check fails the job before any
+    step, naming the URL and the rank (before: the trajectories aborted one by one, and the evals read 0)."""
+    run_dir = tmp_path / "run"
+    url = f"http://127.0.0.1:{free_port()}/retrieve"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "launch/train.py"), "configs/tiny.toml", *_overrides(prepared, run_dir),
+           'agentloop.tool.retriever="http"', f'agentloop.tool.retriever_url="{url}"', "runner.max_steps=2"]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert f"rollout rank 1 (engine 0): agentloop.tool.retriever_url {url} does not answer" in out, out[-4000:]
+    _assert_nothing_left(run_dir)
+    assert not (run_dir / "metrics.jsonl").exists() or not _read_metrics(run_dir)
