@@ -11,9 +11,10 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
   (several nodes) and publishes a routable address (``asyncrl.cluster.addresses``). What it does alone
   (start-up, evals, batch waits) runs as leader phases (``asyncrl.runner.leader``): the other actor ranks
   wait on the store, and ``cluster.actor_collective_timeout_s`` bounds only real collectives.
-- the first rank of each engine makes a round trip to the broker (``broker_handshake``, within
-  ``cluster.broker_handshake_timeout_s``) and checks its tool URL, launches its engine child (SGLang
-  server or the CPU engine), publishes its URL, and runs the agent worker until the broker says shutdown.
+- every rollout rank makes a round trip to the broker (``broker_handshake``, within
+  ``cluster.broker_handshake_timeout_s``); the first rank of each engine then checks its tool URL,
+  launches its engine child (SGLang server or the CPU engine), publishes its URL, and runs the agent
+  worker until the broker says shutdown.
 - the first rank of each dedicated eval-fleet engine (``eval`` placement key) launches it, publishes
   ``eval_engine/<i>/url`` (actor rank 0 waits for them) and keeps it up until ``shutdown``
   (``asyncrl.runner.eval_fleet.run_eval_engine``).
@@ -169,6 +170,7 @@ def run_rollout(ctx, disc: Discovery) -> int:
     cfg = ctx.cfg
     e = ctx.placement.engine_of(ctx.rank)
     ranks = ctx.placement.engines[e]
+    broker_address = broker_handshake(ctx, disc)  # every rollout rank, before the engine's (long) start
     if ctx.rank != ranks[0]:
         return run_idle(ctx, disc)
     model_path = Path(cfg.rollout.model_path)
@@ -177,7 +179,6 @@ def run_rollout(ctx, disc: Discovery) -> int:
     from asyncrl.agent.tools import check_retriever
     from asyncrl.rollout.sglang_launcher import EngineSupervisor
 
-    broker_address = broker_handshake(ctx, disc)  # before the engine's (long) start: fail fast, naming the address
     check_retriever(cfg.agentloop.tool, role=f"rollout rank {ctx.rank} (engine {e})")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     base_gpu = ranks[0] % per_node
