@@ -73,6 +73,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"actor.tensor_model_parallel_size: TP {cfg.actor.tensor_model_parallel_size} x PP "
             f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices")
 
+    _validate_recompute(cfg)
+
     if rb.max_buffered_groups < B:
         raise ConfigError(
             f"rollout_buffer.max_buffered_groups: {rb.max_buffered_groups} is below data.rollout_batch_size "
@@ -116,6 +118,18 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < 2 x rollout_batch_size ({2 * B}): "
             f"when training is the bottleneck the next batch can only start after this one is handed off")
     return warnings
+
+
+def _validate_recompute(cfg: Config) -> None:
+    """``actor.recompute_method`` / ``recompute_num_layers`` only mean something with full recompute."""
+    a = cfg.actor
+    if a.recompute_granularity == "full":
+        return
+    for key in ("recompute_method", "recompute_num_layers"):
+        if getattr(a, key) is not None:
+            raise ConfigError(
+                f"actor.{key}: {getattr(a, key)!r} is only used with actor.recompute_granularity = \"full\" "
+                f"(got {a.recompute_granularity!r}); remove it or set recompute_granularity = \"full\"")
 
 
 def _validate_fleet(cfg: Config, placement) -> None:
