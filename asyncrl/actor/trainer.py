@@ -27,6 +27,10 @@ Contract
   stage and its sums are broadcast to the other stages; the grad norm (clipping, the finite check)
   is Megatron's, over the model-parallel (TP x PP) group. PP = 1 keeps the plain per-micro-batch
   loop. ``compute_logprobs`` results are broadcast from the last stage, so every rank gets them.
+- Attention and recompute: ``actor.attention_backend`` (``auto``: TransformerEngine on CUDA when
+  it imports, else fused SDPA per packed sequence; on CPU too) and ``actor.recompute_*`` are
+  resolved by ``asyncrl.actor.spec``; every micro-batch reaches the model in the layout that
+  module gives (``thd`` with the sequences as segments for the fused backends).
 - ``version`` is the weight version: the number of ``train_step`` calls so far (a skipped step
   still counts: the version names the step, the weights are simply unchanged), restored on resume.
 - ``iter_hf_buckets(bucket_bytes)``: a generator of buckets (lists of ``(hf_name, full tensor)``,

@@ -8,7 +8,9 @@ Qwen3 (q/k norm, head_dim != hidden/heads) model, and compares on packed micro-b
 sequences per row, padding runs, padding rows): the log-probs of the response tokens and the
 gradients of their sum. The fused model is also run with full activation recompute (same
 log-probs and gradients) and with a dense mask in the sbhd layout. Last, the bytes autograd keeps
-for backward are compared with ``asyncrl.actor.memory``'s estimate.
+for backward are compared with ``asyncrl.actor.memory``'s estimate. Then three ``Actor``s (unfused,
+sdpa, sdpa with ``actor.recompute_granularity = "full"``) take two train steps on one batch: same
+loss and gradient norm.
 """
 
 import json
@@ -126,6 +128,26 @@ def compare(hf_dir: str) -> dict:
     return out
 
 
+def actor_steps(hf_dir: str) -> dict:
+    """Two Actor train steps per setting (attention backend, recompute) on the same batch: the metrics."""
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
+    from asyncrl.actor.trainer import Actor
+
+    groups = synthetic_groups(seed=4, num_groups=4, group_size=4, vocab_size=500, response_len=(10, 40))
+    out = {}
+    for name, actor in (("unfused", {"attention_backend": "unfused"}), ("sdpa", {"attention_backend": "sdpa"}),
+                        ("sdpa_full_recompute", {"attention_backend": "sdpa", "recompute_granularity": "full",
+                                                 "recompute_num_layers": 2})):
+        a = Actor(tiny_actor_config(hf_dir, actor={**actor, "max_tokens_per_microbatch": 256}))
+        ms = [a.train_step(groups) for _ in range(2)]
+        out[name] = {"attention": a.attention, "recompute": a.ddp.module.config.recompute_granularity,
+                     "loss": [m["train/loss"] for m in ms], "grad_norm": [m["train/grad_norm"] for m in ms]}
+        ps.destroy_model_parallel()
+    return out
+
+
 def main() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -137,8 +159,9 @@ def main() -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(123)
     results = {Path(d).name: compare(d) for d in sys.argv[2:]}
-    Path(sys.argv[1]).write_text(json.dumps(results))
     ps.destroy_model_parallel()
+    results["actor"] = actor_steps(sys.argv[2])
+    Path(sys.argv[1]).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
@@ -152,6 +175,13 @@ def test_fused_attention_matches_unfused_logprobs_and_grads(tmp_path):
     res = proc_helpers.run_torchrun(Path(__file__), [str(out), *dirs], nproc=1, timeout_s=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
+    steps = results.pop("actor")
+    assert steps["sdpa"]["attention"] == "sdpa" and steps["unfused"]["attention"] == "unfused"
+    assert steps["sdpa_full_recompute"]["recompute"] == "full" and steps["sdpa"]["recompute"] is None
+    for name in ("sdpa", "sdpa_full_recompute"):  # the Actor's steps: same loss and grad norm, step after step
+        for key in ("loss", "grad_norm"):
+            for got, ref in zip(steps[name][key], steps["unfused"][key]):
+                assert abs(got - ref) <= TOL * max(1.0, abs(ref)), (name, key, steps)
     for arch, r in results.items():
         assert r["num_tokens"] > 50, (arch, r)
         assert r["logp_diff"] < TOL, (arch, r)
