@@ -15,9 +15,10 @@ step, in bytes:
   saves for backward in ``tests/integration/test_actor_attention.py``). ``unfused`` attention adds
   the ``[heads, S, S]`` fp32 softmax and probabilities per row of ``row_len`` tokens; full recompute keeps only each recompute unit's
   input plus one unit's activations; selective recompute drops the ``S x S`` term;
-- ``logits``: the micro-batch's logits (activation dtype) and the fp32 softmax terms the
-  vocab-parallel log-prob and entropy keep for backward (every position counted as a response
-  token: an upper bound).
+- ``logits``: the forward peak of the log-probs: the micro-batch's logits and the response rows
+  picked from them (activation dtype), and the fp32 softmax terms of the vocab-parallel log-prob
+  and entropy (every position counted as a response token: an upper bound). At a 150k vocabulary
+  this is the largest activation term; log-probs computed in chunks would shrink it.
 
 It is an estimate (allocator fragmentation, NCCL and CUDA context come on top: the launcher
 compares it with ``USABLE_FRACTION`` of the device). ``ModelShape.from_hf_config`` reads the
@@ -184,7 +185,10 @@ def estimate_actor_memory(
         activations = layers * per_layer
     activations += 4 * layer_input  # the embedding output; the final norm's input, normalized values, output
     vocab = -(-shape.vocab_size // (VOCAB_MULTIPLE * tp)) * VOCAB_MULTIPLE * tp
-    logits = microbatch_tokens * (vocab // tp) * (act + 12)  # logits + fp32 exp and shifted logits kept, + 1 temp
+    # the logits, the response rows picked from them, and four fp32 [T, V/tp] tensors of the
+    # vocab-parallel log-softmax (logits, shifted logits, exp -- the last two kept for backward -- and
+    # the entropy's product), with every position counted as a response token
+    logits = microbatch_tokens * (vocab // tp) * (2 * act + 16)
     return MemoryEstimate(
         weights=p * act,
         grads=p * 4,

@@ -157,7 +157,11 @@ def attention_path(backend: str, *, dtype: torch.dtype, device: torch.device | s
 
 @functools.cache
 def _varlen_fn():
-    """torch's variable-length flash attention and how this torch asks for causality, or None."""
+    """``(varlen_attn with causality bound, takes enable_gqa)`` for this torch, or None.
+
+    torch's variable-length flash attention has changed its keywords between releases (``is_causal``,
+    then ``window_size``); a torch whose version asks for neither, or cannot take ``scale``, is not used.
+    """
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -169,8 +173,9 @@ def _varlen_fn():
         causal = {"is_causal": True}
     else:
         return None
-    gqa = "enable_gqa" in params
-    return functools.partial(varlen_attn, **causal), gqa
+    if "scale" not in params:
+        return None
+    return functools.partial(varlen_attn, **causal), "enable_gqa" in params
 
 
 def _segment_lengths(params) -> list[int]:
@@ -241,8 +246,8 @@ class FusedCoreAttention(torch.nn.Module):
                 key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
             kw = {"enable_gqa": True} if has_gqa and query.shape[1] != key.shape[1] else {}
             cu = params.cu_seqlens_q
-            out = fn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_q, scale=self.softmax_scale,
-                     **kw)
+            q, k, v = (x.contiguous() for x in (query, key, value))  # v is a strided view of the fused qkv
+            out = fn(q, k, v, cu, cu, params.max_seqlen_q, params.max_seqlen_q, scale=self.softmax_scale, **kw)
             return out.reshape(query.shape[0], -1)
         gqa = query.shape[1] != key.shape[1]
         lens = _segment_lengths(params)

@@ -190,8 +190,9 @@ def test_fused_attention_matches_unfused_logprobs_and_grads(tmp_path):
         assert r["recompute_logp_diff"] < 1e-6 and r["recompute_grad_diff"] < 1e-6, (arch, r)
         # the memory estimate tracks what megatron-core keeps for backward (an upper bound for the logits)
         assert 0.85 < r["act_estimated"] / r["act_measured"] < 1.2, (arch, r)
-        # the logits term also counts the live logits and one fp32 temporary: an upper bound of what is kept
-        assert 1.0 < r["logits_estimated"] / r["logits_measured"] < 2.2, (arch, r)
+        # autograd keeps 2 fp32 [T, V] tensors; the estimate is the forward peak (logits, their picked rows,
+        # 4 fp32 tensors): an upper bound of what is kept, by about 6 / 2
+        assert 2.5 < r["logits_estimated"] / r["logits_measured"] < 3.3, (arch, r)
 
 
 if __name__ == "__main__":
