@@ -49,8 +49,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the Qwen2.5-0.5B shape (its public config.json); the tiny checkpoint's tokenizer stays small
-GPU_MODEL = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768)
+GPU_MODEL = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+)
 GPU_VOCAB = 151936
 SMOKE_MODEL = dict(num_hidden_layers=2)
 # thresholds: fp32 CUDA vs fp32 CPU (no TF32) is rounding only; bf16 weights/activations move
@@ -94,10 +101,12 @@ def make_batch(vocab: int, *, smoke: bool):
     from asyncrl.actor.synthetic import synthetic_groups
 
     if smoke:
-        return synthetic_groups(seed=0, num_groups=4, group_size=4, vocab_size=vocab, prompt_len=(8, 16),
-                                response_len=(16, 48))
-    return synthetic_groups(seed=0, num_groups=32, group_size=4, vocab_size=vocab, prompt_len=(150, 300),
-                            response_len=(300, 1200))
+        return synthetic_groups(
+            seed=0, num_groups=4, group_size=4, vocab_size=vocab, prompt_len=(8, 16), response_len=(16, 48)
+        )
+    return synthetic_groups(
+        seed=0, num_groups=32, group_size=4, vocab_size=vocab, prompt_len=(150, 300), response_len=(300, 1200)
+    )
 
 
 def build_actor(hf: Path, *, dtype: str, budget: int):
@@ -108,8 +117,11 @@ def build_actor(hf: Path, *, dtype: str, budget: int):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    cfg = tiny_actor_config(str(hf), actor={"params_dtype": dtype, "max_tokens_per_microbatch": budget,
-                                            "lr": 1e-6}, runner={"max_steps": 100})
+    cfg = tiny_actor_config(
+        str(hf),
+        actor={"params_dtype": dtype, "max_tokens_per_microbatch": budget, "lr": 1e-6},
+        runner={"max_steps": 100},
+    )
     return Actor(cfg), cfg
 
 
@@ -149,9 +161,15 @@ def check_train(hf: Path, *, smoke: bool, device_type: str) -> dict:
         m = actor.train_step(groups)
         times.append(m["time/training"])
     step_s = statistics.median(times)
-    est = estimate_actor_memory(ModelShape.from_hf_config(json.loads((hf / "config.json").read_text())), tp=1, pp=1,
-                                dp=1, bf16=actor.dtype == torch.bfloat16, microbatch_tokens=budget,
-                                row_len=budget)
+    est = estimate_actor_memory(
+        ModelShape.from_hf_config(json.loads((hf / "config.json").read_text())),
+        tp=1,
+        pp=1,
+        dp=1,
+        bf16=actor.dtype == torch.bfloat16,
+        microbatch_tokens=budget,
+        row_len=budget,
+    )
     out = {
         "attention_path": attention_path(actor.attention, dtype=actor.dtype, device=actor.device),
         "dtype": str(actor.dtype).removeprefix("torch."),
@@ -277,17 +295,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if device_type == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
     result: dict = {"mode": "cpu-smoke" if smoke else "gpu", **versions()}
     timings: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         t = time.perf_counter()
         hf = make_model(Path(tmp) / "model", smoke=smoke)
         timings["make_model"] = time.perf_counter() - t
-        for name, fn in (("train", lambda: check_train(hf, smoke=smoke, device_type=device_type)),
-                         ("logprob_parity", lambda: check_logprobs(hf, smoke=smoke, device_type=device_type)),
-                         ("cpu_engine_model", lambda: check_cpu_engine_model(hf, device_type=device_type))):
+        for name, fn in (
+            ("train", lambda: check_train(hf, smoke=smoke, device_type=device_type)),
+            ("logprob_parity", lambda: check_logprobs(hf, smoke=smoke, device_type=device_type)),
+            ("cpu_engine_model", lambda: check_cpu_engine_model(hf, device_type=device_type)),
+        ):
             t = time.perf_counter()
             try:
                 result[name] = fn()

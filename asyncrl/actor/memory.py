@@ -112,8 +112,10 @@ class MemoryEstimate:
     def render(self) -> str:
         unit, div = ("GiB", GIB) if self.total >= GIB else ("MiB", 1024**2)
         parts = [f"{f.name} {getattr(self, f.name) / div:.1f}" for f in fields(self) if f.name != "params_per_rank"]
-        return (f"{', '.join(parts)} -> total {self.total / div:.1f} {unit} per actor rank "
-                f"({self.params_per_rank / 1e9:.3g}B parameters on the rank)")
+        return (
+            f"{', '.join(parts)} -> total {self.total / div:.1f} {unit} per actor rank "
+            f"({self.params_per_rank / 1e9:.3g}B parameters on the rank)"
+        )
 
 
 def params_per_rank(shape: ModelShape, *, tp: int, pp: int) -> int:

@@ -136,8 +136,7 @@ def recompute_settings(
     n = 1 if num_layers is None else num_layers
     if not 1 <= n <= layers_per_stage:
         raise ValueError(
-            f"actor.recompute_num_layers = {n} must be between 1 and the {layers_per_stage} layers "
-            "of a pipeline stage"
+            f"actor.recompute_num_layers = {n} must be between 1 and the {layers_per_stage} layers of a pipeline stage"
         )
     return {"recompute_granularity": "full", "recompute_method": method or "uniform", "recompute_num_layers": n}
 
@@ -214,8 +213,9 @@ class FusedCoreAttention(torch.nn.Module):
             self.softmax_scale /= max(1, layer_number)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_bias is not None:
             raise ValueError("FusedCoreAttention: attention_bias is not supported")
         p = self.dropout_p if self.training else 0.0
@@ -226,11 +226,13 @@ class FusedCoreAttention(torch.nn.Module):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
         gqa = q.shape[1] != k.shape[1]
         if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa
+            )
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~attention_mask, dropout_p=p, scale=self.softmax_scale, enable_gqa=gqa
+            )
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -254,8 +256,13 @@ class FusedCoreAttention(torch.nn.Module):
         outs = []
         for q, k, v in zip(*(torch.split(x, lens) for x in (query, key, value))):
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [heads, s, d]
-                dropout_p=p, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa,
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),  # [heads, s, d]
+                dropout_p=p,
+                is_causal=True,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
             )
             outs.append(o.transpose(0, 1).reshape(q.shape[0], -1))
         return torch.cat(outs, dim=0)

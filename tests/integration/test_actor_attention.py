@@ -87,10 +87,21 @@ def memory_check(model, spec, hf_dir: str) -> dict:
     seqs = [torch.randint(3, spec.vocab_size, (32,), generator=gen).tolist() for _ in range(16)]
     packed = pack(seqs, [1] * 16, row_len=128)
     act, lp = saved_bytes(model, packed, "sdpa", spec.vocab_size)
-    est = estimate_actor_memory(ModelShape.from_hf_config(load_hf_config(hf_dir)), tp=1, pp=1, dp=1, bf16=False,
-                                microbatch_tokens=packed.num_tokens, row_len=128)
-    return {"act_measured": act, "act_estimated": est.activations, "logits_measured": lp,
-            "logits_estimated": est.logits}
+    est = estimate_actor_memory(
+        ModelShape.from_hf_config(load_hf_config(hf_dir)),
+        tp=1,
+        pp=1,
+        dp=1,
+        bf16=False,
+        microbatch_tokens=packed.num_tokens,
+        row_len=128,
+    )
+    return {
+        "act_measured": act,
+        "act_estimated": est.activations,
+        "logits_measured": lp,
+        "logits_estimated": est.logits,
+    }
 
 
 def compare(hf_dir: str) -> dict:
@@ -109,8 +120,14 @@ def compare(hf_dir: str) -> dict:
     ref, fused = build("unfused"), build("sdpa")
     full = build("sdpa", recompute_settings("full", None, None, layers_per_stage=spec.num_layers))
     assert full.config.recompute_granularity == "full" and full.training
-    out = {"logp_diff": 0.0, "grad_rel_diff": 0.0, "recompute_logp_diff": 0.0, "recompute_grad_diff": 0.0,
-           "sbhd_mask_logp_diff": 0.0, "num_tokens": 0}
+    out = {
+        "logp_diff": 0.0,
+        "grad_rel_diff": 0.0,
+        "recompute_logp_diff": 0.0,
+        "recompute_grad_diff": 0.0,
+        "sbhd_mask_logp_diff": 0.0,
+        "num_tokens": 0,
+    }
     for packed in _batches(spec.vocab_size):
         lp_ref, g_ref = _logprobs_and_grads(ref, packed, "unfused", spec.vocab_size)
         lp_f, g_f = _logprobs_and_grads(fused, packed, "sdpa", spec.vocab_size)
@@ -137,13 +154,22 @@ def actor_steps(hf_dir: str) -> dict:
 
     groups = synthetic_groups(seed=4, num_groups=4, group_size=4, vocab_size=500, response_len=(10, 40))
     out = {}
-    for name, actor in (("unfused", {"attention_backend": "unfused"}), ("sdpa", {"attention_backend": "sdpa"}),
-                        ("sdpa_full_recompute", {"attention_backend": "sdpa", "recompute_granularity": "full",
-                                                 "recompute_num_layers": 2})):
+    for name, actor in (
+        ("unfused", {"attention_backend": "unfused"}),
+        ("sdpa", {"attention_backend": "sdpa"}),
+        (
+            "sdpa_full_recompute",
+            {"attention_backend": "sdpa", "recompute_granularity": "full", "recompute_num_layers": 2},
+        ),
+    ):
         a = Actor(tiny_actor_config(hf_dir, actor={**actor, "max_tokens_per_microbatch": 256}))
         ms = [a.train_step(groups) for _ in range(2)]
-        out[name] = {"attention": a.attention, "recompute": a.ddp.module.config.recompute_granularity,
-                     "loss": [m["train/loss"] for m in ms], "grad_norm": [m["train/grad_norm"] for m in ms]}
+        out[name] = {
+            "attention": a.attention,
+            "recompute": a.ddp.module.config.recompute_granularity,
+            "loss": [m["train/loss"] for m in ms],
+            "grad_norm": [m["train/grad_norm"] for m in ms],
+        }
         ps.destroy_model_parallel()
     return out
 
@@ -169,8 +195,10 @@ def main() -> None:
 def test_fused_attention_matches_unfused_logprobs_and_grads(tmp_path):
     from asyncrl.models.tiny import make_tiny_checkpoint
 
-    dirs = [str(make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=1, num_hidden_layers=2))
-            for arch in ("qwen2", "qwen3")]
+    dirs = [
+        str(make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=1, num_hidden_layers=2))
+        for arch in ("qwen2", "qwen3")
+    ]
     out = tmp_path / "out.json"
     res = proc_helpers.run_torchrun(Path(__file__), [str(out), *dirs], nproc=1, timeout_s=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -15,8 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_check_cpu_smoke(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the script puts the repo on sys.path itself
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])  # JSON is the last line
     assert r == json.loads(out.read_text())

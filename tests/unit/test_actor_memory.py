@@ -48,8 +48,10 @@ def test_estimate_terms_move_the_right_way():
     assert full.activations < base.activations / 8 and full.weights == base.weights
     unfused = estimate_actor_memory(s, **kw, attention="unfused")
     assert unfused.activations > 3 * base.activations  # the [heads, S, S] probabilities per layer
-    assert estimate_actor_memory(s, **kw, attention="unfused", recompute_granularity="selective").activations \
+    assert (
+        estimate_actor_memory(s, **kw, attention="unfused", recompute_granularity="selective").activations
         == base.activations
+    )
     half = estimate_actor_memory(s, **{**kw, "microbatch_tokens": 8192})
     assert half.activations < base.activations and half.logits * 2 == base.logits
     assert estimate_actor_memory(s, **{**kw, "tp": 4}).total < base.total
@@ -58,8 +60,9 @@ def test_estimate_terms_move_the_right_way():
 
 def _searchr1(*overrides):
     cfg = load_config("configs/searchr1.toml", list(overrides))
-    placement = parse_placement(cfg.cluster.component_placement, world_size=16,
-                                engine_tp=cfg.rollout.tensor_parallel_size)
+    placement = parse_placement(
+        cfg.cluster.component_placement, world_size=16, engine_tp=cfg.rollout.tensor_parallel_size
+    )
     return cfg, placement
 
 

@@ -34,7 +34,10 @@ def test_recompute_settings_map_to_megatron_names():
     assert recompute_settings("none", None, None, layers_per_stage=4) == {}
     assert recompute_settings("selective", None, None, layers_per_stage=4) == {"recompute_granularity": "selective"}
     assert recompute_settings("full", None, None, layers_per_stage=4) == {
-        "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
     assert recompute_settings("full", "block", 4, layers_per_stage=4)["recompute_method"] == "block"
     with pytest.raises(ValueError, match="actor.recompute_num_layers"):
         recompute_settings("full", "uniform", 5, layers_per_stage=4)
@@ -70,8 +73,13 @@ def _reference(q, k, v, mask, scale):
 def test_fused_core_attention_thd_and_sbhd_match_plain_softmax():
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cfg = SimpleNamespace(context_parallel_size=1, softmax_type="vanilla", kv_channels=8,
-                          apply_query_key_layer_scaling=False, attention_dropout=0.0)
+    cfg = SimpleNamespace(
+        context_parallel_size=1,
+        softmax_type="vanilla",
+        kv_channels=8,
+        apply_query_key_layer_scaling=False,
+        attention_dropout=0.0,
+    )
     attn = FusedCoreAttention(cfg, 1, None, "self")
     g = torch.Generator().manual_seed(0)
     p = pad_rows(pack([[1] * 6, [2] * 3, [3] * 2], [1, 1, 1], row_len=7), 2)
@@ -83,8 +91,13 @@ def test_fused_core_attention_thd_and_sbhd_match_plain_softmax():
     out = attn(q, k, v, p.attention_mask)  # sbhd with the dense mask
     assert torch.allclose(out, ref, atol=1e-5)
     flat = [x.transpose(0, 1).reshape(R * C, x.shape[2], 8) for x in (q, k, v)]  # thd: rows one after another
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens, cu_seqlens_kv=p.cu_seqlens,
-                             max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=p.cu_seqlens,
+        cu_seqlens_kv=p.cu_seqlens,
+        max_seqlen_q=p.max_seqlen,
+        max_seqlen_kv=p.max_seqlen,
+    )
     out = attn(*flat, None, packed_seq_params=params)  # [R*C, 32]
     assert torch.allclose(out, ref.transpose(0, 1).reshape(R * C, -1), atol=1e-5)
     causal = torch.triu(torch.ones(C, C, dtype=torch.bool), 1).expand(R, 1, C, C)
