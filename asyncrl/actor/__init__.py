@@ -8,6 +8,9 @@
 - ``logprobs``: vocab-parallel log-probs and entropy.
 - ``pipeline``: pipeline parallelism: Megatron's 1F1B / forward-only schedule on fixed-shape
   micro-batches, the HF export of every stage gathered onto global rank 0.
+- ``spec``: the attention the model runs (TransformerEngine, fused SDPA per packed sequence, or
+  Megatron's unfused reference), the model inputs of a packed batch, activation recompute.
+- ``memory``: the per-rank memory estimate (pure) that ``--dry-run`` prints and checks.
 - ``model`` / ``convert`` / ``weights``: HF config -> GPTModel, HF <-> Megatron names and TP shards,
   loading and bucketed export; ``python -m asyncrl.actor.convert`` for users.
 - ``checkpoint``: the actor checkpoint format and offline HF <-> actor conversion.

@@ -7,8 +7,9 @@
   rank's list keeps the global order of its samples.
 - ``make_microbatches``: consecutive samples packed until the token budget would be exceeded (a
   sample longer than the budget forms a micro-batch of its own).
-- ``pack``: one micro-batch as packed tensors (positions restart per sequence, block-diagonal
-  causal mask) with the indices of the response tokens' predicting positions.
+- ``pack``: one micro-batch as packed tensors (positions restart per sequence; the sequences and
+  padding runs as segments, ``cu_seqlens``, from which the block-diagonal causal mask is derived)
+  with the indices of the response tokens' predicting positions.
 - ``uniform_shape`` / ``pack_uniform``: micro-batches packed to one common ``[rows, row_len]``
   shape (pipeline parallelism sends fixed-shape activations between stages); the extra rows and
   columns are padding that no real token attends to.
@@ -107,31 +108,55 @@ def make_microbatches(token_counts: Sequence[int], max_tokens: int) -> list[list
 
 @dataclass
 class PackedBatch:
-    """Sequences packed into rows of ``row_len`` tokens: [R, C] with a block-diagonal causal mask.
+    """Sequences packed into rows of ``row_len`` tokens: [R, C], each sequence its own causal block.
 
     Attention costs R * C^2 (not (sum of lengths)^2 as a single packed row would), and the
-    padding is at most one row's worth of waste per row.
+    padding is at most one row's worth of waste per row. The block structure is kept as segments
+    of the flattened ``R * C`` tokens (``cu_seqlens``): every sequence, and every run of padding,
+    is one segment; fused attention (``asyncrl.actor.spec``) reads the segments, the unfused
+    reference reads the dense ``attention_mask`` built from them.
     """
 
     input_ids: torch.Tensor  # [R, C]
     position_ids: torch.Tensor  # [R, C] restart at 0 for every sequence
-    attention_mask: torch.Tensor  # [R, 1, C, C] bool, True = masked out
+    cu_seqlens: torch.Tensor  # [num_segments + 1] int32: segment starts in the flattened R*C tokens
+    max_seqlen: int
+    """Longest segment."""
     pred_index: torch.Tensor  # [T] flat index (into R*C) of the position predicting each response token
     labels: torch.Tensor  # [T] the response tokens
     seq_of_token: torch.Tensor  # [T] index (within the micro-batch) of each token's sequence
     num_tokens: int
     """Real tokens (padding excluded)."""
 
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[R, 1, C, C] bool, True = masked out: block-diagonal causal, one block per segment."""
+        R, C = self.input_ids.shape
+        dev = self.input_ids.device
+        seg = torch.repeat_interleave(
+            torch.arange(len(self.cu_seqlens) - 1, device=dev), (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(dev)
+        ).view(R, C)
+        causal = torch.triu(torch.ones(C, C, dtype=torch.bool, device=dev), diagonal=1)
+        return ((seg[:, :, None] != seg[:, None, :]) | causal)[:, None]
+
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(
-            self.input_ids.to(device),
-            self.position_ids.to(device),
-            self.attention_mask.to(device),
-            self.pred_index.to(device),
-            self.labels.to(device),
-            self.seq_of_token.to(device),
-            self.num_tokens,
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            max_seqlen=self.max_seqlen,
+            pred_index=self.pred_index.to(device),
+            labels=self.labels.to(device),
+            seq_of_token=self.seq_of_token.to(device),
+            num_tokens=self.num_tokens,
         )
+
+
+def _cu_seqlens(seg_lens: Sequence[int]) -> torch.Tensor:
+    cu = [0]
+    for n in seg_lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32)
 
 
 def _rows_first_fit(lengths: Sequence[int], cap: int) -> list[list[int]]:
@@ -157,8 +182,7 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
     R = len(rows)
     ids = torch.zeros(R, cap, dtype=torch.long)
     pos = torch.zeros(R, cap, dtype=torch.long)
-    mask = torch.ones(R, cap, cap, dtype=torch.bool)
-    causal = torch.triu(torch.ones(cap, cap, dtype=torch.bool), diagonal=1)
+    seg_lens: list[int] = []
     where: dict[int, tuple[int, int]] = {}
     for r, members in enumerate(rows):
         off = 0
@@ -166,11 +190,11 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
             n = lengths[i]
             ids[r, off : off + n] = torch.tensor(seqs[i], dtype=torch.long)
             pos[r, off : off + n] = torch.arange(n)
-            mask[r, off : off + n, off : off + n] = causal[:n, :n]
+            seg_lens.append(n)
             where[i] = (r, off)
             off += n
         if off < cap:  # padding: its own causal block, so no query row is fully masked
-            mask[r, off:, off:] = causal[: cap - off, : cap - off]
+            seg_lens.append(cap - off)
     pred: list[int] = []
     labels: list[int] = []
     seq_idx: list[int] = []
@@ -185,7 +209,8 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
     return PackedBatch(
         input_ids=ids,
         position_ids=pos,
-        attention_mask=mask[:, None],
+        cu_seqlens=_cu_seqlens(seg_lens),
+        max_seqlen=max(seg_lens),
         pred_index=torch.tensor(pred, dtype=torch.long),
         labels=torch.tensor(labels, dtype=torch.long),
         seq_of_token=torch.tensor(seq_idx, dtype=torch.long),
@@ -201,11 +226,12 @@ def pad_rows(packed: PackedBatch, rows: int) -> PackedBatch:
     if rows == R:
         return packed
     extra = rows - R
-    causal = torch.triu(torch.ones(C, C, dtype=torch.bool), diagonal=1)
+    tail = packed.cu_seqlens[-1] + C * torch.arange(1, extra + 1, dtype=packed.cu_seqlens.dtype)
     return PackedBatch(
         input_ids=torch.cat([packed.input_ids, torch.zeros(extra, C, dtype=packed.input_ids.dtype)]),
         position_ids=torch.cat([packed.position_ids, torch.arange(C).expand(extra, C)]),
-        attention_mask=torch.cat([packed.attention_mask, causal.expand(extra, 1, C, C)]),
+        cu_seqlens=torch.cat([packed.cu_seqlens, tail]),
+        max_seqlen=max(packed.max_seqlen, C),
         pred_index=packed.pred_index,  # flat indices of the first R rows are unchanged
         labels=packed.labels,
         seq_of_token=packed.seq_of_token,

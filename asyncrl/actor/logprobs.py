@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actor.batch import PackedBatch
+from asyncrl.actor.spec import model_inputs
 
 _NEG = -1e30  # "minus infinity" that keeps 0 * logit finite in the entropy
 
@@ -71,6 +72,7 @@ def forward_logprobs(
     model: torch.nn.Module,
     packed: PackedBatch,
     *,
+    attention_backend: str,
     vocab_start: int,
     true_vocab: int,
     tp_group=None,
@@ -78,8 +80,11 @@ def forward_logprobs(
     with_entropy: bool = True,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch."""
-    logits = model(packed.input_ids, packed.position_ids, packed.attention_mask)  # [R, C, V_local]
+    """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch.
+
+    ``attention_backend``: the one the model was built with (``asyncrl.actor.spec``)."""
+    args, kwargs = model_inputs(packed, attention_backend)
+    logits = model(*args, **kwargs)  # [R, C, V_local] or [1, R*C, V_local]
     return logprobs_from_logits(
         logits,
         packed,
@@ -103,7 +108,7 @@ def logprobs_from_logits(
     with_entropy: bool = True,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logits``: [R, C, V_local] of a packed micro-batch -> log-probs [T] (and entropies)."""
+    """``logits``: [R, C, V_local] (or [1, R*C, V_local]) of a packed micro-batch -> log-probs [T] (and entropies)."""
     sel = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.pred_index)
     return vocab_parallel_logprobs(
         sel,

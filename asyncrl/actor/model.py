@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.actor.spec import layer_spec as make_layer_spec
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 VOCAB_MULTIPLE = 128
@@ -164,8 +166,20 @@ def transformer_config(
     )
 
 
-def build_gpt_model(spec: ModelSpec, *, tp: int, pp: int = 1, params_dtype: torch.dtype = torch.float32):
-    """A GPTModel (local layer spec) for this rank's TP shard and pipeline stage.
+def build_gpt_model(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    attention_backend: str = "sdpa",
+    recompute: dict[str, Any] | None = None,
+):
+    """A GPTModel for this rank's TP shard and pipeline stage.
+
+    ``attention_backend`` is a resolved backend of ``asyncrl.actor.spec`` (``te``, ``sdpa`` or
+    ``unfused``; feed the model with ``spec.model_inputs``); ``recompute`` holds TransformerConfig
+    keywords from ``spec.recompute_settings``.
 
     Needs ``initialize_model_parallel``. At PP > 1 the stage holds layers
     ``[layer_offset, layer_offset + num_layers / pp)`` (named ``decoder.layers.<local index>``), the
@@ -176,11 +190,10 @@ def build_gpt_model(spec: ModelSpec, *, tp: int, pp: int = 1, params_dtype: torc
     ``finalize_model_grads``.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     check_parallel_sizes(spec, tp=tp, pp=pp)
-    cfg = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    cfg = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, **(recompute or {}))
+    layer_spec = make_layer_spec(attention_backend, qk_norm=spec.qk_norm)
     pre_process = post_process = True
     build = contextlib.nullcontext()
     if pp > 1:

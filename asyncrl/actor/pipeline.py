@@ -5,11 +5,13 @@ Contract
 - ``StageInfo.current()`` (collective over the actor world, once): this rank's pipeline stage, the
   pipeline group, the global rank of this pipeline's last stage, and each stage's *leader* (the
   global rank at TP rank 0, DP rank 0 of that stage; stage 0's leader is global rank 0).
-- ``run_schedule(model, items, loss_fn=, rows=, row_len=, forward_only=)``: megatron-core's
+- ``run_schedule(model, items, loss_fn=, rows=, row_len=, backend=, forward_only=)``: megatron-core's
   ``get_forward_backward_func()`` (1F1B; forward-only for log-probs) over ``items`` (each has a
   ``.packed`` ``PackedBatch`` of exactly ``[rows, row_len]``). Every stage of one pipeline calls it
-  with the same number of items and the same shape (they hold the same data); activations travel
-  between stages as ``[row_len, rows, hidden]`` tensors over gloo p2p. ``loss_fn(item, logits)``
+  with the same number of items and the same shape (they hold the same data); the model is called
+  as ``asyncrl.actor.spec.model_inputs`` says for the attention ``backend``, and activations travel
+  between stages as ``[row_len, rows, hidden]`` tensors (``[rows * row_len, 1, hidden]`` in the
+  fused backends' thd layout) over gloo p2p. ``loss_fn(item, logits)``
   runs on the last stage only and returns ``(loss, data)``: the loss is backpropagated as given
   (the schedule's division by the number of micro-batches is undone by the caller, see
   ``Actor``); the returned list holds each micro-batch's ``data`` on the last stage and is empty
@@ -31,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from asyncrl.actor.spec import model_inputs, p2p_shape
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ def run_schedule(
     loss_fn: Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]],
     rows: int,
     row_len: int,
+    backend: str,
     forward_only: bool,
 ) -> list[Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -92,11 +97,11 @@ def run_schedule(
 
     def forward_step(data_iterator, m):
         item = next(data_iterator)
-        p = item.packed
         # first stage: embeds input_ids; later stages: the received activations (set by the schedule)
-        out = m(p.input_ids, p.position_ids, p.attention_mask)
-        return out, functools.partial(loss_fn, item)
+        args, kwargs = model_inputs(item.packed, backend)
+        return m(*args, **kwargs), functools.partial(loss_fn, item)
 
+    seq_length, micro_batch_size = p2p_shape(rows, row_len, backend)
     fb = get_forward_backward_func()
     return list(
         fb(
@@ -104,8 +109,8 @@ def run_schedule(
             data_iterator=iter(items),
             model=[model],
             num_microbatches=len(items),
-            seq_length=row_len,
-            micro_batch_size=rows,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
     )

@@ -27,6 +27,10 @@ Contract
   stage and its sums are broadcast to the other stages; the grad norm (clipping, the finite check)
   is Megatron's, over the model-parallel (TP x PP) group. PP = 1 keeps the plain per-micro-batch
   loop. ``compute_logprobs`` results are broadcast from the last stage, so every rank gets them.
+- Attention and recompute: ``actor.attention_backend`` (``auto``: TransformerEngine on CUDA when
+  it imports, else fused SDPA per packed sequence; on CPU too) and ``actor.recompute_*`` are
+  resolved by ``asyncrl.actor.spec``; every micro-batch reaches the model in the layout that
+  module gives (``thd`` with the sequences as segments for the fused backends).
 - ``version`` is the weight version: the number of ``train_step`` calls so far (a skipped step
   still counts: the version names the step, the weights are simply unchanged), restored on resume.
 - ``iter_hf_buckets(bucket_bytes)``: a generator of buckets (lists of ``(hf_name, full tensor)``,
@@ -86,6 +90,7 @@ from asyncrl.actor.model import (
     padded_vocab_size,
 )
 from asyncrl.actor.pipeline import StageInfo, agree_shape, gather_to_rank0, run_schedule
+from asyncrl.actor.spec import attention_path, model_inputs, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.weights import (
     is_tied_output_copy,
     iter_hf_buckets,
@@ -150,6 +155,17 @@ class Actor:
         # the engines report them (before top-p/top-k), so the PPO ratio compares like with like.
         self.temperature = cfg.rollout.sampling.temperature if cfg.rollout.sampling.temperature > 0 else 1.0
         self.dtype = torch.bfloat16 if (acfg.params_dtype == "bf16" and torch.cuda.is_available()) else torch.float32
+        cuda = torch.cuda.is_available()
+        self.attention = resolve_attention(acfg.attention_backend, cuda=cuda, te_available=cuda and te_available())
+        self.recompute = recompute_settings(
+            acfg.recompute_granularity,
+            acfg.recompute_method,
+            acfg.recompute_num_layers,
+            layers_per_stage=self.spec.num_layers // self.pp,
+        )
+        if self.rank == 0:
+            log.info("actor attention: %s; recompute: %s",
+                     attention_path(self.attention, dtype=self.dtype, device=self.device), self.recompute or "none")
 
         self.model = self._build_and_load()
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -200,7 +216,8 @@ class Actor:
 
     # ------------------------------------------------------------------ model
     def _build_and_load(self) -> torch.nn.Module:
-        model = build_gpt_model(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.dtype)
+        model = build_gpt_model(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.dtype,
+                                attention_backend=self.attention, recompute=self.recompute)
         model.to(self.device)
         load_hf_into_model(
             model,
@@ -227,8 +244,8 @@ class Actor:
 
     def _logprobs(self, model, packed: PackedBatch, *, with_entropy: bool):
         packed = packed.to(self.device)
-        return self._logprobs_of(model(packed.input_ids, packed.position_ids, packed.attention_mask), packed,
-                                 with_entropy=with_entropy)
+        args, kwargs = model_inputs(packed, self.attention)
+        return self._logprobs_of(model(*args, **kwargs), packed, with_entropy=with_entropy)
 
     def _logprobs_of(self, logits: torch.Tensor, packed: PackedBatch, *, with_entropy: bool):
         """Response-token log-probs (and entropies) of a packed micro-batch's logits (vocab-parallel)."""
@@ -310,7 +327,8 @@ class Actor:
 
         with torch.no_grad():
             return run_schedule(
-                model, [_Item(p) for p in packed], loss_fn=loss_fn, rows=rows, row_len=row_len, forward_only=True
+                model, [_Item(p) for p in packed], loss_fn=loss_fn, rows=rows, row_len=row_len,
+                backend=self.attention, forward_only=True
             )
 
     def _accumulate_grads_pp(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:
@@ -342,7 +360,8 @@ class Actor:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        data = run_schedule(self.ddp, items, loss_fn=loss_fn, rows=rows, row_len=row_len, forward_only=False)
+        data = run_schedule(self.ddp, items, loss_fn=loss_fn, rows=rows, row_len=row_len, backend=self.attention,
+                forward_only=False)
         sums: dict[str, float] = defaultdict(float)
         for d in data:
             for k, v in d.items():

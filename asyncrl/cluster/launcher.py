@@ -4,8 +4,12 @@ Contract
 - Every rank loads and validates the same TOML (+ ``key=value`` overrides); a bad config fails
   here, on every rank, before any process starts (exit code 2, the error names the key).
 - ``--dry-run`` prints the resolved config (derived values marked) and the rank -> role -> device
-  plan on each node's first process, then exits 0 on every rank; with a node rank in the environment
-  (``GROUP_RANK`` as torchrun sets it, ``NODE_RANK``, ``SLURM_NODEID``) also that node's own rows.
+  plan and the actor's per-rank memory estimate on each node's first process, then exits 0 on every
+  rank; with a node rank in the environment (``GROUP_RANK`` as torchrun sets it, ``NODE_RANK``,
+  ``SLURM_NODEID``) also that node's own rows.
+- A GPU job (``rollout.rollout_backend = "sglang"``) whose actor estimate exceeds
+  ``cluster.device_memory_gb`` (times ``asyncrl.actor.memory.USABLE_FRACTION``) is refused like a
+  bad config, dry run or not; the error names the keys that shrink it.
 - Otherwise each rank takes its role from ``cluster.component_placement`` and calls its body in
   ``asyncrl.runner.roles`` with a ``RankContext``. Children (broker, engines) are supervised by
   ``asyncrl.cluster.process``: SIGTERM/Ctrl-C stop them; if any rank fails, torchrun stops the
@@ -17,6 +21,7 @@ Contract
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -24,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.actor.memory import GIB, USABLE_FRACTION, ModelShape, estimate_actor_memory, known_shape
 from asyncrl.cluster.placement import Placement, parse_placement
 from asyncrl.config import Config, ConfigError, load_config, validate
 from asyncrl.config.loader import to_dict
@@ -170,16 +176,56 @@ def render_node_plan(cfg: Config, placement: Placement, node: int) -> str:
         [_PLAN_HEADER, *rows]) + "\n"
 
 
-def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement) -> None:
+def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement, memory_line: str) -> None:
     """Printed by each node's first process (or the one process outside torchrun)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
     print(f"# resolved config of {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
     print(render_config(cfg))
     print(render_plan(cfg, placement))
+    print(memory_line)
     node = node_rank_from_env()
     if node is not None:
         print(render_node_plan(cfg, placement, node))
+
+
+def _model_shape(model_path: str) -> tuple[ModelShape | None, str]:
+    p = Path(model_path) / "config.json"
+    if p.is_file():
+        return ModelShape.from_hf_config(json.loads(p.read_text())), str(p)
+    shape = known_shape(model_path)
+    return shape, ("the known shape of " + Path(model_path).name if shape else "")
+
+
+def actor_memory(cfg: Config, placement: Placement) -> str:
+    """The actor's per-rank memory estimate as a line; raises ConfigError when a GPU plan cannot fit."""
+    a = cfg.actor
+    shape, source = _model_shape(a.model_path)
+    if shape is None:
+        return (f"# actor memory: not estimated (no config.json in actor.model_path = {a.model_path!r} "
+                "and not a known model)")
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    gpu = cfg.rollout.rollout_backend == "sglang"
+    est = estimate_actor_memory(
+        shape, tp=tp, pp=pp, dp=max(1, len(placement.actor_ranks) // (tp * pp)), bf16=gpu and a.params_dtype == "bf16",
+        microbatch_tokens=a.max_tokens_per_microbatch,
+        row_len=min(a.max_tokens_per_microbatch, cfg.agentloop.max_total_tokens),
+        distributed_optimizer=a.use_distributed_optimizer, ref_model=cfg.algorithm.kl_coef > 0,
+        attention="unfused" if a.attention_backend == "unfused" else "fused",
+        recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
+        recompute_num_layers=a.recompute_num_layers)
+    line = f"# actor memory ({source}, {a.max_tokens_per_microbatch} tokens per micro-batch): {est.render()}"
+    budget = cfg.cluster.device_memory_gb * USABLE_FRACTION
+    if not gpu:
+        return line + " [CPU run: not checked against a device]"
+    if est.total / GIB > budget:
+        raise ConfigError(
+            f"actor memory estimate {est.total / GIB:.1f} GiB per rank ({est.render()}) exceeds "
+            f"{USABLE_FRACTION:g} x cluster.device_memory_gb = {budget:.1f} GiB; lower "
+            f"actor.max_tokens_per_microbatch, set actor.recompute_granularity = \"full\", raise "
+            f"actor.tensor_model_parallel_size / actor.pipeline_model_parallel_size, set "
+            f"actor.use_distributed_optimizer = true, or set cluster.device_memory_gb to the real GPU size")
+    return line + f" [fits {budget:.1f} GiB = {USABLE_FRACTION:g} x cluster.device_memory_gb]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         world = job_world_size(cfg)
         placement = parse_placement(cfg.cluster.component_placement, world_size=world,
                                     engine_tp=cfg.rollout.tensor_parallel_size)
+        memory_line = actor_memory(cfg, placement)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -203,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config warning: {w}", file=sys.stderr)
     if args.dry_run:
         try:
-            _print_dry_run(args, cfg, placement)
+            _print_dry_run(args, cfg, placement, memory_line)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

@@ -85,8 +85,11 @@ class ClusterConfig:
     all interfaces and a routable address of node 0 on several."""
     broker_handshake_timeout_s: float = 60.0
     """Each rollout rank's start-up round trip to the broker must answer within this (the error names the address)."""
+    device_memory_gb: float = 80.0
+    """Memory of one GPU in GiB: a GPU plan whose actor memory estimate exceeds it is refused (H100/A100 80, H200 141)."""
 
     def __post_init__(self):
+        _positive(self.device_memory_gb, "cluster.device_memory_gb")
         _positive(self.num_nodes, "cluster.num_nodes")
         _positive(self.num_devices_per_node, "cluster.num_devices_per_node")
         _positive(self.store_timeout_s, "cluster.store_timeout_s")
@@ -328,8 +331,19 @@ class ActorConfig:
     use_distributed_optimizer: bool = False
     checkpoint_dir: Optional[str] = None
     """Where checkpoints go; defaults to ``<run_dir>/checkpoints``."""
+    attention_backend: Literal["auto", "te", "sdpa", "unfused"] = "auto"
+    """Core attention: ``auto`` = TransformerEngine on CUDA when it imports, else ``sdpa`` (PyTorch fused
+    attention, per packed sequence); ``unfused`` = Megatron's local attention (S x S probabilities, CPU reference)."""
+    recompute_granularity: Literal["none", "full", "selective"] = "none"
+    """Activation recompute (Megatron ``recompute_granularity``): ``full`` layers or ``selective`` (core attention)."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With ``full``: ``uniform`` (default) checkpoints every ``recompute_num_layers`` layers as one unit;
+    ``block`` checkpoints the first ``recompute_num_layers`` layers of each pipeline stage."""
+    recompute_num_layers: Optional[int] = None
+    """With ``full``: layers per recompute unit (``uniform``) or layers recomputed per stage (``block``); default 1."""
 
     def __post_init__(self):
+        _positive(self.recompute_num_layers, "actor.recompute_num_layers")
         _positive(self.tensor_model_parallel_size, "actor.tensor_model_parallel_size")
         _positive(self.pipeline_model_parallel_size, "actor.pipeline_model_parallel_size")
         _positive(self.lr, "actor.lr")

@@ -73,6 +73,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"actor.tensor_model_parallel_size: TP {cfg.actor.tensor_model_parallel_size} x PP "
             f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices")
 
+    _validate_recompute(cfg)
+
     if rb.max_buffered_groups < B:
         raise ConfigError(
             f"rollout_buffer.max_buffered_groups: {rb.max_buffered_groups} is below data.rollout_batch_size "
@@ -130,6 +132,16 @@ def _validate_broker_host(cfg: Config, world: int) -> None:
         raise ConfigError(
             f"cluster.broker_host: {host!r} is a loopback address but the job has {num_nodes} nodes; the rollout "
             f"ranks on the other nodes could not reach the broker: give an address of node 0 they reach, or unset it")
+def _validate_recompute(cfg: Config) -> None:
+    """``actor.recompute_method`` / ``recompute_num_layers`` only mean something with full recompute."""
+    a = cfg.actor
+    if a.recompute_granularity == "full":
+        return
+    for key in ("recompute_method", "recompute_num_layers"):
+        if getattr(a, key) is not None:
+            raise ConfigError(
+                f"actor.{key}: {getattr(a, key)!r} is only used with actor.recompute_granularity = \"full\" "
+                f"(got {a.recompute_granularity!r}); remove it or set recompute_granularity = \"full\"")
 
 
 def _validate_fleet(cfg: Config, placement) -> None:

@@ -1,0 +1,268 @@
+"""The actor's transformer layer: which attention runs, how packed batches reach it, recompute.
+
+The one place that decides how the Megatron GPTModel attends. Importable without CUDA, without
+TransformerEngine and without megatron-core (those are imported inside the functions that need them).
+
+Contract
+- ``resolve_attention(requested, *, cuda, te_available)`` (pure): ``actor.attention_backend`` ->
+  ``"te"`` | ``"sdpa"`` | ``"unfused"``. ``auto`` is TransformerEngine on CUDA when
+  ``transformer_engine`` imports, else ``sdpa``. ``te`` without CUDA or without TE is a ValueError
+  naming the key.
+- ``layer_spec(backend, qk_norm=)``: Megatron's TE layer spec (``te``); the local layer spec with
+  ``FusedCoreAttention`` as its core attention (``sdpa``); the plain local spec, whose
+  ``DotProductAttention`` materializes the ``[b, heads, S, S]`` probabilities (``unfused``: kept as
+  the CPU reference the fused path is tested against).
+- ``model_inputs(packed, backend)``: the GPTModel call for a ``PackedBatch``. Fused backends get
+  the ``thd`` layout: the ``[R, C]`` rows flattened to one ``[1, R*C]`` row plus a
+  ``PackedSeqParams(qkv_format="thd")`` whose ``cu_seqlens`` are the batch's segments (each
+  sequence, each padding run): attention never crosses a segment and no ``S x S`` tensor exists.
+  ``unfused`` gets the ``[R, C]`` rows and the dense block-diagonal mask. Either way the logits
+  flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds.
+  ``p2p_shape(rows, row_len, backend)``: the matching ``(seq_length, micro_batch_size)`` of the
+  activations the pipeline schedule sends between stages.
+- ``FusedCoreAttention``: a drop-in for megatron-core 0.16.1's ``DotProductAttention``
+  (same constructor keywords, same ``forward(query, key, value, attention_mask, *,
+  attn_mask_type, attention_bias, packed_seq_params)``). ``thd``: per segment, causal
+  ``scaled_dot_product_attention`` (flash/efficient kernels on CUDA, math on CPU), or torch's
+  variable-length flash attention on CUDA in bf16/fp16 when this torch has it. ``sbhd`` with a
+  mask: SDPA with that boolean mask (True = masked out); without a mask: causal SDPA.
+- ``recompute_settings(granularity, method, num_layers, layers_per_stage=)`` (pure): the
+  ``actor.recompute_*`` keys as megatron-core ``TransformerConfig`` keywords.
+- ``attention_path(backend, dtype=, device=)``: a label of the kernel in use, for reports
+  (``te``, ``varlen-flash``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-math``, ``unfused``).
+
+Example::
+
+    backend = resolve_attention(cfg.actor.attention_backend, cuda=torch.cuda.is_available(),
+                                te_available=te_available())
+    model = build_gpt_model(spec, tp=1, attention_backend=backend)  # asyncrl.actor.model
+    args, kwargs = model_inputs(packed, backend)
+    logits = model(*args, **kwargs)  # [R, C, V] or [1, R*C, V]
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asyncrl.actor.batch import PackedBatch
+
+BACKENDS = ("auto", "te", "sdpa", "unfused")
+FUSED = ("te", "sdpa")
+
+
+@functools.cache
+def te_available() -> bool:
+    """Whether TransformerEngine's PyTorch package imports (a GPU build is installed)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):  # a TE wheel without its CUDA libraries
+        return False
+    return True
+
+
+def resolve_attention(requested: str, *, cuda: bool, te_available: bool) -> str:
+    key = "actor.attention_backend"
+    if requested not in BACKENDS:
+        raise ValueError(f"{key}: must be one of {BACKENDS}, got {requested!r}")
+    if requested == "auto":
+        return "te" if (cuda and te_available) else "sdpa"
+    if requested == "te" and not (cuda and te_available):
+        raise ValueError(
+            f"{key} = 'te' needs CUDA and an importable transformer_engine "
+            f"(cuda={cuda}, transformer_engine={te_available}); use 'auto' or 'sdpa'"
+        )
+    return requested
+
+
+def layer_spec(backend: str, *, qk_norm: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if backend == "te":
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    if backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
+    else:
+        assert backend == "unfused", backend
+    return spec
+
+
+def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of the GPTModel call for one packed micro-batch (see the contract)."""
+    if backend not in FUSED:
+        return (packed.input_ids, packed.position_ids, packed.attention_mask), {}
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = packed.cu_seqlens.to(device=packed.input_ids.device, dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+    )
+    args = (packed.input_ids.reshape(1, -1), packed.position_ids.reshape(1, -1), None)
+    return args, {"packed_seq_params": params}
+
+
+def p2p_shape(rows: int, row_len: int, backend: str) -> tuple[int, int]:
+    """``(seq_length, micro_batch_size)`` of a ``[rows, row_len]`` micro-batch inside the model."""
+    return (rows * row_len, 1) if backend in FUSED else (row_len, rows)
+
+
+def recompute_settings(
+    granularity: str, method: str | None, num_layers: int | None, *, layers_per_stage: int
+) -> dict[str, Any]:
+    """``actor.recompute_*`` -> TransformerConfig keywords (``{}`` when recompute is off).
+
+    ``full``: every ``num_layers`` (default 1) layers are one checkpointed unit (``uniform``,
+    the default) or the first ``num_layers`` layers of each stage are checkpointed (``block``).
+    ``selective``: Megatron's default selective modules (core attention).
+    """
+    if granularity == "none":
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    assert granularity == "full", granularity
+    n = 1 if num_layers is None else num_layers
+    if not 1 <= n <= layers_per_stage:
+        raise ValueError(
+            f"actor.recompute_num_layers = {n} must be between 1 and the {layers_per_stage} layers of a pipeline stage"
+        )
+    return {"recompute_granularity": "full", "recompute_method": method or "uniform", "recompute_num_layers": n}
+
+
+def attention_path(backend: str, *, dtype: torch.dtype, device: torch.device | str) -> str:
+    if backend != "sdpa":
+        return backend
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "sdpa-math"
+    if _varlen_fn() is not None and dtype in (torch.float16, torch.bfloat16):
+        return "varlen-flash"
+    if dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.flash_sdp_enabled():
+        return "sdpa-flash"
+    return "sdpa-efficient"
+
+
+@functools.cache
+def _varlen_fn():
+    """``(varlen_attn with causality bound, takes enable_gqa)`` for this torch, or None.
+
+    torch's variable-length flash attention has changed its keywords between releases (``is_causal``,
+    then ``window_size``); a torch whose version asks for neither, or cannot take ``scale``, is not used.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    if "scale" not in params:
+        return None
+    return functools.partial(varlen_attn, **causal), "enable_gqa" in params
+
+
+def _segment_lengths(params) -> list[int]:
+    cu = params.cu_seqlens_q
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+class FusedCoreAttention(torch.nn.Module):
+    """Core attention on ``scaled_dot_product_attention``; see the module contract.
+
+    Inputs as megatron-core gives them: ``sbhd`` ``query [sq, b, heads, d]``, ``key``/``value``
+    ``[sk, b, groups, d]``; ``thd`` ``[t, heads, d]`` / ``[t, groups, d]``. Output ``[sq, b, heads*d]``
+    (``thd``: ``[t, heads*d]``).
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError("FusedCoreAttention does not support context parallelism")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"FusedCoreAttention supports softmax_type 'vanilla', got {config.softmax_type!r}")
+        self.config = config
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= max(1, layer_number)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        if attention_bias is not None:
+            raise ValueError("FusedCoreAttention: attention_bias is not supported")
+        p = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"FusedCoreAttention: packed qkv_format {packed_seq_params.qkv_format!r}")
+            return self._thd(query, key, value, packed_seq_params, p)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        gqa = q.shape[1] != k.shape[1]
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~attention_mask, dropout_p=p, scale=self.softmax_scale, enable_gqa=gqa
+            )
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _thd(self, query, key, value, params, p: float):
+        varlen = _varlen_fn()
+        use_varlen = (
+            varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and p == 0.0
+        )
+        if use_varlen:
+            fn, has_gqa = varlen
+            if query.shape[1] != key.shape[1] and not has_gqa:
+                rep = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+            kw = {"enable_gqa": True} if has_gqa and query.shape[1] != key.shape[1] else {}
+            cu = params.cu_seqlens_q
+            q, k, v = (x.contiguous() for x in (query, key, value))  # v is a strided view of the fused qkv
+            out = fn(q, k, v, cu, cu, params.max_seqlen_q, params.max_seqlen_q, scale=self.softmax_scale, **kw)
+            return out.reshape(query.shape[0], -1)
+        gqa = query.shape[1] != key.shape[1]
+        lens = _segment_lengths(params)
+        outs = []
+        for q, k, v in zip(*(torch.split(x, lens) for x in (query, key, value))):
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),  # [heads, s, d]
+                dropout_p=p,
+                is_causal=True,
+                scale=self.softmax_scale,
+                enable_gqa=gqa,
+            )
+            outs.append(o.transpose(0, 1).reshape(q.shape[0], -1))
+        return torch.cat(outs, dim=0)
