@@ -23,6 +23,12 @@ Contract
   ``runner.eval_before_after`` evaluates ``data.test_path`` before the first and after the last step.
 - Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
   ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
+- Engine restarts (``asyncrl.sync.recovery``): every sync re-joins restarted engines and is retried
+  when an engine dies under it; while the leader waits for a batch it asks for it in slices of
+  ``_BATCH_SLICE_S`` and, when a restarted engine waits for its weights, all actor ranks run a
+  catch-up sync first (``_next_batch``); ``rollout/engine_restarts`` counts the restarts.
+- The broker is watched by ``asyncrl.cluster.process.fail_fast_on_exit`` (set up in ``roles``): its
+  death fails the rank at once; here it is only marked as stopping before the deliberate shutdown.
 
     rc = run_training(ctx, broker_address=..., engine_urls=[...], broker_child=child, actor_rank=0)
 """
@@ -38,6 +44,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 log = logging.getLogger("asyncrl.runner")
+
+# The leader's batch wait is cut into slices this long, so a restarted engine waiting for its catch-up
+# sync is served within about this many seconds (it cannot produce data before).
+_BATCH_SLICE_S = 2.0
 
 
 def _bcast_obj(obj, src: int = 0):
@@ -178,7 +188,7 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
 
 
 def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int,
-                 eval_engine_urls: list[str] | None = None) -> int:
+                 eval_engine_urls: list[str] | None = None, discovery=None) -> int:
     from asyncrl.actor.trainer import Actor
 
     cfg = ctx.cfg
@@ -200,6 +210,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         group.init()
         syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
                               hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
+        recovery = make_recovery(cfg, group, discovery)
         scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
     periodic, evaluator = _make_evaluation(cfg, actor, is_leader, broker if is_leader else None, engine_urls,
@@ -216,7 +227,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
     summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
     if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
-        _sync(actor, syncer if is_leader else None, cfg, is_leader)
+        _sync(actor, syncer if is_leader else None, cfg, is_leader, recovery if is_leader else None)
     if is_leader and cfg.runner.eval_before_after and start_step == 0:
         summary["eval_before"] = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path,
                                                      broker=broker, evaluator=evaluator)
@@ -225,9 +236,9 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         t_step = time.perf_counter()
         m: dict[str, float] = {}
         groups = None
+        batch = _next_batch(actor, broker if is_leader else None, syncer if is_leader else None,
+                            recovery if is_leader else None, cfg, step)
         if is_leader:
-            batch = broker.get_batch(step, timeout_s=cfg.rollout.request_timeout_s * 4, actor_version=actor.version,
-                                     as_lists=True)
             groups = batch_filter(batch.groups)
             kept = {g.group_id for g in groups}
             removed = [g.group_id for g in batch.groups if g.group_id not in kept]
@@ -242,7 +253,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
         if step % cfg.rollout.update_weights_interval == 0:
-            res = _sync(actor, syncer if is_leader else None, cfg, is_leader)
+            res = _sync(actor, syncer if is_leader else None, cfg, is_leader, recovery if is_leader else None)
             if res is not None:
                 m.update(res.metrics())
         else:
@@ -256,6 +267,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             m.update(scraper.latest())
             m.update(broker_accounting(broker.status()))
             m["actor/weight_version"] = float(actor.version)
+            m["rollout/engine_restarts"] = float(recovery.total_restarts())
             writer.log(m, step)
             for eval_step, em in periodic.late_points(step):  # external/fleet evals: each at its own step
                 writer.log(em, eval_step)
@@ -276,6 +288,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
         print_summary(cfg, summary, ctx.run_dir)
         scraper.close()
+        if broker_child is not None:
+            broker_child.stopping = True  # its exit from here on is asked for (see fail_fast_on_exit)
         broker.shutdown()
         broker.close()
         writer.close()
@@ -297,13 +311,60 @@ def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str]
     return periodic, evaluator
 
 
-def _sync(actor, syncer, cfg, is_leader):
-    buckets = actor.iter_hf_buckets(cfg.sync.bucket_bytes)
-    if is_leader:
-        return syncer.sync(buckets, version=actor.version)
-    for _ in buckets:  # other ranks take part in gathering the shards
-        pass
-    return None
+def _sync(actor, syncer, cfg, is_leader, recovery=None):
+    """A weight sync at the actor's version (collective), surviving engine restarts (``sync.recovery``)."""
+    from asyncrl.sync.recovery import sync_weights
+
+    return sync_weights(actor, syncer, recovery, bucket_bytes=cfg.sync.bucket_bytes, is_leader=is_leader,
+                        bcast=_bcast_obj)
+
+
+def make_recovery(cfg, group, discovery):
+    """Actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish."""
+    from asyncrl.runner.roles import read_count, restarts_key, synced_key
+    from asyncrl.sync.recovery import EngineRecovery
+
+    r, n = cfg.rollout, len(group.engines)
+    if discovery is None:
+        read, publish = (lambda i: 0), (lambda i, k: None)
+    else:
+        read = lambda i: read_count(discovery, restarts_key(i))  # noqa: E731
+        publish = lambda i, k: discovery.publish(synced_key(i), str(k))  # noqa: E731
+    # long enough for the rollout rank to call a hang, restart the engine and see it answer
+    wait_s = r.unhealthy_after_s + r.health_check_interval_s + r.health_check_timeout_s + r.start_timeout_s
+    return EngineRecovery(group, read_restarts=read, publish_synced=publish, wait_s=wait_s,
+                          max_failures=2 * r.max_restarts * n + 1)
+
+
+def _next_batch(actor, broker, syncer, recovery, cfg, step: int):
+    """The step's batch on the leader (None elsewhere). Collective: while the leader waits, a restarted
+    engine waiting for its weights gets a catch-up sync from all actor ranks (see module contract)."""
+    t0 = time.monotonic()
+    while True:
+        batch = None
+        if broker is not None:
+            batch = _wait_batch(broker, recovery, step, actor.version, cfg.rollout.request_timeout_s * 4, t0)
+        if not _bcast_obj(broker is not None and batch is None):
+            return batch
+        log.info("step %d: catch-up weight sync for restarted engine(s) while waiting for data", step)
+        _sync(actor, syncer, cfg, broker is not None, recovery)
+
+
+def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0: float):
+    """Ask the broker in slices; None as soon as a restarted engine waits for its catch-up sync."""
+    while True:
+        if recovery is not None and recovery.pending():
+            return None
+        left = timeout_s - (time.monotonic() - t0)
+        if left <= 0:
+            raise TimeoutError(f"no batch for step {step} from the broker within {timeout_s:.0f}s "
+                               f"(rollout.request_timeout_s x 4)")
+        try:
+            batch = broker.get_batch(step, timeout_s=min(_BATCH_SLICE_S, left), actor_version=version, as_lists=True)
+        except TimeoutError:
+            continue
+        batch.wait_s = time.monotonic() - t0
+        return batch
 
 
 def _latest_checkpoint(root: Path) -> Path | None:
