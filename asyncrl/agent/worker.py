@@ -80,9 +80,8 @@ class EngineWatch:
         tracker = HealthTracker(unhealthy_after_s=self.unhealthy_after_s)
         while True:
             await asyncio.sleep(self.interval_s)
-            t = time.monotonic()
             ok = await self.healthy()
-            verdict = tracker.observe(alive=self.sup.alive(), ok=ok, t=t, exit_code=self.sup.exit_code())
+            verdict = tracker.observe(alive=self.sup.alive(), ok=ok, t=time.monotonic(), exit_code=self.sup.exit_code())
             if verdict is not None:
                 return verdict
 

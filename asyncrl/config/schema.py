@@ -134,10 +134,11 @@ class RolloutConfig:
     """Restarts of a dead or hung engine (rollout and eval fleet) before the run fails."""
     health_check_interval_s: float = 1.0
     """How often a rollout rank checks its engine while the worker runs (process alive + ``/health``)."""
-    health_check_timeout_s: float = 4.0
+    health_check_timeout_s: float = 3.0
     """Timeout of one ``/health`` probe of that check."""
-    unhealthy_after_s: float = 10.0
-    """An engine whose ``/health`` probes have failed for this long is declared hung, killed and restarted."""
+    unhealthy_after_s: float = 8.0
+    """An engine whose ``/health`` probes have failed for this long is declared hung, killed and restarted
+    (a hang is called within about interval + timeout + this, i.e. 12 s by default)."""
     request_timeout_s: float = 600.0
     """Timeout of one ``/generate`` call."""
     control_timeout_s: float = 60.0

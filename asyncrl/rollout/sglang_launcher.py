@@ -129,9 +129,9 @@ def health_ok(url: str, timeout_s: float) -> bool:
 
 
 class HealthTracker:
-    """Pure verdict over a stream of probes: ``observe(alive, ok, t)`` returns None while the engine is
-    fine, ``"dead ..."`` once its process exited, ``"hung ..."`` once every probe since ``t0`` (the
-    start of the first failed one) failed and ``t - t0 >= unhealthy_after_s``.
+    """Pure verdict over a stream of probes: ``observe(alive, ok, t)`` (``t``: when the probe ended) returns
+    None while the engine is fine, ``"dead ..."`` once its process exited, ``"hung ..."`` once every probe
+    since ``t0`` (the first failed one) failed and ``t - t0 >= unhealthy_after_s``.
 
         h = HealthTracker(unhealthy_after_s=10.0)
         h.observe(alive=True, ok=False, t=100.0)   # None (first failure at 100)
