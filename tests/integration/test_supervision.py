@@ -252,9 +252,9 @@ def test_torchrun_sigkill_leaves_nothing(prepared, tmp_path):
         assert len(pids) >= 4, pids  # torchrun, two ranks, the broker, the engine
         os.kill(job.proc.pid, signal.SIGKILL)
         job.proc.wait(timeout=10)
-        left = _wait_gone([p for p in pids if p != job.proc.pid], timeout_s=10)
+        left = [_cmdline(p) for p in _wait_gone([p for p in pids if p != job.proc.pid], timeout_s=10)]
         bound = [p for p in ports if _port_bound(p)]
     finally:
         job.kill_all()
-    assert left == [], f"processes of the job left after torchrun was killed: {[_cmdline(p) for p in left]}"
+    assert left == [], f"processes of the job left after torchrun was killed: {left}"
     assert bound == [], f"ports still bound: {bound}"
