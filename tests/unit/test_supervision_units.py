@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from asyncrl.config import ConfigError, load_config
@@ -142,4 +144,4 @@ def test_sync_weights_without_a_restart_propagates():
 ])
 def test_supervision_keys_are_checked(override, key):
     with pytest.raises(ConfigError, match=key):
-        load_config("configs/tiny.toml", [override])
+        load_config(Path(__file__).resolve().parents[2] / "configs/tiny.toml", [override])
