@@ -170,24 +170,29 @@ class AgentWorker:
                     w.sup.url, verdict, len(self.tasks))
         await self._cancel_all()
         await self.conn.close(say_bye=True)  # the broker re-issues the groups (counted as re-issued)
-        w.sup.relaunch(verdict)  # on this (the main) thread: the child's death signal follows its spawner
-        await asyncio.to_thread(w.sup.wait_ready)
-        self.stats["engine_restarts"] += 1
-        n = w.sup.restarts
-        w.announce(n)
+        while verdict is not None:
+            w.sup.relaunch(verdict)  # on this (the main) thread: the child's death signal follows its spawner
+            await asyncio.to_thread(w.sup.wait_ready)
+            self.stats["engine_restarts"] += 1
+            w.announce(w.sup.restarts)
+            verdict = await self._wait_synced(w.sup.restarts)
+        log.info("worker %s: engine %s restarted (%d) and synced; taking work again", self.worker_id, w.sup.url,
+                 w.sup.restarts)
+        await self._connect()
+
+    async def _wait_synced(self, n: int) -> Optional[str]:
+        """Wait until the actor synced restart ``n``; None then, or a verdict if the engine died meanwhile."""
+        w = self.watch
         deadline = time.monotonic() + w.sync_wait_s
         while not w.synced(n):
+            if not w.sup.alive():
+                return f"dead: the process exited with code {w.sup.exit_code()} before its weight sync"
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agent worker {self.worker_id}: the actor did not sync restarted engine "
                                    f"{w.sup.url} (restart {n}) within {w.sync_wait_s:g} s "
                                    f"(sync.join_timeout_s + sync.step_timeout_s)")
-            if not w.sup.alive():
-                await self._recover_engine(f"dead: the process exited with code {w.sup.exit_code()} "
-                                           f"before its weight sync")
-                return
             await asyncio.sleep(POLL_S)
-        log.info("worker %s: engine %s restarted (%d) and synced; taking work again", self.worker_id, w.sup.url, n)
-        await self._connect()
+        return None
 
     async def _event_loop(self) -> None:
         while True:
@@ -259,7 +264,6 @@ class AgentWorker:
         self.stats["groups_done"] += 1
         self.stats["groups_aborted"] += int(group.aborted)
         log.debug("group %d done in %.2fs (aborted=%s)", a.group_id, time.perf_counter() - t0, group.aborted)
-
 
     async def _hold_for_restart(self, group_id: int, error: str) -> None:
         """The engine failed under this group: keep it unreported, so that the restart (which cancels this
