@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.broker.core import BrokerCore, CoreSettings
+from asyncrl.broker.types import PromptItem, Trajectory
 from asyncrl.config import ConfigError, load_config
 from asyncrl.rollout.sglang_launcher import HealthTracker
 from asyncrl.sync.engine_http import EngineStepError
@@ -145,3 +147,43 @@ def test_sync_weights_without_a_restart_propagates():
 def test_supervision_keys_are_checked(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(Path(__file__).resolve().parents[2] / "configs/tiny.toml", [override])
+
+
+def _traj():
+    return Trajectory(list(range(4)), [1, 2, 3], [1] * 3, [-0.5] * 3, reward=1.0, min_version=0, max_version=0)
+
+
+def test_a_batch_asked_for_in_slices_keeps_its_wait_time_and_the_warning_clock():
+    """The leader asks for a batch in short slices (so it can serve a restarted engine meanwhile): a re-request
+    of the same step continues the first one (``time/wait_data``, the no-data warning), a new step starts anew;
+    an engine's worker leaving re-issues its groups, counted as re-issued, and the accounting holds."""
+    t = [0.0]
+    core = BrokerCore([PromptItem(i, f"q{i}") for i in range(10)], clock=lambda: t[0], settings=CoreSettings(
+        rollout_batch_size=2, group_size=3, max_inflight_groups=3, max_buffered_groups=4,
+        max_dropped_groups_per_step=100, no_data_warning_s=5.0))
+    core.add_worker("engine0", capacity=9)
+    first = [i.group_id for i in core.take_issues()]
+    core.request_batch(step=1)
+    for _ in range(3):  # three 2-second slices, each withdrawn by the server's timeout
+        t[0] += 2.0
+        assert core.tick() == [] or t[0] >= 5.0
+        core.cancel_request()
+        core.request_batch(step=1)
+    assert core.counters["no_data_warnings"] == 1  # 6 s of waiting for step 1 did warn once
+    assert core.remove_worker("engine0") == sorted(first)  # the engine died: its groups go back
+    core.add_worker("engine0", capacity=9)  # restarted and synced: hello again
+    again = [i.group_id for i in core.take_issues()]
+    assert len(again) == len(first) and not set(again) & set(first)
+    for gid in again[:2]:
+        assert core.group_finished(gid, [_traj() for _ in range(3)])
+    batch = core.take_batch()
+    assert batch is not None and batch.wait_s == pytest.approx(6.0)
+    c = core.counters
+    held = core.num_inflight_groups + core.num_buffered_groups
+    assert c["issued"] == c["trained"] + c["dropped"] + held + c["reissued"] and c["dropped"] == 0
+    assert c["reissued"] == len(first)
+    core.request_batch(step=2)  # a new step: a new wait
+    t[0] += 1.0
+    core.cancel_request()
+    core.request_batch(step=2)
+    assert core._request.t == pytest.approx(6.0)
