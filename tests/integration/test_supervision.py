@@ -179,9 +179,11 @@ def test_engine_sigkill_and_sigstop_are_recovered(prepared, tmp_path):
         job.wait_step(2, timeout_s=240)
         first = job.wait_for("the engine's pid", job.engine_pid)
         os.kill(first, signal.SIGKILL)
+        t_kill = time.monotonic()
+        second = job.wait_for("the restarted engine's pid", lambda: (p := job.engine_pid()) not in (None, first) and p)
+        assert time.monotonic() - t_kill < 15, "a dead engine must be noticed and replaced within 15 s"
         rec = job.wait_for("the first restart in metrics",
                            lambda: next((r for r in job.records() if r.get("rollout/engine_restarts", 0) >= 1), None))
-        second = job.wait_for("the restarted engine's pid", lambda: (p := job.engine_pid()) not in (None, first) and p)
         job.wait_step(rec["step"] + 2)
         os.kill(second, signal.SIGSTOP)
         t_stop = time.monotonic()
