@@ -14,6 +14,13 @@ Contract
 - Invariant: at most ``max_requests_per_engine`` generate calls in flight per engine; a bug in a
   group task (any exception other than the engine/retriever failures the loop turns into aborted
   trajectories) stops the worker with that exception instead of hanging.
+- Engine supervision (with an ``EngineWatch``, on the engine's first rank): a task probes the engine
+  every ``rollout.health_check_interval_s`` (process alive + ``/health``); once it is dead or hung
+  (``HealthTracker``) the worker cancels its groups (nothing is reported), says bye (the broker
+  re-issues them: counted as re-issued, not dropped), restarts the engine (``rollout.max_restarts``),
+  announces the restart (``EngineWatch.announce``), waits until the actor re-joined it to the
+  weight-sync group and synced the current weights (``EngineWatch.synced``), and only then says
+  hello again and takes work. A group aborted by a failing engine is not reported meanwhile.
 
     stats = run_worker(cfg, broker_address="tcp://10.0.0.1:5555", engine_urls=["http://127.0.0.1:31000"],
                        tokenizer_path="runs/tiny/model_sft", worker_id="engine0")
@@ -24,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 from asyncrl.agent.loop import AgentLoop, EngineHandle, TurnGate
@@ -34,11 +42,48 @@ from asyncrl.agent.tools import Retriever, make_retriever
 from asyncrl.broker.client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.broker.types import Group
 from asyncrl.config.schema import Config
+from asyncrl.rollout.sglang_launcher import EngineSupervisor, HealthTracker
 
 log = logging.getLogger(__name__)
 
 # How long one wait for a broker event lasts before the worker checks its group tasks again.
 POLL_S = 0.2
+
+
+@dataclass
+class EngineWatch:
+    """The worker's handle on its engine's supervision (see module contract)."""
+
+    sup: EngineSupervisor
+    interval_s: float
+    probe_timeout_s: float
+    unhealthy_after_s: float
+    announce: Callable[[int], None]
+    """Called with the restart count once a restarted engine is ready (the actor re-joins and syncs it)."""
+    synced: Callable[[int], bool]
+    """True once the actor synced the current weights into restart number ``n``."""
+    sync_wait_s: float
+    """How long to wait for that sync before failing, naming the engine."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, sup: EngineSupervisor, *, announce: Callable[[int], None],
+                    synced: Callable[[int], bool]) -> EngineWatch:
+        r = cfg.rollout
+        return cls(sup, r.health_check_interval_s, r.health_check_timeout_s, r.unhealthy_after_s, announce, synced,
+                   sync_wait_s=cfg.sync.join_timeout_s + cfg.sync.step_timeout_s)
+
+    async def healthy(self) -> bool:
+        return self.sup.alive() and await asyncio.to_thread(self.sup.probe, self.probe_timeout_s)
+
+    async def wait_fault(self) -> str:
+        """Probe until the engine is dead or hung; returns the verdict."""
+        tracker = HealthTracker(unhealthy_after_s=self.unhealthy_after_s)
+        while True:
+            await asyncio.sleep(self.interval_s)
+            ok = await self.healthy()
+            verdict = tracker.observe(alive=self.sup.alive(), ok=ok, t=time.monotonic(), exit_code=self.sup.exit_code())
+            if verdict is not None:
+                return verdict
 
 
 def requests_per_engine(cfg: Config) -> int:
@@ -47,7 +92,8 @@ def requests_per_engine(cfg: Config) -> int:
 
 class AgentWorker:
     def __init__(self, cfg: Config, *, broker_address: str, engine_urls: Sequence[str], tokenizer_path: str,
-                 worker_id: str, retriever: Optional[Retriever] = None, connect_timeout_s: float = 60.0):
+                 worker_id: str, retriever: Optional[Retriever] = None, connect_timeout_s: float = 60.0,
+                 watch: Optional[EngineWatch] = None):
         if not engine_urls:
             raise ValueError(f"agent worker {worker_id}: no engine URLs")
         self.cfg = cfg
@@ -67,9 +113,11 @@ class AgentWorker:
                               agent_cfg=cfg.agentloop, sampling=cfg.rollout.sampling, gate=self.gate,
                               rid_prefix=worker_id)
         self.version = 0
+        self.watch = watch
+        self._watch_task: Optional[asyncio.Task] = None
         self.tasks: dict[int, asyncio.Task] = {}
         self.stats = {"groups_done": 0, "groups_aborted": 0, "groups_cancelled": 0, "trajectories_done": 0,
-                      "trajectories_aborted": 0}
+                      "trajectories_aborted": 0, "engine_restarts": 0, "groups_held_for_restart": 0}
 
     # -- lifecycle
     async def run(self) -> dict:
@@ -78,27 +126,78 @@ class AgentWorker:
         clients = [SGLangClient.from_config(url, self.cfg.rollout) for url in self.engine_urls]
         per_engine = requests_per_engine(self.cfg)
         self.engines = [EngineHandle(c, max_in_flight=per_engine, url=c.url) for c in clients]
-        self.conn = AsyncWorkerConnection(self.broker_address, worker_id=self.worker_id,
-                                          capacity=per_engine * len(self.engines),
-                                          heartbeat_interval_s=self.cfg.agentloop.heartbeat_interval_s)
         try:
-            welcome = await self.conn.connect(timeout_s=self.connect_timeout_s)
-            self.version = welcome.version
-            self._set_hold(welcome.hold)
-            log.info("worker %s connected to %s (%d engines, %d requests each)", self.worker_id,
-                     self.broker_address, len(self.engines), per_engine)
+            await self._connect()
+            self._start_watch()
             await self._event_loop()
             await self.conn.close(say_bye=True)
         finally:
+            if self._watch_task is not None:
+                self._watch_task.cancel()
             await self._cancel_all()
             for c in clients:
                 await c.close()
             await self.retriever.close()
         return dict(self.stats)
 
+    async def _connect(self) -> None:
+        per_engine = requests_per_engine(self.cfg)
+        self.conn = AsyncWorkerConnection(self.broker_address, worker_id=self.worker_id,
+                                          capacity=per_engine * len(self.engines),
+                                          heartbeat_interval_s=self.cfg.agentloop.heartbeat_interval_s)
+        welcome = await self.conn.connect(timeout_s=self.connect_timeout_s)
+        self.version = welcome.version
+        self._set_hold(welcome.hold)
+        log.info("worker %s connected to %s (%d engines, %d requests each)", self.worker_id,
+                 self.broker_address, len(self.engines), per_engine)
+
+    def _start_watch(self) -> None:
+        if self.watch is not None:
+            self._watch_task = asyncio.create_task(self.watch.wait_fault(), name="engine-watch")
+
+    async def _check_engine(self) -> None:
+        """Between events: a fault the watch found is handled here (the event loop owns the connection)."""
+        t = self._watch_task
+        if t is None or not t.done():
+            return
+        await self._recover_engine(t.result())  # a failed watch task raises here
+        self._start_watch()
+
+    async def _recover_engine(self, verdict: str) -> None:
+        """Re-issue this worker's groups, restart the engine, wait for the actor's sync, take work again."""
+        w = self.watch
+        log.warning("worker %s: engine %s is %s; its %d in-flight groups go back to the broker", self.worker_id,
+                    w.sup.url, verdict, len(self.tasks))
+        await self._cancel_all()
+        await self.conn.close(say_bye=True)  # the broker re-issues the groups (counted as re-issued)
+        while verdict is not None:
+            w.sup.relaunch(verdict)  # on this (the main) thread: the child's death signal follows its spawner
+            await asyncio.to_thread(w.sup.wait_ready)
+            self.stats["engine_restarts"] += 1
+            w.announce(w.sup.restarts)
+            verdict = await self._wait_synced(w.sup.restarts)
+        log.info("worker %s: engine %s restarted (%d) and synced; taking work again", self.worker_id, w.sup.url,
+                 w.sup.restarts)
+        await self._connect()
+
+    async def _wait_synced(self, n: int) -> Optional[str]:
+        """Wait until the actor synced restart ``n``; None then, or a verdict if the engine died meanwhile."""
+        w = self.watch
+        deadline = time.monotonic() + w.sync_wait_s
+        while not w.synced(n):
+            if not w.sup.alive():
+                return f"dead: the process exited with code {w.sup.exit_code()} before its weight sync"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agent worker {self.worker_id}: the actor did not sync restarted engine "
+                                   f"{w.sup.url} (restart {n}) within {w.sync_wait_s:g} s "
+                                   f"(sync.join_timeout_s + sync.step_timeout_s)")
+            await asyncio.sleep(POLL_S)
+        return None
+
     async def _event_loop(self) -> None:
         while True:
             self._raise_task_failures()
+            await self._check_engine()
             ev = await self.conn.recv(timeout_s=POLL_S)
             if ev is None:
                 continue
@@ -159,15 +258,26 @@ class AgentWorker:
 
         group = await self.loop.run_group(group, engine, group_size=a.group_size, on_trajectory=report)
         error = next((t.error for t in group.trajectories if t.aborted), "")
+        if group.aborted and self.watch is not None and not await self.watch.healthy():
+            await self._hold_for_restart(a.group_id, error)
         await self.conn.send_group(a.group_id, None, aborted=group.aborted, error=error)
         self.stats["groups_done"] += 1
         self.stats["groups_aborted"] += int(group.aborted)
         log.debug("group %d done in %.2fs (aborted=%s)", a.group_id, time.perf_counter() - t0, group.aborted)
 
+    async def _hold_for_restart(self, group_id: int, error: str) -> None:
+        """The engine failed under this group: keep it unreported, so that the restart (which cancels this
+        task) re-issues it; if no restart comes within the hang verdict's time, report it aborted after all."""
+        w = self.watch
+        self.stats["groups_held_for_restart"] += 1
+        log.warning("group %d aborted while engine %s is unhealthy (%s); holding it for the restart", group_id,
+                    w.sup.url, error)
+        await asyncio.sleep(w.unhealthy_after_s + 2 * (w.interval_s + w.probe_timeout_s))
+
 
 def run_worker(cfg: Config, *, broker_address: str, engine_urls: list[str], tokenizer_path: str,
-               worker_id: str, retriever: Optional[Retriever] = None) -> dict:
+               worker_id: str, retriever: Optional[Retriever] = None, watch: Optional[EngineWatch] = None) -> dict:
     """Run the agent worker until the broker says shutdown; returns its counters."""
     worker = AgentWorker(cfg, broker_address=broker_address, engine_urls=engine_urls,
-                         tokenizer_path=tokenizer_path, worker_id=worker_id, retriever=retriever)
+                         tokenizer_path=tokenizer_path, worker_id=worker_id, retriever=retriever, watch=watch)
     return asyncio.run(worker.run())

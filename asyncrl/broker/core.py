@@ -196,6 +196,8 @@ class BrokerCore:
         self._paused = False
         self._issuing_held = False
         self._request: Optional[_Request] = None
+        self._withdrawn: Optional[_Request] = None
+        """The last request withdrawn by ``cancel_request``: asking again for the same step continues it."""
         self._batch: Optional[Batch] = None
         self._issues: list[Issue] = []
         self._drops: list[Drop] = []
@@ -392,14 +394,16 @@ class BrokerCore:
         if v < self.version:
             raise ValueError(f"request_batch: actor version {v} is behind the engines' version {self.version}")
         if self._request is None:
-            self._request = _Request(step=step, actor_version=v, t=self._last_t)
-            self._last_warning_t = self._last_t
+            prev = self._withdrawn if self._withdrawn is not None and self._withdrawn.step == step else None
+            self._request = _Request(step=step, actor_version=v, t=self._last_t if prev is None else prev.t)
+            if prev is None:  # a re-request (the actor waits in slices) keeps the wait time and the warning clock
+                self._last_warning_t = self._last_t
         self._try_handoff()
         self._admit()
 
     def cancel_request(self) -> None:
         self._advance()
-        self._request = None
+        self._withdrawn, self._request = self._request, None
 
     def sync_begin(self, mode: str = "retract") -> None:
         """A weight sync starts; ``drain`` stops issuing (workers hold new turns) until ``sync_end``."""

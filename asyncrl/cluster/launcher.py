@@ -13,7 +13,8 @@ Contract
 - Otherwise each rank takes its role from ``cluster.component_placement`` and calls its body in
   ``asyncrl.runner.roles`` with a ``RankContext``. Children (broker, engines) are supervised by
   ``asyncrl.cluster.process``: SIGTERM/Ctrl-C stop them; if any rank fails, torchrun stops the
-  others and their children go with them.
+  others and their children go with them; if torchrun itself dies (SIGKILL), every rank notices
+  its parent is gone (``start_parent_watchdog``), stops its children and exits.
 
     torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml [key=value ...] [--dry-run]
 """
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.runner import roles
 
     process.install_signal_handlers(cfg.cluster.shutdown_grace_s)
+    process.start_parent_watchdog(grace_s=cfg.cluster.shutdown_grace_s)  # a SIGKILLed torchrun takes us along
     try:
         return roles.run_role(ctx)
     finally:

@@ -9,6 +9,14 @@ Contract
 - ``wait_until(pred, timeout_s, what, child=...)`` is the one readiness wait: it times out with a
   clear error, says "still waiting" now and then, and fails at once if the child died (with the
   last lines of its log).
+- ``fail_fast_on_exit(child)``: a watcher thread that, when a child the rank cannot live without
+  (the broker) exits without ``stop_child`` having been asked to, prints an error naming it (exit
+  code, log tail), stops the other children and exits the rank with status 1 within about a
+  second, so torchrun tears the job down (or restarts it under ``--max-restarts``).
+- ``start_parent_watchdog()``: torchrun starts every rank in its own session, so a SIGKILLed
+  torchrun takes no rank with it; each rank watches its parent pid and, once it changed (the
+  agent is gone), stops its children and exits. Children in turn die with their rank
+  (``PR_SET_PDEATHSIG``; spawn them from the main thread: the signal follows the spawning thread).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +56,8 @@ class Child:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    stopping: bool = False
+    """Set by ``stop_child``: the exit that follows is asked for, not a failure."""
 
     @property
     def pid(self) -> int:
@@ -90,6 +101,7 @@ def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | N
 
 
 def stop_child(child: Child, grace_s: float = 10.0) -> None:
+    child.stopping = True
     if child.alive():
         try:
             os.killpg(child.pid, signal.SIGTERM)
@@ -153,3 +165,52 @@ def wait_until(pred: Callable[[], bool], *, timeout_s: float, what: str, child: 
             log.info("still waiting for %s (%.0fs)", what, now - t0)
             last_report = now
         time.sleep(interval_s)
+
+
+# How often the watcher threads look at a child / the parent pid: well inside the "noticed in seconds" budget.
+WATCH_INTERVAL_S = 0.2
+# Grace given to the children when a rank dies because its parent or a vital child is gone: short, so
+# that nothing of the job outlives the failure by more than a few seconds (children also get SIGKILL
+# from PR_SET_PDEATHSIG when the rank exits).
+_FAIL_FAST_GRACE_S = 3.0
+
+
+def _fail_fast(message: str, grace_s: float, code: int = 1) -> None:
+    sys.stderr.write(f"asyncrl: {message}\n")
+    sys.stderr.flush()
+    log.error(message)
+    stop_all(min(grace_s, _FAIL_FAST_GRACE_S))
+    os._exit(code)
+
+
+def fail_fast_on_exit(child: Child, *, what: str, grace_s: float = 10.0,
+                      interval_s: float = WATCH_INTERVAL_S) -> threading.Thread:
+    """Watch ``child`` on a daemon thread; if it exits without ``stop_child``, fail this rank at once."""
+
+    def watch() -> None:
+        while not child.stopping:
+            if not child.alive() and not child.stopping:
+                _fail_fast(f"{what} (pid {child.pid}) exited with code {child.popen.returncode}; failing this "
+                           f"rank so that torchrun stops the job (with --max-restarts it restarts it and "
+                           f"runner.resume=true resumes from the last complete checkpoint). Last lines of "
+                           f"{child.log_path}:\n{child.tail()}", grace_s)
+            time.sleep(interval_s)
+
+    t = threading.Thread(target=watch, name=f"watch-{child.name}", daemon=True)
+    t.start()
+    return t
+
+
+def start_parent_watchdog(*, grace_s: float = 10.0, interval_s: float = WATCH_INTERVAL_S) -> threading.Thread:
+    """Exit (after stopping the children) once this process's parent is gone (see module contract)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        _fail_fast(f"parent process {parent} (the torchrun agent) is gone; stopping this rank's children "
+                   f"and exiting", grace_s)
+
+    t = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
+    t.start()
+    return t

@@ -148,7 +148,14 @@ class RolloutConfig:
     start_timeout_s: float = 600.0
     """How long to wait for an engine to answer ``/model_info`` after launch."""
     max_restarts: int = 2
-    """Restarts of a crashed engine before the run fails."""
+    """Restarts of a dead or hung engine (rollout and eval fleet) before the run fails."""
+    health_check_interval_s: float = 1.0
+    """How often a rollout rank checks its engine while the worker runs (process alive + ``/health``)."""
+    health_check_timeout_s: float = 3.0
+    """Timeout of one ``/health`` probe of that check."""
+    unhealthy_after_s: float = 8.0
+    """An engine whose ``/health`` probes have failed for this long is declared hung, killed and restarted
+    (a hang is called within about interval + timeout + this, i.e. 12 s by default)."""
     request_timeout_s: float = 600.0
     """Timeout of one ``/generate`` call."""
     control_timeout_s: float = 60.0
@@ -162,6 +169,12 @@ class RolloutConfig:
         _non_negative(self.max_restarts, "rollout.max_restarts")
         _positive(self.request_timeout_s, "rollout.request_timeout_s")
         _positive(self.control_timeout_s, "rollout.control_timeout_s")
+        _positive(self.health_check_interval_s, "rollout.health_check_interval_s")
+        _positive(self.health_check_timeout_s, "rollout.health_check_timeout_s")
+        _positive(self.unhealthy_after_s, "rollout.unhealthy_after_s")
+        _require(self.health_check_timeout_s < self.unhealthy_after_s, "rollout.health_check_timeout_s",
+                 f"must be < rollout.unhealthy_after_s ({self.unhealthy_after_s!r}), got "
+                 f"{self.health_check_timeout_s!r}: one slow probe must not count as a hang")
         _require(0 < self.port < 65536, "rollout.port", f"must be a TCP port, got {self.port!r}")
 
 

@@ -13,11 +13,19 @@ Contract
   SIGTERM, a grace period, then SIGKILL.
 - A restarted engine is back at the checkpoint's weights and initial weight version and has left
   the weight-update group: ``restarts`` tells the caller to re-join the group and re-sync.
+- Supervision while the worker runs (``asyncrl.agent.worker`` drives it from its event loop):
+  ``probe()`` is one ``GET /health`` with a short timeout; ``HealthTracker`` (pure) turns probe
+  results into a verdict: dead (the process exited) at once, hung once probes have failed for
+  ``rollout.unhealthy_after_s``; ``relaunch(reason)`` SIGKILLs what is left (a SIGSTOPped engine
+  cannot handle SIGTERM) and spawns a fresh child (counting against ``rollout.max_restarts``,
+  ``EngineLaunchError`` naming the engine and the reason beyond it); ``wait_ready()`` blocks until
+  it answers, so the caller can run it on a thread while it spawned from the main thread.
 
     sup = EngineSupervisor.from_config(cfg, engine_index=0, base_gpu_id=8, run_dir="runs/x")
     sup.start()             # blocks until /model_info answers
     sup.url                 # "http://host:30000"
     sup.check()             # in the rank's loop: restarts a crashed engine or raises
+    sup.relaunch("hung: /health failed for 10 s"); sup.wait_ready()   # the worker's watcher
     sup.stop()
 """
 
@@ -25,6 +33,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import sys
 import time
@@ -109,6 +119,46 @@ def model_info_ready(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def health_ok(url: str, timeout_s: float) -> bool:
+    """True when ``GET url/health`` answers 200 within ``timeout_s``."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+class HealthTracker:
+    """Pure verdict over a stream of probes: ``observe(alive, ok, t)`` (``t``: when the probe ended) returns
+    None while the engine is fine, ``"dead ..."`` once its process exited, ``"hung ..."`` once every probe
+    since ``t0`` (the first failed one) failed and ``t - t0 >= unhealthy_after_s``.
+
+        h = HealthTracker(unhealthy_after_s=10.0)
+        h.observe(alive=True, ok=False, t=100.0)   # None (first failure at 100)
+        h.observe(alive=True, ok=False, t=110.5)   # "hung: /health failed for 10.5 s"
+    """
+
+    def __init__(self, *, unhealthy_after_s: float):
+        self.unhealthy_after_s = unhealthy_after_s
+        self.failing_since: Optional[float] = None
+
+    def reset(self) -> None:
+        self.failing_since = None
+
+    def observe(self, *, alive: bool, ok: bool, t: float, exit_code: Optional[int] = None) -> Optional[str]:
+        if not alive:
+            return f"dead: the process exited with code {exit_code}"
+        if ok:
+            self.failing_since = None
+            return None
+        if self.failing_since is None:
+            self.failing_since = t
+        failed_s = t - self.failing_since
+        if failed_s >= self.unhealthy_after_s:
+            return f"hung: /health failed for {failed_s:.1f} s (rollout.unhealthy_after_s={self.unhealthy_after_s:g})"
+        return None
+
+
 class EngineSupervisor:
     def __init__(self, command: list[str], *, url: str, name: str, log_dir: str | Path,
                  start_timeout_s: float = 600.0, max_restarts: int = 2, shutdown_grace_s: float = 10.0,
@@ -160,8 +210,17 @@ class EngineSupervisor:
         if model_info_ready(self.url, timeout_s=1.0):
             raise EngineLaunchError(f"{self.name}: something already answers at {self.url}; "
                                     "another engine on this port? change rollout.port")
+        self._spawn()
+        self.wait_ready()
+
+    def _spawn(self) -> None:
         log.info("starting %s: %s", self.name, " ".join(self.command))
         self.child = spawn_child(self.name, self.command, log_dir=self.log_dir, env=self.env)
+
+    def wait_ready(self) -> None:
+        """Block until the (just spawned) child serves ``/model_info``; ``EngineLaunchError`` if it dies
+        or ``rollout.start_timeout_s`` passes."""
+        assert self.child is not None, "wait_ready() before start()/relaunch()"
         try:
             wait_until(lambda: model_info_ready(self.url), timeout_s=self.start_timeout_s,
                        what=f"{self.name} to answer {self.url}/model_info", child=self.child, interval_s=0.3)
@@ -169,6 +228,37 @@ class EngineSupervisor:
             self._kill()
             raise EngineLaunchError(f"{self.name} at {self.url} did not start: {e}") from None
         log.info("%s ready at %s (pid %d)", self.name, self.url, self.pid)
+
+    def probe(self, timeout_s: float) -> bool:
+        """One ``GET /health`` (False on any failure or after ``timeout_s``)."""
+        return health_ok(self.url, timeout_s)
+
+    def exit_code(self) -> Optional[int]:
+        return self.child.popen.poll() if self.child is not None else None
+
+    def relaunch(self, reason: str) -> None:
+        """Kill what is left of the engine (SIGKILL: a stopped process cannot handle SIGTERM) and spawn a new
+        one (call ``wait_ready`` next). Beyond ``max_restarts``: ``EngineLaunchError`` naming the engine."""
+        if self.restarts >= self.max_restarts:
+            self._kill_now()
+            raise EngineLaunchError(
+                f"{self.name} at {self.url} is {reason} after {self.restarts} restart(s) "
+                f"(rollout.max_restarts={self.max_restarts}); last lines of {self.log_path}:\n{tail_file(self.log_path)}")
+        self.restarts += 1
+        log.warning("%s at %s is %s; restart %d/%d", self.name, self.url, reason, self.restarts, self.max_restarts)
+        self._kill_now()
+        self._spawn()
+
+    def _kill_now(self) -> None:
+        if self.child is None:
+            return
+        self.child.stopping = True
+        if self.child.alive():
+            try:
+                os.killpg(self.child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stop_child(self.child, self.shutdown_grace_s)  # reaps it and forgets it
 
     def check(self) -> bool:
         """Call periodically. Returns True when the engine is up; restarts a dead engine (blocking

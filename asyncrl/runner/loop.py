@@ -27,6 +27,12 @@ Contract
 - The before/after eval is logged as ``eval/test/*`` at step 0 and at the last step (its own record).
 - Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
   ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
+- Engine restarts (``asyncrl.sync.recovery``): every sync re-joins restarted engines and is retried
+  when an engine dies under it; while the leader waits for a batch it asks for it in slices of
+  ``_BATCH_SLICE_S`` and, when a restarted engine waits for its weights, all actor ranks run a
+  catch-up sync first (``_next_batch``); ``rollout/engine_restarts`` counts the restarts.
+- The broker is watched by ``asyncrl.cluster.process.fail_fast_on_exit`` (set up in ``roles``): its
+  death fails the rank at once; here it is only marked as stopping before the deliberate shutdown.
 
     rc = run_training(ctx, broker_address=..., engine_urls=[...], broker_child=child, actor_rank=0)
 """
@@ -42,6 +48,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 log = logging.getLogger("asyncrl.runner")
+
+# The leader's batch wait is cut into slices this long, so a restarted engine waiting for its catch-up
+# sync is served within about this many seconds (it cannot produce data before).
+_BATCH_SLICE_S = 2.0
 
 
 def _bcast_obj(obj, src: int = 0):
@@ -184,7 +194,7 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
 class _LeaderParts:
     """What actor rank 0 alone holds: the broker client, the metrics writer, the weight sync, the scraper."""
 
-    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str]):
+    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str], discovery=None):
         from asyncrl.broker.client import BrokerClient
         from asyncrl.runner.metrics import MetricsWriter
         from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
@@ -198,14 +208,17 @@ class _LeaderParts:
         self.group.init()
         self.syncer = WeightSyncer(self.group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
                                    hooks=SyncHooks(sync_begin=self.broker.sync_begin, sync_end=self.broker.sync_end))
+        self.recovery = make_recovery(cfg, self.group, discovery)
         self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
 
-    def next_batch(self, cfg, step: int, actor_version: int) -> tuple[list, dict[str, float]]:
-        """The step's groups (after the sample filter) and their metrics."""
+    def next_batch(self, cfg, step: int, actor_version: int, t0: float) -> tuple[list, dict[str, float]] | None:
+        """The step's groups (after the sample filter) and their metrics; None as soon as a restarted engine
+        waits for its catch-up sync (``_next_batch`` runs it, then asks again)."""
+        batch = _wait_batch(self.broker, self.recovery, step, actor_version, batch_timeout_s(cfg), t0)
+        if batch is None:
+            return None
         m: dict[str, float] = {}
-        batch = self.broker.get_batch(step, timeout_s=batch_timeout_s(cfg), actor_version=actor_version,
-                                      as_lists=True)
         groups = self.batch_filter(batch.groups)
         kept = {g.group_id for g in groups}
         removed = [g.group_id for g in batch.groups if g.group_id not in kept]
@@ -246,9 +259,10 @@ def before_after_eval(cfg, parts: _LeaderParts, evaluator, engine_urls: list[str
 
 
 def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int,
-                 eval_engine_urls: list[str] | None = None, phases) -> int:
+                 eval_engine_urls: list[str] | None = None, phases, discovery=None) -> int:
     """The step loop on every actor rank. ``phases`` (``asyncrl.runner.leader.LeaderPhases``) runs what actor
-    rank 0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective."""
+    rank 0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective;
+    ``discovery`` carries the engines' restart counts (``asyncrl.sync.recovery``)."""
     from asyncrl.actor.trainer import Actor
 
     cfg = ctx.cfg
@@ -257,8 +271,9 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
     start_step = 0
     parts = phases.run("set up the weight sync and the metrics",
-                       lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls))
+                       lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls, discovery))
     broker = parts.broker if is_leader else None
+    recovery = parts.recovery if is_leader else None
     built = phases.run("build the evaluator (checks the tool URLs)", lambda: _make_evaluation(
         cfg, actor, True, broker, engine_urls, ckpt_root, eval_engine_urls=eval_engine_urls, phases=phases))
     periodic, evaluator = built if is_leader else _make_evaluation(cfg, actor, False, None, engine_urls, ckpt_root,
@@ -275,20 +290,18 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
     summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
     if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
-        _sync(actor, parts.syncer if is_leader else None, cfg, is_leader)
+        _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
     if cfg.runner.eval_before_after and start_step == 0:
         summary["eval_before"] = phases.run("eval before training", lambda: before_after_eval(
             cfg, parts, evaluator, engine_urls, step=0, release=True))
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
-        got = phases.run(f"wait for the batch of step {step}", lambda s=step: parts.next_batch(cfg, s, actor.version),
-                         timeout_s=batch_timeout_s(cfg) + cfg.rollout.control_timeout_s)
-        groups, m = got if is_leader else (None, {})
+        groups, m = _next_batch(actor, parts if is_leader else None, cfg, step, phases)
         t0 = time.perf_counter()
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
         if step % cfg.rollout.update_weights_interval == 0:
-            res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader)
+            res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
             if res is not None:
                 m.update(res.metrics())
         else:
@@ -299,7 +312,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         if is_leader:
             _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
-    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls))
+    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls, broker_child))
     dist.barrier()
     return 0
 
@@ -310,6 +323,7 @@ def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: 
     m.update(parts.scraper.latest())
     m.update(broker_accounting(parts.broker.status()))
     m["actor/weight_version"] = float(version)
+    m["rollout/engine_restarts"] = float(parts.recovery.total_restarts())
     parts.writer.log(m, step)
     for eval_step, em in periodic.late_points(step):  # external/fleet evals: each at its own step
         parts.writer.log(em, eval_step)
@@ -321,7 +335,8 @@ def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: 
         "rollout/fully_async/aborted_groups_filtered", 0.0) + m["rollout/sample_filter/removed_groups"]
 
 
-def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine_urls: list[str]) -> None:
+def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine_urls: list[str],
+            broker_child) -> None:
     """Actor rank 0 at the end: pending external evals, the after-training eval, the summary, shutdown."""
     cfg = ctx.cfg
     for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
@@ -333,6 +348,8 @@ def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine
     summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
     print_summary(cfg, summary, ctx.run_dir)
     parts.scraper.close()
+    if broker_child is not None:
+        broker_child.stopping = True  # its exit from here on is asked for (see fail_fast_on_exit)
     parts.broker.shutdown()
     parts.broker.close()
     parts.writer.close()
@@ -354,13 +371,61 @@ def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str]
     return periodic, evaluator
 
 
-def _sync(actor, syncer, cfg, is_leader):
-    buckets = actor.iter_hf_buckets(cfg.sync.bucket_bytes)
-    if is_leader:
-        return syncer.sync(buckets, version=actor.version)
-    for _ in buckets:  # other ranks take part in gathering the shards
-        pass
-    return None
+def _sync(actor, syncer, cfg, is_leader, recovery=None):
+    """A weight sync at the actor's version (collective), surviving engine restarts (``sync.recovery``)."""
+    from asyncrl.sync.recovery import sync_weights
+
+    return sync_weights(actor, syncer, recovery, bucket_bytes=cfg.sync.bucket_bytes, is_leader=is_leader,
+                        bcast=_bcast_obj)
+
+
+def make_recovery(cfg, group, discovery):
+    """Actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish."""
+    from asyncrl.runner.roles import read_count, restarts_key, synced_key
+    from asyncrl.sync.recovery import EngineRecovery
+
+    r, n = cfg.rollout, len(group.engines)
+    if discovery is None:
+        read, publish = (lambda i: 0), (lambda i, k: None)
+    else:
+        read = lambda i: read_count(discovery, restarts_key(i))  # noqa: E731
+        publish = lambda i, k: discovery.publish(synced_key(i), str(k))  # noqa: E731
+    # long enough for the rollout rank to call a hang, restart the engine and see it answer
+    wait_s = r.unhealthy_after_s + r.health_check_interval_s + r.health_check_timeout_s + r.start_timeout_s
+    return EngineRecovery(group, read_restarts=read, publish_synced=publish, wait_s=wait_s,
+                          max_failures=2 * r.max_restarts * n + 1)
+
+
+def _next_batch(actor, parts, cfg, step: int, phases):
+    """The step's ``(groups, metrics)`` on the leader (``(None, {})`` elsewhere). The wait is a leader phase;
+    when a restarted engine waits for its weights the leader ends the phase early and all actor ranks run a
+    catch-up sync (collective), then the leader waits again (see module contract)."""
+    t0 = time.monotonic()
+    while True:
+        got = phases.run(f"wait for the batch of step {step}", lambda: parts.next_batch(cfg, step, actor.version, t0),
+                         timeout_s=batch_timeout_s(cfg) + cfg.rollout.control_timeout_s)
+        if not _bcast_obj(parts is not None and got is None):
+            return got if parts is not None else (None, {})
+        log.info("step %d: catch-up weight sync for restarted engine(s) while waiting for data", step)
+        _sync(actor, parts.syncer if parts is not None else None, cfg, parts is not None,
+              parts.recovery if parts is not None else None)
+
+
+def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0: float):
+    """Ask the broker in slices; None as soon as a restarted engine waits for its catch-up sync."""
+    while True:
+        if recovery is not None and recovery.pending():
+            return None
+        left = timeout_s - (time.monotonic() - t0)
+        if left <= 0:
+            raise TimeoutError(f"no batch for step {step} from the broker within {timeout_s:.0f}s "
+                               f"(rollout.request_timeout_s x 4)")
+        try:
+            batch = broker.get_batch(step, timeout_s=min(_BATCH_SLICE_S, left), actor_version=version, as_lists=True)
+        except TimeoutError:
+            continue
+        batch.wait_s = time.monotonic() - t0
+        return batch
 
 
 def _latest_checkpoint(root: Path) -> Path | None:

@@ -14,7 +14,10 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
 - every rollout rank makes a round trip to the broker (``broker_handshake``, within
   ``cluster.broker_handshake_timeout_s``); the first rank of each engine then checks its tool URL,
   launches its engine child (SGLang server or the CPU engine), publishes its URL, and runs the agent
-  worker until the broker says shutdown.
+  worker until the broker says shutdown; the worker supervises the engine (``EngineWatch``): a restarted
+  engine is announced under ``engine/<i>/restarts`` and takes work once actor rank 0 published
+  ``engine/<i>/synced`` >= that count (it re-joined the weight-sync group and pushed the current weights;
+  ``asyncrl.sync.recovery``).
 - the first rank of each dedicated eval-fleet engine (``eval`` placement key) launches it, publishes
   ``eval_engine/<i>/url`` (actor rank 0 waits for them) and keeps it up until ``shutdown``
   (``asyncrl.runner.eval_fleet.run_eval_engine``).
@@ -105,7 +108,8 @@ def run_actor(ctx, disc: Discovery) -> int:
         from asyncrl.runner.loop import run_training
 
         return run_training(ctx, broker_address=address, engine_urls=engine_urls, broker_child=broker,
-                            actor_rank=actor_rank, eval_engine_urls=eval_urls, phases=phases)
+                            actor_rank=actor_rank, eval_engine_urls=eval_urls, phases=phases,
+                            discovery=disc)
     finally:
         phases.close()
         if actor_rank == 0:
@@ -149,6 +153,7 @@ def _spawn_broker(ctx, disc: Discovery):
                    str(addr_file), *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs")
     process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
                        child=broker)
+    process.fail_fast_on_exit(broker, what="the broker", grace_s=cfg.cluster.shutdown_grace_s)
     port = addr_file.read_text().strip().rsplit(":", 1)[1]
     address = f"tcp://{ep.advertise_host}:{port}"
     disc.publish("broker/address", address)
@@ -189,13 +194,30 @@ def run_rollout(ctx, disc: Discovery) -> int:
     sup.start()
     try:
         disc.publish(f"engine/{e}/url", sup.url)
-        from asyncrl.agent.worker import run_worker
+        from asyncrl.agent.worker import EngineWatch, run_worker
 
+        watch = EngineWatch.from_config(cfg, sup, announce=lambda n: disc.publish(restarts_key(e), str(n)),
+                                        synced=lambda n: read_count(disc, synced_key(e)) >= n)
         run_worker(cfg, broker_address=broker_address, engine_urls=[sup.url], tokenizer_path=str(model_path),
-                   worker_id=f"engine{e}")
+                   worker_id=f"engine{e}", watch=watch)
     finally:
         sup.stop()
     return 0
+
+
+def restarts_key(engine: int) -> str:
+    """Discovery key: how many times engine ``engine`` was restarted (published by its rollout rank)."""
+    return f"engine/{engine}/restarts"
+
+
+def synced_key(engine: int) -> str:
+    """Discovery key: the restart count of engine ``engine`` that actor rank 0 last synced."""
+    return f"engine/{engine}/synced"
+
+
+def read_count(disc: Discovery, key: str) -> int:
+    """A counter key's value, 0 while unset (never blocks)."""
+    return int(disc.store.get(key).decode()) if disc.is_set(key) else 0
 
 
 def run_idle(ctx, disc: Discovery) -> int:

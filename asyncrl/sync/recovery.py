@@ -1,0 +1,126 @@
+"""Actor side of engine recovery: re-join restarted engines, bring them to the current weights, retry a
+sync that a dying engine broke.
+
+Contract
+- Who calls whom: a rollout rank restarts its dead or hung engine (``asyncrl.agent.worker``) and
+  publishes the engine's restart count; ``EngineRecovery`` (actor rank 0) reads those counts
+  without blocking (``read_restarts(i)``) and, after a sync that carried the current weights into
+  restart ``n`` of engine ``i``, publishes ``publish_synced(i, n)``. The worker takes work again only
+  after that, so a restarted engine never generates with stale weights.
+- ``pending()``: an engine restarted and was not synced yet; the step loop then runs a catch-up sync
+  (same version) instead of waiting for data, since that engine's worker waits for it.
+- ``sync_weights(...)`` is collective on every actor rank (the bucket gather is): the leader first
+  re-creates the weight-sync group if an engine restarted since it was formed, then runs the sync.
+  A failure (``EngineStepError``, ``GroupJoinError``, or the broadcast's ``RuntimeError``) is retried
+  only if an engine restart shows up within ``wait_s`` (the rollout rank noticed the death or hang and
+  restarted it); otherwise it propagates, naming the engine. Before deciding, every rank finishes
+  iterating its buckets, then the leader's verdict is broadcast so all ranks retry together.
+- Invariant: after ``sync_weights`` returns, every engine, restarted or not, serves the actor's
+  current version and is in the group.
+
+    rec = EngineRecovery(group, read_restarts=lambda i: ..., publish_synced=lambda i, n: ..., wait_s=150,
+                         max_failures=4)
+    res = sync_weights(actor, syncer, rec, bucket_bytes=cfg.sync.bucket_bytes, is_leader=True, bcast=bcast)
+    m["rollout/engine_restarts"] = float(rec.total_restarts())
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+from asyncrl.sync.engine_http import EngineStepError
+from asyncrl.sync.group import GroupJoinError, WeightSyncGroup
+
+log = logging.getLogger(__name__)
+
+# How often a failed sync re-reads the restart counts while it waits for the rollout rank's verdict.
+_POLL_S = 0.2
+# Errors a dying engine causes in a sync (the broadcast to a dead peer raises a RuntimeError from torch).
+_SYNC_ERRORS = (EngineStepError, GroupJoinError, RuntimeError)
+
+
+class EngineRecovery:
+    """Restart counts seen, joined and synced, per engine of one weight-sync group (see module contract)."""
+
+    def __init__(self, group: WeightSyncGroup, *, read_restarts: Callable[[int], int],
+                 publish_synced: Callable[[int, int], None], wait_s: float, max_failures: int):
+        self.group = group
+        self.max_failures = max_failures
+        self.failures = 0
+        self.read_restarts = read_restarts
+        self.publish_synced = publish_synced
+        self.wait_s = wait_s
+        n = len(group.engines)
+        self.joined = [0] * n
+        """Restart count of each engine when the group was last formed."""
+        self.synced = [0] * n
+        """Restart count of each engine that the last successful sync covered."""
+
+    def _counts(self) -> list[int]:
+        return [self.read_restarts(i) for i in range(len(self.joined))]
+
+    def total_restarts(self) -> int:
+        return sum(self._counts())
+
+    def pending(self) -> bool:
+        """An engine restarted and has not been synced since."""
+        return any(c > s for c, s in zip(self._counts(), self.synced))
+
+    def before_sync(self) -> None:
+        """Re-form the group if an engine restarted since it was formed (the restarted one left it)."""
+        counts = self._counts()
+        if counts == self.joined:
+            return
+        moved = [self.group.engines[i].url for i, (c, j) in enumerate(zip(counts, self.joined)) if c != j]
+        log.warning("engine(s) %s restarted: re-forming the weight-sync group", ", ".join(moved))
+        self.group.recreate()
+        self.joined = counts
+
+    def after_sync(self) -> None:
+        for i, (j, s) in enumerate(zip(self.joined, self.synced)):
+            if j > s:
+                self.publish_synced(i, j)
+                log.info("engine %s (restart %d) carries the current weights again", self.group.engines[i].url, j)
+        self.synced = list(self.joined)
+
+    def after_failure(self, err: BaseException) -> None:
+        """Return when an engine restart (not yet joined) explains ``err``; re-raise it after ``wait_s``."""
+        self.failures += 1
+        if self.failures > self.max_failures:
+            raise err
+        deadline = time.monotonic() + self.wait_s
+        log.warning("weight sync failed (%s); waiting up to %.0f s for the engine's restart", err, self.wait_s)
+        while self._counts() == self.joined:
+            if time.monotonic() > deadline:
+                raise err
+            time.sleep(_POLL_S)
+
+
+def sync_weights(actor, syncer, recovery: Optional[EngineRecovery], *, bucket_bytes: int, is_leader: bool,
+                 bcast: Callable[[Any], Any]):
+    """One weight sync at ``actor.version`` that survives engine restarts (collective; see module contract).
+    Returns the leader's ``SyncResult`` (None on other ranks)."""
+    while True:
+        buckets = iter(actor.iter_hf_buckets(bucket_bytes))
+        res, err = None, None
+        if is_leader:
+            try:
+                if recovery is not None:
+                    recovery.before_sync()
+                res = syncer.sync(buckets, version=actor.version)
+            except _SYNC_ERRORS as e:
+                if recovery is None:
+                    raise
+                err = e
+        for _ in buckets:  # the rest of the gather (every rank takes part), also after a failure
+            pass
+        if err is not None:
+            recovery.after_failure(err)
+        elif is_leader and recovery is not None:
+            recovery.after_sync()
+        if not bcast(err is not None):
+            return res
+        log.info("retrying the weight sync at version %s", actor.version)

@@ -1,0 +1,100 @@
+"""A hung engine does not stall a weight sync: the engine is SIGSTOPped, then a sync starts (its 600 s step
+timeout untouched); the engine's watcher (here a thread playing the rollout rank) calls it hung, kills and
+relaunches it; the sync fails fast on the killed engine, waits for the restart, re-forms the group and pushes
+the weights again. The engine ends at the trainer's version with the trainer's weights, in seconds.
+
+Real parts: a CPU engine process, the gloo weight-sync group, the HTTP sequence, a plain-PyTorch trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from asyncrl.config.schema import SyncConfig
+from asyncrl.models.tiny import make_tiny_checkpoint
+from asyncrl.models.torch_decoder import TorchDecoder
+from asyncrl.rollout.sglang_launcher import HealthTracker
+from asyncrl.rollout.testing import running_cpu_engine
+from asyncrl.sync.bucketing import iter_buckets
+from asyncrl.sync.engine_http import get_json, post_json
+from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+from asyncrl.sync.recovery import EngineRecovery, sync_weights
+from asyncrl.sync.weight_sync import WeightSyncer
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+
+
+class _Trainer:
+    """What ``sync_weights`` needs of the actor: a version and the HF buckets."""
+
+    def __init__(self, model: TorchDecoder, version: int):
+        self.model, self.version = model, version
+
+    def iter_hf_buckets(self, bucket_bytes: int):
+        return iter_buckets(self.model.state_dict().items(), bucket_bytes)
+
+
+def _watch_and_restart(sup, counts: list[int], stop: threading.Event, unhealthy_after_s: float) -> None:
+    """The rollout rank's part: probe, call the hang, relaunch, announce. Stays alive until ``stop``: the engine's
+    death signal follows the thread that spawned it."""
+    tracker = HealthTracker(unhealthy_after_s=unhealthy_after_s)
+    while not stop.is_set():
+        ok = sup.alive() and sup.probe(timeout_s=0.5)
+        verdict = tracker.observe(alive=sup.alive(), ok=ok, t=time.monotonic(), exit_code=sup.exit_code())
+        if verdict is not None:
+            sup.relaunch(verdict)
+            sup.wait_ready()
+            counts[0] = sup.restarts
+            tracker.reset()
+        stop.wait(0.2)
+
+
+def test_sync_survives_a_hung_engine(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,
+                                intermediate_size=64)
+    trainer = _Trainer(TorchDecoder.from_pretrained(ckpt), version=3)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05)  # "trained": differs from the checkpoint the engine restarts with
+    cfg = SyncConfig(bucket_bytes=64 * 1024, backend="gloo", join_timeout_s=30, step_timeout_s=600)
+    with running_cpu_engine(ckpt, log_dir=tmp_path / "logs", extra=["--weight-sync-timeout-s", "30"]) as sup:
+        sup.max_restarts = 1
+        group = WeightSyncGroup([EngineEndpoint(sup.url)], cfg, master_address="127.0.0.1", control_timeout_s=10)
+        group.init()
+        counts, published, stop = [0], {}, threading.Event()
+        rec = EngineRecovery(group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__,
+                             wait_s=60, max_failures=2)
+        syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=cfg)
+        watcher = threading.Thread(target=_watch_and_restart, args=(sup, counts, stop, 2.0), daemon=True)
+        watcher.start()
+        try:
+            os.kill(sup.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            res = sync_weights(trainer, syncer, rec, bucket_bytes=cfg.bucket_bytes, is_leader=True,
+                               bcast=lambda x: x)
+            took = time.monotonic() - t0
+            assert res.version == "3" and counts == [1] and published == {0: 1}
+            assert took < 30, f"the sync took {took:.0f}s with a hung engine"
+            assert str(get_json(sup.url, "/model_info", timeout_s=10, step="t")["weight_version"]) == "3"
+            out = post_json(sup.url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}},
+                            timeout_s=30, step="generate", check_success=False)
+            lps = out["meta_info"]["output_token_logprobs"]
+            ids = [t for _, t, _ in lps]
+            with torch.no_grad():
+                logp = torch.log_softmax(trainer.model(torch.tensor([PROMPT + ids]))[0].float(), dim=-1)
+            n = len(PROMPT)
+            expected = logp[n - 1:n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
+        finally:
+            stop.set()
+            group.destroy()
+            watcher.join(timeout=30)
