@@ -442,25 +442,25 @@ class CpuEngine:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        try:
-            names, dts, shapes = self._check_update(body)
-            flush = check_bool(body.get("flush_cache", True), "flush_cache")
-            version = _weight_version(body.get("weight_version"), "weight_version")
-            abort_all = check_bool(body.get("abort_all_requests", False), "abort_all_requests")
-            name = body.get("group_name", "weight_update_group")
-            if not isinstance(name, str):
-                raise RequestError(f"group_name must be a string, got {name!r:.80}")
-            fmt = body.get("load_format")
-            if fmt not in (None, "flattened_bucket"):
-                raise RequestError(f"load_format={fmt!r:.80} is not supported (null or 'flattened_bucket')")
-        except RequestError as e:
-            return _result(False, str(e))
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            return _result(False, f"group_name must be a string, got {name!r:.80}")
         if not self.update_open:
             return _result(False, "weight update not begun: call /begin_weight_update before "
                                   "/update_weights_from_distributed")
         pg = self.groups.get(name)
         if pg is None:
             return _result(False, f"group {name!r} does not exist: call /init_weights_update_group first")
+        try:  # all of it before the collective: a bad bucket is a 400, never a broadcast of mismatched sizes
+            names, dts, shapes = self._check_update(body)
+            flush = check_bool(body.get("flush_cache", True), "flush_cache")
+            version = _weight_version(body.get("weight_version"), "weight_version")
+            abort_all = check_bool(body.get("abort_all_requests", False), "abort_all_requests")
+            fmt = body.get("load_format")
+            if fmt not in (None, "flattened_bucket"):
+                raise RequestError(f"load_format={fmt!r:.80} is not supported (null or 'flattened_bucket')")
+        except RequestError as e:
+            return _result(False, str(e))
         if abort_all:
             await self._call(lambda s: s.abort(abort_all=True))
         fn = lambda s: self._receive(s, pg, names, dts, shapes, fmt, flush, version)  # noqa: E731

@@ -136,12 +136,7 @@ BAD_CONTROL = [
                                     "world_size": 2, "backend": "gloo"}, "master_port"),
     ("/init_weights_update_group", {"master_address": "x", "master_port": 5, "rank_offset": 3,
                                     "world_size": 2, "backend": "gloo"}, "rank_offset"),
-    ("/update_weights_from_distributed", {"names": [1], "dtypes": [5], "shapes": [[1]]}, "names"),
-    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": [5], "shapes": [[1]]}, "dtypes"),
-    ("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
-                                          "shapes": [[math.inf]]}, "shapes"),
-    ("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
-                                          "flush_cache": "no"}, "flush_cache"),
+    ("/update_weights_from_distributed", {"group_name": 7}, "group_name"),
     ("/update_weight_version", {"new_version": [1]}, "new_version"),
     ("/update_weight_version", {"new_version": "2", "abort_all_requests": "false"}, "abort_all_requests"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent", "flush_cache": "x"}, "flush_cache"),
@@ -223,16 +218,25 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
             pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, "val", timeout_s=60)
             assert (await join)["success"] is True
             await c.begin_weight_update()
+            good = {"names": names, "dtypes": ["float32"] * 2, "shapes": [list(new[n].shape) for n in names],
+                    "group_name": "val"}
             bad = [
-                ([names[0], "model.no_such.weight"], [list(new[names[0]].shape), [4]], "no_such"),
-                ([names[0], names[1]], [list(new[names[0]].shape), [3, 3]], "shape"),
+                ({"names": [names[0], "model.no_such.weight"], "shapes": [good["shapes"][0], [4]]}, "no_such"),
+                ({"shapes": [good["shapes"][0], [3, 3]]}, "shape"),
+                ({"names": [1, 2]}, "names"),
+                ({"names": [names[0], names[0]]}, "names"),
+                ({"dtypes": ["float32", 5]}, "dtypes"),
+                ({"dtypes": ["float32", "int64"]}, "dtypes"),
+                ({"shapes": [good["shapes"][0], [math.inf]]}, "shapes"),
+                ({"flush_cache": "no"}, "flush_cache"),
+                ({"abort_all_requests": "false"}, "abort_all_requests"),
+                ({"weight_version": [1]}, "weight_version"),
             ]
-            for bucket, shapes, what in bad:
+            for patch, what in bad:
                 status, out = await asyncio.to_thread(
-                    _post, engine.url, "/update_weights_from_distributed",
-                    {"names": bucket, "dtypes": ["float32"] * 2, "shapes": shapes, "group_name": "val"},
+                    _post, engine.url, "/update_weights_from_distributed", raw=_dumps({**good, **patch}),
                     timeout_s=10)
-                assert status == 400 and what in out["message"], out
+                assert status == 400 and what in out["message"], (patch, out)
             after = (await c.generate(PROMPT, GREEDY, return_logprob=True)).output_logprobs
             assert after == before  # nothing was written
             call = asyncio.create_task(c.update_weights_from_distributed(
