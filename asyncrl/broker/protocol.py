@@ -47,7 +47,11 @@ min_version, max_version, rest]`` (``rest``: None or a map of the other non-defa
 ``[group_id, epoch, issued_version, finished_version, aborted, [index, prompt, answers, data_source, extra],
 [trajectory row]]``. Maps stay the format of ``group``, ``traj`` and checkpoints.
 A message that fails to decode, has another version or an unknown type raises ``ProtocolError``;
-the broker logs and counts it and goes on.
+the broker logs and counts it and goes on. Fields are typed at this edge (``int_field``, ``float_field``,
+``worker_id_field`` and the row/meta decoders): an integer field takes a msgpack integer only (a float, ``inf``,
+``NaN`` or a bool is a ``ProtocolError`` naming the message type and the field), a reward is a number, a
+``worker_id`` a short non-empty string. A non-finite reward decodes; the core drops its group
+(``nonfinite_rewards``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ Contract
   cancellations, a ready batch, control changes) are sent.
   ``core.tick()`` runs every ``tick_s`` (heartbeat expiry, the no-data warning).
 - A malformed, unknown or other-version message is logged and counted
-  (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal.
+  (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal. Every field is
+  checked before the core is called, so a rejected message never moves the core's counters
+  (``tests/integration/test_broker_fuzz.py`` fuzzes this in process and against the process).
 
     server = BrokerServer(core, bind="tcp://127.0.0.1:0", heartbeat_interval_s=2.0)
     print(server.address); server.serve_forever()   # returns after an actor ``shutdown``

@@ -17,7 +17,12 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   safetensors directory on a worker thread and copies it in on the engine thread the same way.
 - Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control
   calls answer ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while
-  requests are running.
+  requests are running. Every field is type- and range-checked in the handler (the message names it:
+  ``sampling_params.top_p``, ``abort_all``, ``shapes``, ...), so no request can fail later on the engine thread.
+- Weight updates are atomic: names, dtypes and shapes are checked against the running model before the
+  collective (a mismatch is a 400, never a gloo size mismatch), tensors are received into staging buffers
+  and copied in only when all arrived.
+- A ``/generate`` whose HTTP client disconnects (timeout, killed) has its requests aborted, as SGLang does.
 - A crash of the engine thread exits the process with status 1 (the launcher restarts it).
 """
 
