@@ -254,6 +254,11 @@ class BrokerCore:
     def inflight_group_ids(self) -> list[int]:
         return list(self._inflight)
 
+    def owner(self, group_id: int) -> Optional[str]:
+        """The worker an in-flight group was issued to (None when it is not in flight)."""
+        g = self._inflight.get(group_id)
+        return None if g is None else g.worker_id
+
     # ----------------------------------------------------------------- outputs for the shell
     def take_issues(self) -> list[Issue]:
         out, self._issues = self._issues, []

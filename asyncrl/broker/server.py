@@ -255,8 +255,10 @@ class BrokerServer:
         self.stats["worker_" + msg.type] += 1
         if msg.type == P.GROUPS and wid in self._worker_ident and self.core.heartbeat(wid):
             for gid, trajs, aborted, error in P.unpack_finished_groups(msg):
+                if self._foreign(wid, gid):
+                    continue
                 if aborted and error:
-                    log.warning("worker %s aborted group %s: %s", wid, gid, error)
+                    log.warning("worker %s aborted group %s: %.200s", wid, gid, error)
                 self._finished.append((gid, trajs, aborted))
             return
         self._finish_pending()  # every other message sees the groups that arrived before it
@@ -298,7 +300,8 @@ class BrokerServer:
             traj = None
             if b.get("traj") is not None:
                 traj = P.unpack_trajectories([b["traj"]], msg.blobs)[0]
-            self._count_known(self.core.trajectory_finished(gid, index, traj))
+            if not self._foreign(wid, gid):
+                self._count_known(self.core.trajectory_finished(gid, index, traj))
         elif msg.type == P.GROUP:
             gid = P.int_field(b, "group_id", P.GROUP)
             metas = b.get("trajs") or []
@@ -307,7 +310,18 @@ class BrokerServer:
             trajs = P.unpack_trajectories(metas, msg.blobs) if metas else None
             if b.get("aborted") and b.get("error"):
                 log.warning("worker %s aborted group %s: %.200s", wid, gid, b.get("error"))
-            self._finished.append((gid, trajs, bool(b.get("aborted"))))
+            if not self._foreign(wid, gid):
+                self._finished.append((gid, trajs, bool(b.get("aborted"))))
+
+    def _foreign(self, wid: str, gid: int) -> bool:
+        """A report for a group in flight on ANOTHER worker: ignored and counted (``foreign_reports``), so a
+        confused or rogue peer cannot finish -- and get trained -- groups it was never issued."""
+        owner = self.core.owner(gid)
+        if owner is None or owner == wid:
+            return False
+        self.stats["foreign_reports"] += 1
+        log.warning("worker %s reported group %d, which is in flight on worker %s; ignored", wid, gid, owner)
+        return True
 
     def _count_known(self, known: bool) -> None:
         if not known:

@@ -133,9 +133,9 @@ class Peer:
     on the same connection: ZeroMQ keeps a connection's order, so the status answer describes the broker after
     the frames were handled. ``_pump`` lets an in-process broker run meanwhile."""
 
-    def __init__(self, address: str, ctx: zmq.Context):
+    def __init__(self, address: str, ctx: zmq.Context, identity: bytes = b"fuzz"):
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, b"fuzz")
+        self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
 
@@ -306,6 +306,24 @@ def test_non_string_worker_id_is_rejected_and_trains_nothing(broker, worker_id):
     assert sorted(broker.core.inflight_group_ids()) == sorted(gids) and list(broker.core.workers()) == ["fuzz"]
     errors = [m for m in replies if m.type == P.ERROR]
     assert len(errors) == len(rogue) and all("worker_id" in m.body["message"] for m in errors)
+
+
+def test_report_of_another_workers_group_is_ignored(broker):
+    """A second (well-formed) worker reports the first one's in-flight groups: ignored and counted, nothing is
+    finished or trained, and the owner's own report still counts."""
+    other = Peer(broker.server.address, broker.ctx, identity=b"rogue")
+    other._pump = broker._pump  # the in-process broker runs while this peer waits
+    other.exchange(_hello("rogue"))
+    mine = [g for g in broker.core.inflight_group_ids() if broker.core.owner(g) == "fuzz"]
+    counters = dict(broker.core.counters)
+    other.exchange(*[P.finished_groups_frames([(g, [_traj(1.0), _traj(0.0)], False, "")]) for g in mine],
+                   P.encode(P.TRAJ, {"group_id": mine[0], "index": 0, "traj": None}),
+                   P.encode(P.GROUP, {"group_id": mine[0], "aborted": True, "error": "x", "trajs": []}))
+    assert broker.server.stats["foreign_reports"] == len(mine) + 2
+    assert dict(broker.core.counters) == counters and broker.core.num_buffered_groups == 0
+    _send(broker, P.finished_groups_frames([(mine[0], [_traj(1.0), _traj(0.0)], False, "")]))
+    assert broker.core.counters["finished"] == counters.get("finished", 0) + 1
+    other.sock.close(0)
 
 
 @pytest.mark.parametrize("reward", [math.nan, math.inf, -math.inf])
