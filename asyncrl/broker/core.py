@@ -31,6 +31,8 @@ Contract
 - Sync mode (``runner.async_mode = false``): nothing is issued unless a batch request is pending,
   and then only up to ``rollout_batch_size - inflight - buffered`` groups: exactly one batch, plus
   replacements for drops. ``sync_begin("drain")`` pauses issuing until ``sync_end(version)``.
+- A group with a non-finite reward (NaN, inf) is never trained on: it counts as ``nonfinite_rewards``
+  and is dropped like an aborted group (``rollout_buffer.unused_groups`` decides drop or retry).
 - ``batch_filtered(group_ids)``: the trainer's sample filter removed these groups of the last
   batch; they move from ``trained`` to ``dropped`` in the counters.
 - ``hold_issuing()`` / ``release_issuing()`` (a blocking eval on the shared engines): no new prompt
@@ -254,6 +256,11 @@ class BrokerCore:
     def inflight_group_ids(self) -> list[int]:
         return list(self._inflight)
 
+    def owner(self, group_id: int) -> Optional[str]:
+        """The worker an in-flight group was issued to (None when it is not in flight)."""
+        g = self._inflight.get(group_id)
+        return None if g is None else g.worker_id
+
     # ----------------------------------------------------------------- outputs for the shell
     def take_issues(self) -> list[Issue]:
         out, self._issues = self._issues, []
@@ -375,6 +382,11 @@ class BrokerCore:
             log.warning("group %d came back with %d trajectories, expected group_size = %d; treating it as aborted",
                         group_id, len(trajectories), self.s.group_size)
             self.counters["malformed_groups"] += 1
+            aborted = True
+        if not aborted and not all(math.isfinite(t.reward) for t in trajectories):
+            log.warning("group %d came back with a non-finite reward %s; not trained on (dropped as aborted)",
+                        group_id, [t.reward for t in trajectories])
+            self.counters["nonfinite_rewards"] += 1
             aborted = True
         group = Group(group_id, g.item, g.epoch, list(trajectories), g.issued_version, 0, aborted)
         mx = g.issued_version if not trajectories else max([t.max_version for t in trajectories])
@@ -649,7 +661,8 @@ class BrokerCore:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore; groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
-        prompts are issued first."""
+        prompts are issued first. The dataloader part is checked before anything changes."""
+        self.dataloader.check_state(state["dataloader"])
         self._advance()
         for gid, g in list(self._inflight.items()):
             self._cancelled.append((g.worker_id, gid))

@@ -54,11 +54,18 @@ class Dataloader:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
                 "num_prompts": len(self.items)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> None:
+        """Raise ``ValueError`` unless ``load_state_dict(state)`` would succeed (nothing changes here)."""
         if state["num_prompts"] != len(self.items):
             raise ValueError(
                 f"data.train_path: the checkpoint's dataloader saw {state['num_prompts']} prompts but the dataset "
                 f"now has {len(self.items)}; resume with the same training data")
+        for k in ("epoch", "position", "seed"):
+            if type(state[k]) is not int or state[k] < 0:
+                raise ValueError(f"broker state: dataloader.{k} must be an integer >= 0, got {state[k]!r:.80}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)

@@ -47,7 +47,11 @@ min_version, max_version, rest]`` (``rest``: None or a map of the other non-defa
 ``[group_id, epoch, issued_version, finished_version, aborted, [index, prompt, answers, data_source, extra],
 [trajectory row]]``. Maps stay the format of ``group``, ``traj`` and checkpoints.
 A message that fails to decode, has another version or an unknown type raises ``ProtocolError``;
-the broker logs and counts it and goes on.
+the broker logs and counts it and goes on. Fields are typed at this edge (``int_field``, ``float_field``,
+``worker_id_field`` and the row/meta decoders): an integer field takes a msgpack integer only (a float, ``inf``,
+``NaN`` or a bool is a ``ProtocolError`` naming the message type and the field), a reward is a number, a
+``worker_id`` a short non-empty string. A non-finite reward decodes; the core drops its group
+(``nonfinite_rewards``).
 """
 
 from __future__ import annotations
@@ -88,6 +92,95 @@ TO_ACTOR_TYPES = frozenset({BATCH, TIMEOUT, OK, ERROR, STATE, METRICS, STATUS})
 
 class ProtocolError(ValueError):
     """A malformed message, a message of another protocol version, or an unknown type."""
+
+
+# Bounds of the header fields a peer sends (checked at the decoder edge, before any state changes).
+MAX_WORKER_ID_CHARS = 256  # ids are host/rank names; anything longer is not one of ours
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a get_batch wait longer than a week is a unit mistake
+_MISSING = object()
+
+
+def int_field(body: dict, key: str, where: str, *, lo: int = 0, default: Any = _MISSING) -> Any:
+    """``body[key]`` as an integer >= ``lo`` (a msgpack int, never a float or a bool: ``1.0``, ``inf`` and
+    ``NaN`` are rejected here, so no ``int()`` of them can raise later). Absent: ``default`` or an error.
+    Raises ``ProtocolError`` naming the message type and the field."""
+    v = body.get(key, _MISSING)
+    if v is _MISSING or (v is None and default is None):
+        if default is _MISSING:
+            raise ProtocolError(f"{where}: field {key!r} is required")
+        return default
+    if type(v) is not int or v < lo:
+        raise ProtocolError(f"{where}: field {key!r} must be an integer >= {lo}, got {v!r:.80}")
+    return v
+
+
+def float_field(body: dict, key: str, where: str, *, lo: float, hi: float) -> float:
+    """``body[key]``: a finite number in ``[lo, hi]`` (no NaN, no inf, no bool)."""
+    v = body.get(key, _MISSING)
+    if v is _MISSING:
+        raise ProtocolError(f"{where}: field {key!r} is required")
+    if type(v) not in (int, float) or not lo <= v <= hi:  # NaN fails the comparison
+        raise ProtocolError(f"{where}: field {key!r} must be a finite number in [{lo:g}, {hi:g}], got {v!r:.80}")
+    return float(v)
+
+
+def int_list_field(body: dict, key: str, where: str, *, max_len: int) -> list[int]:
+    """``body[key]``: a list of at most ``max_len`` integers >= 0."""
+    v = body.get(key, _MISSING)
+    if not isinstance(v, list):
+        raise ProtocolError(f"{where}: field {key!r} must be a list of integers, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise ProtocolError(f"{where}: field {key!r} has {len(v)} entries, at most {max_len} allowed")
+    for x in v:
+        if type(x) is not int or x < 0:
+            raise ProtocolError(f"{where}: field {key!r} must hold integers >= 0, got {x!r:.80}")
+    return v
+
+
+def worker_id_field(body: dict, where: str) -> Optional[str]:
+    """The ``worker_id`` a worker names itself by: a non-empty string of at most ``MAX_WORKER_ID_CHARS``
+    characters, or None when absent (the ZeroMQ identity is used then)."""
+    v = body.get("worker_id")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_WORKER_ID_CHARS:
+        raise ProtocolError(f"{where}: field 'worker_id' must be a non-empty string of at most "
+                            f"{MAX_WORKER_ID_CHARS} characters, got {v!r:.80}")
+    return v
+
+
+def _strict_int(v: Any, what: str, lo: int = 0) -> int:
+    if type(v) is not int or v < lo:
+        raise ProtocolError(f"{what} must be an integer >= {lo}, got {v!r:.80}")
+    return v
+
+
+def _finite_or_nan_reward(v: Any) -> float:
+    """A reward on the wire is an int or a float (a string or a bool is malformed). Non-finite values pass
+    the decoder: the core counts them and drops the group (``nonfinite_reward``), so the sender learns nothing
+    is lost silently and the accounting stays exact."""
+    if type(v) is float:
+        return v
+    if type(v) is int:
+        return float(v)
+    raise ProtocolError(f"trajectory reward must be a number, got {v!r:.80}")
+
+
+# The types of a trajectory's optional scalar fields (the dataclass defaults' types).
+_SCALAR_TYPES = {"num_turns": int, "num_tool_calls": int, "num_retractions": int, "finish_reason": str,
+                 "truncated": bool, "aborted": bool, "error": str, "timings": dict, "extra": dict}
+
+
+def _check_scalars(d: dict) -> None:
+    """Every optional scalar of a decoded trajectory has its field's type (counts >= 0)."""
+    for k, typ in _SCALAR_TYPES.items():
+        v = d[k]
+        if type(v) is not typ:
+            if typ is dict and v is None:
+                continue
+            raise ProtocolError(f"trajectory field {k!r} must be {typ.__name__}, got {v!r:.80}")
+        if typ is int and v < 0:
+            raise ProtocolError(f"trajectory field {k!r} must be >= 0, got {v}")
 
 
 @dataclass
@@ -133,10 +226,11 @@ def item_to_wire(item: PromptItem) -> dict:
 
 def item_from_wire(d: dict) -> PromptItem:
     try:
-        index = d["index"]
-        return PromptItem(index if type(index) is int else int(index), d["prompt"], list(d.get("answers", ())),
+        return PromptItem(_strict_int(d["index"], "prompt item index"), d["prompt"], list(d.get("answers", ())),
                           d.get("data_source", ""), dict(d.get("extra", _EMPTY)))
     except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ProtocolError):
+            raise
         raise ProtocolError(f"bad prompt item: {e!r}") from None
 
 
@@ -276,7 +370,7 @@ def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
         n_p, n_r, n_w = meta["np"], meta["nr"], meta["nw"]
         start = meta.get("o", 0)
         if not (type(n_p) is int and type(n_r) is int and type(n_w) is int and type(start) is int):
-            n_p, n_r, n_w, start = int(n_p), int(n_r), int(n_w), int(start)
+            raise ProtocolError(f"trajectory meta: offsets and lengths must be integers: {meta!r:.200}")
         size = 4 * n_p + 9 * n_r + 4 * n_w
         if n_p < 0 or n_r < 0 or n_w < 0 or start < 0 or start + size > base.nbytes or (
                 "o" not in meta and base.nbytes != size):
@@ -285,6 +379,9 @@ def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
         keys = meta.keys()
         if as_lists:
             kw = {k: meta[k] for k in keys & _SCALAR_KEYS}
+            _check_scalars({**_SCALAR_DEFAULTS, **kw})
+            if "reward" in kw:
+                kw["reward"] = _finite_or_nan_reward(kw["reward"])
             arrays = [a.tolist() for a in _materialize(wire)]
             return Trajectory(**dict(zip(_ARRAY_FIELDS, arrays)), **kw)
         t = _new_wire_trajectory()
@@ -298,6 +395,9 @@ def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
         if type(d["min_version"]) is not int or type(d["max_version"]) is not int:
             raise ProtocolError(f"trajectory versions must be integers: min_version {d['min_version']!r}, "
                                 f"max_version {d['max_version']!r}")
+        if type(d["reward"]) is not float:
+            d["reward"] = _finite_or_nan_reward(d["reward"])
+        _check_scalars(d)
         d["_wire"] = wire
         if keys <= _META_KEYS:  # forwarded unchanged, the received meta is re-used (see _forward_metas)
             d["_meta"] = meta
@@ -323,9 +423,11 @@ def _blob_base(blobs: Sequence[Any], m: Any, bases: dict) -> memoryview:
         i = m["b"]
         base = bases.get(i)
         if base is None:
-            base = bases[int(i)] = memoryview(blobs[int(i)]).cast("B")
+            base = bases[i] = memoryview(blobs[_strict_int(i, "trajectory blob index")]).cast("B")
         return base
-    except (KeyError, IndexError, TypeError, ValueError):
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        if isinstance(e, ProtocolError):
+            raise
         raise ProtocolError(f"trajectory refers to a missing blob: {m.get('b') if isinstance(m, dict) else m!r}") \
             from None
 
@@ -447,8 +549,9 @@ def unpack_groups(maps: list, blobs: Sequence[Any], *, as_lists: bool = False) -
     for d in maps:
         try:
             trajs = [_unpack(m, _blob_base(blobs, m, bases), as_lists) for m in d["trajs"]]
-            out.append(Group(int(d["group_id"]), item_from_wire(d["item"]), int(d["epoch"]), trajs,
-                             int(d["issued_version"]), int(d["finished_version"]), bool(d["aborted"])))
+            out.append(Group(_strict_int(d["group_id"], "group_id"), item_from_wire(d["item"]),
+                             _strict_int(d["epoch"], "epoch"), trajs, _strict_int(d["issued_version"], "issued_version"),
+                             _strict_int(d["finished_version"], "finished_version"), bool(d["aborted"])))
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"bad group: {e!r}") from None
     return out
@@ -508,7 +611,7 @@ def _unpack_row(row: Any, blobs: Sequence[Any], bases: dict, as_lists: bool) -> 
         b, start, n_p, n_r, n_w, reward, mn, mx, rest = row
         base = bases.get(b)
         if base is None:
-            base = bases[b] = memoryview(blobs[b]).cast("B")
+            base = bases[b] = memoryview(blobs[_strict_int(b, "trajectory row: blob index")]).cast("B")
         if not (type(start) is int and type(n_p) is int and type(n_r) is int and type(n_w) is int
                 and type(mn) is int and type(mx) is int):
             raise ProtocolError(f"trajectory row: offsets, lengths and versions must be integers: {row!r:.200}")
@@ -518,7 +621,7 @@ def _unpack_row(row: Any, blobs: Sequence[Any], bases: dict, as_lists: bool) -> 
         t = _new_wire_trajectory()
         d = t.__dict__
         d.update(_FLAT_DEFAULTS)
-        d["reward"] = float(reward)
+        d["reward"] = reward if type(reward) is float else _finite_or_nan_reward(reward)
         d["min_version"] = mn
         d["max_version"] = mx
         d["timings"] = {}
@@ -527,6 +630,7 @@ def _unpack_row(row: Any, blobs: Sequence[Any], bases: dict, as_lists: bool) -> 
             for k in rest.keys() & _REST_KEYS:
                 v = rest[k]
                 d[k] = dict(v) if isinstance(v, dict) else v
+            _check_scalars(d)
         d["_wire"] = (base, start, size, (n_p, n_r, n_w))
     except (IndexError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, ProtocolError):
@@ -547,9 +651,11 @@ def _item_row(item: PromptItem) -> list:
 def _item_from_row(r: Any) -> PromptItem:
     try:
         index, prompt, answers, data_source, extra = r
-        return PromptItem(index if type(index) is int else int(index), prompt, list(answers), data_source,
+        return PromptItem(_strict_int(index, "prompt item index"), prompt, list(answers), data_source,
                           dict(extra))
     except (TypeError, ValueError) as e:
+        if isinstance(e, ProtocolError):
+            raise
         raise ProtocolError(f"bad prompt item row {r!r:.200}: {e!r}") from None
 
 
@@ -618,8 +724,8 @@ def unpack_group_rows(rows: Any, blobs: Sequence[Any], *, as_lists: bool = False
         try:
             gid, epoch, iv, fv, aborted, item, trows = r
             trajs = [_unpack_row(x, blobs, bases, as_lists) for x in trows]
-            out.append(Group(gid if type(gid) is int else int(gid), _item_from_row(item), int(epoch), trajs,
-                             int(iv), int(fv), bool(aborted)))
+            out.append(Group(_strict_int(gid, "group_id"), _item_from_row(item), _strict_int(epoch, "epoch"), trajs,
+                             _strict_int(iv, "issued_version"), _strict_int(fv, "finished_version"), bool(aborted)))
         except (TypeError, ValueError) as e:
             if isinstance(e, ProtocolError):
                 raise
@@ -654,8 +760,10 @@ def unpack_finished_groups(msg: Message) -> list[tuple[int, Optional[list[Trajec
     for g in groups:
         try:
             gid, aborted, error, rows = g
+            if rows is not None and not isinstance(rows, list):
+                raise ProtocolError(f"groups: trajectory rows must be a list, got {type(rows).__name__}")
             trajs = [_unpack_row(x, blobs, bases, False) for x in rows] if rows else None
-            out.append((gid if type(gid) is int else int(gid), trajs, bool(aborted), str(error)))
+            out.append((_strict_int(gid, "groups: group_id"), trajs, bool(aborted), str(error)))
         except (TypeError, ValueError) as e:
             if isinstance(e, ProtocolError):
                 raise
@@ -677,10 +785,14 @@ def pack_state(state: dict) -> tuple[dict, list[bytes]]:
 
 def unpack_state(body: dict, blobs: Sequence[Any]) -> dict:
     try:
-        return {"version": int(body["version"]), "next_group_id": int(body["next_group_id"]),
-                "dataloader": dict(body["dataloader"]),
-                "queued": [(item_from_wire(it), int(e)) for it, e in body["queued"]],
-                "inflight": [(item_from_wire(it), int(e)) for it, e in body["inflight"]],
+        dl = dict(body["dataloader"])
+        for k in ("epoch", "position", "seed", "num_prompts"):
+            _strict_int(dl[k], f"broker state: dataloader.{k}")
+        return {"version": _strict_int(body["version"], "broker state: version"),
+                "next_group_id": _strict_int(body["next_group_id"], "broker state: next_group_id"),
+                "dataloader": dl,
+                "queued": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["queued"]],
+                "inflight": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["inflight"]],
                 "buffered": unpack_groups(body["buffered"], blobs)}
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ProtocolError):

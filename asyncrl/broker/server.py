@@ -19,7 +19,9 @@ Contract
   cancellations, a ready batch, control changes) are sent.
   ``core.tick()`` runs every ``tick_s`` (heartbeat expiry, the no-data warning).
 - A malformed, unknown or other-version message is logged and counted
-  (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal.
+  (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal. Every field is
+  checked before the core is called, so a rejected message never moves the core's counters
+  (``tests/integration/test_broker_fuzz.py`` fuzzes this in process and against the process).
 
     server = BrokerServer(core, bind="tcp://127.0.0.1:0", heartbeat_interval_s=2.0)
     print(server.address); server.serve_forever()   # returns after an actor ``shutdown``
@@ -43,6 +45,8 @@ from asyncrl.broker.core import BrokerCore, BrokerError
 log = logging.getLogger("asyncrl.broker")
 
 MAX_MESSAGES_PER_ROUND = 1024  # bound the work between two flushes of the core's outputs
+MAX_WORKER_CAPACITY = 1_000_000  # concurrent trajectories one worker may declare; more is a corrupt hello
+SYNC_MODES = ("retract", "in_place", "drain", "abort")  # the pause modes a sync may announce (rollout.pause_mode)
 
 
 _ALLOWED = P.WORKER_TYPES | P.ACTOR_TYPES
@@ -87,29 +91,34 @@ class BrokerServer:
         poller.register(self.sock, zmq.POLLIN)
         log.info("broker listening on %s", self.address)
         while not self._stop:
-            events = dict(poller.poll(timeout=int(self.tick_s * 1000)))
-            if self.sock in events:
-                # drain every ready message first; finished groups reach the core in one call per round
-                for _ in range(MAX_MESSAGES_PER_ROUND):
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
-                    if self._stop:
-                        break
-                self._finish_pending()
-            now = time.monotonic()
-            if now - self._last_tick >= self.tick_s:
-                self._last_tick = now
-                self.core.tick()
-                known = self.core.workers()
-                for wid in [w for w in self._worker_ident if w not in known]:  # expired by missed heartbeats
-                    self._worker_ident.pop(wid)
-                    self._control_sent.pop(wid, None)
-                    self.stats["workers_lost"] += 1
-            self._flush()
+            self.serve_once(poller, timeout_s=self.tick_s)
         self._close()
+
+    def serve_once(self, poller: zmq.Poller, *, timeout_s: float) -> None:
+        """One round of the loop: wait up to ``timeout_s`` for messages, handle every ready one, tick when due,
+        send the core's outputs. (``serve_forever`` repeats it; tests drive it one round at a time.)"""
+        events = dict(poller.poll(timeout=int(timeout_s * 1000)))
+        if self.sock in events:
+            # drain every ready message first; finished groups reach the core in one call per round
+            for _ in range(MAX_MESSAGES_PER_ROUND):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                if self._stop:
+                    break
+            self._finish_pending()
+        now = time.monotonic()
+        if now - self._last_tick >= self.tick_s:
+            self._last_tick = now
+            self.core.tick()
+            known = self.core.workers()
+            for wid in [w for w in self._worker_ident if w not in known]:  # expired by missed heartbeats
+                self._worker_ident.pop(wid)
+                self._control_sent.pop(wid, None)
+                self.stats["workers_lost"] += 1
+        self._flush()
 
     def stop(self, *_: Any) -> None:
         self._stop = True
@@ -225,7 +234,7 @@ class BrokerServer:
             else:
                 self._finish_pending()
                 self._on_actor(ident, msg)
-        except (P.ProtocolError, KeyError, TypeError, ValueError) as e:  # bad fields of a decodable message too
+        except (P.ProtocolError, KeyError, TypeError, ValueError, OverflowError) as e:  # bad fields too
             self.stats["malformed"] += 1
             log.warning("malformed message from %r (%d so far): %s", ident, self.stats["malformed"], e)
             if ident:
@@ -242,19 +251,22 @@ class BrokerServer:
 
     def _on_worker(self, ident: bytes, msg: P.Message) -> None:
         b = msg.body
-        wid = b.get("worker_id") or ident.decode("utf-8", "replace")
+        wid = P.worker_id_field(b, msg.type) or ident.decode("utf-8", "replace")
         self.stats["worker_" + msg.type] += 1
         if msg.type == P.GROUPS and wid in self._worker_ident and self.core.heartbeat(wid):
             for gid, trajs, aborted, error in P.unpack_finished_groups(msg):
+                if self._foreign(wid, gid):
+                    continue
                 if aborted and error:
-                    log.warning("worker %s aborted group %s: %s", wid, gid, error)
+                    log.warning("worker %s aborted group %s: %.200s", wid, gid, error)
                 self._finished.append((gid, trajs, aborted))
             return
         self._finish_pending()  # every other message sees the groups that arrived before it
         if msg.type == P.HELLO:
             cap = b.get("capacity")
-            if not isinstance(cap, int) or cap < 1:
-                raise P.ProtocolError(f"hello: capacity must be a positive integer, got {cap!r}")
+            if type(cap) is not int or not 1 <= cap <= MAX_WORKER_CAPACITY:
+                raise P.ProtocolError(f"hello: field 'capacity' must be an integer in [1, {MAX_WORKER_CAPACITY}], "
+                                      f"got {cap!r:.80}")
             self._worker_ident[wid] = ident
             if b.get("rows"):
                 self._row_workers.add(wid)
@@ -280,16 +292,36 @@ class BrokerServer:
             self._send(ident, P.REHELLO, {})
             return
         if msg.type == P.TRAJ:
+            gid = P.int_field(b, "group_id", P.TRAJ)
+            index = P.int_field(b, "index", P.TRAJ)
+            if index >= self.core.s.group_size:
+                raise P.ProtocolError(f"traj: field 'index' must be < group_size = {self.core.s.group_size}, "
+                                      f"got {index}")
             traj = None
             if b.get("traj") is not None:
                 traj = P.unpack_trajectories([b["traj"]], msg.blobs)[0]
-            self._count_known(self.core.trajectory_finished(int(b["group_id"]), int(b["index"]), traj))
+            if not self._foreign(wid, gid):
+                self._count_known(self.core.trajectory_finished(gid, index, traj))
         elif msg.type == P.GROUP:
+            gid = P.int_field(b, "group_id", P.GROUP)
             metas = b.get("trajs") or []
+            if not isinstance(metas, list):
+                raise P.ProtocolError(f"group: field 'trajs' must be a list, got {type(metas).__name__}")
             trajs = P.unpack_trajectories(metas, msg.blobs) if metas else None
             if b.get("aborted") and b.get("error"):
-                log.warning("worker %s aborted group %s: %s", wid, b.get("group_id"), b.get("error"))
-            self._finished.append((int(b["group_id"]), trajs, bool(b.get("aborted"))))
+                log.warning("worker %s aborted group %s: %.200s", wid, gid, b.get("error"))
+            if not self._foreign(wid, gid):
+                self._finished.append((gid, trajs, bool(b.get("aborted"))))
+
+    def _foreign(self, wid: str, gid: int) -> bool:
+        """A report for a group in flight on ANOTHER worker: ignored and counted (``foreign_reports``), so a
+        confused or rogue peer cannot finish -- and get trained -- groups it was never issued."""
+        owner = self.core.owner(gid)
+        if owner is None or owner == wid:
+            return False
+        self.stats["foreign_reports"] += 1
+        log.warning("worker %s reported group %d, which is in flight on worker %s; ignored", wid, gid, owner)
+        return True
 
     def _count_known(self, known: bool) -> None:
         if not known:
@@ -302,16 +334,22 @@ class BrokerServer:
             if msg.type == P.GET_BATCH:
                 if self._pending is not None and self._pending.ident != ident:
                     raise P.ProtocolError("get_batch: another actor request is already pending")
-                self._pending = _PendingBatch(ident, int(b["step"]), time.monotonic() + float(b["timeout_s"]),
-                                              bool(b.get("rows", False)))
-                core.request_batch(int(b["step"]), actor_version=b.get("actor_version"))
+                step = P.int_field(b, "step", P.GET_BATCH)
+                timeout_s = P.float_field(b, "timeout_s", P.GET_BATCH, lo=0.0, hi=P.MAX_TIMEOUT_S)
+                actor_version = P.int_field(b, "actor_version", P.GET_BATCH, default=None)
+                self._pending = _PendingBatch(ident, step, time.monotonic() + timeout_s, bool(b.get("rows", False)))
+                core.request_batch(step, actor_version=actor_version)
                 self._flush_batch()
             elif msg.type == P.SYNC_BEGIN:
-                core.sync_begin(str(b.get("mode", "retract")))
+                mode = b.get("mode", "retract")
+                if mode not in SYNC_MODES:
+                    raise P.ProtocolError(f"sync_begin: field 'mode' must be one of {list(SYNC_MODES)}, "
+                                          f"got {mode!r:.80}")
+                core.sync_begin(mode)
                 self._flush_control()  # the hold is on its way to every worker before the actor hears OK
                 self._send(ident, P.OK)
             elif msg.type == P.SYNC_END:
-                core.sync_end(int(b["version"]))
+                core.sync_end(P.int_field(b, "version", P.SYNC_END))
                 self._flush_control()
                 self._send(ident, P.OK)
             elif msg.type == P.HOLD_ISSUING:
@@ -321,10 +359,8 @@ class BrokerServer:
                 core.release_issuing()
                 self._send(ident, P.OK)
             elif msg.type == P.BATCH_FILTERED:
-                ids = b["group_ids"]
-                if not isinstance(ids, list):
-                    raise TypeError(f"batch_filtered: group_ids must be a list, got {type(ids).__name__}")
-                core.batch_filtered(ids)
+                core.batch_filtered(P.int_list_field(b, "group_ids", P.BATCH_FILTERED,
+                                                     max_len=core.s.rollout_batch_size))
                 self._send(ident, P.OK)
             elif msg.type == P.METRICS:
                 self._send(ident, P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters),

@@ -34,6 +34,7 @@ from asyncrl.actor.memory import GIB, USABLE_FRACTION, ModelShape, estimate_acto
 from asyncrl.cluster.placement import Placement, parse_placement
 from asyncrl.config import Config, ConfigError, load_config, validate
 from asyncrl.config.loader import to_dict
+from asyncrl.config.validate import check_inputs
 
 log = logging.getLogger("asyncrl.launcher")
 
@@ -259,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     if "MASTER_ADDR" not in os.environ:
         print("launch/train.py: run it under torchrun, e.g. "
               f"torchrun --nproc_per_node {world} launch/train.py {args.config}", file=sys.stderr)
+        return 2
+    try:  # paths and hooks, before any process (broker, engine) starts; not on --dry-run (no data needed)
+        check_inputs(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     ctx = RankContext(cfg=cfg, config_path=str(args.config), overrides=list(args.overrides), rank=rank,
                       world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), placement=placement,

@@ -15,6 +15,7 @@ fully async page); where Miles names a flag ``--max-weight-staleness`` we keep R
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -30,12 +31,15 @@ def _require(cond: bool, key: str, msg: str) -> None:
 
 def _positive(value, key: str) -> None:
     if value is not None:
-        _require(value > 0, key, f"must be > 0, got {value!r}")
+        _require(value > 0 and math.isfinite(value), key, f"must be a finite number > 0, got {value!r}")
 
 
 def _non_negative(value, key: str) -> None:
     if value is not None:
-        _require(value >= 0, key, f"must be >= 0, got {value!r}")
+        _require(value >= 0 and math.isfinite(value), key, f"must be a finite number >= 0, got {value!r}")
+
+
+MAX_SEED = 2**63 - 1  # numpy's and torch's generators take seeds in [0, 2**63)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class RunnerConfig:
     """Run the held-out test set before the first and after the last step (embedded default)."""
 
     def __post_init__(self):
+        _require(0 <= self.seed <= MAX_SEED, "runner.seed", f"must be in [0, {MAX_SEED}], got {self.seed!r}")
         _positive(self.max_steps, "runner.max_steps")
         _non_negative(self.checkpoint_interval, "runner.checkpoint_interval")
 
@@ -126,6 +131,8 @@ class SamplingConfig:
     def __post_init__(self):
         _non_negative(self.temperature, "rollout.sampling.temperature")
         _require(0.0 < self.top_p <= 1.0, "rollout.sampling.top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _require(self.top_k == -1 or self.top_k >= 1, "rollout.sampling.top_k",
+                 f"must be -1 (off) or >= 1, got {self.top_k!r}")
 
 
 @dataclass(frozen=True)
@@ -360,6 +367,8 @@ class ActorConfig:
         _positive(self.tensor_model_parallel_size, "actor.tensor_model_parallel_size")
         _positive(self.pipeline_model_parallel_size, "actor.pipeline_model_parallel_size")
         _positive(self.lr, "actor.lr")
+        _require(0.0 <= self.min_lr <= self.lr, "actor.min_lr", f"must be in [0, actor.lr = {self.lr!r}], "
+                 f"got {self.min_lr!r}")
         _non_negative(self.lr_warmup_steps, "actor.lr_warmup_steps")
         _non_negative(self.grad_clip, "actor.grad_clip")
         _positive(self.max_tokens_per_microbatch, "actor.max_tokens_per_microbatch")
@@ -474,6 +483,7 @@ class PrepareConfig:
     wait for it)."""
 
     def __post_init__(self):
+        _require(0 <= self.seed <= MAX_SEED, "prepare.seed", f"must be in [0, {MAX_SEED}], got {self.seed!r}")
         _non_negative(self.sft_steps, "prepare.sft_steps")
         _non_negative(self.num_threads, "prepare.num_threads")
         _positive(self.sft_lr, "prepare.sft_lr")

@@ -8,7 +8,9 @@ returned as strings (the launcher prints them once, on global rank 0) and the ru
 
 from __future__ import annotations
 
+import importlib
 import os
+from pathlib import Path
 
 from asyncrl.config.schema import Config, ConfigError
 
@@ -202,3 +204,83 @@ def _validate_eval(cfg: Config) -> list[str]:
             f"eval.eval_hf_dir = {e.eval_hf_dir!r} is ignored: the eval runs on the shared rollout engines "
             f"(no snapshot); it is used with eval.eval_function_path")
     return warnings
+
+
+# ---------------------------------------------------------------- what the run reads, checked before any process starts
+def _hooks(cfg: Config) -> list[tuple[str, str]]:
+    """(dotted key, ``module:attr``) of every user hook the config names."""
+    rb, e, lg = cfg.rollout_buffer, cfg.eval, cfg.logging
+    return [(k, v) for k, v in (
+        ("rollout_buffer.dynamic_sampling_filter_path", rb.dynamic_sampling_filter_path),
+        ("rollout_buffer.sample_filter_path", rb.sample_filter_path),
+        ("rollout_buffer.custom_data_buffer_path", rb.custom_data_buffer_path),
+        ("eval.eval_function_path", e.eval_function_path),
+        ("logging.custom_rollout_log_function_path", lg.custom_rollout_log_function_path),
+        ("logging.custom_eval_rollout_log_function_path", lg.custom_eval_rollout_log_function_path),
+    ) if v]
+
+
+def _read_paths(cfg: Config) -> list[tuple[str, str, str]]:
+    """(dotted key, path, "model" | "file") of every input the run reads."""
+    out = [("actor.model_path", cfg.actor.model_path, "model")]
+    if cfg.rollout.model_path:
+        out.append(("rollout.model_path", cfg.rollout.model_path, "model"))
+    if cfg.data.train_path:
+        out.append(("data.train_path", cfg.data.train_path, "file"))
+    if cfg.data.test_path:
+        out.append(("data.test_path", cfg.data.test_path, "file"))
+    tool = cfg.agentloop.tool
+    if cfg.agentloop.task_name and tool.retriever == "bm25" and tool.corpus_path:
+        out.append(("agentloop.tool.corpus_path", tool.corpus_path, "file"))
+    for name, path in cfg.eval.eval_prompt_data.items():
+        out.append((f"eval.eval_prompt_data.{name}", path, "file"))
+    return out
+
+
+def _made_by_preparation(cfg: Config, path: str) -> bool:
+    """With ``prepare.enabled`` everything under ``prepare.dir`` is produced on first run (data, tokenizer,
+    model, warm start; see ``runner/prepare.py``), so it cannot be required before preparation."""
+    if not cfg.prepare.enabled:
+        return False
+    root, p = Path(cfg.prepare.dir).resolve(), Path(path).resolve()
+    return p == root or root in p.parents
+
+
+def check_inputs(cfg: Config) -> None:
+    """Every path the run reads exists and every ``module:attr`` hook imports, before any process starts.
+    Raises ``ConfigError`` naming the dotted key. Paths under ``prepare.dir`` are skipped when
+    ``prepare.enabled`` (preparation makes them; the parts that load them report a missing one with its path).
+    Not part of ``validate`` (which stays pure and I/O-free): the launcher calls both."""
+    for key, path, kind in _read_paths(cfg):
+        if _made_by_preparation(cfg, path):
+            continue
+        p = Path(path)
+        if kind == "model":
+            if not p.is_dir():
+                raise ConfigError(f"{key}: {path!r} is not a directory (a HF checkpoint: config.json, "
+                                  f"*.safetensors, tokenizer files)")
+            if not (p / "config.json").is_file():
+                raise ConfigError(f"{key}: {path!r} has no config.json; is it a HF checkpoint directory?")
+        elif not p.is_file():
+            raise ConfigError(f"{key}: {path!r} does not exist or is not a file")
+    for key, spec in _hooks(cfg):
+        import_hook(spec, key)
+
+
+def import_hook(spec: str, key: str):
+    """``module:attr`` -> the attribute; ``ConfigError`` naming ``key`` when it cannot be imported."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{key}: expected 'module:attr' (e.g. 'my_pkg.filters:drop_easy'), got {spec!r}")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import module {module!r} of {spec!r}: {e}") from None
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key}: module {module!r} has no attribute {attr!r} (from {spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key}: {spec!r} is not callable")
+    return obj

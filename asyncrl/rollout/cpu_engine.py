@@ -17,7 +17,12 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   safetensors directory on a worker thread and copies it in on the engine thread the same way.
 - Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control
   calls answer ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while
-  requests are running.
+  requests are running. Every field is type- and range-checked in the handler (the message names it:
+  ``sampling_params.top_p``, ``abort_all``, ``shapes``, ...), so no request can fail later on the engine thread.
+- Weight updates are atomic: names, dtypes and shapes are checked against the running model before the
+  collective (a mismatch is a 400, never a gloo size mismatch), tensors are received into staging buffers
+  and copied in only when all arrived.
+- A ``/generate`` whose HTTP client disconnects (timeout, killed) has its requests aborted, as SGLang does.
 - A crash of the engine thread exits the process with status 1 (the launcher restarts it).
 """
 
@@ -41,10 +46,13 @@ from aiohttp import web
 
 from asyncrl.rollout.cpu_model import load_model
 from asyncrl.rollout.cpu_scheduler import (
+    MAX_TOKENS,
     PAUSE_MODES,
     Request,
     RequestError,
     Scheduler,
+    check_bool,
+    check_int,
     new_rid,
     parse_sampling_params,
 )
@@ -53,6 +61,10 @@ log = logging.getLogger("asyncrl.cpu_engine")
 
 ENGINE_VERSION = "asyncrl-cpu-engine-0.1"
 HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+DISCONNECT_POLL_S = 0.2  # how often a waiting /generate checks that its client is still connected
+MAX_REQUESTS_PER_CALL = 1024  # prompts x n of one /generate call (each is a running request)
+MAX_RID_CHARS = 512
+MAX_TENSORS_PER_UPDATE = 100_000  # names in one /update_weights_from_distributed call
 
 
 @dataclass(frozen=True)
@@ -89,15 +101,26 @@ async def _body(request: web.Request, *, required: bool = True) -> dict:
         return {}
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting too deep
         raise RequestError(f"invalid JSON body: {e}") from None
     if not isinstance(data, dict):
         raise RequestError("the JSON body must be an object")
     return data
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    n = str(name).removeprefix("torch.")
+def _weight_version(v: Any, key: str) -> Optional[str]:
+    """A weight version as SGLang keeps it: a string (an int is accepted and stringified), or None."""
+    if v is None or isinstance(v, str):
+        return v
+    if type(v) is int:
+        return str(v)
+    raise RequestError(f"{key} must be a string, got {v!r:.80}")
+
+
+def _torch_dtype(name: Any) -> torch.dtype:
+    if not isinstance(name, str):
+        raise RequestError(f"dtypes: a dtype is a string such as 'bfloat16', got {name!r:.80}")
+    n = name.removeprefix("torch.")
     dt = getattr(torch, n, None)
     if not isinstance(dt, torch.dtype):
         raise RequestError(f"unknown dtype {name!r}")
@@ -123,6 +146,8 @@ class CpuEngine:
             context_length=args.context_length)
         self.groups: dict[str, Any] = {}
         self.update_open = False
+        self.num_disconnect_aborts = 0
+        """Requests aborted because their HTTP client disconnected before the answer."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
         log.info("loaded %s (%s, %d layers) in %.1fs", args.model_path, self.model.spec.model_type,
@@ -190,81 +215,123 @@ class CpuEngine:
             return _json_error(str(e))
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        if body.get("stream"):
-            raise RequestError("stream=true is not supported by the CPU engine")
-        ids = body.get("input_ids")
-        if ids is None and body.get("text") is not None:
-            text = body["text"]
-            ids = ([self.tokenizer.encode(t).ids for t in text] if isinstance(text, list)
-                   else self.tokenizer.encode(text).ids)
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        """The request's prompts as token-id lists (``input_ids``, or ``text`` tokenized), and whether it is a
+        batch. Every id must be an int inside the vocabulary."""
+        ids, text = body.get("input_ids"), body.get("text")
+        if ids is None and text is not None:
+            if isinstance(text, str):
+                ids = self.tokenizer.encode(text).ids
+            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                ids = [self.tokenizer.encode(t).ids for t in text]
+            else:
+                raise RequestError("text must be a string or a non-empty list of strings")
         if ids is None:
             raise RequestError("input_ids (or text) is required")
         if not isinstance(ids, list) or not ids:
             raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
         batch = isinstance(ids[0], list)
         prompts = ids if batch else [ids]
+        if len(prompts) > MAX_REQUESTS_PER_CALL:
+            raise RequestError(f"input_ids: {len(prompts)} prompts in one request, at most {MAX_REQUESTS_PER_CALL}")
+        vocab = self.model.spec.vocab_size
+        for i, prompt in enumerate(prompts):
+            where = f"input_ids[{i}]" if batch else "input_ids"
+            if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
+                raise RequestError(f"{where} must be a non-empty list of integer token ids")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return prompts, batch
+
+    def _build_requests(self, body: dict, loop: asyncio.AbstractEventLoop) -> tuple[list[Request], list, bool]:
+        """``/generate``'s body -> requests (one per prompt and sample) and their futures. Every field is checked
+        here (type, range), so a bad body is a 400 naming the field and nothing reaches the engine thread."""
+        if "stream" in body and check_bool(body["stream"], "stream"):
+            raise RequestError("stream=true is not supported by the CPU engine")
+        prompts, batch = self._prompts(body)
         n_prompts = len(prompts)
 
         def per(key: str, default: Any) -> list[Any]:
             v = body.get(key, default)
-            if batch and isinstance(v, list) and key != "sampling_params":
+            if batch and isinstance(v, list) and key not in ("stop",):
                 if len(v) != n_prompts:
                     raise RequestError(f"{key}: {len(v)} values for {n_prompts} prompts")
-                return v
-            if batch and key == "sampling_params" and isinstance(v, list):
-                if len(v) != n_prompts:
-                    raise RequestError(f"sampling_params: {len(v)} values for {n_prompts} prompts")
                 return v
             return [v] * n_prompts
 
         rids = body.get("rid")
-        if batch:
-            if rids is not None and (not isinstance(rids, list) or len(rids) != n_prompts):
-                raise RequestError("rid: a batch needs a list of rids, one per prompt")
+        if batch and rids is not None and (not isinstance(rids, list) or len(rids) != n_prompts):
+            raise RequestError("rid: a batch needs a list of rids, one per prompt")
         rid_list = (rids if rids is not None else [None] * n_prompts) if batch else [rids]
+        for r in rid_list:
+            if r is not None and (not isinstance(r, str) or not 0 < len(r) <= MAX_RID_CHARS):
+                raise RequestError(f"rid must be a non-empty string of at most {MAX_RID_CHARS} characters, "
+                                   f"got {r!r:.80}")
         params_list = [parse_sampling_params(p) for p in per("sampling_params", {})]
-        rlp = per("return_logprob", False)
-        lsl = per("logprob_start_len", -1)
-        loop = asyncio.get_running_loop()
-        reqs: list[Request] = []
-        futs: list[asyncio.Future] = []
+        if sum(p.n for p in params_list) > MAX_REQUESTS_PER_CALL:
+            raise RequestError(f"sampling_params.n: {sum(p.n for p in params_list)} samples in one request, "
+                               f"at most {MAX_REQUESTS_PER_CALL}")
+        rlp = [check_bool(v, "return_logprob") for v in per("return_logprob", False)]
+        lsl = [-1 if v is None else check_int(v, "logprob_start_len", lo=-1, hi=MAX_TOKENS)
+               for v in per("logprob_start_len", -1)]
+        reqs, futs = [], []
         for i, prompt in enumerate(prompts):
-            if not all(isinstance(t, int) for t in prompt) or not prompt:
-                raise RequestError(f"input_ids[{i}] must be a non-empty list of ints" if batch
-                                   else "input_ids must be a non-empty list of ints")
-            vocab = self.model.spec.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
             p = params_list[i]
             for k in range(p.n):
                 base = rid_list[i] if rid_list[i] is not None else new_rid()
-                rid = str(base) if p.n == 1 else f"{base}_{k}"
                 fut = loop.create_future()
-                reqs.append(Request(rid=rid, input_ids=list(prompt), params=p, return_logprob=bool(rlp[i]),
-                                    logprob_start_len=int(lsl[i] if lsl[i] is not None else -1),
+                reqs.append(Request(rid=base if p.n == 1 else f"{base}_{k}", input_ids=list(prompt), params=p,
+                                    return_logprob=rlp[i], logprob_start_len=lsl[i],
                                     deliver=self._deliverer(loop, fut)))
                 futs.append(fut)
+        return reqs, futs, batch
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        loop = asyncio.get_running_loop()
+        reqs, futs, batch = self._build_requests(body, loop)
         submitted: list[Request] = []
         try:
             for req in reqs:
                 self.scheduler.submit(req)
                 submitted.append(req)
         except RequestError:
-            for req in submitted:  # all or nothing
-                self.scheduler.call(lambda s, rid=req.rid: s.abort(rid))
+            self._abort(submitted)  # all or nothing
             raise
-        try:
-            outs = await asyncio.gather(*futs)
-        except asyncio.CancelledError:  # the client went away: abort its requests
-            for req in submitted:
-                self.scheduler.call(lambda s, rid=req.rid: s.abort(rid))
-            raise
+        outs = await self._wait_or_abort(request, submitted, futs)
+        if outs is None:  # the client went away: its requests were aborted; nobody reads this answer
+            return web.Response(status=499)
         if not batch and len(outs) == 1:
             return web.json_response(outs[0])
         return web.json_response(list(outs))
+
+    def _abort(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.scheduler.call(lambda s, rid=req.rid: s.abort(rid))
+
+    async def _wait_or_abort(self, request: web.Request, reqs: list[Request], futs: list) -> Optional[list]:
+        """Wait for every request's output. When the HTTP client disconnects (its timeout fired, it was killed)
+        the requests are aborted at once -- as SGLang does on disconnect -- instead of generating for nobody."""
+        gathered = asyncio.gather(*futs)
+        try:
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return gathered.result()
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    log.info("client of %d request(s) disconnected (rid %s...): aborting them", len(reqs),
+                             reqs[0].rid if reqs else "?")
+                    self._abort(reqs)
+                    self.num_disconnect_aborts += len(reqs)
+                    return None
+        except asyncio.CancelledError:  # the server cancelled the handler (shutdown): abort its requests
+            self._abort(reqs)
+            raise
+        finally:
+            if not gathered.done():
+                gathered.cancel()
 
     @staticmethod
     def _deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
@@ -297,7 +364,9 @@ class CpuEngine:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+        rid, abort_all = body.get("rid", ""), check_bool(body.get("abort_all", False), "abort_all")
+        if not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {rid!r:.80}")
         await self._call(lambda s: s.abort(rid, abort_all=abort_all))
         return web.Response(status=200)
 
@@ -330,14 +399,16 @@ class CpuEngine:
 
         body = await _body(request)
         try:
-            addr = str(body["master_address"])
-            port = int(body["master_port"])
-            rank = int(body["rank_offset"])  # tp_rank 0: the CPU engine is one rank
-            world = int(body["world_size"])
-        except (KeyError, TypeError, ValueError) as e:
-            return _result(False, f"init_weights_update_group: bad or missing field: {e!r}")
-        name = str(body.get("group_name", "weight_update_group"))
-        backend = str(body.get("backend", "nccl"))
+            addr, name, backend = (body.get("master_address"), body.get("group_name", "weight_update_group"),
+                                   body.get("backend", "nccl"))
+            for key, v in (("master_address", addr), ("group_name", name), ("backend", backend)):
+                if not isinstance(v, str) or not v:
+                    raise RequestError(f"{key} must be a non-empty string, got {v!r:.80}")
+            port = check_int(body.get("master_port"), "master_port", lo=1, hi=65535)
+            world = check_int(body.get("world_size"), "world_size", lo=2, hi=1 << 20)
+            rank = check_int(body.get("rank_offset"), "rank_offset", lo=1, hi=world - 1)  # the CPU engine: one rank
+        except RequestError as e:
+            return _result(False, f"init_weights_update_group: {e}")
         if backend != "gloo":
             return _result(False, f"backend={backend!r} is not available on the CPU engine; use 'gloo'")
         if name in self.groups:
@@ -356,7 +427,9 @@ class CpuEngine:
         from asyncrl.sync.process_group import destroy_weight_update_group
 
         body = await _body(request)
-        name = str(body.get("group_name", "weight_update_group"))
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            return _result(False, f"group_name must be a string, got {name!r:.80}")
         pg = self.groups.pop(name, None)
         if pg is None:
             return _result(False, f"group {name!r} does not exist")
@@ -380,34 +453,71 @@ class CpuEngine:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes) and names):
-            return _result(False, "names, dtypes and shapes must be non-empty lists of the same length")
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            return _result(False, f"group_name must be a string, got {name!r:.80}")
         if not self.update_open:
             return _result(False, "weight update not begun: call /begin_weight_update before "
                                   "/update_weights_from_distributed")
-        name = str(body.get("group_name", "weight_update_group"))
         pg = self.groups.get(name)
         if pg is None:
             return _result(False, f"group {name!r} does not exist: call /init_weights_update_group first")
-        fmt = body.get("load_format")
-        if fmt not in (None, "flattened_bucket"):
-            return _result(False, f"load_format={fmt!r} is not supported (null or 'flattened_bucket')")
-        try:
-            dts = [_torch_dtype(d) for d in dtypes]
+        try:  # all of it before the collective: a bad bucket is a 400, never a broadcast of mismatched sizes
+            names, dts, shapes = self._check_update(body)
+            flush = check_bool(body.get("flush_cache", True), "flush_cache")
+            version = _weight_version(body.get("weight_version"), "weight_version")
+            abort_all = check_bool(body.get("abort_all_requests", False), "abort_all_requests")
+            fmt = body.get("load_format")
+            if fmt not in (None, "flattened_bucket"):
+                raise RequestError(f"load_format={fmt!r:.80} is not supported (null or 'flattened_bucket')")
         except RequestError as e:
             return _result(False, str(e))
-        flush = bool(body.get("flush_cache", True))
-        version = body.get("weight_version")
-        if body.get("abort_all_requests"):
+        if abort_all:
             await self._call(lambda s: s.abort(abort_all=True))
         fn = lambda s: self._receive(s, pg, names, dts, shapes, fmt, flush, version)  # noqa: E731
         ok, msg = await self._call(fn)
         return _result(ok, msg)
 
+    def _check_update(self, body: dict) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
+        """Validate an update's metadata against the running model BEFORE the collective: every name known
+        (or one SGLang skips: a tied ``lm_head.weight``, ``rotary_emb.inv_freq``), no name twice, a float dtype,
+        and the model's own shape. The broadcast sizes follow from these shapes, so a metadata mistake is a 400
+        here instead of a size mismatch inside gloo (which aborts the process)."""
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and names):
+            raise RequestError("names, dtypes and shapes must be non-empty lists of the same length")
+        if len(names) > MAX_TENSORS_PER_UPDATE:
+            raise RequestError(f"names: {len(names)} tensors in one update, at most {MAX_TENSORS_PER_UPDATE}")
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise RequestError("names must be distinct strings")
+        dts = [_torch_dtype(d) for d in dtypes]
+        for n, d in zip(names, dts):
+            if not d.is_floating_point:
+                raise RequestError(f"dtypes: {n!r} has dtype {d}; weights are floating point")
+        m = self.model
+        out = []
+        for n, shape in zip(names, shapes):
+            if not isinstance(shape, list) or not all(type(x) is int and 0 <= x < 2**31 for x in shape):
+                raise RequestError(f"shapes: {n!r} has shape {shape!r:.80}; expected a list of sizes")
+            dst = m.params.get(n)
+            if dst is not None:
+                expected = tuple(dst.shape)
+            elif n == "lm_head.weight" and m.spec.tie_word_embeddings:
+                expected = tuple(m.params["model.embed_tokens.weight"].shape)
+            elif n.endswith("rotary_emb.inv_freq"):
+                expected = (m.spec.head_dim // 2,)
+            else:
+                raise RequestError(f"names: unknown parameter {n!r} for the running {m.spec.model_type}")
+            if tuple(shape) != expected:
+                raise RequestError(f"shapes: parameter {n!r} has shape {tuple(shape)}, the running model's is "
+                                   f"{expected}")
+            out.append(expected)
+        return names, dts, out
+
     def _receive(self, sched: Scheduler, pg, names, dts, shapes, fmt, flush, version) -> tuple[bool, str]:
-        """Engine thread: receive the broadcast, load it, maybe flush and bump the version."""
+        """Engine thread: receive the whole broadcast into staging tensors, then copy them in. Atomic: a failed
+        receive leaves every weight as it was (the metadata was checked in ``_check_update``)."""
         import torch.distributed as dist
 
         t0 = time.monotonic()
@@ -425,26 +535,17 @@ class CpuEngine:
             else:
                 named = []
                 for name, s, d in zip(names, shapes, dts):
-                    # Receive straight into the weight when it matches (saves a full copy; we are
-                    # on the engine thread, between model steps) -- added by the sync helper (issue 7).
-                    dst = self.model.params.get(name)
-                    if dst is not None and dst.dtype == d and tuple(dst.shape) == tuple(s) and dst.is_contiguous():
-                        dist.broadcast(dst, group_src=0, group=pg)
-                        continue
-                    t = torch.empty(tuple(s), dtype=d)
+                    t = torch.empty(s, dtype=d)
                     dist.broadcast(t, group_src=0, group=pg)
                     named.append((name, t))
         except (RuntimeError, dist.DistError) as e:
-            return False, f"Failed to receive weights by broadcast: {e}"
-        try:
-            self.model.load_weights(named)
-        except (KeyError, ValueError) as e:
-            return False, f"Failed to load received weights: {e}"
+            return False, f"Failed to receive weights by broadcast (no weight changed): {e}"
+        self.model.load_weights(named)  # names and shapes were checked: cannot fail half-way
         msg = "Succeeded to update parameter online."
         if flush and not sched.flush_cache():
             log.info("update_weights: flush_cache skipped (requests are running)")
         if version is not None:
-            sched.weight_version = str(version)
+            sched.weight_version = version
             msg += f" Weight version updated to {version}."
         log.info("received %d tensors in %.3fs (%s)", len(names), time.monotonic() - t0, fmt or "per-tensor")
         return True, msg
@@ -459,6 +560,12 @@ class CpuEngine:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             return _result(False, "update_weights_from_disk: model_path is required")
+        try:
+            flush = check_bool(body.get("flush_cache", True), "flush_cache")
+            version = _weight_version(body.get("weight_version"), "weight_version")
+            check_bool(body.get("abort_all_requests", False), "abort_all_requests")
+        except RequestError as e:
+            return _result(False, f"update_weights_from_disk: {e}")
         fmt = body.get("load_format")
         if fmt not in (None, "auto", "safetensors"):
             return _result(False, f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or "
@@ -468,8 +575,6 @@ class CpuEngine:
             named = await asyncio.to_thread(self._read_checkpoint, Path(path))
         except (FileNotFoundError, KeyError, ValueError, OSError) as e:
             return _result(False, f"Failed to load weights from {path!r}: {e}")
-        flush = bool(body.get("flush_cache", True))
-        version = body.get("weight_version")
         if body.get("abort_all_requests"):
             await self._call(lambda s: s.abort(abort_all=True))
 
@@ -478,7 +583,7 @@ class CpuEngine:
             if flush and not s.flush_cache():
                 log.info("update_weights_from_disk: flush_cache skipped (requests are running)")
             if version is not None:
-                s.weight_version = str(version)
+                s.weight_version = version
             return s.weight_version
 
         v = await self._call(apply)
@@ -516,8 +621,13 @@ class CpuEngine:
         body = await _body(request)
         if "new_version" not in body:
             return _result(False, "new_version is required")
-        v = str(body["new_version"])
-        abort_all = bool(body.get("abort_all_requests", True))  # SGLang's default is True
+        try:
+            v = _weight_version(body["new_version"], "new_version")
+            abort_all = check_bool(body.get("abort_all_requests", True), "abort_all_requests")  # SGLang: True
+        except RequestError as e:
+            return _result(False, str(e))
+        if v is None:
+            return _result(False, "new_version must be a string, got None")
 
         def apply(s: Scheduler) -> None:
             if abort_all:

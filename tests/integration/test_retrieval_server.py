@@ -75,6 +75,34 @@ def test_search_r1_request_shapes(server):
     assert status == 400 and "queries" in body["error"]
 
 
+BAD_RETRIEVE = [
+    (b'{"queries": ["a", 5]}', "queries[1]"),
+    (b'{"queries": ["a"], "topk": 1e400}', "topk"),
+    (b'{"queries": ["a"], "topk": NaN}', "topk"),
+    (b'{"queries": ["a"], "topk": 9223372036854775808}', "topk"),
+    (b'{"queries": ["a"], "topk": 2.0}', "topk"),
+    (b'{"queries": ["a"], "topk": true}', "topk"),
+    (b'{"queries": ["a"], "return_scores": "false"}', "return_scores"),
+    (json.dumps({"queries": ["q"] * 5000}).encode(), "queries"),
+    (json.dumps({"queries": ["q" * 70000]}).encode(), "queries[0]"),
+    (b"[1, 2]", "body"),
+    (b"\xff\xfe", "JSON"),
+    (b"[" * 100_000, "JSON"),
+]
+
+
+@pytest.mark.parametrize("raw,field", BAD_RETRIEVE, ids=[f for _, f in BAD_RETRIEVE])
+def test_bad_retrieve_request_is_400_naming_the_field(server, raw, field):
+    """Each malformed /retrieve body is a 400 whose error names the field; the server answers after it."""
+    proc, url = server
+    req = urllib.request.Request(url, data=raw, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400
+    assert field in json.loads(err.value.read())["error"]
+    assert proc.poll() is None and post(url, {"queries": ["capital of Brask"], "topk": 1})[0] == 200
+
+
 def test_http_retriever_against_the_server(server):
     _, url = server
 

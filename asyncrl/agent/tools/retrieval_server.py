@@ -6,7 +6,7 @@ Request ``{"queries": [str, ...], "topk": int (optional, default --topk), "retur
 (default false)}``. Response ``{"result": [[doc, ...], ...]}`` without scores, or
 ``{"result": [[{"document": doc, "score": float}, ...], ...]}`` with scores, where ``doc`` is the
 corpus row (``{"id", "contents", ...}``), as Search-R1's own server answers. A malformed request
-gets 400 ``{"error": "..."}``. ``GET /health`` -> ``{"status": "ok", "num_docs": N}``.
+gets 400 ``{"error": "..."}`` naming the field (``queries[i]``, ``topk`` in [1, ``MAX_TOPK``], ...). ``GET /health`` -> ``{"status": "ok", "num_docs": N}``.
 
 On start it prints one JSON line to stdout, ``{"url": "http://host:port/retrieve", "num_docs": N}``
 (``--port 0`` picks a free port and the line says which).
@@ -23,29 +23,44 @@ from aiohttp import web
 
 from asyncrl.agent.tools.bm25 import BM25Retriever
 
+MAX_QUERIES = 4096  # queries in one request (the agent sends one per tool call; batching clients a few hundred)
+MAX_QUERY_CHARS = 65536  # a search query longer than this is not one
+MAX_TOPK = 1000  # documents per query; the agent's prompt holds a handful
+
 
 def parse_request(body: object, default_topk: int) -> tuple[list[str], int, bool]:
-    """Validate a /retrieve body; ValueError says what is wrong."""
+    """Validate a /retrieve body; ValueError names the field and says what is wrong."""
     if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
+        raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
     queries = body.get("queries")
-    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-        raise ValueError("'queries' must be a list of strings")
+    if not isinstance(queries, list):
+        raise ValueError(f"'queries' must be a list of strings, got {type(queries).__name__}")
+    if len(queries) > MAX_QUERIES:
+        raise ValueError(f"'queries' has {len(queries)} entries, at most {MAX_QUERIES} per request")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise ValueError(f"'queries[{i}]' must be a string, got {type(q).__name__}")
+        if len(q) > MAX_QUERY_CHARS:
+            raise ValueError(f"'queries[{i}]' has {len(q)} characters, at most {MAX_QUERY_CHARS}")
     topk = body.get("topk")
     topk = default_topk if topk is None else topk
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk <= 0:
-        raise ValueError(f"'topk' must be a positive integer, got {topk!r}")
+    if type(topk) is not int or not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"'topk' must be an integer in [1, {MAX_TOPK}], got {topk!r:.80}")
     return_scores = body.get("return_scores", False)
     if not isinstance(return_scores, bool):
-        raise ValueError("'return_scores' must be a boolean")
+        raise ValueError(f"'return_scores' must be a boolean, got {return_scores!r:.80}")
     return queries, topk, return_scores
 
 
 def make_app(retriever: BM25Retriever, *, default_topk: int = 3) -> web.Application:
     async def retrieve(request: web.Request) -> web.Response:
         try:
-            queries, topk, return_scores = parse_request(await request.json(), default_topk)
-        except (ValueError, json.JSONDecodeError) as exc:
+            body = json.loads(await request.read())
+        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nesting too deep
+            return web.json_response({"error": f"invalid JSON body: {exc}"}, status=400)
+        try:
+            queries, topk, return_scores = parse_request(body, default_topk)
+        except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         docs, scores = await asyncio.to_thread(retriever.search, queries, topk)
         if return_scores:
