@@ -128,8 +128,9 @@ class RolloutConfig:
     """Checkpoint the engines load at start; defaults to ``actor.model_path``."""
     port: int = 30000
     """Port of the first engine on a node; engine k on that node uses port + k * 10."""
-    start_timeout_s: float = 600.0
-    """How long to wait for an engine to answer ``/model_info`` after launch."""
+    start_timeout_s: float = 1800.0
+    """How long to wait for an engine to answer ``/model_info`` after launch (cold starts of large models:
+    downloads, weight loading, CUDA graph capture)."""
     max_restarts: int = 2
     """Restarts of a crashed engine before the run fails."""
     request_timeout_s: float = 600.0
@@ -143,6 +144,7 @@ class RolloutConfig:
         _positive(self.update_weights_interval, "rollout.update_weights_interval")
         _positive(self.tensor_parallel_size, "rollout.tensor_parallel_size")
         _non_negative(self.max_restarts, "rollout.max_restarts")
+        _positive(self.start_timeout_s, "rollout.start_timeout_s")
         _positive(self.request_timeout_s, "rollout.request_timeout_s")
         _positive(self.control_timeout_s, "rollout.control_timeout_s")
         _require(0 < self.port < 65536, "rollout.port", f"must be a TCP port, got {self.port!r}")

@@ -11,7 +11,8 @@ Contract
   them to TP). ``eval.eval_sglang = { field = "value" }`` overrides single fields (``"false"`` turns an
   inherited boolean flag off; ``no_<flag> = "true"`` too); ``tp_size`` cannot be overridden there.
 - Launch (``run_eval_engine``, the role of the ``eval`` ranks): the first rank of each fleet engine
-  starts it as its child (SGLang server or CPU engine, log ``logs/eval_engine<i>.log``), publishes
+  starts it as its child (SGLang server or CPU engine, log ``logs/eval_engine<i>.log``) exactly as a rollout
+  engine is started (``EngineSupervisor.from_config``: torchrun's variables removed, its own devices), publishes
   ``eval_engine/<i>/url`` in the discovery store, restarts it if it crashes (``rollout.max_restarts``)
   and stops it at ``shutdown``; the engine's other ranks idle. Actor rank 0 looks the URLs up.
 - Per eval point (``FleetEval``, called by ``EvalDispatcher`` on its background thread): every fleet
@@ -225,7 +226,7 @@ def lookup_fleet_urls(cfg: Config, disc: Any) -> list[str]:
 
 def run_eval_engine(ctx: Any, disc: Any) -> int:
     """The role of an ``eval`` rank: the first rank of each fleet engine runs it until ``shutdown``."""
-    from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_command, engine_port
+    from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_port
     from asyncrl.runner.roles import SHUTDOWN_KEY, local_address, run_idle
 
     cfg = ctx.cfg
@@ -239,11 +240,9 @@ def run_eval_engine(ctx: Any, disc: Any) -> int:
     host = local_address()
     port = engine_port(cfg, ctx.local_rank)  # local ranks are unique on a node: no clash with rollout engines
     bind = "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"
-    sup = EngineSupervisor(
-        engine_command(ecfg, port=port, base_gpu_id=ranks[0] % per_node, host=bind), url=f"http://{host}:{port}",
-        name=f"eval_engine{i}", log_dir=Path(ctx.run_dir) / "logs", start_timeout_s=cfg.rollout.start_timeout_s,
-        max_restarts=cfg.rollout.max_restarts, shutdown_grace_s=cfg.cluster.shutdown_grace_s,
-        env={"OMP_NUM_THREADS": "1"} if cfg.rollout.rollout_backend == "cpu" else None)
+    # the same launch path as a rollout engine: clean environment, CUDA_VISIBLE_DEVICES = its devices
+    sup = EngineSupervisor.from_config(ecfg, engine_index=i, base_gpu_id=ranks[0] % per_node, run_dir=ctx.run_dir,
+                                       host=bind, advertise_host=host, port=port, name=f"eval_engine{i}")
     sup.start()
     try:
         disc.publish(URL_KEY.format(i), sup.url)
