@@ -336,6 +336,8 @@ class SyncConfig:
     """Process-group backend of the weight-sync group; ``auto`` = nccl with CUDA, else gloo."""
     join_timeout_s: float = 120.0
     """An engine that has not joined the weight-sync group by then fails the run."""
+    broadcast_timeout_s: float = 600.0
+    """Collective timeout of the formed weight-sync group: one bucket's broadcast (not the join)."""
     step_timeout_s: float = 600.0
     """Timeout of each HTTP step of one sync."""
     group_name: str = "weight_update_group"
@@ -343,6 +345,7 @@ class SyncConfig:
     def __post_init__(self):
         _positive(self.bucket_bytes, "sync.bucket_bytes")
         _positive(self.join_timeout_s, "sync.join_timeout_s")
+        _positive(self.broadcast_timeout_s, "sync.broadcast_timeout_s")
         _positive(self.step_timeout_s, "sync.step_timeout_s")
 
 
@@ -372,6 +375,8 @@ class EvalConfig:
     """Per-field overrides of the rollout engines' SGLang settings for the eval fleet."""
     eval_wait_timeout_s: float = 600.0
     """Longest wait for a free eval slot (``backpressure``) and for pending evals at the end of the run."""
+    eval_reload_timeout_s: float = 1800.0
+    """Timeout of one eval-fleet engine loading a snapshot (``/update_weights_from_disk``)."""
 
     def __post_init__(self):
         _positive(self.eval_interval, "eval.eval_interval")
@@ -380,6 +385,7 @@ class EvalConfig:
         _non_negative(self.eval_keep_snapshots, "eval.eval_keep_snapshots")
         _positive(self.eval_max_in_flight, "eval.eval_max_in_flight")
         _positive(self.eval_wait_timeout_s, "eval.eval_wait_timeout_s")
+        _positive(self.eval_reload_timeout_s, "eval.eval_reload_timeout_s")
 
 
 @dataclass(frozen=True)

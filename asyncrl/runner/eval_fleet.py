@@ -17,7 +17,8 @@ Contract
   and stops it at ``shutdown``; the engine's other ranks idle. Actor rank 0 looks the URLs up.
 - Per eval point (``FleetEval``, called by ``EvalDispatcher`` on its background thread): every fleet
   engine loads the snapshot with ``/update_weights_from_disk`` (weight version = the snapshot's step;
-  checked on every engine afterwards), then the eval datasets are evaluated greedily against the fleet
+  checked on every engine afterwards; bounded by ``eval.eval_reload_timeout_s``, a failure names the engine
+  index, its URL, the step and the version), then the eval datasets are evaluated greedily against the fleet
   with the shared-engine evaluator (prompts round-robin over the engines). Metrics:
   ``eval/<name>/accuracy`` etc., ``eval/fleet/load_time_seconds``, ``eval/fleet/weight_version``,
   ``eval/fleet/probe_logprob`` (the fleet's log-prob of ``PROBE_IDS``: identifies its weights). The
@@ -181,23 +182,28 @@ class FleetEval:
     def load(self, snapshot_dir: str, version: str) -> float:
         """``/update_weights_from_disk`` on every engine at once; each must then report ``version`` and the
         same probe log-prob (returned)."""
-        from asyncrl.rollout.sglang_client import SGLangClient
+        from asyncrl.rollout.sglang_client import EngineError, SGLangClient
 
         r = self.cfg.rollout
+        reload_s = self.cfg.eval.eval_reload_timeout_s
 
-        async def one(url: str) -> None:
+        async def one(i: int, url: str) -> float:
             async with SGLangClient.from_config(url, r) as c:
-                await c.update_weights_from_disk(snapshot_dir, weight_version=version,
-                                                 timeout_s=max(r.control_timeout_s, 60.0))
+                try:
+                    await c.update_weights_from_disk(snapshot_dir, weight_version=version, timeout_s=reload_s)
+                except EngineError as e:
+                    raise RuntimeError(f"eval fleet engine {i} ({url}): step update_weights_from_disk of "
+                                       f"{snapshot_dir} (version {version}, eval.eval_reload_timeout_s={reload_s:g}) "
+                                       f"failed: {e}") from e
                 got = await c.weight_version()
                 if got != version:
-                    raise RuntimeError(f"eval fleet engine {url}: weight version {got!r} after loading "
+                    raise RuntimeError(f"eval fleet engine {i} ({url}): weight version {got!r} after loading "
                                        f"{snapshot_dir}, expected {version!r}")
                 res = await c.generate(PROBE_IDS, {"max_new_tokens": 1, "temperature": 0.0}, logprob_start_len=0)
                 return sum(float(x[0]) for x in res.meta_info["input_token_logprobs"] if x[0] is not None)
 
         async def all_() -> list[float]:
-            return list(await asyncio.gather(*(one(u) for u in self.urls)))
+            return list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.urls))))
 
         probes = asyncio.run(all_())
         if max(probes) - min(probes) > 1e-3 * (1 + abs(probes[0])):

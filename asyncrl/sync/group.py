@@ -9,7 +9,8 @@ Contract
   once, named); (2) ``POST /init_weights_update_group`` to every engine at once, on threads — each
   call blocks until everyone joined — while (3) the trainer joins as rank 0 through
   ``asyncrl.sync.process_group.init_weight_update_group`` (TCPStore + PrefixStore + torch's
-  private helper, SGLang's way), also on a thread, bounded by ``sync.join_timeout_s``.
+  private helper, SGLang's way), also on a thread, bounded by ``sync.join_timeout_s``. Once formed,
+  each collective on the group (a bucket's broadcast) is bounded by ``sync.broadcast_timeout_s``.
   The first engine to fail (refused, HTTP error, ``success=false``) fails the join immediately; at
   the deadline every engine that has not joined is named. Never a hang.
 - ``destroy()`` asks every engine to drop the group (an engine that restarted no longer knows it:
@@ -185,6 +186,7 @@ class WeightSyncGroup:
             self.group_name,
             backend=self.backend,
             timeout_s=timeout_s,
+            collective_timeout_s=self.cfg.broadcast_timeout_s,
             name="sync-join-trainer",
         )
         self._wait_joined(http, trainer, timeout_s + _JOIN_HTTP_GRACE_S)
