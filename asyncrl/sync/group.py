@@ -103,6 +103,21 @@ def default_master_address(engine_urls: Sequence[str]) -> str:
         return s.getsockname()[0]
 
 
+def join_request(
+    *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> dict:
+    """The JSON body of ``POST /init_weights_update_group`` for one engine (checked against SGLang's request
+    class by tools/check_sglang.py)."""
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
 def free_port(address: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -157,14 +172,14 @@ class WeightSyncGroup:
         t0 = time.monotonic()
 
         def engine_join(engine: EngineEndpoint, offset: int) -> dict:
-            body = {
-                "master_address": addr,
-                "master_port": port,
-                "rank_offset": offset,
-                "world_size": world,
-                "group_name": self.group_name,
-                "backend": self.backend,
-            }
+            body = join_request(
+                master_address=addr,
+                master_port=port,
+                rank_offset=offset,
+                world_size=world,
+                group_name=self.group_name,
+                backend=self.backend,
+            )
             return post_json(
                 engine.url,
                 "/init_weights_update_group",
