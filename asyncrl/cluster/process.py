@@ -3,7 +3,9 @@
 Contract
 - Every child (broker, engine, retrieval server) is started through ``spawn_child``: its own
   session (so a signal to it reaches its whole tree), stdout+stderr into ``<run_dir>/logs/NAME.log``,
-  and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent.
+  and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent. Its
+  environment is this process's plus ``env``, or exactly ``env`` with ``inherit_env=False``
+  (engines: ``asyncrl.rollout.sglang_launcher.engine_environment`` strips torchrun's variables).
 - ``stop_all()`` (also run at exit and on SIGTERM/SIGINT once ``install_signal_handlers`` ran)
   sends SIGTERM to every live child's process group, waits ``grace_s``, then SIGKILLs.
 - ``wait_until(pred, timeout_s, what, child=...)`` is the one readiness wait: it times out with a
@@ -83,12 +85,12 @@ def tail_file(path: Path, n: int = 30) -> str:
 
 
 def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | None = None,
-                cwd: str | None = None) -> Child:
+                cwd: str | None = None, inherit_env: bool = True) -> Child:
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     out = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    full_env = dict(os.environ)
+    full_env = dict(os.environ) if inherit_env else {}
     if env:
         full_env.update(env)
     popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,

@@ -152,8 +152,9 @@ class RolloutConfig:
     """Checkpoint the engines load at start; defaults to ``actor.model_path``."""
     port: int = 30000
     """Port of the first engine on a node; engine k on that node uses port + k * 10."""
-    start_timeout_s: float = 600.0
-    """How long to wait for an engine to answer ``/model_info`` after launch."""
+    start_timeout_s: float = 1800.0
+    """How long to wait for an engine to answer ``/model_info`` after launch (cold starts of large models:
+    downloads, weight loading, CUDA graph capture)."""
     max_restarts: int = 2
     """Restarts of a dead or hung engine (rollout and eval fleet) before the run fails."""
     health_check_interval_s: float = 1.0
@@ -174,6 +175,7 @@ class RolloutConfig:
         _positive(self.update_weights_interval, "rollout.update_weights_interval")
         _positive(self.tensor_parallel_size, "rollout.tensor_parallel_size")
         _non_negative(self.max_restarts, "rollout.max_restarts")
+        _positive(self.start_timeout_s, "rollout.start_timeout_s")
         _positive(self.request_timeout_s, "rollout.request_timeout_s")
         _positive(self.control_timeout_s, "rollout.control_timeout_s")
         _positive(self.health_check_interval_s, "rollout.health_check_interval_s")
@@ -384,6 +386,8 @@ class SyncConfig:
     """Process-group backend of the weight-sync group; ``auto`` = nccl with CUDA, else gloo."""
     join_timeout_s: float = 120.0
     """An engine that has not joined the weight-sync group by then fails the run."""
+    broadcast_timeout_s: float = 600.0
+    """Collective timeout of the formed weight-sync group: one bucket's broadcast (not the join)."""
     step_timeout_s: float = 600.0
     """Timeout of each HTTP step of one sync."""
     group_name: str = "weight_update_group"
@@ -391,6 +395,7 @@ class SyncConfig:
     def __post_init__(self):
         _positive(self.bucket_bytes, "sync.bucket_bytes")
         _positive(self.join_timeout_s, "sync.join_timeout_s")
+        _positive(self.broadcast_timeout_s, "sync.broadcast_timeout_s")
         _positive(self.step_timeout_s, "sync.step_timeout_s")
 
 
@@ -422,6 +427,8 @@ class EvalConfig:
     """Longest wait for a free eval slot (``backpressure``) and for pending evals at the end of the run."""
     max_samples: int = 0
     """Prompts evaluated per dataset (the first N, in file order) by the before/after and periodic evals; 0 = all."""
+    eval_reload_timeout_s: float = 1800.0
+    """Timeout of one eval-fleet engine loading a snapshot (``/update_weights_from_disk``)."""
 
     def __post_init__(self):
         _positive(self.eval_interval, "eval.eval_interval")
@@ -431,6 +438,7 @@ class EvalConfig:
         _positive(self.eval_max_in_flight, "eval.eval_max_in_flight")
         _positive(self.eval_wait_timeout_s, "eval.eval_wait_timeout_s")
         _non_negative(self.max_samples, "eval.max_samples")
+        _positive(self.eval_reload_timeout_s, "eval.eval_reload_timeout_s")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The CPU engine: an HTTP server that speaks SGLang's API (the subset an RL trainer uses).
 
     python -m asyncrl.rollout.cpu_engine --model-path DIR --port P [--host H]
-        [--max-running-requests N] [--weight-version V] [--seed S]
+        [--max-running-requests N] [--weight-version V] [--seed S] [--nccl-port P] [--dist-timeout S]
 
 Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer code drive SGLang)
 - Threads: the aiohttp event loop answers HTTP; one engine thread runs ``Scheduler.run`` (model
@@ -24,6 +24,12 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   and copied in only when all arrived.
 - A ``/generate`` whose HTTP client disconnects (timeout, killed) has its requests aborted, as SGLang does.
 - A crash of the engine thread exits the process with status 1 (the launcher restarts it).
+- Start-up as SGLang's (0.5.23 ``srt/distributed/bootstrap.py``): before loading the model the engine
+  creates its own one-process torch.distributed world, ``init_process_group("gloo",
+  init_method="tcp://<host>:<nccl_port>", rank=0, world_size=1)`` (SGLang does this even at TP=1, with
+  a free ``nccl_port`` unless ``--nccl-port``). So an engine started with a torchrun rank's environment
+  (``TORCHELASTIC_USE_AGENT_STORE=True``) fails here exactly as SGLang would (it waits for a store nobody
+  hosts, then exits after ``--dist-timeout``): CI sees a launcher that leaks that environment.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -83,6 +90,10 @@ class EngineArgs:
     """torch intra-op threads (default: torch's choice)."""
     weight_sync_timeout_s: float = 600.0
     """Timeout of the weight-update group (join and each broadcast)."""
+    nccl_port: Optional[int] = None
+    """Port of the engine's own one-process torch.distributed world (SGLang ``--nccl-port``; default: free)."""
+    dist_timeout_s: float = 120.0
+    """Timeout of creating that world (SGLang ``--dist-timeout``)."""
 
 
 def _json_error(msg: str, status: int = 400) -> web.Response:
@@ -719,19 +730,44 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
+    ap.add_argument("--nccl-port", type=int, default=None)
+    ap.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=120.0)
     a = ap.parse_args(argv)
     if a.max_running_requests < 1:
         ap.error("--max-running-requests must be >= 1")
     return EngineArgs(model_path=a.model_path, port=a.port, host=a.host,
                       max_running_requests=a.max_running_requests, weight_version=a.weight_version,
                       seed=a.seed, prefix_cache_tokens=a.prefix_cache_tokens, context_length=a.context_length,
-                      num_threads=a.num_threads, weight_sync_timeout_s=a.weight_sync_timeout_s)
+                      num_threads=a.num_threads, weight_sync_timeout_s=a.weight_sync_timeout_s,
+                      nccl_port=a.nccl_port, dist_timeout_s=a.dist_timeout_s)
+
+
+def init_engine_world(args: EngineArgs) -> str:
+    """The engine's own one-process torch.distributed world, created the way SGLang creates its TP world
+    (see module contract); returns the ``tcp://`` init method used."""
+    import datetime as _dt
+
+    import torch.distributed as dist
+
+    host = args.host or "127.0.0.1"
+    port = args.nccl_port
+    if port is None:
+        with socket.socket() as s:  # SGLang also picks a free port for its nccl_port
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    init_method = f"tcp://{host}:{port}"
+    t0 = time.monotonic()
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1,
+                            timeout=_dt.timedelta(seconds=args.dist_timeout_s))
+    log.info("own torch.distributed world at %s (gloo, 1 rank) in %.2fs", init_method, time.monotonic() - t0)
+    return init_method
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s cpu_engine: %(message)s")
     args = parse_args(argv)
+    init_engine_world(args)
     engine = CpuEngine(args)
     engine.start()
     app = engine.build_app()

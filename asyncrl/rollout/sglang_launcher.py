@@ -20,6 +20,14 @@ Contract
   cannot handle SIGTERM) and spawns a fresh child (counting against ``rollout.max_restarts``,
   ``EngineLaunchError`` naming the engine and the reason beyond it); ``wait_ready()`` blocks until
   it answers, so the caller can run it on a thread while it spawned from the main thread.
+- Environment (``engine_environment``, pure, the one place it is made): an engine is not a torchrun
+  rank. Every variable torchrun's agent sets for its ranks (``LAUNCHER_VARIABLES``,
+  ``TORCHELASTIC_*``) is removed: SGLang builds its own ``init_process_group("tcp://...")`` even
+  at TP=1, and an inherited ``TORCHELASTIC_USE_AGENT_STORE=True`` makes it the client of a store
+  nobody hosts (it hangs until the start timeout). A GPU engine gets ``CUDA_VISIBLE_DEVICES`` =
+  exactly its devices (the node-local indices ``base_gpu_id ..`` mapped through the parent's own
+  ``CUDA_VISIBLE_DEVICES``) and ``--base-gpu-id 0``; the CPU engine gets ``OMP_NUM_THREADS=1``.
+  Rollout engines and the eval fleet both start through ``EngineSupervisor.from_config``.
 
     sup = EngineSupervisor.from_config(cfg, engine_index=0, base_gpu_id=8, run_dir="runs/x")
     sup.start()             # blocks until /model_info answers
@@ -40,6 +48,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -52,8 +61,47 @@ INITIAL_WEIGHT_VERSION = "0"  # the actor's version before its first step; versi
 PORT_STRIDE = 10  # engine k on a node listens on rollout.port + k * PORT_STRIDE (config doc)
 
 
+# What torchrun's elastic agent exports to each rank (torch 2.13 local_elastic_agent.py), plus the
+# TORCHELASTIC_* prefix. TORCH_NCCL_ASYNC_ERROR_HANDLING is the one TORCH_NCCL_* it sets; other
+# TORCH_NCCL_*/NCCL_* settings are the user's and are kept.
+LAUNCHER_VARIABLES = frozenset({
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+})
+LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+
+
 class EngineLaunchError(RuntimeError):
     """An engine did not come up, or crashed more often than ``rollout.max_restarts``."""
+
+
+def is_launcher_variable(name: str) -> bool:
+    return name in LAUNCHER_VARIABLES or name.startswith(LAUNCHER_PREFIXES)
+
+
+def engine_visible_devices(parent: Optional[str], gpu_ids: Sequence[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine on node-local devices ``gpu_ids``, seen through the
+    parent's own ``CUDA_VISIBLE_DEVICES`` (``parent``; None = every device visible)."""
+    if parent is None:
+        return ",".join(str(i) for i in gpu_ids)
+    visible = [d.strip() for d in parent.split(",") if d.strip()]
+    bad = [i for i in gpu_ids if not 0 <= i < len(visible)]
+    if bad:
+        raise EngineLaunchError(
+            f"engine devices {list(gpu_ids)} (node-local indices) are not all visible to this rank: "
+            f"CUDA_VISIBLE_DEVICES={parent!r}; every rank must see all of its node's devices")
+    return ",".join(visible[i] for i in gpu_ids)
+
+
+def engine_environment(environ: Mapping[str, str], *, gpu_ids: Optional[Sequence[int]] = None,
+                       extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The complete environment of an engine child: ``environ`` without torchrun's variables,
+    ``CUDA_VISIBLE_DEVICES`` set to ``gpu_ids`` (when given), then ``extra`` (see module contract)."""
+    env = {k: v for k, v in environ.items() if not is_launcher_variable(k)}
+    if gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(environ.get("CUDA_VISIBLE_DEVICES"), gpu_ids)
+    env.update(extra or {})
+    return env
 
 
 def engine_port(cfg: Config, local_engine_index: int) -> int:
@@ -161,9 +209,11 @@ class HealthTracker:
 
 class EngineSupervisor:
     def __init__(self, command: list[str], *, url: str, name: str, log_dir: str | Path,
-                 start_timeout_s: float = 600.0, max_restarts: int = 2, shutdown_grace_s: float = 10.0,
-                 env: Optional[dict[str, str]] = None):
+                 start_timeout_s: float = 1800.0, max_restarts: int = 2, shutdown_grace_s: float = 10.0,
+                 env: Optional[dict[str, str]] = None, gpu_ids: Optional[Sequence[int]] = None):
+        """``env``: variables added to ``engine_environment(os.environ, gpu_ids=gpu_ids)``."""
         self.command = list(command)
+        self.gpu_ids = None if gpu_ids is None else list(gpu_ids)
         self.url = url.rstrip("/")
         self.name = name
         self.log_dir = Path(log_dir)
@@ -177,20 +227,25 @@ class EngineSupervisor:
     @classmethod
     def from_config(cls, cfg: Config, *, engine_index: int, local_engine_index: Optional[int] = None,
                     base_gpu_id: int = 0, run_dir: Optional[str | Path] = None, host: str = "0.0.0.0",
-                    advertise_host: Optional[str] = None, port: Optional[int] = None) -> EngineSupervisor:
-        """Engine ``engine_index`` (global; names the log) listening on
+                    advertise_host: Optional[str] = None, port: Optional[int] = None,
+                    name: Optional[str] = None) -> EngineSupervisor:
+        """Engine ``engine_index`` (global; names the log unless ``name``) on the node-local devices
+        ``base_gpu_id .. + rollout.tensor_parallel_size``, listening on
         ``rollout.port + local_engine_index * 10`` unless ``port`` is given; its URL uses
         ``advertise_host`` (default: this host's name, or 127.0.0.1 when bound to loopback)."""
         local = engine_index if local_engine_index is None else local_engine_index
         p = engine_port(cfg, local) if port is None else port
         adv = advertise_host or ("127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostname())
-        env = {"OMP_NUM_THREADS": "1"} if cfg.rollout.rollout_backend == "cpu" else None
+        if cfg.rollout.rollout_backend == "cpu":
+            env, gpu_ids = {"OMP_NUM_THREADS": "1"}, None
+        else:  # the engine sees exactly its devices, so its first one is device 0
+            env, gpu_ids = None, range(base_gpu_id, base_gpu_id + cfg.rollout.tensor_parallel_size)
         return cls(
-            engine_command(cfg, port=p, base_gpu_id=base_gpu_id, host=host),
-            url=f"http://{adv}:{p}", name=f"engine{engine_index}",
+            engine_command(cfg, port=p, base_gpu_id=0, host=host),
+            url=f"http://{adv}:{p}", name=name or f"engine{engine_index}",
             log_dir=Path(run_dir or cfg.logging.run_dir) / "logs",
             start_timeout_s=cfg.rollout.start_timeout_s, max_restarts=cfg.rollout.max_restarts,
-            shutdown_grace_s=cfg.cluster.shutdown_grace_s, env=env)
+            shutdown_grace_s=cfg.cluster.shutdown_grace_s, env=env, gpu_ids=gpu_ids)
 
     @property
     def pid(self) -> Optional[int]:
@@ -214,8 +269,10 @@ class EngineSupervisor:
         self.wait_ready()
 
     def _spawn(self) -> None:
-        log.info("starting %s: %s", self.name, " ".join(self.command))
-        self.child = spawn_child(self.name, self.command, log_dir=self.log_dir, env=self.env)
+        env = engine_environment(os.environ, gpu_ids=self.gpu_ids, extra=self.env)
+        log.info("starting %s (CUDA_VISIBLE_DEVICES=%s): %s", self.name, env.get("CUDA_VISIBLE_DEVICES", "-"),
+                 " ".join(self.command))
+        self.child = spawn_child(self.name, self.command, log_dir=self.log_dir, env=env, inherit_env=False)
 
     def wait_ready(self) -> None:
         """Block until the (just spawned) child serves ``/model_info``; ``EngineLaunchError`` if it dies
@@ -226,7 +283,8 @@ class EngineSupervisor:
                        what=f"{self.name} to answer {self.url}/model_info", child=self.child, interval_s=0.3)
         except (ChildFailed, TimeoutError) as e:
             self._kill()
-            raise EngineLaunchError(f"{self.name} at {self.url} did not start: {e}") from None
+            raise EngineLaunchError(f"{self.name} at {self.url} did not start (step: start, "
+                                    f"rollout.start_timeout_s={self.start_timeout_s:g}): {e}") from None
         log.info("%s ready at %s (pid %d)", self.name, self.url, self.pid)
 
     def probe(self, timeout_s: float) -> bool:

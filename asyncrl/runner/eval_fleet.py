@@ -11,12 +11,14 @@ Contract
   them to TP). ``eval.eval_sglang = { field = "value" }`` overrides single fields (``"false"`` turns an
   inherited boolean flag off; ``no_<flag> = "true"`` too); ``tp_size`` cannot be overridden there.
 - Launch (``run_eval_engine``, the role of the ``eval`` ranks): the first rank of each fleet engine
-  starts it as its child (SGLang server or CPU engine, log ``logs/eval_engine<i>.log``), publishes
+  starts it as its child (SGLang server or CPU engine, log ``logs/eval_engine<i>.log``) exactly as a rollout
+  engine is started (``EngineSupervisor.from_config``: torchrun's variables removed, its own devices), publishes
   ``eval_engine/<i>/url`` in the discovery store, restarts it if it crashes (``rollout.max_restarts``)
   and stops it at ``shutdown``; the engine's other ranks idle. Actor rank 0 looks the URLs up.
 - Per eval point (``FleetEval``, called by ``EvalDispatcher`` on its background thread): every fleet
   engine loads the snapshot with ``/update_weights_from_disk`` (weight version = the snapshot's step;
-  checked on every engine afterwards), then the eval datasets are evaluated greedily against the fleet
+  checked on every engine afterwards; bounded by ``eval.eval_reload_timeout_s``, a failure names the engine
+  index, its URL, the step and the version), then the eval datasets are evaluated greedily against the fleet
   with the shared-engine evaluator (prompts round-robin over the engines). Metrics:
   ``eval/<name>/accuracy`` etc., ``eval/fleet/load_time_seconds``, ``eval/fleet/weight_version``,
   ``eval/fleet/probe_logprob`` (the fleet's log-prob of ``PROBE_IDS``: identifies its weights). The
@@ -180,23 +182,28 @@ class FleetEval:
     def load(self, snapshot_dir: str, version: str) -> float:
         """``/update_weights_from_disk`` on every engine at once; each must then report ``version`` and the
         same probe log-prob (returned)."""
-        from asyncrl.rollout.sglang_client import SGLangClient
+        from asyncrl.rollout.sglang_client import EngineError, SGLangClient
 
         r = self.cfg.rollout
+        reload_s = self.cfg.eval.eval_reload_timeout_s
 
-        async def one(url: str) -> None:
+        async def one(i: int, url: str) -> float:
             async with SGLangClient.from_config(url, r) as c:
-                await c.update_weights_from_disk(snapshot_dir, weight_version=version,
-                                                 timeout_s=max(r.control_timeout_s, 60.0))
+                try:
+                    await c.update_weights_from_disk(snapshot_dir, weight_version=version, timeout_s=reload_s)
+                except EngineError as e:
+                    raise RuntimeError(f"eval fleet engine {i} ({url}): step update_weights_from_disk of "
+                                       f"{snapshot_dir} (version {version}, eval.eval_reload_timeout_s={reload_s:g}) "
+                                       f"failed: {e}") from e
                 got = await c.weight_version()
                 if got != version:
-                    raise RuntimeError(f"eval fleet engine {url}: weight version {got!r} after loading "
+                    raise RuntimeError(f"eval fleet engine {i} ({url}): weight version {got!r} after loading "
                                        f"{snapshot_dir}, expected {version!r}")
                 res = await c.generate(PROBE_IDS, {"max_new_tokens": 1, "temperature": 0.0}, logprob_start_len=0)
                 return sum(float(x[0]) for x in res.meta_info["input_token_logprobs"] if x[0] is not None)
 
         async def all_() -> list[float]:
-            return list(await asyncio.gather(*(one(u) for u in self.urls)))
+            return list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.urls))))
 
         probes = asyncio.run(all_())
         if max(probes) - min(probes) > 1e-3 * (1 + abs(probes[0])):
@@ -225,7 +232,7 @@ def lookup_fleet_urls(cfg: Config, disc: Any) -> list[str]:
 
 def run_eval_engine(ctx: Any, disc: Any) -> int:
     """The role of an ``eval`` rank: the first rank of each fleet engine runs it until ``shutdown``."""
-    from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_command, engine_port
+    from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_port
     from asyncrl.runner.roles import SHUTDOWN_KEY, local_address, run_idle
 
     cfg = ctx.cfg
@@ -239,11 +246,9 @@ def run_eval_engine(ctx: Any, disc: Any) -> int:
     host = local_address()
     port = engine_port(cfg, ctx.local_rank)  # local ranks are unique on a node: no clash with rollout engines
     bind = "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"
-    sup = EngineSupervisor(
-        engine_command(ecfg, port=port, base_gpu_id=ranks[0] % per_node, host=bind), url=f"http://{host}:{port}",
-        name=f"eval_engine{i}", log_dir=Path(ctx.run_dir) / "logs", start_timeout_s=cfg.rollout.start_timeout_s,
-        max_restarts=cfg.rollout.max_restarts, shutdown_grace_s=cfg.cluster.shutdown_grace_s,
-        env={"OMP_NUM_THREADS": "1"} if cfg.rollout.rollout_backend == "cpu" else None)
+    # the same launch path as a rollout engine: clean environment, CUDA_VISIBLE_DEVICES = its devices
+    sup = EngineSupervisor.from_config(ecfg, engine_index=i, base_gpu_id=ranks[0] % per_node, run_dir=ctx.run_dir,
+                                       host=bind, advertise_host=host, port=port, name=f"eval_engine{i}")
     sup.start()
     try:
         disc.publish(URL_KEY.format(i), sup.url)

@@ -159,11 +159,12 @@ class EngineScraper:
             except (EngineStepError, OSError, ValueError) as e:  # a failed scrape is logged, never fatal
                 log.warning("engine %s: /metrics scrape failed: %s", u, e)
                 continue
-            r = vals.get("sglang:num_running_reqs", 0.0)
-            h = vals.get("sglang:cache_hit_rate", 0.0)
+            # parse_prometheus keys series by name without the ``sglang:`` prefix
+            r = vals.get("num_running_reqs", 0.0)
+            h = vals.get("cache_hit_rate", 0.0)
             out[f"engine/{i}/num_running_reqs"] = r
             out[f"engine/{i}/cache_hit_rate"] = h
-            out[f"engine/{i}/num_queue_reqs"] = vals.get("sglang:num_queue_reqs", 0.0)
+            out[f"engine/{i}/num_queue_reqs"] = vals.get("num_queue_reqs", 0.0)
             running.append(r)
             hit.append(h)
         if running:

@@ -9,7 +9,8 @@ Contract
   once, named); (2) ``POST /init_weights_update_group`` to every engine at once, on threads — each
   call blocks until everyone joined — while (3) the trainer joins as rank 0 through
   ``asyncrl.sync.process_group.init_weight_update_group`` (TCPStore + PrefixStore + torch's
-  private helper, SGLang's way), also on a thread, bounded by ``sync.join_timeout_s``.
+  private helper, SGLang's way), also on a thread, bounded by ``sync.join_timeout_s``. Once formed,
+  each collective on the group (a bucket's broadcast) is bounded by ``sync.broadcast_timeout_s``.
   The first engine to fail (refused, HTTP error, ``success=false``) fails the join immediately; at
   the deadline every engine that has not joined is named. Never a hang.
 - ``destroy()`` asks every engine to drop the group (an engine that restarted no longer knows it:
@@ -102,6 +103,21 @@ def default_master_address(engine_urls: Sequence[str]) -> str:
         return s.getsockname()[0]
 
 
+def join_request(
+    *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> dict:
+    """The JSON body of ``POST /init_weights_update_group`` for one engine (checked against SGLang's request
+    class by tools/check_sglang.py)."""
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
 def free_port(address: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -156,14 +172,14 @@ class WeightSyncGroup:
         t0 = time.monotonic()
 
         def engine_join(engine: EngineEndpoint, offset: int) -> dict:
-            body = {
-                "master_address": addr,
-                "master_port": port,
-                "rank_offset": offset,
-                "world_size": world,
-                "group_name": self.group_name,
-                "backend": self.backend,
-            }
+            body = join_request(
+                master_address=addr,
+                master_port=port,
+                rank_offset=offset,
+                world_size=world,
+                group_name=self.group_name,
+                backend=self.backend,
+            )
             return post_json(
                 engine.url,
                 "/init_weights_update_group",
@@ -185,6 +201,7 @@ class WeightSyncGroup:
             self.group_name,
             backend=self.backend,
             timeout_s=timeout_s,
+            collective_timeout_s=self.cfg.broadcast_timeout_s,
             name="sync-join-trainer",
         )
         self._wait_joined(http, trainer, timeout_s + _JOIN_HTTP_GRACE_S)

@@ -19,7 +19,8 @@ Contract
     dist.broadcast(tensor, group_src=0, group=pg)
     destroy_weight_update_group(pg)
 
-Owner of the private-API shim: asyncrl/rollout (issue 4). Checked against torch 2.13
+Owner of the private-API shim: asyncrl/rollout (issue 4). Also ``_set_pg_timeout(timeout, group)`` (the
+collective timeout after the join, issue 13). Checked against torch 2.13
 (signature ``(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
 backend_options=None, timeout=None, pg_tag=None, device_id=None, group_desc=None)``);
 tests/integration/test_engine_process_group.py pins it.
@@ -44,8 +45,13 @@ def init_weight_update_group(
     *,
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    collective_timeout_s: float | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the weight-update group; blocks until all ``world_size`` ranks joined.
+
+    ``timeout_s`` bounds the join; ``collective_timeout_s`` (default: ``timeout_s``) then bounds each
+    collective on the group (one bucket's broadcast), so a long join allowance never becomes the
+    deadline of every later broadcast.
 
     Raises ``RuntimeError`` naming the rendezvous address when the others do not arrive in
     ``timeout_s`` (torch's DistStoreError / timeout is chained), and ``ValueError`` when a group of
@@ -82,6 +88,8 @@ def init_weight_update_group(
             f"rendezvous failed: {e}") from e
     # Identity map group rank -> "global" rank, as SGLang registers it: lets src=<group rank> work.
     _c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    if collective_timeout_s is not None and collective_timeout_s != timeout_s:
+        _c10d._set_pg_timeout(_dt.timedelta(seconds=collective_timeout_s), pg)
     return pg
 
 

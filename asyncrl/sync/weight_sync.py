@@ -189,10 +189,16 @@ def push_buckets(
             tensors = [flatten_bucket(bucket)]
         else:
             tensors = [t.detach().contiguous() for _, t in bucket]
-        works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
-        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
-        for w in works:
-            w.wait()  # all engines answered success: they have every tensor
+        try:
+            works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
+            wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
+            for w in works:
+                w.wait()  # all engines answered success: they have every tensor
+        except EngineStepError:
+            raise
+        except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
+            raise EngineStepError(group.urls, step, f"broadcast of bucket {num_buckets} ({len(bucket)} tensors) "
+                                                    f"failed: {type(e).__name__}: {e}") from e
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
         num_tensors += len(bucket)
@@ -317,11 +323,14 @@ class WeightSyncer:
     def sync(self, buckets: Iterable[Bucket], version: Any) -> SyncResult:
         """One full sync (module contract steps 1-7); returns its figures."""
         t0 = time.perf_counter()
-        self.pause()
-        t1 = time.perf_counter()
-        num_bytes, num_buckets, num_tensors = self.push(buckets)
-        t2 = time.perf_counter()
-        self.finish(version)
+        try:
+            self.pause()
+            t1 = time.perf_counter()
+            num_bytes, num_buckets, num_tensors = self.push(buckets)
+            t2 = time.perf_counter()
+            self.finish(version)
+        except EngineStepError as e:  # name the training step too (the version being pushed)
+            raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
         t3 = time.perf_counter()
         res = SyncResult(
             version=str(version),

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import proc_helpers  # tests/integration/proc_helpers.py
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,12 +24,17 @@ FAKE_SCONTROL = """#!/bin/bash
 # stand-in for Slurm's scontrol: only 'show hostnames LIST' is used by the script
 echo "$@" >> "$FAKE_LOG_DIR/scontrol.args"
 if [ "$1 $2" != "show hostnames" ]; then echo "fake scontrol: unexpected $*" >&2; exit 1; fi
-printf 'gpu-node07\\ngpu-node08\\n'
+printf "${FAKE_NODES:-gpu-node07\\ngpu-node08}\\n"
 """
 
 FAKE_SRUN = """#!/bin/bash
 # stand-in for Slurm's srun: record the argument vector, one argument per line
 printf '%s\\n' "$@" > "$FAKE_LOG_DIR/srun.args"
+if [ -n "${FAKE_PROBE_URL:-}" ]; then  # what a rank would do: ask the retriever
+    "$PYTHON" -c 'import sys, urllib.request; r = urllib.request.Request(sys.argv[1], b"{\\"queries\\": [\\"capital\\"]}",
+        {"Content-Type": "application/json"}); print(urllib.request.urlopen(r, timeout=10).read().decode())' \\
+        "$FAKE_PROBE_URL" > "$FAKE_LOG_DIR/probe.out"
+fi
 echo "fake srun ran"
 """
 
@@ -37,7 +43,7 @@ def _clean_env() -> dict[str, str]:
     env = dict(os.environ)
     for k in list(env):
         if k.startswith("SLURM_") or k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                           "RUN_DIR", "RDZV_PORT", "NPROC_PER_NODE", "TORCHRUN"):
+                                           "RUN_DIR", "RDZV_PORT", "NPROC_PER_NODE", "TORCHRUN") or k.startswith("RETRIEVER_"):
             del env[k]
     return env
 
@@ -58,7 +64,8 @@ def fake_slurm(tmp_path):
         env = _clean_env()
         env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_LOG_DIR=str(logs), PYTHON=sys.executable,
                    SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="gpu-node[07-08]", SLURM_JOB_NUM_NODES="2",
-                   SLURM_SUBMIT_DIR=str(submit), **env_extra)
+                   SLURM_SUBMIT_DIR=str(submit), SLURM_CPUS_PER_TASK="64")  # sbatch sets it from #SBATCH
+        env.update(env_extra)
         return subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=120)
 
@@ -95,10 +102,11 @@ def test_sbatch_builds_one_torchrun_per_node_with_a_job_rendezvous(fake_slurm, c
     assert "fake srun ran" in r.stdout
     assert (logs / "scontrol.args").read_text().split() == ["show", "hostnames", "gpu-node[07-08]"]
     argv = _srun_argv(logs)
-    # srun: one task per node on both nodes, then torchrun
-    assert _value_after(argv, "--nodes") == "2"
-    assert _value_after(argv, "--ntasks-per-node") == "1"
+    # srun: one task per node on both nodes, with the job's CPUs (not inherited since Slurm 22.05), then torchrun
     t = argv.index("torchrun")
+    assert _value_after(argv[:t], "--nodes") == "2"
+    assert _value_after(argv[:t], "--ntasks-per-node") == "1"
+    assert _value_after(argv[:t], "--cpus-per-task") == "64"
     torchrun = argv[t:]
     assert _value_after(torchrun, "--nnodes") == "2"
     assert _value_after(torchrun, "--nproc_per_node") == "8"
@@ -144,6 +152,63 @@ def test_sbatch_outside_slurm_refuses(tmp_path):
     env = _clean_env()
     r = subprocess.run(["bash", str(SBATCH)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode != 0 and "SLURM_JOB_ID" in r.stderr
+
+
+def test_sbatch_uses_no_bash_feature_newer_than_4_2():
+    """Static check (no bash 4.2 here): under ``set -u``, bash < 4.4 fails on ``"${a[@]}"`` of an EMPTY array,
+    so every expansion of the possibly-empty OVERRIDES array carries the ``${a[@]+...}`` guard; and none of
+    the 4.3+ features (namerefs, ``wait -n``, negative subscripts, ``${x@Q}``, ``mapfile -d``) is used."""
+    text = "\n".join(line for line in SBATCH.read_text().splitlines() if not line.lstrip().startswith("#"))
+    guarded = text.count('${OVERRIDES[@]+"${OVERRIDES[@]}"}')
+    assert guarded >= 1 and text.count('"${OVERRIDES[@]}"') == guarded
+    for newer in ("declare -n", "local -n", "wait -n", "[-1]}", "@Q}", "@E}", "@P}", "mapfile -d", "readarray -d"):
+        assert newer not in text, newer
+
+
+@pytest.mark.slow
+def test_sbatch_srun_without_cpus_per_task_passes_none(fake_slurm):
+    run, _, logs = fake_slurm
+    r = run(SLURM_CPUS_PER_TASK="")
+    assert r.returncode == 0, r.stderr
+    assert "--cpus-per-task" not in _srun_argv(logs)
+    # the default config's retriever URL is loopback, called from both nodes: said before srun
+    assert "retriever_url=http://127.0.0.1:8000/retrieve is loopback" in r.stderr
+
+
+@pytest.mark.slow
+def test_sbatch_starts_the_retriever_where_both_nodes_reach_it(fake_slurm, tmp_path):
+    import socket
+
+    run, submit, logs = fake_slurm
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "0", "contents": "Paris is the capital of France"}\n'
+                      '{"id": "1", "contents": "Berlin is a city"}\n')
+    host, port = socket.gethostname(), proc_helpers.free_port()  # the head node is this machine
+    cmd = (f"{sys.executable} -m asyncrl.agent.tools.retrieval_server --corpus {corpus} --host 0.0.0.0 "
+           f"--port {port}")
+    url = f"http://{host}:{port}/retrieve"
+    r = run("configs/searchr1.toml", "runner.max_steps=3", RETRIEVER_CMD=cmd, RETRIEVER_PORT=str(port),
+            FAKE_NODES=f"{host}\\nother-node", FAKE_PROBE_URL=url, PYTHONPATH=str(ROOT))
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert f"retriever ready at {url}" in r.stdout and "loopback" not in r.stderr
+    torchrun = _srun_argv(logs)
+    p = torchrun.index("launch/train.py")
+    run_dir = submit / "runs" / "searchr1-4242"
+    assert torchrun[p + 1:] == ["configs/searchr1.toml", f'logging.run_dir="{run_dir}"',
+                                f'agentloop.tool.retriever_url="{url}"', "runner.max_steps=3"]
+    assert f'retriever_url = "{url}"' in (run_dir / "plan.txt").read_text()
+    assert "Paris is the capital" in (logs / "probe.out").read_text()  # it answered while the job ran
+    assert proc_helpers.pids_mentioning(str(corpus)) == []  # and was stopped with the job
+
+
+@pytest.mark.slow
+def test_sbatch_retriever_that_dies_fails_before_srun(fake_slurm):
+    run, submit, logs = fake_slurm
+    r = run(RETRIEVER_CMD="echo 'no index at /data/e5' >&2; exit 4", RETRIEVER_HOST="127.0.0.1",
+            RETRIEVER_PORT=str(proc_helpers.free_port()))
+    assert r.returncode == 3
+    assert "retriever exited" in r.stderr and "no index at /data/e5" in r.stderr
+    assert not (logs / "srun.args").exists()
 
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
