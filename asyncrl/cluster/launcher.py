@@ -194,7 +194,11 @@ def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement, 
 def _model_shape(model_path: str) -> tuple[ModelShape | None, str]:
     p = Path(model_path) / "config.json"
     if p.is_file():
-        return ModelShape.from_hf_config(json.loads(p.read_text())), str(p)
+        try:
+            return ModelShape.from_hf_config(json.loads(p.read_text())), str(p)
+        except (ValueError, KeyError, TypeError) as e:  # unreadable: the estimate is skipped, loading reports it
+            log.warning("actor memory not estimated: %s is not a usable HF config (%s: %s)", p, type(e).__name__, e)
+            return None, ""
     shape = known_shape(model_path)
     return shape, ("the known shape of " + Path(model_path).name if shape else "")
 
@@ -204,7 +208,7 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
     a = cfg.actor
     shape, source = _model_shape(a.model_path)
     if shape is None:
-        return (f"# actor memory: not estimated (no config.json in actor.model_path = {a.model_path!r} "
+        return (f"# actor memory: not estimated (no usable config.json in actor.model_path = {a.model_path!r} "
                 "and not a known model)")
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     gpu = cfg.rollout.rollout_backend == "sglang"
