@@ -10,10 +10,12 @@ Contract
 - Admission issues a group only while both limits hold (re-checked after every event: a group
   arrives, a group is dropped, a batch is handed over, a trajectory finishes, a worker joins or a
   sync ends):
-    in-flight limit  ``group``:  inflight_groups < max_inflight_groups
-                     ``sample``: inflight_samples + group_size <= max_inflight_groups * group_size
-                     (``inflight_samples`` = trajectories issued and not yet reported finished, so
-                     each finished trajectory frees its own slot: Miles' ``sample`` granularity)
+    in-flight limit  inflight_groups < max_inflight_groups, in both granularities (RLinf: it counts groups)
+                     ``sample`` adds a trajectory budget: inflight_samples + group_size <= max_inflight_samples
+                     (``rollout_buffer.max_concurrent_samples``, unset: max_inflight_groups * group_size);
+                     ``inflight_samples`` = trajectories issued and not yet reported finished, so each
+                     finished trajectory frees its own slot of that budget (Miles' ``sample`` granularity;
+                     it binds only when max_inflight_groups > max_inflight_samples // group_size)
     buffer limit     inflight_groups + buffered_groups < max_buffered_groups
   so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds.
 - Hand-off: the oldest ``rollout_batch_size`` buffered groups (arrival order), after the get-time
@@ -83,6 +85,8 @@ class CoreSettings:
     max_buffered_groups: int
     max_dropped_groups_per_step: int
     submission_granularity: Literal["group", "sample"] = "group"
+    max_inflight_samples: Optional[int] = None
+    """Trajectory budget under ``sample`` (``rollout_buffer.max_concurrent_samples``); None: groups x group_size."""
     unused_groups: Literal["drop", "retry"] = "drop"
     max_staleness: Optional[int] = None
     sync_mode: bool = False
@@ -102,6 +106,7 @@ class CoreSettings:
             max_inflight_groups=rb.max_inflight_groups, max_buffered_groups=rb.max_buffered_groups,
             max_dropped_groups_per_step=rb.max_dropped_groups_per_step,
             submission_granularity=rb.submission_granularity or ("sample" if cfg.runner.async_mode else "group"),
+            max_inflight_samples=rb.max_concurrent_samples,
             unused_groups=rb.unused_groups, max_staleness=cfg.agentloop.max_actor_accept_staleness,
             sync_mode=not cfg.runner.async_mode, seed=cfg.runner.seed, shuffle=cfg.data.shuffle,
             no_data_warning_s=rb.no_data_warning_s, worker_heartbeat_timeout_s=rb.worker_heartbeat_timeout_s,
@@ -479,9 +484,16 @@ class BrokerCore:
         self._wait_buffer = 0.0
 
     def _inflight_ok(self) -> bool:
-        if self.s.submission_granularity == "sample":
-            return self._inflight_samples + self.s.group_size <= self.s.max_inflight_groups * self.s.group_size
-        return len(self._inflight) < self.s.max_inflight_groups
+        return self._inflight_room() > 0
+
+    def _inflight_room(self) -> int:
+        """Groups the in-flight limit admits now: it counts groups; ``sample`` adds the trajectory budget."""
+        s = self.s
+        room = s.max_inflight_groups - len(self._inflight)
+        if s.submission_granularity == "sample":
+            budget = s.max_inflight_samples or s.max_inflight_groups * s.group_size
+            room = min(room, (budget - self._inflight_samples) // s.group_size)  # each issue needs gs free slots
+        return room
 
     def _buffer_ok(self) -> bool:
         return len(self._inflight) + len(self.buffer) < self.s.max_buffered_groups
@@ -513,11 +525,7 @@ class BrokerCore:
             return
         s, gs = self.s, self.s.group_size
         n_inflight = len(self._inflight)
-        if s.submission_granularity == "sample":
-            room = (s.max_inflight_groups * gs - self._inflight_samples) // gs  # each issue needs gs free slots
-        else:
-            room = s.max_inflight_groups - n_inflight
-        n = min(room, s.max_buffered_groups - n_inflight - len(self.buffer))
+        n = min(self._inflight_room(), s.max_buffered_groups - n_inflight - len(self.buffer))
         if n <= 0:
             return
         if allowance < n:

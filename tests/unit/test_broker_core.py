@@ -83,8 +83,10 @@ def test_group_granularity_and_buffer_limit():
 
 
 def test_sample_granularity_frees_a_slot_per_trajectory():
-    core, _ = make(submission_granularity="sample", max_inflight_groups=2, max_buffered_groups=10,
-                   rollout_batch_size=2)
+    """Miles' per-sample freeing, kept as an option: a trajectory budget (max_concurrent_samples = 4) under a group
+    limit set above it (3 groups)."""
+    core, _ = make(submission_granularity="sample", max_inflight_groups=3, max_inflight_samples=4,
+                   max_buffered_groups=10, rollout_batch_size=2)
     core.add_worker("w", capacity=8)
     first = core.take_issues()
     assert len(first) == 2
@@ -93,6 +95,26 @@ def test_sample_granularity_frees_a_slot_per_trajectory():
     core.trajectory_finished(first[1].group_id, 1)
     assert len(core.take_issues()) == 1  # group_size samples freed, whichever groups they came from
     assert core.num_inflight_samples == 4 and core.num_inflight_groups == 3
+    core.trajectory_finished(first[0].group_id, 1)
+    core.trajectory_finished(first[1].group_id, 0)
+    assert core.take_issues() == [] and core.num_inflight_groups == 3  # the group limit still holds
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_the_inflight_limit_counts_groups_in_both_granularities(granularity):
+    """RLinf's max_inflight_groups = 2 is a budget of 2 groups, also under the derived ``sample`` granularity:
+    finished trajectories of unfinished groups never let a third group out."""
+    core, _ = make(submission_granularity=granularity, max_inflight_groups=2, max_buffered_groups=10,
+                   rollout_batch_size=2, group_size=3)
+    core.add_worker("w", capacity=12)
+    first = core.take_issues()
+    assert len(first) == 2
+    for g in first:
+        for i in range(2):  # all but one trajectory of each group
+            core.trajectory_finished(g.group_id, i)
+    assert core.take_issues() == [] and core.num_inflight_groups == 2
+    core.group_finished(first[0].group_id, [traj() for _ in range(3)])
+    assert len(core.take_issues()) == 1 and core.num_inflight_groups == 2
 
 
 def test_staleness_split_and_cap_drops_with_replacement_issue():
