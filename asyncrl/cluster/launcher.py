@@ -26,6 +26,7 @@ from pathlib import Path
 
 from asyncrl.cluster.placement import Placement, parse_placement
 from asyncrl.config import Config, ConfigError, load_config, validate
+from asyncrl.config.derive import explain
 from asyncrl.config.loader import to_dict
 
 log = logging.getLogger("asyncrl.launcher")
@@ -177,6 +178,7 @@ def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement) 
     print(f"# resolved config of {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
     print(render_config(cfg))
     print(render_plan(cfg, placement))
+    print("\n".join(f"# {line}" for line in explain(cfg)) + "\n")
     node = node_rank_from_env()
     if node is not None:
         print(render_node_plan(cfg, placement, node))

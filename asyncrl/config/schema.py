@@ -228,6 +228,9 @@ class RolloutBufferConfig:
     max_inflight_groups defaults to ``value // group_size`` instead."""
     max_buffered_groups: Optional[int] = None
     """Buffer limit (data age): in-flight + buffered < this. Derived: 2 x data.rollout_batch_size."""
+    async_data_buffer_capacity_factor: Optional[float] = None
+    """Miles ``--async-data-buffer-capacity-factor``: the buffer holds floor(factor x data.rollout_batch_size)
+    groups; sets max_buffered_groups (unset: 2.0, the derived 2 x B). Setting both is an error."""
     max_dropped_groups_per_step: Optional[int] = None
     """Stop the run past this many drops in one step. Derived: 10 x data.rollout_batch_size."""
     submission_granularity: Optional[Literal["group", "sample"]] = None
@@ -251,6 +254,7 @@ class RolloutBufferConfig:
         for name in ("max_inflight_groups", "max_concurrent_samples", "max_buffered_groups",
                      "max_dropped_groups_per_step"):
             _positive(getattr(self, name), f"rollout_buffer.{name}")
+        _positive(self.async_data_buffer_capacity_factor, "rollout_buffer.async_data_buffer_capacity_factor")
         _positive(self.no_data_warning_s, "rollout_buffer.no_data_warning_s")
         _positive(self.worker_heartbeat_timeout_s, "rollout_buffer.worker_heartbeat_timeout_s")
 

@@ -73,6 +73,11 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"actor.tensor_model_parallel_size: TP {cfg.actor.tensor_model_parallel_size} x PP "
             f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices")
 
+    if rb.async_data_buffer_capacity_factor is not None and "rollout_buffer.max_buffered_groups" not in cfg.derived:
+        raise ConfigError(
+            f"rollout_buffer.async_data_buffer_capacity_factor: set together with rollout_buffer.max_buffered_groups "
+            f"= {rb.max_buffered_groups}; both size the buffer (the factor sets max_buffered_groups = floor(factor x "
+            f"rollout_batch_size)): set only one")
     if rb.max_buffered_groups < B:
         raise ConfigError(
             f"rollout_buffer.max_buffered_groups: {rb.max_buffered_groups} is below data.rollout_batch_size "

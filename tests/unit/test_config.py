@@ -254,3 +254,43 @@ def test_warning_buffer_below_two_batches(tmp_path):
 def test_defaults_give_no_buffer_warnings(tmp_path):
     ws = validate(load(tmp_path, overrides=["rollout_buffer.max_inflight_groups=4"]), world_size=4)
     assert ws == []
+
+
+# ---- seed parity (issue 17) -----------------------------------------------------------------------
+
+
+def test_colocated_placement_is_rejected_with_the_reason(tmp_path):
+    text = BASE.replace("async_mode = true", "async_mode = false").replace(
+        'component_placement = { actor = "0-1", "rollout,reward" = "2-3" }',
+        'component_placement = { "actor,rollout,reward" = "0-3" }')
+    msg = check(tmp_path, [], "cluster.component_placement", text=text)
+    assert "colocated placement is not supported" in msg and "[0, 1, 2, 3]" in msg and "no engine" in msg
+
+
+@pytest.mark.parametrize("factor,B,expected", [(None, 4, 8), (2.0, 4, 8), (1.5, 3, 4), (3.7, 2, 7)])
+def test_capacity_factor_sets_the_buffer_limit(tmp_path, factor, B, expected):
+    from asyncrl.config.derive import explain
+
+    ov = [f"data.rollout_batch_size={B}"] + (
+        [] if factor is None else [f"rollout_buffer.async_data_buffer_capacity_factor={factor}"])
+    cfg = load(tmp_path, overrides=ov)
+    validate(cfg, world_size=4)
+    assert cfg.rollout_buffer.max_buffered_groups == expected  # floor(factor x B)
+    assert "rollout_buffer.max_buffered_groups" in cfg.derived
+    shown = "\n".join(explain(cfg))
+    assert f"max_buffered_groups = floor({2.0 if factor is None else factor:g} x rollout_batch_size {B}) = {expected}" \
+        in shown
+
+
+def test_capacity_factor_and_max_buffered_groups_together_are_an_error(tmp_path):
+    msg = check(tmp_path, ["rollout_buffer.async_data_buffer_capacity_factor=2.0",
+                           "rollout_buffer.max_buffered_groups=8"], "rollout_buffer.async_data_buffer_capacity_factor")
+    assert "set only one" in msg
+
+
+def test_dry_run_explains_what_the_derived_sample_granularity_changes(tmp_path):
+    from asyncrl.config.derive import explain
+
+    cfg = load(tmp_path, overrides=["rollout_buffer.max_inflight_groups=77"])
+    line = next(x for x in explain(cfg) if "submission_granularity" in x)
+    assert '"sample" (derived from runner.async_mode)' in line and "at most max_inflight_groups = 77 groups" in line
