@@ -19,7 +19,8 @@ Contract
     buffer limit     inflight_groups + buffered_groups < max_buffered_groups
   so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds.
 - Hand-off: the oldest ``rollout_batch_size`` buffered groups (arrival order), after the get-time
-  staleness filter. staleness = actor version at the start of the step - group.min_version;
+  staleness filter (Miles: engines' current version - group.min_version, the stalest trajectory's).
+  RLinf's staleness (``rollout/data_staleness/*``) = actor version at the start of the step - group.min_version;
   it splits exactly into version_span = finished_version - min_version (versions that passed while
   the group generated; finished_version = max(broker version at arrival, group.max_version)) and
   queue_steps = actor version - finished_version (versions it waited in the buffer).
@@ -588,7 +589,9 @@ class BrokerCore:
             return
         if self.s.max_staleness is None and len(self.buffer) < self.s.rollout_batch_size:
             return
-        groups, rejected = self.buffer.get(self.s.rollout_batch_size, actor_version=req.actor_version)
+        # Miles' staleness (get-time filter, rollout/fully_async/*) is against the engines' current version;
+        # RLinf's rollout/data_staleness/* (_step_metrics) against the actor's
+        groups, rejected = self.buffer.get(self.s.rollout_batch_size, engine_version=self.version)
         for r in rejected:
             self._reject(r)
         if groups is None or self.failure is not None:

@@ -194,8 +194,8 @@ class AgentLoopConfig:
     task_name: Optional[str] = None
     """Agent task (``searchr1``); required in async mode."""
     max_actor_accept_staleness: Optional[int] = None
-    """Drop groups staler than this before training (Miles ``--max-weight-staleness``).
-    Unset: staleness is measured, not capped."""
+    """Drop groups staler than this before training (Miles ``--max-weight-staleness``): the engines' current
+    weight version minus the group's oldest (stalest trajectory's) version. Unset: measured, not capped."""
     max_turns: int = 2
     """Generate calls per trajectory."""
     max_tokens_per_turn: int = 500

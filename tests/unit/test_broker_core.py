@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import msgpack
 import numpy as np
@@ -23,7 +24,7 @@ def reject_short(group):
 class LifoBuffer(DefaultDataBuffer):
     """A custom DataBuffer (by import path) that hands over the newest groups."""
 
-    def get(self, num_groups, *, actor_version):
+    def get(self, num_groups, *, engine_version):
         if len(self._q) < num_groups:
             return None, []
         return [self._q.pop() for _ in range(num_groups)], []
@@ -417,3 +418,73 @@ def test_trajectory_versions_are_validated_on_both_formats():
                           [b"\x00" * 17]), allowed=P.WORKER_TYPES)
     ((gid, (t,), aborted, error),) = P.unpack_finished_groups(m)
     assert (gid, t.min_version, t.num_turns, aborted, error) == (1, 2, 3, False, "")
+
+
+# ---- seed parity (issue 17): Miles' staleness, the stalest trajectory, Miles' DataBuffer interface ----------
+
+
+def finish_mixed(core, gid, vmins):
+    """A group whose trajectories were generated under different versions (one per trajectory)."""
+    return core.group_finished(gid, [traj(v, vmax=max(vmins)) for v in vmins])
+
+
+def test_miles_staleness_is_against_the_engines_version_rlinf_against_the_actors():
+    """rollout.update_weights_interval = 2: the actor is at version 3 while the engines still serve version 2.
+    Miles' filter and rollout/fully_async/* measure against the engines (2), RLinf's rollout/data_staleness/*
+    against the actor (3); each group's staleness is its stalest trajectory's."""
+    core, _ = make(max_staleness=1, max_buffered_groups=6, max_inflight_groups=3, rollout_batch_size=2)
+    core.add_worker("w", capacity=8)
+    a, b, c = core.take_issues()
+    core.sync_end(2)
+    finish_mixed(core, a.group_id, [2, 1])  # stalest trajectory at 1: engine staleness 1 (kept), actor's 2
+    finish_mixed(core, b.group_id, [2, 2])
+    finish_mixed(core, c.group_id, [2, 0])  # stalest trajectory at 0: staleness 2 > 1, dropped
+    core.request_batch(7, actor_version=3)
+    batch = core.take_batch()
+    assert [d.group_id for d in core.take_drops()] == [c.group_id]
+    assert [g.group_id for g in batch.groups] == [a.group_id, b.group_id]
+    m = batch.metrics
+    assert m["rollout/fully_async/avg_staleness"] == 0.5 and m["rollout/fully_async/max_staleness"] == 1.0
+    assert m["rollout/fully_async/stale_groups_filtered"] == 1.0
+    assert m["rollout/data_staleness/mean"] == 1.5 and m["rollout/data_staleness/max"] == 2.0
+
+
+class MilesStyleBuffer:
+    """Written to Miles' interface only: put(group), a blocking get() of one group, get_metrics()."""
+
+    def __init__(self):
+        self._q, self._cv, self.puts = [], threading.Condition(), 0
+
+    def put(self, group):
+        self.puts += 1
+        if group.item.index == 0:
+            return False  # rejected: dropped
+        with self._cv:
+            self._q.append(group)
+            self._cv.notify()
+
+    def get(self):
+        with self._cv:
+            assert self._cv.wait_for(lambda: self._q, timeout=5.0), "get() called with nothing available"
+            return self._q.pop(0)
+
+    def get_metrics(self):
+        return {"rollout/fully_async/queue_size": len(self._q), "custom/puts": self.puts}
+
+
+def test_a_miles_interface_buffer_drops_in_through_the_adapter():
+    from asyncrl.broker.buffer import MilesBufferAdapter
+
+    buf = make_data_buffer(BufferSettings(), f"{__name__}:MilesStyleBuffer")
+    assert isinstance(buf, MilesBufferAdapter) and isinstance(buf.inner, MilesStyleBuffer)
+    core, _ = make(custom_data_buffer_path=f"{__name__}:MilesStyleBuffer", max_inflight_groups=3, shuffle=False,
+                   max_buffered_groups=6)
+    core.add_worker("w", capacity=8)
+    issues = core.take_issues()
+    for i in issues:
+        finish(core, i.group_id)
+    core.request_batch(0)
+    batch = core.take_batch()
+    assert [g.item.index for g in batch.groups] == [1, 2]  # prompt 0 rejected by put(), the rest in put order
+    assert [d.reason for d in core.take_drops()] == ["rejected"]
+    assert batch.metrics["custom/puts"] == 3.0 and core.buffer.inner.engine_version == 0
