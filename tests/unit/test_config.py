@@ -294,3 +294,34 @@ def test_dry_run_explains_what_the_derived_sample_granularity_changes(tmp_path):
     cfg = load(tmp_path, overrides=["rollout_buffer.max_inflight_groups=77"])
     line = next(x for x in explain(cfg) if "submission_granularity" in x)
     assert '"sample" (derived from runner.async_mode)' in line and "at most max_inflight_groups = 77 groups" in line
+
+
+MILES_PAGE_FLAGS = [  # every flag named on Miles' fully-async page
+    "fully-async", "rollout-batch-size", "async-max-concurrent-samples", "rollout-submission-granularity",
+    "n-samples-per-prompt", "update-weights-interval", "pause-generation-mode", "async-data-buffer-capacity-factor",
+    "max-weight-staleness", "async-unused-samples-handler", "custom-async-data-buffer-path",
+    "dynamic-sampling-filter-path", "rollout-sample-filter-path", "eval-num-gpus", "eval-function-path",
+    "eval-interval", "eval-hf-dir", "eval-prompt-data", "eval-sglang-mem-fraction-static",
+    "no-eval-sglang-enable-dp-attention", "eval-num-gpus-per-engine", "save-hf", "eval-overflow-policy",
+    "eval-keep-snapshots", "eval-max-in-flight", "sglang-mem-fraction-static", "custom-rollout-log-function-path",
+    "custom-eval-rollout-log-function-path", "eval-backend"]
+
+
+@pytest.mark.parametrize("flag", MILES_PAGE_FLAGS)
+def test_every_miles_flag_is_answered_with_the_projects_key(tmp_path, flag):
+    from asyncrl.config.seeds import project_key
+
+    key = project_key(flag)
+    assert key is not None
+    for spelling in (flag.replace("-", "_"), flag):  # as a config key, with or without dashes, at the top level
+        msg = check(tmp_path, [f"{spelling}=1"], spelling)
+        assert f"did you mean '{key}'?" in msg and f"Miles' --{flag}" in msg
+    doc = (ROOT / "docs/seed_mapping.md").read_text()
+    assert f"`--{flag.removeprefix('no-').split('-sglang-')[0]}" in doc  # the mapping table has its row
+
+
+def test_a_miles_flag_inside_a_section_is_answered_not_guessed(tmp_path):
+    msg = check(tmp_path, ["rollout_buffer.max_weight_staleness=1"], "rollout_buffer.max_weight_staleness")
+    assert "did you mean 'agentloop.max_actor_accept_staleness'?" in msg
+    msg = check(tmp_path, ["rollout_buffer.rollout_submission_granularity=\"group\""], "rollout_submission")
+    assert "did you mean 'rollout_buffer.submission_granularity'?" in msg
