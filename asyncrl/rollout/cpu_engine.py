@@ -15,6 +15,8 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   tensor's raw bytes back to back, in that order, as SGLang's FlattenedTensorBucket), on the engine
   thread, so a weight load never overlaps a forward. ``/update_weights_from_disk`` reads a HF
   safetensors directory on a worker thread and copies it in on the engine thread the same way.
+- Context length as SGLang: a prompt of ``context_length`` tokens or more, or an explicit ``max_new_tokens``
+  that with the prompt reaches it, is rejected (400, the message names the lengths), never capped.
 - Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control
   calls answer ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while
   requests are running.
@@ -224,7 +226,8 @@ class CpuEngine:
             if rids is not None and (not isinstance(rids, list) or len(rids) != n_prompts):
                 raise RequestError("rid: a batch needs a list of rids, one per prompt")
         rid_list = (rids if rids is not None else [None] * n_prompts) if batch else [rids]
-        params_list = [parse_sampling_params(p) for p in per("sampling_params", {})]
+        raw_params = per("sampling_params", {})
+        params_list = [parse_sampling_params(p) for p in raw_params]
         rlp = per("return_logprob", False)
         lsl = per("logprob_start_len", -1)
         loop = asyncio.get_running_loop()
@@ -239,6 +242,8 @@ class CpuEngine:
             if bad:
                 raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
             p = params_list[i]
+            self._check_context(len(prompt), p.max_new_tokens, asked=isinstance(raw_params[i], dict) and
+                                raw_params[i].get("max_new_tokens") is not None)
             for k in range(p.n):
                 base = rid_list[i] if rid_list[i] is not None else new_rid()
                 rid = str(base) if p.n == 1 else f"{base}_{k}"
@@ -265,6 +270,17 @@ class CpuEngine:
         if not batch and len(outs) == 1:
             return web.json_response(outs[0])
         return web.json_response(list(outs))
+
+    def _check_context(self, n_prompt: int, max_new: int, *, asked: bool) -> None:
+        """As SGLang: a prompt that fills the context, or an explicit max_new_tokens that with the prompt reaches
+        it, is a 400 naming the lengths (never a silently shorter output)."""
+        ctx = self.scheduler.context_length
+        if n_prompt >= ctx:
+            raise RequestError(f"the prompt has {n_prompt} tokens; the model's context length is {ctx} tokens")
+        if asked and n_prompt + max_new >= ctx:
+            raise RequestError(
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) = {n_prompt + max_new} tokens reaches the "
+                f"model's context length ({ctx} tokens); shorten the prompt or lower max_new_tokens")
 
     @staticmethod
     def _deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
