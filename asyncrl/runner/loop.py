@@ -219,11 +219,18 @@ class _LeaderParts:
             self.broker.batch_filtered(removed)
         m["rollout/sample_filter/kept_groups"] = float(len(groups))
         m["rollout/sample_filter/removed_groups"] = float(len(removed))
-        m.update(batch.metrics)
-        m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
+        m.update(wait_split(batch.metrics, batch.wait_s, async_mode=cfg.runner.async_mode))
         m.update(rollout_metrics(groups))
         self.last_groups = groups
         return groups, m
+
+
+def wait_split(batch_metrics: dict[str, float], wait_s: float, *, async_mode: bool) -> dict[str, float]:
+    """The batch's metrics with its wait counted once: ``time/wait_data`` in async mode, ``time/rollout`` in sync
+    mode (RLinf's split: sync time/step = rollout + training + sync_weights, async = training + wait_data + sync)."""
+    m = {k: v for k, v in batch_metrics.items() if k not in ("time/wait_data", "time/rollout")}
+    m["time/wait_data" if async_mode else "time/rollout"] = wait_s
+    return m
 
 
 def batch_timeout_s(cfg) -> float:
