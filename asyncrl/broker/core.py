@@ -193,6 +193,7 @@ class BrokerCore:
                 else DefaultDataBuffer(bs)
         self.buffer = data_buffer
         self.version = 0
+        self.num_skipped_long_prompts = 0  # data.max_prompt_tokens (set by the server)
         self.failure: Optional[BrokerError] = None
         self._inflight: dict[int, _Inflight] = {}
         self._inflight_samples = 0
@@ -634,6 +635,7 @@ class BrokerCore:
             "rollout/buffer/step_duration_s": dur,
             "rollout/epoch": float(max(g.epoch for g in groups)),
             "rollout/weight_version": float(v),
+            "data/skipped_long_prompts": float(self.num_skipped_long_prompts),
             "time/wait_data": wait_s,
         }
         for k, c in sorted(Counter(st).items()):

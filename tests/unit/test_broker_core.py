@@ -488,3 +488,30 @@ def test_a_miles_interface_buffer_drops_in_through_the_adapter():
     assert [g.item.index for g in batch.groups] == [1, 2]  # prompt 0 rejected by put(), the rest in put order
     assert [d.reason for d in core.take_drops()] == ["rejected"]
     assert batch.metrics["custom/puts"] == 3.0 and core.buffer.inner.engine_version == 0
+
+
+def test_max_prompt_tokens_skips_long_prompts_with_a_counted_warning_and_a_metric(tmp_path, caplog):
+    """data.max_prompt_tokens: counted as the agent loop sends the prompt (task template, rollout tokenizer)."""
+    from asyncrl.broker.server import skip_long_prompts
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,
+                                 intermediate_size=64)
+    prompts = [PromptItem(0, "who wrote it?"), PromptItem(1, "who " * 400 + "wrote it?"), PromptItem(2, "where?")]
+    base = ['agentloop.task_name="searchr1"', f'actor.model_path="{model}"']
+    cfg = load_config(None, base + ["data.max_prompt_tokens=300"])
+    with caplog.at_level(logging.WARNING, logger="asyncrl.broker"):
+        kept, skipped = skip_long_prompts(cfg, prompts)
+    assert [p.index for p in kept] == [0, 2] and [i for i, _ in skipped] == [1] and skipped[0][1] > 300
+    assert "data.max_prompt_tokens = 300: skipped 1 of 3 prompts" in caplog.text
+    core = BrokerCore(kept, settings=CoreSettings.from_config(load_config(None, ["data.rollout_batch_size=1",
+                                                                                  "algorithm.group_size=1"])),
+                      clock=lambda: 0.0)
+    core.num_skipped_long_prompts = len(skipped)
+    core.add_worker("w", capacity=4)
+    core.request_batch(0)  # sync mode: issued on request
+    issue = core.take_issues()[0]
+    core.group_finished(issue.group_id, [traj()])
+    assert core.take_batch().metrics["data/skipped_long_prompts"] == 1.0
+    with pytest.raises(ValueError, match="data.max_prompt_tokens"):
+        skip_long_prompts(load_config(None, base + ["data.max_prompt_tokens=5"]), prompts)
