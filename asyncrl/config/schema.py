@@ -101,7 +101,7 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class SGLangConfig:
     backend_type: Literal["server", "engine"] = "server"
-    """RLinf ``rollout.sglang.backend_type``; async mode requires ``server``."""
+    """RLinf ``rollout.sglang.backend_type``; only ``server`` is implemented (``engine`` is rejected, naming why)."""
     mem_fraction_static: float = 0.8
     """SGLang ``--mem-fraction-static``."""
     extra_args: list[str] = field(default_factory=list)
@@ -270,7 +270,8 @@ class DataConfig:
     shuffle: bool = True
     """Seeded shuffle per epoch."""
     max_prompt_tokens: int = 4096
-    """Prompts longer than this are skipped with a counted warning."""
+    """Prompts longer than this (as the agent loop sends them) are skipped by the broker with a counted warning
+    and ``data/skipped_long_prompts``."""
 
     def __post_init__(self):
         _positive(self.rollout_batch_size, "data.rollout_batch_size")
@@ -281,7 +282,6 @@ class DataConfig:
 class AlgorithmConfig:
     group_size: int = 5
     """Trajectories per prompt (GRPO group)."""
-    adv_estimator: Literal["grpo"] = "grpo"
     normalize_adv_by_std: bool = True
     """GRPO: divide the group-centred reward by the group's std."""
     clip_ratio_low: float = 0.2

@@ -62,6 +62,10 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
                 "rejected in async mode; use \"retract\" (default), \"in_place\" or \"drain\"")
     elif cfg.rollout.pause_mode not in PAUSE_MODES + ("abort",):  # pragma: no cover - Literal catches it
         raise ConfigError(f"rollout.pause_mode: must be one of {PAUSE_MODES}")
+    if cfg.rollout.sglang.backend_type != "server":
+        raise ConfigError(
+            "rollout.sglang.backend_type: only \"server\" is implemented (SGLang runs as an HTTP server beside each "
+            "rollout rank, in both modes); the in-process \"engine\" backend is not; set backend_type = \"server\"")
 
     placement = parse_placement(
         cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size)
