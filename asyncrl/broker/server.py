@@ -371,8 +371,8 @@ def tune_gc() -> None:
 
 def skip_long_prompts(cfg, prompts: list) -> tuple[list, list[tuple[int, int]]]:
     """``data.max_prompt_tokens``: count each prompt as the agent loop will send it (the task's template, the
-    rollout tokenizer) and skip the longer ones with one counted warning. Without a task there is no template
-    to count with: nothing is skipped."""
+    rollout tokenizer) and skip the longer ones with one counted warning. Without a task or a tokenizer (a broker
+    run on its own) there is nothing to count with: nothing is skipped, with a warning for a missing tokenizer."""
     from asyncrl.broker.dataloader import drop_long_prompts
 
     if not cfg.agentloop.task_name:
@@ -381,7 +381,12 @@ def skip_long_prompts(cfg, prompts: list) -> tuple[list, list[tuple[int, int]]]:
     from asyncrl.agent.tokenizer import AgentTokenizer
 
     task = get_task(cfg.agentloop.task_name)
-    tok = AgentTokenizer.from_pretrained(cfg.rollout.model_path or cfg.actor.model_path)
+    path = cfg.rollout.model_path or cfg.actor.model_path
+    try:
+        tok = AgentTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as e:  # a broker run on its own (no model): nothing to count with
+        log.warning("data.max_prompt_tokens is not applied: no tokenizer to count prompts with (%s)", e)
+        return prompts, []
     chat = cfg.agentloop.chat_template
 
     def count(item) -> int:
