@@ -254,3 +254,43 @@ def test_an_export_that_raises_is_a_skipped_point_and_training_goes_on(tmp_path)
         assert pe.after_step(3) == {}
     finally:
         assert pe.finish(4) == []
+
+
+class GatedEval(FileEval):
+    """FileEval held on a class-level gate (PeriodicEval builds the instance itself)."""
+
+    GATE = threading.Event()
+    STARTED = threading.Event()
+
+    def evaluate_checkpoint(self, checkpoint_dir, input):  # noqa: A002
+        GatedEval.STARTED.set()
+        assert GatedEval.GATE.wait(WAIT_S)
+        return super().evaluate_checkpoint(checkpoint_dir, input)
+
+
+class _ExportsValue:
+    version = 0
+
+    def export_hf(self, d):
+        Path(d).mkdir(parents=True, exist_ok=True)
+        (Path(d) / "value.txt").write_text("0.5")
+
+
+def test_a_due_point_without_a_slot_under_skip_is_eval_skipped_busy_at_its_step(tmp_path):
+    from asyncrl.config import load_config
+    from asyncrl.runner.evaluation import PeriodicEval
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs/tiny.toml", [
+        f'eval.eval_function_path="{__name__}:GatedEval"', "eval.eval_interval=2", f'eval.eval_hf_dir="{tmp_path}"',
+        'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=1"])
+    pe = PeriodicEval(cfg, actor=_ExportsValue(), is_leader=True)
+    try:
+        assert "eval/export_time_seconds" in pe.after_step(2)
+        assert GatedEval.STARTED.wait(WAIT_S)
+        m = pe.after_step(4)  # the only slot is busy: skipped, at step 4
+        assert m == {"eval/skipped": 1.0, "eval/skipped_busy": 1.0}
+    finally:
+        GatedEval.GATE.set()
+        points = dict(pe.finish(4))
+    assert points[2]["eval/step"] == 2.0 and points[2]["eval/value"] == 0.5
