@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s broker: %(message)s")
+    # operator-facing warnings (no completed groups, dead workers, drops) reach the console too, not only the log
+    console = logging.StreamHandler(sys.stdout)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(logging.Formatter("[broker] %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(console)
     from asyncrl.config import load_config
 
     cfg = load_config(args.config, args.overrides)

@@ -5,25 +5,37 @@ Contract
   here: an aborted group is rejected with ``handler="unused"`` (the core applies
   ``rollout_buffer.unused_groups``: drop or retry); a dynamic-sampling filter that returns a reason
   rejects with ``handler="drop"`` (always dropped, counted as ``rollout/dynamic_filter/drop_<reason>``).
-- ``get(num_groups, *, actor_version) -> (groups | None, rejections)``: called when the actor needs a
-  batch. The get-time filter drops every group whose staleness (``actor_version - group.min_version``)
-  exceeds the cap (``handler="unused"``); then, if at least ``num_groups`` remain, the **oldest**
+- ``get(num_groups, *, engine_version) -> (groups | None, rejections)``: called when the actor needs a
+  batch. Staleness is Miles': ``engine_version - group.min_version``, the engines' current weight version
+  minus the group's oldest (its stalest trajectory's) version. The get-time filter drops every group whose
+  staleness exceeds the cap (``handler="unused"``); then, if at least ``num_groups`` remain, the **oldest**
   ``num_groups`` (arrival order) are removed and returned, else ``None`` (nothing else removed).
   This is Miles' per-group ``get()`` batched, so the core can hand a batch over atomically.
-- ``get_metrics() -> dict``: what the buffer did since the previous call (one call per step).
+- ``get_metrics() -> dict``: what the buffer did since the previous call (one call per step):
+  ``rollout/fully_async/*`` with the staleness above (RLinf's ``rollout/data_staleness/*``, computed by the
+  core, is against the actor's version instead; they differ when ``rollout.update_weights_interval > 1``).
 - ``__len__``, ``groups()`` (arrival order, for metrics and checkpoints) and ``restore(groups)``.
 
-A custom buffer is named by ``rollout_buffer.custom_data_buffer_path = "module:Class"``; the class
-is constructed as ``Class(settings: BufferSettings)`` and takes over every group-level decision.
+A custom buffer is named by ``rollout_buffer.custom_data_buffer_path = "module:Class"``. Two interfaces
+are accepted, told apart automatically:
+- this batched one: a ``DataBuffer`` subclass, constructed as ``Class(settings: BufferSettings)``;
+- Miles' per-group one: any class with ``put(group)`` (``False`` rejects the group: dropped; anything
+  else keeps it), ``get()`` returning ONE group and waiting if none is available, and ``get_metrics()``;
+  constructed as ``Class(settings)`` if it takes an argument, else ``Class()``, and wrapped in
+  ``MilesBufferAdapter``. The adapter calls ``get()`` only while a group is available (``len(obj)``
+  when the class defines it, else groups kept minus groups taken), so the broker never blocks on it, and
+  sets ``obj.engine_version`` before each batch for its own staleness decisions.
+Either takes over every group-level decision.
 
     buf = DefaultDataBuffer(BufferSettings(max_staleness=2))
-    buf.put(group); groups, rejected = buf.get(8, actor_version=5)
+    buf.put(group); groups, rejected = buf.get(8, engine_version=5)
 """
 
 from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,9 +68,10 @@ class BufferSettings:
     extra: dict = field(default_factory=dict)
 
 
-def staleness(group: Group, actor_version: int) -> int:
-    """Actor version at the start of the step - the earliest version any token was generated with."""
-    return actor_version - group.min_version
+def staleness(group: Group, version: int) -> int:
+    """``version`` (Miles: the engines' current version; RLinf: the actor's) - the earliest version any token
+    of any trajectory of the group was generated with (its stalest trajectory)."""
+    return version - group.min_version
 
 
 class DataBuffer(abc.ABC):
@@ -69,7 +82,7 @@ class DataBuffer(abc.ABC):
     def put(self, group: Group) -> Optional[Rejection]: ...
 
     @abc.abstractmethod
-    def get(self, num_groups: int, *, actor_version: int) -> tuple[Optional[list[Group]], list[Rejection]]: ...
+    def get(self, num_groups: int, *, engine_version: int) -> tuple[Optional[list[Group]], list[Rejection]]: ...
 
     @abc.abstractmethod
     def get_metrics(self) -> dict[str, float]: ...
@@ -119,14 +132,14 @@ class DefaultDataBuffer(DataBuffer):
         self._min_version[group.group_id] = min([t.min_version for t in trajs]) if trajs else group.min_version
         return None
 
-    def get(self, num_groups: int, *, actor_version: int) -> tuple[Optional[list[Group]], list[Rejection]]:
+    def get(self, num_groups: int, *, engine_version: int) -> tuple[Optional[list[Group]], list[Rejection]]:
         rejected: list[Rejection] = []
         cap = self.settings.max_staleness
         mv = self._min_version
-        if cap is not None and self._q and actor_version - min(mv.values()) > cap:
+        if cap is not None and self._q and engine_version - min(mv.values()) > cap:
             kept: deque[Group] = deque()
             for g in self._q:
-                if actor_version - mv[g.group_id] > cap:
+                if engine_version - mv[g.group_id] > cap:
                     rejected.append(Rejection(g, "stale", "unused"))
                     del mv[g.group_id]
                 else:
@@ -138,9 +151,9 @@ class DefaultDataBuffer(DataBuffer):
         self._queue_size = len(self._q)
         pop = self._q.popleft
         out = [pop() for _ in range(num_groups)]
-        self._consumed.extend([actor_version - mv.pop(g.group_id) for g in out])
+        self._consumed.extend([engine_version - mv.pop(g.group_id) for g in out])
         # staleness of what stays buffered: mean and max from the cached min versions (no per-group objects)
-        self._buffer_staleness = (actor_version - sum(mv.values()) / len(mv), actor_version - min(mv.values())) \
+        self._buffer_staleness = (engine_version - sum(mv.values()) / len(mv), engine_version - min(mv.values())) \
             if mv else (0.0, 0)
         return out, rejected
 
@@ -191,11 +204,56 @@ def import_path(path: str, key: str):
     return obj
 
 
+class MilesBufferAdapter(DataBuffer):
+    """Miles' per-group DataBuffer (``put(group)``, blocking ``get()`` of one group, ``get_metrics()``) behind
+    the batched interface. It never blocks: ``get()`` is called only for groups known to be available."""
+
+    def __init__(self, settings: BufferSettings, inner: object):
+        super().__init__(settings)
+        self.inner = inner
+        self._kept = 0  # put and kept - taken (when the class has no __len__)
+
+    def put(self, group: Group) -> Optional[Rejection]:
+        if self.inner.put(group) is False:
+            return Rejection(group, "rejected", "drop")
+        self._kept += 1
+        return None
+
+    def get(self, num_groups: int, *, engine_version: int) -> tuple[Optional[list[Group]], list[Rejection]]:
+        self.inner.engine_version = engine_version
+        if len(self) < num_groups:
+            return None, []
+        out = [self.inner.get() for _ in range(num_groups)]
+        self._kept -= num_groups
+        return out, []
+
+    def get_metrics(self) -> dict[str, float]:
+        return {str(k): float(v) for k, v in (self.inner.get_metrics() or {}).items()}
+
+    def __len__(self) -> int:
+        return len(self.inner) if hasattr(type(self.inner), "__len__") else self._kept
+
+    def groups(self) -> list[Group]:
+        return []  # opaque: its content is the class's own
+
+    def restore(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.put(g)
+
+
+def _is_miles_buffer(cls: object) -> bool:
+    return isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in ("put", "get", "get_metrics"))
+
+
 def make_data_buffer(settings: BufferSettings, custom_path: Optional[str]) -> DataBuffer:
+    """The built-in buffer, a ``DataBuffer`` subclass, or a Miles-interface class wrapped in the adapter."""
     if custom_path is None:
         return DefaultDataBuffer(settings)
     cls = import_path(custom_path, "rollout_buffer.custom_data_buffer_path")
-    if not (isinstance(cls, type) and issubclass(cls, DataBuffer)):
-        raise ValueError(f"rollout_buffer.custom_data_buffer_path: {custom_path!r} is not a DataBuffer subclass "
-                         f"(asyncrl.broker.buffer.DataBuffer)")
-    return cls(settings)
+    if isinstance(cls, type) and issubclass(cls, DataBuffer):
+        return cls(settings)
+    if _is_miles_buffer(cls):
+        takes_arg = len(inspect.signature(cls).parameters) > 0
+        return MilesBufferAdapter(settings, cls(settings) if takes_arg else cls())
+    raise ValueError(f"rollout_buffer.custom_data_buffer_path: {custom_path!r} is neither a DataBuffer subclass "
+                     f"(asyncrl.broker.buffer.DataBuffer) nor a class with Miles' put(group), get() and get_metrics()")

@@ -10,14 +10,17 @@ Contract
 - Admission issues a group only while both limits hold (re-checked after every event: a group
   arrives, a group is dropped, a batch is handed over, a trajectory finishes, a worker joins or a
   sync ends):
-    in-flight limit  ``group``:  inflight_groups < max_inflight_groups
-                     ``sample``: inflight_samples + group_size <= max_inflight_groups * group_size
-                     (``inflight_samples`` = trajectories issued and not yet reported finished, so
-                     each finished trajectory frees its own slot: Miles' ``sample`` granularity)
+    in-flight limit  inflight_groups < max_inflight_groups, in both granularities (RLinf: it counts groups)
+                     ``sample`` adds a trajectory budget: inflight_samples + group_size <= max_inflight_samples
+                     (``rollout_buffer.max_concurrent_samples``, unset: max_inflight_groups * group_size);
+                     ``inflight_samples`` = trajectories issued and not yet reported finished, so each
+                     finished trajectory frees its own slot of that budget (Miles' ``sample`` granularity;
+                     it binds only when max_inflight_groups > max_inflight_samples // group_size)
     buffer limit     inflight_groups + buffered_groups < max_buffered_groups
   so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds.
 - Hand-off: the oldest ``rollout_batch_size`` buffered groups (arrival order), after the get-time
-  staleness filter. staleness = actor version at the start of the step - group.min_version;
+  staleness filter (Miles: engines' current version - group.min_version, the stalest trajectory's).
+  RLinf's staleness (``rollout/data_staleness/*``) = actor version at the start of the step - group.min_version;
   it splits exactly into version_span = finished_version - min_version (versions that passed while
   the group generated; finished_version = max(broker version at arrival, group.max_version)) and
   queue_steps = actor version - finished_version (versions it waited in the buffer).
@@ -85,6 +88,8 @@ class CoreSettings:
     max_buffered_groups: int
     max_dropped_groups_per_step: int
     submission_granularity: Literal["group", "sample"] = "group"
+    max_inflight_samples: Optional[int] = None
+    """Trajectory budget under ``sample`` (``rollout_buffer.max_concurrent_samples``); None: groups x group_size."""
     unused_groups: Literal["drop", "retry"] = "drop"
     max_staleness: Optional[int] = None
     sync_mode: bool = False
@@ -104,6 +109,7 @@ class CoreSettings:
             max_inflight_groups=rb.max_inflight_groups, max_buffered_groups=rb.max_buffered_groups,
             max_dropped_groups_per_step=rb.max_dropped_groups_per_step,
             submission_granularity=rb.submission_granularity or ("sample" if cfg.runner.async_mode else "group"),
+            max_inflight_samples=rb.max_concurrent_samples,
             unused_groups=rb.unused_groups, max_staleness=cfg.agentloop.max_actor_accept_staleness,
             sync_mode=not cfg.runner.async_mode, seed=cfg.runner.seed, shuffle=cfg.data.shuffle,
             no_data_warning_s=rb.no_data_warning_s, worker_heartbeat_timeout_s=rb.worker_heartbeat_timeout_s,
@@ -189,6 +195,7 @@ class BrokerCore:
                 else DefaultDataBuffer(bs)
         self.buffer = data_buffer
         self.version = 0
+        self.num_skipped_long_prompts = 0  # data.max_prompt_tokens (set by the server)
         self.failure: Optional[BrokerError] = None
         self._inflight: dict[int, _Inflight] = {}
         self._inflight_samples = 0
@@ -495,9 +502,16 @@ class BrokerCore:
         self._wait_buffer = 0.0
 
     def _inflight_ok(self) -> bool:
-        if self.s.submission_granularity == "sample":
-            return self._inflight_samples + self.s.group_size <= self.s.max_inflight_groups * self.s.group_size
-        return len(self._inflight) < self.s.max_inflight_groups
+        return self._inflight_room() > 0
+
+    def _inflight_room(self) -> int:
+        """Groups the in-flight limit admits now: it counts groups; ``sample`` adds the trajectory budget."""
+        s = self.s
+        room = s.max_inflight_groups - len(self._inflight)
+        if s.submission_granularity == "sample":
+            budget = s.max_inflight_samples or s.max_inflight_groups * s.group_size
+            room = min(room, (budget - self._inflight_samples) // s.group_size)  # each issue needs gs free slots
+        return room
 
     def _buffer_ok(self) -> bool:
         return len(self._inflight) + len(self.buffer) < self.s.max_buffered_groups
@@ -529,11 +543,7 @@ class BrokerCore:
             return
         s, gs = self.s, self.s.group_size
         n_inflight = len(self._inflight)
-        if s.submission_granularity == "sample":
-            room = (s.max_inflight_groups * gs - self._inflight_samples) // gs  # each issue needs gs free slots
-        else:
-            room = s.max_inflight_groups - n_inflight
-        n = min(room, s.max_buffered_groups - n_inflight - len(self.buffer))
+        n = min(self._inflight_room(), s.max_buffered_groups - n_inflight - len(self.buffer))
         if n <= 0:
             return
         if allowance < n:
@@ -596,7 +606,9 @@ class BrokerCore:
             return
         if self.s.max_staleness is None and len(self.buffer) < self.s.rollout_batch_size:
             return
-        groups, rejected = self.buffer.get(self.s.rollout_batch_size, actor_version=req.actor_version)
+        # Miles' staleness (get-time filter, rollout/fully_async/*) is against the engines' current version;
+        # RLinf's rollout/data_staleness/* (_step_metrics) against the actor's
+        groups, rejected = self.buffer.get(self.s.rollout_batch_size, engine_version=self.version)
         for r in rejected:
             self._reject(r)
         if groups is None or self.failure is not None:
@@ -639,6 +651,7 @@ class BrokerCore:
             "rollout/buffer/step_duration_s": dur,
             "rollout/epoch": float(max(g.epoch for g in groups)),
             "rollout/weight_version": float(v),
+            "data/skipped_long_prompts": float(self.num_skipped_long_prompts),
             "time/wait_data": wait_s,
         }
         for k, c in sorted(Counter(st).items()):

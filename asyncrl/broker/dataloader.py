@@ -7,9 +7,13 @@ Epoch ``e`` visits every prompt exactly once, in the order ``permutation(seed, e
     dl = Dataloader(items, seed=1234, shuffle=True)
     item, epoch = dl.next()
     state = dl.state_dict(); dl2 = Dataloader(items, seed=1234); dl2.load_state_dict(state)
+
+``drop_long_prompts`` applies ``data.max_prompt_tokens`` before the dataloader sees the prompts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -69,3 +73,20 @@ class Dataloader:
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order(self.epoch)
+
+
+def drop_long_prompts(items: list[PromptItem], count_tokens: Callable[[PromptItem], int],
+                      max_tokens: int) -> tuple[list[PromptItem], list[tuple[int, int]]]:
+    """``data.max_prompt_tokens``: the prompts of at most ``max_tokens`` tokens, and ``(index, tokens)`` of each
+    one skipped. Every prompt longer than that is skipped (an empty result is an error naming the key)."""
+    kept, skipped = [], []
+    for it in items:
+        n = count_tokens(it)
+        if n > max_tokens:
+            skipped.append((it.index, n))
+        else:
+            kept.append(it)
+    if items and not kept:
+        raise ValueError(f"data.max_prompt_tokens: all {len(items)} prompts are longer than {max_tokens} tokens "
+                         f"(shortest {min(n for _, n in skipped)}); raise it")
+    return kept, skipped

@@ -51,7 +51,8 @@ def start_broker(config_path: str, overrides: list[str] | None = None, *, bind: 
     env = dict(os.environ)
     env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    # stdout inherited: the broker prints its warnings there (the console); everything goes to the log
+    proc = subprocess.Popen(cmd, stdout=None, stderr=log, env=env)
     deadline = time.monotonic() + timeout_s
     try:
         while not os.path.exists(addr_file):

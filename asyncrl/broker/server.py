@@ -405,6 +405,37 @@ def tune_gc() -> None:
     gc.set_threshold(35_000, 20, 20)
 
 
+def skip_long_prompts(cfg, prompts: list) -> tuple[list, list[tuple[int, int]]]:
+    """``data.max_prompt_tokens``: count each prompt as the agent loop will send it (the task's template, the
+    rollout tokenizer) and skip the longer ones with one counted warning. Without a task or a tokenizer (a broker
+    run on its own) there is nothing to count with: nothing is skipped, with a warning for a missing tokenizer."""
+    from asyncrl.broker.dataloader import drop_long_prompts
+
+    if not cfg.agentloop.task_name:
+        return prompts, []
+    from asyncrl.agent.tasks import get_task
+    from asyncrl.agent.tokenizer import AgentTokenizer
+
+    task = get_task(cfg.agentloop.task_name)
+    path = cfg.rollout.model_path or cfg.actor.model_path
+    try:
+        tok = AgentTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as e:  # a broker run on its own (no model): nothing to count with
+        log.warning("data.max_prompt_tokens is not applied: no tokenizer to count prompts with (%s)", e)
+        return prompts, []
+    chat = cfg.agentloop.chat_template
+
+    def count(item) -> int:
+        return len(tok.encode(task.build_prompt(item.prompt, chat_template=chat, tokenizer=tok)))
+
+    kept, skipped = drop_long_prompts(prompts, count, cfg.data.max_prompt_tokens)
+    if skipped:
+        log.warning("data.max_prompt_tokens = %d: skipped %d of %d prompts longer than that (longest %d tokens, "
+                    "prompt #%d); metric data/skipped_long_prompts", cfg.data.max_prompt_tokens, len(skipped),
+                    len(prompts), max(n for _, n in skipped), max(skipped, key=lambda s: s[1])[0])
+    return kept, skipped
+
+
 def run_broker(cfg, *, bind: str = "tcp://127.0.0.1:0", address_file: Optional[str] = None,
                prompts_path: Optional[str] = None) -> None:
     """Build the core from a resolved ``Config``, serve until shutdown. Publishes the endpoint."""
@@ -417,8 +448,9 @@ def run_broker(cfg, *, bind: str = "tcp://127.0.0.1:0", address_file: Optional[s
     path = prompts_path or cfg.data.train_path
     if not path:
         raise ValueError("data.train_path: the broker needs a prompt file (Search-R1 parquet or JSONL)")
-    prompts = load_prompts(path)
+    prompts, skipped = skip_long_prompts(cfg, load_prompts(path))
     core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
+    core.num_skipped_long_prompts = len(skipped)
     server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
     server.install_signal_handlers()
     tune_gc()

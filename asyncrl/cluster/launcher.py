@@ -33,6 +33,7 @@ from pathlib import Path
 from asyncrl.actor.memory import GIB, USABLE_FRACTION, ModelShape, estimate_actor_memory, known_shape
 from asyncrl.cluster.placement import Placement, parse_placement
 from asyncrl.config import Config, ConfigError, load_config, validate
+from asyncrl.config.derive import explain
 from asyncrl.config.loader import to_dict
 from asyncrl.config.validate import check_inputs
 
@@ -186,6 +187,7 @@ def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement, 
     print(render_config(cfg))
     print(render_plan(cfg, placement))
     print(memory_line)
+    print("\n".join(f"# {line}" for line in explain(cfg)) + "\n")
     node = node_rank_from_env()
     if node is not None:
         print(render_node_plan(cfg, placement, node))

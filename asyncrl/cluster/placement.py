@@ -118,6 +118,14 @@ def parse_placement(raw: dict[str, str], *, world_size: int, engine_tp: int) -> 
             extra = (" (Search-R1 computes rewards in the agent loop, but component_placement always "
                      "expects one: write \"rollout,reward\" = ...)") if required == "reward" else ""
             raise ConfigError(f"{base}: missing a '{required}' entry{extra}")
+    for other in ("rollout", "eval"):
+        shared = sorted(set(components["actor"]) & set(components.get(other, ())))
+        if shared:
+            raise ConfigError(
+                f"{base}: colocated placement is not supported: 'actor' and '{other}' share devices {shared[:8]}"
+                f"{'...' if len(shared) > 8 else ''}. Each device runs one torchrun rank with one role, so a shared "
+                f"device would become an actor rank and no engine would start there; put them on separate "
+                f"devices, e.g. actor = \"0-7\", \"rollout,reward\" = \"8-15\"")
     uncovered = sorted(set(range(world_size)) - set(owner))
     if uncovered:
         raise ConfigError(

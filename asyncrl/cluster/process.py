@@ -2,7 +2,8 @@
 
 Contract
 - Every child (broker, engine, retrieval server) is started through ``spawn_child``: its own
-  session (so a signal to it reaches its whole tree), stdout+stderr into ``<run_dir>/logs/NAME.log``,
+  session (so a signal to it reaches its whole tree), stdout+stderr into ``<run_dir>/logs/NAME.log``
+  (``console_stdout``: stdout stays the console's, e.g. the broker's warnings),
   and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent. Its
   environment is this process's plus ``env``, or exactly ``env`` with ``inherit_env=False``
   (engines: ``asyncrl.rollout.sglang_launcher.engine_environment`` strips torchrun's variables).
@@ -85,7 +86,9 @@ def tail_file(path: Path, n: int = 30) -> str:
 
 
 def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | None = None,
-                cwd: str | None = None, inherit_env: bool = True) -> Child:
+                cwd: str | None = None, inherit_env: bool = True, console_stdout: bool = False) -> Child:
+    """``console_stdout``: the child's stdout stays the parent's (the console), only stderr goes to the log
+    (a child that prints its operator-facing warnings to stdout and logs everything to stderr)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
@@ -93,7 +96,8 @@ def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | N
     full_env = dict(os.environ) if inherit_env else {}
     if env:
         full_env.update(env)
-    popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+    popen = subprocess.Popen(cmd, stdout=None if console_stdout else out, stderr=out if console_stdout else
+                             subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
                              cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
     out.close()
     child = Child(name=name, popen=popen, log_path=log_path)

@@ -2,7 +2,8 @@
 
 - ``rollout_buffer.max_inflight_groups = ceil(max_running_requests x instances x 1.2 / group_size)``
   (RLinf), or ``max_concurrent_samples // group_size`` when that Miles setting is given;
-- ``rollout_buffer.max_buffered_groups = 2 x data.rollout_batch_size``;
+- ``rollout_buffer.max_buffered_groups = floor(async_data_buffer_capacity_factor x data.rollout_batch_size)``,
+  the factor 2.0 when unset (Miles' default), i.e. ``2 x data.rollout_batch_size``;
 - ``rollout_buffer.max_dropped_groups_per_step = 10 x data.rollout_batch_size``;
 - ``rollout_buffer.submission_granularity = "sample"`` in async mode (Miles), ``"group"`` otherwise;
 - ``rollout.model_path = actor.model_path``;
@@ -17,6 +18,7 @@ from dataclasses import replace
 from asyncrl.config.schema import Config, ConfigError
 
 INFLIGHT_MARGIN = 1.2  # RLinf: margin for groups waiting on a tool or on their slowest member
+CAPACITY_FACTOR = 2.0  # Miles' --async-data-buffer-capacity-factor default
 
 
 def num_engines(cfg: Config) -> int:
@@ -50,7 +52,8 @@ def resolve(cfg: Config) -> Config:
                 max_running_requests=cfg.rollout.max_running_requests,
                 instances=max(1, num_engines(cfg)), group_size=cfg.algorithm.group_size)
     if rb.max_buffered_groups is None:
-        updates["max_buffered_groups"] = 2 * B
+        factor = CAPACITY_FACTOR if rb.async_data_buffer_capacity_factor is None else rb.async_data_buffer_capacity_factor
+        updates["max_buffered_groups"] = max(1, math.floor(factor * B))
     if rb.max_dropped_groups_per_step is None:
         updates["max_dropped_groups_per_step"] = 10 * B
     if rb.submission_granularity is None:
@@ -64,3 +67,26 @@ def resolve(cfg: Config) -> Config:
         out = replace(out, agentloop=replace(out.agentloop, max_requests_per_engine=out.rollout.max_running_requests))
         derived.add("agentloop.max_requests_per_engine")
     return replace(out, derived=frozenset(derived))
+
+
+def explain(cfg: Config) -> list[str]:
+    """What the Miles-style settings map onto, for the dry run (one line each)."""
+    rb, B, gs = cfg.rollout_buffer, cfg.data.rollout_batch_size, cfg.algorithm.group_size
+    lines = []
+    if "rollout_buffer.max_buffered_groups" in cfg.derived:
+        f = rb.async_data_buffer_capacity_factor
+        f = CAPACITY_FACTOR if f is None else f
+        lines.append(f"rollout_buffer.async_data_buffer_capacity_factor = {f:g} -> rollout_buffer.max_buffered_groups "
+                     f"= floor({f:g} x rollout_batch_size {B}) = {rb.max_buffered_groups} (in-flight + buffered groups)")
+    how = "derived from runner.async_mode" if "rollout_buffer.submission_granularity" in cfg.derived else "set"
+    if rb.submission_granularity == "sample":
+        budget = (f"rollout_buffer.max_concurrent_samples = {rb.max_concurrent_samples}" if rb.max_concurrent_samples
+                  else f"max_inflight_groups x group_size = {rb.max_inflight_groups * gs}")
+        lines.append(
+            f"rollout_buffer.submission_granularity = \"sample\" ({how}): each finished trajectory frees its slot of "
+            f"the trajectory budget ({budget}); the in-flight limit still counts groups: at most "
+            f"max_inflight_groups = {rb.max_inflight_groups} groups in flight")
+    else:
+        lines.append(f"rollout_buffer.submission_granularity = \"group\" ({how}): a group holds its in-flight slot "
+                     f"until its last trajectory returns; at most {rb.max_inflight_groups} groups in flight")
+    return lines

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from asyncrl.config.schema import Config, ConfigError
+from asyncrl.config.seeds import seed_hint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,6 +103,9 @@ def build_section(cls: type, data: Any, prefix: str) -> Any:
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else k
         if k not in fields:
+            seed = seed_hint(k)
+            if seed is not None:  # a seed's spelling: answered with the project's key, not a string-distance guess
+                raise ConfigError(f"{key}: unknown key; {seed} (docs/seed_mapping.md)")
             guess = difflib.get_close_matches(k, list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean '{(prefix + '.') if prefix else ''}{guess[0]}'?" if guess else ""
             known = ", ".join(sorted(fields))

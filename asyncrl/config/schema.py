@@ -109,7 +109,7 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class SGLangConfig:
     backend_type: Literal["server", "engine"] = "server"
-    """RLinf ``rollout.sglang.backend_type``; async mode requires ``server``."""
+    """RLinf ``rollout.sglang.backend_type``; only ``server`` is implemented (``engine`` is rejected, naming why)."""
     mem_fraction_static: float = 0.8
     """SGLang ``--mem-fraction-static``."""
     extra_args: list[str] = field(default_factory=list)
@@ -219,8 +219,8 @@ class AgentLoopConfig:
     task_name: Optional[str] = None
     """Agent task (``searchr1``); required in async mode."""
     max_actor_accept_staleness: Optional[int] = None
-    """Drop groups staler than this before training (Miles ``--max-weight-staleness``).
-    Unset: staleness is measured, not capped."""
+    """Drop groups staler than this before training (Miles ``--max-weight-staleness``): the engines' current
+    weight version minus the group's oldest (stalest trajectory's) version. Unset: measured, not capped."""
     max_turns: int = 2
     """Generate calls per trajectory."""
     max_tokens_per_turn: int = 500
@@ -253,6 +253,9 @@ class RolloutBufferConfig:
     max_inflight_groups defaults to ``value // group_size`` instead."""
     max_buffered_groups: Optional[int] = None
     """Buffer limit (data age): in-flight + buffered < this. Derived: 2 x data.rollout_batch_size."""
+    async_data_buffer_capacity_factor: Optional[float] = None
+    """Miles ``--async-data-buffer-capacity-factor``: the buffer holds floor(factor x data.rollout_batch_size)
+    groups; sets max_buffered_groups (unset: 2.0, the derived 2 x B). Setting both is an error."""
     max_dropped_groups_per_step: Optional[int] = None
     """Stop the run past this many drops in one step. Derived: 10 x data.rollout_batch_size."""
     submission_granularity: Optional[Literal["group", "sample"]] = None
@@ -276,6 +279,7 @@ class RolloutBufferConfig:
         for name in ("max_inflight_groups", "max_concurrent_samples", "max_buffered_groups",
                      "max_dropped_groups_per_step"):
             _positive(getattr(self, name), f"rollout_buffer.{name}")
+        _positive(self.async_data_buffer_capacity_factor, "rollout_buffer.async_data_buffer_capacity_factor")
         _positive(self.no_data_warning_s, "rollout_buffer.no_data_warning_s")
         _positive(self.worker_heartbeat_timeout_s, "rollout_buffer.worker_heartbeat_timeout_s")
 
@@ -291,7 +295,8 @@ class DataConfig:
     shuffle: bool = True
     """Seeded shuffle per epoch."""
     max_prompt_tokens: int = 4096
-    """Prompts longer than this are skipped with a counted warning."""
+    """Prompts longer than this (as the agent loop sends them) are skipped by the broker with a counted warning
+    and ``data/skipped_long_prompts``."""
 
     def __post_init__(self):
         _positive(self.rollout_batch_size, "data.rollout_batch_size")
@@ -302,7 +307,6 @@ class DataConfig:
 class AlgorithmConfig:
     group_size: int = 5
     """Trajectories per prompt (GRPO group)."""
-    adv_estimator: Literal["grpo"] = "grpo"
     normalize_adv_by_std: bool = True
     """GRPO: divide the group-centred reward by the group's std."""
     clip_ratio_low: float = 0.2

@@ -64,6 +64,10 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
                 "rejected in async mode; use \"retract\" (default), \"in_place\" or \"drain\"")
     elif cfg.rollout.pause_mode not in PAUSE_MODES + ("abort",):  # pragma: no cover - Literal catches it
         raise ConfigError(f"rollout.pause_mode: must be one of {PAUSE_MODES}")
+    if cfg.rollout.sglang.backend_type != "server":
+        raise ConfigError(
+            "rollout.sglang.backend_type: only \"server\" is implemented (SGLang runs as an HTTP server beside each "
+            "rollout rank, in both modes); the in-process \"engine\" backend is not; set backend_type = \"server\"")
 
     placement = parse_placement(
         cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size)
@@ -77,6 +81,11 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
 
     _validate_recompute(cfg)
 
+    if rb.async_data_buffer_capacity_factor is not None and "rollout_buffer.max_buffered_groups" not in cfg.derived:
+        raise ConfigError(
+            f"rollout_buffer.async_data_buffer_capacity_factor: set together with rollout_buffer.max_buffered_groups "
+            f"= {rb.max_buffered_groups}; both size the buffer (the factor sets max_buffered_groups = floor(factor x "
+            f"rollout_batch_size)): set only one")
     if rb.max_buffered_groups < B:
         raise ConfigError(
             f"rollout_buffer.max_buffered_groups: {rb.max_buffered_groups} is below data.rollout_batch_size "

@@ -15,6 +15,8 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   tensor's raw bytes back to back, in that order, as SGLang's FlattenedTensorBucket), on the engine
   thread, so a weight load never overlaps a forward. ``/update_weights_from_disk`` reads a HF
   safetensors directory on a worker thread and copies it in on the engine thread the same way.
+- Context length as SGLang: a prompt of ``context_length`` tokens or more, or an explicit ``max_new_tokens``
+  that with the prompt reaches it, is rejected (400, the message names the lengths), never capped.
 - Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control
   calls answer ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while
   requests are running. Every field is type- and range-checked in the handler (the message names it:
@@ -279,7 +281,8 @@ class CpuEngine:
             if r is not None and (not isinstance(r, str) or not 0 < len(r) <= MAX_RID_CHARS):
                 raise RequestError(f"rid must be a non-empty string of at most {MAX_RID_CHARS} characters, "
                                    f"got {r!r:.80}")
-        params_list = [parse_sampling_params(p) for p in per("sampling_params", {})]
+        raw_params = per("sampling_params", {})
+        params_list = [parse_sampling_params(p) for p in raw_params]
         if sum(p.n for p in params_list) > MAX_REQUESTS_PER_CALL:
             raise RequestError(f"sampling_params.n: {sum(p.n for p in params_list)} samples in one request, "
                                f"at most {MAX_REQUESTS_PER_CALL}")
@@ -289,6 +292,8 @@ class CpuEngine:
         reqs, futs = [], []
         for i, prompt in enumerate(prompts):
             p = params_list[i]
+            self._check_context(len(prompt), p.max_new_tokens, asked=isinstance(raw_params[i], dict) and
+                                raw_params[i].get("max_new_tokens") is not None)
             for k in range(p.n):
                 base = rid_list[i] if rid_list[i] is not None else new_rid()
                 fut = loop.create_future()
@@ -343,6 +348,17 @@ class CpuEngine:
         finally:
             if not gathered.done():
                 gathered.cancel()
+
+    def _check_context(self, n_prompt: int, max_new: int, *, asked: bool) -> None:
+        """As SGLang: a prompt that fills the context, or an explicit max_new_tokens that with the prompt reaches
+        it, is a 400 naming the lengths (never a silently shorter output)."""
+        ctx = self.scheduler.context_length
+        if n_prompt >= ctx:
+            raise RequestError(f"the prompt has {n_prompt} tokens; the model's context length is {ctx} tokens")
+        if asked and n_prompt + max_new >= ctx:
+            raise RequestError(
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) = {n_prompt + max_new} tokens reaches the "
+                f"model's context length ({ctx} tokens); shorten the prompt or lower max_new_tokens")
 
     @staticmethod
     def _deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):

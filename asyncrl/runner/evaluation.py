@@ -28,7 +28,15 @@ Contract
   counted in ``eval/skipped``, reason logged). ``EvalSkip(reason)`` is a skipped point; any other
   exception is logged with its traceback and counted in ``eval/errors``; training goes on. Results
   are logged at their eval step with ``eval/lag_steps`` = the step at which they were logged minus
-  it. Snapshots the pipeline exported are retired on every outcome and at most
+  it.
+- Skipped points (Miles' names), logged at the step they would have landed on with value 1:
+  ``eval/skipped_busy`` (no slot under ``skip``), ``eval/skipped_export_failed`` (the fresh export raised;
+  training goes on), ``eval/skipped_ckpt_missing`` (the snapshot has no completion marker: ``snapshot.json``
+  of a fresh export, the checkpoint's ``meta.json`` of a reused ``hf_export``), ``eval/skipped_crashed``
+  (the eval raised anything else), ``eval/skipped_<reason>`` (``EvalSkip(reason)``, reason made a metric name).
+- Every point that ran logs ``eval/step`` and, per dataset, ``eval/<name>/weight_version/mean`` and
+  ``eval/<name>/weight_version/mixed_version_ratio``: the snapshot's recorded weight version for the
+  checkpoint backends (external, fleet), the versions the shared engines stamped on the eval's tokens. Snapshots the pipeline exported are retired on every outcome and at most
   ``eval.eval_keep_snapshots`` retired ones stay on disk; periodic checkpoints are never deleted.
 - At the end of the run ``close`` waits (bounded) for pending evals so their points are logged.
 
@@ -43,6 +51,7 @@ import asyncio
 import json
 import logging
 import queue
+import re
 import shutil
 import threading
 import time
@@ -182,6 +191,7 @@ class EngineEvaluator:
                     summary = summarize_eval(trajs)
                     done = [t for t in trajs if not t.aborted]
                     summary["response_len"] = sum(len(t.response_ids) for t in done) / len(done) if done else 0.0
+                    summary.update(weight_version_summary(done))
                     out[name] = summary
                 return out
             finally:
@@ -193,6 +203,23 @@ class EngineEvaluator:
 
 class EvalError(RuntimeError):
     """The eval could not measure what it reports (a tool or every engine call failed); names the cause."""
+
+
+def weight_version_summary(trajs: list) -> dict[str, float]:
+    """Mean weight version of the trajectories' tokens, and the share of trajectories generated under more
+    than one version (Miles' ``weight_version/mean`` and ``mixed_version_ratio``)."""
+    if not trajs:
+        return {}
+    means = [sum(t.weight_versions) / len(t.weight_versions) if t.weight_versions else float(t.min_version)
+             for t in trajs]
+    mixed = sum(t.min_version != t.max_version for t in trajs)
+    return {"weight_version_mean": sum(means) / len(means), "mixed_version_ratio": mixed / len(trajs)}
+
+
+def skip_metric(reason: str) -> str:
+    """``eval/skipped_<reason>`` with ``reason`` made a metric name (lower case, ``[a-z0-9_]``, 64 chars)."""
+    slug = re.sub(r"[^a-z0-9]+", "_", reason.lower()).strip("_")[:64] or "unknown"
+    return f"eval/skipped_{slug}"
 
 
 def raise_tool_failures(trajs: list, dataset: str) -> None:
@@ -210,7 +237,8 @@ def engine_eval_metrics(results: dict[str, dict]) -> dict[str, float]:
     """``{name: summary}`` -> ``eval/<name>/accuracy``, ``response_len``, ``num_turns``, ``num_tool_calls``, ..."""
     keys = {"accuracy": "accuracy", "response_len": "response_len", "mean_turns": "num_turns",
             "mean_tool_calls": "num_tool_calls", "answer_rate": "answer_rate", "num_prompts": "num_prompts",
-            "num_aborted": "num_aborted"}
+            "num_aborted": "num_aborted", "weight_version_mean": "weight_version/mean",
+            "mixed_version_ratio": "weight_version/mixed_version_ratio"}
     out = {}
     for name, summary in results.items():
         for src, dst in keys.items():
@@ -288,6 +316,7 @@ class PeriodicEval:
     def _shared(self, step: int) -> dict[str, float]:
         m = evaluate_on_engines(self.broker, self.engine_evaluator, self.datasets)
         m["eval/lag_steps"] = 0.0
+        m["eval/step"] = float(step)
         log.info("eval at step %d on the shared engines: %s", step,
                  {k: round(v, 4) for k, v in m.items() if k.endswith("/accuracy")})
         return m
@@ -299,10 +328,18 @@ class PeriodicEval:
         admitted = self._bcast(self._phase(f"eval slot for step {step}", lambda: disp.admit(step),
                                            timeout_s=e.eval_wait_timeout_s))
         if not admitted:
-            return {"eval/skipped": float(disp.num_skipped)} if self.is_leader else {}
+            return {"eval/skipped": float(disp.num_skipped), "eval/skipped_busy": 1.0} if self.is_leader else {}
         if e.eval_hf_dir:
             t0 = time.perf_counter()
-            d = export_snapshot(self.actor, e.eval_hf_dir, step, is_leader=self.is_leader)
+            try:
+                d = export_snapshot(self.actor, e.eval_hf_dir, step, is_leader=self.is_leader)
+            except Exception:  # noqa: BLE001 - a failed export is a skipped point, never the end of the run
+                log.error("eval point of step %d skipped: the snapshot export into %s raised; training goes on:\n%s",
+                          step, e.eval_hf_dir, traceback.format_exc())
+                if not self.is_leader:
+                    return {}
+                disp.num_skipped += 1
+                return {"eval/skipped": float(disp.num_skipped), "eval/skipped_export_failed": 1.0}
             m = {"eval/export_time_seconds": time.perf_counter() - t0}
             owned = True
         else:
@@ -321,7 +358,8 @@ class PeriodicEval:
         disp = self.dispatcher
         out = []
         for o in outcomes:
-            m = outcome_metrics(o, logged_at=logged_at, num_skipped=disp.num_skipped, num_errors=disp.num_errors)
+            m = outcome_metrics(o, logged_at=logged_at, num_skipped=disp.num_skipped, num_errors=disp.num_errors,
+                                datasets=list(self.datasets))
             log.info("eval point of step %d (%s, logged at step %d): %s%s", o.step, o.status, logged_at,
                      {k: round(v, 4) for k, v in o.metrics.items()}, f" ({o.reason})" if o.reason else "")
             out.append((o.step, m))
@@ -360,6 +398,20 @@ def reused_snapshot(ckpt_root: str | Path, step: int) -> Path:
     return Path(ckpt_root) / f"step_{step:06d}" / "hf_export"
 
 
+def snapshot_version(snapshot: str | Path, step: int) -> Optional[int]:
+    """The weight version a complete snapshot records (``step`` when it records none), or None without its
+    completion marker: a fresh export's ``snapshot.json`` (written last), or for a reused ``hf_export`` its
+    checkpoint's ``meta.json`` (written last)."""
+    d = Path(snapshot)
+    for marker in (d / SNAPSHOT_META, d.parent / "meta.json" if d.name == "hf_export" else None):
+        if marker is not None and marker.is_file():
+            try:
+                return int(json.loads(marker.read_text()).get("weight_version", step))
+            except (ValueError, TypeError, OSError, AttributeError):
+                return None
+    return None
+
+
 # ------------------------------------------------------------------------------------------- dispatcher
 @dataclass
 class EvalOutcome:
@@ -369,6 +421,8 @@ class EvalOutcome:
     reason: str = ""
     duration_s: float = 0.0
     snapshot: Optional[str] = None
+    weight_version: Optional[int] = None
+    """The snapshot's recorded weight version (points that ran)."""
 
 
 @dataclass
@@ -474,6 +528,12 @@ class EvalDispatcher:
 
     def _one(self, p: _Point) -> EvalOutcome:
         t0 = time.perf_counter()
+        version = snapshot_version(p.snapshot, p.step)
+        if version is None:
+            with self._cv:
+                self.num_skipped += 1
+            log.warning("eval point of step %d skipped: %s has no completion marker", p.step, p.snapshot)
+            return EvalOutcome(p.step, "skipped", reason="ckpt_missing", snapshot=str(p.snapshot))
         try:
             metrics = _float_metrics(self._evaluate(str(p.snapshot), p.step), p.step)
         except EvalSkip as e:
@@ -491,8 +551,8 @@ class EvalDispatcher:
                                snapshot=str(p.snapshot))
         with self._cv:
             self.num_completed += 1
-        return EvalOutcome(p.step, "ok", metrics=metrics,
-                           duration_s=time.perf_counter() - t0, snapshot=str(p.snapshot))
+        return EvalOutcome(p.step, "ok", metrics=metrics, duration_s=time.perf_counter() - t0,
+                           snapshot=str(p.snapshot), weight_version=version)
 
     def _retire(self, p: _Point) -> None:
         if not p.owned:
@@ -519,10 +579,21 @@ def _float_metrics(metrics: Any, step: int) -> dict[str, float]:
     return out
 
 
-def outcome_metrics(out: EvalOutcome, *, logged_at: int, num_skipped: int, num_errors: int) -> dict[str, float]:
+def outcome_metrics(out: EvalOutcome, *, logged_at: int, num_skipped: int, num_errors: int,
+                    datasets: tuple | list = ()) -> dict[str, float]:
     """What to log for a finished point, at ``out.step``: its metrics as ``eval/<name>``, ``eval/lag_steps``,
-    ``eval/time_seconds`` and the running ``eval/skipped`` / ``eval/errors`` counts."""
+    ``eval/time_seconds``, the running ``eval/skipped`` / ``eval/errors`` counts, ``eval/step``, the skip reason
+    (``eval/skipped_<reason>``, ``eval/skipped_crashed``) and each dataset's snapshot weight version."""
     m = {(k if k.startswith("eval/") else f"eval/{k}"): v for k, v in out.metrics.items()}
+    m["eval/step"] = float(out.step)
+    if out.status == "skipped":
+        m[skip_metric(out.reason)] = 1.0
+    elif out.status == "error":
+        m["eval/skipped_crashed"] = 1.0
+    elif out.weight_version is not None:  # a checkpoint backend measured exactly the snapshot's weights
+        for name in datasets:
+            m[f"eval/{name}/weight_version/mean"] = float(out.weight_version)
+            m[f"eval/{name}/weight_version/mixed_version_ratio"] = 0.0
     m["eval/lag_steps"] = float(logged_at - out.step)
     m["eval/time_seconds"] = out.duration_s
     m["eval/skipped"] = float(num_skipped)

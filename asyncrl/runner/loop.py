@@ -25,6 +25,8 @@ Contract
   shared engines, waiting for a batch, the end of the run) runs in ``phases.run``; the other actor ranks
   wait for it on the store, so ``cluster.actor_collective_timeout_s`` bounds real collectives only.
 - The before/after eval is logged as ``eval/test/*`` at step 0 and at the last step (its own record).
+- Logging: Miles' custom hooks (``asyncrl.runner.log_hooks``) see every step and eval record first; returning
+  True leaves their ``rollout/*`` / ``eval/*`` keys out of the record.
 - Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
   ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
 - Engine restarts (``asyncrl.sync.recovery``): every sync re-joins restarted engines and is retried
@@ -46,6 +48,8 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+
+from asyncrl.runner.log_hooks import LogHooks
 
 log = logging.getLogger("asyncrl.runner")
 
@@ -212,6 +216,8 @@ class _LeaderParts:
         self.recovery = make_recovery(cfg, self.group, discovery)
         self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
+        self.hooks = LogHooks(cfg)  # Miles' custom logging hooks
+        self.last_groups: list = []
 
     def next_batch(self, cfg, step: int, actor_version: int, t0: float) -> tuple[list, dict[str, float]] | None:
         """The step's groups (after the sample filter) and their metrics; None as soon as a restarted engine
@@ -227,10 +233,18 @@ class _LeaderParts:
             self.broker.batch_filtered(removed)
         m["rollout/sample_filter/kept_groups"] = float(len(groups))
         m["rollout/sample_filter/removed_groups"] = float(len(removed))
-        m.update(batch.metrics)
-        m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
+        m.update(wait_split(batch.metrics, batch.wait_s, async_mode=cfg.runner.async_mode))
         m.update(rollout_metrics(groups))
+        self.last_groups = groups
         return groups, m
+
+
+def wait_split(batch_metrics: dict[str, float], wait_s: float, *, async_mode: bool) -> dict[str, float]:
+    """The batch's metrics with its wait counted once: ``time/wait_data`` in async mode, ``time/rollout`` in sync
+    mode (RLinf's split: sync time/step = rollout + training + sync_weights, async = training + wait_data + sync)."""
+    m = {k: v for k, v in batch_metrics.items() if k not in ("time/wait_data", "time/rollout")}
+    m["time/wait_data" if async_mode else "time/rollout"] = wait_s
+    return m
 
 
 def batch_timeout_s(cfg) -> float:
@@ -254,7 +268,7 @@ def before_after_eval(cfg, parts: _LeaderParts, evaluator, engine_urls: list[str
     if result:
         m = engine_eval_metrics({"test": result})
         m["eval/time_seconds"] = time.perf_counter() - t0
-        parts.writer.log(m, step)
+        parts.writer.log(parts.hooks.eval(step, m), step)
     log.info("held-out accuracy %s training: %s", "before" if release else "after", json.dumps(result))
     return result
 
@@ -325,9 +339,9 @@ def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: 
     m.update(broker_accounting(parts.broker.status()))
     m["actor/weight_version"] = float(version)
     m["rollout/engine_restarts"] = float(parts.recovery.total_restarts())
-    parts.writer.log(m, step)
+    parts.writer.log(parts.hooks.step(step, parts.last_groups, m), step)
     for eval_step, em in periodic.late_points(step):  # external/fleet evals: each at its own step
-        parts.writer.log(em, eval_step)
+        parts.writer.log(parts.hooks.eval(eval_step, em), eval_step)
     summary["steps"].append({k: m.get(k) for k in (
         "reward/mean", "rollout/data_staleness/mean", "rollout/data_staleness/max", "time/step",
         "time/training", "time/wait_data", "time/rollout", "time/sync_weights")})
@@ -341,7 +355,7 @@ def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine
     """Actor rank 0 at the end: pending external evals, the after-training eval, the summary, shutdown."""
     cfg = ctx.cfg
     for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
-        parts.writer.log(em, eval_step)
+        parts.writer.log(parts.hooks.eval(eval_step, em), eval_step)
     if cfg.runner.eval_before_after:  # no new prompts from here on: the run ends after this eval
         summary["eval_after"] = before_after_eval(cfg, parts, evaluator, engine_urls, step=cfg.runner.max_steps,
                                                   release=False)

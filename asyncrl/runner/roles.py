@@ -150,7 +150,7 @@ def _spawn_broker(ctx, disc: Discovery):
     addr_file.unlink(missing_ok=True)
     broker = process.spawn_child(
         "broker", [sys.executable, "-m", "asyncrl.broker", "--bind", f"tcp://{ep.bind_host}:0", "--address-file",
-                   str(addr_file), *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs")
+                   str(addr_file), *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs", console_stdout=True)
     process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
                        child=broker)
     process.fail_fast_on_exit(broker, what="the broker", grace_s=cfg.cluster.shutdown_grace_s)

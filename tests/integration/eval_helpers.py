@@ -35,3 +35,37 @@ class ChecksumEval(CheckpointEvalFn):
         load_model(d)  # the CPU engine loads it too
         return {"checksum": weights_checksum(d), "snapshot_step": float(meta["step"]),
                 "weight_version": float(meta["weight_version"]), "num_datasets": float(len(input.datasets))}
+
+
+class SkippingChecksumEval(ChecksumEval):
+    """``ChecksumEval`` whose step-1 point is skipped (``EvalSkip("no free slot")``) and step-3 point crashes."""
+
+    def evaluate_checkpoint(self, checkpoint_dir, input):  # noqa: A002
+        if input.step == 1:
+            raise EvalSkip("no free slot")
+        if input.step == 3:
+            raise RuntimeError("the eval server went away")
+        return super().evaluate_checkpoint(checkpoint_dir, input)
+
+
+def drop_every_fifth(group):
+    """A dynamic-sampling filter (``rollout_buffer.dynamic_sampling_filter_path``): drops one group in five."""
+    return "every_fifth" if group.group_id % 5 == 4 else None
+
+
+def _hook_log(args, record: dict) -> None:
+    with open(Path(args.logging.run_dir) / "hook_calls.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """Miles' ``--custom-rollout-log-function-path`` signature; False keeps the default logging."""
+    _hook_log(args, {"kind": "rollout", "step": rollout_id, "samples": len(samples), "time": rollout_time,
+                     "staleness": rollout_extra_metrics.get("rollout/data_staleness/mean")})
+    return False
+
+
+def log_eval_rollout_data(rollout_id, args, data, extra_metrics):
+    """Miles' ``--custom-eval-rollout-log-function-path`` signature; False keeps the default logging."""
+    _hook_log(args, {"kind": "eval", "step": rollout_id, "datasets": sorted(data), "n": len(extra_metrics)})
+    return False

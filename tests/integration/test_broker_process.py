@@ -181,3 +181,26 @@ if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--worker":
         sys.exit(_worker_main(sys.argv[2], sys.argv[3], sys.argv[4]))
     sys.exit(f"usage: {sys.argv[0]} --worker ADDRESS WORKER_ID ok|victim")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_no_completed_groups_warning_reaches_the_console_not_only_the_log(tmp_path, capfd):
+    cfg, prompts = _write_inputs(tmp_path)
+    log = tmp_path / "broker.log"
+    broker = start_broker(cfg, ["rollout_buffer.no_data_warning_s=0.5"], prompts_path=prompts, log_path=str(log),
+                          timeout_s=30)
+    client = BrokerClient(broker.address, timeout_s=20)
+    try:
+        with pytest.raises(TimeoutError):
+            client.get_batch(0, timeout_s=2.0)  # no worker: the actor waits and nothing arrives
+        deadline, out = time.monotonic() + 20, ""
+        while "No completed rollout groups for 0.5s" not in out:
+            assert time.monotonic() < deadline, f"no warning on the console; console: {out!r}"
+            out += capfd.readouterr().out
+            time.sleep(0.05)
+        assert "[broker] WARNING No completed rollout groups" in out
+        assert "No completed rollout groups" in log.read_text()  # and still in the log
+    finally:
+        client.close()
+        broker.stop()

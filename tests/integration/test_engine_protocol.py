@@ -98,6 +98,25 @@ def test_generate_shapes_and_errors(engine):
     run(go())
 
 
+def test_prompt_plus_max_new_tokens_over_the_context_is_rejected_like_sglang(engine):
+    """SGLang answers 400 naming the lengths instead of silently returning a shorter output."""
+    async def go():
+        status, text = await _raw(engine.url, "GET", "/get_server_info")
+        ctx = json.loads(text)["context_length"]
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            with pytest.raises(EngineError) as ei:
+                await c.generate([5, 6, 7, 8], {"max_new_tokens": ctx - 4, "temperature": 0})
+            msg = ei.value.message
+            assert ei.value.status == 400 and f"prompt (4 tokens) + max_new_tokens ({ctx - 4})" in msg
+            assert f"context length ({ctx} tokens)" in msg
+            with pytest.raises(EngineError) as ei:
+                await c.generate(list(range(1, 4)) * ctx, {"max_new_tokens": 1})
+            assert ei.value.status == 400 and str(ctx) in ei.value.message
+            r = await c.generate([5, 6, 7, 8], {"max_new_tokens": 2, "temperature": 0})  # the engine serves on
+            assert len(r.output_ids) == 2
+    run(go())
+
+
 async def _in_flight(c, n=1):
     m = await c.metrics()
     return m.num_running_reqs >= n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import msgpack
 import numpy as np
@@ -23,7 +24,7 @@ def reject_short(group):
 class LifoBuffer(DefaultDataBuffer):
     """A custom DataBuffer (by import path) that hands over the newest groups."""
 
-    def get(self, num_groups, *, actor_version):
+    def get(self, num_groups, *, engine_version):
         if len(self._q) < num_groups:
             return None, []
         return [self._q.pop() for _ in range(num_groups)], []
@@ -83,8 +84,10 @@ def test_group_granularity_and_buffer_limit():
 
 
 def test_sample_granularity_frees_a_slot_per_trajectory():
-    core, _ = make(submission_granularity="sample", max_inflight_groups=2, max_buffered_groups=10,
-                   rollout_batch_size=2)
+    """Miles' per-sample freeing, kept as an option: a trajectory budget (max_concurrent_samples = 4) under a group
+    limit set above it (3 groups)."""
+    core, _ = make(submission_granularity="sample", max_inflight_groups=3, max_inflight_samples=4,
+                   max_buffered_groups=10, rollout_batch_size=2)
     core.add_worker("w", capacity=8)
     first = core.take_issues()
     assert len(first) == 2
@@ -93,6 +96,26 @@ def test_sample_granularity_frees_a_slot_per_trajectory():
     core.trajectory_finished(first[1].group_id, 1)
     assert len(core.take_issues()) == 1  # group_size samples freed, whichever groups they came from
     assert core.num_inflight_samples == 4 and core.num_inflight_groups == 3
+    core.trajectory_finished(first[0].group_id, 1)
+    core.trajectory_finished(first[1].group_id, 0)
+    assert core.take_issues() == [] and core.num_inflight_groups == 3  # the group limit still holds
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_the_inflight_limit_counts_groups_in_both_granularities(granularity):
+    """RLinf's max_inflight_groups = 2 is a budget of 2 groups, also under the derived ``sample`` granularity:
+    finished trajectories of unfinished groups never let a third group out."""
+    core, _ = make(submission_granularity=granularity, max_inflight_groups=2, max_buffered_groups=10,
+                   rollout_batch_size=2, group_size=3)
+    core.add_worker("w", capacity=12)
+    first = core.take_issues()
+    assert len(first) == 2
+    for g in first:
+        for i in range(2):  # all but one trajectory of each group
+            core.trajectory_finished(g.group_id, i)
+    assert core.take_issues() == [] and core.num_inflight_groups == 2
+    core.group_finished(first[0].group_id, [traj() for _ in range(3)])
+    assert len(core.take_issues()) == 1 and core.num_inflight_groups == 2
 
 
 def test_staleness_split_and_cap_drops_with_replacement_issue():
@@ -395,3 +418,100 @@ def test_trajectory_versions_are_validated_on_both_formats():
                           [b"\x00" * 17]), allowed=P.WORKER_TYPES)
     ((gid, (t,), aborted, error),) = P.unpack_finished_groups(m)
     assert (gid, t.min_version, t.num_turns, aborted, error) == (1, 2, 3, False, "")
+
+
+# ---- seed parity (issue 17): Miles' staleness, the stalest trajectory, Miles' DataBuffer interface ----------
+
+
+def finish_mixed(core, gid, vmins):
+    """A group whose trajectories were generated under different versions (one per trajectory)."""
+    return core.group_finished(gid, [traj(v, vmax=max(vmins)) for v in vmins])
+
+
+def test_miles_staleness_is_against_the_engines_version_rlinf_against_the_actors():
+    """rollout.update_weights_interval = 2: the actor is at version 3 while the engines still serve version 2.
+    Miles' filter and rollout/fully_async/* measure against the engines (2), RLinf's rollout/data_staleness/*
+    against the actor (3); each group's staleness is its stalest trajectory's."""
+    core, _ = make(max_staleness=1, max_buffered_groups=6, max_inflight_groups=3, rollout_batch_size=2)
+    core.add_worker("w", capacity=8)
+    a, b, c = core.take_issues()
+    core.sync_end(2)
+    finish_mixed(core, a.group_id, [2, 1])  # stalest trajectory at 1: engine staleness 1 (kept), actor's 2
+    finish_mixed(core, b.group_id, [2, 2])
+    finish_mixed(core, c.group_id, [2, 0])  # stalest trajectory at 0: staleness 2 > 1, dropped
+    core.request_batch(7, actor_version=3)
+    batch = core.take_batch()
+    assert [d.group_id for d in core.take_drops()] == [c.group_id]
+    assert [g.group_id for g in batch.groups] == [a.group_id, b.group_id]
+    m = batch.metrics
+    assert m["rollout/fully_async/avg_staleness"] == 0.5 and m["rollout/fully_async/max_staleness"] == 1.0
+    assert m["rollout/fully_async/stale_groups_filtered"] == 1.0
+    assert m["rollout/data_staleness/mean"] == 1.5 and m["rollout/data_staleness/max"] == 2.0
+
+
+class MilesStyleBuffer:
+    """Written to Miles' interface only: put(group), a blocking get() of one group, get_metrics()."""
+
+    def __init__(self):
+        self._q, self._cv, self.puts = [], threading.Condition(), 0
+
+    def put(self, group):
+        self.puts += 1
+        if group.item.index == 0:
+            return False  # rejected: dropped
+        with self._cv:
+            self._q.append(group)
+            self._cv.notify()
+
+    def get(self):
+        with self._cv:
+            assert self._cv.wait_for(lambda: self._q, timeout=5.0), "get() called with nothing available"
+            return self._q.pop(0)
+
+    def get_metrics(self):
+        return {"rollout/fully_async/queue_size": len(self._q), "custom/puts": self.puts}
+
+
+def test_a_miles_interface_buffer_drops_in_through_the_adapter():
+    from asyncrl.broker.buffer import MilesBufferAdapter
+
+    buf = make_data_buffer(BufferSettings(), f"{__name__}:MilesStyleBuffer")
+    assert isinstance(buf, MilesBufferAdapter) and isinstance(buf.inner, MilesStyleBuffer)
+    core, _ = make(custom_data_buffer_path=f"{__name__}:MilesStyleBuffer", max_inflight_groups=3, shuffle=False,
+                   max_buffered_groups=6)
+    core.add_worker("w", capacity=8)
+    issues = core.take_issues()
+    for i in issues:
+        finish(core, i.group_id)
+    core.request_batch(0)
+    batch = core.take_batch()
+    assert [g.item.index for g in batch.groups] == [1, 2]  # prompt 0 rejected by put(), the rest in put order
+    assert [d.reason for d in core.take_drops()] == ["rejected"]
+    assert batch.metrics["custom/puts"] == 3.0 and core.buffer.inner.engine_version == 0
+
+
+def test_max_prompt_tokens_skips_long_prompts_with_a_counted_warning_and_a_metric(tmp_path, caplog):
+    """data.max_prompt_tokens: counted as the agent loop sends the prompt (task template, rollout tokenizer)."""
+    from asyncrl.broker.server import skip_long_prompts
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,
+                                 intermediate_size=64)
+    prompts = [PromptItem(0, "who wrote it?"), PromptItem(1, "who " * 400 + "wrote it?"), PromptItem(2, "where?")]
+    base = ['agentloop.task_name="searchr1"', f'actor.model_path="{model}"']
+    cfg = load_config(None, base + ["data.max_prompt_tokens=300"])
+    with caplog.at_level(logging.WARNING, logger="asyncrl.broker"):
+        kept, skipped = skip_long_prompts(cfg, prompts)
+    assert [p.index for p in kept] == [0, 2] and [i for i, _ in skipped] == [1] and skipped[0][1] > 300
+    assert "data.max_prompt_tokens = 300: skipped 1 of 3 prompts" in caplog.text
+    core = BrokerCore(kept, settings=CoreSettings.from_config(load_config(None, ["data.rollout_batch_size=1",
+                                                                                  "algorithm.group_size=1"])),
+                      clock=lambda: 0.0)
+    core.num_skipped_long_prompts = len(skipped)
+    core.add_worker("w", capacity=4)
+    core.request_batch(0)  # sync mode: issued on request
+    issue = core.take_issues()[0]
+    core.group_finished(issue.group_id, [traj()])
+    assert core.take_batch().metrics["data/skipped_long_prompts"] == 1.0
+    with pytest.raises(ValueError, match="data.max_prompt_tokens"):
+        skip_long_prompts(load_config(None, base + ["data.max_prompt_tokens=5"]), prompts)

@@ -111,10 +111,8 @@ class Model:
 
     def check_invariants(self):
         c, s = self.core, self.core.s
-        if s.submission_granularity == "group":
-            assert c.num_inflight_groups <= s.max_inflight_groups
-        else:
-            assert c.num_inflight_samples <= s.max_inflight_groups * s.group_size
+        assert c.num_inflight_groups <= s.max_inflight_groups  # it counts groups in both granularities
+        assert c.num_inflight_samples <= s.max_inflight_groups * s.group_size
         assert c.num_inflight_groups + c.num_buffered_groups <= s.max_buffered_groups
         if s.sync_mode:
             assert c.num_inflight_groups + c.num_buffered_groups <= s.rollout_batch_size

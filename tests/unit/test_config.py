@@ -254,3 +254,98 @@ def test_warning_buffer_below_two_batches(tmp_path):
 def test_defaults_give_no_buffer_warnings(tmp_path):
     ws = validate(load(tmp_path, overrides=["rollout_buffer.max_inflight_groups=4"]), world_size=4)
     assert ws == []
+
+
+# ---- seed parity (issue 17) -----------------------------------------------------------------------
+
+
+def test_colocated_placement_is_rejected_with_the_reason(tmp_path):
+    text = BASE.replace("async_mode = true", "async_mode = false").replace(
+        'component_placement = { actor = "0-1", "rollout,reward" = "2-3" }',
+        'component_placement = { "actor,rollout,reward" = "0-3" }')
+    msg = check(tmp_path, [], "cluster.component_placement", text=text)
+    assert "colocated placement is not supported" in msg and "[0, 1, 2, 3]" in msg and "no engine" in msg
+
+
+@pytest.mark.parametrize("factor,B,expected", [(None, 4, 8), (2.0, 4, 8), (1.5, 3, 4), (3.7, 2, 7)])
+def test_capacity_factor_sets_the_buffer_limit(tmp_path, factor, B, expected):
+    from asyncrl.config.derive import explain
+
+    ov = [f"data.rollout_batch_size={B}"] + (
+        [] if factor is None else [f"rollout_buffer.async_data_buffer_capacity_factor={factor}"])
+    cfg = load(tmp_path, overrides=ov)
+    validate(cfg, world_size=4)
+    assert cfg.rollout_buffer.max_buffered_groups == expected  # floor(factor x B)
+    assert "rollout_buffer.max_buffered_groups" in cfg.derived
+    shown = "\n".join(explain(cfg))
+    assert f"max_buffered_groups = floor({2.0 if factor is None else factor:g} x rollout_batch_size {B}) = {expected}" \
+        in shown
+
+
+def test_capacity_factor_and_max_buffered_groups_together_are_an_error(tmp_path):
+    msg = check(tmp_path, ["rollout_buffer.async_data_buffer_capacity_factor=2.0",
+                           "rollout_buffer.max_buffered_groups=8"], "rollout_buffer.async_data_buffer_capacity_factor")
+    assert "set only one" in msg
+
+
+def test_dry_run_explains_what_the_derived_sample_granularity_changes(tmp_path):
+    from asyncrl.config.derive import explain
+
+    cfg = load(tmp_path, overrides=["rollout_buffer.max_inflight_groups=77"])
+    line = next(x for x in explain(cfg) if "submission_granularity" in x)
+    assert '"sample" (derived from runner.async_mode)' in line and "at most max_inflight_groups = 77 groups" in line
+
+
+MILES_PAGE_FLAGS = [  # every flag named on Miles' fully-async page
+    "fully-async", "rollout-batch-size", "async-max-concurrent-samples", "rollout-submission-granularity",
+    "n-samples-per-prompt", "update-weights-interval", "pause-generation-mode", "async-data-buffer-capacity-factor",
+    "max-weight-staleness", "async-unused-samples-handler", "custom-async-data-buffer-path",
+    "dynamic-sampling-filter-path", "rollout-sample-filter-path", "eval-num-gpus", "eval-function-path",
+    "eval-interval", "eval-hf-dir", "eval-prompt-data", "eval-sglang-mem-fraction-static",
+    "no-eval-sglang-enable-dp-attention", "eval-num-gpus-per-engine", "save-hf", "eval-overflow-policy",
+    "eval-keep-snapshots", "eval-max-in-flight", "sglang-mem-fraction-static", "custom-rollout-log-function-path",
+    "custom-eval-rollout-log-function-path", "eval-backend"]
+
+
+@pytest.mark.parametrize("flag", MILES_PAGE_FLAGS)
+def test_every_miles_flag_is_answered_with_the_projects_key(tmp_path, flag):
+    from asyncrl.config.seeds import project_key
+
+    key = project_key(flag)
+    assert key is not None
+    for spelling in (flag.replace("-", "_"), flag):  # as a config key, with or without dashes, at the top level
+        msg = check(tmp_path, [f"{spelling}=1"], spelling)
+        assert f"did you mean '{key}'?" in msg and f"Miles' --{flag}" in msg
+    doc = (ROOT / "docs/seed_mapping.md").read_text()
+    assert f"`--{flag.removeprefix('no-').split('-sglang-')[0]}" in doc  # the mapping table has its row
+
+
+def test_a_miles_flag_inside_a_section_is_answered_not_guessed(tmp_path):
+    msg = check(tmp_path, ["rollout_buffer.max_weight_staleness=1"], "rollout_buffer.max_weight_staleness")
+    assert "did you mean 'agentloop.max_actor_accept_staleness'?" in msg
+    msg = check(tmp_path, ["rollout_buffer.rollout_submission_granularity=\"group\""], "rollout_submission")
+    assert "did you mean 'rollout_buffer.submission_granularity'?" in msg
+
+
+def test_every_schema_field_is_used_outside_the_config_package():
+    """Every config key is used or removed: each field name is read somewhere in the package (outside
+    asyncrl/config, which only loads, derives and validates), or is a section."""
+    import dataclasses
+    import re
+
+    from asyncrl.config import schema
+
+    sources = "\n".join(p.read_text() for p in (ROOT / "asyncrl").rglob("*.py") if "config" not in p.parts)
+    sources += (ROOT / "asyncrl/config/derive.py").read_text()  # derived-only keys (they set other keys)
+    unused = []
+    for cls in vars(schema).values():
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls is not schema.Config:
+            for f in dataclasses.fields(cls):
+                if not re.search(rf"\.{f.name}\b|[\"']{f.name}[\"']", sources):
+                    unused.append(f"{cls.__name__}.{f.name}")
+    assert unused == [] or unused == ["SGLangConfig.backend_type"], unused  # backend_type: validated, one value
+
+
+def test_sglang_engine_backend_is_rejected_in_sync_mode_too(tmp_path):
+    check(tmp_path, ["runner.async_mode=false", 'rollout.rollout_backend="sglang"',
+                     'rollout.sglang.backend_type="engine"'], "rollout.sglang.backend_type")

@@ -44,8 +44,9 @@ class FileEval(CheckpointEvalFn):
             raise EvalSkip((d / "skip").read_text())
         if (d / "boom").exists():
             raise RuntimeError("the eval server is down")
+        meta = d / "snapshot.json"
         return {"value": float((d / "value.txt").read_text()),
-                "step_read": json.loads((d / "snapshot.json").read_text())["step"]}
+                "step_read": json.loads(meta.read_text())["step"] if meta.exists() else input.step}
 
 
 def snapshot(root: Path, step: int, value: float = 1.0, **flags: str) -> Path:
@@ -142,10 +143,39 @@ def test_eval_skip_and_a_raising_function_are_attributed_and_training_goes_on(tm
 def test_a_non_dict_result_is_an_error_not_a_dead_thread(tmp_path):
     disp = EvalDispatcher(lambda d, step: [1.0], max_in_flight=2, overflow_policy="skip", keep_snapshots=1,
                           wait_timeout_s=WAIT_S)
+    (tmp_path / "snapshot.json").write_text("{}")
     disp.submit(1, tmp_path, owned=False)
     disp.submit(2, tmp_path, owned=False)
     outs = disp.close()
     assert [o.status for o in outs] == ["error", "error"] and "expected dict" in outs[0].reason
+
+
+def test_skipped_points_carry_miles_reason_metrics_and_ran_points_their_weight_version(tmp_path):
+    """eval/skipped_<reason> for EvalSkip, eval/skipped_crashed for an exception, eval/skipped_ckpt_missing for a
+    reused checkpoint without its completion marker (meta.json); a point that ran: eval/step and, per dataset,
+    weight_version/mean == step and mixed_version_ratio == 0."""
+    fn = FileEval()
+    disp = dispatcher(fn, max_in_flight=8)
+    disp.submit(2, snapshot(tmp_path, 2, skip="No server slot!"), owned=False)
+    disp.submit(4, snapshot(tmp_path, 4, boom="1"), owned=False)
+    half = tmp_path / "ckpt" / "step_000006" / "hf_export"  # an interrupted periodic checkpoint: no meta.json
+    half.mkdir(parents=True)
+    (half / "value.txt").write_text("1")
+    disp.submit(6, half, owned=False)
+    done = tmp_path / "ckpt" / "step_000008"
+    (done / "hf_export").mkdir(parents=True)
+    (done / "hf_export" / "value.txt").write_text("0.5")
+    (done / "meta.json").write_text(json.dumps({"step": 8, "weight_version": 8}))
+    disp.submit(8, done / "hf_export", owned=False)
+    outs = disp.close()
+    assert [(o.step, o.status) for o in outs] == [(2, "skipped"), (4, "error"), (6, "skipped"), (8, "ok")]
+    assert fn.seen == [2, 4, 8]  # the incomplete checkpoint is never handed to the eval function
+    ms = [outcome_metrics(o, logged_at=8, num_skipped=0, num_errors=0, datasets=["aime", "test"]) for o in outs]
+    assert ms[0]["eval/skipped_no_server_slot"] == 1.0 and ms[1]["eval/skipped_crashed"] == 1.0
+    assert ms[2]["eval/skipped_ckpt_missing"] == 1.0 and [m["eval/step"] for m in ms] == [2.0, 4.0, 6.0, 8.0]
+    for name in ("aime", "test"):
+        assert ms[3][f"eval/{name}/weight_version/mean"] == 8.0 == ms[3]["eval/step"]
+        assert ms[3][f"eval/{name}/weight_version/mixed_version_ratio"] == 0.0
 
 
 def test_owned_snapshots_are_retired_on_every_outcome_and_only_keep_snapshots_stay(tmp_path):
@@ -198,3 +228,69 @@ def test_datasets_and_eval_steps(tmp_path):
     cfg = load_config(root / "configs/tiny.toml", ['eval.eval_prompt_data={ aime = "a.jsonl" }'])
     assert eval_datasets(cfg) == {"aime": "a.jsonl"}
     assert [s for s in range(1, 9) if is_eval_step(s, 3)] == [3, 6] and not is_eval_step(4, None)
+
+
+class _ExportFails:
+    """An actor whose HF export raises (a full staging directory, a dead disk)."""
+
+    version = 4
+
+    def export_hf(self, d):
+        raise OSError(28, "No space left on device")
+
+
+def test_an_export_that_raises_is_a_skipped_point_and_training_goes_on(tmp_path):
+    from asyncrl.config import load_config
+    from asyncrl.runner.evaluation import PeriodicEval
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs/tiny.toml", [
+        f'eval.eval_function_path="{__name__}:FileEval"', "eval.eval_interval=2",
+        f'eval.eval_hf_dir="{tmp_path / "hf"}"', 'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=1"])
+    pe = PeriodicEval(cfg, actor=_ExportFails(), is_leader=True)
+    try:
+        m = pe.after_step(2)  # does not raise
+        assert m["eval/skipped_export_failed"] == 1.0 and "eval/export_time_seconds" not in m
+        assert pe.after_step(3) == {}
+    finally:
+        assert pe.finish(4) == []
+
+
+class GatedEval(FileEval):
+    """FileEval held on a class-level gate (PeriodicEval builds the instance itself)."""
+
+    GATE = threading.Event()
+    STARTED = threading.Event()
+
+    def evaluate_checkpoint(self, checkpoint_dir, input):  # noqa: A002
+        GatedEval.STARTED.set()
+        assert GatedEval.GATE.wait(WAIT_S)
+        return super().evaluate_checkpoint(checkpoint_dir, input)
+
+
+class _ExportsValue:
+    version = 0
+
+    def export_hf(self, d):
+        Path(d).mkdir(parents=True, exist_ok=True)
+        (Path(d) / "value.txt").write_text("0.5")
+
+
+def test_a_due_point_without_a_slot_under_skip_is_eval_skipped_busy_at_its_step(tmp_path):
+    from asyncrl.config import load_config
+    from asyncrl.runner.evaluation import PeriodicEval
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs/tiny.toml", [
+        f'eval.eval_function_path="{__name__}:GatedEval"', "eval.eval_interval=2", f'eval.eval_hf_dir="{tmp_path}"',
+        'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=1"])
+    pe = PeriodicEval(cfg, actor=_ExportsValue(), is_leader=True)
+    try:
+        assert "eval/export_time_seconds" in pe.after_step(2)
+        assert GatedEval.STARTED.wait(WAIT_S)
+        m = pe.after_step(4)  # the only slot is busy: skipped, at step 4
+        assert m == {"eval/skipped": 1.0, "eval/skipped_busy": 1.0}
+    finally:
+        GatedEval.GATE.set()
+        points = dict(pe.finish(4))
+    assert points[2]["eval/step"] == 2.0 and points[2]["eval/value"] == 0.5

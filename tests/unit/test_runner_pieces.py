@@ -1,5 +1,6 @@
 """Pure pieces of the step loop: the batch-level sample filter, rollout metrics, broker accounting."""
 
+import json
 import sys
 import types
 
@@ -57,3 +58,20 @@ def test_broker_accounting_adds_up():
     a = broker_accounting(st)
     assert a["broker/issued_groups"] == a["broker/trained_groups"] + a["broker/dropped_groups"] + \
         a["broker/held_groups"] + a["broker/reissued_groups"]
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_the_batch_wait_is_counted_once_in_the_time_split(async_mode, tmp_path, capsys):
+    """The broker's batch metrics carry time/wait_data; in sync mode the wait is time/rollout and only that, so
+    the printed split adds up to the step (it added 2.51 s for a 1.62 s step)."""
+    from asyncrl.config import load_config
+    from asyncrl.runner.loop import print_summary, wait_split
+
+    m = wait_split({"time/wait_data": 0.9, "rollout/x": 1.0}, 0.9, async_mode=async_mode)
+    assert m == {"rollout/x": 1.0, ("time/wait_data" if async_mode else "time/rollout"): 0.9}
+    step = {**m, "time/training": 0.6, "time/sync_weights": 0.12, "time/step": 1.62, "reward/mean": 0.0}
+    cfg = load_config(None, [f"runner.async_mode={'true' if async_mode else 'false'}"])
+    print_summary(cfg, {"steps": [step], "staleness_max": 0.0, "drops": 0.0}, tmp_path)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    parts = s["time/training"] + s["time/wait_data"] + s["time/rollout"] + s["time/sync_weights"]
+    assert parts == pytest.approx(s["time/step"])
