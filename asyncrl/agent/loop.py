@@ -180,10 +180,16 @@ class TurnGate:
     def __init__(self):
         self._open = asyncio.Event()
         self._open.set()
+        self._num_waiting = 0
 
     @property
     def is_open(self) -> bool:
         return self._open.is_set()
+
+    @property
+    def num_waiting(self) -> int:
+        """Turns held at the gate right now (observable, e.g. by a test waiting for a turn to reach it)."""
+        return self._num_waiting
 
     def hold(self) -> None:
         self._open.clear()
@@ -193,7 +199,11 @@ class TurnGate:
 
     async def wait_open(self) -> None:
         if not self._open.is_set():
-            await self._open.wait()
+            self._num_waiting += 1
+            try:
+                await self._open.wait()
+            finally:
+                self._num_waiting -= 1
 
 
 # ---------------------------------------------------------------- the trajectory accumulator (pure)

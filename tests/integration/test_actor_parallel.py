@@ -127,8 +127,7 @@ def main() -> None:
 
         w0 = load_file(str(Path(hf) / "model.safetensors"))
 
-        def maxdiff(a, b):
-            return max((x - y).abs().max().item() for x, y in zip(a, b))
+        maxdiff = proc_helpers.scaled_maxdiff
 
         res = {
             "lp_tp1_tp2": maxdiff([x[0] for x in r1["lps"]], [x[0] for x in r2["lps"]]),
@@ -157,7 +156,7 @@ def main() -> None:
 
             ref = _hf_reference(other, seqs, prompt_lens, groups)
             w0 = load_file(str(Path(other) / "model.safetensors"))
-            res[f"{other}/lp_hf"] = max((x[0] - y[0]).abs().max().item() for x, y in zip(r["lps"], ref["lps"]))
+            res[f"{other}/lp_hf"] = proc_helpers.scaled_maxdiff([x[0] for x in r["lps"]], [y[0] for y in ref["lps"]])
             res[f"{other}/w_tp2_ref"] = max((r["weights"][k] - ref["weights"][k]).abs().max().item() for k in w0)
             res[f"{other}/w_worst"] = max(w0, key=lambda k: (r["weights"][k] - ref["weights"][k]).abs().max().item())
             res[f"{other}/names_equal"] = sorted(r["weights"]) == sorted(w0) and r["exact"]
@@ -183,9 +182,10 @@ def test_actor_tp2_dp2_and_plain_pytorch(tmp_path):
     proc = run_torchrun(Path(__file__), [str(hf), str(out), *map(str, others)])
     assert proc.returncode == 0, proc.stderr[-5000:]
     r = json.loads(out.read_text())
-    # log-probs: TP=2 == TP=1, and == transformers within 1e-4 (also the entropy)
-    assert r["lp_tp1_tp2"] < 1e-5 and r["ent_tp1_tp2"] < 1e-5
-    assert r["lp_tp2_hf"] < 1e-4 and r["ent_tp2_hf"] < 1e-4
+    # log-probs: TP=2 == TP=1 == transformers within 1e-5 of their scale (also the entropy; see proc_helpers)
+    tol = proc_helpers.SCALED_REL
+    assert r["lp_tp1_tp2"] < tol and r["ent_tp1_tp2"] < tol
+    assert r["lp_tp2_hf"] < tol and r["ent_tp2_hf"] < tol
     assert r["lp_mean"] < -3.0  # real log-probs of a random model over ~1000 tokens
     m1, m2 = r["metrics_tp1"], r["metrics_tp2"]
     for k in (
@@ -196,21 +196,24 @@ def test_actor_tp2_dp2_and_plain_pytorch(tmp_path):
         "train/logprob_mismatch",
         "train/num_tokens",
     ):
-        assert abs(m1[k] - m2[k]) <= 1e-5 * max(1.0, abs(m1[k])), k
+        rel = proc_helpers.GRAD_NORM_REL if k == "train/grad_norm" else 1e-5
+        assert abs(m1[k] - m2[k]) <= rel * max(1.0, abs(m1[k])), (k, m1[k], m2[k])
     assert m1["train/num_microbatches"] >= 2  # the token budget split the batch
     assert m2["train/clip_fraction"] > 0  # random behaviour log-probs: clipping is exercised
     assert abs(m2["train/loss"] - r["ref_loss"]) < 1e-5
-    assert abs(m2["train/grad_norm"] - r["ref_grad_norm"]) < 1e-4 * r["ref_grad_norm"]
+    assert abs(m2["train/grad_norm"] - r["ref_grad_norm"]) < proc_helpers.GRAD_NORM_REL * r["ref_grad_norm"]
     assert m2["train/lr"] == pytest.approx(1e-3) and m2["train/step_skipped"] == 0.0
     # one Adam step: same weights everywhere (Adam's first step is ~lr*sign(g): compare to lr)
     assert r["w_moved"] > 5e-4
-    assert r["w_tp1_tp2"] < 2e-5
-    assert r["w_tp2_ref"] < 2e-5
+    w_tol = proc_helpers.ADAM_STEP_REL * 1e-3  # lr/20
+    assert r["w_tp1_tp2"] < w_tol
+    assert r["w_tp2_ref"] < w_tol
     assert r["names_equal"] and r["hf_roundtrip_exact"]  # HF -> actor (TP=1 and TP=2) -> HF is bit-exact
     assert r["num_buckets"] > 5 and r["max_bucket"] <= 1000 * 128 * 4  # a single tensor may exceed a bucket
     for other in others:
-        assert r[f"{other}/lp_hf"] < 1e-4 and r[f"{other}/names_equal"]
-        assert r[f"{other}/w_tp2_ref"] < 2e-5, (other, r[f"{other}/w_worst"])  # also the training step vs plain PyTorch
+        assert r[f"{other}/lp_hf"] < tol and r[f"{other}/names_equal"]
+        # also the training step vs plain PyTorch
+        assert r[f"{other}/w_tp2_ref"] < w_tol, (other, r[f"{other}/w_worst"])
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Launch 1 (2 ranks): the tiny Qwen2 model (4 layers) at PP=1 (DP=2) and at PP=2 (layers split
 2 + 2): the HF export (``iter_hf_buckets``: same names, order, buckets and values as PP=1, equal to
-the HF file), log-probs + entropy of packed sequences over several micro-batches (within 1e-5),
+the HF file), log-probs + entropy of packed sequences over several micro-batches (within 1e-5 of their scale),
 one training step (metrics and weights); the same for a Llama with tied embeddings (the last
 stage's copy of the word embeddings, kept in sync by the embedding-group all-reduce). Then a PP=2
 checkpoint: save after step 1, train step 2; a fresh actor loads the checkpoint and redoes step 2
@@ -26,6 +26,7 @@ import pytest
 import torch
 
 GROUP_SEED = 11
+LR = 1e-3  # the actor's learning rate (asyncrl.actor.synthetic.tiny_actor_config)
 
 
 def _cfg(hf: str, *, tp: int = 1, pp: int = 1, save_hf: bool = False, **algo):
@@ -78,8 +79,7 @@ def _compare(r1: dict, r2: dict, hf: str) -> dict:
 
     w0 = load_file(str(Path(hf) / "model.safetensors"))
 
-    def maxdiff(a, b):
-        return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+    maxdiff = proc_helpers.scaled_maxdiff
 
     names1 = [[k for k, _ in b] for b in r1["export0"]]
     names2 = [[k for k, _ in b] for b in r2["export0"]]
@@ -220,11 +220,13 @@ def main() -> None:
 def _check(r: dict) -> None:
     assert r["buckets_equal"] and r["export_exact"] and r["names"], r
     assert r["n_lps"][0] == r["n_lps"][1] == 8
-    assert r["lp"] < 1e-5 and r["ent"] < 1e-5 and r["lp_after"] < 1e-5, r
+    tol = proc_helpers.SCALED_REL  # lp, ent, lp_after: relative to the values' scale (see proc_helpers)
+    assert r["lp"] < tol and r["ent"] < tol and r["lp_after"] < tol, r
     for k, (a, b) in r["metrics"].items():
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (k, a, b)
+        rel = proc_helpers.GRAD_NORM_REL if k == "train/grad_norm" else 1e-5
+        assert abs(a - b) <= rel * max(1.0, abs(a)), (k, a, b)
     assert r["num_microbatches"] >= 2  # the token budget split the batch: 1F1B over several micro-batches
-    assert r["w_moved"] > 5e-4 and r["w"] < 2e-5, r
+    assert r["w_moved"] > 5e-4 and r["w"] < proc_helpers.ADAM_STEP_REL * LR, r
 
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ def test_greedy_evaluation_against_the_engine(setup):
 def test_retrieval_server_killed_mid_run_retries_then_aborts_the_group(setup):
     model, url, root = setup
     server, retrieve_url = start_retrieval_server(model.data_dir / "corpus.jsonl", root / "retrieval.log")
-    retriever = HttpRetriever(retrieve_url, timeout_s=5, max_retries=2, backoff_s=0.05)
+    retriever = HttpRetriever(retrieve_url, timeout_s=30, max_retries=2, backoff_s=0.05)
     loop = make_loop(model, retriever)
     item = PromptItem(index=0, prompt=model.question, answers=[model.answer])
 

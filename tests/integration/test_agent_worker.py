@@ -27,7 +27,7 @@ def test_worker_batches_then_aborted_groups_then_shutdown(tmp_path):
     overrides = [
         f"data.train_path={model.data_dir / 'train.jsonl'}", "data.rollout_batch_size=2", "algorithm.group_size=2",
         "agentloop.max_turns=2", "agentloop.tool.retriever=http", f"agentloop.tool.retriever_url={retrieve_url}",
-        "agentloop.tool.max_retries=1", "agentloop.tool.retry_backoff_s=0.05", "agentloop.tool.timeout_s=5",
+        "agentloop.tool.max_retries=1", "agentloop.tool.retry_backoff_s=0.05", "agentloop.tool.timeout_s=30",
         "agentloop.heartbeat_interval_s=0.5", "rollout_buffer.max_inflight_groups=2",
         "rollout_buffer.max_buffered_groups=4", f"logging.run_dir={tmp_path / 'run'}",
     ]

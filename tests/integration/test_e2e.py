@@ -105,7 +105,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def _assert_clean_exit(r, run_dir: Path):
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a failure bound: children exit at once, a loaded machine is slow
     while pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pids_mentioning(str(run_dir)) == [], "processes of the run are left"

@@ -122,6 +122,19 @@ async def _in_flight(c, n=1):
     return m.num_running_reqs >= n
 
 
+async def _queued(c, n):
+    return (await c.metrics()).num_queue_reqs >= n
+
+
+async def _engine_loop_turns(c, turns=5):
+    """The engine's metrics after ``turns`` more turns of its scheduling loop: each /metrics is answered by that
+    loop between two steps, and an unpaused loop with requests steps again before it answers the next one. So a
+    paused engine that still generated would show it here, with no time window to guess."""
+    for _ in range(turns):
+        m = await c.metrics()
+    return m
+
+
 def test_info_metrics_flush_and_prefix_reuse(engine):
     async def go():
         async with SGLangClient(engine.url) as c:
@@ -170,11 +183,12 @@ def test_pause_abort_then_requests_wait_for_continue(engine):
             assert (await c.pause_generation("abort"))["status"] == "ok"
             done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
             assert all(r.aborted and len(r.output_ids) < 400 for r in done)
+            before = (await c.metrics()).generation_tokens_total
             late = asyncio.create_task(c.generate([30, 31], {"max_new_tokens": 4, "temperature": 0}))
-            await asyncio.sleep(0.3)
-            assert not late.done()  # accepted, but waits for continue
-            m = await c.metrics()
-            assert m.num_queue_reqs == 1 and m.num_running_reqs == 0
+            await _wait(lambda: _queued(c, 1))  # accepted ...
+            m = await _engine_loop_turns(c)
+            assert not late.done()  # ... but waits for continue
+            assert m.num_queue_reqs == 1 and m.num_running_reqs == 0 and m.generation_tokens_total == before
             await c.continue_generation()
             r = await asyncio.wait_for(late, 30)
             assert r.finish_reason["type"] == "length" and len(r.output_ids) == 4
@@ -211,8 +225,7 @@ def test_pause_in_place_keeps_kv(engine):
             await _wait(lambda: _in_flight(c, 2))
             await c.pause_generation("in_place")
             m1 = await c.metrics()
-            await asyncio.sleep(0.3)
-            m2 = await c.metrics()
+            m2 = await _engine_loop_turns(c)
             assert m1.num_running_reqs == 2 and m1.raw["num_paused_reqs"] == 2
             assert m2.generation_tokens_total == m1.generation_tokens_total  # no stepping while paused
             with pytest.raises(EngineError) as ei:

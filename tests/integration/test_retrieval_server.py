@@ -137,7 +137,7 @@ def test_retries_with_backoff_then_success_then_error_naming_the_url():
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}/retrieve"
-        r = HttpRetriever(url, timeout_s=5, max_retries=3, backoff_s=0.01)
+        r = HttpRetriever(url, timeout_s=30, max_retries=3, backoff_s=0.01)
         try:
             got = await r.retrieve(["q"], topk=1)
             assert got == [[DOCS[0]]] and r.num_retries == 2 and calls["n"] == 3

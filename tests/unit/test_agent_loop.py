@@ -8,6 +8,7 @@ aligned output_token_logprobs, finish_reason and weight_versions.
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -226,7 +227,10 @@ def test_gate_holds_new_turns(tok):
         loop.gate.hold()
         handle = EngineHandle(None, max_in_flight=1, url="u", generate_raw=eng)
         task = asyncio.create_task(loop.run_trajectory(ITEM, handle))
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while loop.gate.num_waiting < 1:  # the first turn reached the closed gate
+            assert time.monotonic() < deadline and not task.done(), "the turn never reached the gate"
+            await asyncio.sleep(0.01)
         assert eng.calls == [] and not task.done()
         loop.gate.release()
         return await asyncio.wait_for(task, 10)

@@ -13,6 +13,8 @@ from asyncrl.rollout.cpu_scheduler import RequestError, parse_sampling_params
 from asyncrl.rollout.sglang_client import EngineError, _server_message, parse_generate_response, parse_prometheus
 from asyncrl.rollout.sglang_launcher import cpu_engine_command, engine_command, engine_port, sglang_command
 
+LOGPROB_REL = 1e-5  # float32 log-prob parity, relative to the largest |log-prob| (see the parity test)
+
 
 def test_sampling_params_unknown_and_bad_values_name_the_key():
     p = parse_sampling_params({"max_new_tokens": 3, "temperature": 0, "stop": "x", "stop_token_ids": [5]})
@@ -71,20 +73,20 @@ def test_prometheus_and_generate_parsers():
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_cpu_model_matches_transformers(tmp_path, arch):
-    """Prompt log-probs, a cached continuation and a padded batch match HF within 1e-4."""
+    """Prompt log-probs, a cached continuation and a padded batch match HF within 1e-5 of the log-probs' scale."""
     transformers = pytest.importorskip("transformers")
     from asyncrl.rollout.cpu_model import KVPool, load_model
 
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, rms_norm_eps=1e-6,
                   max_position_embeddings=256)
+    torch.manual_seed(0)  # HF's random init too: the same weights on every run
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=5000.0)
         hf = transformers.Qwen2ForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True)
         hf = transformers.LlamaForCausalLM(cfg)
-    torch.manual_seed(0)
     with torch.no_grad():
         for p in hf.parameters():  # random, non-trivial norms and biases too
             p.add_(0.1 * torch.randn_like(p))
@@ -95,14 +97,18 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
         ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
     kv = KVPool(model.spec, max_rows=3)
     full = torch.log_softmax(model.logits(model.forward(ids, torch.tensor([0]), torch.tensor([24]), kv, 0)[0]), -1)
-    assert (full - ref).abs().max().item() < 1e-4
+    # log-probs reach about -20 here; float32 rounding grows with that scale and differs between processors and
+    # kernels: allow LOGPROB_REL x max|ref| (measured worst |diff| 1.2e-5 = 6e-7 of the scale, default and avx2)
+    tol = LOGPROB_REL * ref.abs().max().item()
+    assert (full - ref).abs().max().item() < tol
     # prefix of 10 in row 1, then the remaining 14 batched with a shorter, padded request in row 2
     model.forward(ids[:, :10], torch.tensor([0]), torch.tensor([10]), kv, 1)
     other = ids[:, 3:9]
     toks = torch.zeros(2, 14, dtype=torch.long)
     toks[0], toks[1, :6] = ids[0, 10:], other[0]
     h = model.forward(toks, torch.tensor([10, 0]), torch.tensor([14, 6]), kv, 1)
-    assert (torch.log_softmax(model.logits(h[0]), -1) - ref[10:]).abs().max().item() < 1e-4
+    assert (torch.log_softmax(model.logits(h[0]), -1) - ref[10:]).abs().max().item() < tol
     with torch.no_grad():
         ref_other = torch.log_softmax(hf(other).logits[0].float(), -1)
-    assert (torch.log_softmax(model.logits(h[1, :6]), -1) - ref_other).abs().max().item() < 1e-4
+    other_tol = LOGPROB_REL * ref_other.abs().max().item()
+    assert (torch.log_softmax(model.logits(h[1, :6]), -1) - ref_other).abs().max().item() < other_tol

@@ -6,6 +6,20 @@ import torch
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
 
+# float32 rounding (eps 1.2e-7) grows with the values' scale and the reduction order, which differ between
+# processors, kernels (ATEN_CPU_CAPABILITY) and thread counts: compare relative to each tensor's largest
+# magnitude, not elementwise (an element near zero next to one of 2,400 carries the large one's rounding).
+# Measured worst |diff| / max|ref|: hidden states 3.4e-7, gradients 1.1e-6 (AMD EPYC, default and avx2).
+HIDDEN_REL = 1e-5
+GRAD_REL = 2e-5
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, *, rel: float) -> None:
+    """|actual - expected| <= rel * max|expected| everywhere (shapes must match)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    err, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
+    assert err <= rel * scale, f"max |diff| {err:.3g} > {rel:g} x max |expected| {scale:.3g}"
+
 
 @pytest.mark.parametrize("arch,extra", [("qwen2", {}), ("llama", {"tie_word_embeddings": True}), ("qwen3", {})])
 def test_logits_match_transformers_and_round_trip(tmp_path, arch, extra):
@@ -44,10 +58,18 @@ def test_shared_prefix_equals_full_rows_values_and_gradients(tmp_path, arch):
 
     h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows)
     assert h_prefix.shape == (1, 7, h_full.shape[-1]) and h_rows.shape == (3, 5, h_full.shape[-1])
-    assert torch.allclose(h_prefix[0], h_full[0, :7], atol=1e-5)
-    assert torch.allclose(h_rows, h_full[:, 7:], atol=1e-5), (h_rows - h_full[:, 7:]).abs().max()
+    assert_close_to_scale(h_prefix[0], h_full[0, :7], rel=HIDDEN_REL)
+    assert_close_to_scale(h_rows, h_full[:, 7:], rel=HIDDEN_REL)
+
+    def shared_grads(prefix_weight):
+        h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows)
+        loss = prefix_weight * (h_prefix**2).sum() + (h_rows**3).sum()
+        return torch.autograd.grad(loss, list(model.model.parameters()))
+
     # the prefix, computed once, stands for all three rows: weight its loss by the row count
-    loss_shared = 3 * (h_prefix ** 2).sum() + (h_rows ** 3).sum()
-    g_shared = torch.autograd.grad(loss_shared, list(model.model.parameters()))
-    for a, b in zip(g_full, g_shared):
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    for a, b in zip(shared_grads(3.0), g_full, strict=True):
+        assert_close_to_scale(a, b, rel=GRAD_REL)
+    # the comparison still sees a prefix weighted 0.1% wrong (about 15x its tolerance on these tensors)
+    with pytest.raises(AssertionError):
+        for a, b in zip(shared_grads(3.0 * 1.001), g_full, strict=True):
+            assert_close_to_scale(a, b, rel=GRAD_REL)
