@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.actor.names import canonical_megatron_name, tp_split_dim
 from asyncrl.actor.spec import layer_spec as make_layer_spec
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -229,8 +230,6 @@ def _mark_tensor_parallel_params(model: torch.nn.Module) -> None:
     the other TP ranks' shards as "duplicates".
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    from asyncrl.actor.convert import canonical_megatron_name, tp_split_dim
 
     for name, param in model.named_parameters():
         dim = tp_split_dim(canonical_megatron_name(name))

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from typing import Any, Optional
 import zmq
 
 from asyncrl.broker import protocol as P
-from asyncrl.broker.core import BrokerCore, BrokerError
+from asyncrl.broker.core import BrokerCore, BrokerError, CoreSettings
 
 log = logging.getLogger("asyncrl.broker")
 
@@ -405,19 +407,10 @@ def tune_gc() -> None:
     gc.set_threshold(35_000, 20, 20)
 
 
-def run_broker(cfg, *, bind: str = "tcp://127.0.0.1:0", address_file: Optional[str] = None,
-               prompts_path: Optional[str] = None) -> None:
-    """Build the core from a resolved ``Config``, serve until shutdown. Publishes the endpoint."""
-    import os
-    import sys
-
-    from asyncrl.agent.data.loaders import load_prompts
-    from asyncrl.broker.core import CoreSettings
-
-    path = prompts_path or cfg.data.train_path
-    if not path:
-        raise ValueError("data.train_path: the broker needs a prompt file (Search-R1 parquet or JSONL)")
-    prompts = load_prompts(path)
+def run_broker(cfg, prompts: list, *, source: str = "", bind: str = "tcp://127.0.0.1:0",
+               address_file: Optional[str] = None) -> None:
+    """Build the core from a resolved ``Config`` and the ``prompts`` (``PromptItem``s, loaded by the caller from
+    ``source``), serve until shutdown. Publishes the endpoint."""
     core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
     server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
     server.install_signal_handlers()
@@ -429,7 +422,7 @@ def run_broker(cfg, *, bind: str = "tcp://127.0.0.1:0", address_file: Optional[s
         os.replace(tmp, address_file)
     print(f"ASYNCRL_BROKER_ADDRESS={server.address}", flush=True)
     log.info("broker: %d prompts from %s, limits inflight=%d buffered=%d batch=%d group_size=%d (%s, %s mode)",
-             len(prompts), path, core.s.max_inflight_groups, core.s.max_buffered_groups, core.s.rollout_batch_size,
+             len(prompts), source, core.s.max_inflight_groups, core.s.max_buffered_groups, core.s.rollout_batch_size,
              core.s.group_size, core.s.submission_granularity, "sync" if core.s.sync_mode else "async")
     server.serve_forever()
     sys.stdout.flush()

@@ -60,3 +60,23 @@ class Discovery:
 
     def sub(self, prefix: str) -> Discovery:
         return Discovery(self.raw_store, self.prefix + prefix, timeout_s=self.timeout_s)
+
+
+# ------------------------------------------------------------------------------------------- the job's keys
+SHUTDOWN_KEY = "shutdown"
+"""Published by actor rank 0 when the run ends; every waiting rank returns."""
+
+
+def restarts_key(engine: int) -> str:
+    """Discovery key: how many times engine ``engine`` was restarted (published by its rollout rank)."""
+    return f"engine/{engine}/restarts"
+
+
+def synced_key(engine: int) -> str:
+    """Discovery key: the restart count of engine ``engine`` that actor rank 0 last synced."""
+    return f"engine/{engine}/synced"
+
+
+def read_count(disc: Discovery, key: str) -> int:
+    """A counter key's value, 0 while unset (never blocks)."""
+    return int(disc.store.get(key).decode()) if disc.is_set(key) else 0

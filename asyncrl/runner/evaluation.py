@@ -244,10 +244,12 @@ class PeriodicEval:
 
     def __init__(self, cfg: Any, *, actor: Any, is_leader: bool, broker: Any = None,
                  engine_evaluator: Optional[EngineEvaluator] = None, ckpt_root: str | Path | None = None,
-                 bcast: Callable[[Any], Any] = lambda x: x, fleet_urls: Optional[list[str]] = None,
+                 bcast: Callable[[Any], Any] = lambda x: x, fleet_eval: Optional[Callable[[str, int], dict]] = None,
                  leader_phase: Optional[Callable[..., Any]] = None):
         """``leader_phase(name, fn, timeout_s=...)`` runs ``fn`` on the leader while the other actor ranks wait
-        outside any collective (``asyncrl.runner.leader.LeaderPhases.run``; default: ``fn`` on the leader)."""
+        outside any collective (``asyncrl.runner.leader.LeaderPhases.run``; default: ``fn`` on the leader).
+        ``fleet_eval``: the leader's ``(snapshot_dir, step) -> metrics`` for the ``fleet`` backend
+        (``asyncrl.runner.eval_fleet.FleetEval``)."""
         self.cfg, self.actor, self.is_leader, self.broker = cfg, actor, is_leader, broker
         self._phase = leader_phase or (lambda name, fn, timeout_s=None: fn() if is_leader else None)
         self.backend = select_backend(cfg)
@@ -263,10 +265,8 @@ class PeriodicEval:
         if self.backend in ("external", "fleet") and is_leader:
             e = cfg.eval
             if self.backend == "fleet":
-                from asyncrl.runner.eval_fleet import FleetEval
-
-                evaluate: Callable[[str, int], dict] = FleetEval(
-                    cfg, list(fleet_urls or []), tokenizer_path=cfg.rollout.model_path or cfg.actor.model_path)
+                assert fleet_eval is not None, "the fleet backend needs its FleetEval"
+                evaluate: Callable[[str, int], dict] = fleet_eval
             else:
                 self.fn = load_eval_fn(e.eval_function_path, cfg)
                 evaluate = self._evaluate

@@ -361,13 +361,18 @@ def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str]
                      eval_engine_urls: list[str] | None = None, phases=None):
     """The periodic eval (``eval.*``) and, on the leader, the shared-engine evaluator (built once; it checks
     the tool URLs it will call)."""
+    from asyncrl.runner.eval_fleet import FleetEval
     from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, select_backend
 
     evaluator = None
     if is_leader and (cfg.runner.eval_before_after and cfg.data.test_path or select_backend(cfg) == "shared"):
         evaluator = EngineEvaluator(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+    fleet = None
+    if is_leader and select_backend(cfg) == "fleet":
+        fleet = FleetEval(cfg, list(eval_engine_urls or []),
+                          tokenizer_path=cfg.rollout.model_path or cfg.actor.model_path)
     periodic = PeriodicEval(cfg, actor=actor, is_leader=is_leader, broker=broker, engine_evaluator=evaluator,
-                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_urls=eval_engine_urls,
+                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_eval=fleet,
                             leader_phase=phases.run if phases is not None else None)
     return periodic, evaluator
 
@@ -382,7 +387,7 @@ def _sync(actor, syncer, cfg, is_leader, recovery=None):
 
 def make_recovery(cfg, group, discovery):
     """Actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish."""
-    from asyncrl.runner.roles import read_count, restarts_key, synced_key
+    from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
     from asyncrl.sync.recovery import EngineRecovery
 
     r, n = cfg.rollout, len(group.engines)

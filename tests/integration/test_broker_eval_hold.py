@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.broker.client import Assignment, BrokerClient, Control, WorkerConnection
-from asyncrl.broker.launch import start_broker
+from asyncrl.runner.broker_process import start_broker
 from asyncrl.broker.types import Trajectory
 
 

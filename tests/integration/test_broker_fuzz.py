@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from asyncrl.broker import protocol as P
 from asyncrl.broker.core import BrokerCore, CoreSettings
-from asyncrl.broker.launch import start_broker
+from asyncrl.runner.broker_process import start_broker
 from asyncrl.broker.server import BrokerServer
 from asyncrl.broker.types import PromptItem, Trajectory
 

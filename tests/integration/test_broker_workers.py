@@ -18,7 +18,7 @@ from asyncrl.broker.client import (
     WorkerConnection,
     _group_frames,
 )
-from asyncrl.broker.launch import start_broker
+from asyncrl.runner.broker_process import start_broker
 from asyncrl.broker.types import Trajectory
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cluster import launcher
+from asyncrl.runner import launcher
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.validate import check_inputs
 

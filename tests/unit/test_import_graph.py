@@ -41,13 +41,11 @@ FLOORS = {
 }
 # arrows allowed between packages on the same floor (must form no cycle; the test checks it)
 SIDEWAYS = {
-    ("actor", "models"),
-    ("rollout", "models"),
-    ("agent", "rollout"),
-    ("agent", "broker"),
-    ("sync", "rollout"),
-    ("sync", "actor"),
-    ("actor", "broker"),
+    ("agent", "broker"),  # the worker is the broker's client; prompts and trajectories are broker types
+    ("agent", "rollout"),  # the worker drives and supervises its engine
+    ("actor", "broker"),  # the actor trains on the broker's groups
+    ("actor", "sync"),  # the actor's weights leave in the sync's buckets
+    ("rollout", "sync"),  # the CPU engine joins the weight-update process group
 }
 # upward arrows kept on purpose, (importer package, imported package): see docs/design.md
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

@@ -1,7 +1,13 @@
-"""Start ``python -m asyncrl.broker`` as a child and wait for its address (tests, benchmarks, tools).
+"""The broker process: ``python -m asyncrl.runner.broker_process CONFIG [key=value ...] [--bind ADDR]
+[--address-file PATH] [--prompts PATH]``, and ``start_broker`` to run one as a child (tests, benchmarks, tools).
 
-The launcher supervises the broker through ``asyncrl.cluster.process``; this helper is the small,
-self-contained way to get one running with a timeout and a liveness check.
+The broker is a child of actor rank 0 (``asyncrl.runner.roles``). This entry point loads the config exactly as
+the launcher does (``load_config``: defaults -> TOML -> overrides), reads the prompts of ``data.train_path`` (or
+``--prompts``) with the agent's Search-R1 loader (``asyncrl.agent.data.loaders.load_prompts``) and hands them to
+``asyncrl.broker.server.run_broker``, which binds its ROUTER socket and, once bound, writes the endpoint to
+``--address-file`` (atomically) and prints ``ASYNCRL_BROKER_ADDRESS=<endpoint>`` on stdout. Runs until an actor
+sends ``shutdown`` or SIGTERM. It lives in the runner because it wires two parts: the broker never imports the
+agent.
 
     bp = start_broker("configs/tiny.toml", ["data.rollout_batch_size=4"], log_path="broker.log")
     client = BrokerClient(bp.address); ...; bp.stop()
@@ -9,6 +15,8 @@ self-contained way to get one running with a timeout and a liveness check.
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from asyncrl.agent.data.loaders import load_prompts
+from asyncrl.broker.server import run_broker
+from asyncrl.config import load_config
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -44,7 +56,7 @@ def start_broker(config_path: str, overrides: list[str] | None = None, *, bind: 
     fd, addr_file = tempfile.mkstemp(prefix="asyncrl-broker-", suffix=".addr")
     os.close(fd)
     os.unlink(addr_file)
-    cmd = [sys.executable, "-m", "asyncrl.broker", str(config_path), *(overrides or []), "--bind", bind,
+    cmd = [sys.executable, "-m", "asyncrl.runner.broker_process", str(config_path), *(overrides or []), "--bind", bind,
            "--address-file", addr_file, "--log-level", log_level]
     if prompts_path:
         cmd += ["--prompts", str(prompts_path)]
@@ -68,3 +80,26 @@ def start_broker(config_path: str, overrides: list[str] | None = None, *, bind: 
         if log_path:
             log.close()
     return BrokerProcess(proc, address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.runner.broker_process", description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="TOML config path")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint to bind (port 0: OS picks)")
+    ap.add_argument("--address-file", default=None, help="write the bound endpoint here")
+    ap.add_argument("--prompts", default=None, help="prompt file (default: data.train_path)")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s broker: %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    path = args.prompts or cfg.data.train_path
+    if not path:
+        raise ValueError("data.train_path: the broker needs a prompt file (Search-R1 parquet or JSONL)")
+    run_broker(cfg, load_prompts(path), source=path, bind=args.bind, address_file=args.address_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
