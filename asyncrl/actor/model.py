@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.actor.names import canonical_megatron_name, tp_split_dim
 from asyncrl.actor.spec import layer_spec as make_layer_spec
+from asyncrl.cluster.megatron_cpu import cuda_as_cpu
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -199,8 +200,6 @@ def build_gpt_model(
     build = contextlib.nullcontext()
     if pp > 1:
         from megatron.core import parallel_state as ps
-
-        from asyncrl.cluster.megatron_cpu import cuda_as_cpu
 
         pre_process, post_process = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         # tied embeddings: Megatron moves the last stage's copy with `.data.cuda()` and all-reduces it

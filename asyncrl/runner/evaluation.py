@@ -53,6 +53,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from asyncrl.agent.data.loaders import load_prompts
+from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
+from asyncrl.agent.tasks import get_task
+from asyncrl.agent.tokenizer import AgentTokenizer
+from asyncrl.agent.tools import check_retriever, make_retriever
+from asyncrl.broker.buffer import import_path
+from asyncrl.rollout.sglang_client import SGLangClient
+
 log = logging.getLogger("asyncrl.eval")
 
 SNAPSHOT_META = "snapshot.json"
@@ -100,8 +108,6 @@ class CheckpointEvalFn:
 
 
 def load_eval_fn(path: str, cfg: Any) -> CheckpointEvalFn:
-    from asyncrl.broker.buffer import import_path
-
     cls = import_path(path, "eval.eval_function_path")
     if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
         raise ValueError(f"eval.eval_function_path: {path!r} is not a CheckpointEvalFn subclass "
@@ -137,9 +143,6 @@ class EngineEvaluator:
     """Greedy eval of several datasets on the rollout engines (tokenizer, retriever and prompts built once)."""
 
     def __init__(self, cfg: Any, engine_urls: list[str], *, tokenizer_path: str, role: str = "actor rank 0 (eval)"):
-        from asyncrl.agent.tokenizer import AgentTokenizer
-        from asyncrl.agent.tools import check_retriever, make_retriever
-
         self.cfg, self.engine_urls = cfg, engine_urls
         self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
         self.retriever = make_retriever(cfg.agentloop.tool)
@@ -149,8 +152,6 @@ class EngineEvaluator:
     def items(self, name: str, path: str) -> list:
         """The dataset's prompts, the first ``eval.max_samples`` of them (0 = all)."""
         if name not in self._items:
-            from asyncrl.agent.data.loaders import load_prompts
-
             items = load_prompts(path)
             n = self.cfg.eval.max_samples
             self._items[name] = items[:n] if n else items
@@ -158,10 +159,6 @@ class EngineEvaluator:
 
     def evaluate(self, datasets: dict[str, str]) -> dict[str, dict]:
         """``{name: summary}``; a summary has accuracy (mean greedy reward), response_len, num_turns, ..."""
-        from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
-        from asyncrl.agent.tasks import get_task
-        from asyncrl.rollout.sglang_client import SGLangClient
-
         cfg = self.cfg
 
         async def run() -> dict[str, dict]:
