@@ -26,13 +26,13 @@ The actor checkpoint format is described in ``asyncrl.actor.checkpoint``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import torch
 
 from asyncrl.actor.model import ModelSpec, padded_vocab_size
 from asyncrl.actor.names import LAYER_NAME, canonical_megatron_name, layer_rest, tp_split_dim
+
 
 def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
     if t.shape[0] == padded:

@@ -21,6 +21,9 @@ from asyncrl.actor.names import canonical_megatron_name, tp_split_dim
 from asyncrl.actor.spec import layer_spec as make_layer_spec
 from asyncrl.cluster.megatron_cpu import cuda_as_cpu
 
+# Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
+# and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 VOCAB_MULTIPLE = 128

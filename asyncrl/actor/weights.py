@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from asyncrl.actor.convert import (
     hf_names_for,
@@ -42,8 +43,6 @@ class HFCheckpointReader:
     """Lazy access to the tensors of a HF checkpoint directory (``model.safetensors`` or an index)."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
@@ -65,8 +64,6 @@ class HFCheckpointReader:
         return name in self.weight_map
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name not in self.weight_map:
             raise KeyError(f"{name!r} is not in the HF checkpoint {str(self.path)!r}")
         fname = self.weight_map[name]

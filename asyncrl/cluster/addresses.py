@@ -25,6 +25,7 @@ from typing import Optional
 
 from asyncrl.config.placement import is_loopback
 
+
 @dataclass(frozen=True)
 class Endpoint:
     bind_host: str

@@ -14,13 +14,13 @@ import os
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 _POLL_S = 0.1  # discovery keys appear once per run; polling costs nothing and keeps signals prompt
 
 
 class Discovery:
     def __init__(self, store, prefix: str, *, timeout_s: float):
-        import torch.distributed as dist
-
         self.raw_store = store
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -28,8 +28,6 @@ class Discovery:
 
     @classmethod
     def from_env(cls, *, timeout_s: float) -> Discovery:
-        import torch.distributed as dist
-
         addr = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
         if not addr or not port:

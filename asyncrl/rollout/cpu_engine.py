@@ -52,6 +52,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from aiohttp import web
+from tokenizers import Tokenizer
 
 from asyncrl.rollout.cpu_model import iter_safetensors, load_model
 from asyncrl.rollout.cpu_scheduler import (
@@ -143,8 +144,6 @@ def _torch_dtype(name: Any) -> torch.dtype:
 
 class CpuEngine:
     def __init__(self, args: EngineArgs):
-        from tokenizers import Tokenizer
-
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from asyncrl.broker import protocol as P
 from asyncrl.broker.core import BrokerCore, CoreSettings
-from asyncrl.runner.broker_process import start_broker
 from asyncrl.broker.server import BrokerServer
 from asyncrl.broker.types import PromptItem, Trajectory
+from asyncrl.runner.broker_process import start_broker
 
 GROUP_SIZE = 2
 RECV_TIMEOUT_S = 10.0

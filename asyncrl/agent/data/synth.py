@@ -273,7 +273,7 @@ def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 
 def _write_parquet(path: Path, rows: Sequence[dict]) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: a second to import, and only the parquet copies need it
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(list(rows)), path)
