@@ -100,7 +100,7 @@ def check_commands() -> list[dict]:
 
 # ------------------------------------------------------------------------------------- request bodies
 def _client_bodies() -> list[tuple[str, Any]]:
-    from asyncrl.rollout.sglang_client import SGLangClient
+    from asyncrl.engine.client import SGLangClient
 
     calls: list[tuple[str, Any]] = []
 

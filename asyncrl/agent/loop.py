@@ -132,7 +132,7 @@ def parse_generate_response(resp: dict, url: str) -> GenOutput:
 class EngineHandle:
     """One engine as the loop sees it: ``generate`` with at most ``max_in_flight`` calls at once.
 
-    ``client`` is the engine's ``asyncrl.rollout.sglang_client.SGLangClient``; ``generate_raw``
+    ``client`` is the engine's ``asyncrl.engine.client.SGLangClient``; ``generate_raw``
     (tests, other transports) replaces its ``generate`` by a coroutine ``(input_ids,
     sampling_params, rid) -> raw /generate JSON``. Any failure (client error, timeout, HTTP status, malformed reply) becomes
     ``EngineError`` naming the URL.
@@ -154,7 +154,7 @@ class EngineHandle:
         result = await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
         if isinstance(result, dict):
             return result
-        # asyncrl.rollout.sglang_client.GenerateResult: the raw meta_info carries the (logprob, id) pairs
+        # asyncrl.engine.client.GenerateResult: the raw meta_info carries the (logprob, id) pairs
         return {"output_ids": result.output_ids, "meta_info": result.meta_info}
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str) -> GenOutput:

@@ -42,7 +42,7 @@ from asyncrl.agent.tools import Retriever, make_retriever
 from asyncrl.broker.client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.broker.types import Group
 from asyncrl.config.schema import Config
-from asyncrl.rollout.sglang_client import SGLangClient
+from asyncrl.engine.client import SGLangClient
 from asyncrl.rollout.sglang_launcher import EngineSupervisor, HealthTracker
 
 log = logging.getLogger(__name__)

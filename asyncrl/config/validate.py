@@ -14,9 +14,7 @@ from pathlib import Path
 
 from asyncrl.config.eval_engine import eval_engine_config, fleet_size
 from asyncrl.config.placement import is_loopback, parse_devices, parse_placement
-from asyncrl.config.schema import Config, ConfigError
-
-PAUSE_MODES = ("retract", "in_place", "drain")
+from asyncrl.config.schema import PAUSE_MODES, Config, ConfigError
 
 
 def job_world_size(cfg: Config) -> int:
@@ -60,7 +58,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             raise ConfigError(
                 "rollout.pause_mode: 'abort' would kill every in-flight request at each weight sync and is "
                 "rejected in async mode; use \"retract\" (default), \"in_place\" or \"drain\"")
-    elif cfg.rollout.pause_mode not in PAUSE_MODES + ("abort",):  # pragma: no cover - Literal catches it
+    elif cfg.rollout.pause_mode not in PAUSE_MODES:  # pragma: no cover - Literal catches it
         raise ConfigError(f"rollout.pause_mode: must be one of {PAUSE_MODES}")
 
     placement = parse_placement(

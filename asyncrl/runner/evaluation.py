@@ -59,7 +59,7 @@ from asyncrl.agent.tasks import get_task
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import check_retriever, make_retriever
 from asyncrl.broker.buffer import import_path
-from asyncrl.rollout.sglang_client import SGLangClient
+from asyncrl.engine.client import SGLangClient
 
 log = logging.getLogger("asyncrl.eval")
 

@@ -52,11 +52,11 @@ from asyncrl.actor.trainer import Actor
 from asyncrl.broker.buffer import import_path
 from asyncrl.broker.client import BrokerClient
 from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
-from asyncrl.rollout.sglang_client import parse_prometheus
+from asyncrl.engine.blocking import EngineStepError, get_text
+from asyncrl.engine.client import parse_prometheus
 from asyncrl.runner.eval_fleet import FleetEval
 from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, engine_eval_metrics, select_backend
 from asyncrl.runner.metrics import MetricsWriter
-from asyncrl.sync.engine_http import EngineStepError, get_text
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery, sync_weights
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer

@@ -13,7 +13,7 @@ Floors (a package may import its own floor's siblings only as listed in ``FLOORS
 
     0 config                                   typed config, derivation, validation, placement
     1 cluster                                  processes, addresses, discovery, Megatron CPU shims
-    2 models broker rollout agent actor sync   the parts, one per process kind
+    2 models engine broker rollout agent actor sync   the parts, one per process kind or seam
     3 runner                                   roles and the step loop that wire the parts
 
 Packages on one floor may import each other only along ``SIDEWAYS`` arrows (a DAG), so the
@@ -32,6 +32,7 @@ FLOORS = {
     "config": 0,
     "cluster": 1,
     "models": 2,
+    "engine": 2,
     "broker": 2,
     "rollout": 2,
     "agent": 2,
@@ -46,6 +47,9 @@ SIDEWAYS = {
     ("actor", "broker"),  # the actor trains on the broker's groups
     ("actor", "sync"),  # the actor's weights leave in the sync's buckets
     ("rollout", "sync"),  # the CPU engine joins the weight-update process group
+    ("agent", "engine"),  # the worker generates through the engine client
+    ("rollout", "engine"),  # the CPU engine and the supervisor's health probes speak the engine API
+    ("sync", "engine"),  # the weight sync calls the engines
 }
 # upward arrows kept on purpose, (importer package, imported package): see docs/design.md
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

@@ -25,11 +25,16 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import aiohttp
 
+from asyncrl.config.schema import PAUSE_MODES
+
 PauseMode = Literal["abort", "retract", "in_place"]
+ENGINE_PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+"""What an engine's ``/pause_generation`` accepts (``rollout.pause_mode`` less the trainer's ``drain``)."""
+assert set(ENGINE_PAUSE_MODES) == set(PAUSE_MODES) - {"drain"}
 
 
 class EngineError(RuntimeError):
@@ -130,6 +135,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
     for name, vals in acc.items():
         out[name] = sum(vals) / len(vals) if name.endswith("_rate") else sum(vals)
     return out
+
+
+def parse_engine_load(metrics_text: str) -> Optional[float]:
+    """Running + queued requests from a Prometheus ``/metrics`` page (None if it reports neither)."""
+    vals = parse_prometheus(metrics_text)
+    found = [vals[k] for k in ("num_running_reqs", "num_queue_reqs") if k in vals]
+    return sum(found) if found else None
 
 
 class SGLangClient:
