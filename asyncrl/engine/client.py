@@ -98,13 +98,28 @@ class EngineMetrics:
     """Every ``sglang:*`` sample by series name (without the prefix)."""
 
 
-def parse_generate_response(data: dict) -> GenerateResult:
-    meta = data.get("meta_info") or {}
-    lps = meta.get("output_token_logprobs")
+def parse_generate_response(data: Any, url: str = "") -> GenerateResult:
+    """A ``/generate`` answer -> ``GenerateResult``. A malformed answer, or log-probs that are not one per
+    output id (each entry ``[logprob, token_id, ...]`` for the id at its position), raise ``EngineError``
+    naming ``url``."""
+    try:
+        meta = data.get("meta_info") or {}
+        output_ids = [int(t) for t in data.get("output_ids") or []]
+        lps = meta.get("output_token_logprobs")
+        logprobs = None if lps is None else [float(x[0]) for x in lps]
+        lp_ids = None if lps is None else [int(x[1]) for x in lps]
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EngineError(url, "/generate", f"malformed /generate reply ({exc!r})") from None
+    if lp_ids is not None:
+        if len(lp_ids) != len(output_ids):
+            raise EngineError(url, "/generate", f"{len(lp_ids)} log-probs for {len(output_ids)} output ids")
+        for j, (a, b) in enumerate(zip(lp_ids, output_ids)):
+            if a != b:
+                raise EngineError(url, "/generate", f"log-prob {j} is for token {a}, output id is {b}")
     return GenerateResult(
         rid=str(meta.get("id", "")),
-        output_ids=list(data.get("output_ids") or []),
-        output_logprobs=[float(x[0]) for x in lps] if lps is not None else None,
+        output_ids=output_ids,
+        output_logprobs=logprobs,
         finish_reason=meta.get("finish_reason") or {},
         weight_version=str(meta.get("weight_version", "")),
         weight_versions=list(meta.get("weight_versions") or []),
@@ -228,7 +243,7 @@ class SGLangClient:
                                    timeout_s=self.request_timeout_s if timeout_s is None else timeout_s)
         if isinstance(data, list):  # n > 1 in sampling_params: take the first, keep all raw
             data = data[0]
-        return parse_generate_response(data)
+        return parse_generate_response(data, self.url)
 
     async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
         """POST /abort_request (SGLang matches ``rid`` by prefix)."""
