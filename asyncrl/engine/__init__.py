@@ -9,7 +9,10 @@ calls, ``/metrics``). This package holds the API's vocabulary and its two transp
   (``parse_prometheus``, ``parse_engine_load``: the metrics scraper and the drain wait);
 - ``blocking`` blocking JSON calls fanned out on daemon threads, for code on a thread that must stay free for a
   collective (the weight sync, the metrics scraper, the engine health probes); failures are ``EngineStepError``
-  naming the engine and the step.
+  naming the engines and the step.
+
+One error type: ``client.EngineError`` (URL, endpoint, HTTP status, the server's message); the blocking
+calls' ``EngineStepError`` is one, carrying every engine of a fanned-out step.
 
 It imports nothing of asyncrl but the config; the engines themselves live in ``asyncrl.rollout``.
 """
