@@ -33,7 +33,8 @@ def fleet_size(e: Any) -> int:
     if e.eval_num_gpus % e.eval_num_gpus_per_engine:
         raise ConfigError(
             f"eval.eval_num_gpus_per_engine: {e.eval_num_gpus_per_engine} does not divide eval.eval_num_gpus = "
-            f"{e.eval_num_gpus}; each fleet engine takes eval_num_gpus_per_engine devices")
+            f"{e.eval_num_gpus}; each fleet engine takes eval_num_gpus_per_engine devices"
+        )
     return e.eval_num_gpus // e.eval_num_gpus_per_engine
 
 
@@ -86,8 +87,9 @@ def _override_value(v: Any) -> Value:
     return {"true": True, "false": False}.get(s.lower(), s)
 
 
-def resolve_eval_sglang(inherited: dict[str, Value], *, rollout_tp: int, eval_tp: int,
-                        overrides: dict[str, Any]) -> dict[str, Value]:
+def resolve_eval_sglang(
+    inherited: dict[str, Value], *, rollout_tp: int, eval_tp: int, overrides: dict[str, Any]
+) -> dict[str, Value]:
     """The fleet's engine settings: ``inherited`` (the rollout engines', without ``tp_size``), the TP-tied
     fields reset to 1 when ``eval_tp != rollout_tp``, then ``overrides`` (``eval.eval_sglang``) field by
     field; ``tp_size`` = ``eval_tp``."""
@@ -100,8 +102,10 @@ def resolve_eval_sglang(inherited: dict[str, Value], *, rollout_tp: int, eval_tp
     for k, v in overrides.items():
         kk = _key(k)
         if kk in ("tp_size", "tensor_parallel_size"):
-            raise ConfigError(f"eval.eval_sglang.{k}: the fleet's TP is eval.eval_num_gpus_per_engine "
-                              f"(it also places the engines); set that instead")
+            raise ConfigError(
+                f"eval.eval_sglang.{k}: the fleet's TP is eval.eval_num_gpus_per_engine "
+                f"(it also places the engines); set that instead"
+            )
         val = _override_value(v)
         if kk.startswith("no_") and val is True:
             kk, val = kk[3:], False
@@ -113,13 +117,20 @@ def resolve_eval_sglang(inherited: dict[str, Value], *, rollout_tp: int, eval_tp
 def rollout_engine_settings(cfg: Config) -> dict[str, Value]:
     """The rollout engines' settings as SGLang fields (what the fleet inherits)."""
     r = cfg.rollout
-    return {"mem_fraction_static": str(r.sglang.mem_fraction_static),
-            "max_running_requests": str(r.max_running_requests), **parse_flags(list(r.sglang.extra_args))}
+    return {
+        "mem_fraction_static": str(r.sglang.mem_fraction_static),
+        "max_running_requests": str(r.max_running_requests),
+        **parse_flags(list(r.sglang.extra_args)),
+    }
 
 
 def eval_engine_settings(cfg: Config) -> dict[str, Value]:
-    return resolve_eval_sglang(rollout_engine_settings(cfg), rollout_tp=cfg.rollout.tensor_parallel_size,
-                               eval_tp=cfg.eval.eval_num_gpus_per_engine, overrides=dict(cfg.eval.eval_sglang))
+    return resolve_eval_sglang(
+        rollout_engine_settings(cfg),
+        rollout_tp=cfg.rollout.tensor_parallel_size,
+        eval_tp=cfg.eval.eval_num_gpus_per_engine,
+        overrides=dict(cfg.eval.eval_sglang),
+    )
 
 
 def eval_engine_config(cfg: Config) -> Config:
@@ -133,5 +144,6 @@ def eval_engine_config(cfg: Config) -> Config:
         raise ConfigError(f"eval.eval_sglang: {e}") from None
     r = cfg.rollout
     sg = dataclasses.replace(r.sglang, mem_fraction_static=mem, extra_args=render_flags(s))
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, tensor_parallel_size=tp, max_running_requests=mrr,
-                                                                sglang=sg))
+    return dataclasses.replace(
+        cfg, rollout=dataclasses.replace(r, tensor_parallel_size=tp, max_running_requests=mrr, sglang=sg)
+    )

@@ -48,6 +48,7 @@ from asyncrl.runner.prepare import prepare_if_needed
 
 log = logging.getLogger("asyncrl.roles")
 
+
 def local_address() -> str:
     """This host's address for the other ranks to connect to: 127.0.0.1 when every rank is on this host,
     else a routable address (never 127.x; ``asyncrl.cluster.addresses``)."""

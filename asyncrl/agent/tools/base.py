@@ -1,9 +1,9 @@
 """The retriever interface both implementations share (``bm25``, ``http``) and its one error type.
 
-    class MyRetriever:  # satisfies Retriever
-        name = "my-index"
-        async def retrieve(self, queries, topk): ...
-        async def close(self): ...
+class MyRetriever:  # satisfies Retriever
+    name = "my-index"
+    async def retrieve(self, queries, topk): ...
+    async def close(self): ...
 """
 
 from __future__ import annotations
