@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.broker.client import Assignment, BrokerClient, Shutdown, WorkerConnection  # noqa: E402
-from asyncrl.broker.launch import start_broker  # noqa: E402
 from asyncrl.broker.server import tune_gc  # noqa: E402
 from asyncrl.broker.types import Trajectory  # noqa: E402
+from asyncrl.runner.broker_process import start_broker  # noqa: E402
 
 
 def _traj(n_prompt: int, n_resp: int, version: int) -> Trajectory:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 
 async def _engine_run(url: str, prompts, lengths, concurrency: int) -> tuple[float, int]:
-    from asyncrl.rollout.sglang_client import SGLangClient
+    from asyncrl.engine.client import SGLangClient
 
     sem = asyncio.Semaphore(concurrency)
     async with SGLangClient(url, request_timeout_s=600) as c:

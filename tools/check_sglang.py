@@ -60,8 +60,8 @@ def _expected(cfg, *, port: int, tp: int) -> dict[str, Any]:
 
 
 def command_cases() -> list[tuple[str, Any, int]]:
+    from asyncrl.config.eval_engine import eval_engine_config
     from asyncrl.config.loader import load_config
-    from asyncrl.runner.eval_fleet import eval_engine_config
 
     base = load_config(ROOT / "configs/searchr1.toml", [])
     tp2 = load_config(ROOT / "configs/searchr1.toml", [
@@ -100,7 +100,7 @@ def check_commands() -> list[dict]:
 
 # ------------------------------------------------------------------------------------- request bodies
 def _client_bodies() -> list[tuple[str, Any]]:
-    from asyncrl.rollout.sglang_client import SGLangClient
+    from asyncrl.engine.client import SGLangClient
 
     calls: list[tuple[str, Any]] = []
 

@@ -12,7 +12,7 @@
   Megatron's unfused reference), the model inputs of a packed batch, activation recompute.
 - ``memory``: the per-rank memory estimate (pure) that ``--dry-run`` prints and checks.
 - ``model`` / ``convert`` / ``weights``: HF config -> GPTModel, HF <-> Megatron names and TP shards,
-  loading and bucketed export; ``python -m asyncrl.actor.convert`` for users.
+  loading and bucketed export; ``python -m asyncrl.actor.convert_cli`` for users.
 - ``checkpoint``: the actor checkpoint format and offline HF <-> actor conversion.
 - ``synthetic``: deterministic synthetic groups and configs for tests and benchmarks.
 """

@@ -18,47 +18,20 @@ accepted too, see ``canonical_megatron_name``)::
 A "full" Megatron tensor is the unsharded one; ``tp_shard``/``tp_merge`` split and join it the
 way megatron-core's column/row-parallel layers do (``linear_fc1`` shards gate and up separately).
 
-CLI (for users)::
-
-    python -m asyncrl.actor.convert hf-to-actor --hf DIR --out CKPT [--tp 2]
-    python -m asyncrl.actor.convert actor-to-hf --ckpt CKPT --out DIR
+CLI (for users): ``python -m asyncrl.actor.convert_cli`` (outside this module, which the checkpoint code
+imports). Megatron names and TP split dimensions: ``asyncrl.actor.names``.
 
 The actor checkpoint format is described in ``asyncrl.actor.checkpoint``.
 """
 
 from __future__ import annotations
 
-import argparse
-import re
 from collections.abc import Iterator
 
 import torch
 
 from asyncrl.actor.model import ModelSpec, padded_vocab_size
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-# transformer-engine spec name -> local spec name (layer-relative)
-_TE_ALIASES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",
-}
-
-# parallel split dimension of each full Megatron tensor (layer-relative names); None = replicated
-_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight")
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-
-
-def canonical_megatron_name(name: str) -> str:
-    """Strip DDP/Float16 wrappers' ``module.`` prefixes and map TE-spec names to local-spec ones."""
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    m = _LAYER.match(name)
-    if m and m.group(2) in _TE_ALIASES:
-        return f"decoder.layers.{m.group(1)}.{_TE_ALIASES[m.group(2)]}"
-    return name
+from asyncrl.actor.names import LAYER_NAME, canonical_megatron_name, layer_rest, tp_split_dim
 
 
 def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
@@ -121,7 +94,7 @@ def hf_names_for(mg_name: str, spec: ModelSpec) -> list[str]:
         return ["model.norm.weight"]
     if name == "output_layer.weight":
         return ["lm_head.weight"]
-    m = _LAYER.match(name)
+    m = LAYER_NAME.match(name)
     if not m:
         raise KeyError(f"unknown Megatron parameter {mg_name!r}")
     i, rest = m.group(1), m.group(2)
@@ -174,30 +147,12 @@ def megatron_to_hf(mg_name: str, full: torch.Tensor, spec: ModelSpec) -> list[tu
     return [(hf[0], full)]
 
 
-def _layer_rest(name: str) -> str:
-    m = _LAYER.match(name)
-    return m.group(2) if m else name
-
-
-def tp_split_dim(mg_name: str) -> int | None:
-    """0 for column-parallel (and vocab-parallel) tensors, 1 for row-parallel, None if replicated."""
-    name = canonical_megatron_name(mg_name)
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        return 0
-    rest = _layer_rest(name)
-    if rest in _COLUMN:
-        return 0
-    if rest in _ROW:
-        return 1
-    return None
-
-
 def tp_shard(mg_name: str, full: torch.Tensor, *, rank: int, tp: int) -> torch.Tensor:
     """This TP rank's shard of a full Megatron tensor."""
     dim = tp_split_dim(mg_name)
     if dim is None or tp == 1:
         return full
-    if _layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
+    if layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0).contiguous()
     if full.shape[dim] % tp:
@@ -210,7 +165,7 @@ def tp_merge(mg_name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     dim = tp_split_dim(mg_name)
     if dim is None or len(shards) == 1:
         return shards[0]
-    if _layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
+    if layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0).contiguous()
     return torch.cat(shards, dim=dim).contiguous()
@@ -237,28 +192,3 @@ def hf_state_to_megatron(hf_sd: dict[str, torch.Tensor], spec: ModelSpec, *, tp:
 def megatron_state_to_hf(mg_sd: dict[str, torch.Tensor], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in mg_sd.items():
         yield from megatron_to_hf(name, t, spec)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from asyncrl.actor import checkpoint as ckpt
-
-    ap = argparse.ArgumentParser(prog="python -m asyncrl.actor.convert", description="HF <-> actor checkpoint")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("hf-to-actor", help="HF checkpoint dir -> actor checkpoint dir (model only)")
-    a.add_argument("--hf", required=True)
-    a.add_argument("--out", required=True)
-    a.add_argument("--tp", type=int, default=1)
-    b = sub.add_parser("actor-to-hf", help="actor checkpoint dir -> HF checkpoint dir")
-    b.add_argument("--ckpt", required=True)
-    b.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    if args.cmd == "hf-to-actor":
-        path = ckpt.hf_to_actor_checkpoint(args.hf, args.out, tp=args.tp)
-    else:
-        path = ckpt.actor_checkpoint_to_hf(args.ckpt, args.out)
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,6 +19,9 @@ import torch.distributed as dist
 from asyncrl.actor.batch import PackedBatch
 from asyncrl.actor.spec import model_inputs
 
+# Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
+# and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
+
 _NEG = -1e30  # "minus infinity" that keeps 0 * logit finite in the entropy
 
 

@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
+from asyncrl.actor.names import canonical_megatron_name, tp_split_dim
 from asyncrl.actor.spec import layer_spec as make_layer_spec
+from asyncrl.cluster.megatron_cpu import cuda_as_cpu
+
+# Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
+# and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -199,8 +204,6 @@ def build_gpt_model(
     if pp > 1:
         from megatron.core import parallel_state as ps
 
-        from asyncrl.cluster.megatron_cpu import cuda_as_cpu
-
         pre_process, post_process = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         # tied embeddings: Megatron moves the last stage's copy with `.data.cuda()` and all-reduces it
         build = cuda_as_cpu()
@@ -229,8 +232,6 @@ def _mark_tensor_parallel_params(model: torch.nn.Module) -> None:
     the other TP ranks' shards as "duplicates".
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    from asyncrl.actor.convert import canonical_megatron_name, tp_split_dim
 
     for name, param in model.named_parameters():
         dim = tp_split_dim(canonical_megatron_name(name))

@@ -36,6 +36,9 @@ import torch.distributed as dist
 
 from asyncrl.actor.spec import model_inputs, p2p_shape
 
+# Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
+# and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
+
 
 @dataclass(frozen=True)
 class StageInfo:

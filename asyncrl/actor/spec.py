@@ -53,6 +53,9 @@ import torch.nn.functional as F
 
 from asyncrl.actor.batch import PackedBatch
 
+# Lazy imports here: megatron-core (and transformer_engine, an optional GPU package) is imported inside the functions that use it; its import takes seconds
+# and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
+
 BACKENDS = ("auto", "te", "sdpa", "unfused")
 FUSED = ("te", "sdpa")
 

@@ -609,7 +609,7 @@ class Actor:
         if int(meta["tp"]) != self.tp:
             raise ValueError(
                 f"checkpoint {str(d)!r} has TP={meta['tp']} but actor.tensor_model_parallel_size={self.tp}: "
-                "convert it with `python -m asyncrl.actor.convert actor-to-hf` and start from the HF export"
+                "convert it with `python -m asyncrl.actor.convert_cli actor-to-hf` and start from the HF export"
             )
         pp_saved = int(meta.get("pp", 1))
         if self.pp == 1 and pp_saved == 1:
@@ -627,7 +627,7 @@ class Actor:
         if meta.get("has_optimizer") and pp_saved != self.pp:
             raise ValueError(
                 f"checkpoint {str(d)!r} has PP={pp_saved} but actor.pipeline_model_parallel_size={self.pp}: "
-                "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert "
+                "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert_cli "
                 "actor-to-hf` and start from the HF export"
             )
         if meta.get("has_optimizer"):

@@ -19,33 +19,30 @@ everywhere else (HF layer index = offset + local index). With tied embeddings th
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from asyncrl.actor.convert import (
-    canonical_megatron_name,
     hf_names_for,
     hf_to_megatron,
+    megatron_param_names,
     megatron_to_hf,
     tp_merge,
     tp_shard,
 )
 from asyncrl.actor.model import ModelSpec
+from asyncrl.actor.names import LAYER_NAME, canonical_megatron_name
 from asyncrl.sync.bucketing import iter_buckets
-
-_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 class HFCheckpointReader:
     """Lazy access to the tensors of a HF checkpoint directory (``model.safetensors`` or an index)."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
@@ -67,8 +64,6 @@ class HFCheckpointReader:
         return name in self.weight_map
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name not in self.weight_map:
             raise KeyError(f"{name!r} is not in the HF checkpoint {str(self.path)!r}")
         fname = self.weight_map[name]
@@ -81,7 +76,7 @@ def global_layer_name(name: str, layer_offset: int) -> str:
     """``decoder.layers.<local>.x`` -> ``decoder.layers.<layer_offset + local>.x`` (other names unchanged)."""
     if layer_offset == 0:
         return name
-    m = _LAYER_NAME.match(name)
+    m = LAYER_NAME.match(name)
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}" if m else name
 
 
@@ -121,8 +116,6 @@ def load_hf_into_model(
         param.copy_(shard.to(param.dtype))
         seen.update(parts)
     if pp > 1:  # this stage reads only its own tensors: check against the whole model's
-        from asyncrl.actor.convert import megatron_param_names
-
         seen = {p for n in megatron_param_names(spec) for p in hf_names_for(n, spec)}
     unknown = set(reader.keys()) - seen
     if spec.tie_word_embeddings:

@@ -42,16 +42,14 @@ from asyncrl.agent.tasks import Task
 from asyncrl.agent.tools import Retriever, RetrieverError
 from asyncrl.broker.types import Group, PromptItem, Trajectory
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig
+from asyncrl.engine.client import EngineError, GenerateResult
+from asyncrl.engine.client import parse_generate_response as parse_reply
 
 log = logging.getLogger(__name__)
 
 # Consecutive engine-side aborts of one turn that returned no new token before the trajectory
 # gives up (an engine stuck aborting would otherwise spin forever).
 MAX_ABORTS_WITHOUT_PROGRESS = 3
-
-
-class EngineError(RuntimeError):
-    """A generate call failed; the message names the engine URL."""
 
 
 # ---------------------------------------------------------------- one generate call, parsed
@@ -80,7 +78,7 @@ def parse_version(value: Any, url: str) -> int:
     try:
         return int(str(value))
     except ValueError:
-        raise EngineError(f"engine {url}: weight version {value!r} is not an integer; launch engines with "
+        raise EngineError(url, "/generate", f"weight version {value!r} is not an integer; launch engines with "
                           "--weight-version 0") from None
 
 
@@ -100,42 +98,35 @@ def token_versions(meta: dict, num_tokens: int, url: str) -> list[int]:
     return versions
 
 
-def parse_generate_response(resp: dict, url: str) -> GenOutput:
-    """An SGLang ``/generate`` reply (with ``return_logprob``) -> ``GenOutput``; checks alignment."""
-    try:
-        output_ids = [int(t) for t in resp["output_ids"]]
-        meta = resp["meta_info"]
-        finish = meta.get("finish_reason") or {}
-        entries = meta.get("output_token_logprobs")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise EngineError(f"engine {url}: malformed /generate reply ({exc!r})") from None
-    if entries is None:
-        raise EngineError(f"engine {url}: /generate reply has no output_token_logprobs (return_logprob)")
-    if len(entries) != len(output_ids):
-        raise EngineError(f"engine {url}: {len(entries)} log-probs for {len(output_ids)} output ids")
-    logprobs = []
-    for j, entry in enumerate(entries):
-        if int(entry[1]) != output_ids[j]:
-            raise EngineError(f"engine {url}: log-prob {j} is for token {entry[1]}, output id is {output_ids[j]}")
-        logprobs.append(float(entry[0]))
+def gen_output(result: GenerateResult, url: str) -> GenOutput:
+    """The engine client's typed answer as the loop uses it: log-probs required (``return_logprob``), the
+    weight version of each output token as an integer."""
+    if result.output_logprobs is None:
+        raise EngineError(url, "/generate", "/generate reply has no output_token_logprobs (return_logprob)")
+    finish = result.finish_reason
     return GenOutput(
-        output_ids=output_ids,
-        logprobs=logprobs,
-        versions=token_versions(meta, len(output_ids), url),
+        output_ids=result.output_ids,
+        logprobs=result.output_logprobs,
+        versions=token_versions(result.meta_info, len(result.output_ids), url),
         finish_type=str(finish.get("type", "")),
         finish_matched=finish.get("matched"),
-        num_retractions=int(meta.get("num_retractions") or 0),
-        cached_tokens=int(meta.get("cached_tokens") or 0),
+        num_retractions=result.num_retractions,
+        cached_tokens=result.cached_tokens,
     )
+
+
+def parse_generate_response(resp: dict, url: str) -> GenOutput:
+    """A raw ``/generate`` reply (``EngineHandle``'s ``generate_raw``) through the engine client's parser."""
+    return gen_output(parse_reply(resp, url), url)
 
 
 class EngineHandle:
     """One engine as the loop sees it: ``generate`` with at most ``max_in_flight`` calls at once.
 
-    ``client`` is the engine's ``asyncrl.rollout.sglang_client.SGLangClient``; ``generate_raw``
-    (tests, other transports) replaces its ``generate`` by a coroutine ``(input_ids,
-    sampling_params, rid) -> raw /generate JSON``. Any failure (client error, timeout, HTTP status, malformed reply) becomes
-    ``EngineError`` naming the URL.
+    ``client`` is the engine's ``asyncrl.engine.client.SGLangClient`` (its typed answer is used as is);
+    ``generate_raw`` (tests, other transports) replaces its ``generate`` by a coroutine ``(input_ids,
+    sampling_params, rid) -> raw /generate JSON``, parsed by the same client parser. Any failure (client error,
+    timeout, HTTP status, malformed reply) is ``asyncrl.engine.client.EngineError`` naming the URL.
     """
 
     def __init__(self, client: Any, *, max_in_flight: int, url: Optional[str] = None,
@@ -144,31 +135,29 @@ class EngineHandle:
         self.url = url or getattr(client, "url", None) or getattr(client, "base_url", "?")
         self.max_in_flight = max_in_flight
         self._sem = asyncio.Semaphore(max_in_flight)
-        self._generate_raw = generate_raw or self._client_generate
+        self._generate_raw = generate_raw
         self.in_flight = 0
         """Generate calls in flight now."""
         self.load = 0
         """Trajectories assigned now (for least-loaded placement of groups)."""
 
-    async def _client_generate(self, input_ids, sampling_params, rid):
-        result = await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
-        if isinstance(result, dict):
-            return result
-        # asyncrl.rollout.sglang_client.GenerateResult: the raw meta_info carries the (logprob, id) pairs
-        return {"output_ids": result.output_ids, "meta_info": result.meta_info}
+    async def _call(self, input_ids, sampling_params, rid) -> GenerateResult:
+        if self._generate_raw is not None:
+            return parse_reply(await self._generate_raw(input_ids, sampling_params, rid), self.url)
+        return await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str) -> GenOutput:
         async with self._sem:
             self.in_flight += 1
             try:
-                resp = await self._generate_raw(input_ids, sampling_params, rid)
+                result = await self._call(input_ids, sampling_params, rid)
             except EngineError:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, RuntimeError) as exc:
-                raise EngineError(f"engine {self.url}: generate failed: {type(exc).__name__}: {exc}") from exc
+                raise EngineError(self.url, "/generate", f"generate failed: {type(exc).__name__}: {exc}") from exc
             finally:
                 self.in_flight -= 1
-        return parse_generate_response(resp, self.url)
+        return gen_output(result, self.url)
 
 
 # ---------------------------------------------------------------- gate (drain)
@@ -382,7 +371,7 @@ class AgentLoop:
             if aborts_without_progress >= MAX_ABORTS_WITHOUT_PROGRESS or len(turn_ids) >= max_new:
                 if len(turn_ids) >= max_new:
                     return turn_ids, "length", None, retractions
-                raise EngineError(f"engine {engine.url}: request aborted {aborts_without_progress} times "
+                raise EngineError(engine.url, "/generate", f"request aborted {aborts_without_progress} times "
                                   "without progress")
             log.info("engine %s aborted request %s after %d tokens; re-issuing the rest of the turn",
                      engine.url, rid, len(turn_ids))

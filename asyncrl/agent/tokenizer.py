@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 
 class AgentTokenizer:
     def __init__(self, tokenizer: Any, *, eos_token_ids: Sequence[int], chat_template: str | None = None,
@@ -30,8 +32,6 @@ class AgentTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> AgentTokenizer:
-        from tokenizers import Tokenizer
-
         root = Path(path)
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
@@ -71,7 +71,7 @@ class AgentTokenizer:
         if not self.chat_template:
             raise ValueError(f"agentloop.chat_template = true but the tokenizer at {self.path!r} has no chat_template")
         if self._template is None:
-            import jinja2
+            import jinja2  # lazy: only chat templates need it (it comes with torch; not our dependency)
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message):

@@ -42,6 +42,7 @@ from asyncrl.agent.tools import Retriever, make_retriever
 from asyncrl.broker.client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.broker.types import Group
 from asyncrl.config.schema import Config
+from asyncrl.engine.client import SGLangClient
 from asyncrl.rollout.sglang_launcher import EngineSupervisor, HealthTracker
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,6 @@ class AgentWorker:
 
     # -- lifecycle
     async def run(self) -> dict:
-        from asyncrl.rollout.sglang_client import SGLangClient
-
         clients = [SGLangClient.from_config(url, self.cfg.rollout) for url in self.engine_urls]
         per_engine = requests_per_engine(self.cfg)
         self.engines = [EngineHandle(c, max_in_flight=per_engine, url=c.url) for c in clients]

@@ -5,8 +5,9 @@
 - ``buffer``     the ``DataBuffer`` plug-in interface and ``DefaultDataBuffer``
 - ``dataloader`` epochs, seeded shuffle, resumable position
 - ``protocol``   the wire protocol (msgpack headers + raw token blobs), used by both ends
-- ``server``     the ZeroMQ shell (``python -m asyncrl.broker``), ``client`` the worker/actor clients,
-  ``launch``     start the broker process and wait for its address
+- ``server``     the ZeroMQ shell (``run_broker``: given its prompts, serves until shutdown), ``client`` the
+  worker/actor clients. The process entry point, which loads the prompts with the agent's loader, is
+  ``asyncrl.runner.broker_process`` (the broker never imports the agent).
 
 Nothing is imported here, so ``import asyncrl.broker.types`` stays light (no zmq, no numpy).
 """

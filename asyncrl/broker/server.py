@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from typing import Any, Optional
 import zmq
 
 from asyncrl.broker import protocol as P
-from asyncrl.broker.core import BrokerCore, BrokerError
+from asyncrl.broker.core import BrokerCore, BrokerError, CoreSettings
 
 log = logging.getLogger("asyncrl.broker")
 
@@ -405,52 +407,13 @@ def tune_gc() -> None:
     gc.set_threshold(35_000, 20, 20)
 
 
-def skip_long_prompts(cfg, prompts: list) -> tuple[list, list[tuple[int, int]]]:
-    """``data.max_prompt_tokens``: count each prompt as the agent loop will send it (the task's template, the
-    rollout tokenizer) and skip the longer ones with one counted warning. Without a task or a tokenizer (a broker
-    run on its own) there is nothing to count with: nothing is skipped, with a warning for a missing tokenizer."""
-    from asyncrl.broker.dataloader import drop_long_prompts
-
-    if not cfg.agentloop.task_name:
-        return prompts, []
-    from asyncrl.agent.tasks import get_task
-    from asyncrl.agent.tokenizer import AgentTokenizer
-
-    task = get_task(cfg.agentloop.task_name)
-    path = cfg.rollout.model_path or cfg.actor.model_path
-    try:
-        tok = AgentTokenizer.from_pretrained(path)
-    except (ValueError, OSError) as e:  # a broker run on its own (no model): nothing to count with
-        log.warning("data.max_prompt_tokens is not applied: no tokenizer to count prompts with (%s)", e)
-        return prompts, []
-    chat = cfg.agentloop.chat_template
-
-    def count(item) -> int:
-        return len(tok.encode(task.build_prompt(item.prompt, chat_template=chat, tokenizer=tok)))
-
-    kept, skipped = drop_long_prompts(prompts, count, cfg.data.max_prompt_tokens)
-    if skipped:
-        log.warning("data.max_prompt_tokens = %d: skipped %d of %d prompts longer than that (longest %d tokens, "
-                    "prompt #%d); metric data/skipped_long_prompts", cfg.data.max_prompt_tokens, len(skipped),
-                    len(prompts), max(n for _, n in skipped), max(skipped, key=lambda s: s[1])[0])
-    return kept, skipped
-
-
-def run_broker(cfg, *, bind: str = "tcp://127.0.0.1:0", address_file: Optional[str] = None,
-               prompts_path: Optional[str] = None) -> None:
-    """Build the core from a resolved ``Config``, serve until shutdown. Publishes the endpoint."""
-    import os
-    import sys
-
-    from asyncrl.agent.data.loaders import load_prompts
-    from asyncrl.broker.core import CoreSettings
-
-    path = prompts_path or cfg.data.train_path
-    if not path:
-        raise ValueError("data.train_path: the broker needs a prompt file (Search-R1 parquet or JSONL)")
-    prompts, skipped = skip_long_prompts(cfg, load_prompts(path))
+def run_broker(cfg, prompts: list, *, source: str = "", bind: str = "tcp://127.0.0.1:0",
+               address_file: Optional[str] = None, num_skipped_long_prompts: int = 0) -> None:
+    """Build the core from a resolved ``Config`` and the ``prompts`` (``PromptItem``s, loaded by the caller from
+    ``source``; ``num_skipped_long_prompts`` of them were left out by ``data.max_prompt_tokens``), serve until
+    shutdown. Publishes the endpoint."""
     core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
-    core.num_skipped_long_prompts = len(skipped)
+    core.num_skipped_long_prompts = num_skipped_long_prompts
     server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
     server.install_signal_handlers()
     tune_gc()
@@ -461,7 +424,7 @@ def run_broker(cfg, *, bind: str = "tcp://127.0.0.1:0", address_file: Optional[s
         os.replace(tmp, address_file)
     print(f"ASYNCRL_BROKER_ADDRESS={server.address}", flush=True)
     log.info("broker: %d prompts from %s, limits inflight=%d buffered=%d batch=%d group_size=%d (%s, %s mode)",
-             len(prompts), path, core.s.max_inflight_groups, core.s.max_buffered_groups, core.s.rollout_batch_size,
+             len(prompts), source, core.s.max_inflight_groups, core.s.max_buffered_groups, core.s.rollout_batch_size,
              core.s.group_size, core.s.submission_granularity, "sync" if core.s.sync_mode else "async")
     server.serve_forever()
     sys.stdout.flush()

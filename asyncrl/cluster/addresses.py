@@ -17,24 +17,13 @@ Contract
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Optional
 
-LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
-
-
-def is_loopback(host: str) -> bool:
-    """A literal loopback address or name (no DNS lookup): 127.0.0.0/8, ::1, localhost."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from asyncrl.config.placement import is_loopback
 
 
 @dataclass(frozen=True)

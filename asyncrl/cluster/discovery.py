@@ -14,13 +14,13 @@ import os
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 _POLL_S = 0.1  # discovery keys appear once per run; polling costs nothing and keeps signals prompt
 
 
 class Discovery:
     def __init__(self, store, prefix: str, *, timeout_s: float):
-        import torch.distributed as dist
-
         self.raw_store = store
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -28,8 +28,6 @@ class Discovery:
 
     @classmethod
     def from_env(cls, *, timeout_s: float) -> Discovery:
-        import torch.distributed as dist
-
         addr = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
         if not addr or not port:
@@ -60,3 +58,23 @@ class Discovery:
 
     def sub(self, prefix: str) -> Discovery:
         return Discovery(self.raw_store, self.prefix + prefix, timeout_s=self.timeout_s)
+
+
+# ------------------------------------------------------------------------------------------- the job's keys
+SHUTDOWN_KEY = "shutdown"
+"""Published by actor rank 0 when the run ends; every waiting rank returns."""
+
+
+def restarts_key(engine: int) -> str:
+    """Discovery key: how many times engine ``engine`` was restarted (published by its rollout rank)."""
+    return f"engine/{engine}/restarts"
+
+
+def synced_key(engine: int) -> str:
+    """Discovery key: the restart count of engine ``engine`` that actor rank 0 last synced."""
+    return f"engine/{engine}/synced"
+
+
+def read_count(disc: Discovery, key: str) -> int:
+    """A counter key's value, 0 while unset (never blocks)."""
+    return int(disc.store.get(key).decode()) if disc.is_set(key) else 0

@@ -54,6 +54,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+# Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
+# and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
+
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 """The shims patch private megatron-core names; they are checked against this exact version."""
 

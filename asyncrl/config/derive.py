@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from asyncrl.config.placement import parse_devices
 from asyncrl.config.schema import Config, ConfigError
 
 INFLIGHT_MARGIN = 1.2  # RLinf: margin for groups waiting on a tool or on their slowest member
@@ -23,8 +24,6 @@ CAPACITY_FACTOR = 2.0  # Miles' --async-data-buffer-capacity-factor default
 
 def num_engines(cfg: Config) -> int:
     """Rollout instances: rollout devices / devices per engine (0 when the placement is unparsable)."""
-    from asyncrl.cluster.placement import parse_devices
-
     for key, spec in cfg.cluster.component_placement.items():
         if "rollout" in [n.strip() for n in key.split(",")]:
             try:

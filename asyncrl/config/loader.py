@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from asyncrl.config.derive import resolve as derive_defaults
 from asyncrl.config.schema import Config, ConfigError
 from asyncrl.config.seeds import seed_hint
 
@@ -157,18 +158,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *, 
     data = apply_overrides(data, list(overrides or []))
     cfg = build_section(Config, data, "")
     if resolve:
-        from asyncrl.config.derive import resolve as _resolve
-
-        cfg = _resolve(cfg)
+        cfg = derive_defaults(cfg)
     return cfg
 
 
 def config_from_dict(data: dict, *, resolve: bool = True) -> Config:
     cfg = build_section(Config, data, "")
     if resolve:
-        from asyncrl.config.derive import resolve as _resolve
-
-        cfg = _resolve(cfg)
+        cfg = derive_defaults(cfg)
     return cfg
 
 

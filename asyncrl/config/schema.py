@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 
 class ConfigError(ValueError):
@@ -135,12 +135,18 @@ class SamplingConfig:
                  f"must be -1 (off) or >= 1, got {self.top_k!r}")
 
 
+PauseMode = Literal["retract", "in_place", "drain", "abort"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+"""The ``rollout.pause_mode`` values, the one list: ``drain`` is the trainer's own (no new turns, wait until the
+engines run nothing); the others are the engines' ``/pause_generation`` modes (``asyncrl.engine.client``)."""
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     rollout_backend: Literal["sglang", "cpu"] = "sglang"
     """``sglang`` (SGLang servers on GPUs) or ``cpu`` (the project's CPU engine, same HTTP API)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    pause_mode: Literal["retract", "in_place", "drain", "abort"] = "retract"
+    pause_mode: PauseMode = "retract"
     """What in-flight requests do during a weight sync (RLinf ``rollout.pause_mode``)."""
     max_running_requests: int = 64
     """Concurrent requests per engine (SGLang ``--max-running-requests``)."""

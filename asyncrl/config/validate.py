@@ -12,9 +12,9 @@ import importlib
 import os
 from pathlib import Path
 
-from asyncrl.config.schema import Config, ConfigError
-
-PAUSE_MODES = ("retract", "in_place", "drain")
+from asyncrl.config.eval_engine import eval_engine_config, fleet_size
+from asyncrl.config.placement import is_loopback, parse_devices, parse_placement
+from asyncrl.config.schema import PAUSE_MODES, Config, ConfigError
 
 
 def job_world_size(cfg: Config) -> int:
@@ -26,8 +26,6 @@ def job_world_size(cfg: Config) -> int:
 
 
 def _component_devices(cfg: Config, name: str) -> set[int]:
-    from asyncrl.cluster.placement import parse_devices
-
     out: set[int] = set()
     for key, spec in cfg.cluster.component_placement.items():
         if name in [n.strip() for n in key.split(",")]:
@@ -36,8 +34,6 @@ def _component_devices(cfg: Config, name: str) -> set[int]:
 
 
 def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
-    from asyncrl.cluster.placement import parse_placement  # lazy: cluster imports config
-
     world = job_world_size(cfg) if world_size is None else world_size
     warnings: list[str] = []
     r, rb, B = cfg.runner, cfg.rollout_buffer, cfg.data.rollout_batch_size
@@ -62,7 +58,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             raise ConfigError(
                 "rollout.pause_mode: 'abort' would kill every in-flight request at each weight sync and is "
                 "rejected in async mode; use \"retract\" (default), \"in_place\" or \"drain\"")
-    elif cfg.rollout.pause_mode not in PAUSE_MODES + ("abort",):  # pragma: no cover - Literal catches it
+    elif cfg.rollout.pause_mode not in PAUSE_MODES:  # pragma: no cover - Literal catches it
         raise ConfigError(f"rollout.pause_mode: must be one of {PAUSE_MODES}")
     if cfg.rollout.sglang.backend_type != "server":
         raise ConfigError(
@@ -134,8 +130,6 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
 
 def _validate_broker_host(cfg: Config, world: int) -> None:
     """``cluster.broker_host``: a loopback address cannot serve a job of several nodes."""
-    from asyncrl.cluster.addresses import is_loopback
-
     host = cfg.cluster.broker_host
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     num_nodes = -(-world // per_node)
@@ -157,8 +151,6 @@ def _validate_recompute(cfg: Config) -> None:
 
 def _validate_fleet(cfg: Config, placement) -> None:
     """The dedicated eval fleet: its size, its devices (the ``eval`` placement key) and its engine settings."""
-    from asyncrl.runner.eval_fleet import eval_engine_config, fleet_size
-
     e = cfg.eval
     n_dev = len(placement.eval_ranks)
     if not e.eval_num_gpus:

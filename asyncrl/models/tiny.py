@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ARCHES = ("qwen2", "llama", "qwen3")
 
@@ -142,8 +144,6 @@ def _base_config(arch: str) -> dict[str, Any]:
 
 
 def _train_tokenizer(text: str, vocab_size: int):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -254,8 +254,6 @@ def make_tiny_checkpoint(
     """
     if arch not in ARCHES:
         raise ValueError(f"arch={arch!r} is not one of {ARCHES}")
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if corpus_path is not None:

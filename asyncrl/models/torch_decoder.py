@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 
@@ -161,8 +162,6 @@ class TorchDecoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> TorchDecoder:
-        from safetensors.torch import load_file
-
         root = Path(path)
         config = json.loads((root / "config.json").read_text())
         model = cls(config)
@@ -179,8 +178,6 @@ class TorchDecoder(nn.Module):
 
     def save_pretrained(self, out: str | Path, *, copy_from: str | Path) -> Path:
         """Write model.safetensors into ``out`` and copy config/tokenizer files from ``copy_from``."""
-        from safetensors.torch import save_file
-
         out, src = Path(out), Path(copy_from)
         out.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as _dt
 import json
 import logging
 import os
@@ -51,9 +52,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from aiohttp import web
+from tokenizers import Tokenizer
 
-from asyncrl.rollout.cpu_model import load_model
+from asyncrl.rollout.cpu_model import iter_safetensors, load_model
 from asyncrl.rollout.cpu_scheduler import (
     MAX_TOKENS,
     PAUSE_MODES,
@@ -65,6 +68,7 @@ from asyncrl.rollout.cpu_scheduler import (
     new_rid,
     parse_sampling_params,
 )
+from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
 
 log = logging.getLogger("asyncrl.cpu_engine")
 
@@ -142,8 +146,6 @@ def _torch_dtype(name: Any) -> torch.dtype:
 
 class CpuEngine:
     def __init__(self, args: EngineArgs):
-        from tokenizers import Tokenizer
-
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -422,8 +424,6 @@ class CpuEngine:
 
     # ---- weight updates ------------------------------------------------------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from asyncrl.sync.process_group import init_weight_update_group
-
         body = await _body(request)
         try:
             addr, name, backend = (body.get("master_address"), body.get("group_name", "weight_update_group"),
@@ -451,8 +451,6 @@ class CpuEngine:
         return _result(True, "Succeeded to initialize custom process group.")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        from asyncrl.sync.process_group import destroy_weight_update_group
-
         body = await _body(request)
         name = body.get("group_name", "weight_update_group")
         if not isinstance(name, str):
@@ -545,8 +543,6 @@ class CpuEngine:
     def _receive(self, sched: Scheduler, pg, names, dts, shapes, fmt, flush, version) -> tuple[bool, str]:
         """Engine thread: receive the whole broadcast into staging tensors, then copy them in. Atomic: a failed
         receive leaves every weight as it was (the metadata was checked in ``_check_update``)."""
-        import torch.distributed as dist
-
         t0 = time.monotonic()
         try:
             if fmt == "flattened_bucket":
@@ -622,8 +618,6 @@ class CpuEngine:
     def _read_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
         """Read a HF safetensors checkpoint directory and check it against the running model (same names and
         shapes, no parameter missing). Errors name the directory."""
-        from asyncrl.rollout.cpu_model import iter_safetensors
-
         if not d.is_dir():
             raise FileNotFoundError(f"{str(d)!r} is not a directory")
         m = self.model
@@ -761,10 +755,6 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
 def init_engine_world(args: EngineArgs) -> str:
     """The engine's own one-process torch.distributed world, created the way SGLang creates its TP world
     (see module contract); returns the ``tcp://`` init method used."""
-    import datetime as _dt
-
-    import torch.distributed as dist
-
     host = args.host or "127.0.0.1"
     port = args.nccl_port
     if port is None:

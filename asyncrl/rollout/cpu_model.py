@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -343,8 +344,6 @@ def _read_json(path: Path) -> dict:
 
 
 def iter_safetensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(_read_json(index)["weight_map"].values()))

@@ -37,9 +37,9 @@ from typing import Any, Optional
 
 import torch
 
+from asyncrl.engine.client import ENGINE_PAUSE_MODES as PAUSE_MODES
 from asyncrl.rollout.cpu_model import CausalLM, KVPool
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 # Padded prefill tokens per forward (rows x longest feed): bounds the padding waste and the
 # attention-mask memory of one prefill batch.
 PREFILL_TOKEN_BUDGET = 2048

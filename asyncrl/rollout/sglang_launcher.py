@@ -46,14 +46,13 @@ import signal
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
 from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
 from asyncrl.config.schema import Config
+from asyncrl.engine.blocking import EngineStepError, get_text
 
 log = logging.getLogger("asyncrl.rollout.launcher")
 
@@ -161,19 +160,18 @@ def engine_command(cfg: Config, *, port: int, base_gpu_id: int = 0, host: str = 
 def model_info_ready(url: str, timeout_s: float = 2.0) -> bool:
     """True when ``GET url/model_info`` answers 200 with a JSON object."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/model_info", timeout=timeout_s) as resp:
-            return resp.status == 200 and isinstance(json.loads(resp.read()), dict)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
+        return isinstance(json.loads(get_text(url, "/model_info", timeout_s=timeout_s, step="start")), dict)
+    except (EngineStepError, json.JSONDecodeError):
         return False
 
 
 def health_ok(url: str, timeout_s: float) -> bool:
     """True when ``GET url/health`` answers 200 within ``timeout_s``."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        get_text(url, "/health", timeout_s=timeout_s, step="health")
+    except EngineStepError:
         return False
+    return True
 
 
 class HealthTracker:

@@ -62,6 +62,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from asyncrl.agent.data.loaders import load_prompts
+from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
+from asyncrl.agent.tasks import get_task
+from asyncrl.agent.tokenizer import AgentTokenizer
+from asyncrl.agent.tools import check_retriever, make_retriever
+from asyncrl.broker.buffer import import_path
+from asyncrl.engine.client import SGLangClient
+
 log = logging.getLogger("asyncrl.eval")
 
 SNAPSHOT_META = "snapshot.json"
@@ -109,8 +117,6 @@ class CheckpointEvalFn:
 
 
 def load_eval_fn(path: str, cfg: Any) -> CheckpointEvalFn:
-    from asyncrl.broker.buffer import import_path
-
     cls = import_path(path, "eval.eval_function_path")
     if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
         raise ValueError(f"eval.eval_function_path: {path!r} is not a CheckpointEvalFn subclass "
@@ -146,9 +152,6 @@ class EngineEvaluator:
     """Greedy eval of several datasets on the rollout engines (tokenizer, retriever and prompts built once)."""
 
     def __init__(self, cfg: Any, engine_urls: list[str], *, tokenizer_path: str, role: str = "actor rank 0 (eval)"):
-        from asyncrl.agent.tokenizer import AgentTokenizer
-        from asyncrl.agent.tools import check_retriever, make_retriever
-
         self.cfg, self.engine_urls = cfg, engine_urls
         self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
         self.retriever = make_retriever(cfg.agentloop.tool)
@@ -158,8 +161,6 @@ class EngineEvaluator:
     def items(self, name: str, path: str) -> list:
         """The dataset's prompts, the first ``eval.max_samples`` of them (0 = all)."""
         if name not in self._items:
-            from asyncrl.agent.data.loaders import load_prompts
-
             items = load_prompts(path)
             n = self.cfg.eval.max_samples
             self._items[name] = items[:n] if n else items
@@ -167,10 +168,6 @@ class EngineEvaluator:
 
     def evaluate(self, datasets: dict[str, str]) -> dict[str, dict]:
         """``{name: summary}``; a summary has accuracy (mean greedy reward), response_len, num_turns, ..."""
-        from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
-        from asyncrl.agent.tasks import get_task
-        from asyncrl.rollout.sglang_client import SGLangClient
-
         cfg = self.cfg
 
         async def run() -> dict[str, dict]:
@@ -272,10 +269,12 @@ class PeriodicEval:
 
     def __init__(self, cfg: Any, *, actor: Any, is_leader: bool, broker: Any = None,
                  engine_evaluator: Optional[EngineEvaluator] = None, ckpt_root: str | Path | None = None,
-                 bcast: Callable[[Any], Any] = lambda x: x, fleet_urls: Optional[list[str]] = None,
+                 bcast: Callable[[Any], Any] = lambda x: x, fleet_eval: Optional[Callable[[str, int], dict]] = None,
                  leader_phase: Optional[Callable[..., Any]] = None):
         """``leader_phase(name, fn, timeout_s=...)`` runs ``fn`` on the leader while the other actor ranks wait
-        outside any collective (``asyncrl.runner.leader.LeaderPhases.run``; default: ``fn`` on the leader)."""
+        outside any collective (``asyncrl.runner.leader.LeaderPhases.run``; default: ``fn`` on the leader).
+        ``fleet_eval``: the leader's ``(snapshot_dir, step) -> metrics`` for the ``fleet`` backend
+        (``asyncrl.runner.eval_fleet.FleetEval``)."""
         self.cfg, self.actor, self.is_leader, self.broker = cfg, actor, is_leader, broker
         self._phase = leader_phase or (lambda name, fn, timeout_s=None: fn() if is_leader else None)
         self.backend = select_backend(cfg)
@@ -291,10 +290,8 @@ class PeriodicEval:
         if self.backend in ("external", "fleet") and is_leader:
             e = cfg.eval
             if self.backend == "fleet":
-                from asyncrl.runner.eval_fleet import FleetEval
-
-                evaluate: Callable[[str, int], dict] = FleetEval(
-                    cfg, list(fleet_urls or []), tokenizer_path=cfg.rollout.model_path or cfg.actor.model_path)
+                assert fleet_eval is not None, "the fleet backend needs its FleetEval"
+                evaluate: Callable[[str, int], dict] = fleet_eval
             else:
                 self.fn = load_eval_fn(e.eval_function_path, cfg)
                 evaluate = self._evaluate

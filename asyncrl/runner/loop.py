@@ -44,12 +44,25 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import threading
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from asyncrl.actor.trainer import Actor
+from asyncrl.broker.buffer import import_path
+from asyncrl.broker.client import BrokerClient
+from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
+from asyncrl.engine.blocking import EngineStepError, get_text
+from asyncrl.engine.client import parse_prometheus
+from asyncrl.runner.eval_fleet import FleetEval
+from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, engine_eval_metrics, select_backend
 from asyncrl.runner.log_hooks import LogHooks
+from asyncrl.runner.metrics import MetricsWriter
+from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+from asyncrl.sync.recovery import EngineRecovery, sync_weights
+from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 
 log = logging.getLogger("asyncrl.runner")
 
@@ -89,8 +102,6 @@ def make_batch_filter(path: str | None):
     -> groups`` runs on the assembled batch. Returns the step's transform (identity sort when unset)."""
     fn = None
     if path:
-        from asyncrl.broker.buffer import import_path
-
         fn = import_path(path, "rollout_buffer.sample_filter_path")
         if not callable(fn):
             raise ValueError(f"rollout_buffer.sample_filter_path: {path!r} is not callable")
@@ -127,8 +138,6 @@ class EngineScraper:
     the step loop; ``latest()`` returns the newest figures without blocking."""
 
     def __init__(self, urls: list[str], *, interval_s: float = 5.0, timeout_s: float = 5.0):
-        import threading
-
         self.urls, self.interval_s, self.timeout_s = urls, interval_s, timeout_s
         self._latest: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -152,9 +161,6 @@ class EngineScraper:
         self._thread.join(timeout=self.timeout_s + 1)
 
     def scrape(self) -> dict[str, float]:
-        from asyncrl.rollout.sglang_client import parse_prometheus
-        from asyncrl.sync.engine_http import EngineStepError, get_text
-
         out: dict[str, float] = {}
         running, hit = [], []
         for i, u in enumerate(self.urls):
@@ -182,8 +188,6 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
                         evaluator=None) -> dict:
     """Greedy held-out accuracy (``data.test_path``) on the shared engines; with ``broker``, no new prompt
     is issued meanwhile (``hold_issuing``; in-flight groups finish) and issuing resumes after."""
-    from asyncrl.runner.evaluation import EngineEvaluator
-
     if not cfg.data.test_path:
         return {}
     evaluator = evaluator or EngineEvaluator(cfg, engine_urls, tokenizer_path=tokenizer_path)
@@ -200,11 +204,6 @@ class _LeaderParts:
     """What actor rank 0 alone holds: the broker client, the metrics writer, the weight sync, the scraper."""
 
     def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str], discovery=None):
-        from asyncrl.broker.client import BrokerClient
-        from asyncrl.runner.metrics import MetricsWriter
-        from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
-        from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
-
         self.broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
         self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
                                     console=cfg.logging.console, max_steps=cfg.runner.max_steps)
@@ -256,8 +255,6 @@ def before_after_eval(cfg, parts: _LeaderParts, evaluator, engine_urls: list[str
                       release: bool) -> dict:
     """The held-out eval before the first / after the last step: its summary, also logged at ``step`` as
     ``eval/test/*`` (TensorBoard and metrics.jsonl). ``release=False`` leaves issuing held (the run ends)."""
-    from asyncrl.runner.evaluation import engine_eval_metrics
-
     t0 = time.perf_counter()
     if release:
         result = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path, broker=parts.broker,
@@ -278,8 +275,6 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     """The step loop on every actor rank. ``phases`` (``asyncrl.runner.leader.LeaderPhases``) runs what actor
     rank 0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective;
     ``discovery`` carries the engines' restart counts (``asyncrl.sync.recovery``)."""
-    from asyncrl.actor.trainer import Actor
-
     cfg = ctx.cfg
     is_leader = actor_rank == 0
     actor = Actor(cfg)
@@ -375,30 +370,27 @@ def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str]
                      eval_engine_urls: list[str] | None = None, phases=None):
     """The periodic eval (``eval.*``) and, on the leader, the shared-engine evaluator (built once; it checks
     the tool URLs it will call)."""
-    from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, select_backend
-
     evaluator = None
     if is_leader and (cfg.runner.eval_before_after and cfg.data.test_path or select_backend(cfg) == "shared"):
         evaluator = EngineEvaluator(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
+    fleet = None
+    if is_leader and select_backend(cfg) == "fleet":
+        fleet = FleetEval(cfg, list(eval_engine_urls or []),
+                          tokenizer_path=cfg.rollout.model_path or cfg.actor.model_path)
     periodic = PeriodicEval(cfg, actor=actor, is_leader=is_leader, broker=broker, engine_evaluator=evaluator,
-                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_urls=eval_engine_urls,
+                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_eval=fleet,
                             leader_phase=phases.run if phases is not None else None)
     return periodic, evaluator
 
 
 def _sync(actor, syncer, cfg, is_leader, recovery=None):
     """A weight sync at the actor's version (collective), surviving engine restarts (``sync.recovery``)."""
-    from asyncrl.sync.recovery import sync_weights
-
     return sync_weights(actor, syncer, recovery, bucket_bytes=cfg.sync.bucket_bytes, is_leader=is_leader,
                         bcast=_bcast_obj)
 
 
 def make_recovery(cfg, group, discovery):
     """Actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish."""
-    from asyncrl.runner.roles import read_count, restarts_key, synced_key
-    from asyncrl.sync.recovery import EngineRecovery
-
     r, n = cfg.rollout, len(group.engines)
     if discovery is None:
         read, publish = (lambda i: 0), (lambda i, k: None)

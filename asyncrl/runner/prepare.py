@@ -21,6 +21,16 @@ import random
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from asyncrl.agent.data.loaders import load_rows
+from asyncrl.agent.data.synth import make_sft_demos, write_dataset
+from asyncrl.agent.tokenizer import AgentTokenizer
+from asyncrl.agent.tools.bm25 import BM25Retriever, read_corpus
+from asyncrl.models.tiny import make_tiny_checkpoint
+from asyncrl.models.torch_decoder import TorchDecoder
+
 log = logging.getLogger("asyncrl.prepare")
 
 MAX_DEMOS = 25_000  # bounds the demo set's memory and build time (~1 KB and ~0.4 ms each); each is seen ~3 times
@@ -41,15 +51,11 @@ def prepare_if_needed(cfg) -> dict[str, Path]:
     root = Path(p.dir)
     data, base, sft = root / "data", root / "model", root / "model_sft"
     if not _done(data):
-        from asyncrl.agent.data.synth import write_dataset
-
         t0 = time.time()
         write_dataset(data, seed=p.seed, num_countries=p.num_entities)
         _mark(data)
         log.info("prepare: synthetic data in %s (%.1fs)", data, time.time() - t0)
     if not _done(base):
-        from asyncrl.models.tiny import make_tiny_checkpoint
-
         t0 = time.time()
         make_tiny_checkpoint(base, arch="qwen2", corpus_path=data / "tokenizer_text.txt", seed=p.seed,
                              vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_layers,
@@ -67,10 +73,6 @@ def prepare_if_needed(cfg) -> dict[str, Path]:
 def build_demo_examples(cfg, *, data_dir: Path, tokenizer, num_demos: int) -> list[tuple[list[int], list[int]]]:
     """Demonstrations as (ids, loss_mask): prompt (mask 0), each segment tokenized on its own as
     the agent loop does (generated turns mask 1, information blocks mask 0)."""
-    from asyncrl.agent.data.loaders import load_rows
-    from asyncrl.agent.data.synth import make_sft_demos
-    from asyncrl.agent.tools.bm25 import BM25Retriever, read_corpus
-
     rows = load_rows(data_dir / "train.jsonl")
     bm25 = BM25Retriever(read_corpus(data_dir / "corpus.jsonl"))
     topk = cfg.agentloop.tool.topk
@@ -130,9 +132,6 @@ def _weighted_nll(model, pred_BSH, rows_BS, gen_BS, valid_BS, pred_prefix_PH, pr
     """Next-token loss: generated tokens weigh 1, prompt/tool tokens ``context_weight`` (the shared
     prefix's terms times ``rows``), normalised by the total weight; generated tokens only when
     ``context_weight`` is 0 (the LM head then skips every other position)."""
-    import torch
-    import torch.nn.functional as F
-
     if context_weight <= 0:
         return F.cross_entropy(model.lm_logits(pred_BSH[gen_BS]), rows_BS[gen_BS])
     nll = F.cross_entropy(model.lm_logits(pred_BSH[valid_BS]), rows_BS[valid_BS], reduction="none")
@@ -144,11 +143,6 @@ def _weighted_nll(model, pred_BSH, rows_BS, gen_BS, valid_BS, pred_prefix_PH, pr
 
 def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     """Supervised warm start (plain PyTorch, one process): next-token loss on generated tokens."""
-    import torch
-
-    from asyncrl.agent.tokenizer import AgentTokenizer
-    from asyncrl.models.torch_decoder import TorchDecoder
-
     p = cfg.prepare
     torch.manual_seed(p.seed)
     tok = AgentTokenizer.from_pretrained(base_dir)

@@ -20,7 +20,7 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
   ``asyncrl.sync.recovery``).
 - the first rank of each dedicated eval-fleet engine (``eval`` placement key) launches it, publishes
   ``eval_engine/<i>/url`` (actor rank 0 waits for them) and keeps it up until ``shutdown``
-  (``asyncrl.runner.eval_fleet.run_eval_engine``).
+  (``run_eval_engine``).
 - other ranks (an engine's other TP ranks, reward-only ranks) wait for ``shutdown``.
 """
 
@@ -30,15 +30,23 @@ import logging
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+from asyncrl.agent.tools import check_retriever
+from asyncrl.agent.worker import EngineWatch, run_worker
+from asyncrl.broker.client import broker_handshake as round_trip
 from asyncrl.cluster import process
 from asyncrl.cluster.addresses import host_endpoint, num_nodes_from_env
-from asyncrl.cluster.discovery import Discovery
+from asyncrl.cluster.discovery import SHUTDOWN_KEY, Discovery, read_count, restarts_key, synced_key
+from asyncrl.config.eval_engine import eval_engine_config
+from asyncrl.config.render import render_config
+from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_port
+from asyncrl.runner import eval_fleet
+from asyncrl.runner.leader import LeaderPhases
+from asyncrl.runner.prepare import prepare_if_needed
 
 log = logging.getLogger("asyncrl.roles")
-
-SHUTDOWN_KEY = "shutdown"
 
 
 def local_address() -> str:
@@ -52,12 +60,10 @@ def run_role(ctx) -> int:
     disc = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
-        from asyncrl.runner.prepare import prepare_if_needed
-
         t0 = time.time()
         prepare_if_needed(cfg)
         ctx.timings["prepare"] = time.time() - t0
-        (ctx.run_dir / "config.resolved.toml").write_text(_render(cfg))
+        (ctx.run_dir / "config.resolved.toml").write_text(render_config(cfg))
         disc.publish("prepared", "1")
     else:
         disc.lookup("prepared", timeout_s=max(cfg.cluster.store_timeout_s, 1800.0))
@@ -67,16 +73,8 @@ def run_role(ctx) -> int:
     if role == "rollout":
         return run_rollout(ctx, disc)
     if role == "eval":
-        from asyncrl.runner.eval_fleet import run_eval_engine
-
         return run_eval_engine(ctx, disc)
     return run_idle(ctx, disc)
-
-
-def _render(cfg) -> str:
-    from asyncrl.cluster.launcher import render_config
-
-    return render_config(cfg)
 
 
 def _base_cmd(ctx) -> list[str]:
@@ -84,6 +82,8 @@ def _base_cmd(ctx) -> list[str]:
 
 
 def run_actor(ctx, disc: Discovery) -> int:
+    # lazy: torch and (through runner.loop) megatron-core take seconds to import and only actor ranks use
+    # them; rollout, eval and idle ranks and --dry-run never do
     import torch.distributed as dist
 
     cfg = ctx.cfg
@@ -94,8 +94,6 @@ def run_actor(ctx, disc: Discovery) -> int:
         import torch
 
         torch.cuda.set_device(ctx.local_rank)
-    from datetime import timedelta
-
     dist.init_process_group(backend, store=dist.PrefixStore(disc.prefix + "actor_world", disc.raw_store),
                             rank=actor_rank, world_size=len(actor_ranks),
                             timeout=timedelta(seconds=cfg.cluster.actor_collective_timeout_s))
@@ -119,8 +117,6 @@ def run_actor(ctx, disc: Discovery) -> int:
 
 def _actor_phases(cfg, disc: Discovery, *, is_leader: bool):
     """The actor group's leader-only phases (``asyncrl.runner.leader``), on this run's store."""
-    from asyncrl.runner.leader import LeaderPhases
-
     beat = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub("actor_phases/").store if is_leader else None
     return LeaderPhases(disc.sub("actor_phases/").store, is_leader=is_leader, heartbeat_store=beat)
 
@@ -134,9 +130,7 @@ def _leader_startup(ctx, disc: Discovery):
     log.info("broker at %s; engines %s", address, engine_urls)
     eval_urls: list[str] = []
     if cfg.eval.eval_num_gpus:
-        from asyncrl.runner.eval_fleet import lookup_fleet_urls
-
-        eval_urls = lookup_fleet_urls(cfg, disc)
+        eval_urls = eval_fleet.lookup_fleet_urls(cfg, disc)
         log.info("eval fleet engines %s", eval_urls)
     return broker, address, engine_urls, eval_urls
 
@@ -149,8 +143,9 @@ def _spawn_broker(ctx, disc: Discovery):
     addr_file = ctx.run_dir / "broker.address"
     addr_file.unlink(missing_ok=True)
     broker = process.spawn_child(
-        "broker", [sys.executable, "-m", "asyncrl.broker", "--bind", f"tcp://{ep.bind_host}:0", "--address-file",
-                   str(addr_file), *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs", console_stdout=True)
+        "broker", [sys.executable, "-m", "asyncrl.runner.broker_process", "--bind", f"tcp://{ep.bind_host}:0",
+                   "--address-file", str(addr_file), *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs",
+        console_stdout=True)
     process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
                        child=broker)
     process.fail_fast_on_exit(broker, what="the broker", grace_s=cfg.cluster.shutdown_grace_s)
@@ -162,8 +157,6 @@ def _spawn_broker(ctx, disc: Discovery):
 
 def broker_handshake(ctx, disc: Discovery) -> str:
     """A rollout rank's start-up round trip to the broker (``cluster.broker_handshake_timeout_s``); its address."""
-    from asyncrl.broker.client import broker_handshake as round_trip
-
     address = disc.lookup("broker/address")
     round_trip(address, timeout_s=ctx.cfg.cluster.broker_handshake_timeout_s,
                who=f"{ctx.role} rank {ctx.rank} on {os.uname().nodename}")
@@ -181,9 +174,6 @@ def run_rollout(ctx, disc: Discovery) -> int:
     model_path = Path(cfg.rollout.model_path)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"rollout.model_path: no HF checkpoint (config.json) at {str(model_path)!r}")
-    from asyncrl.agent.tools import check_retriever
-    from asyncrl.rollout.sglang_launcher import EngineSupervisor
-
     check_retriever(cfg.agentloop.tool, role=f"rollout rank {ctx.rank} (engine {e})")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     base_gpu = ranks[0] % per_node
@@ -194,8 +184,6 @@ def run_rollout(ctx, disc: Discovery) -> int:
     sup.start()
     try:
         disc.publish(f"engine/{e}/url", sup.url)
-        from asyncrl.agent.worker import EngineWatch, run_worker
-
         watch = EngineWatch.from_config(cfg, sup, announce=lambda n: disc.publish(restarts_key(e), str(n)),
                                         synced=lambda n: read_count(disc, synced_key(e)) >= n)
         run_worker(cfg, broker_address=broker_address, engine_urls=[sup.url], tokenizer_path=str(model_path),
@@ -203,21 +191,6 @@ def run_rollout(ctx, disc: Discovery) -> int:
     finally:
         sup.stop()
     return 0
-
-
-def restarts_key(engine: int) -> str:
-    """Discovery key: how many times engine ``engine`` was restarted (published by its rollout rank)."""
-    return f"engine/{engine}/restarts"
-
-
-def synced_key(engine: int) -> str:
-    """Discovery key: the restart count of engine ``engine`` that actor rank 0 last synced."""
-    return f"engine/{engine}/synced"
-
-
-def read_count(disc: Discovery, key: str) -> int:
-    """A counter key's value, 0 while unset (never blocks)."""
-    return int(disc.store.get(key).decode()) if disc.is_set(key) else 0
 
 
 def run_idle(ctx, disc: Discovery) -> int:
@@ -228,3 +201,33 @@ def run_idle(ctx, disc: Discovery) -> int:
         except TimeoutError:
             log.info("rank %d (%s) idle, waiting for shutdown", ctx.rank, ctx.role)
             time.sleep(0.1)
+
+
+def run_eval_engine(ctx, disc: Discovery) -> int:
+    """The role of an ``eval`` rank: the first rank of each fleet engine runs it until ``shutdown``."""
+    cfg = ctx.cfg
+    engines = ctx.placement.eval_engines(cfg.eval.eval_num_gpus_per_engine)
+    i = next(k for k, ranks in enumerate(engines) if ctx.rank in ranks)
+    ranks = engines[i]
+    if ctx.rank != ranks[0]:
+        return run_idle(ctx, disc)
+    ecfg = eval_engine_config(cfg)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
+    host = local_address()
+    port = engine_port(cfg, ctx.local_rank)  # local ranks are unique on a node: no clash with rollout engines
+    bind = "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"
+    # the same launch path as a rollout engine: clean environment, CUDA_VISIBLE_DEVICES = its devices
+    sup = EngineSupervisor.from_config(ecfg, engine_index=i, base_gpu_id=ranks[0] % per_node, run_dir=ctx.run_dir,
+                                       host=bind, advertise_host=host, port=port, name=f"eval_engine{i}")
+    sup.start()
+    try:
+        disc.publish(eval_fleet.URL_KEY.format(i), sup.url)
+        log.info("eval fleet engine %d at %s (ranks %s)", i, sup.url, list(ranks))
+        while True:
+            try:
+                disc.lookup(SHUTDOWN_KEY, timeout_s=2.0)
+                return 0
+            except TimeoutError:
+                sup.check()  # a crashed engine is restarted (it reloads the next snapshot anyway)
+    finally:
+        sup.stop()

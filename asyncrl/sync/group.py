@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config.schema import SyncConfig
+from asyncrl.engine.blocking import EngineStepError, get_json, post_json, spawn, wait_all
 from asyncrl.sync import process_group as _pgmod
-from asyncrl.sync.engine_http import EngineStepError, get_json, post_json, spawn, wait_all
 
 log = logging.getLogger(__name__)
 

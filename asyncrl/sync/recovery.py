@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from asyncrl.sync.engine_http import EngineStepError
+from asyncrl.engine.blocking import EngineStepError
 from asyncrl.sync.group import GroupJoinError, WeightSyncGroup
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -51,14 +50,14 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from asyncrl.config.schema import SyncConfig
+from asyncrl.config.schema import PAUSE_MODES, SyncConfig
+from asyncrl.engine.blocking import EngineStepError, fan_out, get_json, get_text, post_json, spawn, wait_all
+from asyncrl.engine.client import parse_engine_load
 from asyncrl.sync.bucketing import Bucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
-from asyncrl.sync.engine_http import EngineStepError, fan_out, get_json, get_text, post_json, spawn, wait_all
 from asyncrl.sync.group import WeightSyncGroup
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("retract", "in_place", "drain", "abort")
 # How often the drain wait re-reads the engines' load; short, the wait is bounded by step_timeout_s.
 _DRAIN_POLL_S = 0.05
 
@@ -96,15 +95,6 @@ class SyncResult:
             "sync/num_bytes": float(self.num_bytes),
             "sync/num_buckets": float(self.num_buckets),
         }
-
-
-_METRIC_RE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs)(\{[^}]*\})?\s+(\S+)", re.M)
-
-
-def parse_engine_load(metrics_text: str) -> Optional[float]:
-    """Running + queued requests from a Prometheus ``/metrics`` page (None if it has neither)."""
-    vals = [float(m.group(3)) for m in _METRIC_RE.finditer(metrics_text)]
-    return sum(vals) if vals else None
 
 
 def _find_key(obj: Any, keys: tuple[str, ...]) -> Optional[float]:

@@ -18,7 +18,7 @@ from asyncrl.agent.tools.bm25 import BM25Retriever
 from asyncrl.agent.tools.http_retriever import HttpRetriever
 from asyncrl.broker.types import Group, PromptItem
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig, ToolConfig
-from asyncrl.rollout.sglang_client import SGLangClient
+from asyncrl.engine.client import SGLangClient
 
 pytestmark = pytest.mark.slow
 

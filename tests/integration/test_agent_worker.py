@@ -12,8 +12,8 @@ from agent_fixtures import make_scripted_model, start_cpu_engine, start_retrieva
 
 from asyncrl.agent.worker import run_worker
 from asyncrl.broker.client import BrokerClient
-from asyncrl.broker.launch import start_broker
 from asyncrl.config import load_config
+from asyncrl.runner.broker_process import start_broker
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.broker.client import Assignment, BrokerClient, Control, WorkerConnection
-from asyncrl.broker.launch import start_broker
 from asyncrl.broker.types import Trajectory
+from asyncrl.runner.broker_process import start_broker
 
 
 def _inputs(tmp: Path) -> tuple[str, str]:

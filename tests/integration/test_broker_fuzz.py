@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from asyncrl.broker import protocol as P
 from asyncrl.broker.core import BrokerCore, CoreSettings
-from asyncrl.broker.launch import start_broker
 from asyncrl.broker.server import BrokerServer
 from asyncrl.broker.types import PromptItem, Trajectory
+from asyncrl.runner.broker_process import start_broker
 
 GROUP_SIZE = 2
 RECV_TIMEOUT_S = 10.0
@@ -376,7 +376,7 @@ class ProcessPeer(Peer):
 
 @pytest.mark.slow
 def test_fuzz_real_broker_process(tmp_path):
-    """1000 fuzz messages against ``python -m asyncrl.broker`` over TCP: it never dies, rejected frames never
+    """1000 fuzz messages against the broker process (``python -m asyncrl.runner.broker_process``) over TCP: it never dies, rejected frames never
     move its counters, and afterwards it still trains a batch."""
     cfg, prompts = _write_inputs(tmp_path)
     broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp_path / "broker.log"), timeout_s=30)

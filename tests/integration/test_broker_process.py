@@ -26,8 +26,8 @@ sys.path.insert(0, REPO)
 
 from asyncrl.broker import protocol as P  # noqa: E402
 from asyncrl.broker.client import Assignment, BrokerClient, Cancel, Control, Shutdown, WorkerConnection  # noqa: E402
-from asyncrl.broker.launch import start_broker  # noqa: E402
 from asyncrl.broker.types import Trajectory  # noqa: E402
+from asyncrl.runner.broker_process import start_broker  # noqa: E402
 
 
 def _worker_main(address: str, worker_id: str, mode: str) -> int:

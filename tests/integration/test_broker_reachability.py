@@ -11,8 +11,8 @@ import pytest
 from proc_helpers import free_port
 
 from asyncrl.broker.client import broker_handshake
-from asyncrl.broker.launch import start_broker
 from asyncrl.cluster.addresses import interface_addresses
+from asyncrl.runner.broker_process import start_broker
 
 
 def _inputs(tmp: Path) -> tuple[str, str]:

@@ -19,8 +19,8 @@ from asyncrl.broker.client import (
     WorkerConnection,
     _group_frames,
 )
-from asyncrl.broker.launch import start_broker
 from asyncrl.broker.types import Trajectory
+from asyncrl.runner.broker_process import start_broker
 
 
 def _inputs(tmp: Path, rollout_buffer: str) -> tuple[str, str]:

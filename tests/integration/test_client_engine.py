@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from asyncrl.config.schema import Config, LoggingConfig, RolloutConfig
+from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.sglang_client import EngineError, SGLangClient
 from asyncrl.rollout.sglang_launcher import EngineLaunchError, EngineSupervisor
 from asyncrl.rollout.testing import REPO_ROOT, free_port
 

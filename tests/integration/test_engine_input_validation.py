@@ -21,9 +21,9 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncrl.engine.client import SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.rollout.cpu_model import iter_safetensors
-from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.testing import free_port, running_cpu_engine
 from asyncrl.sync.process_group import init_weight_update_group
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from asyncrl.engine.client import SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.sglang_client import SGLangClient
 from asyncrl.rollout.testing import running_cpu_engine
 from asyncrl.runner.loop import EngineScraper
 

@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 
+from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.sglang_client import EngineError, SGLangClient
 from asyncrl.rollout.testing import running_cpu_engine
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.sglang_client import EngineError, SGLangClient
 from asyncrl.rollout.testing import running_cpu_engine
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.rollout.cpu_model import KVPool, iter_safetensors, load_model
-from asyncrl.rollout.sglang_client import EngineError, SGLangClient
 from asyncrl.rollout.testing import free_port, running_cpu_engine
 from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
 

@@ -221,7 +221,7 @@ def test_broker_sigkill_fails_fast_and_resumes_under_max_restarts(prepared, tmp_
         ranks = [p for p in pids_mentioning(str(run_dir)) if "launch/train.py" in _cmdline(p) and p != job.proc.pid
                  and "torch.distributed.run" not in _cmdline(p)]
         assert len(ranks) == 2, ranks
-        broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.broker" in _cmdline(p))
+        broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.runner.broker_process" in _cmdline(p))
         os.kill(broker, signal.SIGKILL)
         t_kill = time.monotonic()
         assert _wait_gone(ranks, timeout_s=15) == [], "the job's ranks outlived the broker by more than 15 s"

@@ -32,7 +32,7 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
     from asyncrl.actor.trainer import Actor
     from asyncrl.config.schema import SyncConfig
-    from asyncrl.sync.engine_http import post_json
+    from asyncrl.engine.blocking import post_json
     from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
     from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 

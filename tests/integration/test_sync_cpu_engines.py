@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from asyncrl.config.schema import SyncConfig
+from asyncrl.engine.blocking import get_json, post_json
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
 from asyncrl.rollout.testing import running_cpu_engine
 from asyncrl.sync.bucketing import iter_buckets
-from asyncrl.sync.engine_http import get_json, post_json
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer, engine_load
 
@@ -253,7 +253,7 @@ def test_engine_restart_then_recreate_group(env: Env):
 def test_failed_update_names_engine_and_step(env: Env):
     """An engine that rejects a bucket (unknown tensor name) fails the sync at once, naming the
     engine and the step, instead of waiting for the broadcast to time out."""
-    from asyncrl.sync.engine_http import EngineStepError
+    from asyncrl.engine.blocking import EngineStepError
 
     syncer = WeightSyncer(env.group, pause_mode="retract", sync_cfg=env.sync_cfg)
     syncer.pause()

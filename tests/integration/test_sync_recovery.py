@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from asyncrl.config.schema import SyncConfig
+from asyncrl.engine.blocking import get_json, post_json
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
 from asyncrl.rollout.sglang_launcher import HealthTracker
 from asyncrl.rollout.testing import running_cpu_engine
 from asyncrl.sync.bucketing import iter_buckets
-from asyncrl.sync.engine_http import get_json, post_json
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery, sync_weights
 from asyncrl.sync.weight_sync import WeightSyncer

@@ -7,15 +7,15 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.actor.convert import (
-    canonical_megatron_name,
     hf_state_to_megatron,
-    main,
     megatron_param_names,
     megatron_state_to_hf,
     tp_merge,
     tp_shard,
 )
+from asyncrl.actor.convert_cli import main
 from asyncrl.actor.model import ModelSpec, padded_vocab_size
+from asyncrl.actor.names import canonical_megatron_name
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.sync.bucketing import iter_buckets
 

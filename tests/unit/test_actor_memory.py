@@ -6,10 +6,10 @@ import pytest
 from safetensors import safe_open
 
 from asyncrl.actor.memory import GIB, ModelShape, estimate_actor_memory, known_shape, params_per_rank
-from asyncrl.cluster.launcher import actor_memory
-from asyncrl.cluster.placement import parse_placement
 from asyncrl.config import ConfigError, load_config
+from asyncrl.config.placement import parse_placement
 from asyncrl.models.tiny import make_tiny_checkpoint
+from asyncrl.runner.launcher import actor_memory
 
 
 def test_known_models_parameter_counts():

@@ -492,7 +492,7 @@ def test_a_miles_interface_buffer_drops_in_through_the_adapter():
 
 def test_max_prompt_tokens_skips_long_prompts_with_a_counted_warning_and_a_metric(tmp_path, caplog):
     """data.max_prompt_tokens: counted as the agent loop sends the prompt (task template, rollout tokenizer)."""
-    from asyncrl.broker.server import skip_long_prompts
+    from asyncrl.runner.broker_process import skip_long_prompts
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,

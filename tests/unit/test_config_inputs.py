@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cluster import launcher
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.validate import check_inputs
+from asyncrl.runner import launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -7,11 +7,8 @@ from __future__ import annotations
 import pytest
 from test_config import check, load  # the config tests' helpers (BASE: 4 devices, actor 0-1, rollout 2-3)
 
-from asyncrl.cluster.placement import parse_placement
 from asyncrl.config import ConfigError, validate
-from asyncrl.config.schema import EvalConfig
-from asyncrl.rollout.sglang_launcher import sglang_command
-from asyncrl.runner.eval_fleet import (
+from asyncrl.config.eval_engine import (
     eval_engine_config,
     eval_engine_settings,
     fleet_size,
@@ -19,6 +16,9 @@ from asyncrl.runner.eval_fleet import (
     render_flags,
     resolve_eval_sglang,
 )
+from asyncrl.config.placement import parse_placement
+from asyncrl.config.schema import EvalConfig
+from asyncrl.rollout.sglang_launcher import sglang_command
 
 FLEET_PLACEMENT = 'cluster.component_placement={ actor = "0", "rollout,reward" = "1-2", eval = "3" }'
 FLEET = [FLEET_PLACEMENT, "eval.eval_num_gpus=1", "eval.eval_interval=2", 'eval.eval_hf_dir="/dev/shm/x"',

@@ -9,8 +9,8 @@ import pytest
 from asyncrl.broker.core import BrokerCore, CoreSettings
 from asyncrl.broker.types import PromptItem, Trajectory
 from asyncrl.config import ConfigError, load_config
+from asyncrl.engine.blocking import EngineStepError
 from asyncrl.rollout.sglang_launcher import HealthTracker
-from asyncrl.sync.engine_http import EngineStepError
 from asyncrl.sync.group import EngineEndpoint
 from asyncrl.sync.recovery import EngineRecovery, sync_weights
 

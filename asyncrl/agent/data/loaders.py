@@ -26,7 +26,7 @@ def load_rows(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise ValueError(f"prompt file {str(p)!r} does not exist")
     if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: a second to import, and only parquet files need it
 
         return pq.read_table(p).to_pylist()
     if p.suffix in (".jsonl", ".json"):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.agent.tasks import searchr1
+from asyncrl.agent.tools.bm25 import BM25Retriever
 
 # Small, regular syllable sets: names stay short in a tokenizer trained on this corpus.
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "kr", "st", "tr")
@@ -254,8 +255,6 @@ def write_dataset(out_dir: str | Path, *, seed: int, num_countries: int = 200, n
     _write_parquet(paths["train_parquet"], train)
     _write_parquet(paths["test_parquet"], test)
 
-    from asyncrl.agent.tools.bm25 import BM25Retriever
-
     bm25 = BM25Retriever(docs)
     demos = make_sft_demos(train, lambda q, k: bm25.search(q, k)[0], num_demos=num_tokenizer_demos, seed=seed)
     lines = [d["contents"] for d in docs]
@@ -274,7 +273,7 @@ def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 
 def _write_parquet(path: Path, rows: Sequence[dict]) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: a second to import, and only the parquet copies need it
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(list(rows)), path)

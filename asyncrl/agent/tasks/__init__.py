@@ -15,6 +15,7 @@ and returns its module-level ``TASK``, else, for ``"package.module:attr"``, that
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Protocol
@@ -72,7 +73,5 @@ def get_task(name: str) -> Task:
 
 
 def available_tasks() -> list[str]:
-    import pkgutil
-
     found = {m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")}
     return sorted(found | set(_REGISTRY))

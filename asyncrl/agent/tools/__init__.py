@@ -19,22 +19,13 @@ fails the start naming the URL and the role, not the first trajectories.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
 
+from asyncrl.agent.tools.base import Retriever, RetrieverError
+from asyncrl.agent.tools.bm25 import BM25Retriever
+from asyncrl.agent.tools.http_retriever import HttpRetriever
 from asyncrl.config.schema import ToolConfig
 
-
-class RetrieverError(RuntimeError):
-    """A retrieval failed for good (after retries); the message names the URL or corpus."""
-
-
-class Retriever(Protocol):
-    name: str
-    """Where results come from (the URL, or ``bm25:<corpus path>``): used in error messages."""
-
-    async def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]: ...
-
-    async def close(self) -> None: ...
+__all__ = ["BM25Retriever", "HttpRetriever", "Retriever", "RetrieverError", "check_retriever", "make_retriever"]
 
 
 def make_retriever(tool: ToolConfig) -> Retriever:
@@ -42,14 +33,10 @@ def make_retriever(tool: ToolConfig) -> Retriever:
     if tool.retriever == "bm25":
         if not tool.corpus_path:
             raise ValueError("agentloop.tool.corpus_path: required when agentloop.tool.retriever = 'bm25'")
-        from asyncrl.agent.tools.bm25 import BM25Retriever
-
         return BM25Retriever.from_jsonl(tool.corpus_path)
     if tool.retriever == "http":
         if not tool.retriever_url:
             raise ValueError("agentloop.tool.retriever_url: required when agentloop.tool.retriever = 'http'")
-        from asyncrl.agent.tools.http_retriever import HttpRetriever
-
         return HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=tool.max_retries,
                              backoff_s=tool.retry_backoff_s)
     raise ValueError(f"agentloop.tool.retriever: unknown retriever {tool.retriever!r} (bm25 | http)")
@@ -60,8 +47,6 @@ def check_retriever(tool: ToolConfig, *, role: str) -> None:
     retriever; BM25 runs in process). Raises ``RetrieverError`` naming the URL and ``role``."""
     if tool.retriever != "http":
         return
-    from asyncrl.agent.tools.http_retriever import HttpRetriever
-
     async def once() -> None:
         r = HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=0)
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.agent.tools import RetrieverError
+from asyncrl.agent.tools.base import RetrieverError
 
 
 def read_corpus(path: str | Path) -> list[dict]:
@@ -47,6 +47,8 @@ def read_corpus(path: str | Path) -> list[dict]:
 
 class BM25Retriever:
     def __init__(self, docs: Sequence[dict], *, name: str = "bm25"):
+        # lazy: bm25s (and the scipy it pulls in) is only needed where a BM25 index is built, not by the
+        # HTTP retriever's users that import this package
         import bm25s
         from bm25s.tokenization import Tokenizer
 

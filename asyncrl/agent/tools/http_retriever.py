@@ -19,7 +19,7 @@ import logging
 
 import aiohttp
 
-from asyncrl.agent.tools import RetrieverError
+from asyncrl.agent.tools.base import RetrieverError
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.actor.memory import GIB, USABLE_FRACTION, ModelShape, estimate_actor_memory, known_shape
-from asyncrl.cluster.placement import Placement, parse_placement
+from asyncrl.cluster import process
 from asyncrl.config import Config, ConfigError, load_config, validate
 from asyncrl.config.derive import explain
-from asyncrl.config.loader import to_dict
-from asyncrl.config.validate import check_inputs
+from asyncrl.config.placement import Placement, parse_placement
+from asyncrl.config.render import render_config
+from asyncrl.config.validate import check_inputs, job_world_size
+from asyncrl.runner import roles
 
 log = logging.getLogger("asyncrl.launcher")
 
@@ -68,47 +70,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides (TOML literals)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
     return p.parse_args(argv)
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        items = ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items())
-        return "{ " + items + " }" if items else "{}"
-    return repr(v)
-
-
-def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else f'"{k}"'
-
-
-def render_config(cfg: Config) -> str:
-    """The resolved config as TOML; derived values carry a ``# derived`` comment."""
-    lines: list[str] = []
-
-    def emit(table: dict, path: str) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) or k in _INLINE_TABLES}
-        subs = {k: v for k, v in table.items() if isinstance(v, dict) and k not in _INLINE_TABLES}
-        if path:
-            lines.append(f"\n[{path}]")
-        for k, v in scalars.items():
-            key = f"{path}.{k}" if path else k
-            mark = "  # derived" if key in cfg.derived else ""
-            lines.append(f"{_toml_key(k)} = {_toml_value(v)}{mark}")
-        for k, v in subs.items():
-            emit(v, f"{path}.{k}" if path else k)
-
-    emit(to_dict(cfg), "")
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
-# dict-typed settings rendered inline rather than as sub-tables
-_INLINE_TABLES = {"component_placement", "eval_prompt_data", "eval_sglang"}
 
 
 def _plan_rows(cfg: Config, placement: Placement) -> list[tuple[int, str]]:
@@ -244,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         warnings = validate(cfg)
-        from asyncrl.config.validate import job_world_size
-
         world = job_world_size(cfg)
         placement = parse_placement(cfg.cluster.component_placement, world_size=world,
                                     engine_tp=cfg.rollout.tensor_parallel_size)
@@ -275,9 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     ctx = RankContext(cfg=cfg, config_path=str(args.config), overrides=list(args.overrides), rank=rank,
                       world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), placement=placement,
                       run_dir=Path(cfg.logging.run_dir))
-    from asyncrl.cluster import process
-    from asyncrl.runner import roles
-
     process.install_signal_handlers(cfg.cluster.shutdown_grace_s)
     process.start_parent_watchdog(grace_s=cfg.cluster.shutdown_grace_s)  # a SIGKILLed torchrun takes us along
     try:

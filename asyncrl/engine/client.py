@@ -25,11 +25,16 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import aiohttp
 
+from asyncrl.config.schema import PAUSE_MODES
+
 PauseMode = Literal["abort", "retract", "in_place"]
+ENGINE_PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+"""What an engine's ``/pause_generation`` accepts (``rollout.pause_mode`` less the trainer's ``drain``)."""
+assert set(ENGINE_PAUSE_MODES) == set(PAUSE_MODES) - {"drain"}
 
 
 class EngineError(RuntimeError):
@@ -93,13 +98,28 @@ class EngineMetrics:
     """Every ``sglang:*`` sample by series name (without the prefix)."""
 
 
-def parse_generate_response(data: dict) -> GenerateResult:
-    meta = data.get("meta_info") or {}
-    lps = meta.get("output_token_logprobs")
+def parse_generate_response(data: Any, url: str = "") -> GenerateResult:
+    """A ``/generate`` answer -> ``GenerateResult``. A malformed answer, or log-probs that are not one per
+    output id (each entry ``[logprob, token_id, ...]`` for the id at its position), raise ``EngineError``
+    naming ``url``."""
+    try:
+        meta = data.get("meta_info") or {}
+        output_ids = [int(t) for t in data.get("output_ids") or []]
+        lps = meta.get("output_token_logprobs")
+        logprobs = None if lps is None else [float(x[0]) for x in lps]
+        lp_ids = None if lps is None else [int(x[1]) for x in lps]
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EngineError(url, "/generate", f"malformed /generate reply ({exc!r})") from None
+    if lp_ids is not None:
+        if len(lp_ids) != len(output_ids):
+            raise EngineError(url, "/generate", f"{len(lp_ids)} log-probs for {len(output_ids)} output ids")
+        for j, (a, b) in enumerate(zip(lp_ids, output_ids)):
+            if a != b:
+                raise EngineError(url, "/generate", f"log-prob {j} is for token {a}, output id is {b}")
     return GenerateResult(
         rid=str(meta.get("id", "")),
-        output_ids=list(data.get("output_ids") or []),
-        output_logprobs=[float(x[0]) for x in lps] if lps is not None else None,
+        output_ids=output_ids,
+        output_logprobs=logprobs,
         finish_reason=meta.get("finish_reason") or {},
         weight_version=str(meta.get("weight_version", "")),
         weight_versions=list(meta.get("weight_versions") or []),
@@ -130,6 +150,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
     for name, vals in acc.items():
         out[name] = sum(vals) / len(vals) if name.endswith("_rate") else sum(vals)
     return out
+
+
+def parse_engine_load(metrics_text: str) -> Optional[float]:
+    """Running + queued requests from a Prometheus ``/metrics`` page (None if it reports neither)."""
+    vals = parse_prometheus(metrics_text)
+    found = [vals[k] for k in ("num_running_reqs", "num_queue_reqs") if k in vals]
+    return sum(found) if found else None
 
 
 class SGLangClient:
@@ -216,7 +243,7 @@ class SGLangClient:
                                    timeout_s=self.request_timeout_s if timeout_s is None else timeout_s)
         if isinstance(data, list):  # n > 1 in sampling_params: take the first, keep all raw
             data = data[0]
-        return parse_generate_response(data)
+        return parse_generate_response(data, self.url)
 
     async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
         """POST /abort_request (SGLang matches ``rid`` by prefix)."""

@@ -27,15 +27,20 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncrl.engine.client import EngineError
 
-class EngineStepError(RuntimeError):
-    """A weight-sync step failed on one (or several) engines; ``urls`` and ``step`` say where."""
+
+class EngineStepError(EngineError):
+    """A blocking step (weight sync, drain, scrape, probe) failed on one (or several) engines; ``urls`` and
+    ``step`` say where, ``detail`` what. An ``EngineError`` like the async client's (``url``: the first engine,
+    ``endpoint``: the step, ``message``: the detail), so one ``except EngineError`` covers both transports."""
 
     def __init__(self, urls: str | Sequence[str], step: str, detail: str):
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         self.step = step
         self.detail = detail
-        super().__init__(f"weight sync step {step!r} failed on engine {', '.join(self.urls)}: {detail}")
+        self.url, self.endpoint, self.status, self.message = (self.urls[0] if self.urls else ""), step, None, detail
+        RuntimeError.__init__(self, f"weight sync step {step!r} failed on engine {', '.join(self.urls)}: {detail}")
 
 
 def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Placement: ``cluster.component_placement`` -> which global rank does what. Pure, no I/O.
+"""Placement: ``cluster.component_placement`` -> which global rank does what; loopback hosts. Pure, no I/O.
 
 Global rank r drives device r (on CPU a device is just a rank). A key may name several
 components that share the devices (``"rollout,reward" = "8-15"``); values are ranges and lists
@@ -11,9 +11,24 @@ components that share the devices (``"rollout,reward" = "8-15"``); values are ra
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from asyncrl.config.schema import ConfigError
+
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def is_loopback(host: str) -> bool:
+    """A literal loopback address or name (no DNS lookup): 127.0.0.0/8, ::1, localhost."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 
 KNOWN_COMPONENTS = ("actor", "rollout", "reward", "eval")
 """``eval``: the devices of the dedicated eval fleet (``eval.eval_num_gpus``), optional."""
