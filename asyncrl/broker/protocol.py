@@ -667,7 +667,8 @@ def unpack_finished_groups(msg: Message) -> list[tuple[int, Optional[list[Trajec
 def pack_state(state: dict) -> tuple[dict, list[bytes]]:
     """``BrokerCore.state_dict()`` -> (header map, blobs)."""
     blobs: list[bytes] = []
-    body = {"version": state["version"], "next_group_id": state["next_group_id"],
+    body = {"counters": dict(state.get("counters", {})), "version": state["version"],
+            "next_group_id": state["next_group_id"],
             "dataloader": state["dataloader"],
             "queued": [[item_to_wire(it), e] for it, e in state["queued"]],
             "inflight": [[item_to_wire(it), e] for it, e in state["inflight"]],
@@ -677,15 +678,25 @@ def pack_state(state: dict) -> tuple[dict, list[bytes]]:
 
 def unpack_state(body: dict, blobs: Sequence[Any]) -> dict:
     try:
-        return {"version": int(body["version"]), "next_group_id": int(body["next_group_id"]),
-                "dataloader": dict(body["dataloader"]),
-                "queued": [(item_from_wire(it), int(e)) for it, e in body["queued"]],
-                "inflight": [(item_from_wire(it), int(e)) for it, e in body["inflight"]],
-                "buffered": unpack_groups(body["buffered"], blobs)}
-    except (KeyError, TypeError, ValueError) as e:
+        out = {"version": _state_int(body["version"], "version"),
+               "next_group_id": _state_int(body["next_group_id"], "next_group_id"),
+               "dataloader": dict(body["dataloader"]),
+               "queued": [(item_from_wire(it), int(e)) for it, e in body["queued"]],
+               "inflight": [(item_from_wire(it), int(e)) for it, e in body["inflight"]],
+               "buffered": unpack_groups(body["buffered"], blobs)}
+        if "counters" in body:  # absent in checkpoints written before the counters were saved
+            out["counters"] = dict(body["counters"])
+        return out
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         if isinstance(e, ProtocolError):
             raise
         raise ProtocolError(f"bad broker state: {e!r}") from None
+
+
+def _state_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"bad broker state: {key} must be an integer, got {value!r}")
+    return value
 
 
 def state_to_bytes(body: dict, blobs: Sequence[Any]) -> bytes:

@@ -51,7 +51,11 @@ class RunnerConfig:
     save_at_end: bool = False
     """Save a checkpoint after the last step."""
     resume: bool = False
-    """Resume from the newest checkpoint in the run directory if one exists."""
+    """Resume from this run's newest complete checkpoint (same run id and config hash) if one exists."""
+    resume_from: Optional[str] = None
+    """A checkpoint directory to start from when this run has no checkpoint of its own yet (any run's)."""
+    max_nonfinite_steps: int = 3
+    """Consecutive steps with a non-finite loss, grad norm or reward after which the run fails (exit 1)."""
     save_hf: bool = False
     """Also export a HF checkpoint with every actor checkpoint (Miles ``--save-hf``)."""
     eval_before_after: bool = True
@@ -60,6 +64,7 @@ class RunnerConfig:
     def __post_init__(self):
         _positive(self.max_steps, "runner.max_steps")
         _non_negative(self.checkpoint_interval, "runner.checkpoint_interval")
+        _positive(self.max_nonfinite_steps, "runner.max_nonfinite_steps")
 
 
 @dataclass(frozen=True)

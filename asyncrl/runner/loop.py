@@ -194,7 +194,8 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
 class _LeaderParts:
     """What actor rank 0 alone holds: the broker client, the metrics writer, the weight sync, the scraper."""
 
-    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str], discovery=None):
+    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str], discovery=None, *,
+                 purge_step: int | None = None):
         from asyncrl.broker.client import BrokerClient
         from asyncrl.runner.metrics import MetricsWriter
         from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
@@ -202,7 +203,8 @@ class _LeaderParts:
 
         self.broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
         self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
-                                    console=cfg.logging.console, max_steps=cfg.runner.max_steps)
+                                    console=cfg.logging.console, max_steps=cfg.runner.max_steps,
+                                    purge_step=purge_step)
         self.group = WeightSyncGroup(
             [EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls], cfg.sync)
         self.group.init()
@@ -270,16 +272,15 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     actor = Actor(cfg)
     ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
     start_step = 0
-    parts = phases.run("set up the weight sync and the metrics",
-                       lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls, discovery))
+    ident, latest, purge_step = _bcast_obj(_resume_plan(cfg, ctx.run_dir, ckpt_root) if is_leader else None)
+    parts = phases.run("set up the weight sync and the metrics", lambda: _LeaderParts(
+        cfg, ctx.run_dir, broker_address, engine_urls, discovery, purge_step=purge_step))
     broker = parts.broker if is_leader else None
     recovery = parts.recovery if is_leader else None
     built = phases.run("build the evaluator (checks the tool URLs)", lambda: _make_evaluation(
         cfg, actor, True, broker, engine_urls, ckpt_root, eval_engine_urls=eval_engine_urls, phases=phases))
     periodic, evaluator = built if is_leader else _make_evaluation(cfg, actor, False, None, engine_urls, ckpt_root,
                                                                    phases=phases)
-    latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
-    latest = _bcast_obj(str(latest) if latest else None)
     if latest:
         meta = actor.load_checkpoint(latest)
         start_step = int(meta["step"])
@@ -308,7 +309,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             m["time/sync_weights"] = 0.0
         if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
                 cfg.runner.save_at_end and step == cfg.runner.max_steps):
-            _save(actor, ckpt_root, step, broker)
+            _save(actor, ckpt_root, step, broker, ident)
         m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         if is_leader:
             _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
@@ -428,19 +429,28 @@ def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0:
         return batch
 
 
-def _latest_checkpoint(root: Path) -> Path | None:
-    if not root.is_dir():
-        return None
-    steps = sorted((p for p in root.glob("step_*") if (p / "complete").is_file()),
-                   key=lambda p: int(p.name.split("_")[1]))
-    return steps[-1] if steps else None
+def _resume_plan(cfg, run_dir: Path, ckpt_root: Path) -> tuple[dict, str | None, int | None]:
+    """Actor rank 0: this run's identity, the checkpoint to resume from (``asyncrl.runner.resume``) and the
+    first step whose old metrics are purged (None when not resuming)."""
+    from asyncrl.actor.checkpoint import read_meta
+    from asyncrl.runner.resume import establish_identity, pick_checkpoint
+
+    ident = establish_identity(cfg, run_dir)
+    ckpt = pick_checkpoint(cfg, ckpt_root, ident)
+    if not (cfg.runner.resume or cfg.runner.resume_from):
+        return ident, None, None
+    start = int(read_meta(ckpt)["step"]) if ckpt is not None else 0
+    return ident, (str(ckpt) if ckpt is not None else None), start + 1
 
 
-def _save(actor, root: Path, step: int, broker) -> None:
+def _save(actor, root: Path, step: int, broker, ident: dict) -> None:
+    from asyncrl.runner.resume import write_identity
+
     d = root / f"step_{step:06d}"
     actor.save_checkpoint(d, step=step)
     if broker is not None:
         (d / "broker_state.bin").write_bytes(broker.get_state())
+        write_identity(d, ident)
         (d / "complete").write_text("ok\n")
 
 
