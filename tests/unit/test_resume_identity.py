@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from asyncrl.config import load_config
@@ -18,7 +19,7 @@ def _cfg(*overrides):
 def _ckpt(root: Path, step: int, ident: dict | None) -> Path:
     d = root / f"step_{step:06d}"
     d.mkdir(parents=True)
-    (d / "meta.json").write_text('{"format": "asyncrl-actor-v1", "step": %d}\n' % step)
+    (d / "meta.json").write_text(json.dumps({"format": "asyncrl-actor-v1", "step": step}) + "\n")
     if ident is not None:
         write_identity(d, ident)
     (d / "complete").write_text("ok\n")
