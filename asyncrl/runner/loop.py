@@ -33,6 +33,11 @@ Contract
   catch-up sync first (``_next_batch``); ``rollout/engine_restarts`` counts the restarts.
 - The broker is watched by ``asyncrl.cluster.process.fail_fast_on_exit`` (set up in ``roles``): its
   death fails the rank at once; here it is only marked as stopping before the deliberate shutdown.
+- Bad numbers (``asyncrl.runner.guards``): a step with a non-finite loss, grad norm or reward counts in
+  ``train/nonfinite_steps``; ``runner.max_nonfinite_steps`` of them in a row raise ``NonFiniteError`` on
+  every actor rank (the step is logged first): the job exits non-zero.
+- Resume (``asyncrl.runner.resume``): only this run's checkpoints (run id + config hash, ``run.json`` in the
+  run dir and in each checkpoint) or ``runner.resume_from``; resumed steps are purged from the metrics.
 
     rc = run_training(ctx, broker_address=..., engine_urls=[...], broker_child=child, actor_rank=0)
 """
@@ -41,11 +46,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
 
 import torch.distributed as dist
+
+from asyncrl.runner.guards import NonFiniteError, NonFiniteGuard
 
 log = logging.getLogger("asyncrl.runner")
 
@@ -66,6 +74,7 @@ def rollout_metrics(groups) -> dict[str, float]:
     if not trajs:
         return {}
     n = len(trajs)
+    bad = sum(not math.isfinite(t.reward) for t in trajs)
     gen_lens = [sum(t.loss_mask) for t in trajs]
     return {
         "reward/mean": sum(t.reward for t in trajs) / n,
@@ -76,6 +85,7 @@ def rollout_metrics(groups) -> dict[str, float]:
         "rollout/truncated_ratio": sum(t.truncated for t in trajs) / n,
         "rollout/retractions/mean": sum(t.num_retractions for t in trajs) / n,
         "rollout/num_trajectories": float(n),
+        "rollout/nonfinite_rewards": float(bad),
     }
 
 
@@ -290,6 +300,7 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
                 broker.set_state(broker_state.read_bytes())
             log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
     summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
+    nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
     if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
         _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
     if cfg.runner.eval_before_after and start_step == 0:
@@ -301,6 +312,11 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         t0 = time.perf_counter()
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
+        verdict = _bcast_obj(nonfinite.update(m) if is_leader else None)  # the leader alone sees the rewards
+        if verdict:
+            if is_leader:
+                _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
+            raise NonFiniteError(verdict)
         if step % cfg.rollout.update_weights_interval == 0:
             res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
             if res is not None:

@@ -57,3 +57,17 @@ def test_broker_accounting_adds_up():
     a = broker_accounting(st)
     assert a["broker/issued_groups"] == a["broker/trained_groups"] + a["broker/dropped_groups"] + \
         a["broker/held_groups"] + a["broker/reissued_groups"]
+
+
+def test_nonfinite_guard_stops_after_consecutive_bad_steps():
+    from asyncrl.runner.guards import NonFiniteGuard
+
+    g = NonFiniteGuard(3)
+    skipped = {"train/step_skipped": 1.0, "train/loss": float("nan")}
+    assert g.update(dict(skipped)) is None and g.update({"train/step_skipped": 0.0}) is None  # a good step resets
+    assert g.update(dict(skipped)) is None
+    assert g.update({"rollout/nonfinite_rewards": 4.0}) is None
+    m = dict(skipped)
+    msg = g.update(m)
+    assert msg is not None and "runner.max_nonfinite_steps = 3" in msg and "nan" in msg
+    assert m["train/nonfinite_steps"] == 4 and m["train/nonfinite_consecutive"] == 3
