@@ -198,7 +198,10 @@ class ToolConfig:
     timeout_s: float = 30.0
     """Timeout of one retrieval call."""
     max_retries: int = 3
-    """Retries (with exponential backoff) before the trajectory is aborted."""
+    """Retries (with exponential backoff) before an outage is declared (new turns wait for the retriever)."""
+    max_outage_s: float = 300.0
+    """How long the HTTP retriever may stay unreachable before the run fails naming its URL (0 = abort the
+    trajectory after the retries instead)."""
     retry_backoff_s: float = 0.5
     """First retry delay of the HTTP retriever; doubles after each failed attempt."""
 
@@ -208,6 +211,7 @@ class ToolConfig:
         _positive(self.timeout_s, "agentloop.tool.timeout_s")
         _non_negative(self.max_retries, "agentloop.tool.max_retries")
         _non_negative(self.retry_backoff_s, "agentloop.tool.retry_backoff_s")
+        _non_negative(self.max_outage_s, "agentloop.tool.max_outage_s")
 
 
 @dataclass(frozen=True)

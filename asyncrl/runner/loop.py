@@ -86,6 +86,7 @@ def rollout_metrics(groups) -> dict[str, float]:
         "rollout/retractions/mean": sum(t.num_retractions for t in trajs) / n,
         "rollout/num_trajectories": float(n),
         "rollout/nonfinite_rewards": float(bad),
+        "tool/errors": float(sum(t.extra.get("tool_errors", 0) for t in trajs)),
     }
 
 

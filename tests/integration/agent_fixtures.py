@@ -123,9 +123,10 @@ def start_cpu_engine(model_path: Path, log_path: Path, *, timeout_s: float = 120
         time.sleep(0.2)
 
 
-def start_retrieval_server(corpus: Path, log_path: Path, *, timeout_s: float = 60.0) -> tuple[Server, str]:
+def start_retrieval_server(corpus: Path, log_path: Path, *, timeout_s: float = 60.0,
+                           port: int = 0) -> tuple[Server, str]:
     srv = Server([sys.executable, "-m", "asyncrl.agent.tools.retrieval_server", "--corpus", str(corpus),
-                  "--port", "0"], log_path)
+                  "--port", str(port)], log_path)
     deadline = time.monotonic() + timeout_s
     line = b""
     while not line:

@@ -28,11 +28,19 @@ class RetrieverError(RuntimeError):
     """A retrieval failed for good (after retries); the message names the URL or corpus."""
 
 
+class RetrieverOutageError(RetrieverError):
+    """The retriever stayed unreachable for ``agentloop.tool.max_outage_s``: fatal for the worker (the run fails
+    naming the URL) rather than one aborted trajectory."""
+
+
 class Retriever(Protocol):
     name: str
     """Where results come from (the URL, or ``bm25:<corpus path>``): used in error messages."""
 
-    async def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]: ...
+    async def retrieve(self, queries: list[str], topk: int, *, stats: dict | None = None) -> list[list[dict]]: ...
+
+    async def wait_available(self) -> None:
+        """Blocks while the retriever is in a declared outage (new turns wait)."""
 
     async def close(self) -> None: ...
 
@@ -51,7 +59,7 @@ def make_retriever(tool: ToolConfig) -> Retriever:
         from asyncrl.agent.tools.http_retriever import HttpRetriever
 
         return HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=tool.max_retries,
-                             backoff_s=tool.retry_backoff_s)
+                             backoff_s=tool.retry_backoff_s, max_outage_s=tool.max_outage_s)
     raise ValueError(f"agentloop.tool.retriever: unknown retriever {tool.retriever!r} (bm25 | http)")
 
 
