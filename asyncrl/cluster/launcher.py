@@ -265,10 +265,15 @@ def main(argv: list[str] | None = None) -> int:
                       run_dir=Path(cfg.logging.run_dir))
     from asyncrl.cluster import process
     from asyncrl.runner import roles
+    from asyncrl.runner.guards import PREEMPT_EXIT_CODE, Preempted, ignore_preempt_signal
 
     process.install_signal_handlers(cfg.cluster.shutdown_grace_s)
+    ignore_preempt_signal()  # the actor ranks' step loop handles it (checkpoint, then exit 75)
     process.start_parent_watchdog(grace_s=cfg.cluster.shutdown_grace_s)  # a SIGKILLed torchrun takes us along
     try:
         return roles.run_role(ctx)
+    except Preempted as e:
+        print(f"asyncrl: {e}; resume with runner.resume = true", file=sys.stderr, flush=True)
+        return PREEMPT_EXIT_CODE
     finally:
         process.stop_all(cfg.cluster.shutdown_grace_s)

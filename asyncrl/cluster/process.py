@@ -3,7 +3,8 @@
 Contract
 - Every child (broker, engine, retrieval server) is started through ``spawn_child``: its own
   session (so a signal to it reaches its whole tree), stdout+stderr into ``<run_dir>/logs/NAME.log``,
-  and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent.
+  and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent; it ignores SIGUSR1
+  (the preemption notice, ``asyncrl.runner.guards``).
 - ``stop_all()`` (also run at exit and on SIGTERM/SIGINT once ``install_signal_handlers`` ran)
   sends SIGTERM to every live child's process group, waits ``grace_s``, then SIGKILLs.
 - ``wait_until(pred, timeout_s, what, child=...)`` is the one readiness wait: it times out with a
@@ -40,6 +41,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the job's preemption notice is for actor rank 0 alone
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

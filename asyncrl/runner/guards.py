@@ -8,11 +8,23 @@ Contract
   were non-finite (``runner.max_nonfinite_steps``), else None. A finite step resets the run of bad steps.
   Pure: no I/O; the loop decides on actor rank 0 and broadcasts the verdict.
 - ``NonFiniteError``: raised on every actor rank with that message; the job exits non-zero.
+- Preemption: ``PREEMPT_SIGNAL`` (SIGUSR1) is ignored by every process of the job
+  (``ignore_preempt_signal``: the launcher, and every child between fork and exec) except the actor ranks
+  in their step loop, where ``Preemption`` turns it into a flag. Actor rank 0 checks its flag between steps
+  (and while it waits for a batch); then every actor rank writes the checkpoint of the last finished step
+  and raises ``Preempted``: the rank exits with ``PREEMPT_EXIT_CODE`` (75) and ``runner.resume`` continues.
 
     guard = NonFiniteGuard(3); msg = guard.update(m); if msg: raise NonFiniteError(msg)
 """
 
 from __future__ import annotations
+
+import signal
+import threading
+
+PREEMPT_SIGNAL = signal.SIGUSR1
+PREEMPT_EXIT_CODE = 75
+"""Exit status of a rank that wrote its checkpoint on a preemption signal (EX_TEMPFAIL: run it again)."""
 
 
 class NonFiniteError(RuntimeError):
@@ -47,3 +59,38 @@ class NonFiniteGuard:
         return (f"{self.consecutive} consecutive steps with non-finite numbers (last: {'; '.join(what)}); "
                 f"runner.max_nonfinite_steps = {self.limit}: stopping. Check actor.lr, the reward function and "
                 f"the data; resume from the last checkpoint once fixed")
+
+
+class Preempted(RuntimeError):
+    """A preemption signal arrived; the checkpoint of ``step`` (the last finished one) is written."""
+
+    def __init__(self, step: int, path: str | None):
+        super().__init__(f"preempted (signal {PREEMPT_SIGNAL.name}) after step {step}; checkpoint {path}")
+        self.step, self.path = step, path
+
+
+def ignore_preempt_signal() -> None:
+    """SIG_IGN for the preemption signal (survives exec: children spawned after this ignore it too)."""
+    signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
+
+
+class Preemption:
+    """The preemption flag of one actor rank's step loop: ``install()`` … ``requested`` … ``restore()``."""
+
+    def __init__(self):
+        self._flag = threading.Event()
+        self._old = None
+
+    @property
+    def requested(self) -> bool:
+        return self._flag.is_set()
+
+    def install(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(PREEMPT_SIGNAL, lambda signum, frame: self._flag.set())
+        return self
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(PREEMPT_SIGNAL, self._old)
+            self._old = None

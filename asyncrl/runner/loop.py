@@ -36,6 +36,9 @@ Contract
 - Bad numbers (``asyncrl.runner.guards``): a step with a non-finite loss, grad norm or reward counts in
   ``train/nonfinite_steps``; ``runner.max_nonfinite_steps`` of them in a row raise ``NonFiniteError`` on
   every actor rank (the step is logged first): the job exits non-zero.
+- Preemption (``asyncrl.runner.guards``): SIGUSR1 on actor rank 0 is checked between steps and while it
+  waits for a batch; then every actor rank writes the checkpoint of the last finished step and raises
+  ``Preempted`` (the rank exits 75).
 - Resume (``asyncrl.runner.resume``): only this run's checkpoints (run id + config hash, ``run.json`` in the
   run dir and in each checkpoint) or ``runner.resume_from``; resumed steps are purged from the metrics.
 
@@ -53,13 +56,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from asyncrl.runner.guards import NonFiniteError, NonFiniteGuard
+from asyncrl.runner.guards import NonFiniteError, NonFiniteGuard, Preempted, Preemption
 
 log = logging.getLogger("asyncrl.runner")
 
 # The leader's batch wait is cut into slices this long, so a restarted engine waiting for its catch-up
 # sync is served within about this many seconds (it cannot produce data before).
 _BATCH_SLICE_S = 2.0
+_PREEMPT = "preempt"  # what the leader's batch wait returns when a preemption signal arrived
 
 
 def _bcast_obj(obj, src: int = 0):
@@ -225,12 +229,12 @@ class _LeaderParts:
         self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
 
-    def next_batch(self, cfg, step: int, actor_version: int, t0: float) -> tuple[list, dict[str, float]] | None:
+    def next_batch(self, cfg, step: int, actor_version: int, t0: float, preempt=None):
         """The step's groups (after the sample filter) and their metrics; None as soon as a restarted engine
-        waits for its catch-up sync (``_next_batch`` runs it, then asks again)."""
-        batch = _wait_batch(self.broker, self.recovery, step, actor_version, batch_timeout_s(cfg), t0)
-        if batch is None:
-            return None
+        waits for its catch-up sync (``_next_batch`` runs it, then asks again); ``_PREEMPT`` on preemption."""
+        batch = _wait_batch(self.broker, self.recovery, step, actor_version, batch_timeout_s(cfg), t0, preempt)
+        if batch is None or batch is _PREEMPT:
+            return batch
         m: dict[str, float] = {}
         groups = self.batch_filter(batch.groups)
         kept = {g.group_id for g in groups}
@@ -301,15 +305,34 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
                 broker.set_state(broker_state.read_bytes())
             log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
     summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
-    nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
     if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
         _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
     if cfg.runner.eval_before_after and start_step == 0:
         summary["eval_before"] = phases.run("eval before training", lambda: before_after_eval(
             cfg, parts, evaluator, engine_urls, step=0, release=True))
+    nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
+    preempt = Preemption().install()
+    try:
+        _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step,
+               broker, recovery, is_leader)
+    finally:
+        preempt.restore()
+    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls, broker_child))
+    dist.barrier()
+    return 0
+
+
+def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step, broker,
+           recovery, is_leader) -> None:
+    """The steps after ``start_step``; a preemption between two steps checkpoints the last one and raises."""
+    cfg = ctx.cfg
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
-        groups, m = _next_batch(actor, parts if is_leader else None, cfg, step, phases)
+        got = None if _bcast_obj(is_leader and preempt.requested) else _next_batch(
+            actor, parts if is_leader else None, cfg, step, phases, preempt)
+        if got is None:
+            _preempted(actor, ckpt_root, step - 1, broker, ident)
+        groups, m = got
         t0 = time.perf_counter()
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
@@ -330,9 +353,16 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
         m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         if is_leader:
             _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
-    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls, broker_child))
+
+
+def _preempted(actor, root: Path, step: int, broker, ident: dict) -> None:
+    """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise."""
+    d = root / f"step_{step:06d}"
+    if step > 0 and not (d / "complete").is_file():
+        log.warning("preemption signal: writing the checkpoint of step %d before exiting", step)
+        _save(actor, root, step, broker, ident)
     dist.barrier()
-    return 0
+    raise Preempted(step, str(d) if step > 0 else None)
 
 
 def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: int, t_step: float,
@@ -414,24 +444,33 @@ def make_recovery(cfg, group, discovery):
                           max_failures=2 * r.max_restarts * n + 1)
 
 
-def _next_batch(actor, parts, cfg, step: int, phases):
-    """The step's ``(groups, metrics)`` on the leader (``(None, {})`` elsewhere). The wait is a leader phase;
-    when a restarted engine waits for its weights the leader ends the phase early and all actor ranks run a
-    catch-up sync (collective), then the leader waits again (see module contract)."""
+def _next_batch(actor, parts, cfg, step: int, phases, preempt=None):
+    """The step's ``(groups, metrics)`` on the leader (``(None, {})`` elsewhere); None on every rank when a
+    preemption signal reached the leader meanwhile. The wait is a leader phase; when a restarted engine waits
+    for its weights the leader ends the phase early and all actor ranks run a catch-up sync (collective), then
+    the leader waits again (see module contract)."""
     t0 = time.monotonic()
     while True:
-        got = phases.run(f"wait for the batch of step {step}", lambda: parts.next_batch(cfg, step, actor.version, t0),
+        got = phases.run(f"wait for the batch of step {step}",
+                         lambda: parts.next_batch(cfg, step, actor.version, t0, preempt),
                          timeout_s=batch_timeout_s(cfg) + cfg.rollout.control_timeout_s)
-        if not _bcast_obj(parts is not None and got is None):
+        verdict = _bcast_obj(None if parts is None else "preempt" if got is _PREEMPT else "sync" if got is None
+                             else None)
+        if verdict == "preempt":
+            return None
+        if verdict is None:
             return got if parts is not None else (None, {})
         log.info("step %d: catch-up weight sync for restarted engine(s) while waiting for data", step)
         _sync(actor, parts.syncer if parts is not None else None, cfg, parts is not None,
               parts.recovery if parts is not None else None)
 
 
-def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0: float):
-    """Ask the broker in slices; None as soon as a restarted engine waits for its catch-up sync."""
+def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0: float, preempt=None):
+    """Ask the broker in slices; None as soon as a restarted engine waits for its catch-up sync, ``_PREEMPT`` as
+    soon as a preemption signal arrived."""
     while True:
+        if preempt is not None and preempt.requested:
+            return _PREEMPT
         if recovery is not None and recovery.pending():
             return None
         left = timeout_s - (time.monotonic() - t0)
