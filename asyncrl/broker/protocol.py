@@ -3,7 +3,8 @@
 Both ends import this module (the clients in ``client.py`` use it; so does ``server.py``).
 
 Framing: one ZeroMQ multipart message = ``[header, *blobs]``. ``header`` is a msgpack map with
-``"v"`` (``PROTOCOL_VERSION``) and ``"t"`` (the type, below) plus the type's fields. Token data
+``"v"`` (``PROTOCOL_VERSION``) and ``"t"`` (the type, below) plus the type's fields, and ``"k"``, the run
+secret (``asyncrl.cluster.auth``; sent when ``ASYNCRL_API_KEY`` is set, required by a broker that has one). Token data
 never goes through msgpack lists: each trajectory's arrays travel as one raw blob frame, laid out
 ``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] |
 weight_versions int32[nw] | loss_mask uint8[nr]`` (little-endian; ``nw`` is 0 or ``nr``), and its
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -62,6 +64,7 @@ import msgpack
 import numpy as np
 
 from asyncrl.broker.types import Group, PromptItem, Trajectory
+from asyncrl.cluster import auth
 
 PROTOCOL_VERSION = 1
 
@@ -96,10 +99,15 @@ class Message:
     body: dict[str, Any]
     blobs: list[Any] = field(default_factory=list)
     """Raw frames after the header (bytes, memoryview or zmq.Frame buffers)."""
+    token: Any = None
+    """The header's ``k``: the run secret the sender holds (``asyncrl.cluster.auth``)."""
 
 
 def encode(msg_type: str, body: dict[str, Any] | None = None, blobs: Sequence[Any] = ()) -> list[Any]:
     header = {"v": PROTOCOL_VERSION, "t": msg_type}
+    key = os.environ.get(auth.ENV)
+    if key:
+        header["k"] = key
     if body:
         header.update(body)
     return [msgpack.packb(header, use_bin_type=True), *blobs]
@@ -122,7 +130,8 @@ def decode(frames: Sequence[Any], *, allowed: frozenset[str] | None = None) -> M
     t = header.pop("t", None)
     if not isinstance(t, str) or (allowed is not None and t not in allowed):
         raise ProtocolError(f"unknown message type {t!r}")
-    return Message(t, header, raw[1:])
+    token = header.pop("k", None)
+    return Message(t, header, raw[1:], token)
 
 
 # ---------------------------------------------------------------- items, trajectories, groups

@@ -39,6 +39,8 @@ from typing import Any, Optional
 import torch
 from aiohttp import web
 
+from asyncrl.cluster import auth
+from asyncrl.cluster.auth import bearer_matches
 from asyncrl.rollout.cpu_model import load_model
 from asyncrl.rollout.cpu_scheduler import (
     PAUSE_MODES,
@@ -71,6 +73,9 @@ class EngineArgs:
     """torch intra-op threads (default: torch's choice)."""
     weight_sync_timeout_s: float = 600.0
     """Timeout of the weight-update group (join and each broadcast)."""
+    api_key: Optional[str] = None
+    """SGLang's ``--api-key``: every request but ``/health*``, ``/metrics`` and OPTIONS needs
+    ``Authorization: Bearer <key>`` (else 401 ``{"error": "Unauthorized"}``); defaults to ``ASYNCRL_API_KEY``."""
 
 
 def _json_error(msg: str, status: int = 400) -> web.Response:
@@ -123,6 +128,8 @@ class CpuEngine:
             context_length=args.context_length)
         self.groups: dict[str, Any] = {}
         self.update_open = False
+        self.unauthorized = 0
+        """Requests refused for a missing or wrong API key."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
         log.info("loaded %s (%s, %d layers) in %.1fs", args.model_path, self.model.spec.model_type,
@@ -151,7 +158,7 @@ class CpuEngine:
 
     # ---- app -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth, self._errors])
         r = app.router
         for path in ("/generate",):
             r.add_post(path, self.generate)
@@ -181,6 +188,20 @@ class CpuEngine:
 
     async def _on_cleanup(self, app: web.Application) -> None:
         self.stop()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """SGLang's ``--api-key`` check (see ``EngineArgs.api_key``); refusals are counted, never fatal."""
+        key = self.args.api_key
+        if not key or request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+            return await handler(request)
+        if not bearer_matches(request.headers.get("Authorization"), key):
+            self.unauthorized += 1
+            if self.unauthorized & (self.unauthorized - 1) == 0:
+                log.warning("refused %s %s from %s without the API key (%d so far)", request.method, request.path,
+                            request.remote, self.unauthorized)
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -609,13 +630,15 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
+    ap.add_argument("--api-key", default=None, help="like SGLang's --api-key (default: $ASYNCRL_API_KEY)")
     a = ap.parse_args(argv)
     if a.max_running_requests < 1:
         ap.error("--max-running-requests must be >= 1")
     return EngineArgs(model_path=a.model_path, port=a.port, host=a.host,
                       max_running_requests=a.max_running_requests, weight_version=a.weight_version,
                       seed=a.seed, prefix_cache_tokens=a.prefix_cache_tokens, context_length=a.context_length,
-                      num_threads=a.num_threads, weight_sync_timeout_s=a.weight_sync_timeout_s)
+                      num_threads=a.num_threads, weight_sync_timeout_s=a.weight_sync_timeout_s,
+                      api_key=a.api_key or auth.current())
 
 
 def main(argv: Optional[list[str]] = None) -> int:

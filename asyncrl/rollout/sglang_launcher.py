@@ -43,6 +43,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from asyncrl.cluster import auth
 from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
 from asyncrl.config.schema import Config
 
@@ -84,6 +85,8 @@ def sglang_command(cfg: Config, *, port: int, base_gpu_id: int, host: str = "0.0
         "--random-seed", str(cfg.runner.seed),
         "--skip-server-warmup",
     ]
+    if auth.current():  # SGLang reads its key from the command line only
+        cmd += ["--api-key", auth.current()]
     return cmd + [str(a) for a in r.sglang.extra_args]
 
 
@@ -113,7 +116,8 @@ def engine_command(cfg: Config, *, port: int, base_gpu_id: int = 0, host: str = 
 def model_info_ready(url: str, timeout_s: float = 2.0) -> bool:
     """True when ``GET url/model_info`` answers 200 with a JSON object."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/model_info", timeout=timeout_s) as resp:
+        req = urllib.request.Request(url.rstrip("/") + "/model_info", headers=auth.auth_headers())
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status == 200 and isinstance(json.loads(resp.read()), dict)
     except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError, OSError):
         return False

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from asyncrl.cluster import process
 from asyncrl.cluster.addresses import host_endpoint, num_nodes_from_env
+from asyncrl.cluster.auth import share_secret
 from asyncrl.cluster.discovery import Discovery
 
 log = logging.getLogger("asyncrl.roles")
@@ -50,6 +51,7 @@ def local_address() -> str:
 def run_role(ctx) -> int:
     cfg = ctx.cfg
     disc = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s)
+    share_secret(disc, rank=ctx.rank)  # before any child starts: the broker and the engines inherit it
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         from asyncrl.runner.prepare import prepare_if_needed

@@ -27,6 +27,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncrl.cluster.auth import auth_headers
+
 
 class EngineStepError(RuntimeError):
     """A weight-sync step failed on one (or several) engines; ``urls`` and ``step`` say where."""
@@ -44,7 +46,7 @@ def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, s
         url.rstrip("/") + path,
         data=data,
         method=method,
-        headers={"Content-Type": "application/json"} if data is not None else {},
+        headers={**auth_headers(), **({"Content-Type": "application/json"} if data is not None else {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
