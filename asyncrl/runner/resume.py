@@ -3,7 +3,7 @@
 Contract
 - A run's identity is ``{"run_id", "config_hash"}``. ``config_hash`` hashes the resolved config minus
   the keys a resume may change (``RESUMABLE_KEYS``: the step budget, the resume switches, the non-finite
-  tolerance). ``establish_identity`` (actor rank 0, before anything is logged) keeps the run id found in
+  tolerance, the engine port, the logging and cluster sections). ``establish_identity`` (actor rank 0, before anything is logged) keeps the run id found in
   ``<run_dir>/run.json`` when resuming the same config, and starts a new run id otherwise; it writes
   ``run.json``. Every checkpoint gets the same ``run.json`` (``write_identity``) before its ``complete``.
 - ``pick_checkpoint``: with ``runner.resume`` (or ``runner.resume_from``), this run's newest complete
@@ -25,7 +25,10 @@ from pathlib import Path
 
 log = logging.getLogger("asyncrl.runner")
 
-RESUMABLE_KEYS = ("runner.max_steps", "runner.resume", "runner.resume_from", "runner.max_nonfinite_steps")
+RESUMABLE_KEYS = ("runner.max_steps", "runner.resume", "runner.resume_from", "runner.max_nonfinite_steps",
+                  "rollout.port", "logging", "cluster")
+"""Keys (or whole sections) a resumed run may change: the step budget, the resume switches, where it runs and
+logs (ports, placement, timeouts)."""
 IDENTITY_FILE = "run.json"
 
 
@@ -35,8 +38,11 @@ def config_hash(cfg) -> str:
 
     d = to_dict(cfg)
     for key in RESUMABLE_KEYS:
-        section, name = key.split(".")
-        d.get(section, {}).pop(name, None)
+        section, _, name = key.partition(".")
+        if not name:
+            d.pop(section, None)
+        elif isinstance(d.get(section), dict):
+            d[section].pop(name, None)
     blob = json.dumps(d, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -43,6 +43,7 @@ def test_identity_survives_a_restart_but_not_a_config_change(tmp_path):
     first = establish_identity(cfg, tmp_path)
     assert establish_identity(dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, max_steps=99)),
                               tmp_path) == first  # a longer budget is the same run
+    assert establish_identity(_cfg("runner.resume=true", "rollout.port=45678"), tmp_path) == first  # a new port
     other = _cfg("runner.resume=true", "actor.lr=0.5")
     assert config_hash(other) != first["config_hash"]
     assert establish_identity(other, tmp_path)["run_id"] != first["run_id"]
