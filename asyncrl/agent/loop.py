@@ -17,7 +17,10 @@ Contract
 - Failures: a generate call that fails (connection, timeout, HTTP error, malformed reply) or a
   retrieval that fails after its retries makes the trajectory ``aborted`` with an error naming
   the URL; it is never scored. A group with an aborted trajectory is aborted (the broker retries
-  it). An engine-side ``abort`` finish (pause mode ``abort``) keeps the partial output and
+  it). A retriever outage (``HttpRetriever`` with ``agentloop.tool.max_outage_s``) instead holds every new
+  turn until the retriever answers (``wait_available``), and past the outage budget raises
+  ``RetrieverOutageError`` out of the group (the worker fails, naming the URL); a finished trajectory's
+  ``extra["tool_errors"]`` counts its failed retrieval attempts. An engine-side ``abort`` finish (pause mode ``abort``) keeps the partial output and
   re-issues the rest of the turn, a bounded number of times.
 
     loop = AgentLoop(task=get_task("searchr1"), tokenizer=tok, retriever=retriever,
@@ -39,7 +42,7 @@ from typing import Any, Optional
 import aiohttp
 
 from asyncrl.agent.tasks import Task
-from asyncrl.agent.tools import Retriever, RetrieverError
+from asyncrl.agent.tools import Retriever, RetrieverError, RetrieverOutageError
 from asyncrl.broker.types import Group, PromptItem, Trajectory
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig
 from asyncrl.engine.client import EngineError, GenerateResult
@@ -295,6 +298,7 @@ class AgentLoop:
         b = TrajectoryBuilder(list(prompt_ids if prompt_ids is not None else self.prompt_ids(item)),
                               self.cfg.max_total_tokens)
         stats = {"generate_s": 0.0, "tool_s": 0.0}
+        tool: dict = {}  # failed retrieval attempts of this trajectory (``tool/errors``)
         turn_finishes: list[str] = []
         gen_texts: list[str] = []
         num_turns = num_tool_calls = num_retractions = 0
@@ -327,7 +331,7 @@ class AgentLoop:
                     break
                 if action.kind == "search":
                     t0 = time.perf_counter()
-                    docs = (await self.retriever.retrieve([action.content], self.cfg.tool.topk))[0]
+                    docs = (await self.retriever.retrieve([action.content], self.cfg.tool.topk, stats=tool))[0]
                     stats["tool_s"] += time.perf_counter() - t0
                     num_tool_calls += 1
                     obs = self.observation_ids(docs)
@@ -339,6 +343,8 @@ class AgentLoop:
                 b.add_tool(obs)
         except EngineError as exc:
             return self._aborted(b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes)
+        except RetrieverOutageError:  # fatal: the worker stops and the run fails naming the URL
+            raise
         except RetrieverError as exc:  # marked: an eval must fail on it, not count it as a wrong answer
             return self._aborted(b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes,
                                  kind="tool")
@@ -346,7 +352,8 @@ class AgentLoop:
         stats["total_s"] = time.perf_counter() - t_start
         return b.build(reward=reward, num_turns=num_turns, num_tool_calls=num_tool_calls,
                        num_retractions=num_retractions, finish_reason=finish_reason, truncated=truncated,
-                       timings=stats, extra={"turn_finish_reasons": turn_finishes, "engine": engine.url})
+                       timings=stats, extra={"turn_finish_reasons": turn_finishes, "engine": engine.url,
+                                             "tool_errors": tool.get("tool_errors", 0)})
 
     async def _generate_turn(self, b: TrajectoryBuilder, engine: EngineHandle, max_new: int, *, greedy: bool,
                              rid: str, stats: dict) -> tuple[list[int], str, Any, int]:
@@ -357,6 +364,7 @@ class AgentLoop:
         attempt = 0
         while True:
             await self.gate.wait_open()
+            await self.retriever.wait_available()  # an outage holds new turns (no sample biased to non-searchers)
             t0 = time.perf_counter()
             out = await engine.generate(b.input_ids(), self.sampling_params(max_new - len(turn_ids), greedy=greedy),
                                         rid=self._new_rid(f"{rid}-{attempt}"))

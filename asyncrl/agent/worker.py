@@ -21,6 +21,8 @@ Contract
   announces the restart (``EngineWatch.announce``), waits until the actor re-joined it to the
   weight-sync group and synced the current weights (``EngineWatch.synced``), and only then says
   hello again and takes work. A group aborted by a failing engine is not reported meanwhile.
+- Retriever outage (``asyncrl.agent.tools.http_retriever``): new turns wait until the retriever answers;
+  past ``agentloop.tool.max_outage_s`` the ``RetrieverOutageError`` (naming the URL) stops the worker.
 
     stats = run_worker(cfg, broker_address="tcp://10.0.0.1:5555", engine_urls=["http://127.0.0.1:31000"],
                        tokenizer_path="runs/tiny/model_sft", worker_id="engine0")
@@ -38,7 +40,7 @@ from typing import Optional
 from asyncrl.agent.loop import AgentLoop, EngineHandle, TurnGate
 from asyncrl.agent.tasks import get_task
 from asyncrl.agent.tokenizer import AgentTokenizer
-from asyncrl.agent.tools import Retriever, make_retriever
+from asyncrl.agent.tools import Retriever, RetrieverOutageError, make_retriever
 from asyncrl.broker.client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.broker.types import Group
 from asyncrl.config.schema import Config
@@ -226,7 +228,10 @@ class AgentWorker:
             if t.done():
                 del self.tasks[gid]
                 if not t.cancelled() and t.exception() is not None:
-                    raise RuntimeError(f"agent worker {self.worker_id}: group {gid} failed") from t.exception()
+                    exc = t.exception()
+                    if isinstance(exc, RetrieverOutageError):  # the run fails naming the retriever
+                        raise exc
+                    raise RuntimeError(f"agent worker {self.worker_id}: group {gid} failed") from exc
 
     async def _cancel_all(self) -> None:
         for t in self.tasks.values():

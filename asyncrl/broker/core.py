@@ -661,9 +661,10 @@ class BrokerCore:
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """Dataloader position, version, queued prompts, in-flight prompts (re-issued on resume) and the
-        buffered groups (``Group`` objects; the protocol encodes them)."""
+        """Dataloader position, version, queued prompts, in-flight prompts (re-issued on resume), the
+        buffered groups (``Group`` objects; the protocol encodes them) and the lifetime counters."""
         return {
+            "counters": {k: int(v) for k, v in self.counters.items()},
             "version": self.version,
             "next_group_id": self._next_group_id,
             "dataloader": self.dataloader.state_dict(),
@@ -673,9 +674,15 @@ class BrokerCore:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore; groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
-        prompts are issued first. The dataloader part is checked before anything changes."""
+        """Restore after ``validate_state`` (a bad state, dataloader part included, raises ``ValueError`` naming the field
+        and changes nothing); groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
+        prompts are issued first and count as re-issued, so ``issued == trained + dropped + held + reissued``
+        holds across the resume. A state without counters (older checkpoints) starts them from its groups."""
+        validate_state(state, group_size=self.s.group_size)
         self.dataloader.check_state(state["dataloader"])
+        counters = state.get("counters")
+        if counters is None:
+            counters = {"issued": len(state["inflight"]) + len(state["buffered"])}
         self._advance()
         for gid, g in list(self._inflight.items()):
             self._cancelled.append((g.worker_id, gid))
@@ -689,5 +696,44 @@ class BrokerCore:
         self.dataloader.load_state_dict(state["dataloader"])
         self._retry = deque(list(state["inflight"]) + list(state["queued"]))
         self.buffer.restore(list(state["buffered"]))
+        self.counters = Counter({k: int(v) for k, v in counters.items()})
+        self.counters["reissued"] += len(state["inflight"])
         self._batch = None
         self._admit()
+
+
+_ACCOUNTED = ("issued", "trained", "dropped", "reissued")
+
+
+def validate_state(state: dict, *, group_size: int) -> None:
+    """Check a broker state before anything is restored: ``ValueError`` naming the field when the version,
+    the group ids, the buffered groups or the counters are out of range, or when the counters break
+    ``issued == trained + dropped + held + reissued`` (held = the state's in-flight + buffered groups)."""
+    for key in ("version", "next_group_id"):
+        v = state.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"broker state: {key} must be an integer >= 0, got {v!r}")
+    buffered = state["buffered"]
+    ids = [g.group_id for g in buffered]
+    if len(set(ids)) != len(ids):
+        raise ValueError("broker state: buffered group ids are not unique")
+    for g in buffered:
+        if not 0 <= g.group_id < state["next_group_id"]:
+            raise ValueError(f"broker state: buffered group {g.group_id} is not below next_group_id "
+                             f"{state['next_group_id']}")
+        if len(g.trajectories) != group_size:
+            raise ValueError(f"broker state: buffered group {g.group_id} has {len(g.trajectories)} trajectories, "
+                             f"expected rollout.n_samples_per_prompt = {group_size}")
+    counters = state.get("counters")
+    if counters is None:
+        return
+    if not isinstance(counters, dict):
+        raise ValueError(f"broker state: counters must be a map, got {type(counters).__name__}")
+    for k, v in counters.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"broker state: counters.{k} must be an integer >= 0, got {v!r}")
+    issued, trained, dropped, reissued = (counters.get(k, 0) for k in _ACCOUNTED)
+    held = len(state["inflight"]) + len(buffered)
+    if issued != trained + dropped + held + reissued:
+        raise ValueError(f"broker state: counters break issued == trained + dropped + held + reissued "
+                         f"({issued} != {trained} + {dropped} + {held} + {reissued})")

@@ -3,7 +3,8 @@
 Both ends import this module (the clients in ``client.py`` use it; so does ``server.py``).
 
 Framing: one ZeroMQ multipart message = ``[header, *blobs]``. ``header`` is a msgpack map with
-``"v"`` (``PROTOCOL_VERSION``) and ``"t"`` (the type, below) plus the type's fields. Token data
+``"v"`` (``PROTOCOL_VERSION``) and ``"t"`` (the type, below) plus the type's fields, and ``"k"``, the run
+secret (``asyncrl.cluster.auth``; sent when ``ASYNCRL_API_KEY`` is set, required by a broker that has one). Token data
 never goes through msgpack lists: each trajectory's arrays travel as one raw blob frame, laid out
 ``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] |
 weight_versions int32[nw] | loss_mask uint8[nr]`` (little-endian; ``nw`` is 0 or ``nr``), and its
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -66,6 +68,7 @@ import msgpack
 import numpy as np
 
 from asyncrl.broker.types import Group, PromptItem, Trajectory
+from asyncrl.cluster import auth
 
 PROTOCOL_VERSION = 1
 
@@ -189,10 +192,15 @@ class Message:
     body: dict[str, Any]
     blobs: list[Any] = field(default_factory=list)
     """Raw frames after the header (bytes, memoryview or zmq.Frame buffers)."""
+    token: Any = None
+    """The header's ``k``: the run secret the sender holds (``asyncrl.cluster.auth``)."""
 
 
 def encode(msg_type: str, body: dict[str, Any] | None = None, blobs: Sequence[Any] = ()) -> list[Any]:
     header = {"v": PROTOCOL_VERSION, "t": msg_type}
+    key = os.environ.get(auth.ENV)
+    if key:
+        header["k"] = key
     if body:
         header.update(body)
     return [msgpack.packb(header, use_bin_type=True), *blobs]
@@ -215,7 +223,8 @@ def decode(frames: Sequence[Any], *, allowed: frozenset[str] | None = None) -> M
     t = header.pop("t", None)
     if not isinstance(t, str) or (allowed is not None and t not in allowed):
         raise ProtocolError(f"unknown message type {t!r}")
-    return Message(t, header, raw[1:])
+    token = header.pop("k", None)
+    return Message(t, header, raw[1:], token)
 
 
 # ---------------------------------------------------------------- items, trajectories, groups
@@ -775,7 +784,8 @@ def unpack_finished_groups(msg: Message) -> list[tuple[int, Optional[list[Trajec
 def pack_state(state: dict) -> tuple[dict, list[bytes]]:
     """``BrokerCore.state_dict()`` -> (header map, blobs)."""
     blobs: list[bytes] = []
-    body = {"version": state["version"], "next_group_id": state["next_group_id"],
+    body = {"counters": dict(state.get("counters", {})), "version": state["version"],
+            "next_group_id": state["next_group_id"],
             "dataloader": state["dataloader"],
             "queued": [[item_to_wire(it), e] for it, e in state["queued"]],
             "inflight": [[item_to_wire(it), e] for it, e in state["inflight"]],
@@ -788,13 +798,17 @@ def unpack_state(body: dict, blobs: Sequence[Any]) -> dict:
         dl = dict(body["dataloader"])
         for k in ("epoch", "position", "seed", "num_prompts"):
             _strict_int(dl[k], f"broker state: dataloader.{k}")
-        return {"version": _strict_int(body["version"], "broker state: version"),
-                "next_group_id": _strict_int(body["next_group_id"], "broker state: next_group_id"),
-                "dataloader": dl,
-                "queued": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["queued"]],
-                "inflight": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["inflight"]],
-                "buffered": unpack_groups(body["buffered"], blobs)}
-    except (KeyError, TypeError, ValueError) as e:
+        out = {"version": _strict_int(body["version"], "broker state: version"),
+               "next_group_id": _strict_int(body["next_group_id"], "broker state: next_group_id"),
+               "dataloader": dl,
+               "queued": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["queued"]],
+               "inflight": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["inflight"]],
+               "buffered": unpack_groups(body["buffered"], blobs)}
+        if "counters" in body:  # absent in checkpoints written before the counters were saved
+            out["counters"] = {str(k): _strict_int(v, f"broker state: counters.{k}") for k, v in
+                               dict(body["counters"]).items()}
+        return out
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         if isinstance(e, ProtocolError):
             raise
         raise ProtocolError(f"bad broker state: {e!r}") from None

@@ -22,6 +22,8 @@ Contract
   (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal. Every field is
   checked before the core is called, so a rejected message never moves the core's counters
   (``tests/integration/test_broker_fuzz.py`` fuzzes this in process and against the process).
+- With a run secret (``ASYNCRL_API_KEY``, ``asyncrl.cluster.auth``) a message without it is refused the same
+  way before it reaches the core (``stats["unauthenticated"]``).
 
     server = BrokerServer(core, bind="tcp://127.0.0.1:0", heartbeat_interval_s=2.0)
     print(server.address); server.serve_forever()   # returns after an actor ``shutdown``
@@ -43,6 +45,7 @@ import zmq
 
 from asyncrl.broker import protocol as P
 from asyncrl.broker.core import BrokerCore, BrokerError, CoreSettings
+from asyncrl.cluster import auth
 
 log = logging.getLogger("asyncrl.broker")
 
@@ -78,6 +81,8 @@ class BrokerServer:
         self.sock.bind(bind)
         self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.stats: Counter[str] = Counter()
+        self.secret = auth.current()
+        """The run secret every message must carry (``asyncrl.cluster.auth``); None: not checked."""
         self._worker_ident: dict[str, bytes] = {}
         self._pending: Optional[_PendingBatch] = None
         self._control_sent: dict[str, tuple[bool, int]] = {}
@@ -231,6 +236,9 @@ class BrokerServer:
         ident = bytes(frames[0].buffer) if frames else b""
         try:
             msg = P.decode(frames[1:], allowed=_ALLOWED)
+            if not auth.secret_matches(msg.token, self.secret):
+                self._refuse(ident, msg.type)
+                return
             if msg.type in P.WORKER_TYPES:
                 self._on_worker(ident, msg)
             else:
@@ -241,6 +249,16 @@ class BrokerServer:
             log.warning("malformed message from %r (%d so far): %s", ident, self.stats["malformed"], e)
             if ident:
                 self._send(ident, P.ERROR, {"message": f"malformed message: {e}", "kind": "ProtocolError"})
+
+    def _refuse(self, ident: bytes, msg_type: str) -> None:
+        """A message without the run secret: counted, answered with an error, nothing else happens."""
+        self.stats["unauthenticated"] += 1
+        n = self.stats["unauthenticated"]
+        if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: a flood does not flood the log
+            log.warning("refused %r from %r without the run secret (%d so far)", msg_type, ident, n)
+        if ident:
+            self._send(ident, P.ERROR, {"message": "unauthenticated: this broker needs the run secret "
+                                                   "(ASYNCRL_API_KEY)", "kind": "AuthError"})
 
     def _finish_pending(self) -> None:
         """Hand the finished groups received so far to the core (one call: one admission check)."""

@@ -6,7 +6,8 @@ Contract
   (``console_stdout``: stdout stays the console's, e.g. the broker's warnings),
   and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent. Its
   environment is this process's plus ``env``, or exactly ``env`` with ``inherit_env=False``
-  (engines: ``asyncrl.rollout.sglang_launcher.engine_environment`` strips torchrun's variables).
+  (engines: ``asyncrl.rollout.sglang_launcher.engine_environment`` strips torchrun's variables). A child
+  ignores SIGUSR1 (the preemption notice, ``asyncrl.runner.guards``).
 - ``stop_all()`` (also run at exit and on SIGTERM/SIGINT once ``install_signal_handlers`` ran)
   sends SIGTERM to every live child's process group, waits ``grace_s``, then SIGKILLs.
 - ``wait_until(pred, timeout_s, what, child=...)`` is the one readiness wait: it times out with a
@@ -43,6 +44,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the job's preemption notice is for actor rank 0 alone
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

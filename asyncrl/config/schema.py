@@ -55,7 +55,11 @@ class RunnerConfig:
     save_at_end: bool = False
     """Save a checkpoint after the last step."""
     resume: bool = False
-    """Resume from the newest checkpoint in the run directory if one exists."""
+    """Resume from this run's newest complete checkpoint (same run id and config hash) if one exists."""
+    resume_from: Optional[str] = None
+    """A checkpoint directory to start from when this run has no checkpoint of its own yet (any run's)."""
+    max_nonfinite_steps: int = 3
+    """Consecutive steps with a non-finite loss, grad norm or reward after which the run fails (exit 1)."""
     save_hf: bool = False
     """Also export a HF checkpoint with every actor checkpoint (Miles ``--save-hf``)."""
     eval_before_after: bool = True
@@ -65,6 +69,7 @@ class RunnerConfig:
         _require(0 <= self.seed <= MAX_SEED, "runner.seed", f"must be in [0, {MAX_SEED}], got {self.seed!r}")
         _positive(self.max_steps, "runner.max_steps")
         _non_negative(self.checkpoint_interval, "runner.checkpoint_interval")
+        _positive(self.max_nonfinite_steps, "runner.max_nonfinite_steps")
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,10 @@ class ToolConfig:
     timeout_s: float = 30.0
     """Timeout of one retrieval call."""
     max_retries: int = 3
-    """Retries (with exponential backoff) before the trajectory is aborted."""
+    """Retries (with exponential backoff) before an outage is declared (new turns wait for the retriever)."""
+    max_outage_s: float = 300.0
+    """How long the HTTP retriever may stay unreachable before the run fails naming its URL (0 = abort the
+    trajectory after the retries instead)."""
     retry_backoff_s: float = 0.5
     """First retry delay of the HTTP retriever; doubles after each failed attempt."""
 
@@ -218,6 +226,7 @@ class ToolConfig:
         _positive(self.timeout_s, "agentloop.tool.timeout_s")
         _non_negative(self.max_retries, "agentloop.tool.max_retries")
         _non_negative(self.retry_backoff_s, "agentloop.tool.retry_backoff_s")
+        _non_negative(self.max_outage_s, "agentloop.tool.max_outage_s")
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         raise ConfigError("rollout_buffer.max_dropped_groups_per_step: must be >= 1")
 
     _validate_broker_host(cfg, world)
+    if r.resume_from is not None and not (Path(r.resume_from) / "meta.json").is_file():
+        raise ConfigError(f"runner.resume_from: {r.resume_from!r} is not an actor checkpoint (no meta.json)")
     tool = cfg.agentloop.tool
     if cfg.agentloop.task_name:
         if tool.retriever == "http" and not tool.retriever_url:

@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncrl.cluster.auth import auth_headers
 from asyncrl.engine.client import EngineError
 
 
@@ -49,7 +50,7 @@ def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, s
         url.rstrip("/") + path,
         data=data,
         method=method,
-        headers={"Content-Type": "application/json"} if data is not None else {},
+        headers={**auth_headers(), **({"Content-Type": "application/json"} if data is not None else {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:

@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional, get_args
 
 import aiohttp
 
+from asyncrl.cluster.auth import auth_headers
 from asyncrl.config.schema import PAUSE_MODES
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -188,8 +189,9 @@ class SGLangClient:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False))
+            self._session = aiohttp.ClientSession(  # the run secret, as SGLang's --api-key wants it
+                connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
+                headers=auth_headers())
         return self._session
 
     # ---- transport -----------------------------------------------------------------------

@@ -56,6 +56,8 @@ import torch.distributed as dist
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from asyncrl.cluster import auth
+from asyncrl.cluster.auth import bearer_matches
 from asyncrl.rollout.cpu_model import iter_safetensors, load_model
 from asyncrl.rollout.cpu_scheduler import (
     MAX_TOKENS,
@@ -100,6 +102,9 @@ class EngineArgs:
     """Port of the engine's own one-process torch.distributed world (SGLang ``--nccl-port``; default: free)."""
     dist_timeout_s: float = 120.0
     """Timeout of creating that world (SGLang ``--dist-timeout``)."""
+    api_key: Optional[str] = None
+    """SGLang's ``--api-key``: every request but ``/health*``, ``/metrics`` and OPTIONS needs
+    ``Authorization: Bearer <key>`` (else 401 ``{"error": "Unauthorized"}``); defaults to ``ASYNCRL_API_KEY``."""
 
 
 def _json_error(msg: str, status: int = 400) -> web.Response:
@@ -163,6 +168,8 @@ class CpuEngine:
         self.update_open = False
         self.num_disconnect_aborts = 0
         """Requests aborted because their HTTP client disconnected before the answer."""
+        self.unauthorized = 0
+        """Requests refused for a missing or wrong API key."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
         log.info("loaded %s (%s, %d layers) in %.1fs", args.model_path, self.model.spec.model_type,
@@ -191,7 +198,7 @@ class CpuEngine:
 
     # ---- app -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth, self._errors])
         r = app.router
         for path in ("/generate",):
             r.add_post(path, self.generate)
@@ -221,6 +228,20 @@ class CpuEngine:
 
     async def _on_cleanup(self, app: web.Application) -> None:
         self.stop()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """SGLang's ``--api-key`` check (see ``EngineArgs.api_key``); refusals are counted, never fatal."""
+        key = self.args.api_key
+        if not key or request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+            return await handler(request)
+        if not bearer_matches(request.headers.get("Authorization"), key):
+            self.unauthorized += 1
+            if self.unauthorized & (self.unauthorized - 1) == 0:
+                log.warning("refused %s %s from %s without the API key (%d so far)", request.method, request.path,
+                            request.remote, self.unauthorized)
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -742,6 +763,7 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
     ap.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
     ap.add_argument("--nccl-port", type=int, default=None)
     ap.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=120.0)
+    ap.add_argument("--api-key", default=None, help="like SGLang's --api-key (default: $ASYNCRL_API_KEY)")
     a = ap.parse_args(argv)
     if a.max_running_requests < 1:
         ap.error("--max-running-requests must be >= 1")
@@ -749,7 +771,8 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
                       max_running_requests=a.max_running_requests, weight_version=a.weight_version,
                       seed=a.seed, prefix_cache_tokens=a.prefix_cache_tokens, context_length=a.context_length,
                       num_threads=a.num_threads, weight_sync_timeout_s=a.weight_sync_timeout_s,
-                      nccl_port=a.nccl_port, dist_timeout_s=a.dist_timeout_s)
+                      nccl_port=a.nccl_port, dist_timeout_s=a.dist_timeout_s,
+                      api_key=a.api_key or auth.current())
 
 
 def init_engine_world(args: EngineArgs) -> str:

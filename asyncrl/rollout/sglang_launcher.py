@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
+from asyncrl.cluster import auth
 from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
 from asyncrl.config.schema import Config
 from asyncrl.engine.blocking import EngineStepError, get_text
@@ -131,6 +132,8 @@ def sglang_command(cfg: Config, *, port: int, base_gpu_id: int, host: str = "0.0
         "--random-seed", str(cfg.runner.seed),
         "--skip-server-warmup",
     ]
+    if auth.current():  # SGLang reads its key from the command line only
+        cmd += ["--api-key", auth.current()]
     return cmd + [str(a) for a in r.sglang.extra_args]
 
 

@@ -38,6 +38,7 @@ from asyncrl.config.placement import Placement, parse_placement
 from asyncrl.config.render import render_config
 from asyncrl.config.validate import check_inputs, job_world_size
 from asyncrl.runner import roles
+from asyncrl.runner.guards import PREEMPT_EXIT_CODE, Preempted, ignore_preempt_signal
 
 log = logging.getLogger("asyncrl.launcher")
 
@@ -235,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                       world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), placement=placement,
                       run_dir=Path(cfg.logging.run_dir))
     process.install_signal_handlers(cfg.cluster.shutdown_grace_s)
+    ignore_preempt_signal()  # the actor ranks' step loop handles it (checkpoint, then exit 75)
     process.start_parent_watchdog(grace_s=cfg.cluster.shutdown_grace_s)  # a SIGKILLed torchrun takes us along
     try:
         return roles.run_role(ctx)
+    except Preempted as e:
+        print(f"asyncrl: {e}; resume with runner.resume = true", file=sys.stderr, flush=True)
+        return PREEMPT_EXIT_CODE
     finally:
         process.stop_all(cfg.cluster.shutdown_grace_s)

@@ -35,6 +35,14 @@ Contract
   catch-up sync first (``_next_batch``); ``rollout/engine_restarts`` counts the restarts.
 - The broker is watched by ``asyncrl.cluster.process.fail_fast_on_exit`` (set up in ``roles``): its
   death fails the rank at once; here it is only marked as stopping before the deliberate shutdown.
+- Bad numbers (``asyncrl.runner.guards``): a step with a non-finite loss, grad norm or reward counts in
+  ``train/nonfinite_steps``; ``runner.max_nonfinite_steps`` of them in a row raise ``NonFiniteError`` on
+  every actor rank (the step is logged first): the job exits non-zero.
+- Preemption (``asyncrl.runner.guards``): SIGUSR1 on actor rank 0 is checked between steps and while it
+  waits for a batch; then every actor rank writes the checkpoint of the last finished step and raises
+  ``Preempted`` (the rank exits 75).
+- Resume (``asyncrl.runner.resume``): only this run's checkpoints (run id + config hash, ``run.json`` in the
+  run dir and in each checkpoint) or ``runner.resume_from``; resumed steps are purged from the metrics.
 
     rc = run_training(ctx, broker_address=..., engine_urls=[...], broker_child=child, actor_rank=0)
 """
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import threading
 import time
@@ -58,6 +67,7 @@ from asyncrl.engine.blocking import EngineStepError, get_text
 from asyncrl.engine.client import parse_prometheus
 from asyncrl.runner.eval_fleet import FleetEval
 from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, engine_eval_metrics, select_backend
+from asyncrl.runner.guards import NonFiniteError, NonFiniteGuard, Preempted, Preemption
 from asyncrl.runner.log_hooks import LogHooks
 from asyncrl.runner.metrics import MetricsWriter
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
@@ -69,6 +79,7 @@ log = logging.getLogger("asyncrl.runner")
 # The leader's batch wait is cut into slices this long, so a restarted engine waiting for its catch-up
 # sync is served within about this many seconds (it cannot produce data before).
 _BATCH_SLICE_S = 2.0
+_PREEMPT = "preempt"  # what the leader's batch wait returns when a preemption signal arrived
 
 
 def _bcast_obj(obj, src: int = 0):
@@ -83,6 +94,7 @@ def rollout_metrics(groups) -> dict[str, float]:
     if not trajs:
         return {}
     n = len(trajs)
+    bad = sum(not math.isfinite(t.reward) for t in trajs)
     gen_lens = [sum(t.loss_mask) for t in trajs]
     return {
         "reward/mean": sum(t.reward for t in trajs) / n,
@@ -93,6 +105,8 @@ def rollout_metrics(groups) -> dict[str, float]:
         "rollout/truncated_ratio": sum(t.truncated for t in trajs) / n,
         "rollout/retractions/mean": sum(t.num_retractions for t in trajs) / n,
         "rollout/num_trajectories": float(n),
+        "rollout/nonfinite_rewards": float(bad),
+        "tool/errors": float(sum(t.extra.get("tool_errors", 0) for t in trajs)),
     }
 
 
@@ -203,10 +217,12 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
 class _LeaderParts:
     """What actor rank 0 alone holds: the broker client, the metrics writer, the weight sync, the scraper."""
 
-    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str], discovery=None):
+    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str], discovery=None, *,
+                 purge_step: int | None = None):
         self.broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
         self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
-                                    console=cfg.logging.console, max_steps=cfg.runner.max_steps)
+                                    console=cfg.logging.console, max_steps=cfg.runner.max_steps,
+                                    purge_step=purge_step)
         self.group = WeightSyncGroup(
             [EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls], cfg.sync)
         self.group.init()
@@ -218,12 +234,12 @@ class _LeaderParts:
         self.hooks = LogHooks(cfg)  # Miles' custom logging hooks
         self.last_groups: list = []
 
-    def next_batch(self, cfg, step: int, actor_version: int, t0: float) -> tuple[list, dict[str, float]] | None:
+    def next_batch(self, cfg, step: int, actor_version: int, t0: float, preempt=None):
         """The step's groups (after the sample filter) and their metrics; None as soon as a restarted engine
-        waits for its catch-up sync (``_next_batch`` runs it, then asks again)."""
-        batch = _wait_batch(self.broker, self.recovery, step, actor_version, batch_timeout_s(cfg), t0)
-        if batch is None:
-            return None
+        waits for its catch-up sync (``_next_batch`` runs it, then asks again); ``_PREEMPT`` on preemption."""
+        batch = _wait_batch(self.broker, self.recovery, step, actor_version, batch_timeout_s(cfg), t0, preempt)
+        if batch is None or batch is _PREEMPT:
+            return batch
         m: dict[str, float] = {}
         groups = self.batch_filter(batch.groups)
         kept = {g.group_id for g in groups}
@@ -280,16 +296,15 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     actor = Actor(cfg)
     ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
     start_step = 0
-    parts = phases.run("set up the weight sync and the metrics",
-                       lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls, discovery))
+    ident, latest, purge_step = _bcast_obj(_resume_plan(cfg, ctx.run_dir, ckpt_root) if is_leader else None)
+    parts = phases.run("set up the weight sync and the metrics", lambda: _LeaderParts(
+        cfg, ctx.run_dir, broker_address, engine_urls, discovery, purge_step=purge_step))
     broker = parts.broker if is_leader else None
     recovery = parts.recovery if is_leader else None
     built = phases.run("build the evaluator (checks the tool URLs)", lambda: _make_evaluation(
         cfg, actor, True, broker, engine_urls, ckpt_root, eval_engine_urls=eval_engine_urls, phases=phases))
     periodic, evaluator = built if is_leader else _make_evaluation(cfg, actor, False, None, engine_urls, ckpt_root,
                                                                    phases=phases)
-    latest = _latest_checkpoint(ckpt_root) if cfg.runner.resume else None
-    latest = _bcast_obj(str(latest) if latest else None)
     if latest:
         meta = actor.load_checkpoint(latest)
         start_step = int(meta["step"])
@@ -304,12 +319,37 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     if cfg.runner.eval_before_after and start_step == 0:
         summary["eval_before"] = phases.run("eval before training", lambda: before_after_eval(
             cfg, parts, evaluator, engine_urls, step=0, release=True))
+    nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
+    preempt = Preemption().install()
+    try:
+        _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step,
+               broker, recovery, is_leader)
+    finally:
+        preempt.restore()
+    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls, broker_child))
+    dist.barrier()
+    return 0
+
+
+def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step, broker,
+           recovery, is_leader) -> None:
+    """The steps after ``start_step``; a preemption between two steps checkpoints the last one and raises."""
+    cfg = ctx.cfg
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
-        groups, m = _next_batch(actor, parts if is_leader else None, cfg, step, phases)
+        got = None if _bcast_obj(is_leader and preempt.requested) else _next_batch(
+            actor, parts if is_leader else None, cfg, step, phases, preempt)
+        if got is None:
+            _preempted(actor, ckpt_root, step - 1, broker, ident)
+        groups, m = got
         t0 = time.perf_counter()
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
+        verdict = _bcast_obj(nonfinite.update(m) if is_leader else None)  # the leader alone sees the rewards
+        if verdict:
+            if is_leader:
+                _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
+            raise NonFiniteError(verdict)
         if step % cfg.rollout.update_weights_interval == 0:
             res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
             if res is not None:
@@ -318,13 +358,20 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             m["time/sync_weights"] = 0.0
         if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
                 cfg.runner.save_at_end and step == cfg.runner.max_steps):
-            _save(actor, ckpt_root, step, broker)
+            _save(actor, ckpt_root, step, broker, ident)
         m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         if is_leader:
             _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
-    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls, broker_child))
+
+
+def _preempted(actor, root: Path, step: int, broker, ident: dict) -> None:
+    """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise."""
+    d = root / f"step_{step:06d}"
+    if step > 0 and not (d / "complete").is_file():
+        log.warning("preemption signal: writing the checkpoint of step %d before exiting", step)
+        _save(actor, root, step, broker, ident)
     dist.barrier()
-    return 0
+    raise Preempted(step, str(d) if step > 0 else None)
 
 
 def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: int, t_step: float,
@@ -403,24 +450,33 @@ def make_recovery(cfg, group, discovery):
                           max_failures=2 * r.max_restarts * n + 1)
 
 
-def _next_batch(actor, parts, cfg, step: int, phases):
-    """The step's ``(groups, metrics)`` on the leader (``(None, {})`` elsewhere). The wait is a leader phase;
-    when a restarted engine waits for its weights the leader ends the phase early and all actor ranks run a
-    catch-up sync (collective), then the leader waits again (see module contract)."""
+def _next_batch(actor, parts, cfg, step: int, phases, preempt=None):
+    """The step's ``(groups, metrics)`` on the leader (``(None, {})`` elsewhere); None on every rank when a
+    preemption signal reached the leader meanwhile. The wait is a leader phase; when a restarted engine waits
+    for its weights the leader ends the phase early and all actor ranks run a catch-up sync (collective), then
+    the leader waits again (see module contract)."""
     t0 = time.monotonic()
     while True:
-        got = phases.run(f"wait for the batch of step {step}", lambda: parts.next_batch(cfg, step, actor.version, t0),
+        got = phases.run(f"wait for the batch of step {step}",
+                         lambda: parts.next_batch(cfg, step, actor.version, t0, preempt),
                          timeout_s=batch_timeout_s(cfg) + cfg.rollout.control_timeout_s)
-        if not _bcast_obj(parts is not None and got is None):
+        verdict = _bcast_obj(None if parts is None else "preempt" if got is _PREEMPT else "sync" if got is None
+                             else None)
+        if verdict == "preempt":
+            return None
+        if verdict is None:
             return got if parts is not None else (None, {})
         log.info("step %d: catch-up weight sync for restarted engine(s) while waiting for data", step)
         _sync(actor, parts.syncer if parts is not None else None, cfg, parts is not None,
               parts.recovery if parts is not None else None)
 
 
-def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0: float):
-    """Ask the broker in slices; None as soon as a restarted engine waits for its catch-up sync."""
+def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0: float, preempt=None):
+    """Ask the broker in slices; None as soon as a restarted engine waits for its catch-up sync, ``_PREEMPT`` as
+    soon as a preemption signal arrived."""
     while True:
+        if preempt is not None and preempt.requested:
+            return _PREEMPT
         if recovery is not None and recovery.pending():
             return None
         left = timeout_s - (time.monotonic() - t0)
@@ -435,19 +491,28 @@ def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0:
         return batch
 
 
-def _latest_checkpoint(root: Path) -> Path | None:
-    if not root.is_dir():
-        return None
-    steps = sorted((p for p in root.glob("step_*") if (p / "complete").is_file()),
-                   key=lambda p: int(p.name.split("_")[1]))
-    return steps[-1] if steps else None
+def _resume_plan(cfg, run_dir: Path, ckpt_root: Path) -> tuple[dict, str | None, int | None]:
+    """Actor rank 0: this run's identity, the checkpoint to resume from (``asyncrl.runner.resume``) and the
+    first step whose old metrics are purged (None when not resuming)."""
+    from asyncrl.actor.checkpoint import read_meta
+    from asyncrl.runner.resume import establish_identity, pick_checkpoint
+
+    ident = establish_identity(cfg, run_dir)
+    ckpt = pick_checkpoint(cfg, ckpt_root, ident)
+    if not (cfg.runner.resume or cfg.runner.resume_from):
+        return ident, None, None
+    start = int(read_meta(ckpt)["step"]) if ckpt is not None else 0
+    return ident, (str(ckpt) if ckpt is not None else None), start + 1
 
 
-def _save(actor, root: Path, step: int, broker) -> None:
+def _save(actor, root: Path, step: int, broker, ident: dict) -> None:
+    from asyncrl.runner.resume import write_identity
+
     d = root / f"step_{step:06d}"
     actor.save_checkpoint(d, step=step)
     if broker is not None:
         (d / "broker_state.bin").write_bytes(broker.get_state())
+        write_identity(d, ident)
         (d / "complete").write_text("ok\n")
 
 

@@ -3,7 +3,8 @@
 Backends: TensorBoard event files (readable by tensorboard's EventAccumulator), a JSONL file in
 the run directory (one record per step: ``{"step": n, "time": t, <name>: value, ...}``) and one
 fixed-format console line per step. Keys are slash-namespaced (``rollout/data_staleness/mean``).
-A configured sink that fails raises: silent metric loss is worse than a crash.
+A configured sink that fails raises: silent metric loss is worse than a crash. ``purge_step=n`` (a
+resumed run) drops the records of steps >= n from metrics.jsonl and TensorBoard before writing.
 
     w = MetricsWriter("runs/x", tensorboard=True, jsonl=True, console=True)
     w.log({"reward/mean": 0.4, "time/step": 1.2}, step=3)
@@ -50,14 +51,19 @@ def _scalar(value) -> float | None:
 
 class MetricsWriter:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, jsonl: bool = True,
-                 console: bool = True, console_stream: TextIO | None = None, max_steps: int | None = None):
+                 console: bool = True, console_stream: TextIO | None = None, max_steps: int | None = None,
+                 purge_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._tb = None
+        if purge_step is not None:  # a resumed run writes these steps again: drop the old ones
+            from asyncrl.runner.resume import purge_jsonl
+
+            purge_jsonl(self.run_dir / "metrics.jsonl", purge_step - 1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if jsonl else None  # noqa: SIM115
         self._console = (console_stream or sys.stdout) if console else None
         self._max_steps = max_steps

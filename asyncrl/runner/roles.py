@@ -38,6 +38,7 @@ from asyncrl.agent.worker import EngineWatch, run_worker
 from asyncrl.broker.client import broker_handshake as round_trip
 from asyncrl.cluster import process
 from asyncrl.cluster.addresses import host_endpoint, num_nodes_from_env
+from asyncrl.cluster.auth import share_secret
 from asyncrl.cluster.discovery import SHUTDOWN_KEY, Discovery, read_count, restarts_key, synced_key
 from asyncrl.config.eval_engine import eval_engine_config
 from asyncrl.config.render import render_config
@@ -58,6 +59,7 @@ def local_address() -> str:
 def run_role(ctx) -> int:
     cfg = ctx.cfg
     disc = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s)
+    share_secret(disc, rank=ctx.rank)  # before any child starts: the broker and the engines inherit it
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0:
         t0 = time.time()

@@ -100,11 +100,13 @@ class Server:
 
 
 def start_cpu_engine(model_path: Path, log_path: Path, *, timeout_s: float = 120.0,
-                     max_running_requests: int = 16) -> tuple[Server, str]:
+                     max_running_requests: int = 16, api_key: str | None = None) -> tuple[Server, str]:
     port = free_port()
     srv = Server([sys.executable, "-m", "asyncrl.rollout.cpu_engine", "--model-path", str(model_path),
                   "--port", str(port), "--max-running-requests", str(max_running_requests),
-                  "--weight-version", "0", "--num-threads", "1"], log_path)
+                  "--weight-version", "0", "--num-threads", "1", *(["--api-key", api_key] if api_key else [])],
+                 log_path)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while True:
@@ -112,7 +114,7 @@ def start_cpu_engine(model_path: Path, log_path: Path, *, timeout_s: float = 120
             srv.stop()
             raise RuntimeError(f"CPU engine exited: {log_path.read_text()[-2000:]}")
         try:
-            with urllib.request.urlopen(url + "/model_info", timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(url + "/model_info", headers=headers), timeout=2) as r:
                 if r.status == 200:
                     return srv, url
         except OSError:
@@ -123,9 +125,10 @@ def start_cpu_engine(model_path: Path, log_path: Path, *, timeout_s: float = 120
         time.sleep(0.2)
 
 
-def start_retrieval_server(corpus: Path, log_path: Path, *, timeout_s: float = 60.0) -> tuple[Server, str]:
+def start_retrieval_server(corpus: Path, log_path: Path, *, timeout_s: float = 60.0,
+                           port: int = 0) -> tuple[Server, str]:
     srv = Server([sys.executable, "-m", "asyncrl.agent.tools.retrieval_server", "--corpus", str(corpus),
-                  "--port", "0"], log_path)
+                  "--port", str(port)], log_path)
     deadline = time.monotonic() + timeout_s
     line = b""
     while not line:

@@ -187,8 +187,11 @@ def test_engine_failure_aborts_never_scores(tok):
 class DeadRetriever:
     name = "http://dead:1/retrieve"
 
-    async def retrieve(self, queries, topk):
+    async def retrieve(self, queries, topk, *, stats=None):
         raise RetrieverError(f"retriever {self.name} failed after 4 attempts: refused")
+
+    async def wait_available(self):
+        pass
 
     async def close(self):
         pass

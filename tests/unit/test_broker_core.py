@@ -250,6 +250,61 @@ def test_state_dict_roundtrip_reissues_inflight_first():
     assert fresh.dataloader.state_dict() == core.dataloader.state_dict()
 
 
+def _accounting_holds(core) -> bool:
+    c = core.counters
+    held = core.num_inflight_groups + core.num_buffered_groups
+    return c["issued"] == c["trained"] + c["dropped"] + held + c["reissued"]
+
+
+def _mid_run_state(core):
+    core.add_worker("w", capacity=8)
+    issues = core.take_issues()
+    for iss in issues[:2]:
+        finish(core, iss.group_id)
+    core.request_batch(0)
+    assert core.take_batch() is not None  # two groups trained
+    for iss in core.take_issues()[:1]:
+        finish(core, iss.group_id)
+    assert core.counters["trained"] == 2 and core.num_buffered_groups >= 1 and core.num_inflight_groups >= 1
+    body, blobs = P.pack_state(core.state_dict())
+    return P.unpack_state(*P.state_from_bytes(P.state_to_bytes(body, blobs)))
+
+
+def test_resume_restores_the_counters_and_the_accounting_holds():
+    """Resume keeps the lifetime counters (they restarted at 0 before, breaking the accounting invariant); the
+    checkpoint's in-flight groups are issued again and count as re-issued."""
+    core, _ = make(max_inflight_groups=3, max_buffered_groups=6)
+    state = _mid_run_state(core)
+    fresh, _ = make(max_inflight_groups=3, max_buffered_groups=6)
+    fresh.load_state_dict(state)
+    assert fresh.counters["trained"] == 2 and fresh.counters["issued"] == core.counters["issued"]
+    assert fresh.counters["reissued"] == core.num_inflight_groups
+    assert _accounting_holds(fresh)
+    fresh.add_worker("w2", capacity=8)
+    fresh.take_issues()
+    assert _accounting_holds(fresh) and fresh.counters["issued"] > core.counters["issued"]
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("counters", {"issued": 1}, "issued == trained"),
+    ("counters", {"issued": -1}, "counters.issued"),
+    ("version", -3, "version"),
+    ("next_group_id", 0, "next_group_id"),
+])
+def test_a_bad_broker_state_is_refused_and_changes_nothing(field, bad, match):
+    """A state that would break the accounting (or is out of range) raises naming the field before anything is
+    restored (today it was loaded unchecked)."""
+    core, _ = make(max_inflight_groups=3, max_buffered_groups=6)
+    state = dict(_mid_run_state(core), **{field: bad})
+    target, _ = make(max_inflight_groups=3, max_buffered_groups=6)
+    target.add_worker("w", capacity=8)
+    before = (dict(target.counters), target.inflight_group_ids(), target.dataloader.state_dict(), target.version)
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(state)
+    assert before == (dict(target.counters), target.inflight_group_ids(), target.dataloader.state_dict(),
+                      target.version)
+
+
 def test_custom_buffer_by_import_path():
     buf = make_data_buffer(BufferSettings(), f"{__name__}:LifoBuffer")
     assert isinstance(buf, DataBuffer) and type(buf).__name__ == "LifoBuffer"
@@ -492,8 +547,8 @@ def test_a_miles_interface_buffer_drops_in_through_the_adapter():
 
 def test_max_prompt_tokens_skips_long_prompts_with_a_counted_warning_and_a_metric(tmp_path, caplog):
     """data.max_prompt_tokens: counted as the agent loop sends the prompt (task template, rollout tokenizer)."""
-    from asyncrl.runner.broker_process import skip_long_prompts
     from asyncrl.models.tiny import make_tiny_checkpoint
+    from asyncrl.runner.broker_process import skip_long_prompts
 
     model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,
                                  intermediate_size=64)

@@ -34,3 +34,26 @@ def test_tensorboard_and_jsonl_round_trip(tmp_path):
 def test_console_line_fixed_order():
     line = format_console_line({"time/step": 1.0, "reward/mean": 0.5, "train/loss": 0.1}, 4)
     assert line == "step 4 | reward 0.5 | loss 0.1 | t_step 1"
+
+
+def test_a_resumed_run_purges_the_steps_it_writes_again(tmp_path):
+    """Resumed at step 3 (purge_step=4): steps 4 and 5 of the first attempt are gone from metrics.jsonl and
+    TensorBoard, so every step shows once, with the resumed run's values (they showed twice before)."""
+    first = MetricsWriter(tmp_path, console=False)
+    for step in range(1, 6):
+        first.log({"reward/mean": float(step)}, step=step)
+    first.close()
+    again = MetricsWriter(tmp_path, console=False, purge_step=4)
+    for step in (4, 5, 6):
+        again.log({"reward/mean": 10.0 * step}, step=step)
+    again.close()
+
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in recs] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0),
+                                                             (6, 60.0)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]

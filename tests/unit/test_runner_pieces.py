@@ -75,3 +75,17 @@ def test_the_batch_wait_is_counted_once_in_the_time_split(async_mode, tmp_path, 
     s = json.loads((tmp_path / "summary.json").read_text())
     parts = s["time/training"] + s["time/wait_data"] + s["time/rollout"] + s["time/sync_weights"]
     assert parts == pytest.approx(s["time/step"])
+
+
+def test_nonfinite_guard_stops_after_consecutive_bad_steps():
+    from asyncrl.runner.guards import NonFiniteGuard
+
+    g = NonFiniteGuard(3)
+    skipped = {"train/step_skipped": 1.0, "train/loss": float("nan")}
+    assert g.update(dict(skipped)) is None and g.update({"train/step_skipped": 0.0}) is None  # a good step resets
+    assert g.update(dict(skipped)) is None
+    assert g.update({"rollout/nonfinite_rewards": 4.0}) is None
+    m = dict(skipped)
+    msg = g.update(m)
+    assert msg is not None and "runner.max_nonfinite_steps = 3" in msg and "nan" in msg
+    assert m["train/nonfinite_steps"] == 4 and m["train/nonfinite_consecutive"] == 3

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncrl.agent.tools.base import Retriever, RetrieverError
+from asyncrl.agent.tools.base import Retriever, RetrieverError, RetrieverOutageError
 from asyncrl.agent.tools.bm25 import BM25Retriever
 from asyncrl.agent.tools.http_retriever import HttpRetriever
 from asyncrl.config.schema import ToolConfig
 
-__all__ = ["BM25Retriever", "HttpRetriever", "Retriever", "RetrieverError", "check_retriever", "make_retriever"]
+__all__ = ["BM25Retriever", "HttpRetriever", "Retriever", "RetrieverError", "RetrieverOutageError", "check_retriever",
+           "make_retriever"]
 
 
 def make_retriever(tool: ToolConfig) -> Retriever:
@@ -38,7 +39,7 @@ def make_retriever(tool: ToolConfig) -> Retriever:
         if not tool.retriever_url:
             raise ValueError("agentloop.tool.retriever_url: required when agentloop.tool.retriever = 'http'")
         return HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=tool.max_retries,
-                             backoff_s=tool.retry_backoff_s)
+                             backoff_s=tool.retry_backoff_s, max_outage_s=tool.max_outage_s)
     raise ValueError(f"agentloop.tool.retriever: unknown retriever {tool.retriever!r} (bm25 | http)")
 
 

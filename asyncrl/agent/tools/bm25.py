@@ -104,7 +104,10 @@ class BM25Retriever:
             top_scores += [0.0] * len(fill)
         return top, top_scores
 
-    async def retrieve(self, queries: list[str], topk: int) -> list[list[dict]]:
+    async def wait_available(self) -> None:
+        """In process: always available."""
+
+    async def retrieve(self, queries: list[str], topk: int, *, stats: dict | None = None) -> list[list[dict]]:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bm25")
         docs, _ = await asyncio.get_running_loop().run_in_executor(self._executor, self.search, queries, topk)

@@ -1,0 +1,133 @@
+"""Run identity and exact resume: which checkpoint a run continues from, and the metrics it rewrites.
+
+Contract
+- A run's identity is ``{"run_id", "config_hash"}``. ``config_hash`` hashes the resolved config minus
+  the keys a resume may change (``RESUMABLE_KEYS``: the step budget, the resume switches, the non-finite
+  tolerance, the engine port, the logging and cluster sections). ``establish_identity`` (actor rank 0, before anything is logged) keeps the run id found in
+  ``<run_dir>/run.json`` when resuming the same config, and starts a new run id otherwise; it writes
+  ``run.json``. Every checkpoint gets the same ``run.json`` (``write_identity``) before its ``complete``.
+- ``pick_checkpoint``: with ``runner.resume`` (or ``runner.resume_from``), this run's newest complete
+  checkpoint (same run id and config hash; other runs' checkpoints in the directory are skipped and
+  logged); when the run has none yet, ``runner.resume_from`` (any run's checkpoint); else None.
+- ``purge_jsonl(path, after_step)``: drops the records of steps after the resumed one (they are
+  written again), atomically; TensorBoard does the same through ``SummaryWriter(purge_step=...)``.
+
+    ident = establish_identity(cfg, run_dir); ckpt = pick_checkpoint(cfg, ckpt_root, ident)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from pathlib import Path
+
+from asyncrl.config.loader import to_dict
+
+log = logging.getLogger("asyncrl.runner")
+
+RESUMABLE_KEYS = ("runner.max_steps", "runner.resume", "runner.resume_from", "runner.max_nonfinite_steps",
+                  "rollout.port", "logging", "cluster")
+"""Keys (or whole sections) a resumed run may change: the step budget, the resume switches, where it runs and
+logs (ports, placement, timeouts)."""
+IDENTITY_FILE = "run.json"
+
+
+def config_hash(cfg) -> str:
+    """sha256 (16 hex digits) of the resolved config without ``RESUMABLE_KEYS``."""
+    d = to_dict(cfg)
+    for key in RESUMABLE_KEYS:
+        section, _, name = key.partition(".")
+        if not name:
+            d.pop(section, None)
+        elif isinstance(d.get(section), dict):
+            d[section].pop(name, None)
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def read_identity(directory: Path) -> dict | None:
+    p = Path(directory) / IDENTITY_FILE
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and "run_id" in d and "config_hash" in d else None
+
+
+def establish_identity(cfg, run_dir: Path) -> dict:
+    """This run's identity: the one in ``run_dir`` when resuming with the same config, else a new run id."""
+    h = config_hash(cfg)
+    old = read_identity(run_dir)
+    resuming = cfg.runner.resume or cfg.runner.resume_from is not None
+    if resuming and old is not None and old["config_hash"] == h:
+        return {"run_id": old["run_id"], "config_hash": h}
+    if old is not None and resuming:
+        log.warning("run dir %s holds run %s of another config (hash %s, now %s): starting a new run; its "
+                    "checkpoints are not resumed (set runner.resume_from to start from one)", run_dir,
+                    old["run_id"], old["config_hash"], h)
+    ident = {"run_id": uuid.uuid4().hex[:12], "config_hash": h}
+    write_identity(run_dir, ident)
+    return ident
+
+
+def write_identity(directory: Path, ident: dict) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (IDENTITY_FILE + ".tmp")
+    tmp.write_text(json.dumps(ident) + "\n")
+    tmp.replace(directory / IDENTITY_FILE)
+
+
+def own_checkpoints(root: Path, ident: dict) -> list[Path]:
+    """This run's complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.glob("step_*"):
+        if not (p / "complete").is_file() or not p.name.split("_")[1].isdigit():
+            continue
+        if read_identity(p) == ident:
+            out.append(p)
+        else:
+            log.info("checkpoint %s belongs to another run (%s); not resuming from it", p, read_identity(p))
+    return sorted(out, key=lambda p: int(p.name.split("_")[1]))
+
+
+def pick_checkpoint(cfg, root: Path, ident: dict) -> Path | None:
+    """The checkpoint to resume from (see module contract), or None to start at step 0."""
+    if not (cfg.runner.resume or cfg.runner.resume_from):
+        return None
+    own = own_checkpoints(root, ident)
+    if own:
+        return own[-1]
+    if cfg.runner.resume_from:
+        return Path(cfg.runner.resume_from)
+    return None
+
+
+def purge_jsonl(path: Path, after_step: int) -> int:
+    """Drop the records of steps > ``after_step`` from a metrics.jsonl; returns how many were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):
+            keep.append(line)
+            continue
+        if isinstance(step, (int, float)) and step > after_step:
+            dropped += 1
+        else:
+            keep.append(line)
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+    return dropped

@@ -1,0 +1,62 @@
+"""Exact resume: a run resumes only its own checkpoints (run id + config hash), or an explicit path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.runner.resume import config_hash, establish_identity, pick_checkpoint, write_identity
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*overrides):
+    return load_config(ROOT / "configs/tiny.toml", list(overrides))
+
+
+def _ckpt(root: Path, step: int, ident: dict | None) -> Path:
+    d = root / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"format": "asyncrl-actor-v1", "step": step}) + "\n")
+    if ident is not None:
+        write_identity(d, ident)
+    (d / "complete").write_text("ok\n")
+    return d
+
+
+def test_resume_skips_another_runs_newer_checkpoint(tmp_path):
+    """The old rule took the highest-numbered complete checkpoint in the directory, whoever wrote it."""
+    cfg = _cfg("runner.resume=true")
+    ident = establish_identity(cfg, tmp_path)
+    root = tmp_path / "checkpoints"
+    own = _ckpt(root, 4, ident)
+    _ckpt(root, 8, {"run_id": "someoneelse", "config_hash": ident["config_hash"]})
+    _ckpt(root, 9, None)  # written before checkpoints carried an identity
+    _ckpt(root, 6, {"run_id": ident["run_id"], "config_hash": "0" * 16})
+    assert pick_checkpoint(cfg, root, ident) == own
+
+
+def test_identity_survives_a_restart_but_not_a_config_change(tmp_path):
+    cfg = _cfg("runner.resume=true")
+    first = establish_identity(cfg, tmp_path)
+    assert establish_identity(dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, max_steps=99)),
+                              tmp_path) == first  # a longer budget is the same run
+    assert establish_identity(_cfg("runner.resume=true", "rollout.port=45678"), tmp_path) == first  # a new port
+    other = _cfg("runner.resume=true", "actor.lr=0.5")
+    assert config_hash(other) != first["config_hash"]
+    assert establish_identity(other, tmp_path)["run_id"] != first["run_id"]
+    fresh = establish_identity(_cfg(), tmp_path)  # no resume: always a new run
+    assert fresh["run_id"] != first["run_id"]
+
+
+def test_resume_from_is_used_until_the_run_has_its_own(tmp_path):
+    foreign = _ckpt(tmp_path / "elsewhere", 5, {"run_id": "x", "config_hash": "y"})
+    cfg = _cfg(f'runner.resume_from="{foreign}"')
+    ident = establish_identity(cfg, tmp_path / "run")
+    root = tmp_path / "run" / "checkpoints"
+    assert pick_checkpoint(cfg, root, ident) == foreign
+    own = _ckpt(root, 7, ident)
+    assert pick_checkpoint(cfg, root, ident) == own
+    assert pick_checkpoint(_cfg(), root, ident) is None  # neither switch: start at step 0
