@@ -17,11 +17,14 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
   seen (elasticity dlnT/dlnx >= ``rise_elasticity`` and the limit binds): probe up; ``g / b`` wider
   than ``resolution`` (and an integer lies between): probe the geometric middle; else settle at
   ``g x (1 + margin)``; a step whose mean in-flight count is still above a lowered limit is not a
-  point (the limit takes effect only as groups finish);
+  point (the limit takes effect only as groups finish), nor is one that stays below the limit while
+  neither limit held admission back (in-flight still ramping up);
 - engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) are past
-  saturation by definition: step down at once (the queued share, at most ``/ max_factor``);
+  saturation by definition: step down at once (the queued share, at most ``/ max_factor``), and
+  no later probe goes above that limit (until a retune);
 - settled, it holds (hysteresis): it searches again only when T at the settled limit moves by more
-  than ``retune_frac`` for ``retune_steps`` steps in a row, or the engines start queueing.
+  than ``retune_frac`` in the same direction for ``retune_steps`` steps in a row, or the engines
+  start queueing.
 Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), clamped to
 ``[lower, upper]`` (``upper`` = the buffer limit's bound, ``max_buffered_groups -
 rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
@@ -71,22 +74,26 @@ class Change:
 class AutotuneSettings:
     max_factor: float = 2.0
     """A change moves the limit by at most this factor (bounded step)."""
-    tol: float = 0.03
+    tol: float = 0.02
     """A point is saturated when its throughput is within this fraction of the best seen."""
     resolution: float = 1.15
     """Stop bisecting when the saturated and the starved point are this close (ratio)."""
-    margin: float = 0.05
+    margin: float = 0.1
     """Settle this far above the knee estimate (fluctuations of the in-flight count)."""
     rise_elasticity: float = 0.5
     """dlnT/dlnx at the largest point above which the curve still rises: probe up."""
-    queue_frac: float = 0.05
+    queue_frac: float = 0.15
     """Engines queueing more than this share of what they run are past saturation."""
-    retune_frac: float = 0.2
+    retune_frac: float = 0.25
     """Search again when the settled throughput moves by more than this ..."""
-    retune_steps: int = 2
+    retune_steps: int = 3
     """... for this many steps in a row."""
     warmup_steps: int = 1
     """Steps ignored at the start (engines filling from empty)."""
+    ramp: float = 0.1
+    """A step whose mean in-flight count stays this far below the limit while neither limit binds ..."""
+    binds: float = 0.3
+    """... (admission waits under this fraction) is a ramp, not a point."""
     merge: float = 0.04
     """Points whose x differ by less than this fraction are one point (their T averaged)."""
 
@@ -117,7 +124,9 @@ class InflightAutotuner:
         self.steps = 0
         self._points: list[_Point] = []
         self._settle_t = 0.0
-        self._off = 0
+        self._ref: list[float] = []
+        self._off: list[float] = []
+        self._ceiling = self.upper
         self.history: list[Change] = []
 
     # ----------------------------------------------------------------- the one entry point
@@ -129,32 +138,37 @@ class InflightAutotuner:
         s = self.settings
         if f.queue_reqs is not None and f.running_reqs and f.queue_reqs > s.queue_frac * f.running_reqs:
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
-            self._forget(keep_last=False)
-            return self._move(min(self.limit - 1, math.floor(self.limit * share)),
-                              f"engines queue {f.queue_reqs:g} requests beyond the {f.running_reqs:g} they run: "
-                              f"past saturation")
+            self.settled = False
+            change = self._move(min(self.limit - 1, math.floor(self.limit * share)),
+                                f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they "
+                                f"run: past saturation")
+            self._ceiling = self.limit  # no probe above a limit that made the engines queue
+            return change
         if self.settled:
             return self._hold(f)
         if f.mean_inflight > f.limit * (1 + s.merge):
             return None  # a lowered limit takes effect only as groups finish: measure once it has
+        if f.mean_inflight < f.limit * (1 - s.ramp) and max(f.wait_inflight, f.wait_buffer) < s.binds:
+            return None  # neither limit held admission back: in-flight still ramping up, not a point of the curve
         self._add(f)
         return self._search(f)
 
     # ----------------------------------------------------------------- internals
     def _add(self, f: StepFigures) -> None:
-        binds = f.wait_inflight >= 0.5
+        binds = f.wait_inflight >= self.settings.binds
         for p in self._points:
             if abs(p.x - f.mean_inflight) <= self.settings.merge * max(p.x, f.mean_inflight):
                 p.t_sum += f.tokens_per_s
                 p.n += 1
-                p.binds = p.binds or binds
+                p.binds = binds
                 return
         self._points.append(_Point(f.mean_inflight, f.tokens_per_s, 1, binds))
 
-    def _forget(self, *, keep_last: bool) -> None:
-        self._points = self._points[-1:] if keep_last else []
+    def _forget(self) -> None:
+        self._points = []
         self.settled = False
-        self._off = 0
+        self._off = []
+        self._ceiling = self.upper
 
     def _knee(self) -> tuple[_Point, Optional[_Point]]:
         best = max(p.t for p in self._points)
@@ -167,19 +181,20 @@ class InflightAutotuner:
         s = self.settings
         g, b = self._knee()
         top = max(self._points, key=lambda p: p.x)
-        rising = b is not None and g is top and g.binds and \
+        rising = b is not None and g is top and g.binds and f.wait_buffer < s.binds and \
             math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x) >= s.rise_elasticity
         if b is None and g.x > self.lower and self.limit > self.lower:
             return self._move(g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, "
                                                   f"none below it measured yet")
-        if rising and self.limit < self.upper:
-            return self._move(g.x * s.max_factor, f"probe up: throughput still rises at {g.x:.1f} in flight "
+        if rising and self.limit < self._ceiling:
+            return self._move(min(g.x * s.max_factor, self._ceiling), f"probe up: throughput still rises at {g.x:.1f} in flight "
                                                   f"({b.t:.0f} -> {g.t:.0f} tok/s)")
         if b is not None and g.x / b.x > s.resolution and b.x < math.ceil(math.sqrt(g.x * b.x)) < g.x:
             return self._move(math.sqrt(g.x * b.x), f"bisect: saturated at {g.x:.1f} ({g.t:.0f} tok/s), "
                                                     f"starved at {b.x:.1f} ({b.t:.0f} tok/s)")
         self.settled = True
-        self._settle_t = g.t
+        self._settle_t = 0.0
+        self._ref = []
         why = f"settle: the smallest saturated point is {g.x:.1f} in flight ({g.t:.0f} tok/s)"
         if b is not None:
             why += f"; {b.x:.1f} gave {b.t:.0f} tok/s"
@@ -187,14 +202,17 @@ class InflightAutotuner:
 
     def _hold(self, f: StepFigures) -> Optional[Change]:
         s = self.settings
-        if abs(f.tokens_per_s - self._settle_t) > s.retune_frac * self._settle_t:
-            self._off += 1
-        else:
-            self._off = 0
-        if self._off < s.retune_steps:
+        if len(self._ref) < s.retune_steps:  # the reference: the mean of the first steps at the settled limit
+            self._ref.append(f.tokens_per_s)
+            self._settle_t = sum(self._ref) / len(self._ref)
+            return None
+        dev = f.tokens_per_s / self._settle_t - 1
+        self._off = self._off + [dev] if abs(dev) > s.retune_frac and (not self._off or dev * self._off[0] > 0) \
+            else []
+        if len(self._off) < s.retune_steps:
             return None
         old = self._settle_t
-        self._forget(keep_last=False)
+        self._forget()
         self._add(f)
         change = self._search(f)
         reason = f"retune: throughput moved from {old:.0f} to {f.tokens_per_s:.0f} tok/s at the settled limit"

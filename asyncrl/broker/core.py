@@ -503,6 +503,12 @@ class BrokerCore:
             return self._inflight_samples + self.s.group_size <= self.inflight_limit * self.s.group_size
         return len(self._inflight) < self.inflight_limit
 
+    def _inflight_used(self) -> float:
+        """In-flight groups as the in-flight limit counts them (``sample``: outstanding trajectories / group_size)."""
+        if self.s.submission_granularity == "sample":
+            return self._inflight_samples / self.s.group_size
+        return float(len(self._inflight))
+
     def _buffer_ok(self) -> bool:
         return len(self._inflight) + len(self.buffer) < self.s.max_buffered_groups
 
@@ -527,7 +533,7 @@ class BrokerCore:
                 self._wait_buffer += dt
         if dt > 0:
             a = self._area
-            a[0] += len(self._inflight) * dt
+            a[0] += self._inflight_used() * dt
             if self._engines is not None:
                 a[1] += self._engines[0] * dt
                 a[2] += self._engines[1] * dt
@@ -662,7 +668,7 @@ class BrokerCore:
         """The step's figures for the in-flight autotuner (when on); the limit in force next."""
         a = self._area
         m = {"rollout/buffer/inflight_limit": float(self.inflight_limit),
-             "rollout/buffer/mean_inflight_groups": a[0] / dur if dur > 0 else float(len(self._inflight))}
+             "rollout/buffer/mean_inflight_groups": a[0] / dur if dur > 0 else self._inflight_used()}
         if self.autotuner is None or dur <= 0:
             return m
         eng = self._engines is not None and a[3] > 0
