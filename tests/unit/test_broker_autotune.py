@@ -136,3 +136,15 @@ def test_config_accepts_auto_and_starts_at_the_derived_limit():
         assert "rollout_buffer.max_inflight_groups" in str(e) and "max_buffered_groups" in str(e)
     else:
         raise AssertionError("auto with no room accepted")
+
+
+def test_event_simulator_drives_the_core_with_auto_within_bounds():
+    from asyncrl.simulate import EngineModel, SimConfig, Workload, simulate
+
+    cfg = SimConfig(engines=4, batch=8, buffered=8 + 40, inflight="auto", steps=14,
+                    engine=EngineModel(peak_tok_s=4000.0, n_sat=8, max_running=16))
+    r = simulate(cfg, Workload(train_s=0.1, sync_s=0.05))
+    assert len(r.metrics) == 14 and r.limits[0] == 20  # derived: ceil(16 x 4 x 1.2 / 4) = 20 (bound 40)
+    assert all(1 <= n <= 40 for n in r.limits)
+    assert all(b <= 2 * a + 1 and a <= 2 * b + 1 for a, b in zip(r.limits, r.limits[1:]))  # bounded steps
+    assert r.changes and r.throughput_groups_s() > 0
