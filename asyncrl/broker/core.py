@@ -390,7 +390,8 @@ class BrokerCore:
         mx = g.issued_version if not trajectories else max([t.max_version for t in trajectories])
         group.finished_version = self.version if self.version > mx else mx
         self._last_arrival_t = self._last_t
-        self._area[4] += sum(sum(t.loss_mask) for t in trajectories if t is not None)
+        if self.autotuner is not None:  # generated tokens of the step, when the engines report nothing
+            self._area[4] += sum(sum(t.loss_mask) for t in trajectories if t is not None)
         rej = self.buffer.put(group)
         if rej is not None:
             self._reject(rej)
