@@ -17,7 +17,7 @@ D. ``max_inflight_groups = "auto"`` against fixed limits, three workload shapes 
    event-driven simulator ``asyncrl.simulate`` (``benchmarks/out/autotune.png``),
 and answers "which limit binds" for one setup (``--setup``: pass the knobs, read the verdict).
 
-    python benchmarks/simulate.py --quick        # D (max_inflight_groups = "auto"): engines 2, 32, 256
+    python benchmarks/simulate.py --quick        # D (max_inflight_groups = "auto"): engines 2, 32, 128
     python benchmarks/simulate.py                # D with engines 2, 8, 32, 128, 1000 (about 15 minutes)
     python benchmarks/simulate.py --setup --batch 16 --inflight 40 --buffered 32 --train-s 6
 The last stdout line is one JSON object with the figures.
@@ -329,7 +329,7 @@ def autotune_case(shape: str, engines: int, steps: int) -> dict:
 
 def run_autotune(quick: bool, out_dir: Path, engine_counts: Optional[tuple[int, ...]] = None) -> dict:
     """Auto against the fixed limits: three shapes x engine counts 2..1000; the table, a PNG, the verdict."""
-    engine_counts = engine_counts or ((2, 32, 256) if quick else (2, 8, 32, 128, 1000))  # 1,000: ~1 min a run
+    engine_counts = engine_counts or ((2, 32, 128) if quick else (2, 8, 32, 128, 1000))  # 1,000: ~1 min a run
     steps = 20 if quick else 30
     cases = []
     for shape in AUTO_SHAPES:
@@ -397,7 +397,7 @@ def main() -> int:
     ap.add_argument("--train-s", type=float, default=6.0)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--engines-list", help="D: engine counts, comma-separated (default 2,32,256 quick)")
+    ap.add_argument("--engines-list", help="D: engine counts, comma-separated (default 2,32,128 quick)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     args = ap.parse_args()
     t0 = time.time()

@@ -13,7 +13,8 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
   ``gen_throughput`` when the shell reports it, else the tokens of the groups that arrived);
 - ``g`` = the smallest x whose T is within ``tol`` of the best T seen: the knee estimate;
   ``b`` = the largest x below it (too few: T fell);
-- no ``b`` yet: probe down (``g / max_factor``); the curve still rises steeply at the largest x
+- no ``b`` yet: probe up when the limit binds and the engines report an empty queue (raising the
+  limit takes effect at once), else probe down (``g / max_factor``); the curve still rises steeply at the largest x
   seen (elasticity dlnT/dlnx >= ``rise_elasticity`` and the limit binds): probe up; ``g / b`` wider
   than ``resolution`` (and an integer lies between): probe the geometric middle; else settle at
   ``g x (1 + margin)``; a step whose mean in-flight count is still above a lowered limit is not a
@@ -183,6 +184,10 @@ class InflightAutotuner:
         top = max(self._points, key=lambda p: p.x)
         rising = b is not None and g is top and g.binds and f.wait_buffer < s.binds and \
             math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x) >= s.rise_elasticity
+        idle = f.queue_reqs is not None and f.queue_reqs <= 0.02 * (f.running_reqs or 0.0)
+        if b is None and g is top and idle and g.binds and f.wait_buffer < s.binds and self.limit < self._ceiling:
+            return self._move(min(g.x * s.max_factor, self._ceiling),
+                              f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing")
         if b is None and g.x > self.lower and self.limit > self.lower:
             return self._move(g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, "
                                                   f"none below it measured yet")
