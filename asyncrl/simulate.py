@@ -80,6 +80,8 @@ class SimConfig:
     engine: EngineModel = EngineModel()
     report_s: float = 0.02
     seed: int = 0
+    measure_from: int = 10
+    """Throughput and staleness are measured over steps measure_from.. (after the settling deadline)."""
 
     def derived_inflight(self) -> int:
         return max(1, math.ceil(self.engine.max_running * self.engines * 1.2 / self.group_size))
@@ -309,18 +311,20 @@ def sweep(cfg: SimConfig, wl: Workload, limits: list[int]) -> tuple[list[dict], 
     rows = []
     for n in limits:
         r = simulate(replace(cfg, inflight=n), wl)
-        rows.append({"limit": n, "groups_s": r.throughput_groups_s(), "staleness": r.mean_staleness(),
-                     "wait_inflight": _mean(r, "rollout/buffer/admission_wait_inflight_limit"),
-                     "wait_buffer": _mean(r, "rollout/buffer/admission_wait_buffer_full")})
+        rows.append(_row(r, n))
     a = simulate(replace(cfg, inflight="auto"), wl)
-    auto = {"limit": a.limits[-1], "groups_s": a.throughput_groups_s(), "staleness": a.mean_staleness(),
-            "settled_at": a.settled_at(), "changes": a.changes, "limits": a.limits,
-            "wait_inflight": _mean(a, "rollout/buffer/admission_wait_inflight_limit"),
-            "wait_buffer": _mean(a, "rollout/buffer/admission_wait_buffer_full")}
+    auto = _row(a, a.limits[-1]) | {"settled_at": a.settled_at(), "changes": a.changes, "limits": a.limits}
     return rows, auto
 
 
-def _mean(r: SimResult, key: str, skip: int = 10) -> float:
+def _row(r: SimResult, limit: int) -> dict:
+    k = r.cfg.measure_from
+    return {"limit": limit, "groups_s": r.throughput_groups_s(k), "staleness": r.mean_staleness(k),
+            "wait_inflight": _mean(r, "rollout/buffer/admission_wait_inflight_limit", k),
+            "wait_buffer": _mean(r, "rollout/buffer/admission_wait_buffer_full", k)}
+
+
+def _mean(r: SimResult, key: str, skip: int) -> float:
     a, b = r.window(skip)
     return statistics.fmean(m.get(key, 0.0) for m in r.metrics[a:b])
 
@@ -356,11 +360,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tool-s", type=float, default=0.5, help="mean tool-call seconds")
     ap.add_argument("--sync-s", type=float, default=0.2, help="weight-sync pause seconds")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--quick", action="store_true", help="16 steps")
+    ap.add_argument("--quick", action="store_true", help="16 steps, measured from step 8")
     args = ap.parse_args(argv)
     cfg, wl = from_config(args.config, args.overrides, engine_tok_s=args.engine_tok_s, train_s=args.train_s,
                           n_sat=args.n_sat, mean_turn_tokens=args.turn_tokens, tool_s=args.tool_s,
                           sync_s=args.sync_s, steps=16 if args.quick else args.steps)
+    cfg = replace(cfg, measure_from=min(10, cfg.steps // 2))
     start = cfg.derived_inflight() if cfg.inflight == "auto" else int(cfg.inflight)
     bound = max(1, cfg.resolved_buffered() - cfg.batch)
     limits = sorted({max(1, min(bound, round(start * f))) for f in (0.25, 0.5, 1.0, 2.0)})
