@@ -24,8 +24,8 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
   saturation by definition: step down at once (the queued share, at most ``/ max_factor``), and
   no later probe goes above that limit (until a retune);
 - settled, it holds (hysteresis): it searches again only when T at the settled limit moves by more
-  than ``retune_frac`` in the same direction for ``retune_steps`` steps in a row, or the engines
-  start queueing.
+  than ``retune_frac`` in the same direction for ``retune_steps`` steps in a row while the buffer
+  limit does not bind (then training sets the pace), or the engines start queueing.
 Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), clamped to
 ``[lower, upper]`` (``upper`` = the buffer limit's bound, ``max_buffered_groups -
 rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
@@ -210,6 +210,9 @@ class InflightAutotuner:
         if len(self._ref) < s.retune_steps:  # the reference: the mean of the first steps at the settled limit
             self._ref.append(f.tokens_per_s)
             self._settle_t = sum(self._ref) / len(self._ref)
+            return None
+        if f.wait_buffer >= s.binds:  # training sets the pace: throughput moves say nothing about the engines
+            self._off = []
             return None
         dev = f.tokens_per_s / self._settle_t - 1
         self._off = self._off + [dev] if abs(dev) > s.retune_frac and (not self._off or dev * self._off[0] > 0) \
