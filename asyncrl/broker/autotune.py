@@ -13,13 +13,14 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
   ``gen_throughput`` when the shell reports it, else the tokens of the groups that arrived);
 - ``g`` = the smallest x whose T is within ``tol`` of the best T seen: the knee estimate;
   ``b`` = the largest x below it (too few: T fell);
-- no ``b`` yet: probe up when the limit binds and the engines report an empty queue (raising the
-  limit takes effect at once), else probe down (``g / max_factor``); the curve still rises steeply at the largest x
-  seen (elasticity dlnT/dlnx >= ``rise_elasticity`` and the limit binds): probe up; ``g / b`` wider
-  than ``resolution`` (and an integer lies between): probe the geometric middle; else settle at
-  ``g x (1 + margin)``; a step whose mean in-flight count is still above a lowered limit is not a
-  point (the limit takes effect only as groups finish), nor is one that stays below the limit while
-  neither limit held admission back (in-flight still ramping up);
+- no ``b`` yet: probe up when the limit binds and the engines report an empty queue (a raise
+  takes effect at once), else probe down (``g / max_factor``);
+- the curve still rises steeply at the largest x seen (elasticity dlnT/dlnx >= ``rise_elasticity``
+  and the limit binds): probe up; ``g / b`` wider than ``resolution`` (and an integer lies between):
+  probe the geometric middle; else settle at ``g x (1 + margin)``;
+- a step whose mean in-flight count is still above a lowered limit is not a point (the limit takes
+  effect only as groups finish), nor is one that stays below the limit while neither limit held
+  admission back (in-flight still ramping up); the first ``warmup_steps`` are not points either;
 - engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) are past
   saturation by definition: step down at once (the queued share, at most ``/ max_factor``), and
   no later probe goes above that limit (until a retune);
@@ -32,9 +33,10 @@ rollout_batch_size``) and returned as a ``Change`` with its reason (the core log
 ``rollout/buffer/inflight_limit`` every step).
 
     tuner = InflightAutotuner(start=96, upper=224)
-    change = tuner.observe(StepFigures(limit=96, mean_inflight=95.2, tokens_per_s=8000.0,
-                                       wait_inflight=0.9, wait_buffer=0.0))
-    change.new, change.reason        # 48, 'probe down: ...'
+    step = StepFigures(limit=96, mean_inflight=95.2, tokens_per_s=8000.0, wait_inflight=0.9, wait_buffer=0.0)
+    tuner.observe(step)                      # None: the first step is a warm-up
+    change = tuner.observe(step)             # no engine figures, no point below: probe down
+    change.new, change.reason                # 48, 'probe down: 8000 tok/s at 95.2 in flight, ...'
 """
 
 from __future__ import annotations
@@ -192,8 +194,8 @@ class InflightAutotuner:
             return self._move(g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, "
                                                   f"none below it measured yet")
         if rising and self.limit < self._ceiling:
-            return self._move(min(g.x * s.max_factor, self._ceiling), f"probe up: throughput still rises at {g.x:.1f} in flight "
-                                                  f"({b.t:.0f} -> {g.t:.0f} tok/s)")
+            return self._move(min(g.x * s.max_factor, self._ceiling),
+                              f"probe up: throughput still rises at {g.x:.1f} in flight ({b.t:.0f} -> {g.t:.0f} tok/s)")
         if b is not None and g.x / b.x > s.resolution and b.x < math.ceil(math.sqrt(g.x * b.x)) < g.x:
             return self._move(math.sqrt(g.x * b.x), f"bisect: saturated at {g.x:.1f} ({g.t:.0f} tok/s), "
                                                     f"starved at {b.x:.1f} ({b.t:.0f} tok/s)")
