@@ -33,6 +33,7 @@ DESCRIPTIONS = {
     "engine/{}/num_running_reqs": "requests running in engine i (SGLang num_running_reqs)",
     "engine/{}/num_queue_reqs": "requests queued in engine i (SGLang num_queue_reqs): > 0 means past saturation",
     "engine/{}/cache_hit_rate": "prefix-cache hit rate of engine i",
+    "engine/{}/gen_throughput": "generated tokens/s of engine i (SGLang gen_throughput; fed to \"auto\")",
     "sglang_num_running_reqs": "mean running requests per engine (Miles' name)",
     "sglang_cache_hit_rate": "mean prefix-cache hit rate over engines (Miles' name)",
     "prefix_cache_hit_rate": "the same, under Miles' per-step name",

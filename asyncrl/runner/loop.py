@@ -154,6 +154,7 @@ class EngineScraper:
             out[f"engine/{i}/num_running_reqs"] = r
             out[f"engine/{i}/cache_hit_rate"] = h
             out[f"engine/{i}/num_queue_reqs"] = vals.get("sglang:num_queue_reqs", 0.0)
+            out[f"engine/{i}/gen_throughput"] = vals.get("sglang:gen_throughput", 0.0)
             running.append(r)
             hit.append(h)
         if running:
@@ -204,6 +205,8 @@ class _LeaderParts:
     def next_batch(self, cfg, step: int, actor_version: int) -> tuple[list, dict[str, float]]:
         """The step's groups (after the sample filter) and their metrics."""
         m: dict[str, float] = {}
+        if cfg.rollout_buffer.max_inflight_groups == "auto":
+            self.report_engine_figures()
         batch = self.broker.get_batch(step, timeout_s=batch_timeout_s(cfg), actor_version=actor_version,
                                       as_lists=True)
         groups = self.batch_filter(batch.groups)
@@ -217,6 +220,17 @@ class _LeaderParts:
         m["time/rollout" if not cfg.runner.async_mode else "time/wait_data"] = batch.wait_s
         m.update(rollout_metrics(groups))
         return groups, m
+
+
+    def report_engine_figures(self) -> None:
+        """The scraper's latest figures, summed over engines, to the broker's in-flight autotuner."""
+        latest = self.scraper.latest()
+        if not latest:
+            return
+        total = {k: sum(v for name, v in latest.items() if name.startswith("engine/") and name.endswith("/" + k))
+                 for k in ("num_running_reqs", "num_queue_reqs", "gen_throughput")}
+        self.broker.engine_figures(running_reqs=total["num_running_reqs"], queue_reqs=total["num_queue_reqs"],
+                                   gen_tokens_per_s=total["gen_throughput"])
 
 
 def batch_timeout_s(cfg) -> float:
