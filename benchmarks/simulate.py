@@ -12,9 +12,13 @@ It reproduces the RLinf page's three behaviours as printed tables and a PNG
      ``2 x B`` and lower staleness;
   B. raising ``max_inflight_groups`` past engine saturation raises staleness, not throughput;
   C. a staleness cap below the buffer's natural bound (``max_buffered_groups / B``) drops groups every step.
+D. ``max_inflight_groups = "auto"`` against fixed limits, three workload shapes (generation-bound,
+   training-bound, multi-turn with a long tail of slow tool calls) and 2..1,000 engines, with the
+   event-driven simulator ``asyncrl.simulate`` (``benchmarks/out/autotune.png``),
 and answers "which limit binds" for one setup (``--setup``: pass the knobs, read the verdict).
 
-    python benchmarks/simulate.py --quick
+    python benchmarks/simulate.py --quick        # D (max_inflight_groups = "auto"): engines 2, 32, 128
+    python benchmarks/simulate.py                # D with engines 2, 8, 32, 128, 1000 (about 15 minutes)
     python benchmarks/simulate.py --setup --batch 16 --inflight 40 --buffered 32 --train-s 6
 The last stdout line is one JSON object with the figures.
 """
@@ -28,7 +32,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.broker.core import BrokerCore, CoreSettings, TooManyDropsError  # noqa: E402
 from asyncrl.broker.types import PromptItem, Trajectory  # noqa: E402
+from asyncrl.simulate import EngineModel, SimConfig, Workload, sweep  # noqa: E402
 
 
 @dataclass
@@ -291,6 +296,95 @@ def _plot(a, b, c, path: Path) -> None:
     plt.close(fig)
 
 
+# --------------------------------------------------------------------- max_inflight_groups = "auto"
+AUTO_ENGINE = EngineModel(peak_tok_s=4000.0, n_sat=8, max_running=16)
+AUTO_SHAPES = {
+    "generation-bound": (Workload("generation-bound", max_turns=2, train_s=0.1, sync_s=0.05), "derived+B"),
+    "training-bound": (Workload("training-bound", max_turns=2, train_s=1.5, sync_s=0.05), "2B"),
+    "multi-turn-tail": (Workload("multi-turn-tail", max_turns=4, tool_tail_p=0.1, tool_tail_mean_s=4.0,
+                                 train_s=0.1, sync_s=0.05), "2derived+B"),
+}
+
+
+def autotune_case(shape: str, engines: int, steps: int) -> dict:
+    """One shape x engine count: fixed limits (derived x 1/4 .. 2 and bound x 1/4 .. 1, within the buffer
+    bound max_buffered_groups - B) and auto."""
+    wl, buf = AUTO_SHAPES[shape]
+    batch = max(4, engines)
+    base = SimConfig(engines=engines, batch=batch, steps=steps, engine=AUTO_ENGINE, measure_from=steps // 2)
+    d = base.derived_inflight()
+    buffered = {"derived+B": d + batch, "2B": 2 * batch, "2derived+B": 2 * d + batch}[buf]
+    cfg = replace(base, buffered=buffered)
+    bound = buffered - batch
+    limits = sorted({max(1, min(bound, round(x))) for x in (d / 4, d / 2, d, 2 * d, bound / 4, bound / 2, bound)})
+    rows, auto = sweep(cfg, wl, limits)
+    best = max(rows, key=lambda r: r["groups_s"])
+    return {"shape": shape, "engines": engines, "batch": batch, "buffered": buffered, "derived": d, "fixed": rows,
+            "best_fixed": best["limit"], "auto": auto,
+            "throughput_ratio": auto["groups_s"] / best["groups_s"],
+            "staleness_excess": auto["staleness"] - best["staleness"],
+            "ok": auto["groups_s"] >= 0.97 * best["groups_s"] and auto["staleness"] <= best["staleness"] + 0.1
+            and auto["settled_at"] <= 10}
+
+
+def run_autotune(quick: bool, out_dir: Path, engine_counts: Optional[tuple[int, ...]] = None) -> dict:
+    """Auto against the fixed limits: three shapes x engine counts 2..1000; the table, a PNG, the verdict."""
+    engine_counts = engine_counts or ((2, 32, 128) if quick else (2, 8, 32, 128, 1000))  # 1,000: ~1 min a run
+    steps = 30  # measured over steps 15..30: the long-tail shape remembers a limit change for ~staleness steps
+    cases = []
+    for shape in AUTO_SHAPES:
+        for e in engine_counts:
+            cases.append(autotune_case(shape, e, steps))
+            c = cases[-1]
+            print(f"  {shape} E={e}: auto {c['throughput_ratio']:.1%} of the best fixed limit's throughput, "
+                  f"staleness {c['staleness_excess']:+.2f}, settled at step {c['auto']['settled_at']}", flush=True)
+    print("\n== D. max_inflight_groups = \"auto\" vs fixed limits (throughput and staleness over steps 15..30)")
+    print(f"{'shape':>17} {'E':>5} {'limit':>12} {'groups/s':>9} {'staleness':>9}")
+    for c in cases:
+        for r in c["fixed"]:
+            star = " *best" if r["limit"] == c["best_fixed"] else ""
+            print(f"{c['shape']:>17} {c['engines']:>5} {r['limit']:>12} {r['groups_s']:9.2f} {r['staleness']:9.2f}{star}")
+        a = c["auto"]
+        print(f"{c['shape']:>17} {c['engines']:>5} {'auto->' + str(a['limit']):>12} {a['groups_s']:9.2f} "
+              f"{a['staleness']:9.2f}  {c['throughput_ratio']:.1%} of best, staleness {c['staleness_excess']:+.2f}, "
+              f"settled at step {a['settled_at']}{'' if c['ok'] else '  FAILS'}")
+    _plot_autotune(cases, out_dir / "autotune.png")
+    summary = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k not in ("fixed", "auto")}
+               | {"auto_limit": c["auto"]["limit"], "settled_at": c["auto"]["settled_at"]} for c in cases]
+    return {"cases": summary, "all_ok": all(c["ok"] for c in cases), "plot": str(out_dir / "autotune.png")}
+
+
+def _plot_autotune(cases: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shapes = list(AUTO_SHAPES)
+    counts = sorted({c["engines"] for c in cases})
+    fig, ax = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7), squeeze=False)
+    for j, shape in enumerate(shapes):
+        for k, e in enumerate(counts):
+            c = next(c for c in cases if c["shape"] == shape and c["engines"] == e)
+            xs = [r["limit"] / e for r in c["fixed"]]
+            a = c["auto"]
+            ax[0][j].plot(xs, [r["groups_s"] / e for r in c["fixed"]], "o-", color=f"C{k}", label=f"E={e}")
+            ax[0][j].plot(a["limit"] / e, a["groups_s"] / e, "*", ms=14, color=f"C{k}")
+            ax[1][j].plot(xs, [r["staleness"] for r in c["fixed"]], "o-", color=f"C{k}", label=f"E={e}")
+            ax[1][j].plot(a["limit"] / e, a["staleness"], "*", ms=14, color=f"C{k}")
+        ax[0][j].set_title(f"{shape} (star: auto)")
+        ax[0][j].set_ylabel("trained groups/s per engine")
+        ax[1][j].set_ylabel("mean staleness")
+        for i in (0, 1):
+            ax[i][j].set_xscale("log", base=2)
+            ax[i][j].set_xlabel("max_inflight_groups per engine")
+            ax[i][j].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -303,6 +397,7 @@ def main() -> int:
     ap.add_argument("--train-s", type=float, default=6.0)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--engines-list", help="D: engine counts, comma-separated (default 2,32,128 quick)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
     args = ap.parse_args()
     t0 = time.time()
@@ -315,6 +410,8 @@ def main() -> int:
         print(json.dumps({"row": row("setup", r), "verdict": r.verdict(), "wall_s": round(time.time() - t0, 1)}))
         return 0
     figures = run_all(args.quick, Path(args.out))
+    engines = tuple(int(e) for e in args.engines_list.split(",")) if args.engines_list else None
+    figures["autotune"] = run_autotune(args.quick, Path(args.out), engines)
     figures["wall_s"] = round(time.time() - t0, 1)
     print(json.dumps(figures))
     return 0

@@ -395,6 +395,11 @@ class BrokerClient:
         """Issue new prompts again."""
         self._call(P.RELEASE_ISSUING)
 
+    def engine_figures(self, *, running_reqs: float, queue_reqs: float, gen_tokens_per_s: float) -> None:
+        """The engines' latest ``/metrics`` summed over engines (``max_inflight_groups = "auto"`` uses them)."""
+        self._call(P.ENGINE_FIGURES, {"running_reqs": float(running_reqs), "queue_reqs": float(queue_reqs),
+                                      "gen_tokens_per_s": float(gen_tokens_per_s)})
+
     def batch_filtered(self, group_ids: list[int]) -> None:
         """The sample filter removed these groups of the last batch: the broker counts them as
         dropped, not trained."""

@@ -18,6 +18,10 @@ Contract
                      it binds only when max_inflight_groups > max_inflight_samples // group_size)
     buffer limit     inflight_groups + buffered_groups < max_buffered_groups
   so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds.
+  With ``inflight_autotune`` (``max_inflight_groups = "auto"``) the in-flight limit starts at
+  ``max_inflight_groups`` and ``autotune.InflightAutotuner`` moves it at every hand-off, within
+  ``[1, max_buffered_groups - rollout_batch_size]``; the shell may report the engines' figures
+  (``engine_figures``), else the tokens of arriving groups measure the throughput.
 - Hand-off: the oldest ``rollout_batch_size`` buffered groups (arrival order), after the get-time
   staleness filter (Miles: engines' current version - group.min_version, the stalest trajectory's).
   RLinf's staleness (``rollout/data_staleness/*``) = actor version at the start of the step - group.min_version;
@@ -58,6 +62,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from asyncrl.broker.autotune import InflightAutotuner, StepFigures
 from asyncrl.broker.buffer import (
     BufferSettings,
     DataBuffer,
@@ -68,6 +73,7 @@ from asyncrl.broker.buffer import (
 )
 from asyncrl.broker.dataloader import Dataloader
 from asyncrl.broker.types import Group, PromptItem, Trajectory
+from asyncrl.config.derive import inflight_start
 
 log = logging.getLogger("asyncrl.broker")
 
@@ -99,6 +105,7 @@ class CoreSettings:
     worker_heartbeat_timeout_s: float = 15.0
     dynamic_sampling_filter_path: Optional[str] = None
     custom_data_buffer_path: Optional[str] = None
+    inflight_autotune: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> CoreSettings:
@@ -106,7 +113,8 @@ class CoreSettings:
         rb = cfg.rollout_buffer
         return cls(
             rollout_batch_size=cfg.data.rollout_batch_size, group_size=cfg.algorithm.group_size,
-            max_inflight_groups=rb.max_inflight_groups, max_buffered_groups=rb.max_buffered_groups,
+            max_inflight_groups=inflight_start(cfg), max_buffered_groups=rb.max_buffered_groups,
+            inflight_autotune=rb.max_inflight_groups == "auto",
             max_dropped_groups_per_step=rb.max_dropped_groups_per_step,
             submission_granularity=rb.submission_granularity or ("sample" if cfg.runner.async_mode else "group"),
             max_inflight_samples=rb.max_concurrent_samples,
@@ -220,6 +228,10 @@ class BrokerCore:
         """Group ids of the last batch handed out (``batch_filtered`` may remove only those)."""
         """Lifetime totals: issued, finished, trained, dropped, retried, reissued, unknown_reports, ..."""
         self.last_metrics: dict[str, float] = {}
+        self.inflight_limit = s.max_inflight_groups
+        self.autotuner = InflightAutotuner(start=s.max_inflight_groups, upper=max(
+            1, s.max_buffered_groups - s.rollout_batch_size)) if s.inflight_autotune else None
+        self._engines: Optional[tuple[float, float, float]] = None
         self._reset_step(now)
 
     # ----------------------------------------------------------------- read-only state
@@ -399,6 +411,8 @@ class BrokerCore:
         mx = g.issued_version if not trajectories else max([t.max_version for t in trajectories])
         group.finished_version = self.version if self.version > mx else mx
         self._last_arrival_t = self._last_t
+        if self.autotuner is not None:  # generated tokens of the step, when the engines report nothing
+            self._area[4] += sum(sum(t.loss_mask) for t in trajectories if t is not None)
         rej = self.buffer.put(group)
         if rej is not None:
             self._reject(rej)
@@ -489,6 +503,12 @@ class BrokerCore:
                 self.counters["no_data_warnings"] += 1
         return out
 
+    def engine_figures(self, *, running_reqs: float, queue_reqs: float, gen_tokens_per_s: float) -> None:
+        """The engines' latest ``/metrics`` (summed over engines): held until the next report and
+        integrated over the step for the in-flight autotuner."""
+        self._advance()
+        self._engines = (float(running_reqs), float(queue_reqs), float(gen_tokens_per_s))
+
     # ----------------------------------------------------------------- internals
     def _touch(self, worker_id: str) -> None:
         w = self._workers.get(worker_id)
@@ -500,6 +520,7 @@ class BrokerCore:
         self._step: Counter[str] = Counter()
         self._wait_inflight = 0.0
         self._wait_buffer = 0.0
+        self._area = [0.0, 0.0, 0.0, 0.0, 0]  # in-flight, running, queued, engine tok x seconds; arrived tokens
 
     def _inflight_ok(self) -> bool:
         return self._inflight_room() > 0
@@ -507,11 +528,15 @@ class BrokerCore:
     def _inflight_room(self) -> int:
         """Groups the in-flight limit admits now: it counts groups; ``sample`` adds the trajectory budget."""
         s = self.s
-        room = s.max_inflight_groups - len(self._inflight)
+        room = self.inflight_limit - len(self._inflight)
         if s.submission_granularity == "sample":
-            budget = s.max_inflight_samples or s.max_inflight_groups * s.group_size
+            budget = s.max_inflight_samples or self.inflight_limit * s.group_size
             room = min(room, (budget - self._inflight_samples) // s.group_size)  # each issue needs gs free slots
         return room
+
+    def _inflight_used(self) -> float:
+        """In-flight groups as the in-flight limit counts them (groups, in both granularities)."""
+        return float(len(self._inflight))
 
     def _buffer_ok(self) -> bool:
         return len(self._inflight) + len(self.buffer) < self.s.max_buffered_groups
@@ -535,6 +560,13 @@ class BrokerCore:
                 self._wait_inflight += dt
             if not self._buffer_ok():
                 self._wait_buffer += dt
+        if dt > 0:
+            a = self._area
+            a[0] += self._inflight_used() * dt
+            if self._engines is not None:
+                a[1] += self._engines[0] * dt
+                a[2] += self._engines[1] * dt
+                a[3] += self._engines[2] * dt
         self._last_t = max(now, self._last_t)
 
     def _admit(self) -> None:
@@ -657,6 +689,25 @@ class BrokerCore:
         for k, c in sorted(Counter(st).items()):
             m[f"rollout/data_staleness/ratio_{k}"] = c / n
         m.update(self.buffer.get_metrics())
+        m.update(self._autotune(dur))
+        return m
+
+    def _autotune(self, dur: float) -> dict[str, float]:
+        """The step's figures for the in-flight autotuner (when on); the limit in force next."""
+        a = self._area
+        m = {"rollout/buffer/inflight_limit": float(self.inflight_limit),
+             "rollout/buffer/mean_inflight_groups": a[0] / dur if dur > 0 else self._inflight_used()}
+        if self.autotuner is None or dur <= 0:
+            return m
+        eng = self._engines is not None and a[3] > 0
+        change = self.autotuner.observe(StepFigures(
+            limit=self.inflight_limit, mean_inflight=a[0] / dur, tokens_per_s=(a[3] if eng else a[4]) / dur,
+            wait_inflight=self._wait_inflight / dur, wait_buffer=self._wait_buffer / dur,
+            running_reqs=a[1] / dur if eng else None, queue_reqs=a[2] / dur if eng else None))
+        if change is not None:
+            log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)
+            self.inflight_limit = change.new
+            m["rollout/buffer/inflight_limit_change"] = float(change.new - change.old)
         return m
 
     # ----------------------------------------------------------------- checkpoints

@@ -35,6 +35,8 @@ Actor -> broker (DEALER)                                 Broker -> actor (one re
   sync_begin {mode}   sync_end {version}                  ok {}
   hold_issuing {}     release_issuing {}                  ok {}   (no new prompts issued while held)
   batch_filtered {group_ids}                              ok {} | error {message}   (sample filter)
+  engine_figures {running_reqs, queue_reqs,               ok {} | error {message}   (the engines' /metrics,
+                  gen_tokens_per_s}                        summed; for max_inflight_groups = "auto")
   metrics    {}                                           metrics {metrics, counters, status}
   status     {}                                           status {...counts...}
   get_state  {}                                           state {state} +blobs
@@ -85,10 +87,12 @@ BATCH, TIMEOUT, OK, ERROR, STATE = "batch", "timeout", "ok", "error", "state"
 HOLD_ISSUING, RELEASE_ISSUING = "hold_issuing", "release_issuing"
 # actor -> broker: the batch-level sample filter removed these groups (dropped, not trained)
 BATCH_FILTERED = "batch_filtered"
+# actor -> broker: the engines' latest /metrics, summed (the in-flight autotuner's inputs)
+ENGINE_FIGURES = "engine_figures"
 
 WORKER_TYPES = frozenset({HELLO, HEARTBEAT, TRAJ, GROUP, GROUPS, BYE})
 ACTOR_TYPES = frozenset({GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE, SHUTDOWN,
-                         HOLD_ISSUING, RELEASE_ISSUING, BATCH_FILTERED})
+                         HOLD_ISSUING, RELEASE_ISSUING, BATCH_FILTERED, ENGINE_FIGURES})
 TO_WORKER_TYPES = frozenset({WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN})
 TO_ACTOR_TYPES = frozenset({BATCH, TIMEOUT, OK, ERROR, STATE, METRICS, STATUS})
 

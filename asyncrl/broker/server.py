@@ -382,6 +382,13 @@ class BrokerServer:
                 core.batch_filtered(P.int_list_field(b, "group_ids", P.BATCH_FILTERED,
                                                      max_len=core.s.rollout_batch_size))
                 self._send(ident, P.OK)
+            elif msg.type == P.ENGINE_FIGURES:
+                figures = {k: float(b[k]) for k in ("running_reqs", "queue_reqs", "gen_tokens_per_s")}
+                bad = [k for k, v in figures.items() if not v >= 0]
+                if bad:
+                    raise ValueError(f"engine_figures: {bad} must be numbers >= 0, got {figures}")
+                core.engine_figures(**figures)
+                self._send(ident, P.OK)
             elif msg.type == P.METRICS:
                 self._send(ident, P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters),
                                               "status": self.status()})

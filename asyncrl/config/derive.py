@@ -1,7 +1,8 @@
 """Derived defaults, computed exactly as the seeds state them. Pure.
 
 - ``rollout_buffer.max_inflight_groups = ceil(max_running_requests x instances x 1.2 / group_size)``
-  (RLinf), or ``max_concurrent_samples // group_size`` when that Miles setting is given;
+  (RLinf), or ``max_concurrent_samples // group_size`` when that Miles setting is given; ``"auto"``
+  stays ``"auto"`` (the broker tunes it, starting at ``inflight_start``);
 - ``rollout_buffer.max_buffered_groups = floor(async_data_buffer_capacity_factor x data.rollout_batch_size)``,
   the factor 2.0 when unset (Miles' default), i.e. ``2 x data.rollout_batch_size``;
 - ``rollout_buffer.max_dropped_groups_per_step = 10 x data.rollout_batch_size``;
@@ -36,6 +37,21 @@ def num_engines(cfg: Config) -> int:
 
 def default_max_inflight_groups(*, max_running_requests: int, instances: int, group_size: int) -> int:
     return max(1, math.ceil(max_running_requests * instances * INFLIGHT_MARGIN / group_size))
+
+
+def inflight_start(cfg: Config) -> int:
+    """The in-flight limit the broker starts with: the configured number, or for ``"auto"`` the derived
+    default capped at the buffer limit's bound ``max_buffered_groups - rollout_batch_size`` (of a resolved
+    config)."""
+    rb = cfg.rollout_buffer
+    if rb.max_inflight_groups != "auto":
+        return rb.max_inflight_groups
+    if rb.max_concurrent_samples is not None:
+        n = max(1, rb.max_concurrent_samples // cfg.algorithm.group_size)
+    else:
+        n = default_max_inflight_groups(max_running_requests=cfg.rollout.max_running_requests,
+                                        instances=max(1, num_engines(cfg)), group_size=cfg.algorithm.group_size)
+    return max(1, min(n, rb.max_buffered_groups - cfg.data.rollout_batch_size))
 
 
 def resolve(cfg: Config) -> Config:

@@ -8,6 +8,7 @@ overrides) are written as inline tables so the output loads back with ``load_con
 
 from __future__ import annotations
 
+from asyncrl.config.derive import inflight_start
 from asyncrl.config.loader import to_dict
 from asyncrl.config.schema import Config
 
@@ -41,6 +42,9 @@ def render_config(cfg: Config) -> str:
         for k, v in scalars.items():
             key = f"{path}.{k}" if path else k
             mark = "  # derived" if key in cfg.derived else ""
+            if key == "rollout_buffer.max_inflight_groups" and v == "auto":
+                mark = (f"  # tuned by the broker: starts at {inflight_start(cfg)}, within [1, "
+                        f"{max(1, cfg.rollout_buffer.max_buffered_groups - cfg.data.rollout_batch_size)}]")
             lines.append(f"{_toml_key(k)} = {_toml_value(v)}{mark}")
         for k, v in subs.items():
             emit(v, f"{path}.{k}" if path else k)

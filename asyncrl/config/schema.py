@@ -261,8 +261,9 @@ class AgentLoopConfig:
 
 @dataclass(frozen=True)
 class RolloutBufferConfig:
-    max_inflight_groups: Optional[int] = None
-    """In-flight limit (engine load). Derived: ceil(max_running_requests x instances x 1.2 / group_size)."""
+    max_inflight_groups: Optional[int | Literal["auto"]] = None
+    """In-flight limit (engine load). Derived: ceil(max_running_requests x instances x 1.2 / group_size);
+    ``"auto"``: the broker starts there and tunes it to the smallest value that keeps the engines saturated."""
     max_concurrent_samples: Optional[int] = None
     """Miles ``--async-max-concurrent-samples``: in-flight cap in trajectories; when set,
     max_inflight_groups defaults to ``value // group_size`` instead."""
@@ -291,7 +292,9 @@ class RolloutBufferConfig:
     """A worker silent for this long is declared dead; its in-flight groups are re-issued."""
 
     def __post_init__(self):
-        for name in ("max_inflight_groups", "max_concurrent_samples", "max_buffered_groups",
+        if self.max_inflight_groups != "auto":
+            _positive(self.max_inflight_groups, "rollout_buffer.max_inflight_groups")
+        for name in ("max_concurrent_samples", "max_buffered_groups",
                      "max_dropped_groups_per_step"):
             _positive(getattr(self, name), f"rollout_buffer.{name}")
         _positive(self.async_data_buffer_capacity_factor, "rollout_buffer.async_data_buffer_capacity_factor")

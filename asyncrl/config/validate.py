@@ -86,6 +86,11 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         raise ConfigError(
             f"rollout_buffer.max_buffered_groups: {rb.max_buffered_groups} is below data.rollout_batch_size "
             f"= {B}, so a batch could never be assembled; raise it to at least {2 * B} (the default 2 x B)")
+    if rb.max_inflight_groups == "auto" and rb.max_buffered_groups <= B:
+        raise ConfigError(
+            f"rollout_buffer.max_inflight_groups = \"auto\": it tunes within [1, max_buffered_groups - "
+            f"rollout_batch_size], empty with max_buffered_groups = {rb.max_buffered_groups} and "
+            f"data.rollout_batch_size = {B}; raise rollout_buffer.max_buffered_groups to at least {2 * B}")
     if rb.max_dropped_groups_per_step < 1:  # pragma: no cover - __post_init__ catches it
         raise ConfigError("rollout_buffer.max_dropped_groups_per_step: must be >= 1")
 
@@ -118,7 +123,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"agentloop.max_actor_accept_staleness = {cap} is below the staleness the buffer limit produces "
             f"on its own (max_buffered_groups / rollout_batch_size = {natural_bound:g}): the oldest groups of "
             f"every batch will be dropped; raise it to at least {natural_bound:g} or lower max_buffered_groups")
-    if rb.max_buffered_groups < rb.max_inflight_groups + B:
+    if rb.max_inflight_groups != "auto" and rb.max_buffered_groups < rb.max_inflight_groups + B:
         warnings.append(
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < max_inflight_groups "
             f"({rb.max_inflight_groups}) + rollout_batch_size ({B}): when generation is the bottleneck, buffered "

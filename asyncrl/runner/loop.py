@@ -189,6 +189,7 @@ class EngineScraper:
             out[f"engine/{i}/num_running_reqs"] = r
             out[f"engine/{i}/cache_hit_rate"] = h
             out[f"engine/{i}/num_queue_reqs"] = vals.get("num_queue_reqs", 0.0)
+            out[f"engine/{i}/gen_throughput"] = vals.get("gen_throughput", 0.0)
             running.append(r)
             hit.append(h)
         if running:
@@ -237,6 +238,8 @@ class _LeaderParts:
     def next_batch(self, cfg, step: int, actor_version: int, t0: float, preempt=None):
         """The step's groups (after the sample filter) and their metrics; None as soon as a restarted engine
         waits for its catch-up sync (``_next_batch`` runs it, then asks again); ``_PREEMPT`` on preemption."""
+        if cfg.rollout_buffer.max_inflight_groups == "auto":
+            self.report_engine_figures()
         batch = _wait_batch(self.broker, self.recovery, step, actor_version, batch_timeout_s(cfg), t0, preempt)
         if batch is None or batch is _PREEMPT:
             return batch
@@ -252,6 +255,17 @@ class _LeaderParts:
         m.update(rollout_metrics(groups))
         self.last_groups = groups
         return groups, m
+
+
+    def report_engine_figures(self) -> None:
+        """The scraper's latest figures, summed over engines, to the broker's in-flight autotuner."""
+        latest = self.scraper.latest()
+        if not latest:
+            return
+        total = {k: sum(v for name, v in latest.items() if name.startswith("engine/") and name.endswith("/" + k))
+                 for k in ("num_running_reqs", "num_queue_reqs", "gen_throughput")}
+        self.broker.engine_figures(running_reqs=total["num_running_reqs"], queue_reqs=total["num_queue_reqs"],
+                                   gen_tokens_per_s=total["gen_throughput"])
 
 
 def wait_split(batch_metrics: dict[str, float], wait_s: float, *, async_mode: bool) -> dict[str, float]:

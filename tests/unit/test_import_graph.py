@@ -14,7 +14,7 @@ Floors (a package may import its own floor's siblings only as listed in ``FLOORS
     0 config                                   typed config, derivation, validation, placement
     1 cluster                                  processes, addresses, discovery, Megatron CPU shims
     2 models engine broker rollout agent actor sync   the parts, one per process kind or seam
-    3 runner                                   roles and the step loop that wire the parts
+    3 runner, simulate                         roles and the step loop that wire the parts; the sizing tool
 
 Packages on one floor may import each other only along ``SIDEWAYS`` arrows (a DAG), so the
 package graph as a whole has no cycle.
@@ -39,6 +39,7 @@ FLOORS = {
     "actor": 2,
     "sync": 2,
     "runner": 3,
+    "simulate": 3,  # the sizing tool (python -m asyncrl.simulate): drives the broker core like the runner
 }
 # arrows allowed between packages on the same floor (must form no cycle; the test checks it)
 SIDEWAYS = {

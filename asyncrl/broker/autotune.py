@@ -1,0 +1,244 @@
+"""``rollout_buffer.max_inflight_groups = "auto"``: the in-flight limit that tunes itself, step by step.
+
+Pure: no I/O, no clock of its own. The broker core calls ``observe`` once per step (at the hand-off)
+with the step's figures; time is the core's injected clock, integrated into those figures.
+
+The goal (RLinf's tuning advice, done by the broker): the *smallest* in-flight limit that keeps the
+engines saturated. More in-flight groups than that only queue inside the engines and age the data
+(same throughput, higher staleness); fewer starve the engines.
+
+How it decides (a bracketing search on the measured curve throughput(mean in-flight groups)):
+- every step adds a point ``(x, T)``: x = time-averaged in-flight groups of the step (not the
+  limit: a lowered limit takes effect only as groups finish), T = generated tokens/s (the engines'
+  ``gen_throughput`` when the shell reports it, else the tokens of the groups that arrived);
+- ``g`` = the smallest x whose T is within ``tol`` of the best T seen: the knee estimate;
+  ``b`` = the largest x below it (too few: T fell);
+- no ``b`` yet: probe up when the limit binds and the engines report an empty queue (a raise
+  takes effect at once), else probe down (``g / max_factor``);
+- the curve still rises steeply at the largest x seen (elasticity dlnT/dlnx >= ``rise_elasticity``
+  and the limit binds): probe up; ``g / b`` wider than ``resolution`` (and an integer lies between):
+  probe the geometric middle; else settle at ``g x (1 + margin)``;
+- a step whose mean in-flight count is still above a lowered limit is not a point (the limit takes
+  effect only as groups finish), nor is one that stays below the limit while neither limit held
+  admission back (in-flight still ramping up); the first ``warmup_steps`` are not points either;
+- engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) are past
+  saturation by definition: step down at once (the queued share, at most ``/ max_factor``), and
+  no later probe goes above that limit (until a retune);
+- settled, it holds (hysteresis): it searches again only when T at the settled limit moves by more
+  than ``retune_frac`` in the same direction for ``retune_steps`` steps in a row while the buffer
+  limit does not bind (then training sets the pace), or the engines start queueing.
+Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), clamped to
+``[lower, upper]`` (``upper`` = the buffer limit's bound, ``max_buffered_groups -
+rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
+``rollout/buffer/inflight_limit`` every step).
+
+    tuner = InflightAutotuner(start=96, upper=224)
+    step = StepFigures(limit=96, mean_inflight=95.2, tokens_per_s=8000.0, wait_inflight=0.9, wait_buffer=0.0)
+    tuner.observe(step)                      # None: the first step is a warm-up
+    change = tuner.observe(step)             # no engine figures, no point below: probe down
+    change.new, change.reason                # 48, 'probe down: 8000 tok/s at 95.2 in flight, ...'
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What one step showed (the core fills it at the hand-off)."""
+
+    limit: int
+    """The in-flight limit in effect during the step."""
+    mean_inflight: float
+    """Time-averaged in-flight groups over the step."""
+    tokens_per_s: float
+    """Generated tokens per second over the step (engines' gen_throughput, else counted by the broker)."""
+    wait_inflight: float
+    """rollout/buffer/admission_wait_inflight_limit of the step (fraction)."""
+    wait_buffer: float
+    """rollout/buffer/admission_wait_buffer_full of the step (fraction)."""
+    running_reqs: Optional[float] = None
+    """Requests running in all engines (SGLang ``num_running_reqs``, summed), when reported."""
+    queue_reqs: Optional[float] = None
+    """Requests queued in all engines (SGLang ``num_queue_reqs``, summed), when reported."""
+
+
+@dataclass(frozen=True)
+class Change:
+    old: int
+    new: int
+    reason: str
+
+
+@dataclass
+class AutotuneSettings:
+    max_factor: float = 2.0
+    """A change moves the limit by at most this factor (bounded step)."""
+    tol: float = 0.02
+    """A point is saturated when its throughput is within this fraction of the best seen."""
+    resolution: float = 1.15
+    """Stop bisecting when the saturated and the starved point are this close (ratio)."""
+    margin: float = 0.1
+    """Settle this far above the knee estimate (fluctuations of the in-flight count)."""
+    rise_elasticity: float = 0.5
+    """dlnT/dlnx at the largest point above which the curve still rises: probe up."""
+    queue_frac: float = 0.15
+    """Engines queueing more than this share of what they run are past saturation."""
+    retune_frac: float = 0.25
+    """Search again when the settled throughput moves by more than this ..."""
+    retune_steps: int = 3
+    """... for this many steps in a row."""
+    warmup_steps: int = 1
+    """Steps ignored at the start (engines filling from empty)."""
+    ramp: float = 0.1
+    """A step whose mean in-flight count stays this far below the limit while neither limit binds ..."""
+    binds: float = 0.3
+    """... (admission waits under this fraction) is a ramp, not a point."""
+    merge: float = 0.04
+    """Points whose x differ by less than this fraction are one point (their T averaged)."""
+
+
+@dataclass
+class _Point:
+    x: float
+    t_sum: float
+    n: int
+    binds: bool
+
+    @property
+    def t(self) -> float:
+        return self.t_sum / self.n
+
+
+@dataclass
+class InflightAutotuner:
+    start: int
+    upper: int
+    lower: int = 1
+    settings: AutotuneSettings = field(default_factory=AutotuneSettings)
+
+    def __post_init__(self):
+        assert 1 <= self.lower <= self.upper, (self.lower, self.upper)
+        self.limit = min(max(int(self.start), self.lower), self.upper)
+        self.settled = False
+        self.steps = 0
+        self._points: list[_Point] = []
+        self._settle_t = 0.0
+        self._ref: list[float] = []
+        self._off: list[float] = []
+        self._ceiling = self.upper
+        self.history: list[Change] = []
+
+    # ----------------------------------------------------------------- the one entry point
+    def observe(self, f: StepFigures) -> Optional[Change]:
+        """Take one step's figures; return the change of the limit it causes (or None)."""
+        self.steps += 1
+        if self.steps <= self.settings.warmup_steps or f.tokens_per_s <= 0 or f.mean_inflight <= 0:
+            return None
+        s = self.settings
+        if f.queue_reqs is not None and f.running_reqs and f.queue_reqs > s.queue_frac * f.running_reqs:
+            share = f.running_reqs / (f.running_reqs + f.queue_reqs)
+            self.settled = False
+            change = self._move(min(self.limit - 1, math.floor(self.limit * share)),
+                                f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they "
+                                f"run: past saturation")
+            self._ceiling = self.limit  # no probe above a limit that made the engines queue
+            return change
+        if self.settled:
+            return self._hold(f)
+        if f.mean_inflight > f.limit * (1 + s.merge):
+            return None  # a lowered limit takes effect only as groups finish: measure once it has
+        if f.mean_inflight < f.limit * (1 - s.ramp) and max(f.wait_inflight, f.wait_buffer) < s.binds:
+            return None  # neither limit held admission back: in-flight still ramping up, not a point of the curve
+        self._add(f)
+        return self._search(f)
+
+    # ----------------------------------------------------------------- internals
+    def _add(self, f: StepFigures) -> None:
+        binds = f.wait_inflight >= self.settings.binds
+        for p in self._points:
+            if abs(p.x - f.mean_inflight) <= self.settings.merge * max(p.x, f.mean_inflight):
+                p.t_sum += f.tokens_per_s
+                p.n += 1
+                p.binds = binds
+                return
+        self._points.append(_Point(f.mean_inflight, f.tokens_per_s, 1, binds))
+
+    def _forget(self) -> None:
+        self._points = []
+        self.settled = False
+        self._off = []
+        self._ceiling = self.upper
+
+    def _knee(self) -> tuple[_Point, Optional[_Point]]:
+        best = max(p.t for p in self._points)
+        good = [p for p in self._points if p.t >= (1 - self.settings.tol) * best]
+        g = min(good, key=lambda p: p.x)
+        below = [p for p in self._points if p.x < g.x]
+        return g, (max(below, key=lambda p: p.x) if below else None)
+
+    def _search(self, f: StepFigures) -> Optional[Change]:
+        s = self.settings
+        g, b = self._knee()
+        top = max(self._points, key=lambda p: p.x)
+        rising = b is not None and g is top and g.binds and f.wait_buffer < s.binds and \
+            math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x) >= s.rise_elasticity
+        idle = f.queue_reqs is not None and f.queue_reqs <= 0.02 * (f.running_reqs or 0.0)
+        if b is None and g is top and idle and g.binds and f.wait_buffer < s.binds and self.limit < self._ceiling:
+            return self._move(min(g.x * s.max_factor, self._ceiling),
+                              f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing")
+        if b is None and g.x > self.lower and self.limit > self.lower:
+            return self._move(g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, "
+                                                  f"none below it measured yet")
+        if rising and self.limit < self._ceiling:
+            return self._move(min(g.x * s.max_factor, self._ceiling),
+                              f"probe up: throughput still rises at {g.x:.1f} in flight ({b.t:.0f} -> {g.t:.0f} tok/s)")
+        if b is not None and g.x / b.x > s.resolution and b.x < math.ceil(math.sqrt(g.x * b.x)) < g.x:
+            return self._move(math.sqrt(g.x * b.x), f"bisect: saturated at {g.x:.1f} ({g.t:.0f} tok/s), "
+                                                    f"starved at {b.x:.1f} ({b.t:.0f} tok/s)")
+        self.settled = True
+        self._settle_t = 0.0
+        self._ref = []
+        why = f"settle: the smallest saturated point is {g.x:.1f} in flight ({g.t:.0f} tok/s)"
+        if b is not None:
+            why += f"; {b.x:.1f} gave {b.t:.0f} tok/s"
+        return self._move(g.x * (1 + s.margin), why)
+
+    def _hold(self, f: StepFigures) -> Optional[Change]:
+        s = self.settings
+        if len(self._ref) < s.retune_steps:  # the reference: the mean of the first steps at the settled limit
+            self._ref.append(f.tokens_per_s)
+            self._settle_t = sum(self._ref) / len(self._ref)
+            return None
+        if f.wait_buffer >= s.binds:  # training sets the pace: throughput moves say nothing about the engines
+            self._off = []
+            return None
+        dev = f.tokens_per_s / self._settle_t - 1
+        self._off = self._off + [dev] if abs(dev) > s.retune_frac and (not self._off or dev * self._off[0] > 0) \
+            else []
+        if len(self._off) < s.retune_steps:
+            return None
+        old = self._settle_t
+        self._forget()
+        self._add(f)
+        change = self._search(f)
+        reason = f"retune: throughput moved from {old:.0f} to {f.tokens_per_s:.0f} tok/s at the settled limit"
+        if change is None:
+            return None
+        self.history[-1] = Change(change.old, change.new, f"{reason}; {change.reason}")
+        return self.history[-1]
+
+    def _move(self, target: float, reason: str) -> Optional[Change]:
+        s = self.settings
+        new = math.ceil(target - 1e-9)
+        new = max(new, math.floor(self.limit / s.max_factor), self.lower)
+        new = min(new, math.ceil(self.limit * s.max_factor), self.upper)
+        if new == self.limit:
+            return None
+        change = Change(self.limit, new, reason)
+        self.limit = new
+        self.history.append(change)
+        return change

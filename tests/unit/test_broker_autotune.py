@@ -1,0 +1,150 @@
+"""The in-flight autotuner's decisions (asyncrl/broker/autotune.py) and its wiring into the broker core.
+
+The controller is fed the figures a step would show for an engine curve T(x) = peak x min(x, knee) / knee
+(flat past saturation, as SGLang's throughput is once the batch is compute-bound); the mean in-flight
+count of a step is the limit in force (the limit binds when generation is the bottleneck).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+from asyncrl.broker.autotune import InflightAutotuner, StepFigures
+from asyncrl.broker.core import BrokerCore, CoreSettings
+from asyncrl.broker.types import PromptItem, Trajectory
+
+
+def _figures(limit: int, knee: float, *, peak: float = 5000.0, noise: float = 0.0, rng=None,
+             queue: bool = False) -> StepFigures:
+    t = peak * min(limit, knee) / knee * (1 + (rng.uniform(-noise, noise) if rng else 0.0))
+    running = queued = None
+    if queue:  # engines run at most 2 x knee requests per in-flight group's worth; the rest queue
+        running, queued = min(limit, 2 * knee), max(0.0, limit - 2 * knee)
+    return StepFigures(limit=limit, mean_inflight=float(limit), tokens_per_s=t, wait_inflight=1.0,
+                       wait_buffer=0.0, running_reqs=running, queue_reqs=queued)
+
+
+def _run(tuner: InflightAutotuner, knee: float, steps: int, **kw) -> list[int]:
+    limits = []
+    for _ in range(steps):
+        tuner.observe(_figures(tuner.limit, knee, **kw))
+        limits.append(tuner.limit)
+    return limits
+
+
+def test_backs_off_from_an_oversized_limit_to_the_knee():
+    tuner = InflightAutotuner(start=96, upper=200)
+    limits = _run(tuner, knee=20, steps=12)
+    assert tuner.settled
+    assert 20 <= tuner.limit <= math.ceil(20 * 1.15 * 1.05), limits
+    assert limits[-3:] == [tuner.limit] * 3
+    assert all(c.new < c.old or c.reason.startswith(("bisect", "settle")) for c in tuner.history)
+    assert tuner.history[0].reason.startswith("probe down")
+
+
+def test_climbs_to_saturate_engines_starved_by_a_small_limit():
+    tuner = InflightAutotuner(start=4, upper=200)
+    limits = _run(tuner, knee=50, steps=14)
+    assert tuner.settled and 50 <= tuner.limit <= math.ceil(50 * 1.15 * 1.05), limits
+    assert any(c.reason.startswith("probe up") for c in tuner.history)
+
+
+def test_every_change_is_bounded_and_within_the_buffer_bound():
+    tuner = InflightAutotuner(start=300, upper=40)  # start clamps to the buffer limit's bound
+    assert tuner.limit == 40
+    prev = tuner.limit
+    for _ in range(15):
+        tuner.observe(_figures(tuner.limit, knee=500))  # engines never saturate: it wants more
+        assert 1 <= tuner.limit <= 40
+        assert prev / 2 - 1 <= tuner.limit <= prev * 2 + 1
+        prev = tuner.limit
+    assert tuner.limit == 40
+
+
+def test_holds_under_noise_once_settled():
+    rng = random.Random(0)
+    tuner = InflightAutotuner(start=64, upper=200)
+    _run(tuner, knee=16, steps=10, noise=0.02, rng=rng)
+    assert tuner.settled
+    settled = tuner.limit
+    n_changes = len(tuner.history)
+    _run(tuner, knee=16, steps=40, noise=0.08, rng=rng)  # +-8% step-to-step noise: no oscillation
+    assert tuner.limit == settled and len(tuner.history) == n_changes
+
+
+def test_retunes_when_the_workload_changes():
+    tuner = InflightAutotuner(start=64, upper=400)
+    _run(tuner, knee=16, steps=12)
+    assert tuner.settled and tuner.limit < 24
+    _run(tuner, knee=80, steps=16)  # e.g. longer tool calls: more groups needed in flight
+    assert tuner.limit >= 80 and any(c.reason.startswith("retune") for c in tuner.history)
+
+
+def test_engine_queue_backs_off_at_once():
+    tuner = InflightAutotuner(start=100, upper=200)
+    tuner.observe(_figures(100, knee=10, queue=True))  # warm-up step: ignored
+    change = tuner.observe(_figures(100, knee=10, queue=True))
+    assert change is not None and change.new == 50 and "queue" in change.reason  # bounded: at most / 2
+
+
+def test_core_logs_the_limit_and_tunes_it_down():
+    """The core with ``inflight_autotune``: a generation-bound toy where throughput saturates at 6 groups."""
+    now = [0.0]
+    core = BrokerCore([PromptItem(i, f"q{i}") for i in range(64)], clock=lambda: now[0], settings=CoreSettings(
+        rollout_batch_size=4, group_size=1, max_inflight_groups=24, max_buffered_groups=28,
+        max_dropped_groups_per_step=40, inflight_autotune=True))
+    core.add_worker("w", capacity=100)
+    limits = []
+    for step in range(14):
+        core.request_batch(step)
+        while (batch := core.take_batch()) is None:
+            gids = core.inflight_group_ids()
+            rate = min(len(gids), 6) / len(gids)  # each group's share of a saturating engine
+            now[0] += 1.0 / rate
+            core.engine_figures(running_reqs=len(gids), queue_reqs=0, gen_tokens_per_s=100 * min(len(gids), 6))
+            core.group_finished(gids[0], [Trajectory([0], [1], [1], [0.0])])
+        limits.append(batch.metrics["rollout/buffer/inflight_limit"])
+    assert limits[0] == 24 and 6 <= core.inflight_limit <= 9, limits
+
+
+def test_config_accepts_auto_and_starts_at_the_derived_limit():
+    from asyncrl.config import ConfigError, load_config, validate
+    from asyncrl.config.render import render_config
+
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
+    cfg = load_config(tiny, ["rollout_buffer.max_inflight_groups=\"auto\""])
+    validate(cfg, world_size=2)
+    assert cfg.rollout_buffer.max_inflight_groups == "auto"
+    s = CoreSettings.from_config(cfg)
+    assert s.inflight_autotune and s.max_inflight_groups == 8  # ceil(24 x 1 x 1.2 / 4), within [1, 16 - 8]
+    assert 'max_inflight_groups = "auto"  # tuned by the broker: starts at 8, within [1, 8]' in render_config(cfg)
+    fixed = CoreSettings.from_config(load_config(tiny, ["rollout_buffer.max_inflight_groups=5"]))
+    assert not fixed.inflight_autotune and fixed.max_inflight_groups == 5
+    for bad, key in (("\"fast\"", "expected int or 'auto'"), ("0", "> 0")):
+        try:
+            load_config(tiny, [f"rollout_buffer.max_inflight_groups={bad}"])
+        except ConfigError as e:
+            assert "rollout_buffer.max_inflight_groups" in str(e) and key in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")
+    cramped = load_config(tiny, ["rollout_buffer.max_inflight_groups=\"auto\"", "rollout_buffer.max_buffered_groups=8"])
+    try:
+        validate(cramped, world_size=2)
+    except ConfigError as e:
+        assert "rollout_buffer.max_inflight_groups" in str(e) and "max_buffered_groups" in str(e)
+    else:
+        raise AssertionError("auto with no room accepted")
+
+
+def test_event_simulator_drives_the_core_with_auto_within_bounds():
+    from asyncrl.simulate import EngineModel, SimConfig, Workload, simulate
+
+    cfg = SimConfig(engines=4, batch=8, buffered=8 + 40, inflight="auto", steps=14,
+                    engine=EngineModel(peak_tok_s=4000.0, n_sat=8, max_running=16))
+    r = simulate(cfg, Workload(train_s=0.1, sync_s=0.05))
+    assert len(r.metrics) == 14 and r.limits[0] == 20  # derived: ceil(16 x 4 x 1.2 / 4) = 20 (bound 40)
+    assert all(1 <= n <= 40 for n in r.limits)
+    assert all(b <= 2 * a + 1 and a <= 2 * b + 1 for a, b in zip(r.limits, r.limits[1:]))  # bounded steps
+    assert r.changes and r.throughput_groups_s() > 0
