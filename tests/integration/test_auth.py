@@ -18,12 +18,12 @@ import msgpack
 import pytest
 import zmq
 from agent_fixtures import make_scripted_model, start_cpu_engine
-from asyncrl.runner.broker_process import start_broker
 
 from asyncrl.broker import protocol as P
 from asyncrl.broker.client import BrokerClient
 from asyncrl.broker.core import BrokerError
 from asyncrl.cluster.auth import ENV
+from asyncrl.runner.broker_process import start_broker
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.broker.client import Assignment, BrokerClient, WorkerConnection
-from asyncrl.runner.broker_process import start_broker
 from asyncrl.broker.types import Trajectory
+from asyncrl.runner.broker_process import start_broker
 
 
 def _inputs(tmp: Path) -> tuple[str, str]:

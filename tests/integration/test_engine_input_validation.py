@@ -158,7 +158,7 @@ def test_abort_all_string_false_aborts_nothing(engine):
         async with aiohttp.ClientSession() as s:
             long = asyncio.create_task(s.post(engine.url + "/generate", json={
                 "input_ids": PROMPT, "rid": "keep-me", "sampling_params": {
-                    "max_new_tokens": CONTEXT, "temperature": 1.0, "ignore_eos": True}}))
+                    "max_new_tokens": CONTEXT - len(PROMPT) - 1, "temperature": 1.0, "ignore_eos": True}}))
             async with s.post(engine.url + "/abort_request", json={"abort_all": "false"}) as r:
                 assert r.status == 400
             async with await long as r:
