@@ -107,6 +107,12 @@ def test_sbatch_builds_one_torchrun_per_node_with_a_job_rendezvous(fake_slurm, c
     assert _value_after(argv[:t], "--nodes") == "2"
     assert _value_after(argv[:t], "--ntasks-per-node") == "1"
     assert _value_after(argv[:t], "--cpus-per-task") == "64"
+    # torchrun starts with SIGUSR1 ignored (Slurm's preemption notice is for the actor ranks): run the same
+    # wrapper for real in front of a probe instead of torchrun
+    wrapper = argv[argv.index("bash"):t]
+    probe = subprocess.run([*wrapper, sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)"],
+                           capture_output=True, text=True, timeout=30)
+    assert probe.stdout.strip() == "True", probe
     torchrun = argv[t:]
     assert _value_after(torchrun, "--nnodes") == "2"
     assert _value_after(torchrun, "--nproc_per_node") == "8"
