@@ -207,8 +207,8 @@ def weight_version_summary(trajs: list) -> dict[str, float]:
     than one version (Miles' ``weight_version/mean`` and ``mixed_version_ratio``)."""
     if not trajs:
         return {}
-    means = [sum(t.weight_versions) / len(t.weight_versions) if t.weight_versions else float(t.min_version)
-             for t in trajs]
+    gen = [[v for v in t.weight_versions if v >= 0] for t in trajs]  # tool tokens carry -1: not generated
+    means = [sum(g) / len(g) if g else float(t.min_version) for g, t in zip(gen, trajs)]
     mixed = sum(t.min_version != t.max_version for t in trajs)
     return {"weight_version_mean": sum(means) / len(means), "mixed_version_ratio": mixed / len(trajs)}
 

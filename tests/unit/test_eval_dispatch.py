@@ -294,3 +294,14 @@ def test_a_due_point_without_a_slot_under_skip_is_eval_skipped_busy_at_its_step(
         GatedEval.GATE.set()
         points = dict(pe.finish(4))
     assert points[2]["eval/step"] == 2.0 and points[2]["eval/value"] == 0.5
+
+
+def test_weight_version_mean_counts_generated_tokens_only():
+    """Tool tokens carry version -1 in ``weight_versions``; the mean is over generated tokens (a multi-turn eval
+    at version 60 reported 12.9 when the -1s were averaged in)."""
+    from types import SimpleNamespace
+
+    from asyncrl.runner.evaluation import weight_version_summary
+
+    t = SimpleNamespace(weight_versions=[60, 60, -1, -1, -1, 60], min_version=60, max_version=60)
+    assert weight_version_summary([t]) == {"weight_version_mean": 60.0, "mixed_version_ratio": 0.0}
