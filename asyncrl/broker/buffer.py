@@ -34,7 +34,6 @@ Either takes over every group-level decision.
 from __future__ import annotations
 
 import abc
-import importlib
 import inspect
 from collections import deque
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from asyncrl.broker.types import Group
+from asyncrl.config.validate import resolve_hook as import_path  # the one module:attr resolver
 
 DynamicFilter = Callable[[Group], Optional[str]]
 
@@ -185,23 +185,6 @@ class DefaultDataBuffer(DataBuffer):
     def restore(self, groups: list[Group]) -> None:
         self._q = deque(groups)
         self._min_version = {g.group_id: g.min_version for g in groups}
-
-
-def import_path(path: str, key: str):
-    """Resolve ``module:attr`` (``key`` is the dotted config key, for the error message)."""
-    if ":" not in path:
-        raise ValueError(f"{key}: expected 'module:name', got {path!r}")
-    mod_name, attr = path.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"{key}: cannot import module {mod_name!r} of {path!r}: {e}") from None
-    obj = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{key}: module {mod_name!r} has no attribute {attr!r} (from {path!r})")
-        obj = getattr(obj, part)
-    return obj
 
 
 class MilesBufferAdapter(DataBuffer):

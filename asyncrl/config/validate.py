@@ -275,8 +275,9 @@ def check_inputs(cfg: Config) -> None:
         import_hook(spec, key)
 
 
-def import_hook(spec: str, key: str):
-    """``module:attr`` -> the attribute; ``ConfigError`` naming ``key`` when it cannot be imported."""
+def resolve_hook(spec: str, key: str):
+    """``module:attr`` -> the attribute (``attr`` may be dotted); ``ConfigError`` naming ``key`` when it cannot be
+    imported. The one resolver of every hook setting (the broker and the runner call it at their start too)."""
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(f"{key}: expected 'module:attr' (e.g. 'my_pkg.filters:drop_easy'), got {spec!r}")
@@ -289,6 +290,12 @@ def import_hook(spec: str, key: str):
         if not hasattr(obj, part):
             raise ConfigError(f"{key}: module {module!r} has no attribute {attr!r} (from {spec!r})")
         obj = getattr(obj, part)
+    return obj
+
+
+def import_hook(spec: str, key: str):
+    """``resolve_hook`` of a hook that must be callable (a function or a class)."""
+    obj = resolve_hook(spec, key)
     if not callable(obj):
         raise ConfigError(f"{key}: {spec!r} is not callable")
     return obj

@@ -67,7 +67,7 @@ from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
 from asyncrl.agent.tasks import get_task
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import check_retriever, make_retriever
-from asyncrl.broker.buffer import import_path
+from asyncrl.config.validate import resolve_hook as import_path
 from asyncrl.engine.client import SGLangClient
 
 log = logging.getLogger("asyncrl.eval")

@@ -22,7 +22,7 @@ from typing import Any, Optional
 def _load(path: Optional[str], key: str) -> Optional[Callable[..., Any]]:
     if not path:
         return None
-    from asyncrl.broker.buffer import import_path
+    from asyncrl.config.validate import resolve_hook as import_path
 
     fn = import_path(path, key)
     if not callable(fn):

@@ -60,9 +60,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from asyncrl.actor.trainer import Actor
-from asyncrl.broker.buffer import import_path
 from asyncrl.broker.client import BrokerClient
 from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
+from asyncrl.config.validate import resolve_hook as import_path
 from asyncrl.engine.blocking import EngineStepError, get_text
 from asyncrl.engine.client import parse_prometheus
 from asyncrl.runner.eval_fleet import FleetEval
