@@ -71,6 +71,7 @@ SYNC_S = 0.3
 STALENESS_CAP = 4  # exercises the buffer's get-time filter on every arrival while the actor waits
 SHARE_TARGET = 0.01  # issue #16: the core's CPU time per step <= 1% of the step
 MILES_30B_SYNC_S = 2.67  # Miles, Qwen3-30B-A3B over NCCL broadcast (as cited in issue #16)
+OLD_MEMBERSHIP = "ids"  # --old-membership: only for a core without is_inflight (the before figure)
 
 
 # --------------------------------------------------------------------------- 1. the core per event
@@ -148,7 +149,10 @@ def drive(inflight: int, workers: int, *, steps: int, gs: int = 8, seed: int = 0
     core = _NullCore(inflight, batch) if null else _core(inflight, workers, batch, gs, lambda: now[0])
     live = list(range(inflight)) if null else [iss.group_id for iss in core.take_issues()]
     assert len(live) == inflight, (len(live), inflight)
-    member = getattr(core, "is_inflight", None) or (lambda g: g in core.inflight_group_ids())  # the old core
+    member = getattr(core, "is_inflight", None)
+    if member is None:  # a core from before is_inflight: the simulator's list scan, or the server's owner()
+        member = (lambda g: g in core.inflight_group_ids()) if OLD_MEMBERSHIP == "ids" else \
+            (lambda g: core.owner(g) is not None)
     rng = random.Random(seed)
     events = 0
     t0 = 0.0
@@ -292,7 +296,12 @@ def main() -> int:
     ap.add_argument("--engines", type=int, default=1, help="engines the sync fans out to (Miles' example: one)")
     ap.add_argument("--bucket-bytes", type=int, default=512 * 1024 * 1024, help="sync.bucket_bytes")
     ap.add_argument("--write", action="store_true", help="write benchmarks/baselines/scale.json")
+    ap.add_argument("--old-membership", choices=("ids", "owner"), default="ids",
+                    help="a core without is_inflight (measuring the old code): ask inflight_group_ids (the "
+                         "simulator's pattern) or owner (the server's)")
     args = ap.parse_args()
+    global OLD_MEMBERSHIP
+    OLD_MEMBERSHIP = args.old_membership
     if args.reps < 5:
         ap.error("--reps: at least 5 repetitions")
     t_start = time.time()
