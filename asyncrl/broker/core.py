@@ -334,6 +334,7 @@ class BrokerCore:
         w = self._workers.get(worker_id)
         if w is None:
             w = self._workers[worker_id] = _Worker(capacity=max(1, capacity), last_seen=self._last_t)
+            self._by_seen[worker_id] = None
         w.capacity = max(1, capacity)
         self._seen(worker_id, w, self._last_t)
         self._push_load(worker_id, w)
@@ -555,7 +556,6 @@ class BrokerCore:
     # ----------------------------------------------------------------- internals
     def _seen(self, worker_id: str, w: _Worker, t: float) -> None:
         w.last_seen = t
-        self._by_seen[worker_id] = None
         self._by_seen.move_to_end(worker_id)
 
     def _push_load(self, worker_id: str, w: _Worker) -> None:
