@@ -34,6 +34,7 @@ Either takes over every group-level decision.
 from __future__ import annotations
 
 import abc
+import heapq
 import inspect
 from collections import deque
 from collections.abc import Callable
@@ -100,12 +101,18 @@ class DataBuffer(abc.ABC):
 
 
 class DefaultDataBuffer(DataBuffer):
-    """FIFO store with the put-time and get-time filters of the Miles page."""
+    """FIFO store with the put-time and get-time filters of the Miles page.
+
+    ``put`` is O(group + log n); ``get`` is O(log n) while nothing is too stale and fewer than ``num_groups``
+    are buffered (the core asks after every arrival while the actor waits), else O(what it removes + log n)
+    (O(n) when it drops stale groups): the min version is kept in a heap, the sum of versions as a total."""
 
     def __init__(self, settings: BufferSettings):
         super().__init__(settings)
         self._q: deque[Group] = deque()
         self._min_version: dict[int, int] = {}  # group_id -> group.min_version, computed once at put
+        self._version_heap: list[tuple[int, int]] = []  # (min_version, group_id); stale once the id left _min_version
+        self._version_sum = 0  # sum of _min_version's values
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -129,19 +136,36 @@ class DefaultDataBuffer(DataBuffer):
                 self._filter_drops[reason] = self._filter_drops.get(reason, 0) + 1
                 return Rejection(group, reason, "drop")
         self._q.append(group)
-        self._min_version[group.group_id] = min([t.min_version for t in trajs]) if trajs else group.min_version
+        self._remember(group.group_id, min([t.min_version for t in trajs]) if trajs else group.min_version)
         return None
+
+    def _remember(self, group_id: int, min_version: int) -> None:
+        self._min_version[group_id] = min_version
+        self._version_sum += min_version
+        heapq.heappush(self._version_heap, (min_version, group_id))
+
+    def _forget(self, group_id: int) -> int:
+        v = self._min_version.pop(group_id)
+        self._version_sum -= v
+        return v
+
+    def _oldest_version(self) -> int:
+        """min(_min_version.values()) in O(log n) amortized; the buffer must not be empty."""
+        heap, mv = self._version_heap, self._min_version
+        while heap[0][1] not in mv:
+            heapq.heappop(heap)
+        return heap[0][0]
 
     def get(self, num_groups: int, *, engine_version: int) -> tuple[Optional[list[Group]], list[Rejection]]:
         rejected: list[Rejection] = []
         cap = self.settings.max_staleness
         mv = self._min_version
-        if cap is not None and self._q and engine_version - min(mv.values()) > cap:
+        if cap is not None and self._q and engine_version - self._oldest_version() > cap:
             kept: deque[Group] = deque()
             for g in self._q:
                 if engine_version - mv[g.group_id] > cap:
                     rejected.append(Rejection(g, "stale", "unused"))
-                    del mv[g.group_id]
+                    self._forget(g.group_id)
                 else:
                     kept.append(g)
             self._q = kept
@@ -151,9 +175,12 @@ class DefaultDataBuffer(DataBuffer):
         self._queue_size = len(self._q)
         pop = self._q.popleft
         out = [pop() for _ in range(num_groups)]
-        self._consumed.extend([engine_version - mv.pop(g.group_id) for g in out])
-        # staleness of what stays buffered: mean and max from the cached min versions (no per-group objects)
-        self._buffer_staleness = (engine_version - sum(mv.values()) / len(mv), engine_version - min(mv.values())) \
+        self._consumed.extend([engine_version - self._forget(g.group_id) for g in out])
+        if len(self._version_heap) > 2 * len(mv) + 64:  # compact: O(n) per >= n + 64 removals
+            self._version_heap = [(v, gid) for gid, v in mv.items()]
+            heapq.heapify(self._version_heap)
+        # staleness of what stays buffered: mean and max from the maintained total and heap
+        self._buffer_staleness = (engine_version - self._version_sum / len(mv), engine_version - self._oldest_version()) \
             if mv else (0.0, 0)
         return out, rejected
 
@@ -184,7 +211,9 @@ class DefaultDataBuffer(DataBuffer):
 
     def restore(self, groups: list[Group]) -> None:
         self._q = deque(groups)
-        self._min_version = {g.group_id: g.min_version for g in groups}
+        self._min_version, self._version_heap, self._version_sum = {}, [], 0
+        for g in groups:
+            self._remember(g.group_id, g.min_version)
 
 
 class MilesBufferAdapter(DataBuffer):

@@ -33,8 +33,18 @@ Contract
   Dynamic-filter rejects are always dropped. More than ``max_dropped_groups_per_step`` drops
   between two hand-offs sets ``failure`` (a ``TooManyDropsError``) and stops issuing; the next
   ``request_batch`` / ``take_batch`` raises it.
+- Each group goes to the least-loaded worker (outstanding trajectories / capacity, ties by worker id).
+  Start-up: while fewer than ``expected_workers`` (the run's engines) have joined, and for at most
+  ``worker_join_grace_s`` after the first join, a worker at or past its capacity is issued nothing more
+  (else the first worker to say hello takes the whole first burst and keeps it queued while the others
+  idle); the limits' remaining room is issued as the others join. ``expected_workers = 0``: no wait.
 - A worker that misses heartbeats (``tick``) or leaves has its in-flight groups re-issued (same
   prompt and epoch, new group_id); late reports for old group ids are ignored and counted.
+- Cost: every event is O(1) or O(log workers) amortized, plus the work it carries (the groups it
+  issues, the trajectories it reports, the batch it hands over): the least-loaded worker comes from a
+  heap with lazy deletion, workers are kept in last-seen order for the heartbeat expiry, and the
+  buffer keeps its min version in a heap. ``inflight_group_ids``, ``held``, ``workers`` and
+  ``state_dict`` are O(n) inspections (``is_inflight`` / ``owner`` are the per-event queries).
 - Sync mode (``runner.async_mode = false``): nothing is issued unless a batch request is pending,
   and then only up to ``rollout_batch_size - inflight - buffered`` groups: exactly one batch, plus
   replacements for drops. ``sync_begin("drain")`` pauses issuing until ``sync_end(version)``.
@@ -55,9 +65,10 @@ Contract
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -73,7 +84,7 @@ from asyncrl.broker.buffer import (
 )
 from asyncrl.broker.dataloader import Dataloader
 from asyncrl.broker.types import Group, PromptItem, Trajectory
-from asyncrl.config.derive import inflight_start
+from asyncrl.config.derive import inflight_start, num_engines
 
 log = logging.getLogger("asyncrl.broker")
 
@@ -106,6 +117,10 @@ class CoreSettings:
     dynamic_sampling_filter_path: Optional[str] = None
     custom_data_buffer_path: Optional[str] = None
     inflight_autotune: bool = False
+    expected_workers: int = 0
+    """Workers the run starts (one per engine); until they joined, none is issued past its capacity. 0: unknown."""
+    worker_join_grace_s: float = 60.0
+    """How long after the first join admission waits for ``expected_workers`` before it loads who is there."""
 
     @classmethod
     def from_config(cls, cfg) -> CoreSettings:
@@ -122,7 +137,7 @@ class CoreSettings:
             sync_mode=not cfg.runner.async_mode, seed=cfg.runner.seed, shuffle=cfg.data.shuffle,
             no_data_warning_s=rb.no_data_warning_s, worker_heartbeat_timeout_s=rb.worker_heartbeat_timeout_s,
             dynamic_sampling_filter_path=rb.dynamic_sampling_filter_path,
-            custom_data_buffer_path=rb.custom_data_buffer_path)
+            custom_data_buffer_path=rb.custom_data_buffer_path, expected_workers=num_engines(cfg))
 
 
 @dataclass(slots=True)
@@ -167,16 +182,15 @@ class _Inflight:
     trajectories: dict[int, Trajectory] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Worker:
     capacity: int
     last_seen: float
     groups: set[int] = field(default_factory=set)
     outstanding: int = 0
-
-
-def _worker_load(kv: tuple[str, _Worker]) -> tuple[float, str]:
-    return kv[1].outstanding / kv[1].capacity, kv[0]
+    """Trajectories issued to it and not yet reported finished."""
+    stamp: int = 0
+    """Of its current entry in the load heap (older entries are stale)."""
 
 
 @dataclass
@@ -208,6 +222,16 @@ class BrokerCore:
         self._inflight: dict[int, _Inflight] = {}
         self._inflight_samples = 0
         self._workers: dict[str, _Worker] = {}
+        self._by_seen: OrderedDict[str, None] = OrderedDict()
+        """Worker ids, least recently seen first (the clock is monotonic): ``tick`` expires from the front."""
+        self._load_heap: list[tuple[float, str, int]] = []
+        """(outstanding / capacity, worker id, stamp); an entry is current iff its stamp is the worker's."""
+        self._stamp = 0
+        self._dirty: set[str] = set()
+        """Workers whose load changed since their heap entry was pushed (pushed before the next choice)."""
+        self._joining = s.expected_workers > 1
+        """Start-up: no worker is issued past its capacity (see the contract); False for good once over."""
+        self._first_join_t: Optional[float] = None
         self._retry: deque[tuple[PromptItem, int]] = deque()
         self._next_group_id = 0
         self._paused = False
@@ -273,7 +297,11 @@ class BrokerCore:
         return out
 
     def inflight_group_ids(self) -> list[int]:
+        """O(in-flight): for inspection and tests; per event, ask ``is_inflight``."""
         return list(self._inflight)
+
+    def is_inflight(self, group_id: int) -> bool:
+        return group_id in self._inflight
 
     def owner(self, group_id: int) -> Optional[str]:
         """The worker an in-flight group was issued to (None when it is not in flight)."""
@@ -303,11 +331,15 @@ class BrokerCore:
     # ----------------------------------------------------------------- workers
     def add_worker(self, worker_id: str, *, capacity: int) -> None:
         self._advance()
-        if worker_id in self._workers:
-            self._workers[worker_id].capacity = max(1, capacity)
-            self._workers[worker_id].last_seen = self._last_t
-        else:
-            self._workers[worker_id] = _Worker(capacity=max(1, capacity), last_seen=self._last_t)
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker(capacity=max(1, capacity), last_seen=self._last_t)
+            self._by_seen[worker_id] = None
+        w.capacity = max(1, capacity)
+        self._seen(worker_id, w, self._last_t)
+        self._push_load(worker_id, w)
+        if self._first_join_t is None:
+            self._first_join_t = self._last_t
         self._admit()
 
     def heartbeat(self, worker_id: str) -> bool:
@@ -315,7 +347,7 @@ class BrokerCore:
         w = self._workers.get(worker_id)
         if w is None:
             return False
-        w.last_seen = self.clock()
+        self._seen(worker_id, w, self.clock())
         return True
 
     def remove_worker(self, worker_id: str) -> list[int]:
@@ -324,6 +356,7 @@ class BrokerCore:
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
+        del self._by_seen[worker_id]  # its load-heap entries are stale now (no such worker)
         gone = sorted(w.groups)
         for gid in reversed(gone):
             g = self._inflight.pop(gid)
@@ -344,15 +377,18 @@ class BrokerCore:
             self.counters["unknown_reports"] += 1
             return False
         self._advance()
-        self._touch(g.worker_id)
+        w = self._workers[g.worker_id]
+        self._seen(g.worker_id, w, self._last_t)
         if index not in g.trajectories:
             g.trajectories[index] = trajectory
             g.outstanding -= 1
             self._inflight_samples -= 1
-            self._workers[g.worker_id].outstanding -= 1
+            w.outstanding -= 1
+            self._dirty.add(g.worker_id)
         elif trajectory is not None:
             g.trajectories[index] = trajectory
-        self._admit()
+        if len(self._inflight) < self.inflight_limit:  # else the group count binds: no room to admit
+            self._admit()
         return True
 
     def group_finished(self, group_id: int, trajectories: Optional[list[Trajectory]] = None, *,
@@ -391,10 +427,12 @@ class BrokerCore:
     def _finish(self, group_id: int, trajectories: Optional[list[Trajectory]], aborted: bool) -> None:
         g = self._inflight.pop(group_id)
         w = self._workers[g.worker_id]
-        w.last_seen = self._last_t
+        self._seen(g.worker_id, w, self._last_t)
         self._inflight_samples -= g.outstanding
-        w.outstanding -= g.outstanding
         w.groups.discard(group_id)
+        if g.outstanding:
+            w.outstanding -= g.outstanding
+            self._dirty.add(g.worker_id)
         if trajectories is None:
             trajectories = [g.trajectories[i] for i in sorted(g.trajectories) if g.trajectories[i] is not None]
         if not aborted and len(trajectories) != self.s.group_size:
@@ -485,8 +523,12 @@ class BrokerCore:
         """Periodic: expire silent workers, warn when the actor waits and nothing arrives."""
         self._advance()
         now = self._last_t
-        for wid in [w for w, ws in self._workers.items()
-                    if now - ws.last_seen > self.s.worker_heartbeat_timeout_s]:
+        expired = []
+        for wid in self._by_seen:  # least recently seen first: stop at the first one still alive
+            if now - self._workers[wid].last_seen <= self.s.worker_heartbeat_timeout_s:
+                break
+            expired.append(wid)
+        for wid in expired:
             log.warning("worker %s missed heartbeats for %.1fs (rollout_buffer.worker_heartbeat_timeout_s = %.1f)",
                         wid, now - self._workers[wid].last_seen, self.s.worker_heartbeat_timeout_s)
             self.remove_worker(wid)
@@ -501,6 +543,8 @@ class BrokerCore:
                 out.append(msg)
                 self._last_warning_t = now
                 self.counters["no_data_warnings"] += 1
+        if self._joining:
+            self._admit()  # the start-up grace may have ended with no other event
         return out
 
     def engine_figures(self, *, running_reqs: float, queue_reqs: float, gen_tokens_per_s: float) -> None:
@@ -510,10 +554,45 @@ class BrokerCore:
         self._engines = (float(running_reqs), float(queue_reqs), float(gen_tokens_per_s))
 
     # ----------------------------------------------------------------- internals
-    def _touch(self, worker_id: str) -> None:
-        w = self._workers.get(worker_id)
-        if w is not None:
-            w.last_seen = self._last_t
+    def _seen(self, worker_id: str, w: _Worker, t: float) -> None:
+        w.last_seen = t
+        self._by_seen.move_to_end(worker_id)
+
+    def _push_load(self, worker_id: str, w: _Worker) -> None:
+        """The worker's load changed: a new current heap entry (the old one goes stale)."""
+        self._stamp += 1
+        w.stamp = self._stamp
+        heap = self._load_heap
+        heapq.heappush(heap, (w.outstanding / w.capacity, worker_id, w.stamp))
+        if len(heap) > 2 * len(self._workers) + 64:  # compact: O(workers) per >= workers + 64 pushes
+            heap[:] = [(x.outstanding / x.capacity, wid, x.stamp) for wid, x in self._workers.items()]
+            heapq.heapify(heap)
+
+    def _least_loaded(self) -> tuple[str, _Worker]:
+        """min over workers of (outstanding / capacity, worker id); stale heap entries are dropped on the way."""
+        heap, workers = self._load_heap, self._workers
+        if self._dirty:
+            for wid in self._dirty:
+                w = workers.get(wid)
+                if w is not None:
+                    self._push_load(wid, w)
+            self._dirty.clear()
+        while True:
+            _, wid, stamp = heap[0]
+            w = workers.get(wid)
+            if w is not None and w.stamp == stamp:
+                return wid, w
+            heapq.heappop(heap)
+
+    def _still_joining(self) -> bool:
+        """The start-up phase (see the contract) ends once ``expected_workers`` joined or the grace ran out."""
+        s = self.s
+        if self._joining and (len(self._workers) >= s.expected_workers or self._first_join_t is not None
+                              and self._last_t - self._first_join_t > s.worker_join_grace_s):
+            self._joining = False
+            log.info("%d of %d expected workers joined: workers may now be issued past their capacity",
+                     len(self._workers), s.expected_workers)
+        return self._joining
 
     def _reset_step(self, now: float) -> None:
         self._step_start = now
@@ -555,19 +634,20 @@ class BrokerCore:
         """Integrate the admission-wait time since the previous event (state was constant meanwhile)."""
         now = self.clock()
         dt = now - self._last_t
-        if dt > 0 and self._issue_allowance() > 0:
+        if dt <= 0:
+            return
+        if self._issue_allowance() > 0:
             if not self._inflight_ok():
                 self._wait_inflight += dt
             if not self._buffer_ok():
                 self._wait_buffer += dt
-        if dt > 0:
-            a = self._area
-            a[0] += self._inflight_used() * dt
-            if self._engines is not None:
-                a[1] += self._engines[0] * dt
-                a[2] += self._engines[1] * dt
-                a[3] += self._engines[2] * dt
-        self._last_t = max(now, self._last_t)
+        a = self._area
+        a[0] += self._inflight_used() * dt
+        if self._engines is not None:
+            a[1] += self._engines[0] * dt
+            a[2] += self._engines[1] * dt
+            a[3] += self._engines[2] * dt
+        self._last_t = now
 
     def _admit(self) -> None:
         allowance = self._issue_allowance()
@@ -580,20 +660,23 @@ class BrokerCore:
             return
         if allowance < n:
             n = int(allowance)
-        workers = self._workers
-        single = next(iter(workers.items())) if len(workers) == 1 else None
+        capped = self._joining and self._still_joining()
         retry, nxt = self._retry, self.dataloader.next
         inflight, issues, version = self._inflight, self._issues, self.version
-        gid = self._next_group_id
+        gid = start = self._next_group_id
         for _ in range(n):
+            wid, w = self._least_loaded()
+            if capped and w.outstanding >= w.capacity:  # the least loaded is full: every worker is
+                break
             item, epoch = retry.popleft() if retry else nxt()
-            wid, w = single or min(workers.items(), key=_worker_load)
             inflight[gid] = _Inflight(gid, item, epoch, wid, version, gs)
             w.groups.add(gid)
             w.outstanding += gs
+            self._push_load(wid, w)
             issues.append(Issue(wid, gid, item, epoch, gs, version))
             gid += 1
         self._next_group_id = gid
+        n = gid - start
         self._inflight_samples += n * gs
         self.counters["issued"] += n
         self._step["issued"] += n
@@ -740,6 +823,7 @@ class BrokerCore:
             w = self._workers[g.worker_id]
             w.groups.discard(gid)
             w.outstanding -= g.outstanding
+            self._push_load(g.worker_id, w)
         self._inflight.clear()
         self._inflight_samples = 0
         self.version = int(state["version"])
