@@ -13,11 +13,11 @@ Contract
   job (``ignore_preempt_signal``: the launcher, and every child between fork and exec) except the actor ranks in
   their step loop; SIGTERM stops every other process as before, except the broker, which defers it while actor
   rank 0 lives (``asyncrl.broker.server``). In the step loop ``Preemption`` turns either signal into a flag.
-  Actor rank 0 checks its flag between steps, while it waits for a batch and right after training (the step's
-  sync and eval are then skipped, and a sync that failed because the engines stopped is abandoned); then every
-  actor rank writes the checkpoint of the last trained step (with the broker's state: buffered groups, in-flight
-  prompts) and raises ``Preempted``: the rank exits with ``PREEMPT_EXIT_CODE`` (75) and ``runner.resume``
-  continues. The engines are not needed for that checkpoint.
+  The flags of all actor ranks are checked between steps and right after training (the step's sync and eval are
+  then skipped, and a sync that failed because the engines stopped is abandoned), actor rank 0's also while it
+  waits for a batch; then every actor rank writes the checkpoint of the last trained step (with the broker's
+  state: buffered groups, in-flight prompts) and raises ``Preempted``: the rank exits with ``PREEMPT_EXIT_CODE``
+  (75) and ``runner.resume`` continues. The engines are not needed for that checkpoint.
 
     guard = NonFiniteGuard(3); msg = guard.update(m); if msg: raise NonFiniteError(msg)
 """

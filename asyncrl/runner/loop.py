@@ -38,8 +38,8 @@ Contract
 - Bad numbers (``asyncrl.runner.guards``): a step with a non-finite loss, grad norm or reward counts in
   ``train/nonfinite_steps``; ``runner.max_nonfinite_steps`` of them in a row raise ``NonFiniteError`` on
   every actor rank (the step is logged first): the job exits non-zero.
-- Preemption (``asyncrl.runner.guards``): SIGUSR1 or SIGTERM on actor rank 0 is checked between steps, while it
-  waits for a batch and right after training (the step's sync and eval are skipped; a sync that fails because
+- Preemption (``asyncrl.runner.guards``): SIGUSR1 or SIGTERM on any actor rank is checked between steps and right
+  after training, on actor rank 0 also while it waits for a batch (the step's sync and eval are skipped; a sync that fails because
   the engines stopped is abandoned); then every actor rank writes the checkpoint of the last trained step and
   raises ``Preempted`` (the rank exits 75).
 - Resume (``asyncrl.runner.resume``): only this run's checkpoints (run id + config hash, ``run.json`` in the
@@ -87,6 +87,13 @@ def _bcast_obj(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def _gather_obj(obj) -> list:
+    """``obj`` of every actor rank, on every actor rank (collective)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def rollout_metrics(groups) -> dict[str, float]:
@@ -350,22 +357,24 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
 
 def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step, broker,
            recovery, is_leader) -> None:
-    """The steps after ``start_step``. A preemption signal seen by the leader before a step's batch checkpoints the
-    previous step; seen after training (or failing the step's sync) it skips the step's sync and eval, logs and
-    checkpoints the step. Either way ``Preempted`` is raised on every actor rank."""
+    """The steps after ``start_step``. A preemption signal on any actor rank seen before a step's batch (or by the
+    leader while it waits for it) checkpoints the previous step; seen after training (or failing the step's sync)
+    it skips the step's sync and eval, logs and checkpoints the step. Either way ``Preempted`` is raised on every
+    actor rank."""
     cfg = ctx.cfg
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
-        got = None if _bcast_obj(is_leader and preempt.requested) else _next_batch(
+        got = None if any(_gather_obj(preempt.requested)) else _next_batch(
             actor, parts if is_leader else None, cfg, step, phases, preempt)
         if got is None:
-            _preempted(actor, ckpt_root, step - 1, broker, ident, preempt, is_leader)
+            _preempted(actor, ckpt_root, step - 1, broker, ident, preempt)
         groups, m = got
         t0 = time.perf_counter()
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
-        # the leader alone sees the rewards and the preemption flag that counts
-        verdict, stop = _bcast_obj((nonfinite.update(m), preempt.requested) if is_leader else None)
+        # the leader alone sees the rewards; a preemption signal on any actor rank counts
+        seen = _gather_obj((nonfinite.update(m) if is_leader else None, preempt.requested))
+        verdict, stop = seen[0][0], any(flag for _, flag in seen)
         if verdict:
             if is_leader:
                 _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
@@ -383,7 +392,7 @@ def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckp
         if stop:  # preempted: no sync (or a broken one), no eval; this step is logged and checkpointed
             if is_leader:
                 _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
-            _preempted(actor, ckpt_root, step, broker, ident, preempt, is_leader)
+            _preempted(actor, ckpt_root, step, broker, ident, preempt)
         if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
                 cfg.runner.save_at_end and step == cfg.runner.max_steps):
             _save(actor, ckpt_root, step, broker, ident)
@@ -392,10 +401,10 @@ def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckp
             _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
 
 
-def _preempted(actor, root: Path, step: int, broker, ident: dict, preempt, is_leader: bool) -> None:
+def _preempted(actor, root: Path, step: int, broker, ident: dict, preempt) -> None:
     """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise
-    ``Preempted`` naming the signal the leader got."""
-    signame = _bcast_obj(preempt.signame if is_leader else None) or PREEMPT_SIGNAL.name
+    ``Preempted`` naming the signal (the first actor rank's that got one)."""
+    signame = next((n for n in _gather_obj(preempt.signame) if n), PREEMPT_SIGNAL.name)
     d = root / f"step_{step:06d}"
     if step > 0 and not (d / "complete").is_file():
         log.warning("preemption signal (%s): writing the checkpoint of step %d before exiting", signame, step)
