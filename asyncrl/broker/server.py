@@ -22,6 +22,9 @@ Contract
   (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal. Every field is
   checked before the core is called, so a rejected message never moves the core's counters
   (``tests/integration/test_broker_fuzz.py`` fuzzes this in process and against the process).
+- Signals: SIGINT stops the loop; SIGTERM too, except in a broker with a supervising parent (actor rank 0), which
+  defers it while the parent lives and stops on ``shutdown``, SIGINT or the parent's death
+  (``install_signal_handlers``): the parent's preemption checkpoint needs the broker's state.
 - With a run secret (``ASYNCRL_API_KEY``, ``asyncrl.cluster.auth``) a message without it is refused the same
   way before it reaches the core (``stats["unauthenticated"]``).
 
@@ -87,6 +90,10 @@ class BrokerServer:
         self._pending: Optional[_PendingBatch] = None
         self._control_sent: dict[str, tuple[bool, int]] = {}
         self._stop = False
+        self.parent_pid: Optional[int] = None
+        """The supervising parent (``install_signal_handlers``); None: a broker on its own."""
+        self._sigterm_deferred = False
+        self._sigterm_reported = False
         self._last_tick = 0.0
         self._finished: list[tuple[int, Any, bool]] = []  # finished groups received, not yet given to the core
         self._item_wire: dict[int, tuple[Any, dict, list]] = {}  # prompt index -> (item, wire map, wire row)
@@ -119,6 +126,7 @@ class BrokerServer:
         now = time.monotonic()
         if now - self._last_tick >= self.tick_s:
             self._last_tick = now
+            self._watch_parent()
             self.core.tick()
             known = self.core.workers()
             for wid in [w for w in self._worker_ident if w not in known]:  # expired by missed heartbeats
@@ -130,9 +138,30 @@ class BrokerServer:
     def stop(self, *_: Any) -> None:
         self._stop = True
 
-    def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self.stop)
+    def install_signal_handlers(self, *, parent_pid: Optional[int] = None) -> None:
+        """SIGINT stops the broker (after this round; workers are told ``shutdown``). So does SIGTERM, unless the
+        broker is a supervised child (``parent_pid``: actor rank 0): then a SIGTERM is deferred while that parent
+        lives, since under Slurm a preemption's SIGTERM reaches every process of the step at once and the parent
+        still needs the broker to checkpoint its buffered groups; the parent stops it with ``shutdown`` or SIGINT
+        (``asyncrl.cluster.process.stop_child``), and the broker stops by itself once the parent is gone."""
+        self.parent_pid = parent_pid
         signal.signal(signal.SIGINT, self.stop)
+        signal.signal(signal.SIGTERM, self.stop if parent_pid is None else self._defer_sigterm)
+
+    def _defer_sigterm(self, *_: Any) -> None:
+        self._sigterm_deferred = True  # logged by the loop (no logging inside a signal handler)
+
+    def _watch_parent(self) -> None:
+        """With a supervising parent: stop once it is gone; report a deferred SIGTERM once."""
+        if self.parent_pid is None:
+            return
+        if os.getppid() != self.parent_pid:
+            log.warning("the parent (pid %d) is gone; stopping", self.parent_pid)
+            self._stop = True
+        elif self._sigterm_deferred and not self._sigterm_reported:
+            self._sigterm_reported = True
+            log.warning("SIGTERM deferred while the parent (pid %d, actor rank 0) lives: it checkpoints the "
+                        "buffered groups first, then stops the broker", self.parent_pid)
 
     def _close(self) -> None:
         for wid in list(self._worker_ident):
@@ -433,14 +462,17 @@ def tune_gc() -> None:
 
 
 def run_broker(cfg, prompts: list, *, source: str = "", bind: str = "tcp://127.0.0.1:0",
-               address_file: Optional[str] = None, num_skipped_long_prompts: int = 0) -> None:
+               address_file: Optional[str] = None, num_skipped_long_prompts: int = 0,
+               parent_pid: Optional[int] = None) -> None:
     """Build the core from a resolved ``Config`` and the ``prompts`` (``PromptItem``s, loaded by the caller from
     ``source``; ``num_skipped_long_prompts`` of them were left out by ``data.max_prompt_tokens``), serve until
-    shutdown. Publishes the endpoint."""
+    shutdown. Publishes the endpoint. ``parent_pid``: the supervising parent (see ``install_signal_handlers``)."""
+    if parent_pid is not None and os.getppid() != parent_pid:
+        raise RuntimeError(f"broker: its parent (pid {parent_pid}) is already gone")
     core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
     core.num_skipped_long_prompts = num_skipped_long_prompts
     server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
-    server.install_signal_handlers()
+    server.install_signal_handlers(parent_pid=parent_pid)
     tune_gc()
     if address_file:
         tmp = f"{address_file}.tmp{os.getpid()}"

@@ -9,8 +9,14 @@ Contract
 - Broker: every message header carries ``k`` (``protocol.encode`` adds it); the broker refuses a message
   whose ``k`` does not match (counted in ``stats["unauthenticated"]``, answered with an error, never fatal).
 - HTTP engines: ``Authorization: Bearer <secret>`` on every request (``auth_headers``); the CPU engine, like
-  SGLang's ``--api-key``, answers 401 ``{"error": "Unauthorized"}`` without it, except ``/health*``,
-  ``/metrics`` and ``OPTIONS``.
+  SGLang's ``--api-key``, answers 401 ``{"error": "Unauthorized"}`` without it (``open_path``, ``bearer_matches``).
+  Read from sglang 0.5.23 (the wheel on PyPI), ``sglang/srt/utils/auth.py`` (``decide_request_auth``) and
+  ``sglang/srt/entrypoints/http_server.py`` (``add_api_key_middleware`` is installed when ``--api-key`` is set,
+  in single-tokenizer mode only: ``--tokenizer-worker-num`` > 1 checks nothing): OPTIONS and any path starting
+  with ``/health``, ``/ready`` or ``/metrics`` are open; every other endpoint (``/generate``, the pause and
+  weight-update calls, ``/abort_request``, ``/flush_cache``, ``/server_info``, ...; "NORMAL" and
+  "ADMIN_OPTIONAL" levels alike when only ``--api-key`` is given) needs the header; it is split at its first
+  space, the scheme compared case-insensitively to ``bearer`` and the token in constant time.
 - ``secret_matches`` compares in constant time. No secret in the environment (tests, a bare engine): nothing
   is checked and nothing is sent.
 
@@ -57,10 +63,22 @@ def secret_matches(given, expected: str | None) -> bool:
     return hmac.compare_digest(given, expected.encode())
 
 
+OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
+"""Paths SGLang serves without the key (probes and Prometheus scrapes; matched as prefixes, as SGLang does)."""
+
+
+def open_path(method: str, path: str) -> bool:
+    """True when SGLang's ``--api-key`` check lets the request through without a key."""
+    return method == "OPTIONS" or path.startswith(OPEN_PATH_PREFIXES)
+
+
 def bearer_matches(header: str | None, expected: str | None) -> bool:
+    """``Authorization`` header carries ``expected`` (SGLang: ``<scheme> <token>``, scheme ``bearer`` in any case)."""
     if not expected:
         return True
-    prefix = "Bearer "
-    if not isinstance(header, str) or not header.startswith(prefix):
+    if not isinstance(header, str):
         return False
-    return secret_matches(header[len(prefix):], expected)
+    scheme, sep, token = header.partition(" ")
+    if not sep or scheme.lower() != "bearer":
+        return False
+    return secret_matches(token, expected)

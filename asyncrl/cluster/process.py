@@ -9,7 +9,8 @@ Contract
   (engines: ``asyncrl.rollout.sglang_launcher.engine_environment`` strips torchrun's variables). A child
   ignores SIGUSR1 (the preemption notice, ``asyncrl.runner.guards``).
 - ``stop_all()`` (also run at exit and on SIGTERM/SIGINT once ``install_signal_handlers`` ran)
-  sends SIGTERM to every live child's process group, waits ``grace_s``, then SIGKILLs.
+  sends SIGTERM (the child's ``stop_signal``: SIGINT for the broker, which defers SIGTERM while its
+  parent lives) to every live child's process group, waits ``grace_s``, then SIGKILLs.
 - ``wait_until(pred, timeout_s, what, child=...)`` is the one readiness wait: it times out with a
   clear error, says "still waiting" now and then, and fails at once if the child died (with the
   last lines of its log).
@@ -63,6 +64,8 @@ class Child:
     log_path: Path
     stopping: bool = False
     """Set by ``stop_child``: the exit that follows is asked for, not a failure."""
+    stop_signal: signal.Signals = signal.SIGTERM
+    """What ``stop_child`` sends first (SIGINT for a child that defers SIGTERM while its parent lives: the broker)."""
 
     @property
     def pid(self) -> int:
@@ -88,9 +91,11 @@ def tail_file(path: Path, n: int = 30) -> str:
 
 
 def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | None = None,
-                cwd: str | None = None, inherit_env: bool = True, console_stdout: bool = False) -> Child:
+                cwd: str | None = None, inherit_env: bool = True, console_stdout: bool = False,
+                stop_signal: signal.Signals = signal.SIGTERM) -> Child:
     """``console_stdout``: the child's stdout stays the parent's (the console), only stderr goes to the log
-    (a child that prints its operator-facing warnings to stdout and logs everything to stderr)."""
+    (a child that prints its operator-facing warnings to stdout and logs everything to stderr).
+    ``stop_signal``: what ``stop_child`` sends before SIGKILL."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
@@ -102,7 +107,7 @@ def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | N
                              subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
                              cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
     out.close()
-    child = Child(name=name, popen=popen, log_path=log_path)
+    child = Child(name=name, popen=popen, log_path=log_path, stop_signal=stop_signal)
     _children.append(child)
     log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
     return child
@@ -112,13 +117,14 @@ def stop_child(child: Child, grace_s: float = 10.0) -> None:
     child.stopping = True
     if child.alive():
         try:
-            os.killpg(child.pid, signal.SIGTERM)
+            os.killpg(child.pid, child.stop_signal)
         except ProcessLookupError:
             pass
         try:
             child.popen.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) ignored SIGTERM for %.0fs; killing", child.name, child.pid, grace_s)
+            log.warning("%s (pid %d) ignored %s for %.0fs; killing", child.name, child.pid, child.stop_signal.name,
+                        grace_s)
             try:
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:

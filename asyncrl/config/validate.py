@@ -12,7 +12,7 @@ import importlib
 import os
 from pathlib import Path
 
-from asyncrl.config.eval_engine import eval_engine_config, fleet_size
+from asyncrl.config.eval_engine import eval_engine_config, fleet_size, parse_flags
 from asyncrl.config.placement import is_loopback, parse_devices, parse_placement
 from asyncrl.config.schema import PAUSE_MODES, Config, ConfigError
 
@@ -109,6 +109,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             "each select a backend; set only one")
     _validate_fleet(cfg, placement)
     warnings += _validate_eval(cfg)
+    warnings += _warn_open_sglang(cfg)
     if (cfg.eval.eval_num_gpus or cfg.eval.eval_function_path) and cfg.eval.eval_interval is None:
         raise ConfigError("eval.eval_interval: required with a dedicated fleet or an external eval backend")
     if cfg.algorithm.off_policy_correction != "none" and not r.async_mode:
@@ -133,6 +134,16 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < 2 x rollout_batch_size ({2 * B}): "
             f"when training is the bottleneck the next batch can only start after this one is handed off")
     return warnings
+
+
+def _warn_open_sglang(cfg: Config) -> list[str]:
+    """SGLang 0.5.23 installs its ``--api-key`` check in single-tokenizer mode only (``http_server.py``)."""
+    flags = parse_flags(list(cfg.rollout.sglang.extra_args))
+    n = flags.get("tokenizer_worker_num")
+    if cfg.rollout.rollout_backend != "sglang" or n in (None, True, False) or str(n).strip() in ("", "1"):
+        return []
+    return [f"rollout.sglang.extra_args: --tokenizer-worker-num {n}: SGLang (0.5.23) checks no --api-key with "
+            f"several tokenizer workers, so the engines take requests from anyone who reaches their port"]
 
 
 def _validate_broker_host(cfg: Config, world: int) -> None:

@@ -24,7 +24,9 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
 - Weight updates are atomic: names, dtypes and shapes are checked against the running model before the
   collective (a mismatch is a 400, never a gloo size mismatch), tensors are received into staging buffers
   and copied in only when all arrived.
-- A ``/generate`` whose HTTP client disconnects (timeout, killed) has its requests aborted, as SGLang does.
+- A ``/generate`` whose HTTP client disconnects (timeout, killed) has its requests aborted, as SGLang does; they
+  count in ``sglang:num_aborted_requests_total`` (as SGLang) and in ``sglang:num_disconnect_aborted_requests_total``
+  on ``/metrics`` (ours: SGLang has no separate series).
 - A crash of the engine thread exits the process with status 1 (the launcher restarts it).
 - Start-up as SGLang's (0.5.23 ``srt/distributed/bootstrap.py``): before loading the model the engine
   creates its own one-process torch.distributed world, ``init_process_group("gloo",
@@ -57,7 +59,7 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from asyncrl.cluster import auth
-from asyncrl.cluster.auth import bearer_matches
+from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.rollout.cpu_model import iter_safetensors, load_model
 from asyncrl.rollout.cpu_scheduler import (
     MAX_TOKENS,
@@ -103,8 +105,9 @@ class EngineArgs:
     dist_timeout_s: float = 120.0
     """Timeout of creating that world (SGLang ``--dist-timeout``)."""
     api_key: Optional[str] = None
-    """SGLang's ``--api-key``: every request but ``/health*``, ``/metrics`` and OPTIONS needs
-    ``Authorization: Bearer <key>`` (else 401 ``{"error": "Unauthorized"}``); defaults to ``ASYNCRL_API_KEY``."""
+    """SGLang's ``--api-key``: every request but OPTIONS and paths starting with ``/health``, ``/ready`` or
+    ``/metrics`` needs ``Authorization: Bearer <key>`` (else 401 ``{"error": "Unauthorized"}``); defaults to
+    ``ASYNCRL_API_KEY``. Matches sglang 0.5.23 exactly (``asyncrl.cluster.auth`` says which files)."""
 
 
 def _json_error(msg: str, status: int = 400) -> web.Response:
@@ -233,7 +236,7 @@ class CpuEngine:
     async def _auth(self, request: web.Request, handler):
         """SGLang's ``--api-key`` check (see ``EngineArgs.api_key``); refusals are counted, never fatal."""
         key = self.args.api_key
-        if not key or request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+        if not key or open_path(request.method, request.path):
             return await handler(request)
         if not bearer_matches(request.headers.get("Authorization"), key):
             self.unauthorized += 1
@@ -715,6 +718,7 @@ class CpuEngine:
 
     async def metrics(self, request: web.Request) -> web.Response:
         m = await self._call(lambda s: s.metrics())
+        m[DISCONNECT_SERIES] = float(self.num_disconnect_aborts)
         return web.Response(text=prometheus_text(m, model_name=self.args.model_path),
                             content_type="text/plain", charset="utf-8")
 
@@ -734,7 +738,12 @@ _SERIES = (
     ("num_requests_total", "counter", "Number of requests processed."),
     ("num_aborted_requests_total", "counter", "Number of requests aborted."),
     ("num_retractions_total", "counter", "Number of request retractions."),
+    # ours: sglang 0.5.23 counts these only inside num_aborted_requests_total (``TokenizerManager.abort_request``
+    # on a disconnect, ``srt/managers/tokenizer_manager.py``); named after its ``num_grammar_aborted_total``
+    ("num_disconnect_aborted_requests_total", "counter",
+     "Number of requests aborted because their HTTP client disconnected (timed out or gone) before the answer."),
 )
+DISCONNECT_SERIES = "num_disconnect_aborted_requests_total"
 
 
 def prometheus_text(values: dict[str, float], *, model_name: str) -> str:

@@ -6,8 +6,9 @@ the launcher does (``load_config``: defaults -> TOML -> overrides), reads the pr
 ``--prompts``) with the agent's Search-R1 loader (``asyncrl.agent.data.loaders.load_prompts``) and hands them to
 ``asyncrl.broker.server.run_broker``, which binds its ROUTER socket and, once bound, writes the endpoint to
 ``--address-file`` (atomically) and prints ``ASYNCRL_BROKER_ADDRESS=<endpoint>`` on stdout. Runs until an actor
-sends ``shutdown`` or SIGTERM. It lives in the runner because it wires two parts: the broker never imports the
-agent.
+sends ``shutdown``, SIGINT or SIGTERM; with ``--parent-pid`` (actor rank 0's child) SIGTERM is deferred while that
+parent lives and the broker stops when it is gone (``BrokerServer.install_signal_handlers``). It lives in the
+runner because it wires two parts: the broker never imports the agent.
 
     bp = start_broker("configs/tiny.toml", ["data.rollout_batch_size=4"], log_path="broker.log")
     client = BrokerClient(bp.address); ...; bp.stop()
@@ -56,7 +57,9 @@ class BrokerProcess:
 
 def start_broker(config_path: str, overrides: list[str] | None = None, *, bind: str = "tcp://127.0.0.1:0",
                  prompts_path: Optional[str] = None, log_path: Optional[str] = None, log_level: str = "INFO",
-                 timeout_s: float = 30.0) -> BrokerProcess:
+                 timeout_s: float = 30.0, parent_pid: Optional[int] = None) -> BrokerProcess:
+    """``parent_pid``: run it as a supervised child of that process (``--parent-pid``: SIGTERM deferred while it
+    lives; ``BrokerProcess.stop`` then waits ``timeout_s`` and kills, so stop such a broker with SIGINT)."""
     fd, addr_file = tempfile.mkstemp(prefix="asyncrl-broker-", suffix=".addr")
     os.close(fd)
     os.unlink(addr_file)
@@ -64,6 +67,8 @@ def start_broker(config_path: str, overrides: list[str] | None = None, *, bind: 
            "--address-file", addr_file, "--log-level", log_level]
     if prompts_path:
         cmd += ["--prompts", str(prompts_path)]
+    if parent_pid is not None:
+        cmd += ["--parent-pid", str(parent_pid)]
     env = dict(os.environ)
     env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address-file", default=None, help="write the bound endpoint here")
     ap.add_argument("--prompts", default=None, help="prompt file (default: data.train_path)")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="the supervising parent: SIGTERM is deferred while it lives (stop with shutdown or SIGINT)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s broker: %(message)s")
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("data.train_path: the broker needs a prompt file (Search-R1 parquet or JSONL)")
     prompts, skipped = skip_long_prompts(cfg, load_prompts(path))
     run_broker(cfg, prompts, source=path, bind=args.bind, address_file=args.address_file,
-               num_skipped_long_prompts=len(skipped))
+               num_skipped_long_prompts=len(skipped), parent_pid=args.parent_pid)
     return 0
 
 

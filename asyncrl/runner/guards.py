@@ -8,11 +8,16 @@ Contract
   were non-finite (``runner.max_nonfinite_steps``), else None. A finite step resets the run of bad steps.
   Pure: no I/O; the loop decides on actor rank 0 and broadcasts the verdict.
 - ``NonFiniteError``: raised on every actor rank with that message; the job exits non-zero.
-- Preemption: ``PREEMPT_SIGNAL`` (SIGUSR1) is ignored by every process of the job
-  (``ignore_preempt_signal``: the launcher, and every child between fork and exec) except the actor ranks
-  in their step loop, where ``Preemption`` turns it into a flag. Actor rank 0 checks its flag between steps
-  (and while it waits for a batch); then every actor rank writes the checkpoint of the last finished step
-  and raises ``Preempted``: the rank exits with ``PREEMPT_EXIT_CODE`` (75) and ``runner.resume`` continues.
+- Preemption: ``PREEMPT_SIGNALS`` are SIGUSR1 (Slurm's ``--signal`` notice) and SIGTERM (Slurm's time limit,
+  ``scancel``, torchrun stopping its workers). SIGUSR1 (``PREEMPT_SIGNAL``) is ignored by every process of the
+  job (``ignore_preempt_signal``: the launcher, and every child between fork and exec) except the actor ranks in
+  their step loop; SIGTERM stops every other process as before, except the broker, which defers it while actor
+  rank 0 lives (``asyncrl.broker.server``). In the step loop ``Preemption`` turns either signal into a flag.
+  The flags of all actor ranks are checked between steps and right after training (the step's sync and eval are
+  then skipped, and a sync that failed because the engines stopped is abandoned), actor rank 0's also while it
+  waits for a batch; then every actor rank writes the checkpoint of the last trained step (with the broker's
+  state: buffered groups, in-flight prompts) and raises ``Preempted``: the rank exits with ``PREEMPT_EXIT_CODE``
+  (75) and ``runner.resume`` continues. The engines are not needed for that checkpoint.
 
     guard = NonFiniteGuard(3); msg = guard.update(m); if msg: raise NonFiniteError(msg)
 """
@@ -23,6 +28,7 @@ import signal
 import threading
 
 PREEMPT_SIGNAL = signal.SIGUSR1
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 PREEMPT_EXIT_CODE = 75
 """Exit status of a rank that wrote its checkpoint on a preemption signal (EX_TEMPFAIL: run it again)."""
 
@@ -64,9 +70,9 @@ class NonFiniteGuard:
 class Preempted(RuntimeError):
     """A preemption signal arrived; the checkpoint of ``step`` (the last finished one) is written."""
 
-    def __init__(self, step: int, path: str | None):
-        super().__init__(f"preempted (signal {PREEMPT_SIGNAL.name}) after step {step}; checkpoint {path}")
-        self.step, self.path = step, path
+    def __init__(self, step: int, path: str | None, signame: str = PREEMPT_SIGNAL.name):
+        super().__init__(f"preempted (signal {signame}) after step {step}; checkpoint {path}")
+        self.step, self.path, self.signame = step, path, signame
 
 
 def ignore_preempt_signal() -> None:
@@ -75,22 +81,31 @@ def ignore_preempt_signal() -> None:
 
 
 class Preemption:
-    """The preemption flag of one actor rank's step loop: ``install()`` … ``requested`` … ``restore()``."""
+    """The preemption flag of one actor rank's step loop: ``install()`` … ``requested`` … ``restore()``.
+    ``signame``: the first preemption signal that arrived."""
 
     def __init__(self):
         self._flag = threading.Event()
-        self._old = None
+        self._old: dict = {}
+        self.signame: str | None = None
 
     @property
     def requested(self) -> bool:
         return self._flag.is_set()
 
+    def _on_signal(self, signum, frame) -> None:
+        if self.signame is None:
+            self.signame = signal.Signals(signum).name
+        self._flag.set()
+
     def install(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(PREEMPT_SIGNAL, lambda signum, frame: self._flag.set())
+            for sig in PREEMPT_SIGNALS:
+                self._old[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def restore(self) -> None:
-        if self._old is not None:
-            signal.signal(PREEMPT_SIGNAL, self._old)
-            self._old = None
+        for sig, old in self._old.items():
+            if old is not None:  # None: a handler not installed from Python; nothing to put back
+                signal.signal(sig, old)
+        self._old = {}

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return roles.run_role(ctx)
     except Preempted as e:
-        print(f"asyncrl: {e}; resume with runner.resume = true", file=sys.stderr, flush=True)
+        print(f"asyncrl: {e}; exit {PREEMPT_EXIT_CODE}; resume with runner.resume = true", file=sys.stderr, flush=True)
         return PREEMPT_EXIT_CODE
     finally:
         process.stop_all(cfg.cluster.shutdown_grace_s)

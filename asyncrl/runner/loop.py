@@ -38,9 +38,10 @@ Contract
 - Bad numbers (``asyncrl.runner.guards``): a step with a non-finite loss, grad norm or reward counts in
   ``train/nonfinite_steps``; ``runner.max_nonfinite_steps`` of them in a row raise ``NonFiniteError`` on
   every actor rank (the step is logged first): the job exits non-zero.
-- Preemption (``asyncrl.runner.guards``): SIGUSR1 on actor rank 0 is checked between steps and while it
-  waits for a batch; then every actor rank writes the checkpoint of the last finished step and raises
-  ``Preempted`` (the rank exits 75).
+- Preemption (``asyncrl.runner.guards``): SIGUSR1 or SIGTERM on any actor rank is checked between steps and right
+  after training, on actor rank 0 also while it waits for a batch (the step's sync and eval are skipped; a sync that fails because
+  the engines stopped is abandoned); then every actor rank writes the checkpoint of the last trained step and
+  raises ``Preempted`` (the rank exits 75).
 - Resume (``asyncrl.runner.resume``): only this run's checkpoints (run id + config hash, ``run.json`` in the
   run dir and in each checkpoint) or ``runner.resume_from``; resumed steps are purged from the metrics.
 
@@ -67,11 +68,11 @@ from asyncrl.engine.blocking import EngineStepError, get_text
 from asyncrl.engine.client import parse_prometheus
 from asyncrl.runner.eval_fleet import FleetEval
 from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, engine_eval_metrics, select_backend
-from asyncrl.runner.guards import NonFiniteError, NonFiniteGuard, Preempted, Preemption
+from asyncrl.runner.guards import PREEMPT_SIGNAL, NonFiniteError, NonFiniteGuard, Preempted, Preemption
 from asyncrl.runner.log_hooks import LogHooks
 from asyncrl.runner.metrics import MetricsWriter
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
-from asyncrl.sync.recovery import EngineRecovery, sync_weights
+from asyncrl.sync.recovery import EngineRecovery, SyncAbandoned, sync_weights
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 
 log = logging.getLogger("asyncrl.runner")
@@ -86,6 +87,13 @@ def _bcast_obj(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def _gather_obj(obj) -> list:
+    """``obj`` of every actor rank, on every actor rank (collective)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def rollout_metrics(groups) -> dict[str, float]:
@@ -335,6 +343,8 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
             cfg, parts, evaluator, engine_urls, step=0, release=True))
     nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
     preempt = Preemption().install()
+    if recovery is not None:  # a sync that fails once a preemption signal arrived is abandoned, not waited for
+        recovery.abandon = lambda: preempt.requested
     try:
         _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step,
                broker, recovery, is_leader)
@@ -347,29 +357,42 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
 
 def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step, broker,
            recovery, is_leader) -> None:
-    """The steps after ``start_step``; a preemption between two steps checkpoints the last one and raises."""
+    """The steps after ``start_step``. A preemption signal on any actor rank seen before a step's batch (or by the
+    leader while it waits for it) checkpoints the previous step; seen after training (or failing the step's sync)
+    it skips the step's sync and eval, logs and checkpoints the step. Either way ``Preempted`` is raised on every
+    actor rank."""
     cfg = ctx.cfg
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
-        got = None if _bcast_obj(is_leader and preempt.requested) else _next_batch(
+        got = None if any(_gather_obj(preempt.requested)) else _next_batch(
             actor, parts if is_leader else None, cfg, step, phases, preempt)
         if got is None:
-            _preempted(actor, ckpt_root, step - 1, broker, ident)
+            _preempted(actor, ckpt_root, step - 1, broker, ident, preempt)
         groups, m = got
         t0 = time.perf_counter()
         m.update(actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
-        verdict = _bcast_obj(nonfinite.update(m) if is_leader else None)  # the leader alone sees the rewards
+        # the leader alone sees the rewards; a preemption signal on any actor rank counts
+        seen = _gather_obj((nonfinite.update(m) if is_leader else None, preempt.requested))
+        verdict, stop = seen[0][0], any(flag for _, flag in seen)
         if verdict:
             if is_leader:
                 _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
             raise NonFiniteError(verdict)
-        if step % cfg.rollout.update_weights_interval == 0:
-            res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
-            if res is not None:
-                m.update(res.metrics())
-        else:
-            m["time/sync_weights"] = 0.0
+        m["time/sync_weights"] = 0.0
+        if not stop and step % cfg.rollout.update_weights_interval == 0:
+            try:
+                res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
+            except SyncAbandoned as e:  # the engines stopped under a preemption: the checkpoint has the weights
+                log.warning("%s", e)
+                stop = True
+            else:
+                if res is not None:
+                    m.update(res.metrics())
+        if stop:  # preempted: no sync (or a broken one), no eval; this step is logged and checkpointed
+            if is_leader:
+                _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
+            _preempted(actor, ckpt_root, step, broker, ident, preempt)
         if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
                 cfg.runner.save_at_end and step == cfg.runner.max_steps):
             _save(actor, ckpt_root, step, broker, ident)
@@ -378,14 +401,18 @@ def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckp
             _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
 
 
-def _preempted(actor, root: Path, step: int, broker, ident: dict) -> None:
-    """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise."""
+def _preempted(actor, root: Path, step: int, broker, ident: dict, preempt) -> None:
+    """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise
+    ``Preempted`` naming the signal (the first actor rank's that got one)."""
+    signame = next((n for n in _gather_obj(preempt.signame) if n), PREEMPT_SIGNAL.name)
     d = root / f"step_{step:06d}"
     if step > 0 and not (d / "complete").is_file():
-        log.warning("preemption signal: writing the checkpoint of step %d before exiting", step)
+        log.warning("preemption signal (%s): writing the checkpoint of step %d before exiting", signame, step)
+        t0 = time.perf_counter()
         _save(actor, root, step, broker, ident)
+        log.warning("checkpoint of step %d written in %.1f s", step, time.perf_counter() - t0)
     dist.barrier()
-    raise Preempted(step, str(d) if step > 0 else None)
+    raise Preempted(step, str(d) if step > 0 else None, signame)
 
 
 def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: int, t_step: float,
@@ -481,8 +508,12 @@ def _next_batch(actor, parts, cfg, step: int, phases, preempt=None):
         if verdict is None:
             return got if parts is not None else (None, {})
         log.info("step %d: catch-up weight sync for restarted engine(s) while waiting for data", step)
-        _sync(actor, parts.syncer if parts is not None else None, cfg, parts is not None,
-              parts.recovery if parts is not None else None)
+        try:
+            _sync(actor, parts.syncer if parts is not None else None, cfg, parts is not None,
+                  parts.recovery if parts is not None else None)
+        except SyncAbandoned as e:  # a preemption signal arrived and the sync failed: stop as preempted
+            log.warning("%s", e)
+            return None
 
 
 def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0: float, preempt=None):

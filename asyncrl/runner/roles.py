@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -144,10 +145,11 @@ def _spawn_broker(ctx, disc: Discovery):
     ep = host_endpoint(num_nodes=num_nodes_from_env(cfg.cluster.num_nodes), configured_host=cfg.cluster.broker_host)
     addr_file = ctx.run_dir / "broker.address"
     addr_file.unlink(missing_ok=True)
+    # it defers SIGTERM while this rank lives (a preemption's SIGTERM reaches it too; the checkpoint needs it)
     broker = process.spawn_child(
         "broker", [sys.executable, "-m", "asyncrl.runner.broker_process", "--bind", f"tcp://{ep.bind_host}:0",
-                   "--address-file", str(addr_file), *_base_cmd(ctx)], log_dir=ctx.run_dir / "logs",
-        console_stdout=True)
+                   "--address-file", str(addr_file), "--parent-pid", str(os.getpid()), *_base_cmd(ctx)],
+        log_dir=ctx.run_dir / "logs", console_stdout=True, stop_signal=signal.SIGINT)
     process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
                        child=broker)
     process.fail_fast_on_exit(broker, what="the broker", grace_s=cfg.cluster.shutdown_grace_s)

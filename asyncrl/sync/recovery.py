@@ -15,6 +15,9 @@ Contract
   only if an engine restart shows up within ``wait_s`` (the rollout rank noticed the death or hang and
   restarted it); otherwise it propagates, naming the engine. Before deciding, every rank finishes
   iterating its buckets, then the leader's verdict is broadcast so all ranks retry together.
+- ``abandon`` (``EngineRecovery.abandon``, set by the step loop to "a preemption signal arrived"): a failed
+  sync is not retried nor waited for once it is true; every actor rank raises ``SyncAbandoned`` (the engines
+  keep their old weights; the run is stopping and its checkpoint carries the new ones).
 - Invariant: after ``sync_weights`` returns, every engine, restarted or not, serves the actor's
   current version and is in the group.
 
@@ -42,6 +45,10 @@ _POLL_S = 0.2
 _SYNC_ERRORS = (EngineStepError, GroupJoinError, RuntimeError)
 
 
+class SyncAbandoned(RuntimeError):
+    """A failed weight sync given up because the run is stopping (``EngineRecovery.abandon``)."""
+
+
 class EngineRecovery:
     """Restart counts seen, joined and synced, per engine of one weight-sync group (see module contract)."""
 
@@ -53,6 +60,8 @@ class EngineRecovery:
         self.read_restarts = read_restarts
         self.publish_synced = publish_synced
         self.wait_s = wait_s
+        self.abandon: Callable[[], bool] = lambda: False
+        """True once a failed sync should be given up rather than retried (the run is stopping)."""
         n = len(group.engines)
         self.joined = [0] * n
         """Restart count of each engine when the group was last formed."""
@@ -86,17 +95,23 @@ class EngineRecovery:
                 log.info("engine %s (restart %d) carries the current weights again", self.group.engines[i].url, j)
         self.synced = list(self.joined)
 
-    def after_failure(self, err: BaseException) -> None:
-        """Return when an engine restart (not yet joined) explains ``err``; re-raise it after ``wait_s``."""
+    def after_failure(self, err: BaseException) -> bool:
+        """True when an engine restart (not yet joined) explains ``err`` (retry); False as soon as ``abandon()``
+        holds; re-raise ``err`` after ``wait_s``."""
         self.failures += 1
+        if self.abandon():
+            return False
         if self.failures > self.max_failures:
             raise err
         deadline = time.monotonic() + self.wait_s
         log.warning("weight sync failed (%s); waiting up to %.0f s for the engine's restart", err, self.wait_s)
         while self._counts() == self.joined:
+            if self.abandon():
+                return False
             if time.monotonic() > deadline:
                 raise err
             time.sleep(_POLL_S)
+        return True
 
 
 def sync_weights(actor, syncer, recovery: Optional[EngineRecovery], *, bucket_bytes: int, is_leader: bool,
@@ -117,10 +132,15 @@ def sync_weights(actor, syncer, recovery: Optional[EngineRecovery], *, bucket_by
                 err = e
         for _ in buckets:  # the rest of the gather (every rank takes part), also after a failure
             pass
+        verdict = None
         if err is not None:
-            recovery.after_failure(err)
+            verdict = "retry" if recovery.after_failure(err) else "abandon"
         elif is_leader and recovery is not None:
             recovery.after_sync()
-        if not bcast(err is not None):
+        verdict = bcast(verdict)
+        if verdict is None:
             return res
+        if verdict == "abandon":
+            raise SyncAbandoned(f"weight sync at version {actor.version} abandoned: the run is stopping"
+                                + (f" ({err})" if err is not None else ""))
         log.info("retrying the weight sync at version %s", actor.version)

@@ -56,3 +56,23 @@ def pids_mentioning(text: str) -> list[int]:
         if text in cmd:
             out.append(int(d.name))
     return out
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children, grandchildren, ...; sessions do not matter): a job's processes as
+    Slurm's cgroup sees them, e.g. torchrun's ranks and their broker and engines."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+    out, frontier = [], [root]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out

@@ -4,7 +4,8 @@
   secret (or with a wrong one) are answered with an error and counted in ``stats["unauthenticated"]``; the
   broker keeps serving the peers that hold it.
 - CPU engine with ``--api-key`` (SGLang's flag): 401 ``{"error": "Unauthorized"}`` without or with a wrong
-  ``Authorization: Bearer``, ``/health`` and ``/metrics`` stay open, the right key generates.
+  ``Authorization: Bearer``, ``/health`` and ``/metrics`` stay open, the right key generates (scheme in any case,
+  as sglang 0.5.23's ``decide_request_auth``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def test_cpu_engine_api_key_like_sglang(tmp_path):
                 assert r.status == 200
         status, out = _post(url + "/generate", body, SECRET)
         assert status == 200 and out["meta_info"]["completion_tokens"] >= 1
+        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"bearer {SECRET}"})
+        with urllib.request.urlopen(req, timeout=60) as r:  # SGLang compares the scheme case-insensitively
+            assert r.status == 200
         assert engine.proc.poll() is None
     finally:
         engine.stop()

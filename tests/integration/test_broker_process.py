@@ -204,3 +204,69 @@ def test_no_completed_groups_warning_reaches_the_console_not_only_the_log(tmp_pa
     finally:
         client.close()
         broker.stop()
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie nobody reaped counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return True
+    return state == "Z"
+
+
+def _wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_supervised_broker_defers_sigterm_while_its_parent_lives(tmp_path):
+    """A preemption's SIGTERM reaches every process of a Slurm step: the broker of a live parent (actor rank 0)
+    keeps serving (the parent's checkpoint needs its state) and stops on SIGINT (``process.stop_child``); a broker
+    on its own still stops on SIGTERM."""
+    cfg, prompts = _write_inputs(tmp_path)
+    log = tmp_path / "broker.log"
+    broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(log), parent_pid=os.getpid())
+    client = BrokerClient(broker.address, timeout_s=20)
+    try:
+        os.kill(broker.proc.pid, signal.SIGTERM)
+        _wait_for(lambda: "SIGTERM deferred" in log.read_text(), 20, "the broker to report the deferred SIGTERM")
+        state = client.get_state()  # what the parent's checkpoint asks for, after the SIGTERM
+        assert state and broker.proc.poll() is None
+        os.kill(broker.proc.pid, signal.SIGINT)
+        assert broker.proc.wait(timeout=20) == 0
+    finally:
+        client.close()
+        if broker.proc.poll() is None:
+            broker.proc.kill()
+    alone = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp_path / "alone.log"))
+    os.kill(alone.proc.pid, signal.SIGTERM)
+    assert alone.proc.wait(timeout=20) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_supervised_broker_stops_when_its_parent_dies(tmp_path):
+    """No PR_SET_PDEATHSIG here (``start_broker`` does not set it): the broker's own watch of its parent pid stops it
+    once the parent is SIGKILLed."""
+    cfg, prompts = _write_inputs(tmp_path)
+    code = ("import os, sys; from asyncrl.runner.broker_process import start_broker; "
+            f"b = start_broker({cfg!r}, [], prompts_path={prompts!r}, log_path={str(tmp_path / 'broker.log')!r}, "
+            "parent_pid=os.getpid()); print('PID', b.proc.pid, flush=True); sys.stdin.read()")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO))
+    pid = None
+    try:
+        pid = next(int(ln.split()[1]) for ln in parent.stdout if ln.startswith("PID "))  # the broker prints too
+        parent.kill()
+        parent.wait(timeout=10)
+        _wait_for(lambda: _gone(pid), 10, f"the broker (pid {pid}) to stop after its parent died")
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        if pid is not None and not _gone(pid):
+            os.kill(pid, signal.SIGKILL)

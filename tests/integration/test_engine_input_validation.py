@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.engine.client import SGLangClient
+from asyncrl.engine.client import SGLangClient, parse_prometheus
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.rollout.cpu_model import iter_safetensors
 from asyncrl.rollout.testing import free_port, running_cpu_engine
@@ -183,9 +183,20 @@ def _metric(url: str, name: str) -> float:
     return getattr(m, name)
 
 
+def _series(url: str) -> dict[str, float]:
+    """Every ``sglang:*`` series of ``/metrics`` as the scraper reads them."""
+    async def go():
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return parse_prometheus(await r.text())
+    return asyncio.run(go())
+
+
 def test_disconnected_client_request_is_aborted(engine):
     """While the engine is paused a request waits in the queue; its client times out and closes the connection:
-    the engine drops the request (before: it stayed queued and generated for nobody after continue)."""
+    the engine drops the request (before: it stayed queued and generated for nobody after continue) and counts it
+    on ``/metrics`` (``sglang:num_disconnect_aborted_requests_total``, and in ``num_aborted_requests_total`` as
+    SGLang does)."""
+    before = _series(engine.url)
     assert _post(engine.url, "/pause_generation", {"mode": "in_place"})[0] == 200
     try:
         with pytest.raises(asyncio.TimeoutError):
@@ -194,8 +205,11 @@ def test_disconnected_client_request_is_aborted(engine):
         while _metric(engine.url, "num_queue_reqs") > 0:
             assert time.monotonic() < deadline, "the abandoned request is still queued"
             time.sleep(0.05)
+        after = _series(engine.url)
     finally:
         assert _post(engine.url, "/continue_generation", {})[0] == 200
+    assert after["num_disconnect_aborted_requests_total"] == before["num_disconnect_aborted_requests_total"] + 1
+    assert after["num_aborted_requests_total"] == before["num_aborted_requests_total"] + 1
     _alive_and_answering(engine)
 
 

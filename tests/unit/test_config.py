@@ -251,6 +251,15 @@ def test_warning_buffer_below_two_batches(tmp_path):
     assert any("2 x rollout_batch_size" in w for w in ws)
 
 
+@pytest.mark.parametrize("extra,warned", [('["--tokenizer-worker-num", "4"]', True),
+                                          ('["--tokenizer-worker-num=2"]', True),
+                                          ('["--tokenizer-worker-num", "1"]', False), ("[]", False)])
+def test_warning_sglang_tokenizer_workers_skip_the_api_key(tmp_path, extra, warned):
+    ws = validate(load(tmp_path, overrides=['rollout.rollout_backend="sglang"',
+                                            f"rollout.sglang.extra_args={extra}"]), world_size=4)
+    assert any("--tokenizer-worker-num" in w and "--api-key" in w for w in ws) is warned, ws
+
+
 def test_defaults_give_no_buffer_warnings(tmp_path):
     ws = validate(load(tmp_path, overrides=["rollout_buffer.max_inflight_groups=4"]), world_size=4)
     assert ws == []

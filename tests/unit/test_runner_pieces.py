@@ -89,3 +89,29 @@ def test_nonfinite_guard_stops_after_consecutive_bad_steps():
     msg = g.update(m)
     assert msg is not None and "runner.max_nonfinite_steps = 3" in msg and "nan" in msg
     assert m["train/nonfinite_steps"] == 4 and m["train/nonfinite_consecutive"] == 3
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_preemption_flag_takes_sigusr1_and_sigterm_and_restores_the_handlers(sig):
+    """Slurm's notice (SIGUSR1) and its time limit / scancel (SIGTERM) both become the step loop's flag; the first
+    signal is the one named; outside the loop the previous handlers are back."""
+    import os
+    import signal
+
+    from asyncrl.runner.guards import PREEMPT_SIGNALS, Preempted, Preemption
+
+    seen = []
+    before = {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in PREEMPT_SIGNALS}
+    try:
+        p = Preemption().install()
+        assert not p.requested and p.signame is None
+        os.kill(os.getpid(), getattr(signal, sig))
+        os.kill(os.getpid(), signal.SIGUSR1 if sig == "SIGTERM" else signal.SIGTERM)  # a second one changes nothing
+        assert p.requested and p.signame == sig and seen == []
+        p.restore()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+        assert f"(signal {sig})" in str(Preempted(3, "/ckpt/step_000003", p.signame))
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

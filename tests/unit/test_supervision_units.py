@@ -12,7 +12,7 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.blocking import EngineStepError
 from asyncrl.rollout.sglang_launcher import HealthTracker
 from asyncrl.sync.group import EngineEndpoint
-from asyncrl.sync.recovery import EngineRecovery, sync_weights
+from asyncrl.sync.recovery import EngineRecovery, SyncAbandoned, sync_weights
 
 
 def test_health_tracker_dead_at_once_hung_after_the_window():
@@ -121,7 +121,7 @@ def test_sync_weights_retries_after_a_restart_and_finishes_every_gather():
     res = sync_weights(actor, syncer, rec, bucket_bytes=1, is_leader=True,
                        bcast=lambda x: decisions.append(x) or x)
     assert res == ([[("w1", None)], [("w2", None)]], 7)
-    assert decisions == [True, False]  # every rank was told to retry once, then done
+    assert decisions == ["retry", None]  # every rank was told to retry once, then done
     assert actor.iterated == [0, 1, 2, 0, 1, 2]  # the failed attempt still ran the whole (collective) gather
     assert group.recreated == 1 and published == {0: 1}
 
@@ -136,6 +136,32 @@ def test_sync_weights_without_a_restart_propagates():
 
     with pytest.raises(EngineStepError, match="127.0.0.1:30000"):
         sync_weights(_Actor(), Broken(), rec, bucket_bytes=1, is_leader=True, bcast=lambda x: x)
+
+
+class _Broken:
+    def sync(self, buckets, version):
+        next(buckets)
+        raise RuntimeError("Connection closed by peer")  # the engines stopped under a preemption
+
+
+@pytest.mark.parametrize("when", ["before", "while waiting"])
+def test_sync_weights_abandoned_once_the_run_is_stopping(when):
+    """A preemption signal arrived (``abandon``): a failed sync is neither retried nor waited for (``wait_s`` is
+    long here); every rank is told to give up, after the whole gather."""
+    _, rec = _recovery([0], {}, wait_s=60.0)
+    polls = []
+    rec.abandon = (lambda: True) if when == "before" else (lambda: polls.append(1) or len(polls) > 3)
+    actor, decisions = _Actor(), []
+    with pytest.raises(SyncAbandoned, match="version 7 abandoned.*Connection closed"):
+        sync_weights(actor, _Broken(), rec, bucket_bytes=1, is_leader=True, bcast=lambda x: decisions.append(x) or x)
+    assert decisions == ["abandon"] and actor.iterated == [0, 1, 2]
+
+
+def test_sync_weights_abandon_reaches_the_other_ranks():
+    actor = _Actor()
+    with pytest.raises(SyncAbandoned):
+        sync_weights(actor, None, None, bucket_bytes=1, is_leader=False, bcast=lambda x: "abandon")
+    assert actor.iterated == [0, 1, 2]
 
 
 @pytest.mark.parametrize("override, key", [
