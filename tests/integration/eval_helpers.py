@@ -53,22 +53,24 @@ class EverySkipReasonEval(ChecksumEval):
             raise RuntimeError("the eval server went away")
         out = super().evaluate_checkpoint(checkpoint_dir, input)
         if input.step == 2:
-            last = self.cfg.runner.max_steps
-            wait_for_record(Path(self.cfg.logging.run_dir), last, "eval/skipped_busy")
+            last = wait_for_record(Path(self.cfg.logging.run_dir), self.cfg.runner.max_steps)
+            if "eval/skipped_busy" not in last:
+                raise RuntimeError(f"the last step found a free eval slot: {last}")
             (snapshot_dir(self.cfg.eval.eval_hf_dir, 3) / SNAPSHOT_META).unlink()
         return out
 
 
-def wait_for_record(run_dir: Path, step: int, key: str, timeout_s: float = 600.0) -> None:
-    """Until metrics.jsonl holds step ``step``'s record with ``key`` (a failure bound, not a pace)."""
+def wait_for_record(run_dir: Path, step: int, timeout_s: float = 240.0) -> dict:
+    """Step ``step``'s training record in metrics.jsonl, once it is there (the timeout is a failure bound)."""
     deadline = time.monotonic() + timeout_s
     path = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
         lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # whole lines only
-        if any(r.get("step") == step and key in r for r in map(json.loads, filter(str.strip, lines))):
-            return
+        for r in map(json.loads, filter(str.strip, lines)):
+            if r.get("step") == step and "time/step" in r:
+                return r
         time.sleep(0.1)
-    raise TimeoutError(f"no record of step {step} with {key} in {path} within {timeout_s:.0f}s")
+    raise TimeoutError(f"no record of step {step} in {path} within {timeout_s:.0f}s")
 
 
 def drop_every_fifth(group):
