@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from asyncrl.actor.checkpoint import hf_to_actor_checkpoint
 from asyncrl.actor.memory import ModelShape
 from asyncrl.actor.model import actor_spec
 from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
@@ -69,8 +70,10 @@ def test_one_reading_of_the_hf_fields():
 def test_each_consumer_refuses_what_it_cannot_run_through_its_loader(tmp_path, extra, refused_by):
     path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_hidden_layers=1, hidden_size=32,
                                 intermediate_size=48, **extra)
-    loaders = {"actor": actor_spec, "cpu": load_model, "decoder": TorchDecoder.from_pretrained}
-    names = {"actor": ACTOR.name, "cpu": CPU_ENGINE.name, "decoder": TORCH_DECODER.name}
+    loaders = {"actor": actor_spec, "cpu": load_model, "decoder": TorchDecoder.from_pretrained,
+               "converter": lambda p: hf_to_actor_checkpoint(p, tmp_path / "ckpt")}
+    names = {"actor": ACTOR.name, "converter": ACTOR.name, "cpu": CPU_ENGINE.name, "decoder": TORCH_DECODER.name}
+    refused_by = refused_by | ({"converter"} if "actor" in refused_by else set())
     for who, load in loaders.items():
         if who in refused_by:
             with pytest.raises(ValueError, match=f"config.json: .* is not supported by {re.escape(names[who])}") as e:
