@@ -40,24 +40,22 @@ class ChecksumEval(CheckpointEvalFn):
 
 class EverySkipReasonEval(ChecksumEval):
     """Every skip reason of Miles' page really happening in one run (``eval.eval_interval = 1``,
-    ``eval.eval_overflow_policy = "skip"``, ``eval.eval_max_in_flight = 5``, ``runner.max_steps = 7``, a plain
+    ``eval.eval_overflow_policy = "skip"``, ``eval.eval_max_in_flight = 4``, ``runner.max_steps = 6``, a plain
     file where step 1's snapshot directory goes): step 1's export raises (``skipped_export_failed``); the
-    step-2 point holds the one eval thread until step 7's record is logged with ``eval/skipped_busy`` (points
-    2-6 in flight), then removes step 3's completion marker (``skipped_ckpt_missing``); step 4 raises
-    ``EvalSkip("no free slot")``, step 5 crashes (``skipped_crashed``); steps 2 and 6 measure."""
+    step-2 point holds the one eval thread until step 6's record is logged with ``eval/skipped_busy`` (points
+    2-5 in flight), removes step 3's completion marker (``skipped_ckpt_missing``) and raises
+    ``EvalSkip("no free slot")``; step 4 crashes (``skipped_crashed``); step 5 measures."""
 
     def evaluate_checkpoint(self, checkpoint_dir, input):  # noqa: A002
-        if input.step == 4:
-            raise EvalSkip("no free slot")
-        if input.step == 5:
-            raise RuntimeError("the eval server went away")
-        out = super().evaluate_checkpoint(checkpoint_dir, input)
         if input.step == 2:
             last = wait_for_record(Path(self.cfg.logging.run_dir), self.cfg.runner.max_steps)
             if "eval/skipped_busy" not in last:
                 raise RuntimeError(f"the last step found a free eval slot: {last}")
             (snapshot_dir(self.cfg.eval.eval_hf_dir, 3) / SNAPSHOT_META).unlink()
-        return out
+            raise EvalSkip("no free slot")
+        if input.step == 4:
+            raise RuntimeError("the eval server went away")
+        return super().evaluate_checkpoint(checkpoint_dir, input)
 
 
 def wait_for_record(run_dir: Path, step: int, timeout_s: float = 240.0) -> dict:

@@ -227,42 +227,39 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path, m
     assert recs[-1]["broker/issued_groups"] > recs[1]["broker/issued_groups"]  # production resumed after the eval
 
     # external CheckpointEvalFn, every step an eval point, every skip reason of Miles' page happening for real
-    # (eval_helpers.EverySkipReasonEval): 1 export raises, 2 measures (holding the eval thread until 7 is busy),
-    # 3 lost its completion marker, 4 EvalSkip, 5 crashes, 6 measures, 7 finds five points in flight
+    # (eval_helpers.EverySkipReasonEval): 1 export raises, 2 EvalSkip (holding the eval thread until 6 is busy),
+    # 3 lost its completion marker, 4 crashes, 5 measures, 6 finds four points in flight
     hf_dir = tmp_path / "eval_hf"
     hf_dir.mkdir()
     (hf_dir / "step_000001").write_text("not a directory: the export of step 1 raises\n")
     run_dir = tmp_path / "external"
-    r = run_job(prepared, run_dir, "runner.max_steps=7", "eval.eval_interval=1",
+    r = run_job(prepared, run_dir, "runner.max_steps=6", "eval.eval_interval=1",
                 'eval.eval_function_path="eval_helpers:EverySkipReasonEval"', f'eval.eval_hf_dir="{hf_dir}"',
-                'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=5", "eval.eval_keep_snapshots=1",
-                "runner.checkpoint_interval=6", "runner.save_hf=true")
+                'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=4", "eval.eval_keep_snapshots=1",
+                "runner.checkpoint_interval=5", "runner.save_hf=true")
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     steps = [x for x in recs if "time/step" in x]
-    assert [x["step"] for x in steps] == [1, 2, 3, 4, 5, 6, 7]
-    assert [x["step"] for x in steps if "eval/export_time_seconds" in x] == [2, 3, 4, 5, 6]
-    points = {x["step"]: x for x in recs if "eval/checksum" in x}
-    assert sorted(points) == [2, 6]
-    for s, x in points.items():
-        assert x["eval/snapshot_step"] == s and x["eval/weight_version"] == s and x["eval/num_datasets"] == 1
-        assert 0 <= x["eval/lag_steps"] <= 7 - s
-    assert points[2]["eval/checksum"] != points[6]["eval/checksum"]  # the weights moved between the points
-    ckpt_export = run_dir / "checkpoints" / "step_000006" / "hf_export"  # the actor's own HF export at step 6
-    assert points[6]["eval/checksum"] == pytest.approx(weights_checksum(ckpt_export), rel=1e-12)
-    assert sorted(p.name for p in hf_dir.iterdir()) == ["step_000001", "step_000006"]  # keep_snapshots = 1
+    assert [x["step"] for x in steps] == [1, 2, 3, 4, 5, 6]
+    assert [x["step"] for x in steps if "eval/export_time_seconds" in x] == [2, 3, 4, 5]
+    (point,) = [x for x in recs if "eval/checksum" in x]
+    assert point["step"] == 5 and point["eval/snapshot_step"] == 5 and point["eval/weight_version"] == 5
+    assert point["eval/num_datasets"] == 1 and point["eval/lag_steps"] == 1  # logged at the end of step 6
+    ckpt_export = run_dir / "checkpoints" / "step_000005" / "hf_export"  # the actor's own HF export at step 5
+    assert point["eval/checksum"] == pytest.approx(weights_checksum(ckpt_export), rel=1e-12)
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["step_000001", "step_000005"]  # keep_snapshots = 1
 
     tb = tb_scalars(run_dir)
     missing = [m for m in SEED_METRICS_EVAL_EXTERNAL if m not in tb]
     assert not missing, f"eval metrics missing from TensorBoard: {missing}"
-    assert sorted(tb["eval/checksum"]) == [2, 6]
-    assert_eval_points_measured_their_step(tb, [2, 6])
+    assert sorted(tb["eval/checksum"]) == [5]
+    assert_eval_points_measured_their_step(tb, [5])
     # each skipped point at the step it would have landed on, with Miles' reason names
-    assert tb["eval/skipped_export_failed"] == {1: 1.0} and tb["eval/skipped_ckpt_missing"] == {3: 1.0}
-    assert tb["eval/skipped_no_free_slot"] == {4: 1.0} and tb["eval/skipped_crashed"] == {5: 1.0}
-    assert tb["eval/skipped_busy"] == {7: 1.0}
-    assert sorted(tb["eval/step"]) == [2, 3, 4, 5, 6]  # the points that reached the eval thread
-    assert tb["eval/skipped"][7] == 2.0 and tb["eval/errors"][5] == 1.0  # running counts
+    assert tb["eval/skipped_export_failed"] == {1: 1.0} and tb["eval/skipped_no_free_slot"] == {2: 1.0}
+    assert tb["eval/skipped_ckpt_missing"] == {3: 1.0} and tb["eval/skipped_crashed"] == {4: 1.0}
+    assert tb["eval/skipped_busy"] == {6: 1.0}
+    assert sorted(tb["eval/step"]) == [2, 3, 4, 5]  # the points that reached the eval thread
+    assert tb["eval/skipped"][6] == 2.0 and tb["eval/errors"][4] == 1.0  # running counts
 
 
 @pytest.mark.slow
