@@ -1,2 +1,3 @@
-"""The embedded default (CPU, tests, CI): what ``prepare.*`` makes before a run, beyond the data and the
-tiny checkpoint: the supervised warm start (``warm_start``)."""
+"""The embedded default (CPU, tests, CI): the synthetic search-QA data generator (``synth``) and the
+supervised warm start (``warm_start``) that ``prepare.*`` runs before a run (``asyncrl.runner.prepare``);
+the tiny checkpoint itself is ``asyncrl.models.tiny``."""

@@ -2,7 +2,7 @@
 
 Contract
 - ``build_demo_examples(cfg, data_dir=, tokenizer=, num_demos=)``: demonstration trajectories of the synthetic
-  search-QA (``asyncrl.agent.data.synth.make_sft_demos``, BM25 over the corpus) as ``(ids, loss_mask)``, each
+  search-QA (``asyncrl.embedded.synth.make_sft_demos``, BM25 over the corpus) as ``(ids, loss_mask)``, each
   segment tokenized on its own as the agent loop does (generated turns mask 1, prompt and information blocks 0).
 - ``warm_start(cfg, data_dir=, base_dir=, out_dir=)``: trains the plain-PyTorch decoder
   (``asyncrl.models.torch_decoder``, one process, before any Megatron world exists) on fresh demonstrations
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.agent.data.loaders import load_rows
-from asyncrl.agent.data.synth import make_sft_demos
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools.bm25 import BM25Retriever, read_corpus
+from asyncrl.embedded.synth import make_sft_demos
 from asyncrl.models.torch_decoder import TorchDecoder
 
 log = logging.getLogger("asyncrl.prepare")

@@ -8,7 +8,7 @@
 
 Runs on global rank 0 before any role starts, only when ``prepare.enabled``. Each stage is
 skipped when its output exists (a ``.done`` marker is written last, so an interrupted stage is
-redone). The stages themselves live below the runner: the data generator ``asyncrl.agent.data.synth``,
+redone). The stages themselves live below the runner: the data generator ``asyncrl.embedded.synth``,
 the tiny checkpoint ``asyncrl.models.tiny`` and the warm start ``asyncrl.embedded.warm_start`` (which
 teaches the tool format from demonstrations of which only ``prepare.sft_correct_fraction`` search and
 copy the right answer, so RL has room to improve).
@@ -20,7 +20,7 @@ import logging
 import time
 from pathlib import Path
 
-from asyncrl.agent.data.synth import write_dataset
+from asyncrl.embedded.synth import write_dataset
 from asyncrl.embedded.warm_start import warm_start
 from asyncrl.models.tiny import make_tiny_checkpoint
 
