@@ -122,3 +122,22 @@ def test_one_safetensors_reader(tmp_path):
         SafetensorsReader(tmp_path / "empty")
     with pytest.raises(ValueError, match="is missing"):
         SafetensorsReader(tmp_path / "absent.safetensors")
+
+
+def test_the_launcher_refuses_a_model_before_any_process_starts(tmp_path):
+    from pathlib import Path
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.runner.launcher import check_models
+
+    tiny = Path(__file__).resolve().parents[2] / "configs/tiny.toml"
+    kw = dict(arch="llama", num_hidden_layers=1, hidden_size=32, intermediate_size=48)
+    plain = make_tiny_checkpoint(tmp_path / "plain", **kw)
+    linear = make_tiny_checkpoint(tmp_path / "linear", **kw, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    yarn = make_tiny_checkpoint(tmp_path / "yarn", **kw, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    check_models(load_config(tiny, [f'actor.model_path="{plain}"', f'rollout.model_path="{linear}"']))
+    with pytest.raises(ConfigError, match=r"^actor.model_path: .*rope_type='linear' is not supported by the actor"):
+        check_models(load_config(tiny, [f'actor.model_path="{linear}"']))
+    with pytest.raises(ConfigError, match=r"^rollout.model_path: .*rope_type='yarn' is not supported by the CPU en"):
+        check_models(load_config(tiny, [f'actor.model_path="{plain}"', f'rollout.model_path="{yarn}"']))
+    check_models(load_config(tiny, [f'actor.model_path="{tmp_path}/absent"']))  # made later by prepare: skipped
