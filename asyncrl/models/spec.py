@@ -11,6 +11,7 @@ Contract
   the consumer and what it supports. Today: RoPE scaling (``linear``, ``llama3``) runs on the CPU engine and
   the plain-PyTorch decoder, not in the actor (megatron-core's plain RoPE); an ``o_proj`` bias (Llama/Qwen3
   ``attention_bias``) likewise. Every consumer refuses other RoPE types (``yarn``, ``dynamic``, ...).
+  The launcher applies the same refusal before any process starts (``asyncrl.runner.launcher.check_models``).
 - Field names follow Megatron (``ffn_hidden_size``, ``num_query_groups``); the HF key each comes from is
   in its docstring.
 
