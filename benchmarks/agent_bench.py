@@ -27,13 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.agent.data.synth import write_dataset  # noqa: E402
 from asyncrl.agent.loop import AgentLoop, EngineHandle  # noqa: E402
 from asyncrl.agent.tasks import get_task  # noqa: E402
 from asyncrl.agent.tokenizer import AgentTokenizer  # noqa: E402
 from asyncrl.agent.tools.bm25 import BM25Retriever  # noqa: E402
 from asyncrl.broker.types import Group, PromptItem  # noqa: E402
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig, ToolConfig  # noqa: E402
+from asyncrl.embedded.synth import write_dataset  # noqa: E402
 
 
 def make_tokenizer(tmp: Path) -> tuple[AgentTokenizer, dict]:

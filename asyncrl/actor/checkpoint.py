@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from asyncrl.actor.convert import hf_state_to_megatron, megatron_state_to_hf, tp_merge, tp_shard
-from asyncrl.actor.model import ModelSpec, load_hf_config, padded_vocab_size
-from asyncrl.actor.weights import HFCheckpointReader
+from asyncrl.actor.model import actor_spec, padded_vocab_size
+from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
 
 FORMAT = "asyncrl-actor-v1"
 HF_SIDE_FILES = (
@@ -63,19 +63,8 @@ def optim_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
 
 def read_model_tensors(ckpt: Path, tp_rank: int, pp: int, names: list[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` of TP rank ``tp_rank``, from the stage files of a checkpoint saved at PP=``pp``."""
-    from safetensors import safe_open
-
-    want = set(names)
-    out: dict[str, torch.Tensor] = {}
-    for s in range(pp):
-        path = Path(ckpt) / model_file(tp_rank, s, pp)
-        if not path.is_file():
-            raise ValueError(f"checkpoint file {str(path)!r} is missing")
-        with safe_open(str(path), framework="pt") as f:
-            for k in f.keys():
-                if k in want and k not in out:
-                    out[k] = f.get_tensor(k)
-    return out
+    reader = SafetensorsReader([Path(ckpt) / model_file(tp_rank, s, pp) for s in range(pp)])
+    return {k: reader.get(k) for k in names if k in reader}
 
 
 def optim_shard_file(rank: int) -> str:
@@ -110,29 +99,12 @@ def read_meta(ckpt: str | Path) -> dict[str, Any]:
     return meta
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path)
-
-
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise ValueError(f"checkpoint file {str(path)!r} is missing")
-    return load_file(str(path))
-
-
 def hf_to_actor_checkpoint(hf_dir: str | Path, out: str | Path, *, tp: int = 1) -> Path:
     """Convert a HF checkpoint into an actor checkpoint for ``tp`` TP ranks (model only)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = ModelSpec.from_hf_config(load_hf_config(hf_dir))
-    reader = HFCheckpointReader(hf_dir)
-    full = hf_state_to_megatron({k: reader.get(k) for k in reader.keys()}, spec, tp=tp)
+    spec = actor_spec(hf_dir)
+    full = hf_state_to_megatron(SafetensorsReader(hf_dir).to_dict(), spec, tp=tp)
     for r in range(tp):
         save_safetensors({k: tp_shard(k, v, rank=r, tp=tp) for k, v in full.items()}, out / model_file(r))
     copy_hf_side_files(hf_dir, out / "hf")
@@ -157,10 +129,10 @@ def load_full_megatron(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
     pp = int(meta.get("pp", 1))
-    tied = ModelSpec.from_hf_config(load_hf_config(ckpt / "hf")).tie_word_embeddings if pp > 1 else False
+    tied = actor_spec(ckpt / "hf").tie_word_embeddings if pp > 1 else False
     full: dict[str, torch.Tensor] = {}
     for s in range(pp):
-        shards = [load_safetensors(ckpt / model_file(r, s, pp)) for r in range(int(meta["tp"]))]
+        shards = [SafetensorsReader(ckpt / model_file(r, s, pp)).to_dict() for r in range(int(meta["tp"]))]
         for k in shards[0]:
             if tied and k == "output_layer.weight":  # the last stage's copy of the tied embeddings
                 continue
@@ -172,7 +144,7 @@ def actor_checkpoint_to_hf(ckpt: str | Path, out: str | Path) -> Path:
     """Write a HF checkpoint (model.safetensors + side files) from an actor checkpoint."""
     ckpt, out = Path(ckpt), Path(out)
     full, _ = load_full_megatron(ckpt)
-    spec = ModelSpec.from_hf_config(load_hf_config(ckpt / "hf"))
+    spec = actor_spec(ckpt / "hf")
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(dict(megatron_state_to_hf(full, spec)), out / "model.safetensors")
     copy_hf_side_files(ckpt / "hf", out)

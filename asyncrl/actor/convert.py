@@ -30,8 +30,9 @@ from collections.abc import Iterator
 
 import torch
 
-from asyncrl.actor.model import ModelSpec, padded_vocab_size
+from asyncrl.actor.model import padded_vocab_size
 from asyncrl.actor.names import LAYER_NAME, canonical_megatron_name, layer_rest, tp_split_dim
+from asyncrl.models.spec import ModelSpec
 
 
 def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:

@@ -22,8 +22,8 @@ step, in bytes:
 
 It is an estimate (allocator fragmentation, NCCL and CUDA context come on top: the launcher
 compares it with ``USABLE_FRACTION`` of the device). ``ModelShape.from_hf_config`` reads the
-HF ``config.json`` fields it needs; ``known_shape(name)`` knows a few public models by name, so
-a dry run works before the checkpoint is downloaded.
+HF ``config.json`` through the one ``asyncrl.models.spec.ModelSpec``; ``known_shape(name)`` knows a
+few public models by name, so a dry run works before the checkpoint is downloaded.
 
 Example::
 
@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
+
+from asyncrl.models.spec import ModelSpec
 
 GIB = 1024**3
 VOCAB_MULTIPLE = 128
@@ -58,20 +60,16 @@ class ModelShape:
     qkv_bias: bool = True
 
     @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ModelShape:
+        return cls(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+                   num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+                   num_query_groups=spec.num_query_groups, head_dim=spec.head_dim,
+                   tie_word_embeddings=spec.tie_word_embeddings, qk_norm=spec.qk_norm, qkv_bias=spec.qkv_bias)
+
+    @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelShape:
-        h, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=h,
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_attention_heads=nh,
-            num_query_groups=int(hf.get("num_key_value_heads") or nh),
-            head_dim=int(hf.get("head_dim") or h // nh),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=hf.get("model_type") == "qwen3",
-            qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)),
-        )
+        """The shape of a HF ``config.json`` dict, read as ``ModelSpec`` reads it (its errors name the field)."""
+        return cls.from_spec(ModelSpec.from_hf_config(hf))
 
 
 # (vocab, hidden, ffn, layers, heads, kv heads, head_dim, tied, q/k norm): from the models' public config.json

@@ -1,7 +1,8 @@
 """Build a megatron-core GPTModel from a HF ``config.json`` (Qwen2/Qwen2.5, Qwen3, Llama).
 
-Pure description first (``ModelSpec`` from the HF dict, no torch.distributed), then
-``build_gpt_model`` which needs Megatron's model-parallel state to be initialised.
+Pure description first (``actor_spec``: the one ``asyncrl.models.spec.ModelSpec``, refused where the actor
+cannot run it, no torch.distributed), then ``build_gpt_model`` which needs Megatron's model-parallel state
+to be initialised.
 
 The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (``padded_vocab_size``); the
 extra rows of the embedding and the output layer are zero and are stripped on export.
@@ -10,8 +11,6 @@ extra rows of the embedding and the output layer are zero and are stripped on ex
 from __future__ import annotations
 
 import contextlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,85 +19,21 @@ import torch
 from asyncrl.actor.names import canonical_megatron_name, tp_split_dim
 from asyncrl.actor.spec import layer_spec as make_layer_spec
 from asyncrl.cluster.megatron_cpu import cuda_as_cpu
+from asyncrl.models.spec import ACTOR, ModelSpec, require
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 VOCAB_MULTIPLE = 128
 """Padded vocab = multiple of VOCAB_MULTIPLE * TP (Megatron's ``make_vocab_size_divisible_by``)."""
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the converter and the model builder need to know about one HF model."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    qkv_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ModelSpec:
-        mt = hf.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json model_type={mt!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act={hf.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported")
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"config.json rope_scaling={rope_scaling!r}: only plain RoPE is supported")
-        if hf.get("use_sliding_window"):
-            raise ValueError("config.json use_sliding_window=true is not supported")
-        if mt == "llama" and hf.get("mlp_bias"):
-            raise ValueError("config.json mlp_bias=true is not supported")
-        nh = int(hf["num_attention_heads"])
-        h = int(hf["hidden_size"])
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers 5 may nest it under rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        if mt == "qwen2":
-            qkv_bias = True
-        else:
-            qkv_bias = bool(hf.get("attention_bias", False))
-        return cls(
-            model_type=mt,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=h,
-            ffn_hidden_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_attention_heads=nh,
-            num_query_groups=int(hf.get("num_key_value_heads") or nh),
-            head_dim=int(hf.get("head_dim") or h // nh),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            qkv_bias=qkv_bias,
-            qk_norm=(mt == "qwen3"),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelSpec:
-        return cls.from_hf_config(load_hf_config(path))
-
-
-def load_hf_config(path: str | Path) -> dict[str, Any]:
-    p = Path(path) / "config.json"
-    if not p.is_file():
+def actor_spec(path: str | Path) -> ModelSpec:
+    """The HF checkpoint at ``path`` as the actor runs it: ``asyncrl.models.spec.ModelSpec``, refused (a
+    ValueError naming the field) where megatron-core's GPTModel cannot run it (``require(spec, ACTOR)``)."""
+    if not (Path(path) / "config.json").is_file():
         raise ValueError(f"actor.model_path: no config.json in {str(Path(path))!r}")
-    return json.loads(p.read_text())
+    return require(ModelSpec.from_pretrained(path), ACTOR)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:

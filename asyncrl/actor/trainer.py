@@ -82,11 +82,10 @@ from asyncrl.actor.batch import (
 from asyncrl.actor.logprobs import logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
 from asyncrl.actor.model import (
-    ModelSpec,
+    actor_spec,
     build_gpt_model,
     check_parallel_sizes,
     layer_offset,
-    load_hf_config,
     padded_vocab_size,
 )
 from asyncrl.actor.pipeline import StageInfo, agree_shape, gather_to_rank0, run_schedule
@@ -101,6 +100,7 @@ from asyncrl.actor.weights import (
 from asyncrl.broker.types import Group
 from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
 from asyncrl.config.schema import Config
+from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
 from asyncrl.sync.bucketing import iter_buckets
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Actor:
                 f"must divide the {self.world} actor ranks"
             )
         self.dp = self.world // (self.tp * self.pp)
-        self.spec = ModelSpec.from_hf_config(load_hf_config(acfg.model_path))
+        self.spec = actor_spec(acfg.model_path)
         check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp)
         self.model_path = Path(acfg.model_path)
         if not ps.model_parallel_is_initialized():
@@ -536,7 +536,7 @@ class Actor:
                 tensors.update(bucket)
         if self.rank == 0:
             d.mkdir(parents=True, exist_ok=True)
-            ckpt_io.save_safetensors(tensors, d / "model.safetensors")
+            save_safetensors(tensors, d / "model.safetensors")
             ckpt_io.copy_hf_side_files(self.model_path, d)
         return d
 
@@ -549,7 +549,7 @@ class Actor:
         dist.barrier()
         if self.dp_rank == 0:
             shard = {name: p.detach() for name, p in local_params(self.model, self.layer_offset)}
-            ckpt_io.save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank, self.pp_rank, self.pp))
+            save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank, self.pp_rank, self.pp))
             if not self.cfg.actor.use_distributed_optimizer:
                 _atomic_save(self.optimizer.state_dict(), d / ckpt_io.optim_file(self.tp_rank, self.pp_rank, self.pp))
         if self.cfg.actor.use_distributed_optimizer:  # each DP rank holds its own shard of the state
@@ -613,7 +613,7 @@ class Actor:
             )
         pp_saved = int(meta.get("pp", 1))
         if self.pp == 1 and pp_saved == 1:
-            shard = ckpt_io.load_safetensors(d / ckpt_io.model_file(self.tp_rank))
+            shard = SafetensorsReader(d / ckpt_io.model_file(self.tp_rank)).to_dict()
         else:  # this stage's tensors, from whichever stage file holds them (any saved PP)
             names = [n for n, _ in local_params(self.model, self.layer_offset)]
             shard = ckpt_io.read_model_tensors(d, self.tp_rank, pp_saved, names)

@@ -1,8 +1,8 @@
 """Weights in and out of the actor's (TP-sharded) GPTModel.
 
-- ``read_hf_state(path)``: a lazy view of a HF checkpoint's safetensors (single file or index).
 - ``load_hf_into_model(model, path, spec, tp_rank=, tp=)``: every rank reads only the tensors it
-  needs (one full tensor at a time, memory-mapped) and keeps its own TP shard.
+  needs (one full tensor at a time, memory-mapped, ``asyncrl.models.safetensors_io``) and keeps its own
+  TP shard.
 - ``iter_full_megatron(model, tp_group)``: full (unsharded) Megatron tensors, gathered over the
   TP group with ``all_gather``. Collective: every rank of the TP group must iterate it to the end,
   in the same order.
@@ -18,13 +18,11 @@ everywhere else (HF layer index = offset + local index). With tied embeddings th
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from asyncrl.actor.convert import (
     hf_names_for,
@@ -34,42 +32,10 @@ from asyncrl.actor.convert import (
     tp_merge,
     tp_shard,
 )
-from asyncrl.actor.model import ModelSpec
 from asyncrl.actor.names import LAYER_NAME, canonical_megatron_name
+from asyncrl.models.safetensors_io import SafetensorsReader
+from asyncrl.models.spec import ModelSpec
 from asyncrl.sync.bucketing import iter_buckets
-
-
-class HFCheckpointReader:
-    """Lazy access to the tensors of a HF checkpoint directory (``model.safetensors`` or an index)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
-        single = self.path / "model.safetensors"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        elif single.is_file():
-            weight_map = {}
-            with safe_open(str(single), framework="pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise ValueError(f"actor.model_path: no model.safetensors(.index.json) in {str(self.path)!r}")
-        self.weight_map = weight_map
-        self._handles: dict[str, object] = {}
-
-    def keys(self) -> list[str]:
-        return list(self.weight_map)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise KeyError(f"{name!r} is not in the HF checkpoint {str(self.path)!r}")
-        fname = self.weight_map[name]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
-        return self._handles[fname].get_tensor(name)  # type: ignore[attr-defined]
 
 
 def global_layer_name(name: str, layer_offset: int) -> str:
@@ -105,7 +71,7 @@ def load_hf_into_model(
     layer_offset: int = 0,
     pp: int = 1,
 ) -> None:
-    reader = HFCheckpointReader(path)
+    reader = SafetensorsReader(path)
     seen = set()
     for name, param in local_params(model, layer_offset):
         parts = _hf_parts(name, spec)

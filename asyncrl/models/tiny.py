@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from asyncrl.models.safetensors_io import save_safetensors
+from asyncrl.models.spec import ModelSpec
 
 ARCHES = ("qwen2", "llama", "qwen3")
 
@@ -186,44 +188,41 @@ def _tokenizer_config(tok, max_len: int) -> dict[str, Any]:
     }
 
 
-def _hf_param_shapes(cfg: dict[str, Any], arch: str) -> dict[str, tuple[int, ...]]:
-    h = cfg["hidden_size"]
-    nh = cfg["num_attention_heads"]
-    nkv = cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or h // nh
-    ffn = cfg["intermediate_size"]
-    v = cfg["vocab_size"]
-    qkv_bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
+def _hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, nh, nkv, hd = spec.hidden_size, spec.num_attention_heads, spec.num_query_groups, spec.head_dim
+    ffn, v = spec.ffn_hidden_size, spec.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "self_attn.q_proj.weight"] = (nh * hd, h)
         shapes[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
         shapes[p + "self_attn.v_proj.weight"] = (nkv * hd, h)
-        if qkv_bias:
+        if spec.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (nh * hd,)
             shapes[p + "self_attn.k_proj.bias"] = (nkv * hd,)
             shapes[p + "self_attn.v_proj.bias"] = (nkv * hd,)
-        if arch == "qwen3":
+        if spec.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (h, nh * hd)
+        if spec.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
         shapes[p + "mlp.up_proj.weight"] = (ffn, h)
         shapes[p + "mlp.down_proj.weight"] = (h, ffn)
     shapes["model.norm.weight"] = (h,)
-    if not cfg.get("tie_word_embeddings", False):
+    if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
 
 
-def _random_weights(cfg: dict[str, Any], arch: str, seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     std = cfg["initializer_range"]
     out: dict[str, torch.Tensor] = {}
-    for name, shape in _hf_param_shapes(cfg, arch).items():
+    for name, shape in _hf_param_shapes(ModelSpec.from_hf_config(cfg)).items():
         if name.endswith("norm.weight"):
             # Near 1, not exactly 1, so a converter that drops a norm is caught by tests.
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
@@ -280,8 +279,7 @@ def make_tiny_checkpoint(
     cfg["transformers_version"] = "4.45.0"
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
-    weights = _random_weights(cfg, arch, seed)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(_random_weights(cfg, seed), out / "model.safetensors")
 
     tcfg = _tokenizer_config(tok, cfg["max_position_embeddings"])
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")

@@ -3,7 +3,9 @@
 Used for the embedded default's supervised warm start (one process, before the Megatron world
 exists) and as the "plain PyTorch" baseline of ``benchmarks/actor_bench.py``. Its
 ``state_dict()`` keys are exactly the HF checkpoint's, so ``load_hf``/``save_hf`` round-trip
-``model.safetensors`` and the CPU engine and the actor load the result unchanged.
+``model.safetensors`` and the CPU engine and the actor load the result unchanged. The architecture is
+``asyncrl.models.spec.ModelSpec`` (refused as ``TORCH_DECODER`` refuses it), RoPE ``asyncrl.models.rope``
+(the CPU engine's angles), the weights go through ``asyncrl.models.safetensors_io``.
 
     model = TorchDecoder.from_pretrained("runs/tiny/model")
     logits_BTV = model(ids_BT)
@@ -12,14 +14,16 @@ exists) and as the "plain PyTorch" baseline of ``benchmarks/actor_bench.py``. It
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from asyncrl.models.rope import rope_inv_freq
+from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
+from asyncrl.models.spec import TORCH_DECODER, ModelSpec, load_hf_config, require
 
 
 class _RMSNorm(nn.Module):
@@ -33,19 +37,17 @@ class _RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, s: ModelSpec):
         super().__init__()
-        h, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-        d = c.get("head_dim") or h // nh
-        bias = c.get("attention_bias", c["model_type"] == "qwen2")
+        h, nh, nkv, d = s.hidden_size, s.num_attention_heads, s.num_query_groups, s.head_dim
         self.nh, self.nkv, self.d = nh, nkv, d
-        self.q_proj = nn.Linear(h, nh * d, bias=bias)
-        self.k_proj = nn.Linear(h, nkv * d, bias=bias)
-        self.v_proj = nn.Linear(h, nkv * d, bias=bias)
-        self.o_proj = nn.Linear(nh * d, h, bias=False)
-        if c["model_type"] == "qwen3":
-            self.q_norm = _RMSNorm(d, c["rms_norm_eps"])
-            self.k_norm = _RMSNorm(d, c["rms_norm_eps"])
+        self.q_proj = nn.Linear(h, nh * d, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(h, nkv * d, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(h, nkv * d, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(nh * d, h, bias=s.o_bias)
+        if s.qk_norm:
+            self.q_norm = _RMSNorm(d, s.rms_norm_eps)
+            self.k_norm = _RMSNorm(d, s.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -81,9 +83,9 @@ def _rope(x, cos, sin):
 
 
 class _MLP(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, s: ModelSpec):
         super().__init__()
-        h, f = c["hidden_size"], c["intermediate_size"]
+        h, f = s.hidden_size, s.ffn_hidden_size
         self.gate_proj = nn.Linear(h, f, bias=False)
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
@@ -93,12 +95,12 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, s: ModelSpec):
         super().__init__()
-        self.input_layernorm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.self_attn = _Attention(c)
-        self.post_attention_layernorm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.mlp = _MLP(c)
+        self.input_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = _Attention(s)
+        self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = _MLP(s)
 
     def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, prefix_kv, kv_out)
@@ -106,26 +108,23 @@ class _Layer(nn.Module):
 
 
 class _Body(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, s: ModelSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(_Layer(c) for _ in range(c["num_hidden_layers"]))
-        self.norm = _RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(_Layer(s) for _ in range(s.num_layers))
+        self.norm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 
 class TorchDecoder(nn.Module):
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, *, where: str = "config.json"):
+        """``config``: a HF ``config.json`` dict (``where``: its path, for the errors)."""
         super().__init__()
-        if config.get("model_type") not in ("qwen2", "qwen3", "llama"):
-            raise ValueError(f"config.json model_type={config.get('model_type')!r}: expected qwen2, qwen3 or llama")
         self.config = config
-        self.model = _Body(config)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tied else nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        theta = float(config.get("rope_theta", 10000.0))
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d),
-                             persistent=False)
+        self.spec = spec = require(ModelSpec.from_hf_config(config, where=where), TORCH_DECODER)
+        self.model = _Body(spec)
+        self.tied = spec.tie_word_embeddings
+        self.lm_head = None if self.tied else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]``."""
@@ -163,11 +162,8 @@ class TorchDecoder(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path) -> TorchDecoder:
         root = Path(path)
-        config = json.loads((root / "config.json").read_text())
-        model = cls(config)
-        state = {}
-        for f in sorted(root.glob("*.safetensors")):
-            state.update(load_file(str(f)))
+        model = cls(load_hf_config(root), where=str(root / "config.json"))
+        state = SafetensorsReader(root).to_dict()
         if model.tied:
             state.pop("lm_head.weight", None)
         missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
@@ -184,5 +180,5 @@ class TorchDecoder(nn.Module):
             if f.is_file() and f.suffix != ".safetensors":
                 shutil.copy2(f, out / f.name)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, out / "model.safetensors")
         return out

@@ -20,114 +20,16 @@ Contract
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Optional[dict]
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-
-
-def spec_from_hf_config(cfg: dict, generation_config: Optional[dict] = None, *, where: str = "config.json") -> ModelSpec:
-    """Read the architecture from a HF ``config.json`` dict; errors name the key at fault."""
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type={mt!r} is not supported by the CPU engine "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{where}: hidden_act={act!r} is not supported (only silu)")
-    if mt == "llama" and cfg.get("mlp_bias"):
-        raise ValueError(f"{where}: mlp_bias=true is not supported")
-    nh = int(cfg["num_attention_heads"])
-    h = int(cfg["hidden_size"])
-    rope_params = cfg.get("rope_parameters") or {}
-    rope_scaling = cfg.get("rope_scaling") or None
-    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-        rope_scaling = rope_params
-    theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
-    if rope_scaling is not None:
-        rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if rtype not in ("default", "linear", "llama3"):
-            raise ValueError(f"{where}: rope_scaling.rope_type={rtype!r} is not supported "
-                             "(default, linear, llama3)")
-        if rtype == "default":
-            rope_scaling = None
-    eos: list[int] = []
-    for src in (cfg, generation_config or {}):
-        e = src.get("eos_token_id")
-        if e is None:
-            continue
-        for t in (e if isinstance(e, list) else [e]):
-            if int(t) not in eos:
-                eos.append(int(t))
-    return ModelSpec(
-        model_type=mt,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=h,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=nh,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
-        head_dim=int(cfg.get("head_dim") or h // nh),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=dict(rope_scaling) if rope_scaling else None,
-        qkv_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
-        o_bias=(mt == "llama") and bool(cfg.get("attention_bias", False)),
-        qk_norm=(mt == "qwen3"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        eos_token_ids=tuple(eos),
-    )
-
-
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    d = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
-    rs = spec.rope_scaling
-    if rs is None:
-        return inv
-    rtype = rs.get("rope_type", rs.get("type"))
-    factor = float(rs["factor"])
-    if rtype == "linear":
-        return inv / factor
-    # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth blend between.
-    low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-    old_ctx = float(rs["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, blended, scaled)
+from asyncrl.models.rope import rope_inv_freq
+from asyncrl.models.safetensors_io import SafetensorsReader
+from asyncrl.models.spec import CPU_ENGINE, ModelSpec, require
 
 
 class KVPool:
@@ -152,7 +54,7 @@ class KVPool:
             return
         cap = -(-tokens // self.GROW_TOKENS) * self.GROW_TOKENS
         s = self.spec
-        shape = (self.max_rows, s.num_kv_heads, cap, s.head_dim)
+        shape = (self.max_rows, s.num_query_groups, cap, s.head_dim)
         for store in (self.k, self.v):
             for layer in range(s.num_layers):
                 new = torch.zeros(shape, dtype=torch.float32)
@@ -181,7 +83,7 @@ class KVPool:
 
     def nbytes_per_token(self) -> int:
         s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4
+        return 2 * s.num_layers * s.num_query_groups * s.head_dim * 4
 
 
 class CausalLM:
@@ -190,7 +92,7 @@ class CausalLM:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         s = spec
-        h, d, nh, nkv, ffn = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.intermediate_size
+        h, d, nh, nkv, ffn = s.hidden_size, s.head_dim, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
         self.params: dict[str, torch.Tensor] = {}
         self.embed = torch.zeros(s.vocab_size, h)
         self.params["model.embed_tokens.weight"] = self.embed
@@ -273,7 +175,7 @@ class CausalLM:
                 kv: KVPool, row0: int) -> torch.Tensor:
         s = self.spec
         B, N = tokens_BN.shape
-        d, nh, nkv = s.head_dim, s.num_heads, s.num_kv_heads
+        d, nh, nkv = s.head_dim, s.num_attention_heads, s.num_query_groups
         j_N = torch.arange(N)
         pos_BN = past_len_B[:, None] + j_N[None, :]
         total_B = past_len_B + new_len_B
@@ -336,23 +238,9 @@ class CausalLM:
         return F.linear(hidden, self.lm_head)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON: {e}") from None
-
-
 def iter_safetensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(_read_json(index)["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found")
-    for f in files:
-        yield from load_file(str(model_dir / f)).items()
+    """Every tensor of a HF checkpoint directory (``asyncrl.models.safetensors_io``)."""
+    return SafetensorsReader(model_dir).items()
 
 
 def load_model(model_path: str | Path) -> CausalLM:
@@ -360,10 +248,7 @@ def load_model(model_path: str | Path) -> CausalLM:
     p = Path(model_path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model path {str(p)!r}: no config.json")
-    gen = p / "generation_config.json"
-    spec = spec_from_hf_config(_read_json(p / "config.json"), _read_json(gen) if gen.is_file() else None,
-                               where=str(p / "config.json"))
-    model = CausalLM(spec)
+    model = CausalLM(require(ModelSpec.from_pretrained(p), CPU_ENGINE))
     seen: set[str] = set()
     for name, t in iter_safetensors(p):
         if model.load_weights([(name, t)]):

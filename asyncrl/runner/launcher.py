@@ -37,6 +37,7 @@ from asyncrl.config.derive import explain
 from asyncrl.config.placement import Placement, parse_placement
 from asyncrl.config.render import render_config
 from asyncrl.config.validate import check_inputs, job_world_size
+from asyncrl.models.spec import ACTOR, CPU_ENGINE, ModelSpec, require
 from asyncrl.runner import roles
 from asyncrl.runner.guards import PREEMPT_EXIT_CODE, Preempted, ignore_preempt_signal
 
@@ -167,6 +168,26 @@ def _model_shape(model_path: str) -> tuple[ModelShape | None, str]:
     return shape, ("the known shape of " + Path(model_path).name if shape else "")
 
 
+def check_models(cfg: Config) -> None:
+    """A model the actor or the CPU engine cannot run is a config error before any process starts, naming the key
+    and the field (``asyncrl.models.spec.require``). Paths without a config.json yet (made by ``prepare``, or
+    downloaded later) and configs that do not parse are left to the loaders, which report them."""
+    checks = [("actor.model_path", cfg.actor.model_path, ACTOR)]
+    if cfg.rollout.rollout_backend == "cpu":
+        checks.append(("rollout.model_path", cfg.rollout.model_path or cfg.actor.model_path, CPU_ENGINE))
+    for key, path, consumer in checks:
+        if not (Path(path) / "config.json").is_file():
+            continue
+        try:
+            spec = ModelSpec.from_pretrained(path)
+        except (ValueError, KeyError, TypeError):
+            continue  # _model_shape warns; the loader fails with the field named
+        try:
+            require(spec, consumer)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+
 def actor_memory(cfg: Config, placement: Placement) -> str:
     """The actor's per-rank memory estimate as a line; raises ConfigError when a GPU plan cannot fit."""
     a = cfg.actor
@@ -210,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         placement = parse_placement(cfg.cluster.component_placement, world_size=world,
                                     engine_tp=cfg.rollout.tensor_parallel_size)
         memory_line = actor_memory(cfg, placement)
+        check_models(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

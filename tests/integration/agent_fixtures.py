@@ -45,9 +45,9 @@ def make_scripted_model(root: Path, *, seed: int = 0, topk: int = 2) -> Scripted
     import torch
     from safetensors.torch import load_file, save_file
 
-    from asyncrl.agent.data.synth import write_dataset
     from asyncrl.agent.tokenizer import AgentTokenizer
     from asyncrl.agent.tools.bm25 import BM25Retriever
+    from asyncrl.embedded.synth import write_dataset
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     data = write_dataset(root / "data", seed=seed, num_countries=40, num_test=20, num_tokenizer_demos=40)

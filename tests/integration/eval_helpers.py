@@ -5,11 +5,12 @@ with this folder on PYTHONPATH): a real ``CheckpointEvalFn`` that loads the snap
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
 
-from asyncrl.runner.evaluation import SNAPSHOT_META, CheckpointEvalFn, EvalSkip
+from asyncrl.runner.evaluation import SNAPSHOT_META, CheckpointEvalFn, EvalSkip, snapshot_dir
 
 
 def weights_checksum(model_dir: str | Path) -> float:
@@ -37,15 +38,37 @@ class ChecksumEval(CheckpointEvalFn):
                 "weight_version": float(meta["weight_version"]), "num_datasets": float(len(input.datasets))}
 
 
-class SkippingChecksumEval(ChecksumEval):
-    """``ChecksumEval`` whose step-1 point is skipped (``EvalSkip("no free slot")``) and step-3 point crashes."""
+class EverySkipReasonEval(ChecksumEval):
+    """Every skip reason of Miles' page really happening in one run (``eval.eval_interval = 1``,
+    ``eval.eval_overflow_policy = "skip"``, ``eval.eval_max_in_flight = 4``, ``runner.max_steps = 6``, a plain
+    file where step 1's snapshot directory goes): step 1's export raises (``skipped_export_failed``); the
+    step-2 point holds the one eval thread until step 6's record is logged with ``eval/skipped_busy`` (points
+    2-5 in flight), removes step 3's completion marker (``skipped_ckpt_missing``) and raises
+    ``EvalSkip("no free slot")``; step 4 crashes (``skipped_crashed``); step 5 measures."""
 
     def evaluate_checkpoint(self, checkpoint_dir, input):  # noqa: A002
-        if input.step == 1:
+        if input.step == 2:
+            last = wait_for_record(Path(self.cfg.logging.run_dir), self.cfg.runner.max_steps)
+            if "eval/skipped_busy" not in last:
+                raise RuntimeError(f"the last step found a free eval slot: {last}")
+            (snapshot_dir(self.cfg.eval.eval_hf_dir, 3) / SNAPSHOT_META).unlink()
             raise EvalSkip("no free slot")
-        if input.step == 3:
+        if input.step == 4:
             raise RuntimeError("the eval server went away")
         return super().evaluate_checkpoint(checkpoint_dir, input)
+
+
+def wait_for_record(run_dir: Path, step: int, timeout_s: float = 240.0) -> dict:
+    """Step ``step``'s training record in metrics.jsonl, once it is there (the timeout is a failure bound)."""
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # whole lines only
+        for r in map(json.loads, filter(str.strip, lines)):
+            if r.get("step") == step and "time/step" in r:
+                return r
+        time.sleep(0.1)
+    raise TimeoutError(f"no record of step {step} in {path} within {timeout_s:.0f}s")
 
 
 def drop_every_fifth(group):

@@ -81,7 +81,7 @@ def memory_check(model, spec, hf_dir: str) -> dict:
     Short sequences, so the S x S probabilities CPU's math SDPA keeps are negligible (flash keeps none)."""
     from asyncrl.actor.batch import pack
     from asyncrl.actor.memory import ModelShape, estimate_actor_memory
-    from asyncrl.actor.model import load_hf_config
+    from asyncrl.models.spec import load_hf_config
 
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, spec.vocab_size, (32,), generator=gen).tolist() for _ in range(16)]

@@ -53,6 +53,10 @@ SEED_METRICS_SYNC = [
 # Miles' eval metrics of a point that ran, in every eval run (the dataset is data.test_path's "test")
 SEED_METRICS_EVAL = ["eval/step", "eval/lag_steps", "eval/test/weight_version/mean",
                      "eval/test/weight_version/mixed_version_ratio"]
+# Miles' checkpoint-backend metrics and every skip reason of its table, in the external-function run
+SEED_METRICS_EVAL_EXTERNAL = SEED_METRICS_EVAL + [
+    "eval/export_time_seconds", "eval/skipped_busy", "eval/skipped_export_failed", "eval/skipped_ckpt_missing",
+    "eval/skipped_crashed", "eval/skipped_no_free_slot"]
 
 
 def tb_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -222,33 +226,40 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path, m
     _assert_no_prompt_lost(recs)
     assert recs[-1]["broker/issued_groups"] > recs[1]["broker/issued_groups"]  # production resumed after the eval
 
+    # external CheckpointEvalFn, every step an eval point, every skip reason of Miles' page happening for real
+    # (eval_helpers.EverySkipReasonEval): 1 export raises, 2 EvalSkip (holding the eval thread until 6 is busy),
+    # 3 lost its completion marker, 4 crashes, 5 measures, 6 finds four points in flight
     hf_dir = tmp_path / "eval_hf"
-    run_dir = tmp_path / "external"  # every step is an eval point: step 1 skipped (EvalSkip), step 3 crashes
-    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=1",
-                'eval.eval_function_path="eval_helpers:SkippingChecksumEval"', f'eval.eval_hf_dir="{hf_dir}"',
-                "eval.eval_keep_snapshots=1", "runner.save_at_end=true", "runner.save_hf=true")
+    hf_dir.mkdir()
+    (hf_dir / "step_000001").write_text("not a directory: the export of step 1 raises\n")
+    run_dir = tmp_path / "external"
+    r = run_job(prepared, run_dir, "runner.max_steps=6", "eval.eval_interval=1",
+                'eval.eval_function_path="eval_helpers:EverySkipReasonEval"', f'eval.eval_hf_dir="{hf_dir}"',
+                'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=4", "eval.eval_keep_snapshots=1",
+                "runner.checkpoint_interval=5", "runner.save_hf=true")
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     steps = [x for x in recs if "time/step" in x]
-    assert [x["step"] for x in steps] == [1, 2, 3, 4]
-    assert [x["step"] for x in steps if "eval/export_time_seconds" in x] == [1, 2, 3, 4]
-    points = {x["step"]: x for x in recs if "eval/checksum" in x}
-    assert sorted(points) == [2, 4]
-    for s, x in points.items():
-        assert x["eval/snapshot_step"] == s and x["eval/weight_version"] == s and x["eval/num_datasets"] == 1
-        assert 0 <= x["eval/lag_steps"] <= 4 - s and x["eval/errors"] <= 1 and x["eval/skipped"] <= 1
-    assert points[2]["eval/checksum"] != points[4]["eval/checksum"]  # the weights moved between the points
-    final_export = run_dir / "checkpoints" / "step_000004" / "hf_export"  # the actor's own HF export at step 4
-    assert points[4]["eval/checksum"] == pytest.approx(weights_checksum(final_export), rel=1e-12)
-    assert sorted(p.name for p in hf_dir.iterdir()) == ["step_000004"]  # keep_snapshots = 1 retired snapshot
+    assert [x["step"] for x in steps] == [1, 2, 3, 4, 5, 6]
+    assert [x["step"] for x in steps if "eval/export_time_seconds" in x] == [2, 3, 4, 5]
+    (point,) = [x for x in recs if "eval/checksum" in x]
+    assert point["step"] == 5 and point["eval/snapshot_step"] == 5 and point["eval/weight_version"] == 5
+    assert point["eval/num_datasets"] == 1 and point["eval/lag_steps"] == 1  # logged at the end of step 6
+    ckpt_export = run_dir / "checkpoints" / "step_000005" / "hf_export"  # the actor's own HF export at step 5
+    assert point["eval/checksum"] == pytest.approx(weights_checksum(ckpt_export), rel=1e-12)
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["step_000001", "step_000005"]  # keep_snapshots = 1
 
     tb = tb_scalars(run_dir)
-    assert sorted(tb["eval/checksum"]) == [2, 4]
-    assert {"eval/lag_steps", "eval/export_time_seconds"} <= set(tb)
-    assert_eval_points_measured_their_step(tb, [2, 4])
-    # skipped points at the step they would have landed on, with Miles' reason names
-    assert tb["eval/skipped_no_free_slot"] == {1: 1.0} and tb["eval/skipped_crashed"] == {3: 1.0}
-    assert sorted(tb["eval/step"]) == [1, 2, 3, 4]
+    missing = [m for m in SEED_METRICS_EVAL_EXTERNAL if m not in tb]
+    assert not missing, f"eval metrics missing from TensorBoard: {missing}"
+    assert sorted(tb["eval/checksum"]) == [5]
+    assert_eval_points_measured_their_step(tb, [5])
+    # each skipped point at the step it would have landed on, with Miles' reason names
+    assert tb["eval/skipped_export_failed"] == {1: 1.0} and tb["eval/skipped_no_free_slot"] == {2: 1.0}
+    assert tb["eval/skipped_ckpt_missing"] == {3: 1.0} and tb["eval/skipped_crashed"] == {4: 1.0}
+    assert tb["eval/skipped_busy"] == {6: 1.0}
+    assert sorted(tb["eval/step"]) == [2, 3, 4, 5]  # the points that reached the eval thread
+    assert tb["eval/skipped"][6] == 2.0 and tb["eval/errors"][4] == 1.0  # running counts
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ STOP_BOUND_S = 60  # from the failing rank's error to the job's exit; measured 1
 
 def _inputs(tmp_path: Path) -> list[str]:
     """Real data and a real tiny model (check_inputs requires the paths the run reads to exist)."""
-    from asyncrl.agent.data.synth import write_dataset
+    from asyncrl.embedded.synth import write_dataset
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     data = tmp_path / "data"

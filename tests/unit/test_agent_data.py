@@ -5,9 +5,9 @@ import json
 import pytest
 
 from asyncrl.agent.data.loaders import load_prompts
-from asyncrl.agent.data.synth import make_sft_demos, write_dataset
 from asyncrl.agent.tasks import searchr1
 from asyncrl.agent.tools.bm25 import BM25Retriever
+from asyncrl.embedded.synth import make_sft_demos, write_dataset
 
 
 @pytest.fixture(scope="module")

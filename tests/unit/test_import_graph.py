@@ -13,7 +13,9 @@ Floors (a package may import its own floor's siblings only as listed in ``FLOORS
 
     0 config                                   typed config, derivation, validation, placement
     1 cluster                                  processes, addresses, discovery, Megatron CPU shims
-    2 models engine broker rollout agent actor sync   the parts, one per process kind or seam
+    1 models                                   the one ModelSpec, safetensors reader, RoPE, plain decoder
+    2 engine broker rollout agent actor sync   the parts, one per process kind or seam
+      embedded                                 the embedded default's synthetic data and warm start
     3 runner, simulate                         roles and the step loop that wire the parts; the sizing tool
 
 Packages on one floor may import each other only along ``SIDEWAYS`` arrows (a DAG), so the
@@ -31,13 +33,14 @@ ROOT = Path(__file__).resolve().parents[2] / "asyncrl"
 FLOORS = {
     "config": 0,
     "cluster": 1,
-    "models": 2,
+    "models": 1,  # ModelSpec and the safetensors reader: every part that reads a model reads it through these
     "engine": 2,
     "broker": 2,
     "rollout": 2,
     "agent": 2,
     "actor": 2,
     "sync": 2,
+    "embedded": 2,  # the embedded default's synthetic data and warm start (the plain decoder on demonstrations)
     "runner": 3,
     "simulate": 3,  # the sizing tool (python -m asyncrl.simulate): drives the broker core like the runner
 }
@@ -51,6 +54,7 @@ SIDEWAYS = {
     ("agent", "engine"),  # the worker generates through the engine client
     ("rollout", "engine"),  # the CPU engine and the supervisor's health probes speak the engine API
     ("sync", "engine"),  # the weight sync calls the engines
+    ("embedded", "agent"),  # Search-R1 rows of the agent's task; the agent's tokenizer and retriever
 }
 # upward arrows kept on purpose, (importer package, imported package): see docs/design.md
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

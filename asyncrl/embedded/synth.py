@@ -1,6 +1,6 @@
 """The embedded task: a deterministic synthetic knowledge base and search-QA over it.
 
-    python -m asyncrl.agent.data.synth --out DIR --seed S [--num-countries N] [--num-test M]
+    python -m asyncrl.embedded.synth --out DIR --seed S [--num-countries N] [--num-test M]
 
 writes into DIR
 - ``corpus.jsonl``: Search-R1 corpus rows ``{"id", "contents": "Title\\ntext"}``, one fact each,
@@ -280,7 +280,7 @@ def _write_parquet(path: Path, rows: Sequence[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m asyncrl.agent.data.synth", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.embedded.synth", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-countries", type=int, default=200)
