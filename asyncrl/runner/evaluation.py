@@ -382,9 +382,15 @@ def export_snapshot(actor: Any, root: str | Path, step: int, *, is_leader: bool)
     """A fresh HF export of the actor's weights into ``root/step_XXXXXX`` (collective: every actor rank
     calls it). Rank 0 writes ``snapshot.json`` last, so a directory without it is incomplete."""
     d = snapshot_dir(root, step)
+    cleanup_error: Optional[OSError] = None
     if is_leader and d.exists():  # a left-over of an interrupted run at the same step
-        shutil.rmtree(d)
+        try:
+            shutil.rmtree(d)
+        except OSError as e:  # raised after the collective: the other ranks must not wait in it alone
+            cleanup_error = e
     actor.export_hf(d)
+    if cleanup_error is not None:
+        raise cleanup_error
     if is_leader:
         (d / SNAPSHOT_META).write_text(json.dumps({"step": step, "weight_version": int(actor.version)}) + "\n")
     return d

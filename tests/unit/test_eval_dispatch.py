@@ -305,3 +305,23 @@ def test_weight_version_mean_counts_generated_tokens_only():
 
     t = SimpleNamespace(weight_versions=[60, 60, -1, -1, -1, 60], min_version=60, max_version=60)
     assert weight_version_summary([t]) == {"weight_version_mean": 60.0, "mixed_version_ratio": 0.0}
+
+
+def test_a_failed_snapshot_cleanup_is_raised_after_the_collective_export(tmp_path):
+    """The leader's clean-up of a left-over at the snapshot path may fail (here a plain file sits there):
+    the export (a collective the other actor ranks are already in) still runs, then the error is raised."""
+    from asyncrl.runner.evaluation import export_snapshot, snapshot_dir
+
+    calls = []
+
+    class Actor:
+        version = 3
+
+        def export_hf(self, d):
+            calls.append(d)
+            return d
+
+    snapshot_dir(tmp_path, 4).write_text("not a directory")
+    with pytest.raises(NotADirectoryError):
+        export_snapshot(Actor(), tmp_path, 4, is_leader=True)
+    assert calls == [snapshot_dir(tmp_path, 4)]
