@@ -26,9 +26,13 @@ Contract
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
   On an error the engines are left paused and the error propagates (the run fails).
-- Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s), ``sync/bytes_per_s``
-  (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / bucket phase), ``time/sync_pause``,
-  ``time/sync_transfer``, ``time/sync_finish``, ``sync/num_bytes``, ``sync/num_buckets``.
+- Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s) = ``time/sync_control``
+  (the broker hooks and the engines' pause/begin/version/end/flush/continue calls: steps 1-3 and 5-7)
+  + ``time/sync_gather`` (producing the buckets: the actor's TP gather and HF conversion, time spent
+  in the bucket iterator) + ``time/sync_transfer`` (the broadcasts and the engines' update calls);
+  ``time/sync_pause`` and ``time/sync_finish`` (the two halves of control), ``sync/bytes_per_s``
+  (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / transfer), ``sync/num_bytes``,
+  ``sync/num_buckets``.
 
     group = WeightSyncGroup(engines, cfg.sync); group.init()
     syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
@@ -74,6 +78,19 @@ class SyncHooks:
 
 
 @dataclass(frozen=True)
+class PushStats:
+    """What ``push_buckets`` sent, and where its time went."""
+
+    num_bytes: int
+    num_buckets: int
+    num_tensors: int
+    gather_s: float
+    """seconds waiting on the bucket iterator (the actor's gather and conversion)"""
+    transfer_s: float
+    """seconds of the broadcasts and the engines' update calls"""
+
+
+@dataclass(frozen=True)
 class SyncResult:
     version: str
     num_bytes: int
@@ -81,12 +98,19 @@ class SyncResult:
     num_tensors: int
     time_s: float
     pause_s: float
+    gather_s: float
     transfer_s: float
     finish_s: float
+
+    @property
+    def control_s(self) -> float:
+        return self.pause_s + self.finish_s
 
     def metrics(self) -> dict[str, float]:
         return {
             "time/sync_weights": self.time_s,
+            "time/sync_control": self.control_s,
+            "time/sync_gather": self.gather_s,
             "time/sync_pause": self.pause_s,
             "time/sync_transfer": self.transfer_s,
             "time/sync_finish": self.finish_s,
@@ -151,16 +175,21 @@ def push_buckets(
     flush_cache: bool,
     flattened: bool,
     step_timeout_s: float,
-) -> tuple[int, int, int]:
-    """Send every bucket: engines' update calls on threads, the trainer's broadcast from rank 0.
-
-    Returns ``(num_bytes, num_buckets, num_tensors)``.
-    """
+) -> PushStats:
+    """Send every bucket: engines' update calls on threads, the trainer's broadcast from rank 0."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
     num_bytes = num_buckets = num_tensors = 0
+    gather_s = transfer_s = 0.0
     step = "update_weights_from_distributed"
-    for bucket in buckets:
+    it = iter(buckets)
+    while True:
+        t0 = time.perf_counter()
+        bucket = next(it, None)  # the actor gathers and converts the next bucket here
+        t1 = time.perf_counter()
+        gather_s += t1 - t0
+        if bucket is None:
+            break
         meta = bucket_meta(bucket)
         body = update_request(meta, group_name=group.group_name, flush_cache=flush_cache, flattened=flattened)
         futures = {
@@ -189,10 +218,11 @@ def push_buckets(
         except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
             raise EngineStepError(group.urls, step, f"broadcast of bucket {num_buckets} ({len(bucket)} tensors) "
                                                     f"failed: {type(e).__name__}: {e}") from e
+        transfer_s += time.perf_counter() - t1
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
         num_tensors += len(bucket)
-    return num_bytes, num_buckets, num_tensors
+    return PushStats(num_bytes, num_buckets, num_tensors, gather_s, transfer_s)
 
 
 class WeightSyncer:
@@ -273,7 +303,7 @@ class WeightSyncer:
             self._all("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
         self._all("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
 
-    def push(self, buckets: Iterable[Bucket]) -> tuple[int, int, int]:
+    def push(self, buckets: Iterable[Bucket]) -> PushStats:
         """Step 4 on this syncer's group."""
         return push_buckets(
             self.group,
@@ -316,7 +346,7 @@ class WeightSyncer:
         try:
             self.pause()
             t1 = time.perf_counter()
-            num_bytes, num_buckets, num_tensors = self.push(buckets)
+            pushed = self.push(buckets)
             t2 = time.perf_counter()
             self.finish(version)
         except EngineStepError as e:  # name the training step too (the version being pushed)
@@ -324,21 +354,26 @@ class WeightSyncer:
         t3 = time.perf_counter()
         res = SyncResult(
             version=str(version),
-            num_bytes=num_bytes,
-            num_buckets=num_buckets,
-            num_tensors=num_tensors,
+            num_bytes=pushed.num_bytes,
+            num_buckets=pushed.num_buckets,
+            num_tensors=pushed.num_tensors,
             time_s=t3 - t0,
             pause_s=t1 - t0,
-            transfer_s=t2 - t1,
+            gather_s=pushed.gather_s,
+            transfer_s=pushed.transfer_s,
             finish_s=t3 - t2,
         )
         log.info(
-            "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s)",
+            "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s): control %.3f s, gather %.3f s, "
+            "transfer %.3f s",
             res.version,
             self.pause_mode,
-            num_bytes,
-            num_buckets,
+            res.num_bytes,
+            res.num_buckets,
             res.time_s,
             res.metrics()["sync/bytes_per_s"] / 1e6,
+            res.control_s,
+            res.gather_s,
+            res.transfer_s,
         )
         return res
