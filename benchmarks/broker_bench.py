@@ -1,22 +1,24 @@
-"""Broker throughput and hand-off latency: the real broker process, N worker processes, one consumer.
+"""Broker throughput and hand-off latency on the production path: the real broker process, N production
+agent-worker processes, and the runner's own batch fetch.
 
 Measures over loopback TCP:
-  1. groups/s through admission -> worker -> buffer -> hand-off, with small groups (workers answer
-     every assignment at once; the consumer takes batches as fast as it can);
-  2. p50/p99 hand-off latency of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer
-     already full, issuing paused by a ``drain`` sync so the hand-off runs alone: request -> decoded
-     ``Batch`` with zero-copy numpy token arrays), and the ratio to a raw ZeroMQ round trip
-     (DEALER -> ROUTER, one small request, one reply of the same number of bytes).
-Targets (issue 3): >= 20,000 small groups/s; hand-off within 2x the raw transfer.
-
-The workers answer each poll's assignments with ONE ``groups`` message (``send_group(..., flush=False)`` +
-``flush()``), the consumer asks for compact group rows (``BrokerClient`` does), and every process of the run
-(broker, workers, consumer) uses ``asyncrl.broker.server.tune_gc`` (frozen start-up heap, rarer young
-collections). Also printed: the CPU each process spent per group during the run, and the broker's CPU
-per group in process (no sockets; CPU time, so the machine's other load does not inflate it).
+  1. groups/s through admission -> worker -> buffer -> hand-off, with small groups, in ``--reps``
+     consecutive windows (median and spread). Each worker is ``asyncrl.agent.worker.AgentWorker`` itself
+     (its event loop, one task per group, ``AgentLoop.run_group`` with the prompt's tokenization,
+     ``send_trajectory`` per trajectory and ``send_group`` per group on ``AsyncWorkerConnection``)
+     with only the engine edge stubbed (``run_trajectory`` returns a ready trajectory at once); the
+     consumer fetches each batch with ``asyncrl.runner.loop._wait_batch`` exactly as the actor does
+     (``get_batch(..., as_lists=True)``);
+  2. the hand-off of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer full) through that
+     same fetch, and a raw ZeroMQ round trip of the same number of bytes (DEALER -> ROUTER, one small
+     request, one one-frame reply), both in each repetition, the order alternating, under the same
+     load: issuing is paused (a ``drain`` sync) while both run, and resumed after.
+Targets (issue 16): >= 20,000 small groups/s (median); hand-off <= 1.5x the raw round trip.
+Also printed: the CPU each process spent per group during the throughput run, and the broker's CPU per
+group in process (no sockets; CPU time, so the machine's other load does not inflate it).
 
     python benchmarks/broker_bench.py --quick
-The last stdout line is one JSON object with the figures.
+The last stdout line is one JSON object with the figures (``benchmarks/harness.py``).
 """
 
 from __future__ import annotations
