@@ -8,7 +8,8 @@ For a model of a given size (a random Qwen2-architecture checkpoint made on the 
   * bare:  the same tensors, in the same buckets and order, broadcast from this same trainer process
            over a gloo group of the same size formed the same way (TCPStore + PrefixStore) to N plain
            receiver processes that receive into tensors of the same shapes PREALLOCATED once, before
-           the first repetition (as the engine receives into its standby weights): the limit;
+           the first repetition (as the engine receives into its standby weights); both ends queue a
+           bucket's broadcasts at once (``async_op``) and then wait, as the sync's two ends do: the limit;
 run interleaved (one of each per repetition, order alternating; ``benchmarks/harness.py``), and reports
 the per-repetition ratio bare / sync (target >= 0.9) and bare / transfer, median and spread.
 The receivers are separate processes of the same count on the same host (the engine process has
@@ -63,9 +64,9 @@ def _receiver(args_path: str) -> int:
         recv = [[torch.zeros(s, dtype=dtype_from_name(d)) for s, d in zip(b["shapes"], b["dtypes"])]
                 for b in a["buckets"]]
     for _ in range(a["reps"]):
-        for tensors in recv:
-            for t in tensors:
-                dist.broadcast(t, group_src=0, group=pg)
+        for tensors in recv:  # all of a bucket's receives queued at once, as the engine does
+            for w in [dist.broadcast(t, group_src=0, group=pg, async_op=True) for t in tensors]:
+                w.wait()
         dist.all_reduce(torch.zeros(1), group=pg)  # end-of-rep fence: everyone has everything
     pgmod.destroy_weight_update_group(pg)
     return 0
@@ -110,8 +111,8 @@ class _BareGroup:
         t0 = time.perf_counter()
         for b in self.buckets:
             tensors = [flatten_bucket(b)] if self.flattened else [t.contiguous() for _, t in b]
-            for t in tensors:
-                dist.broadcast(t, group_src=0, group=self.pg)
+            for w in [dist.broadcast(t, group_src=0, group=self.pg, async_op=True) for t in tensors]:
+                w.wait()  # all queued at once, as push_buckets does
         dist.all_reduce(torch.zeros(1), group=self.pg)
         return time.perf_counter() - t0
 

@@ -590,16 +590,25 @@ class CpuEngine:
                 off += size
             return named, []
         bank = self._standby_bank()
-        named, banked = [], []
+        named, banked, works = [], [], []
+        # every receive is queued at once (as the trainer queues its sends): the collectives run back to
+        # back inside gloo instead of one Python call and thread wake-up per tensor
         for name, s, d in zip(names, shapes, dts):
             dst = bank.params.get(name)
             if d == torch.float32 and dst is not None and dst.is_contiguous():
-                dist.broadcast(dst, group_src=0, group=pg)
                 banked.append(name)
             else:
-                t = torch.empty(s, dtype=d)
-                dist.broadcast(t, group_src=0, group=pg)
-                named.append((name, t))
+                dst = torch.empty(s, dtype=d)
+                named.append((name, dst))
+            works.append(dist.broadcast(dst, group_src=0, group=pg, async_op=True))
+        first_error = None
+        for w in works:  # wait for all (none left writing into the bank), then raise the first failure
+            try:
+                w.wait()
+            except (RuntimeError, dist.DistError) as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
         return named, banked
 
     def _receive(self, sched: Scheduler, pg, names, dts, shapes, fmt, flush, version) -> tuple[bool, str]:
