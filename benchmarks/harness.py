@@ -9,7 +9,7 @@ machine shared with other jobs the load changes from second to second, so:
   * ``/proc/loadavg`` is read at the start and the end (``Report``);
   * the last stdout line is one JSON object: the figures, every ratio under a key ending ``_ratio`` with
     its target beside it, the command, the date and the load; ``--save`` also writes it to
-    ``benchmarks/baselines/<name>.json``.
+    ``benchmarks/baselines/<name>.json`` (the last few runs are kept).
 
     rep = Report("engine_bench", argv)
     t = interleave({"engine": run_engine, "hf": run_hf}, reps=5)   # seconds of each repetition
@@ -33,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 BASELINES = REPO / "benchmarks" / "baselines"
 MIN_REPS = 5  # the issue's floor: a single run on a shared machine is noise, not a baseline
+KEEP_RUNS = 5  # runs kept per baseline file (each a different load condition)
 
 
 def loadavg() -> dict[str, Any]:
@@ -126,7 +127,18 @@ class Report:
         }
         text = json.dumps(doc, default=float)
         if save:
-            BASELINES.mkdir(parents=True, exist_ok=True)
-            (BASELINES / f"{self.name}.json").write_text(json.dumps(doc, indent=1, default=float) + "\n")
+            self._save(doc)
         print(text, flush=True)
         return doc
+
+    def _save(self, doc: dict[str, Any]) -> None:
+        """Append to ``benchmarks/baselines/<name>.json`` (``runs``, the last ``KEEP_RUNS``): on a shared
+        machine one run is one load condition, so a few are kept side by side."""
+        path = BASELINES / f"{self.name}.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        prior = old.get("runs") if isinstance(old.get("runs"), list) else [old] if "date" in old else []
+        runs = [r for r in prior if isinstance(r, dict) and r.get("benchmark") == self.name and "date" in r]
+        runs = (runs + [doc])[-KEEP_RUNS:]
+        BASELINES.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"benchmark": self.name, "latest": doc, "runs": runs}, indent=1, default=float)
+                        + "\n")
