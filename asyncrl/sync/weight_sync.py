@@ -22,8 +22,8 @@ Contract
        trainer broadcasts the bucket's tensors from group rank 0 in ``names`` order (or one flat
        uint8 tensor); an engine that fails its call fails the sync at once, not at the group timeout.
     5. ``POST /update_weight_version {new_version, abort_all_requests: false}``.
-    6. ``POST /end_weight_update`` (alongside it, every engine's ``/model_info.weight_version`` is
-       checked to equal the new version); ``POST /flush_cache`` unless in_place;
+    6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place and the check
+       that every engine's ``/model_info.weight_version`` equals the new version; then
        ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
@@ -326,22 +326,24 @@ class WeightSyncer:
         )
 
     def finish(self, version: Any) -> None:
-        """Steps 5-7: version bump, end the update (its version checked), flush, then - once every engine
-        passed the check - resume, and tell the broker. Each engine runs its version/end/flush calls in
-        order on one thread (no barrier across engines until the resume)."""
+        """Steps 5-7: version bump, then end the update, check the version and flush at once, then - once
+        every engine passed the check - resume, and tell the broker. Each engine runs its calls on its own
+        thread (no barrier across engines until the resume)."""
         v = str(version)
         t = self.cfg.step_timeout_s
 
         def finish_one(u: str) -> Any:
             post_json(u, "/update_weight_version", {"new_version": v, "abort_all_requests": False}, timeout_s=t,
                       step="update_weight_version")
-            # The version check rides along with /end_weight_update: two calls at once per engine.
+            # The version check and the flush ride along with /end_weight_update: up to three calls at once
+            # per engine (the engine is paused and every bucket is in: their order does not matter).
             info = spawn(get_json, u, "/model_info", timeout_s=t, step="model_info", name="sync-check")
+            flush = spawn(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache",
+                          name="sync-flush") if self.pause_mode != "in_place" else None
             post_json(u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update")
-            info = info.result(timeout=t)
-            if str(info.get("weight_version")) == v and self.pause_mode != "in_place":
-                post_json(u, "/flush_cache", {}, timeout_s=t, step="flush_cache")
-            return info
+            if flush is not None:
+                flush.result(timeout=t)
+            return info.result(timeout=t)
 
         infos = fan_out(self.urls, finish_one, timeout_s=3 * t + 1, step="end_weight_update")
         wrong = [u for u, i in zip(self.urls, infos) if str(i.get("weight_version")) != v]
