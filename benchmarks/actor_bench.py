@@ -1,13 +1,22 @@
-"""Actor training throughput: the Megatron actor vs the same step in plain PyTorch.
+"""Actor training throughput: the Megatron actor vs the same step in plain PyTorch, same token budget.
 
     python benchmarks/actor_bench.py [--quick]
 
 Builds the tiny Qwen2 checkpoint (asyncrl.models.tiny), a synthetic GRPO batch, and times
 ``Actor.train_step`` (1 process, gloo world of 1, TP=1, fp32 on CPU) at two micro-batch token
-budgets; then the same step written as plain PyTorch: the HF transformers model, right-padded
-micro-batches under the same token budget, the same ``policy_loss``, grad clipping, torch AdamW.
-Figures are trained tokens (prompt + response, padding excluded) per second, median over the
-timed steps. The last stdout line is one JSON object.
+budgets; then the same step written as plain PyTorch: the HF transformers model, the SAME
+micro-batches (``make_microbatches`` under the same token budget), the same ``policy_loss`` with
+entropy, grad clipping at 1.0, torch AdamW with the actor's lr/eps. The two run interleaved, ``--reps``
+times each (``benchmarks/harness.py``); the ratio is plain seconds / actor seconds per repetition
+(target >= 1.0). Figures are trained tokens (prompt + response, padding excluded) per second.
+
+Fair both ways: the actor packs each micro-batch (no padding) and takes log-probs of response
+positions only; the plain loop right-pads each micro-batch (it computes ``padded_tokens``, printed,
+and the ratio to the real tokens) - the natural plain-PyTorch layout on CPU, where HF has no packed
+attention - but also takes the log-softmax of response positions only (not of every row of the
+logits), so it does no more loss-side work than the actor. Neither side runs a reference model or a
+separate old-log-prob pass (the rollout log-prob is the old log-prob). The last stdout line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -15,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -26,6 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
 
 
 def _free_port() -> int:
@@ -49,11 +60,10 @@ def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
         for r, s in enumerate(mb):
             ids[r, : s.num_tokens] = torch.tensor(s.tokens)
             att[r, : s.num_tokens] = 1
-        logits = model(input_ids=ids, attention_mask=att).logits.float()
-        logz = torch.log_softmax(logits, -1)
+        logits = model(input_ids=ids, attention_mask=att).logits
         lp, ent, behav, adv, w, m = [], [], [], [], [], []
         for r, s in enumerate(mb):
-            rows = logz[r, s.prompt_len - 1 : s.num_tokens - 1]
+            rows = torch.log_softmax(logits[r, s.prompt_len - 1 : s.num_tokens - 1].float(), -1)
             tgt = torch.tensor(s.tokens[s.prompt_len :])
             lp.append(rows.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
             ent.append(-(rows.exp() * rows).sum(-1))
@@ -80,19 +90,20 @@ def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small batch, few repeats (< 60 s)")
+    harness.add_args(ap)
     args = ap.parse_args(argv)
+    rep = harness.Report("actor_bench", argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.actor.batch import groups_to_samples
+    from asyncrl.actor.batch import groups_to_samples, make_microbatches
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
     from asyncrl.actor.trainer import Actor
     from asyncrl.models.tiny import make_tiny_checkpoint
 
-    num_groups, repeats = (8, 3) if args.quick else (32, 5)
+    num_groups = 8 if args.quick else 32
     budgets = (1024, 4096)
     tmp = tempfile.mkdtemp(prefix="actor_bench_")
     hf = make_tiny_checkpoint(Path(tmp) / "hf")
@@ -108,32 +119,40 @@ def main(argv: list[str] | None = None) -> int:
     num_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
-    result: dict[str, object] = {
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}",
+    figures: dict[str, object] = {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         "model": {k: hf_cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")},
         "batch_sequences": num_groups * 4,
         "batch_tokens": num_tokens,
-        "repeats": repeats,
+        "reps": args.reps,
     }
     from megatron.core import parallel_state as ps
+
+    samples = groups_to_samples(groups, normalize_adv_by_std=True, loss_agg_mode="token_mean")
 
     for budget in budgets:
         cfg = tiny_actor_config(str(hf), actor={"max_tokens_per_microbatch": budget}, runner={"max_steps": 100})
         actor = Actor(cfg)
-        actor.train_step(groups)  # warm-up
-        times = [actor.train_step(groups)["time/training"] for _ in range(repeats)]
-        result[f"actor_tokens_per_s_budget{budget}"] = num_tokens / statistics.median(times)
-        ps.destroy_model_parallel()
-
         model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, weight_decay=0.0)
-        samples = groups_to_samples(groups, normalize_adv_by_std=True, loss_agg_mode="token_mean")
-        plain_pytorch_step(model, opt, samples, budget, cfg.algorithm)  # warm-up
-        ptimes = [plain_pytorch_step(model, opt, samples, budget, cfg.algorithm) for _ in range(repeats)]
-        result[f"plain_tokens_per_s_budget{budget}"] = num_tokens / statistics.median(ptimes)
-        result[f"actor_over_plain_budget{budget}"] = statistics.median(ptimes) / statistics.median(times)
+        t = harness.interleave({
+            "actor": lambda a=actor: a.train_step(groups)["time/training"],
+            "plain": lambda m=model, o=opt, b=budget, c=cfg: plain_pytorch_step(m, o, samples, b, c.algorithm),
+        }, reps=args.reps, warmup=1)
+        ps.destroy_model_parallel()
+        padded = sum(len(idx) * max(samples[i].num_tokens for i in idx)
+                     for idx in make_microbatches([s.num_tokens for s in samples], budget))
+        rep.ratio(f"budget{budget}_actor_over_plain_ratio", t["plain"], t["actor"], target=1.0,
+                  note="plain PyTorch s / Megatron actor s per step, same micro-batches")
+        figures[f"budget{budget}"] = {
+            "actor_s": harness.summary(t["actor"]), "plain_s": harness.summary(t["plain"]),
+            "actor_tokens_per_s": num_tokens / statistics.median(t["actor"]),
+            "plain_tokens_per_s": num_tokens / statistics.median(t["plain"]),
+            "plain_padded_tokens": padded, "plain_padded_over_real": padded / num_tokens,
+        }
     dist.destroy_process_group()
-    print(json.dumps(result))
+    rep.emit(figures, save=args.save)
     return 0
 
 

@@ -1,22 +1,24 @@
-"""Broker throughput and hand-off latency: the real broker process, N worker processes, one consumer.
+"""Broker throughput and hand-off latency on the production path: the real broker process, N production
+agent-worker processes, and the runner's own batch fetch.
 
 Measures over loopback TCP:
-  1. groups/s through admission -> worker -> buffer -> hand-off, with small groups (workers answer
-     every assignment at once; the consumer takes batches as fast as it can);
-  2. p50/p99 hand-off latency of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer
-     already full, issuing paused by a ``drain`` sync so the hand-off runs alone: request -> decoded
-     ``Batch`` with zero-copy numpy token arrays), and the ratio to a raw ZeroMQ round trip
-     (DEALER -> ROUTER, one small request, one reply of the same number of bytes).
-Targets (issue 3): >= 20,000 small groups/s; hand-off within 2x the raw transfer.
-
-The workers answer each poll's assignments with ONE ``groups`` message (``send_group(..., flush=False)`` +
-``flush()``), the consumer asks for compact group rows (``BrokerClient`` does), and every process of the run
-(broker, workers, consumer) uses ``asyncrl.broker.server.tune_gc`` (frozen start-up heap, rarer young
-collections). Also printed: the CPU each process spent per group during the run, and the broker's CPU
-per group in process (no sockets; CPU time, so the machine's other load does not inflate it).
+  1. groups/s through admission -> worker -> buffer -> hand-off, with small groups, in ``--reps``
+     consecutive windows (median and spread). Each worker is ``asyncrl.agent.worker.AgentWorker`` itself
+     (its event loop, one task per group, ``AgentLoop.run_group`` with the prompt's tokenization,
+     ``send_trajectory`` per trajectory and ``send_group`` per group on ``AsyncWorkerConnection``)
+     with only the engine edge stubbed (``run_trajectory`` returns a ready trajectory at once); the
+     consumer fetches each batch with ``asyncrl.runner.loop._wait_batch`` exactly as the actor does
+     (``get_batch(..., as_lists=True)``);
+  2. the hand-off of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer full) through that
+     same fetch, and a raw ZeroMQ round trip of the same number of bytes (DEALER -> ROUTER, one small
+     request, one one-frame reply), both in each repetition, the order alternating, under the same
+     load: issuing is paused (a ``drain`` sync) while both run, and resumed after.
+Targets (issue 16): >= 20,000 small groups/s (median); hand-off <= 1.5x the raw round trip.
+Also printed: the CPU each process spent per group during the throughput run, and the broker's CPU per
+group in process (no sockets; CPU time, so the machine's other load does not inflate it).
 
     python benchmarks/broker_bench.py --quick
-The last stdout line is one JSON object with the figures.
+The last stdout line is one JSON object with the figures (``benchmarks/harness.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,10 +39,13 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from asyncrl.broker.client import Assignment, BrokerClient, Shutdown, WorkerConnection  # noqa: E402
+from asyncrl.broker.client import BrokerClient  # noqa: E402
 from asyncrl.broker.server import tune_gc  # noqa: E402
 from asyncrl.broker.types import Trajectory  # noqa: E402
 from asyncrl.runner.broker_process import start_broker  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import harness  # noqa: E402
 
 
 def _traj(n_prompt: int, n_resp: int, version: int) -> Trajectory:
@@ -51,24 +55,35 @@ def _traj(n_prompt: int, n_resp: int, version: int) -> Trajectory:
                       max_version=version)
 
 
-def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int) -> int:
+class _NoRetriever:
+    """The worker's retriever, never called: generation (the edge) is stubbed below."""
+
+    async def close(self) -> None:
+        return None
+
+
+def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int, model_dir: str) -> int:
+    """The PRODUCTION agent worker (``asyncrl.agent.worker.AgentWorker``: its event loop, ``run_group``,
+    ``send_trajectory`` per trajectory and ``send_group`` per group on ``AsyncWorkerConnection``) with
+    only the engine edge stubbed: ``run_trajectory`` returns a ready trajectory at once."""
+    import asyncio
+
+    from asyncrl.agent.worker import AgentWorker
+    from asyncrl.config import load_config
+
     tune_gc()
-    conn = WorkerConnection(address, worker_id=worker_id, capacity=1 << 16, heartbeat_interval_s=1.0)
-    conn.connect(timeout_s=30)
-    cache: dict[int, list[Trajectory]] = {}
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        for ev in conn.poll(0.05):
-            if isinstance(ev, Shutdown):
-                conn.close(say_bye=False)
-                return 0
-            if isinstance(ev, Assignment):
-                trajs = cache.get(ev.group_size)
-                if trajs is None:
-                    trajs = cache[ev.group_size] = [_traj(n_prompt, n_resp, ev.version) for _ in range(ev.group_size)]
-                conn.send_group(ev.group_id, trajs, flush=False)  # all groups of this poll: one message
-        conn.flush()
-    return 1
+    cfg = load_config(REPO / "configs/tiny.toml", ["agentloop.max_requests_per_engine=65536",
+                                                   "agentloop.heartbeat_interval_s=1.0"])
+    w = AgentWorker(cfg, broker_address=address, engine_urls=["http://127.0.0.1:9"], tokenizer_path=model_dir,
+                    worker_id=worker_id, retriever=_NoRetriever(), connect_timeout_s=30)
+    traj = _traj(n_prompt, n_resp, 0)
+
+    async def run_trajectory(item, engine, *, prompt_ids, rid):
+        return traj
+
+    w.loop.run_trajectory = run_trajectory
+    asyncio.run(w.run())
+    return 0
 
 
 def _config(tmp: Path, *, batch: int, group_size: int, inflight: int, buffered: int) -> tuple[str, str]:
@@ -84,12 +99,12 @@ def _config(tmp: Path, *, batch: int, group_size: int, inflight: int, buffered: 
     return str(cfg), str(prompts)
 
 
-def _start(tmp: Path, n_workers: int, n_prompt: int, n_resp: int, **cfg_kw):
+def _start(tmp: Path, n_workers: int, n_prompt: int, n_resp: int, model_dir: Path, **cfg_kw):
     cfg, prompts = _config(tmp, **cfg_kw)
     broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp / "broker.log"), log_level="WARNING")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     workers = [subprocess.Popen([sys.executable, __file__, "--worker", broker.address, f"w{i}", str(n_prompt),
-                                 str(n_resp)], env=env) for i in range(n_workers)]
+                                 str(n_resp), str(model_dir)], env=env) for i in range(n_workers)]
     return broker, workers
 
 
@@ -108,67 +123,94 @@ def _stop(broker, workers, client) -> None:
     broker.stop()
 
 
-def bench_throughput(tmp: Path, *, n_workers: int, duration_s: float) -> dict:
-    """``cpu_us_per_group``: CPU (all threads, ZeroMQ's I/O thread included) each process spent per group."""
+FETCH_TIMEOUT_S = 120.0  # the first fetch waits for the workers to start (imports); later ones are quick
+
+
+def _fetch(client: BrokerClient, step: int):
+    """The actor's batch fetch exactly as the runner does it (``asyncrl.runner.loop._wait_batch``; imported
+    here, not at the top: the worker processes run this file too and need not import the runner)."""
+    from asyncrl.runner.loop import _wait_batch
+
+    return _wait_batch(client, None, step, step - 1, FETCH_TIMEOUT_S, time.monotonic())
+
+
+def bench_throughput(tmp: Path, model_dir: Path, *, n_workers: int, window_s: float, reps: int) -> dict:
+    """Groups/s in ``reps`` consecutive windows of ``window_s``. ``cpu_us_per_group``: CPU (all threads,
+    ZeroMQ's I/O thread included) each process spent per group over all windows."""
     batch = 512
-    broker, workers = _start(tmp, n_workers, 4, 8, batch=batch, group_size=2, inflight=2048, buffered=4096)
+    broker, workers = _start(tmp, n_workers, 4, 8, model_dir, batch=batch, group_size=2, inflight=2048, buffered=4096)
     client = BrokerClient(broker.address, timeout_s=30)
     pids = {"broker": [broker.proc.pid], "workers": [w.pid for w in workers]}
+    rates: list[float] = []
+    step, n_all = 1, 0
     try:
-        client.get_batch(0, timeout_s=60)  # warm-up: workers connected and flowing
+        _fetch(client, step)  # warm-up: workers connected and flowing
         cpu0 = {k: [_cpu_s(p) for p in v] for k, v in pids.items()}
         c0 = time.process_time()
-        t0, n, step = time.perf_counter(), 0, 1
-        while time.perf_counter() - t0 < duration_s:
-            n += len(client.get_batch(step, timeout_s=60).groups)
-            step += 1
-        dt = time.perf_counter() - t0
+        t_all = time.perf_counter()
+        for _ in range(reps):
+            t0, n = time.perf_counter(), 0
+            while time.perf_counter() - t0 < window_s:
+                step += 1
+                n += len(_fetch(client, step).groups)
+            rates.append(n / (time.perf_counter() - t0))
+            n_all += n
+        dt = time.perf_counter() - t_all
         consumer_s = time.process_time() - c0
         cpu1 = {k: [_cpu_s(p) for p in v] for k, v in pids.items()}
     finally:
         _stop(broker, workers, client)
-    cpu_us = {"consumer": consumer_s / n * 1e6}
+    cpu_us = {"consumer": consumer_s / n_all * 1e6}
     for k in pids:
         if None not in cpu0[k] + cpu1[k]:
-            cpu_us[k] = sum(b - a for a, b in zip(cpu0[k], cpu1[k])) / n * 1e6
-    return {"groups_per_s": n / dt, "groups": n, "seconds": dt, "workers": n_workers, "group_size": 2,
-            "cpu_us_per_group": cpu_us}
+            cpu_us[k] = sum(b - a for a, b in zip(cpu0[k], cpu1[k])) / n_all * 1e6
+    return {"groups_per_s": harness.summary(rates), "groups": n_all, "seconds": dt, "workers": n_workers,
+            "group_size": 2, "cpu_us_per_group": cpu_us}
 
 
-def bench_handoff(tmp: Path, *, reps: int) -> dict:
-    """Hand-off and raw round trips are interleaved, so both see the same machine load."""
+def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
+    """The hand-off and the raw round trip of the same bytes, under the same load: each repetition waits for
+    a full buffer, pauses issuing (a ``drain`` sync: the workers go quiet), then times both, the order
+    alternating, then resumes issuing."""
     batch, g, n_prompt, n_resp = 512, 5, 200, 1800
     nbytes = batch * g * (4 * n_prompt + 9 * n_resp + 4 * n_resp)
-    broker, workers = _start(tmp, 2, n_prompt, n_resp, batch=batch, group_size=g, inflight=batch, buffered=batch)
+    broker, workers = _start(tmp, 2, n_prompt, n_resp, model_dir, batch=batch, group_size=g, inflight=batch,
+                             buffered=batch)
     client = BrokerClient(broker.address, timeout_s=60)
     raw = _RawPeer(nbytes)
-    lat, raw_lat = [], []
+    lat: list[float] = []
+    raw_lat: list[float] = []
+
+    def handoff(step: int) -> float:
+        t0 = time.perf_counter()
+        b = _fetch(client, step)
+        dt = time.perf_counter() - t0
+        got = sum(4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
+                  for gr in b.groups for t in gr.trajectories)
+        assert len(b.groups) == batch and got == nbytes, (len(b.groups), got, nbytes)
+        return dt
+
     try:
-        for step in range(reps + 1):
+        for step in range(1, reps + 2):
             deadline = time.monotonic() + 120
             while client.status()["num_buffered_groups"] < batch:
                 assert time.monotonic() < deadline, "buffer did not fill"
                 time.sleep(0.02)
-            client.sync_begin("drain")  # no new issues: time the hand-off alone, like the raw transfer
-            t0 = time.perf_counter()
-            b = client.get_batch(step, timeout_s=120)
-            dt = time.perf_counter() - t0
-            client.sync_end(step + 1)
-            got = sum(4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
-                      for gr in b.groups for t in gr.trajectories)
-            assert len(b.groups) == batch and got == nbytes
-            del b
-            r = raw.roundtrip()
-            if step:  # the first of each is a warm-up
-                lat.append(dt)
+            client.sync_begin("drain")  # issuing paused: both sides run on a quiet machine
+            if step % 2:
+                h, r = handoff(step), raw.roundtrip()
+            else:
+                r, h = raw.roundtrip(), handoff(step)
+            client.sync_end(step)
+            if step > 1:  # the first of each is a warm-up
+                lat.append(h)
                 raw_lat.append(r)
     finally:
         raw.close()
         _stop(broker, workers, client)
-    p50, p99, r50 = _pct(lat, 50), _pct(lat, 99), _pct(raw_lat, 50)
     return {"batch_groups": batch, "group_size": g, "tokens_per_traj": n_prompt + n_resp, "bytes": nbytes,
-            "handoff_p50_s": p50, "handoff_p99_s": p99, "raw_p50_s": r50, "raw_p99_s": _pct(raw_lat, 99),
-            "ratio_p50": p50 / r50, "reps": reps}
+            "handoff_s": harness.summary(lat), "raw_s": harness.summary(raw_lat),
+            "handoff_p99_s": _pct(lat, 99), "raw_p99_s": _pct(raw_lat, 99), "handoff": lat, "raw": raw_lat}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -285,38 +327,39 @@ class _RawPeer:
             os.unlink(self.addr_file)
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
-    if len(sys.argv) > 1 and sys.argv[1] == "--raw-server":
-        return raw_server_main(sys.argv[2], int(sys.argv[3]))
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        return worker_main(argv[1], argv[2], int(argv[3]), int(argv[4]), argv[5])
+    if argv and argv[0] == "--raw-server":
+        return raw_server_main(argv[1], int(argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="under 60 s")
+    harness.add_args(ap)
     ap.add_argument("--workers", type=int, default=2)
-    args = ap.parse_args()
-    duration, reps = (5.0, 10) if args.quick else (20.0, 30)
+    args = ap.parse_args(argv)
+    rep = harness.Report("broker_bench", argv)
+    window = 1.5 if args.quick else 4.0
     tune_gc()  # the consumer (an actor stand-in), like the broker and the workers: see server.tune_gc
-    t0 = time.time()
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
     with tempfile.TemporaryDirectory() as d:
-        tp = bench_throughput(Path(d), n_workers=args.workers, duration_s=duration)
-        print(f"throughput: {tp['groups_per_s']:.0f} groups/s ({tp['groups']} groups in {tp['seconds']:.1f}s, "
-              f"{args.workers} workers) target >= 20000; CPU us/group "
-              + ", ".join(f"{k} {v:.1f}" for k, v in tp["cpu_us_per_group"].items()))
-    cpu = bench_broker_cpu(20000 if args.quick else 100000)
-    print(f"broker CPU per small group (in process, no sockets): {cpu['us_per_group']:.1f} us "
-          f"-> ceiling {cpu['ceiling_groups_per_s']:.0f} groups/s on one core of this machine")
-    with tempfile.TemporaryDirectory() as d:
-        ho = bench_handoff(Path(d), reps=reps)
-        print(f"hand-off of {ho['batch_groups']} groups x {ho['group_size']} x {ho['tokens_per_traj']} tokens "
-              f"({ho['bytes'] / 1e6:.1f} MB): p50 {ho['handoff_p50_s'] * 1e3:.1f} ms, p99 {ho['handoff_p99_s'] * 1e3:.1f} "
-              f"ms; raw ZeroMQ p50 {ho['raw_p50_s'] * 1e3:.1f} ms; ratio {ho['ratio_p50']:.2f} (target <= 2)")
-    load = os.getloadavg()[0]
-    out = {"groups_per_s": round(tp["groups_per_s"]), "throughput": tp, "broker_cpu": cpu, "handoff": ho,
-           "targets_met": {"groups_per_s>=20000": tp["groups_per_s"] >= 20000, "handoff<=2x_raw": ho["ratio_p50"] <= 2},
-           "machine": {"cpus": os.cpu_count(), "load_avg_1m": load, "python": platform.python_version(),
-                       "zmq": zmq.zmq_version()},
-           "wall_s": round(time.time() - t0, 1)}
-    print(json.dumps(out))
+        model_dir = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # the workers' tokenizer
+        tp = bench_throughput(Path(d), model_dir, n_workers=args.workers, window_s=window, reps=args.reps)
+        gps = tp["groups_per_s"]
+        print(f"throughput (production worker and fetch): {harness.fmt(gps, ' groups/s')} target >= 20000; "
+              "CPU us/group " + ", ".join(f"{k} {v:.1f}" for k, v in tp["cpu_us_per_group"].items()), flush=True)
+        cpu = bench_broker_cpu(20000 if args.quick else 100000)
+        print(f"broker CPU per small group (in process, no sockets): {cpu['us_per_group']:.1f} us "
+              f"-> ceiling {cpu['ceiling_groups_per_s']:.0f} groups/s on one core of this machine", flush=True)
+        ho = bench_handoff(Path(d), model_dir, reps=args.reps)
+    print(f"hand-off of {ho['batch_groups']} groups x {ho['group_size']} x {ho['tokens_per_traj']} tokens "
+          f"({ho['bytes'] / 1e6:.1f} MB): {harness.fmt(ho['handoff_s'], ' ms', 1e3)}; raw ZeroMQ "
+          f"{harness.fmt(ho['raw_s'], ' ms', 1e3)}", flush=True)
+    rep.ratio("throughput_over_target_ratio", gps["values"], [20000.0] * len(gps["values"]), target=1.0,
+              note="groups/s per window / 20,000 (the issue's target: >= 20k groups/s median)")
+    rep.ratio("handoff_over_raw_ratio", ho.pop("handoff"), ho.pop("raw"), target=1.5, at_least=False,
+              note="hand-off s / raw ZeroMQ round trip s of the same bytes, same repetition, issuing paused")
+    rep.emit({"throughput": tp, "broker_cpu": cpu, "handoff": ho, "zmq": zmq.zmq_version()}, save=args.save)
     return 0
 
 

@@ -13,7 +13,7 @@ and reports, from each run's ``metrics.jsonl``:
     the RLinf reference halves the step: 278.6 s -> 139.0 s), plus the same over the second half
     of the steps (``steady``: the async run's start-up head start - groups generated while the
     actor was still loading - is used up by then);
-  * the same from the wall clock between the first and last step's records (``ratio_wall``:
+  * the same from the wall clock between the first and last step's records (``sync_over_async_wall``:
     counts the per-step logging and the engines' /metrics scrape, which time/step leaves out);
   * the time/step split of each;
   * the overlap efficiency = ideal / measured async time/step, ideal = max(generation, training) +
@@ -28,10 +28,13 @@ machine take their share (the async run needs two cores at once, the sync run on
 
 The two ranks get one core each (torchrun sets OMP_NUM_THREADS=1, the CPU engine runs single
 threaded), so the overlap is real parallelism. On a shared machine the figures vary by +-0.3 from
-run to run: the full mode interleaves sync/async pairs and reports each pair's ratio.
+run to run: every mode runs 3 paired runs (``--reps``), sync/async interleaved with the order
+alternating (``benchmarks/harness.py``), and the ratios are taken per pair (median and spread):
+``sync_over_async_ratio`` (target >= 1.5) and ``overlap_efficiency_ratio`` (target >= 0.9). The
+pause mode is the default ``retract``.
 
-    python benchmarks/overlap.py --quick          # 8 steps per mode, one job each: ~30-50 s once prepared
-    python benchmarks/overlap.py                  # 20 steps per mode, sync/async/sync/async: ~2-3 min
+    python benchmarks/overlap.py --quick          # 8 steps per run, 3 pairs: ~3-5 min once prepared
+    python benchmarks/overlap.py                  # 20 steps per run, 3 pairs
     python benchmarks/overlap.py --quick --save   # also write benchmarks/baselines/overlap.json
 
 The tiny model and data are prepared once under ``--prep-dir`` (default runs/overlap_bench,
@@ -44,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -55,6 +57,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import harness  # noqa: E402
 
 # The workload: chosen so that one batch's generation (time/rollout) and its training
 # (time/training) take comparable time on one core each (~0.35 s and ~0.4 s here), which is where
@@ -67,19 +72,15 @@ WORKLOAD = [
     "agentloop.max_tokens_per_turn=16",
     "rollout.sampling.temperature=1.0",
     "rollout.update_weights_interval=1",
-    # in_place: a weight sync pauses the engine without retracting its in-flight requests. With the
-    # default ``retract`` every sync throws away the running requests' KV cache (1.4 retractions per
-    # trajectory here), their prefill is redone after the sync, and the actor's per-step /metrics
-    # scrape waits behind that recompute (~0.3 s a step); the async step then grows 30-60% and the
-    # ratio drops to ~1.0-1.7. Sync mode has nothing in flight at a sync, so it is unaffected.
-    # ``--set rollout.pause_mode=retract --tag quick-retract`` measures the default.
-    'rollout.pause_mode="in_place"',
+    # rollout.pause_mode stays the default ``retract`` (the headline measures the default): every
+    # sync retracts the running requests and their prefill is redone after it, which the async run
+    # pays and the sync run (nothing in flight at a sync) does not. ``--set rollout.pause_mode=
+    # "in_place"`` measures the cheaper mode.
     "runner.eval_before_after=false",
     "actor.lr_warmup_steps=0",
 ]
 # The preparation: a short warm start (the benchmark measures time, not learning).
 PREPARE = ["prepare.sft_steps=20", "prepare.num_entities=60"]
-BASELINE_KEEP = 3  # runs of each kind kept in the baseline file
 RUN_TIMEOUT_S = 600.0  # one torchrun job; a hang fails the benchmark instead of blocking forever
 
 
@@ -169,20 +170,13 @@ def figures(sync: dict, asyn: dict) -> dict:
     return {
         "sync_time_step_s": sync["time_step_s"],
         "async_time_step_s": asyn["time_step_s"],
-        "ratio_sync_over_async": sync["time_step_s"] / asyn["time_step_s"],
-        "ratio_steady": sync["time_step_steady_s"] / asyn["time_step_steady_s"],
-        "ratio_wall": sync["wall_step_s"] / asyn["wall_step_s"],
+        "sync_over_async": sync["time_step_s"] / asyn["time_step_s"],
+        "sync_over_async_steady": sync["time_step_steady_s"] / asyn["time_step_steady_s"],
+        "sync_over_async_wall": sync["wall_step_s"] / asyn["wall_step_s"],
         "ideal_async_time_step_s": ideal,
-        "ideal_ratio": sync["time_step_s"] / ideal,
+        "ideal_sync_over_async": sync["time_step_s"] / ideal,
         "overlap_efficiency": ideal / asyn["time_step_s"],
-        "target_ratio": 1.5,
     }
-
-
-def pair_ratios(runs: dict[str, list[dict]]) -> list[float]:
-    """sync/async time/step of each back-to-back pair (the spread shows the machine's noise)."""
-    return [summarize("sync", [s])["time_step_s"] / summarize("async", [a])["time_step_s"]
-            for s, a in zip(runs["sync"], runs["async"])]
 
 
 def _round(x):
@@ -195,74 +189,49 @@ def _round(x):
     return x
 
 
-def save_baseline(result: dict, *, argv: list[str], kind: str) -> Path:
-    """Append this run's figures to ``runs[kind]`` of benchmarks/baselines/overlap.json (the last
-    ``BASELINE_KEEP`` of each kind are kept: on a shared machine one run is not a baseline)."""
-    out = REPO / "benchmarks/baselines/overlap.json"
-    doc = json.loads(out.read_text()) if out.is_file() else {}
-    doc.update({
-        "benchmark": "benchmarks/overlap.py",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}, python "
-                   f"{platform.python_version()}; shared with other jobs (load_avg_1m: 1-min load at start, end)",
-        "config": "configs/tiny.toml + the overrides below, the same for both modes except runner.async_mode",
-    })
-    kept = doc.setdefault("runs", {}).setdefault(kind, [])
-    kept.append({
-        "command": "python benchmarks/overlap.py " + " ".join(argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "figures": result,
-    })
-    doc["runs"][kind] = kept[-BASELINE_KEEP:]
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="8 steps per mode, one job each (~30-50 s once prepared)")
+    harness.add_args(p, reps=3)
     p.add_argument("--steps", type=int, help="steps per run (default 8 quick, 20 full)")
-    p.add_argument("--repeats", type=int, help="runs per mode, interleaved sync/async (default 1 quick, 2 full)")
     p.add_argument("--prep-dir", default=str(REPO / "runs/overlap_bench"), help="prepared tiny model and data (cached)")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for both modes (repeatable)")
-    p.add_argument("--save", action="store_true", help="append the figures to benchmarks/baselines/overlap.json")
-    p.add_argument("--tag", help="name of the baseline entry (default: quick or full)")
     a = p.parse_args(argv)
+    if a.reps < 3:
+        raise SystemExit(f"--reps {a.reps}: at least 3 paired runs (one pair is noise on a shared machine)")
+    rep = harness.Report("overlap", argv)
     steps = a.steps or (8 if a.quick else 20)
-    repeats = a.repeats or (1 if a.quick else 2)
     prep_dir = Path(a.prep_dir).resolve()
-    t_start = time.perf_counter()
-    load_start = os.getloadavg()[0]
     prep_s = prepare(prep_dir)
     runs: dict[str, list[dict]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="overlap_") as tmp:
-        for i in range(repeats):
-            for mode in ("sync", "async"):
-                run_dir = Path(tmp) / f"{mode}{i}"
-                res = run_job(prep_dir, run_dir, async_mode=mode == "async", steps=steps, extra=a.extra)
-                runs[mode].append(res)
-                s = summarize(mode, [res])
-                print(f"{mode} run {i}: time/step {s['time_step_s']:.3f}s (steady {s['time_step_steady_s']:.3f}s) "
-                      f"split {json.dumps(_round(s['split_s']))} job {res['wall_s']:.1f}s", flush=True)
-    sync, asyn = summarize("sync", runs["sync"]), summarize("async", runs["async"])
+
+        def one(mode: str) -> float:
+            i = len(runs[mode])
+            res = run_job(prep_dir, Path(tmp) / f"{mode}{i}", async_mode=mode == "async", steps=steps, extra=a.extra)
+            runs[mode].append(res)
+            s = summarize(mode, [res])
+            print(f"{mode} run {i}: time/step {s['time_step_s']:.3f}s (steady {s['time_step_steady_s']:.3f}s) "
+                  f"split {json.dumps(_round(s['split_s']))} job {res['wall_s']:.1f}s", flush=True)
+            return s["time_step_s"]
+
+        t = harness.interleave({"sync": lambda: one("sync"), "async": lambda: one("async")}, reps=a.reps, warmup=0)
+    pairs = [figures(summarize("sync", [s]), summarize("async", [x])) for s, x in zip(runs["sync"], runs["async"])]
+    rep.ratio("sync_over_async_ratio", t["sync"], t["async"], target=1.5,
+              note="sync-mode time/step / async-mode time/step, per pair of runs")
+    rep.ratio("overlap_efficiency_ratio", [f["ideal_async_time_step_s"] for f in pairs], t["async"], target=0.9,
+              note="ideal / measured async time/step, ideal = max(generation, training) + sync of the pair's sync run")
     result = {
-        "benchmark": "overlap",
-        **figures(sync, asyn),
-        "ratio_per_pair": pair_ratios(runs),
-        "sync": sync,
-        "async": asyn,
+        "pairs": _round(pairs),
+        "sync": _round(summarize("sync", runs["sync"])),
+        "async": _round(summarize("async", runs["async"])),
         "steps": steps,
-        "repeats": repeats,
+        "paired_runs": a.reps,
         "overrides": WORKLOAD + a.extra,
         "prepare": PREPARE,
         "prepare_s": prep_s,
-        "total_s": time.perf_counter() - t_start,
-        "load_avg_1m": [load_start, os.getloadavg()[0]],
     }
-    result = _round(result)
-    if a.save:
-        save_baseline(result, argv=sys.argv[1:] if argv is None else argv, kind=a.tag or ("quick" if a.quick else "full"))
-    print(json.dumps(result), flush=True)
+    rep.emit(result, save=a.save)
     return 0
 
 

@@ -1,17 +1,22 @@
-"""Weight-sync bandwidth: a full sync into 1 and 2 CPU engines vs a bare gloo broadcast.
+"""Weight-sync bandwidth: a full sync into 1 and 2 CPU engines vs a bare gloo broadcast of the same bytes.
 
 For a model of a given size (a random Qwen2-architecture checkpoint made on the spot), measures
   * sync:  ``WeightSyncer.sync`` end to end (pause, begin, bucketed broadcasts paired with
            ``/update_weights_from_distributed`` and the engines' weight loads, version bump, end,
-           flush, continue) into N real CPU engine processes over the gloo weight-sync group;
-  * bare:  the same tensors, in the same buckets and order, broadcast from rank 0 over a gloo
-           group of the same size formed the same way (TCPStore + PrefixStore), between the
-           trainer and N plain receiver processes that only allocate and receive (the limit);
-and reports bytes/s of each and their ratio (target >= 0.8). The receivers are separate processes
-of the same count on the same host (the engine processes expose no bare-broadcast hook).
+           flush, continue) into N real CPU engine processes over the gloo weight-sync group, split
+           into control (the HTTP calls), gather (producing the buckets) and transfer;
+  * bare:  the same tensors, in the same buckets and order, broadcast from this same trainer process
+           over a gloo group of the same size formed the same way (TCPStore + PrefixStore) to N plain
+           receiver processes that receive into tensors of the same shapes PREALLOCATED once, before
+           the first repetition (as the engine receives into its standby weights); both ends queue a
+           bucket's broadcasts at once (``async_op``) and then wait, as the sync's two ends do: the limit;
+run interleaved (one of each per repetition, order alternating; ``benchmarks/harness.py``), and reports
+the per-repetition ratio bare / sync (target >= 0.9) and bare / transfer, median and spread.
+The receivers are separate processes of the same count on the same host (the engine process has
+no bare-broadcast hook, and a benchmark-only endpoint in a server is not worth its risk).
 
     python benchmarks/weight_sync_bench.py --quick
-    python benchmarks/weight_sync_bench.py --hidden-size 1024 --layers 8 --reps 5
+    python benchmarks/weight_sync_bench.py --hidden-size 1024 --layers 8 --reps 7
 
 The last stdout line is one JSON object with the figures.
 """
@@ -19,9 +24,9 @@ The last stdout line is one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,7 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -44,21 +51,22 @@ TIMEOUT_S = 120.0
 
 
 def _receiver(args_path: str) -> int:
-    """Bare receiver: join the group as ``rank`` and receive every bucket ``reps`` times."""
+    """Bare receiver: join the group as ``rank``, allocate every bucket's tensors ONCE, receive into them
+    ``reps`` times."""
     a = json.loads(Path(args_path).read_text())
     torch.set_num_threads(1)
     pg = pgmod.init_weight_update_group(
         "127.0.0.1", a["port"], a["rank"], a["world"], "bench_bare", backend="gloo", timeout_s=TIMEOUT_S
     )
+    if a["flattened"]:
+        recv = [[torch.zeros(b["nbytes"], dtype=torch.uint8)] for b in a["buckets"]]
+    else:
+        recv = [[torch.zeros(s, dtype=dtype_from_name(d)) for s, d in zip(b["shapes"], b["dtypes"])]
+                for b in a["buckets"]]
     for _ in range(a["reps"]):
-        for b in a["buckets"]:
-            if a["flattened"]:
-                buf = torch.empty(b["nbytes"], dtype=torch.uint8)
-                dist.broadcast(buf, group_src=0, group=pg)
-            else:
-                for shape, dt in zip(b["shapes"], b["dtypes"]):
-                    t = torch.empty(shape, dtype=dtype_from_name(dt))
-                    dist.broadcast(t, group_src=0, group=pg)
+        for tensors in recv:  # all of a bucket's receives queued at once, as the engine does
+            for w in [dist.broadcast(t, group_src=0, group=pg, async_op=True) for t in tensors]:
+                w.wait()
         dist.all_reduce(torch.zeros(1), group=pg)  # end-of-rep fence: everyone has everything
     pgmod.destroy_weight_update_group(pg)
     return 0
@@ -103,8 +111,8 @@ class _BareGroup:
         t0 = time.perf_counter()
         for b in self.buckets:
             tensors = [flatten_bucket(b)] if self.flattened else [t.contiguous() for _, t in b]
-            for t in tensors:
-                dist.broadcast(t, group_src=0, group=self.pg)
+            for w in [dist.broadcast(t, group_src=0, group=self.pg, async_op=True) for t in tensors]:
+                w.wait()  # all queued at once, as push_buckets does
         dist.all_reduce(torch.zeros(1), group=self.pg)
         return time.perf_counter() - t0
 
@@ -122,24 +130,27 @@ class _BareGroup:
 
 
 def _measure(sups, state, buckets, sync_cfg: SyncConfig, reps: int, tmp: Path) -> dict[str, list[float]]:
-    """Alternate one full sync into the engines ``sups`` and one bare broadcast to as many plain
-    receivers, ``reps`` times (alternating keeps both under the same background load)."""
+    """One full sync into the engines ``sups`` and one bare broadcast to as many plain receivers per
+    repetition, interleaved (harness.interleave), after one warm-up of each."""
     n = len(sups)
     group = WeightSyncGroup(
         [EngineEndpoint(s.url) for s in sups], sync_cfg, master_address="127.0.0.1", control_timeout_s=TIMEOUT_S
     )
     group.init()
     bare = _BareGroup(buckets, n, reps + 1, sync_cfg.flattened_bucket, tmp)
-    out: dict[str, list[float]] = {"sync": [], "transfer": [], "bare": []}
+    parts: dict[str, list[float]] = {"control": [], "gather": [], "transfer": []}
+    version = iter(range(1, 1 << 30))
     try:
         syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=sync_cfg)
-        syncer.sync(iter_buckets(state.items(), sync_cfg.bucket_bytes), version="warmup")
-        bare.rep()  # warm-up
-        for i in range(reps):
-            r = syncer.sync(iter_buckets(state.items(), sync_cfg.bucket_bytes), version=i + 1)
-            out["sync"].append(r.time_s)
-            out["transfer"].append(r.transfer_s)
-            out["bare"].append(bare.rep())
+
+        def one_sync() -> float:
+            r = syncer.sync(iter_buckets(state.items(), sync_cfg.bucket_bytes), version=next(version))
+            for k, v in (("control", r.control_s), ("gather", r.gather_s), ("transfer", r.transfer_s)):
+                parts[k].append(v)
+            return r.time_s
+
+        out = harness.interleave({"sync": one_sync, "bare": bare.rep}, reps=reps, warmup=1)
+        out.update({k: v[1:] for k, v in parts.items()})  # drop the warm-up's
         return out
     finally:
         bare.close()
@@ -148,27 +159,26 @@ def _measure(sups, state, buckets, sync_cfg: SyncConfig, reps: int, tmp: Path) -
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="~110 MB model, 5 reps (< 60 s)")
+    harness.add_args(ap)
     ap.add_argument("--hidden-size", type=int, default=768)
     ap.add_argument("--intermediate-size", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--bucket-mib", type=float, default=512.0, help="sync.bucket_bytes in MiB")
     ap.add_argument("--flattened", action="store_true", help="sync.flattened_bucket = true")
     ap.add_argument("--engines", default="1,2", help="comma-separated engine counts")
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--receiver", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.receiver:
         return _receiver(a.receiver)
     if a.quick:
-        a.hidden_size, a.intermediate_size, a.layers, a.reps = 768, 2048, 4, 5
+        a.hidden_size, a.intermediate_size, a.layers = 768, 2048, 4
+    rep = harness.Report("weight_sync_bench", argv)
 
     from asyncrl.models.tiny import make_tiny_checkpoint
     from asyncrl.models.torch_decoder import TorchDecoder
     from asyncrl.rollout.testing import running_cpu_engine
 
     torch.set_num_threads(1)
-    t_start = time.perf_counter()
     counts = [int(x) for x in a.engines.split(",")]
     sync_cfg = SyncConfig(
         bucket_bytes=int(a.bucket_mib * (1 << 20)),
@@ -192,9 +202,7 @@ def main(argv=None) -> int:
         state = {k: v.detach() for k, v in TorchDecoder.from_pretrained(ckpt).state_dict().items()}
         model_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(iter_buckets(state.items(), sync_cfg.bucket_bytes))
-        results = []
-        import contextlib
-
+        results = {}
         with contextlib.ExitStack() as stack:
             sups = [
                 stack.enter_context(
@@ -210,32 +218,18 @@ def main(argv=None) -> int:
             ]
             for n in counts:
                 t = _measure(sups[:n], state, buckets, sync_cfg, a.reps, tmp)
-                s_whole, s_transfer, s_bare = (statistics.median(t[k]) for k in ("sync", "transfer", "bare"))
-                results.append(
-                    {
-                        "engines": n,
-                        "sync_s": s_whole,
-                        "sync_transfer_s": s_transfer,
-                        "bare_broadcast_s": s_bare,
-                        "sync_bytes_per_s": model_bytes / s_whole,
-                        "sync_transfer_bytes_per_s": model_bytes / s_transfer,
-                        "bare_bytes_per_s": model_bytes / s_bare,
-                        "ratio": s_bare / s_whole,
-                        "transfer_ratio": s_bare / s_transfer,
-                        "sync_reps_s": t["sync"],
-                        "bare_reps_s": t["bare"],
-                    }
-                )
-                print(
-                    f"engines={n}: sync {s_whole * 1e3:.1f} ms ({model_bytes / s_whole / 1e6:.0f} MB/s), "
-                    f"bare broadcast {s_bare * 1e3:.1f} ms ({model_bytes / s_bare / 1e6:.0f} MB/s), "
-                    f"ratio {s_bare / s_whole:.2f}",
-                    flush=True,
-                )
-    out = {
-        "benchmark": "weight_sync_bench",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+                print(f"engines={n}: " + "; ".join(f"{k} {harness.fmt(harness.summary(v), ' ms', 1e3)}"
+                                                   for k, v in t.items()), flush=True)
+                rep.ratio(f"engines{n}_sync_ratio", t["bare"], t["sync"], target=0.9,
+                          note="bare broadcast s / full sync s (same bytes, same buckets)")
+                rep.ratio(f"engines{n}_transfer_ratio", t["bare"], t["transfer"], target=0.9,
+                          note="bare broadcast s / the sync's transfer phase s (control and gather excluded)")
+                results[f"engines{n}"] = {
+                    **{f"{k}_s": harness.summary(v) for k, v in t.items()},
+                    "sync_bytes_per_s": model_bytes / statistics.median(t["sync"]),
+                    "bare_bytes_per_s": model_bytes / statistics.median(t["bare"]),
+                }
+    rep.emit({
         "model_bytes": model_bytes,
         "num_tensors": len(state),
         "num_buckets": len(buckets),
@@ -243,13 +237,9 @@ def main(argv=None) -> int:
         "flattened_bucket": a.flattened,
         "reps": a.reps,
         "backend": "gloo",
-        "target_ratio": 0.8,
+        "torch": torch.__version__,
         "results": results,
-        "min_ratio": min(r["ratio"] for r in results),
-        "wall_s": time.perf_counter() - t_start,
-        "load_avg_1m": os.getloadavg()[0],
-    }
-    print(json.dumps(out))
+    }, save=a.save)
     return 0
 
 

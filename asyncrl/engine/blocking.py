@@ -18,12 +18,11 @@ Contract
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.client
 import json
-import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,28 +43,72 @@ class EngineStepError(EngineError):
         RuntimeError.__init__(self, f"weight sync step {step!r} failed on engine {', '.join(self.urls)}: {detail}")
 
 
+# Idle keep-alive connections kept per engine: a sync makes 5-7 calls per engine in a row, and a fresh
+# TCP connection each (connect + accept on the engine's event loop) was a visible share of the sync's
+# fixed cost. A few per engine cover the calls one sync has open at once (end + model_info).
+_POOL_MAX_PER_ENGINE = 4
+_pool: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
+_pool_lock = threading.Lock()
+
+
+def _take(key: tuple[str, str, int], timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+    """An idle connection to ``key`` (reused=True) or a new one."""
+    with _pool_lock:
+        idle = _pool.get(key)
+        conn = idle.pop() if idle else None
+    if conn is not None:
+        conn.timeout = timeout_s
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        return conn, True
+    scheme, host, port = key
+    cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+    return cls(host, port, timeout=timeout_s), False
+
+
+def _give(key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
+    with _pool_lock:
+        idle = _pool.setdefault(key, [])
+        if len(idle) < _POOL_MAX_PER_ENGINE:
+            idle.append(conn)
+            return
+    conn.close()
+
+
 def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url.rstrip("/") + path,
-        data=data,
-        method=method,
-        headers={**auth_headers(), **({"Content-Type": "application/json"} if data is not None else {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.read()
-    except urllib.error.HTTPError as e:
-        text = e.read().decode(errors="replace")[:2000]
-        raise EngineStepError(url, step, f"HTTP {e.code} from {method} {path}: {text}") from e
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, (TimeoutError, socket.timeout)):
+    headers = {**auth_headers(), **({"Content-Type": "application/json"} if data is not None else {})}
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise EngineStepError(url, step, f"{method} {path}: not an http(s) URL")
+    key = (u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80))
+    target = u.path.rstrip("/") + path
+    for attempt in (0, 1):
+        conn, reused = _take(key, timeout_s)
+        try:
+            conn.request(method, target, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+            conn.close()
+            if reused and attempt == 0:
+                continue  # the engine closed an idle keep-alive connection: the request never reached it
+            raise EngineStepError(url, step, f"{method} {path} connection error: {e}") from e
+        except TimeoutError as e:
+            conn.close()
             raise EngineStepError(url, step, f"{method} {path} timed out after {timeout_s:g} s") from e
-        raise EngineStepError(url, step, f"{method} {path} unreachable: {e.reason}") from e
-    except TimeoutError as e:
-        raise EngineStepError(url, step, f"{method} {path} timed out after {timeout_s:g} s") from e
-    except (ConnectionError, OSError) as e:  # reset/closed mid-response
-        raise EngineStepError(url, step, f"{method} {path} connection error: {e}") from e
+        except (OSError, http.client.HTTPException) as e:  # refused, no route, a malformed answer
+            conn.close()
+            raise EngineStepError(url, step, f"{method} {path} unreachable: {e}") from e
+        if resp.will_close:
+            conn.close()
+        else:
+            _give(key, conn)
+        if resp.status >= 400:
+            text = raw.decode(errors="replace")[:2000]
+            raise EngineStepError(url, step, f"HTTP {resp.status} from {method} {path}: {text}")
+        return raw
+    raise AssertionError("unreachable: the loop returns or raises")
 
 
 def _decode(raw: bytes, url: str, path: str, step: str) -> Any:

@@ -22,8 +22,9 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   requests are running. Every field is type- and range-checked in the handler (the message names it:
   ``sampling_params.top_p``, ``abort_all``, ``shapes``, ...), so no request can fail later on the engine thread.
 - Weight updates are atomic: names, dtypes and shapes are checked against the running model before the
-  collective (a mismatch is a 400, never a gloo size mismatch), tensors are received into staging buffers
-  and copied in only when all arrived.
+  collective (a mismatch is a 400, never a gloo size mismatch), tensors are received off the running
+  weights (into a standby bank of the same shapes, made on the first update and kept) and put in only
+  when all arrived: a weight buffer that arrived whole is swapped with the bank's (no copy), the rest copied.
 - A ``/generate`` whose HTTP client disconnects (timeout, killed) has its requests aborted, as SGLang does; they
   count in ``sglang:num_aborted_requests_total`` (as SGLang) and in ``sglang:num_disconnect_aborted_requests_total``
   on ``/metrics`` (ours: SGLang has no separate series).
@@ -60,7 +61,7 @@ from tokenizers import Tokenizer
 
 from asyncrl.cluster import auth
 from asyncrl.cluster.auth import bearer_matches, open_path
-from asyncrl.rollout.cpu_model import iter_safetensors, load_model
+from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors, load_model
 from asyncrl.rollout.cpu_scheduler import (
     MAX_TOKENS,
     PAUSE_MODES,
@@ -169,6 +170,10 @@ class CpuEngine:
             context_length=args.context_length)
         self.groups: dict[str, Any] = {}
         self.update_open = False
+        self._standby: Optional[CausalLM] = None
+        """Weight-update standby bank (``_receive``): a second copy of the weights, made on first use."""
+        self._flat_staging: Optional[torch.Tensor] = None
+        """Reused receive buffer of the flattened format (grown to the largest bucket)."""
         self.num_disconnect_aborts = 0
         """Requests aborted because their HTTP client disconnected before the answer."""
         self.unauthorized = 0
@@ -564,29 +569,70 @@ class CpuEngine:
             out.append(expected)
         return names, dts, out
 
+    def _standby_bank(self) -> CausalLM:
+        """The standby copy of the weights that broadcasts land in (made on the first update, kept)."""
+        if self._standby is None:
+            self._standby = CausalLM(self.model.spec)
+        return self._standby
+
+    def _receive_staged(self, pg, names, dts, shapes, fmt) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+        """Engine thread: receive one update without touching the running weights. fp32 tensors land
+        straight in the standby bank's views (preallocated, no copy); others (another dtype, a skipped
+        name, the flattened format) in a reused staging buffer. Returns the tensors to copy in and the
+        names received into the standby bank."""
+        if fmt == "flattened_bucket":
+            sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dts)]
+            total = sum(sizes)
+            if self._flat_staging is None or self._flat_staging.numel() < total:
+                self._flat_staging = torch.empty(total, dtype=torch.uint8)
+            buf = self._flat_staging[:total]
+            dist.broadcast(buf, group_src=0, group=pg)
+            named, off = [], 0
+            for name, size, s, d in zip(names, sizes, shapes, dts):
+                named.append((name, buf[off: off + size].view(d).reshape(s)))
+                off += size
+            return named, []
+        bank = self._standby_bank()
+        named, banked, works = [], [], []
+        # every receive is queued at once (as the trainer queues its sends): the collectives run back to
+        # back inside gloo instead of one Python call and thread wake-up per tensor
+        for name, s, d in zip(names, shapes, dts):
+            dst = bank.params.get(name)
+            if d == torch.float32 and dst is not None and dst.is_contiguous():
+                banked.append(name)
+            else:
+                dst = torch.empty(s, dtype=d)
+                named.append((name, dst))
+            works.append(dist.broadcast(dst, group_src=0, group=pg, async_op=True))
+        first_error = None
+        for w in works:  # wait for all (none left writing into the bank), then raise the first failure
+            try:
+                w.wait()
+            except (RuntimeError, dist.DistError) as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return named, banked
+
     def _receive(self, sched: Scheduler, pg, names, dts, shapes, fmt, flush, version) -> tuple[bool, str]:
-        """Engine thread: receive the whole broadcast into staging tensors, then copy them in. Atomic: a failed
-        receive leaves every weight as it was (the metadata was checked in ``_check_update``)."""
+        """Engine thread: receive the whole broadcast off the running weights, then put it in. Atomic: a
+        failed receive leaves every weight as it was (the metadata was checked in ``_check_update``).
+        Putting it in: a weight buffer whose every view arrived (q, k and v of a fused qkv) is swapped
+        with the standby bank's (no copy; the bank then holds the old values, overwritten by the next
+        update); a buffer that arrived in part, and anything staged elsewhere, is copied in."""
         t0 = time.monotonic()
         try:
-            if fmt == "flattened_bucket":
-                sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size()
-                         for s, d in zip(shapes, dts)]
-                buf = torch.empty(sum(sizes), dtype=torch.uint8)
-                dist.broadcast(buf, group_src=0, group=pg)
-                tensors, off = [], 0
-                for size, s, d in zip(sizes, shapes, dts):
-                    tensors.append(buf[off: off + size].view(d).reshape(s))
-                    off += size
-                named = list(zip(names, tensors))
-            else:
-                named = []
-                for name, s, d in zip(names, shapes, dts):
-                    t = torch.empty(s, dtype=d)
-                    dist.broadcast(t, group_src=0, group=pg)
-                    named.append((name, t))
+            named, banked = self._receive_staged(pg, names, dts, shapes, fmt)
         except (RuntimeError, dist.DistError) as e:
             return False, f"Failed to receive weights by broadcast (no weight changed): {e}"
+        t1 = time.monotonic()
+        if banked:
+            m, got = self.model, set(banked)
+            whole = {m.group_of[n] for n in banked}
+            whole = [g for g in whole if got.issuperset(m.groups[g])]
+            m.swap_groups(self._standby, whole)
+            swapped = {n for g in whole for n in m.groups[g]}
+            named += [(n, self._standby.params[n]) for n in banked if n not in swapped]
         self.model.load_weights(named)  # names and shapes were checked: cannot fail half-way
         msg = "Succeeded to update parameter online."
         if flush and not sched.flush_cache():
@@ -594,7 +640,8 @@ class CpuEngine:
         if version is not None:
             sched.weight_version = version
             msg += f" Weight version updated to {version}."
-        log.info("received %d tensors in %.3fs (%s)", len(names), time.monotonic() - t0, fmt or "per-tensor")
+        log.info("received %d tensors in %.3fs, put in in %.3fs (%s)", len(names), t1 - t0, time.monotonic() - t1,
+                 fmt or "per-tensor")
         return True, msg
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:

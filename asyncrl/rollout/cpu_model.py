@@ -94,6 +94,10 @@ class CausalLM:
         s = spec
         h, d, nh, nkv, ffn = s.hidden_size, s.head_dim, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
         self.params: dict[str, torch.Tensor] = {}
+        # buffer -> the HF names that are views of it ("layers.3.qkv_w" -> q/k/v_proj.weight): the
+        # unit ``swap_groups`` exchanges between two models of the same spec
+        self.groups: dict[str, tuple[str, ...]] = {"embed": ("model.embed_tokens.weight",),
+                                                   "norm": ("model.norm.weight",)}
         self.embed = torch.zeros(s.vocab_size, h)
         self.params["model.embed_tokens.weight"] = self.embed
         self.layers: list[dict[str, torch.Tensor]] = []
@@ -113,6 +117,16 @@ class CausalLM:
             }
             self.layers.append(L)
             q_end, k_end = nh * d, (nh + nkv) * d
+            for k, names in (("ln1", ["input_layernorm.weight"]),
+                             ("qkv_w", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+                             ("qkv_b", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
+                             ("o_w", ["self_attn.o_proj.weight"]), ("o_b", ["self_attn.o_proj.bias"]),
+                             ("ln2", ["post_attention_layernorm.weight"]),
+                             ("gu_w", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+                             ("down_w", ["mlp.down_proj.weight"]),
+                             ("q_norm", ["self_attn.q_norm.weight"]), ("k_norm", ["self_attn.k_norm.weight"])):
+                if L[k] is not None:
+                    self.groups[f"layers.{i}.{k}"] = tuple(p + n for n in names)
             self.params[p + "input_layernorm.weight"] = L["ln1"]
             self.params[p + "self_attn.q_proj.weight"] = L["qkv_w"][:q_end]
             self.params[p + "self_attn.k_proj.weight"] = L["qkv_w"][q_end:k_end]
@@ -138,7 +152,35 @@ class CausalLM:
         else:
             self.lm_head = torch.zeros(s.vocab_size, h)
             self.params["lm_head.weight"] = self.lm_head
+            self.groups["lm_head"] = ("lm_head.weight",)
         self.inv_freq = rope_inv_freq(spec)
+        self.group_of = {n: g for g, names in self.groups.items() for n in names}
+
+    def _buffer(self, group: str) -> torch.Tensor:
+        if group.startswith("layers."):
+            _, i, k = group.split(".")
+            return self.layers[int(i)][k]
+        return getattr(self, group)
+
+    def _set_buffer(self, group: str, t: torch.Tensor) -> None:
+        if group.startswith("layers."):
+            _, i, k = group.split(".")
+            self.layers[int(i)][k] = t
+        else:
+            setattr(self, group, t)
+            if group == "embed" and self.spec.tie_word_embeddings:
+                self.lm_head = t
+
+    def swap_groups(self, other: CausalLM, groups: Iterable[str]) -> None:
+        """Exchange whole weight buffers (and their HF-named views) with ``other``, a model of the same
+        spec: O(1) per buffer, no copy. The weight-sync standby bank is swapped in this way."""
+        assert other.spec == self.spec, "swap_groups needs two models of the same spec"
+        for g in groups:
+            mine, theirs = self._buffer(g), other._buffer(g)
+            self._set_buffer(g, theirs)
+            other._set_buffer(g, mine)
+            for n in self.groups[g]:
+                self.params[n], other.params[n] = other.params[n], self.params[n]
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, strict_names: bool = True) -> int:

@@ -6,8 +6,10 @@ Contract
   ``asyncrl.sync.group``), and optionally the broker (``SyncHooks``: ``sync_begin(mode)`` and
   ``sync_end(version)``; absent in tests).
 - The sequence of ``WeightSyncer.sync(buckets, version)``, every HTTP step sent to all engines at
-  once, each step bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
-  the engine(s) and the step:
+  once, each call bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
+  the engine(s) and the step. Steps 2-3 run per engine in order on one thread, and so do steps 5-6
+  up to the flush (fewer thread hand-offs and barriers: the control calls are the fixed cost of a
+  sync); ``/continue_generation`` goes out only once every engine passed the version check:
     1. ``hooks.sync_begin(mode)``
     2. pause: ``retract`` / ``in_place`` / ``abort`` -> ``POST /pause_generation {mode}``;
        ``drain`` -> wait until every engine reports no running and no queued request (the broker
@@ -20,15 +22,19 @@ Contract
        trainer broadcasts the bucket's tensors from group rank 0 in ``names`` order (or one flat
        uint8 tensor); an engine that fails its call fails the sync at once, not at the group timeout.
     5. ``POST /update_weight_version {new_version, abort_all_requests: false}``.
-    6. ``POST /end_weight_update`` (alongside it, every engine's ``/model_info.weight_version`` is
-       checked to equal the new version); ``POST /flush_cache`` unless in_place;
+    6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place and the check
+       that every engine's ``/model_info.weight_version`` equals the new version; then
        ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
   On an error the engines are left paused and the error propagates (the run fails).
-- Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s), ``sync/bytes_per_s``
-  (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / bucket phase), ``time/sync_pause``,
-  ``time/sync_transfer``, ``time/sync_finish``, ``sync/num_bytes``, ``sync/num_buckets``.
+- Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s) = ``time/sync_control``
+  (the broker hooks and the engines' pause/begin/version/end/flush/continue calls: steps 1-3 and 5-7)
+  + ``time/sync_gather`` (producing the buckets: the actor's TP gather and HF conversion, time spent
+  in the bucket iterator) + ``time/sync_transfer`` (the broadcasts and the engines' update calls);
+  ``time/sync_pause`` and ``time/sync_finish`` (the two halves of control), ``sync/bytes_per_s``
+  (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / transfer), ``sync/num_bytes``,
+  ``sync/num_buckets``.
 
     group = WeightSyncGroup(engines, cfg.sync); group.init()
     syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
@@ -74,6 +80,19 @@ class SyncHooks:
 
 
 @dataclass(frozen=True)
+class PushStats:
+    """What ``push_buckets`` sent, and where its time went."""
+
+    num_bytes: int
+    num_buckets: int
+    num_tensors: int
+    gather_s: float
+    """seconds waiting on the bucket iterator (the actor's gather and conversion)"""
+    transfer_s: float
+    """seconds of the broadcasts and the engines' update calls"""
+
+
+@dataclass(frozen=True)
 class SyncResult:
     version: str
     num_bytes: int
@@ -81,12 +100,19 @@ class SyncResult:
     num_tensors: int
     time_s: float
     pause_s: float
+    gather_s: float
     transfer_s: float
     finish_s: float
+
+    @property
+    def control_s(self) -> float:
+        return self.pause_s + self.finish_s
 
     def metrics(self) -> dict[str, float]:
         return {
             "time/sync_weights": self.time_s,
+            "time/sync_control": self.control_s,
+            "time/sync_gather": self.gather_s,
             "time/sync_pause": self.pause_s,
             "time/sync_transfer": self.transfer_s,
             "time/sync_finish": self.finish_s,
@@ -151,16 +177,21 @@ def push_buckets(
     flush_cache: bool,
     flattened: bool,
     step_timeout_s: float,
-) -> tuple[int, int, int]:
-    """Send every bucket: engines' update calls on threads, the trainer's broadcast from rank 0.
-
-    Returns ``(num_bytes, num_buckets, num_tensors)``.
-    """
+) -> PushStats:
+    """Send every bucket: engines' update calls on threads, the trainer's broadcast from rank 0."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
     num_bytes = num_buckets = num_tensors = 0
+    gather_s = transfer_s = 0.0
     step = "update_weights_from_distributed"
-    for bucket in buckets:
+    it = iter(buckets)
+    while True:
+        t0 = time.perf_counter()
+        bucket = next(it, None)  # the actor gathers and converts the next bucket here
+        t1 = time.perf_counter()
+        gather_s += t1 - t0
+        if bucket is None:
+            break
         meta = bucket_meta(bucket)
         body = update_request(meta, group_name=group.group_name, flush_cache=flush_cache, flattened=flattened)
         futures = {
@@ -189,10 +220,11 @@ def push_buckets(
         except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
             raise EngineStepError(group.urls, step, f"broadcast of bucket {num_buckets} ({len(bucket)} tensors) "
                                                     f"failed: {type(e).__name__}: {e}") from e
+        transfer_s += time.perf_counter() - t1
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
         num_tensors += len(bucket)
-    return num_bytes, num_buckets, num_tensors
+    return PushStats(num_bytes, num_buckets, num_tensors, gather_s, transfer_s)
 
 
 class WeightSyncer:
@@ -264,16 +296,26 @@ class WeightSyncer:
             self._all("/continue_generation", {}, "continue_generation")
 
     def pause(self) -> None:
-        """Steps 1-3: tell the broker, pause (or drain) every engine, begin the weight update."""
+        """Steps 1-3: tell the broker, pause (or drain) every engine, begin the weight update. Each
+        engine gets its pause and then its begin on one thread (no barrier across engines between
+        the two: an engine's begin only needs its own pause)."""
         if self.hooks.sync_begin is not None:
             self.hooks.sync_begin(self.pause_mode)
+        t = self.cfg.step_timeout_s
+        begin = functools.partial(post_json, path="/begin_weight_update", body={"selector": "all"}, timeout_s=t,
+                                  step="begin_weight_update")
         if self.pause_mode == "drain":
             self._drain()
-        else:
-            self._all("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
-        self._all("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
+            fan_out(self.urls, lambda u: begin(u), timeout_s=t + 1, step="begin_weight_update")
+            return
 
-    def push(self, buckets: Iterable[Bucket]) -> tuple[int, int, int]:
+        def pause_and_begin(u: str) -> None:
+            post_json(u, "/pause_generation", {"mode": self.pause_mode}, timeout_s=t, step="pause_generation")
+            begin(u)
+
+        fan_out(self.urls, pause_and_begin, timeout_s=2 * t + 1, step="pause_generation")
+
+    def push(self, buckets: Iterable[Bucket]) -> PushStats:
         """Step 4 on this syncer's group."""
         return push_buckets(
             self.group,
@@ -284,18 +326,26 @@ class WeightSyncer:
         )
 
     def finish(self, version: Any) -> None:
-        """Steps 5-7: version bump (checked), end the update, flush, resume, tell the broker."""
+        """Steps 5-7: version bump, then end the update, check the version and flush at once, then - once
+        every engine passed the check - resume, and tell the broker. Each engine runs its calls on its own
+        thread (no barrier across engines until the resume)."""
         v = str(version)
-        self._all("/update_weight_version", {"new_version": v, "abort_all_requests": False}, "update_weight_version")
         t = self.cfg.step_timeout_s
 
-        def end_and_check(u: str) -> Any:
-            # The version check rides along with /end_weight_update: two calls at once per engine.
+        def finish_one(u: str) -> Any:
+            post_json(u, "/update_weight_version", {"new_version": v, "abort_all_requests": False}, timeout_s=t,
+                      step="update_weight_version")
+            # The version check and the flush ride along with /end_weight_update: up to three calls at once
+            # per engine (the engine is paused and every bucket is in: their order does not matter).
             info = spawn(get_json, u, "/model_info", timeout_s=t, step="model_info", name="sync-check")
+            flush = spawn(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache",
+                          name="sync-flush") if self.pause_mode != "in_place" else None
             post_json(u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update")
+            if flush is not None:
+                flush.result(timeout=t)
             return info.result(timeout=t)
 
-        infos = fan_out(self.urls, end_and_check, timeout_s=t + 1, step="end_weight_update")
+        infos = fan_out(self.urls, finish_one, timeout_s=3 * t + 1, step="end_weight_update")
         wrong = [u for u, i in zip(self.urls, infos) if str(i.get("weight_version")) != v]
         if wrong:
             got = [repr(i.get("weight_version")) for u, i in zip(self.urls, infos) if u in wrong]
@@ -304,8 +354,6 @@ class WeightSyncer:
                 "update_weight_version",
                 f"/model_info.weight_version is {', '.join(got)}, not {v!r}, after the update",
             )
-        if self.pause_mode != "in_place":
-            self._all("/flush_cache", {}, "flush_cache")
         self._all("/continue_generation", {}, "continue_generation")
         if self.hooks.sync_end is not None:
             self.hooks.sync_end(version)
@@ -316,7 +364,7 @@ class WeightSyncer:
         try:
             self.pause()
             t1 = time.perf_counter()
-            num_bytes, num_buckets, num_tensors = self.push(buckets)
+            pushed = self.push(buckets)
             t2 = time.perf_counter()
             self.finish(version)
         except EngineStepError as e:  # name the training step too (the version being pushed)
@@ -324,21 +372,26 @@ class WeightSyncer:
         t3 = time.perf_counter()
         res = SyncResult(
             version=str(version),
-            num_bytes=num_bytes,
-            num_buckets=num_buckets,
-            num_tensors=num_tensors,
+            num_bytes=pushed.num_bytes,
+            num_buckets=pushed.num_buckets,
+            num_tensors=pushed.num_tensors,
             time_s=t3 - t0,
             pause_s=t1 - t0,
-            transfer_s=t2 - t1,
+            gather_s=pushed.gather_s,
+            transfer_s=pushed.transfer_s,
             finish_s=t3 - t2,
         )
         log.info(
-            "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s)",
+            "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s): control %.3f s, gather %.3f s, "
+            "transfer %.3f s",
             res.version,
             self.pause_mode,
-            num_bytes,
-            num_buckets,
+            res.num_bytes,
+            res.num_buckets,
             res.time_s,
             res.metrics()["sync/bytes_per_s"] / 1e6,
+            res.control_s,
+            res.gather_s,
+            res.transfer_s,
         )
         return res

@@ -84,3 +84,65 @@ def test_trainer_pushes_weights_and_version(tmp_path):
 
     with running_cpu_engine(a, log_dir=tmp_path / "logs", max_running_requests=4) as sup:
         asyncio.run(go(sup.url))
+
+
+def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_changes_nothing(tmp_path):
+    """Updates land in the engine's standby bank: a fused buffer that arrives whole (q, k and v together) is
+    swapped in, one that arrives in parts (one tensor per call) is copied in, so the bank's stale halves never
+    leak; a broadcast that fails half-way (the trainer leaves the group after the first tensor) changes no
+    weight, and later updates are still exact."""
+    a = make_tiny_checkpoint(tmp_path / "a", seed=0, **ARGS)
+    b = make_tiny_checkpoint(tmp_path / "b", seed=1, **ARGS)
+    ref_a, ref_b = _greedy(a), _greedy(b)
+    wa, wb = dict(iter_safetensors(a)), dict(iter_safetensors(b))
+    names = sorted(wb)
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+
+    async def join(c, group):
+        port = free_port()
+        task = asyncio.create_task(c.init_weights_update_group(
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=group,
+            backend="gloo", timeout_s=60))
+        pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, group, timeout_s=60)
+        assert (await task)["success"] is True
+        return pg
+
+    async def push(c, pg, group, weights, calls):
+        for bucket in calls:
+            ts = [weights[n].contiguous() for n in bucket]
+            call = asyncio.create_task(c.update_weights_from_distributed(
+                names=bucket, dtypes=["float32"] * len(ts), shapes=[list(t.shape) for t in ts], group_name=group))
+            await asyncio.to_thread(lambda ts=ts: [dist.broadcast(t, group_src=0, group=pg) for t in ts])
+            assert (await call)["success"] is True
+
+    async def go(url):
+        async with SGLangClient(url, request_timeout_s=60, control_timeout_s=60) as c:
+            await c.begin_weight_update()
+            pg = await join(c, "g1")
+            await push(c, pg, "g1", wb, [names])  # whole: every buffer swapped (the bank now holds a)
+            assert (await c.generate(PROMPT, greedy)).output_ids == ref_b
+            # in parts: a fused buffer is copied (swapping it would bring back the bank's stale a halves)
+            await push(c, pg, "g1", wb, [[n] for n in names])
+            assert (await c.generate(PROMPT, greedy)).output_ids == ref_b
+            await push(c, pg, "g1", wa, [[n] for n in names])
+            assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
+            # a receive that fails after the first tensor: the trainer leaves the group
+            call = asyncio.create_task(c.update_weights_from_distributed(
+                names=names, dtypes=["float32"] * len(names), shapes=[list(wb[n].shape) for n in names],
+                group_name="g1"))
+            await asyncio.to_thread(dist.broadcast, wb[names[0]].contiguous(), group_src=0, group=pg)
+            destroy_weight_update_group(pg)
+            with pytest.raises(EngineError, match="no weight changed"):
+                await call
+            assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
+            await c.destroy_weights_update_group("g1")
+            pg = await join(c, "g2")
+            await push(c, pg, "g2", wb, [names[: len(names) // 2], names[len(names) // 2:]])
+            assert (await c.generate(PROMPT, greedy)).output_ids == ref_b
+            await c.end_weight_update()
+            await c.destroy_weights_update_group("g2")
+            destroy_weight_update_group(pg)
+
+    with running_cpu_engine(a, log_dir=tmp_path / "logs", max_running_requests=4,
+                            extra=["--weight-sync-timeout-s", "10"]) as sup:
+        asyncio.run(go(sup.url))

@@ -211,6 +211,11 @@ def test_sync_with_requests_in_flight(env: Env, mode: str):
     assert result.num_bytes == sum(t.numel() * t.element_size() for t in env.trainer.state_dict().values())
     m = result.metrics()
     assert m["time/sync_weights"] > 0 and m["sync/bytes_per_s"] > 0
+    # the split: control (HTTP calls) + gather (the bucket iterator) + transfer make up the whole sync
+    parts = m["time/sync_control"] + m["time/sync_gather"] + m["time/sync_transfer"]
+    assert m["time/sync_control"] > 0 and m["time/sync_transfer"] > 0 and m["time/sync_gather"] >= 0
+    assert parts <= m["time/sync_weights"] + 1e-6 and parts >= 0.9 * m["time/sync_weights"]
+    assert m["time/sync_control"] == pytest.approx(m["time/sync_pause"] + m["time/sync_finish"])
     if mode == "in_place":
         # in_place cannot flush while requests run, so the prefix cache still holds the fixed
         # prompt's old-version KV (the documented cost of in_place); flush now that they finished.

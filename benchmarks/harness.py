@@ -1,0 +1,144 @@
+"""The shared benchmark harness: repeat, interleave, median and spread, machine load, JSON last.
+
+Every benchmark in ``benchmarks/`` compares two sides (the project and its baseline) by a ratio. On a
+machine shared with other jobs the load changes from second to second, so:
+  * the two sides of a ratio run interleaved, one repetition of each in turn (``interleave``), the order
+    alternating from one repetition to the next, so neither side always runs first;
+  * a ratio is taken per repetition (the two sides of one repetition saw the same load) and reported as
+    the median over repetitions with its spread (``ratio``);
+  * ``/proc/loadavg`` is read at the start and the end (``Report``);
+  * the last stdout line is one JSON object: the figures, every ratio under a key ending ``_ratio`` with
+    its target beside it, the command, the date and the load; ``--save`` also writes it to
+    ``benchmarks/baselines/<name>.json`` (the last few runs are kept).
+
+    rep = Report("engine_bench", argv)
+    t = interleave({"engine": run_engine, "hf": run_hf}, reps=5)   # seconds of each repetition
+    rep.ratio("c64_speedup_ratio", t["hf"], t["engine"], target=1.5)  # hf / engine per repetition
+    rep.emit({"times_s": {k: summary(v) for k, v in t.items()}})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BASELINES = REPO / "benchmarks" / "baselines"
+MIN_REPS = 5  # the issue's floor: a single run on a shared machine is noise, not a baseline
+KEEP_RUNS = 5  # runs kept per baseline file (each a different load condition)
+
+
+def loadavg() -> dict[str, Any]:
+    """``/proc/loadavg``: 1/5/15-minute load and running/total tasks (os.getloadavg elsewhere)."""
+    try:
+        f = Path("/proc/loadavg").read_text().split()
+        return {"1m": float(f[0]), "5m": float(f[1]), "15m": float(f[2]), "tasks": f[3], "cpus": os.cpu_count()}
+    except (OSError, IndexError, ValueError):
+        one, five, fifteen = os.getloadavg()
+        return {"1m": one, "5m": five, "15m": fifteen, "cpus": os.cpu_count()}
+
+
+def summary(xs: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and relative spread ((max - min) / median) of repeated figures."""
+    if not xs:
+        raise ValueError("summary of no repetitions")
+    med = statistics.median(xs)
+    return {"median": med, "min": min(xs), "max": max(xs),
+            "spread": (max(xs) - min(xs)) / med if med else float("nan"), "n": len(xs), "values": list(xs)}
+
+
+def interleave(sides: dict[str, Callable[[], float]], *, reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Run each side once per repetition, alternating the order (AB, BA, AB, ...); ``warmup`` untimed
+    rounds first. Each callable returns its own figure (seconds, or any measure). Returns the figures
+    of the timed repetitions by side."""
+    names = list(sides)
+    for _ in range(warmup):
+        for n in names:
+            sides[n]()
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(reps):
+        for n in names if i % 2 == 0 else names[::-1]:
+            out[n].append(float(sides[n]()))
+    return out
+
+
+def fmt(s: dict[str, Any], unit: str = "", scale: float = 1.0) -> str:
+    return (f"median {s['median'] * scale:.4g}{unit} (min {s['min'] * scale:.4g}, max {s['max'] * scale:.4g}, "
+            f"spread {s['spread'] * 100:.0f}%, n={s['n']})")
+
+
+def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS) -> None:
+    """The options every benchmark takes: ``--quick``, ``--reps``, ``--save``."""
+    ap.add_argument("--quick", action="store_true", help="the small workload (under 2 minutes)")
+    ap.add_argument("--reps", type=int, default=reps, help=f"timed repetitions of each side (default {reps})")
+    ap.add_argument("--save", action="store_true", help="also write the JSON to benchmarks/baselines/<name>.json")
+
+
+class Report:
+    """Collects one benchmark run's ratios and figures; ``emit`` prints the JSON (last) and saves it."""
+
+    def __init__(self, name: str, argv: Sequence[str] | None = None):
+        self.name = name
+        self.argv = list(sys.argv[1:] if argv is None else argv)
+        self.t0 = time.perf_counter()
+        self.date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.load_start = loadavg()
+        self.ratios: dict[str, dict[str, Any]] = {}
+
+    def ratio(self, key: str, num: Sequence[float], den: Sequence[float], *, target: float,
+              at_least: bool = True, note: str = "") -> dict[str, Any]:
+        """Per-repetition ratio ``num[i] / den[i]`` (pairs from the same repetition), its median and spread,
+        and the target (``>=`` target when ``at_least``, else ``<=``)."""
+        if not key.endswith("_ratio"):
+            raise ValueError(f"ratio key {key!r} must end in '_ratio'")
+        if len(num) != len(den) or not num:
+            raise ValueError(f"{key}: {len(num)} and {len(den)} repetitions; the sides must pair up")
+        s = summary([a / b for a, b in zip(num, den)])
+        s.update(target=target, target_op=">=" if at_least else "<=",
+                 met=s["median"] >= target if at_least else s["median"] <= target)
+        if note:
+            s["note"] = note
+        self.ratios[key] = s
+        print(f"{key}: {fmt(s)}; target {s['target_op']} {target} -> {'met' if s['met'] else 'MISSED'}",
+              flush=True)
+        return s
+
+    def emit(self, figures: dict[str, Any], *, save: bool = False) -> dict[str, Any]:
+        doc = {
+            "benchmark": self.name,
+            "command": " ".join(["python", f"benchmarks/{self.name}.py", *self.argv]),
+            "date": self.date,
+            "load_start": self.load_start,
+            "load_end": loadavg(),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "python": platform.python_version()},
+            "wall_s": time.perf_counter() - self.t0,
+            **{k: v for k, v in self.ratios.items()},
+            "targets_missed": [k for k, v in self.ratios.items() if not v["met"]],
+            **figures,
+        }
+        text = json.dumps(doc, default=float)
+        if save:
+            self._save(doc)
+        print(text, flush=True)
+        return doc
+
+    def _save(self, doc: dict[str, Any]) -> None:
+        """Append to ``benchmarks/baselines/<name>.json`` (``runs``, the last ``KEEP_RUNS``): on a shared
+        machine one run is one load condition, so a few are kept side by side."""
+        path = BASELINES / f"{self.name}.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        prior = old.get("runs") if isinstance(old.get("runs"), list) else [old] if "date" in old else []
+        runs = [r for r in prior if isinstance(r, dict) and r.get("benchmark") == self.name and "date" in r]
+        runs = (runs + [doc])[-KEEP_RUNS:]
+        BASELINES.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"benchmark": self.name, "latest": doc, "runs": runs}, indent=1, default=float)
+                        + "\n")
