@@ -142,7 +142,7 @@ def test_event_simulator_drives_the_core_with_auto_within_bounds():
     from asyncrl.simulate import EngineModel, SimConfig, Workload, simulate
 
     cfg = SimConfig(engines=4, batch=8, buffered=8 + 40, inflight="auto", steps=14,
-                    engine=EngineModel(peak_tok_s=4000.0, n_sat=8, max_running=16))
+                    engine=EngineModel(peak_tok_s=4000.0, c_half=8.0, max_running=16))
     r = simulate(cfg, Workload(train_s=0.1, sync_s=0.05))
     assert len(r.metrics) == 14 and r.limits[0] == 20  # derived: ceil(16 x 4 x 1.2 / 4) = 20 (bound 40)
     assert all(1 <= n <= 40 for n in r.limits)
