@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.broker.core import BrokerCore, CoreSettings, TooManyDropsError  # noqa: E402
 from asyncrl.broker.types import PromptItem, Trajectory  # noqa: E402
-from asyncrl.simulate import EngineModel, SimConfig, Workload, sweep  # noqa: E402
+from asyncrl.simulate import EngineModel, SimConfig, Workload, load_curve, sweep  # noqa: E402
 
 
 @dataclass
@@ -297,7 +297,10 @@ def _plot(a, b, c, path: Path) -> None:
 
 
 # --------------------------------------------------------------------- max_inflight_groups = "auto"
-AUTO_ENGINE = EngineModel(peak_tok_s=4000.0, n_sat=8, max_running=16)
+ENGINE_CURVE = Path(__file__).resolve().parent / "baselines" / "engine_curve.json"
+# D's engine: the shape measured on the CPU engine (benchmarks/engine_curve.py: c_half, fitted) at a
+# faster engine's peak (only the time scale), running at most configs/tiny.toml's 24 requests.
+AUTO_ENGINE = replace(EngineModel.from_measured(load_curve(str(ENGINE_CURVE)), max_running=24), peak_tok_s=4000.0)
 AUTO_SHAPES = {
     "generation-bound": (Workload("generation-bound", max_turns=2, train_s=0.1, sync_s=0.05), "derived+B"),
     "training-bound": (Workload("training-bound", max_turns=2, train_s=1.5, sync_s=0.05), "2B"),
@@ -306,12 +309,19 @@ AUTO_SHAPES = {
 }
 
 
+MEASURED_GROUPS = 480  # trained groups a case is measured over: 15 steps at 32 engines; fewer engines run longer
+
+
 def autotune_case(shape: str, engines: int, steps: int) -> dict:
     """One shape x engine count: fixed limits (derived x 1/4 .. 2 and bound x 1/4 .. 1, within the buffer
-    bound max_buffered_groups - B) and auto."""
+    bound max_buffered_groups - B) and auto; measured from step ``steps // 2`` over at least
+    ``MEASURED_GROUPS`` trained groups (at 2 engines, batch 4, 15 steps are 60 groups: two runs at the
+    same limit then differ by up to 0.3 in mean staleness, more than the 0.1 the bar allows)."""
     wl, buf = AUTO_SHAPES[shape]
     batch = max(4, engines)
-    base = SimConfig(engines=engines, batch=batch, steps=steps, engine=AUTO_ENGINE, measure_from=steps // 2)
+    start = steps // 2
+    base = SimConfig(engines=engines, batch=batch, steps=max(steps, start + math.ceil(MEASURED_GROUPS / batch)),
+                     engine=AUTO_ENGINE, measure_from=start)
     d = base.derived_inflight()
     buffered = {"derived+B": d + batch, "2B": 2 * batch, "2derived+B": 2 * d + batch}[buf]
     cfg = replace(base, buffered=buffered)

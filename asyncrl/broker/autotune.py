@@ -16,17 +16,27 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
 - no ``b`` yet: probe up when the limit binds and the engines report an empty queue (a raise
   takes effect at once), else probe down (``g / max_factor``);
 - the curve still rises steeply at the largest x seen (elasticity dlnT/dlnx >= ``rise_elasticity``
-  and the limit binds): probe up; ``g / b`` wider than ``resolution`` (and an integer lies between):
-  probe the geometric middle; else settle at ``g x (1 + margin)``;
+  and the limit binds) and a raise would measure a new point: probe up;
+- the curve rises up to the largest limit allowed (``g`` is the largest x and no raise is possible:
+  the buffer bound, or a limit that made the engines queue): the local power law T ~ x^e between
+  ``b`` and ``g`` says where T comes within ``tol`` of T(g): if that is within ``margin`` of ``g``
+  settle at that largest limit, else move there (the measured CPU engine curve, tok/s(r) = peak x
+  r / (r + c_half), has no knee before its slots fill: bisecting below a still-rising top only
+  starves the engines, step after step);
+- ``g / b`` wider than ``resolution`` (and an integer lies between): probe the geometric middle;
+  else settle at ``g x (1 + margin)``;
 - a step whose mean in-flight count is still above a lowered limit is not a point (the limit takes
   effect only as groups finish), nor is one that stays below the limit while neither limit held
   admission back (in-flight still ramping up); the first ``warmup_steps`` are not points either;
 - engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) are past
-  saturation by definition: step down at once (the queued share, at most ``/ max_factor``), and
-  no later probe goes above that limit (until a retune);
+  saturation: step down at once (the queued share, at most ``/ max_factor``), and no later probe
+  goes above the limit that queued (until a retune). Not on a step still draining a lowered limit,
+  nor on the first step after a raise (the burst of admissions queues for a moment, not for good);
 - settled, it holds (hysteresis): it searches again only when T at the settled limit moves by more
-  than ``retune_frac`` in the same direction for ``retune_steps`` steps in a row while the buffer
-  limit does not bind (then training sets the pace), or the engines start queueing.
+  than ``retune_frac`` (from the mean of the last ``REF_STEPS`` in-band steps) in the same direction
+  for ``retune_steps`` steps in a row while the buffer limit does not bind (then training sets the
+  pace), or the engines start queueing (a limit that queued when it settled was measured: a lower
+  one lost throughput, so its queue is kept).
 Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), clamped to
 ``[lower, upper]`` (``upper`` = the buffer limit's bound, ``max_buffered_groups -
 rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
@@ -45,6 +55,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+REF_STEPS = 16  # held steps the settled reference throughput averages (long enough to average noise out)
 
 @dataclass(frozen=True)
 class StepFigures:
@@ -130,6 +141,8 @@ class InflightAutotuner:
         self._ref: list[float] = []
         self._off: list[float] = []
         self._ceiling = self.upper
+        self._raised = False  # the last change raised the limit (its first step admits a burst)
+        self._queued_at_settle: Optional[bool] = None  # the engines queued at the settled limit
         self.history: list[Change] = []
 
     # ----------------------------------------------------------------- the one entry point
@@ -139,13 +152,18 @@ class InflightAutotuner:
         if self.steps <= self.settings.warmup_steps or f.tokens_per_s <= 0 or f.mean_inflight <= 0:
             return None
         s = self.settings
-        if f.queue_reqs is not None and f.running_reqs and f.queue_reqs > s.queue_frac * f.running_reqs:
+        raised, self._raised = self._raised, False
+        draining = f.mean_inflight > f.limit * (1 + s.merge)
+        queueing = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs
+        # the first step after a raise admits a burst that queues for a moment: not the steady queue;
+        # a settled limit that already queued when it settled (measured: lower lost throughput) is kept
+        if queueing and not draining and not raised and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
             change = self._move(min(self.limit - 1, math.floor(self.limit * share)),
                                 f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they "
                                 f"run: past saturation")
-            self._ceiling = self.limit  # no probe above a limit that made the engines queue
+            self._ceiling = f.limit  # no probe back up to the limit that made the engines queue
             return change
         if self.settled:
             return self._hold(f)
@@ -193,25 +211,43 @@ class InflightAutotuner:
         if b is None and g.x > self.lower and self.limit > self.lower:
             return self._move(g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, "
                                                   f"none below it measured yet")
-        if rising and self.limit < self._ceiling:
+        room = min(g.x * s.max_factor, self._ceiling) > g.x * (1 + s.merge)  # a raise would measure a new point
+        if rising and room:
             return self._move(min(g.x * s.max_factor, self._ceiling),
                               f"probe up: throughput still rises at {g.x:.1f} in flight ({b.t:.0f} -> {g.t:.0f} tok/s)")
+        if b is not None and g is top and not room:
+            # the curve rises up to the largest limit allowed: the smallest limit within tol of it, read off the
+            # local power law T ~ x^e between b and g (the measured engine curve has no knee, only a slope)
+            e = math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x)
+            est = g.x * (1 - s.tol) ** (1 / e) if e > 0 else b.x
+            if est * (1 + s.margin) >= g.x:
+                return self._settle(g, b, self._ceiling, f"the curve still rises at the bound {self._ceiling} "
+                                                         f"(elasticity {e:.2f}); ")
+            if b.x < math.ceil(est) < g.x:
+                return self._move(est, f"interpolate: {b.t:.0f} tok/s at {b.x:.1f}, {g.t:.0f} at {g.x:.1f} in flight "
+                                       f"(elasticity {e:.2f}): within {s.tol:.0%} of it from {est:.1f}")
         if b is not None and g.x / b.x > s.resolution and b.x < math.ceil(math.sqrt(g.x * b.x)) < g.x:
             return self._move(math.sqrt(g.x * b.x), f"bisect: saturated at {g.x:.1f} ({g.t:.0f} tok/s), "
                                                     f"starved at {b.x:.1f} ({b.t:.0f} tok/s)")
+        return self._settle(g, b, g.x * (1 + s.margin), "")
+
+    def _settle(self, g: _Point, b: Optional[_Point], target: float, why: str) -> Optional[Change]:
         self.settled = True
         self._settle_t = 0.0
         self._ref = []
-        why = f"settle: the smallest saturated point is {g.x:.1f} in flight ({g.t:.0f} tok/s)"
+        self._queued_at_settle = None
+        why = f"settle: {why}the smallest saturated point is {g.x:.1f} in flight ({g.t:.0f} tok/s)"
         if b is not None:
             why += f"; {b.x:.1f} gave {b.t:.0f} tok/s"
-        return self._move(g.x * (1 + s.margin), why)
+        return self._move(min(target, self._ceiling), why)
 
     def _hold(self, f: StepFigures) -> Optional[Change]:
         s = self.settings
         if len(self._ref) < s.retune_steps:  # the reference: the mean of the first steps at the settled limit
             self._ref.append(f.tokens_per_s)
             self._settle_t = sum(self._ref) / len(self._ref)
+            q = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs
+            self._queued_at_settle = bool(self._queued_at_settle) or q
             return None
         if f.wait_buffer >= s.binds:  # training sets the pace: throughput moves say nothing about the engines
             self._off = []
@@ -219,6 +255,9 @@ class InflightAutotuner:
         dev = f.tokens_per_s / self._settle_t - 1
         self._off = self._off + [dev] if abs(dev) > s.retune_frac and (not self._off or dev * self._off[0] > 0) \
             else []
+        if not self._off:  # an in-band step refines the reference (a running mean: one noisy first step
+            self._ref = (self._ref + [f.tokens_per_s])[-REF_STEPS:]  # must not set it for good)
+            self._settle_t = sum(self._ref) / len(self._ref)
         if len(self._off) < s.retune_steps:
             return None
         old = self._settle_t
@@ -239,6 +278,7 @@ class InflightAutotuner:
         if new == self.limit:
             return None
         change = Change(self.limit, new, reason)
+        self._raised = new > self.limit
         self.limit = new
         self.history.append(change)
         return change

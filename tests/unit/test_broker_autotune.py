@@ -148,3 +148,92 @@ def test_event_simulator_drives_the_core_with_auto_within_bounds():
     assert all(1 <= n <= 40 for n in r.limits)
     assert all(b <= 2 * a + 1 and a <= 2 * b + 1 for a, b in zip(r.limits, r.limits[1:]))  # bounded steps
     assert r.changes and r.throughput_groups_s() > 0
+
+
+# --------------------------------------------------------------------- the measured engine curve
+# benchmarks/engine_curve.py measured the CPU engine: tok/s(r) = peak x r / (r + c_half), no knee
+# before its slots fill (asyncrl.simulate.fit_saturation). The figures below follow that curve.
+def _smooth(limit: int, *, c_half: float, peak: float = 5000.0, queued: float = 0.0, mean=None) -> StepFigures:
+    x = float(limit if mean is None else mean)
+    return StepFigures(limit=limit, mean_inflight=x, tokens_per_s=peak * x / (x + c_half), wait_inflight=1.0,
+                       wait_buffer=0.0, running_reqs=4 * x, queue_reqs=queued)
+
+
+def test_settles_at_the_bound_when_the_curve_still_rises_there():
+    """A still-rising top at the buffer bound: one probe down, then settle at the bound (no bisecting
+    below a rising curve, no 'probe up' back to the point already measured at the bound)."""
+    tuner = InflightAutotuner(start=40, upper=40)
+    for _ in range(8):
+        tuner.observe(_smooth(tuner.limit, c_half=16))
+    assert tuner.settled and tuner.limit == 40
+    assert [c.reason.split(":")[0] for c in tuner.history] == ["probe down", "settle"], tuner.history
+    assert "still rises at the bound" in tuner.history[-1].reason
+
+
+def test_interpolates_on_the_power_law_when_the_top_is_nearly_flat():
+    """Top at the bound, the curve nearly flat between b and g: move to where the local power law is within
+    tol of the top instead of halving the bracket."""
+    tuner = InflightAutotuner(start=40, upper=40)
+    tuner.observe(_smooth(40, c_half=2))  # warm-up
+    assert tuner.observe(_smooth(40, c_half=2)).new == 20  # probe down
+    change = tuner.observe(_smooth(20, c_half=2))  # T(20)/T(40) = 0.95: elasticity 0.07
+    assert change is not None and change.reason.startswith("interpolate") and 20 < change.new < 40
+    e = math.log((40 / 42) / (20 / 22)) / math.log(2)
+    assert change.new == math.ceil(40 * 0.98 ** (1 / e))
+
+
+def test_queue_after_a_raise_or_while_draining_is_not_a_back_off():
+    tuner = InflightAutotuner(start=20, upper=80)
+    tuner.observe(_smooth(20, c_half=100))  # warm-up
+    assert tuner.observe(_smooth(20, c_half=100)).new == 40  # probe up: binds, engines queue nothing
+    burst = tuner.observe(_smooth(40, c_half=10, queued=80.0))  # the raise's burst: 160 running, 80 queued
+    assert burst is None or "queue" not in burst.reason
+    tuner.settled, tuner._raised = False, False  # the same queue on a later step at that limit: back off
+    steady = tuner.observe(_smooth(tuner.limit, c_half=10, queued=80.0))
+    assert steady is not None and "queue" in steady.reason
+    tuner2 = InflightAutotuner(start=40, upper=80)
+    tuner2.observe(_smooth(40, c_half=10))
+    tuner2.limit = 20  # as if just lowered: the step still drains (mean 38 in flight)
+    assert tuner2.observe(_smooth(20, c_half=10, mean=38.0, queued=100.0)) is None and tuner2.limit == 20
+
+
+def test_a_queue_back_off_can_come_back_up_to_below_the_limit_that_queued():
+    tuner = InflightAutotuner(start=64, upper=64)
+    tuner.observe(_smooth(64, c_half=16, queued=128.0))  # warm-up
+    change = tuner.observe(_smooth(64, c_half=16, queued=128.0))  # 256 running, 128 queued: share 2/3
+    assert change.new == 42 and "queue" in change.reason
+    assert tuner._ceiling == 64  # the limit that queued, not the lowered one
+
+
+def test_a_limit_that_queued_when_it_settled_is_kept():
+    """Settled where the engines already queued (a lower limit measured less throughput): that queue is
+    known, not a reason to back off; a queue that starts later is."""
+    tuner = InflightAutotuner(start=40, upper=40)
+    for _ in range(3):
+        tuner.observe(_smooth(tuner.limit, c_half=16))
+    assert tuner.settled and tuner.limit == 40
+    for _ in range(10):
+        tuner.observe(_smooth(40, c_half=16, queued=40.0))  # 160 running, 40 queued: 25% (> queue_frac)
+    assert tuner.limit == 40 and tuner.settled
+    fresh = InflightAutotuner(start=40, upper=40)
+    for _ in range(3):
+        fresh.observe(_smooth(fresh.limit, c_half=16))
+    for _ in range(3):  # the reference steps at the settled limit: no queue
+        fresh.observe(_smooth(40, c_half=16))
+    change = fresh.observe(_smooth(40, c_half=16, queued=40.0))
+    assert change is not None and "queue" in change.reason
+
+
+def test_a_noisy_first_reference_step_does_not_trigger_a_retune():
+    tuner = InflightAutotuner(start=40, upper=40)
+    for _ in range(3):
+        tuner.observe(_smooth(tuner.limit, c_half=16))
+    assert tuner.settled
+    n = len(tuner.history)
+    base = _smooth(40, c_half=16).tokens_per_s
+    ref = [0.6, 1.0, 1.0]  # a low first reference step
+    rng = random.Random(1)
+    for k in range(60):
+        t = base * (ref[k] if k < 3 else 1 + rng.uniform(-0.1, 0.1))
+        tuner.observe(StepFigures(limit=40, mean_inflight=40.0, tokens_per_s=t, wait_inflight=1.0, wait_buffer=0.0))
+    assert len(tuner.history) == n and tuner.limit == 40
