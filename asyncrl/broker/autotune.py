@@ -30,8 +30,15 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
   admission back (in-flight still ramping up); the first ``warmup_steps`` are not points either;
 - engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) are past
   saturation: step down at once (the queued share, at most ``/ max_factor``), and no later probe
-  goes above the limit that queued (until a retune). Not on a step still draining a lowered limit,
-  nor on the first step after a raise (the burst of admissions queues for a moment, not for good);
+  goes above the limit that queued (until a retune). The step is a point of the curve too: when the
+  lower limit measures less throughput (a bursty queue, e.g. a long tail of tool calls, can leave
+  slots idle between bursts), the search settles back at the limit that queued. Not on a step still
+  draining a lowered limit;
+- the step right after a change is no figure at all: after a raise its burst of admissions queues for
+  a moment, not for good, and on real engines the figures lag (SGLang's ``gen_throughput`` is a
+  trailing ~10 s window, and the actor reports it once per step, held until the next report), so
+  that step still shows the old limit (on the CPU default, without this, every probe down read the
+  previous limit's throughput and it probed on down to 1);
 - settled, it holds (hysteresis): it searches again only when T at the settled limit moves by more
   than ``retune_frac`` (from the mean of the last ``REF_STEPS`` in-band steps) in the same direction
   for ``retune_steps`` steps in a row while the buffer limit does not bind (then training sets the
@@ -141,7 +148,7 @@ class InflightAutotuner:
         self._ref: list[float] = []
         self._off: list[float] = []
         self._ceiling = self.upper
-        self._raised = False  # the last change raised the limit (its first step admits a burst)
+        self._changed = False  # the last step changed the limit: the next one is not a figure
         self._queued_at_settle: Optional[bool] = None  # the engines queued at the settled limit
         self.history: list[Change] = []
 
@@ -152,14 +159,16 @@ class InflightAutotuner:
         if self.steps <= self.settings.warmup_steps or f.tokens_per_s <= 0 or f.mean_inflight <= 0:
             return None
         s = self.settings
-        raised, self._raised = self._raised, False
+        if self._changed:  # the step right after a change still shows the old limit: not a figure
+            self._changed = False
+            return None
         draining = f.mean_inflight > f.limit * (1 + s.merge)
         queueing = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs
-        # the first step after a raise admits a burst that queues for a moment: not the steady queue;
         # a settled limit that already queued when it settled (measured: lower lost throughput) is kept
-        if queueing and not draining and not raised and not (self.settled and self._queued_at_settle is not False):
+        if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
+            self._add(f)  # a point too: if the lower limit then loses throughput, this one was needed
             change = self._move(min(self.limit - 1, math.floor(self.limit * share)),
                                 f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they "
                                 f"run: past saturation")
@@ -278,7 +287,7 @@ class InflightAutotuner:
         if new == self.limit:
             return None
         change = Change(self.limit, new, reason)
-        self._raised = new > self.limit
+        self._changed = True
         self.limit = new
         self.history.append(change)
         return change
