@@ -149,11 +149,21 @@ def broker_accounting(status: dict) -> dict[str, float]:
 class EngineScraper:
     """Reads each engine's Prometheus ``/metrics`` (running requests, cache hit rate) on a background
     thread every ``interval_s``, so a slow engine (busy re-prefilling after a retract) never stalls
-    the step loop; ``latest()`` returns the newest figures without blocking."""
+    the step loop; ``latest()`` returns the newest figures without blocking.
+
+    For the in-flight autotuner it also sums, over engines, running requests, queued requests that
+    are not retracted ones (a weight sync in ``retract`` mode puts every running request back in the
+    queue: a backlog of the pause, not saturation) and ``gen_throughput``, and ``autotune_figures()``
+    returns their mean over the scrapes since its last call (the step's, not one snapshot taken right
+    after a sync, when the queue holds the re-prefill backlog)."""
+
+    AUTOTUNE_KEYS = ("running_reqs", "queue_reqs", "gen_tokens_per_s")
 
     def __init__(self, urls: list[str], *, interval_s: float = 5.0, timeout_s: float = 5.0):
         self.urls, self.interval_s, self.timeout_s = urls, interval_s, timeout_s
         self._latest: dict[str, float] = {}
+        self._sums = dict.fromkeys(self.AUTOTUNE_KEYS, 0.0)
+        self._n = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
@@ -161,14 +171,31 @@ class EngineScraper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            figures = self.scrape()
-            with self._lock:
-                self._latest = figures
+            self._record(self.scrape())
             self._stop.wait(self.interval_s)
+
+    def _record(self, figures: dict[str, float]) -> None:
+        with self._lock:
+            self._latest = figures
+            if "_autotune/running_reqs" in figures:  # at least one engine answered
+                for k in self.AUTOTUNE_KEYS:
+                    self._sums[k] += figures["_autotune/" + k]
+                self._n += 1
 
     def latest(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._latest)
+            return {k: v for k, v in self._latest.items() if not k.startswith("_autotune/")}
+
+    def autotune_figures(self) -> dict[str, float] | None:
+        """Mean over the scrapes since the last call of the engines' summed running requests, queued (not
+        retracted) requests and generated tokens/s; None when no scrape succeeded meanwhile."""
+        with self._lock:
+            if not self._n:
+                return None
+            out = {k: v / self._n for k, v in self._sums.items()}
+            self._sums = dict.fromkeys(self.AUTOTUNE_KEYS, 0.0)
+            self._n = 0
+            return out
 
     def close(self) -> None:
         self._stop.set()
@@ -177,6 +204,7 @@ class EngineScraper:
     def scrape(self) -> dict[str, float]:
         out: dict[str, float] = {}
         running, hit = [], []
+        tune = dict.fromkeys(self.AUTOTUNE_KEYS, 0.0)
         for i, u in enumerate(self.urls):
             try:
                 vals = parse_prometheus(get_text(u, "/metrics", timeout_s=self.timeout_s, step="metrics"))
@@ -186,16 +214,21 @@ class EngineScraper:
             # parse_prometheus keys series by name without the ``sglang:`` prefix
             r = vals.get("num_running_reqs", 0.0)
             h = vals.get("cache_hit_rate", 0.0)
+            q = vals.get("num_queue_reqs", 0.0)
             out[f"engine/{i}/num_running_reqs"] = r
             out[f"engine/{i}/cache_hit_rate"] = h
-            out[f"engine/{i}/num_queue_reqs"] = vals.get("num_queue_reqs", 0.0)
+            out[f"engine/{i}/num_queue_reqs"] = q
             out[f"engine/{i}/gen_throughput"] = vals.get("gen_throughput", 0.0)
             running.append(r)
             hit.append(h)
+            tune["running_reqs"] += r
+            tune["queue_reqs"] += max(0.0, q - vals.get("num_retracted_reqs", 0.0))
+            tune["gen_tokens_per_s"] += vals.get("gen_throughput", 0.0)
         if running:
             out["sglang_num_running_reqs"] = sum(running) / len(running)
             out["sglang_cache_hit_rate"] = sum(hit) / len(hit)
             out["prefix_cache_hit_rate"] = out["sglang_cache_hit_rate"]  # Miles' per-step name
+            out.update({"_autotune/" + k: v for k, v in tune.items()})
         return out
 
 
@@ -258,14 +291,12 @@ class _LeaderParts:
 
 
     def report_engine_figures(self) -> None:
-        """The scraper's latest figures, summed over engines, to the broker's in-flight autotuner."""
-        latest = self.scraper.latest()
-        if not latest:
+        """The engines' figures (summed over engines, averaged over the scrapes since the last report) to the
+        broker's in-flight autotuner."""
+        figures = self.scraper.autotune_figures()
+        if figures is None:
             return
-        total = {k: sum(v for name, v in latest.items() if name.startswith("engine/") and name.endswith("/" + k))
-                 for k in ("num_running_reqs", "num_queue_reqs", "gen_throughput")}
-        self.broker.engine_figures(running_reqs=total["num_running_reqs"], queue_reqs=total["num_queue_reqs"],
-                                   gen_tokens_per_s=total["gen_throughput"])
+        self.broker.engine_figures(**figures)
 
 
 def wait_split(batch_metrics: dict[str, float], wait_s: float, *, async_mode: bool) -> dict[str, float]:
