@@ -42,8 +42,8 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
 - settled, it holds (hysteresis): it searches again only when T at the settled limit moves by more
   than ``retune_frac`` (from the mean of the last ``REF_STEPS`` in-band steps) in the same direction
   for ``retune_steps`` steps in a row while the buffer limit does not bind (then training sets the
-  pace), or the engines start queueing (a limit that queued when it settled was measured: a lower
-  one lost throughput, so its queue is kept).
+  pace), or the engines start queueing (a limit that queued when it was measured or in its first
+  settled steps keeps that queue: a lower one lost throughput).
 Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), clamped to
 ``[lower, upper]`` (``upper`` = the buffer limit's bound, ``max_buffered_groups -
 rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
@@ -51,7 +51,7 @@ rollout_batch_size``) and returned as a ``Change`` with its reason (the core log
 
     tuner = InflightAutotuner(start=96, upper=224)
     step = StepFigures(limit=96, mean_inflight=95.2, tokens_per_s=8000.0, wait_inflight=0.9, wait_buffer=0.0)
-    tuner.observe(step)                      # None: the first step is a warm-up
+    tuner.observe(step); tuner.observe(step)  # None: the first two steps are a warm-up
     change = tuner.observe(step)             # no engine figures, no point below: probe down
     change.new, change.reason                # 48, 'probe down: 8000 tok/s at 95.2 in flight, ...'
 """
@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 REF_STEPS = 16  # held steps the settled reference throughput averages (long enough to average noise out)
+
 
 @dataclass(frozen=True)
 class StepFigures:
@@ -109,8 +110,9 @@ class AutotuneSettings:
     """Search again when the settled throughput moves by more than this ..."""
     retune_steps: int = 3
     """... for this many steps in a row."""
-    warmup_steps: int = 1
-    """Steps ignored at the start (engines filling from empty)."""
+    warmup_steps: int = 2
+    """Steps ignored at the start: the engines fill from empty, and real engines' figures lag a step (the
+    second step's still describe the start-up: 0 tok/s read on the CPU default)."""
     ramp: float = 0.1
     """A step whose mean in-flight count stays this far below the limit while neither limit binds ..."""
     binds: float = 0.3
@@ -125,6 +127,8 @@ class _Point:
     t_sum: float
     n: int
     binds: bool
+    queued: bool = False
+    """The engines queued past ``queue_frac`` on a step of this point."""
 
     @property
     def t(self) -> float:
@@ -168,7 +172,7 @@ class InflightAutotuner:
         if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
-            self._add(f)  # a point too: if the lower limit then loses throughput, this one was needed
+            self._add(f, queued=True)  # a point too: if the lower limit then loses throughput, this one was needed
             change = self._move(min(self.limit - 1, math.floor(self.limit * share)),
                                 f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they "
                                 f"run: past saturation")
@@ -184,15 +188,16 @@ class InflightAutotuner:
         return self._search(f)
 
     # ----------------------------------------------------------------- internals
-    def _add(self, f: StepFigures) -> None:
+    def _add(self, f: StepFigures, queued: bool = False) -> None:
         binds = f.wait_inflight >= self.settings.binds
         for p in self._points:
             if abs(p.x - f.mean_inflight) <= self.settings.merge * max(p.x, f.mean_inflight):
                 p.t_sum += f.tokens_per_s
                 p.n += 1
                 p.binds = binds
+                p.queued = p.queued or queued
                 return
-        self._points.append(_Point(f.mean_inflight, f.tokens_per_s, 1, binds))
+        self._points.append(_Point(f.mean_inflight, f.tokens_per_s, 1, binds, queued))
 
     def _forget(self) -> None:
         self._points = []
@@ -244,7 +249,7 @@ class InflightAutotuner:
         self.settled = True
         self._settle_t = 0.0
         self._ref = []
-        self._queued_at_settle = None
+        self._queued_at_settle = g.queued or None  # its queue was measured with its throughput
         why = f"settle: {why}the smallest saturated point is {g.x:.1f} in flight ({g.t:.0f} tok/s)"
         if b is not None:
             why += f"; {b.x:.1f} gave {b.t:.0f} tok/s"

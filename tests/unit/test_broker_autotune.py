@@ -86,7 +86,8 @@ def test_retunes_when_the_workload_changes():
 
 def test_engine_queue_backs_off_at_once():
     tuner = InflightAutotuner(start=100, upper=200)
-    tuner.observe(_figures(100, knee=10, queue=True))  # warm-up step: ignored
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_figures(100, knee=10, queue=True))
     change = tuner.observe(_figures(100, knee=10, queue=True))
     assert change is not None and change.new == 50 and "queue" in change.reason  # bounded: at most / 2
 
@@ -176,7 +177,8 @@ def test_interpolates_on_the_power_law_when_the_top_is_nearly_flat():
     """Top at the bound, the curve nearly flat between b and g: move to where the local power law is within
     tol of the top instead of halving the bracket."""
     tuner = InflightAutotuner(start=40, upper=40)
-    tuner.observe(_smooth(40, c_half=2))  # warm-up
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_smooth(40, c_half=2))
     assert tuner.observe(_smooth(40, c_half=2)).new == 20  # probe down
     assert tuner.observe(_smooth(20, c_half=2)) is None  # the step right after a change: no figure
     change = tuner.observe(_smooth(20, c_half=2))  # T(20)/T(40) = 0.95: elasticity 0.07
@@ -187,7 +189,8 @@ def test_interpolates_on_the_power_law_when_the_top_is_nearly_flat():
 
 def test_queue_after_a_raise_or_while_draining_is_not_a_back_off():
     tuner = InflightAutotuner(start=20, upper=80)
-    tuner.observe(_smooth(20, c_half=100))  # warm-up
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_smooth(20, c_half=100))
     assert tuner.observe(_smooth(20, c_half=100)).new == 40  # probe up: binds, engines queue nothing
     burst = tuner.observe(_smooth(40, c_half=10, queued=80.0))  # the raise's burst: 160 running, 80 queued
     assert burst is None or "queue" not in burst.reason
@@ -202,7 +205,8 @@ def test_queue_after_a_raise_or_while_draining_is_not_a_back_off():
 
 def test_a_queue_back_off_can_come_back_up_to_below_the_limit_that_queued():
     tuner = InflightAutotuner(start=64, upper=64)
-    tuner.observe(_smooth(64, c_half=16, queued=128.0))  # warm-up
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_smooth(64, c_half=16, queued=128.0))
     change = tuner.observe(_smooth(64, c_half=16, queued=128.0))  # 256 running, 128 queued: share 2/3
     assert change.new == 42 and "queue" in change.reason
     assert tuner._ceiling == 64  # the limit that queued, not the lowered one
