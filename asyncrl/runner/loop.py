@@ -155,12 +155,17 @@ class EngineScraper:
     are not retracted ones (a weight sync in ``retract`` mode puts every running request back in the
     queue: a backlog of the pause, not saturation) and ``gen_throughput``, and ``autotune_figures()``
     returns their mean over the scrapes since its last call (the step's, not one snapshot taken right
-    after a sync, when the queue holds the re-prefill backlog)."""
+    after a sync, when the queue holds the re-prefill backlog). Its tokens/s is wall-clock: the change of
+    each engine's ``generation_tokens_total`` counter between two scrapes over the time between them
+    (``gen_throughput`` is the rate while the engine decodes: an engine idle half the time, starved by a
+    small in-flight limit, reports the same figure; on the CPU default it even rose as the limit fell),
+    ``gen_throughput`` only for an engine's first scrape or after its counter went back (a restart)."""
 
     AUTOTUNE_KEYS = ("running_reqs", "queue_reqs", "gen_tokens_per_s")
 
-    def __init__(self, urls: list[str], *, interval_s: float = 5.0, timeout_s: float = 5.0):
-        self.urls, self.interval_s, self.timeout_s = urls, interval_s, timeout_s
+    def __init__(self, urls: list[str], *, interval_s: float = 5.0, timeout_s: float = 5.0, clock=time.monotonic):
+        self.urls, self.interval_s, self.timeout_s, self.clock = urls, interval_s, timeout_s, clock
+        self._tokens: dict[str, tuple[float, float]] = {}  # url -> (time, generation_tokens_total) at its last scrape
         self._latest: dict[str, float] = {}
         self._sums = dict.fromkeys(self.AUTOTUNE_KEYS, 0.0)
         self._n = 0
@@ -223,13 +228,23 @@ class EngineScraper:
             hit.append(h)
             tune["running_reqs"] += r
             tune["queue_reqs"] += max(0.0, q - vals.get("num_retracted_reqs", 0.0))
-            tune["gen_tokens_per_s"] += vals.get("gen_throughput", 0.0)
+            tune["gen_tokens_per_s"] += self._tokens_per_s(u, vals)
         if running:
             out["sglang_num_running_reqs"] = sum(running) / len(running)
             out["sglang_cache_hit_rate"] = sum(hit) / len(hit)
             out["prefix_cache_hit_rate"] = out["sglang_cache_hit_rate"]  # Miles' per-step name
             out.update({"_autotune/" + k: v for k, v in tune.items()})
         return out
+
+    def _tokens_per_s(self, url: str, vals: dict[str, float]) -> float:
+        now, n = self.clock(), vals.get("generation_tokens_total")
+        last = self._tokens.get(url)
+        if n is None:
+            return vals.get("gen_throughput", 0.0)
+        self._tokens[url] = (now, n)
+        if last is None or n < last[1] or now <= last[0]:
+            return vals.get("gen_throughput", 0.0)
+        return (n - last[1]) / (now - last[0])
 
 
 def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, broker=None,
