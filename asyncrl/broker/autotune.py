@@ -28,8 +28,9 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
 - a step whose mean in-flight count is still above a lowered limit is not a point (the limit takes
   effect only as groups finish), nor is one that stays below the limit while neither limit held
   admission back (in-flight still ramping up); the first ``warmup_steps`` are not points either;
-- engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) are past
-  saturation: step down at once (the queued share, at most ``/ max_factor``), and no later probe
+- engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) while they run
+  as many as they ever did (within ``full_tol``: the slots are full; a queue while they run far fewer
+  is requests waiting for their prefill) are past saturation: step down at once (the queued share, at most ``/ max_factor``), and no later probe
   goes above the limit that queued (until a retune). The step is a point of the curve too: when the
   lower limit measures less throughput (a bursty queue, e.g. a long tail of tool calls, can leave
   slots idle between bursts), the search settles back at the limit that queued. Not on a step still
@@ -105,7 +106,9 @@ class AutotuneSettings:
     rise_elasticity: float = 0.5
     """dlnT/dlnx at the largest point above which the curve still rises: probe up."""
     queue_frac: float = 0.15
-    """Engines queueing more than this share of what they run are past saturation."""
+    """Engines queueing more than this share of what they run are past saturation ..."""
+    full_tol: float = 0.1
+    """... when they run within this fraction of the most requests they ever ran (their slots are full)."""
     retune_frac: float = 0.25
     """Search again when the settled throughput moves by more than this ..."""
     retune_steps: int = 3
@@ -153,6 +156,7 @@ class InflightAutotuner:
         self._off: list[float] = []
         self._ceiling = self.upper
         self._changed = False  # the last step changed the limit: the next one is not a figure
+        self._max_running = 0.0  # the most requests the engines ran on a step so far
         self._queued_at_settle: Optional[bool] = None  # the engines queued at the settled limit
         self.history: list[Change] = []
 
@@ -167,7 +171,11 @@ class InflightAutotuner:
             self._changed = False
             return None
         draining = f.mean_inflight > f.limit * (1 + s.merge)
-        queueing = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs
+        self._max_running = max(self._max_running, f.running_reqs or 0.0)
+        # queued while the engines run as many requests as they ever did: slots full. A queue while they run far
+        # fewer than before is requests waiting for their prefill (the CPU engine's queue at 4 groups of 24 slots)
+        queueing = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs \
+            and f.running_reqs >= (1 - s.full_tol) * self._max_running
         # a settled limit that already queued when it settled (measured: lower lost throughput) is kept
         if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)

@@ -265,3 +265,16 @@ def test_lagging_figures_do_not_walk_it_down():
         prev = tuner.limit
         tuner.observe(lagged)
     assert tuner.settled and tuner.limit == 8 and min(c.new for c in tuner.history) >= 4, tuner.history
+
+
+def test_a_queue_while_the_engines_run_fewer_than_before_is_not_saturation():
+    """The CPU default's broker log: "4 -> 3: engines queue 3 requests beyond the 16 they run", then 7, then 3 -
+    requests waiting for their prefill on an engine with 24 slots, read as saturation step after step. A queue
+    counts only while the engines run as many requests as they ever did."""
+    tuner = InflightAutotuner(start=8, upper=8)
+    figures = {8: (32.0, 6.0, 400.0), 4: (16.0, 3.0, 390.0), 3: (12.0, 3.0, 300.0)}  # running, queued, tok/s
+    for _ in range(12):
+        running, queued, t = figures.get(tuner.limit, (4.0 * tuner.limit, 1.0, 100.0 * tuner.limit))
+        tuner.observe(StepFigures(limit=tuner.limit, mean_inflight=float(tuner.limit), tokens_per_s=t,
+                                  wait_inflight=1.0, wait_buffer=0.0, running_reqs=running, queue_reqs=queued))
+    assert tuner.limit >= 4 and not any("queue" in c.reason for c in tuner.history if c.old < 8), tuner.history
