@@ -4,8 +4,10 @@ It drives ``asyncrl.broker.core.BrokerCore`` (the class the broker process runs)
 clock; only the engines, the agent workers' multi-turn trajectories, the tools and the trainer are
 modelled:
 - an engine runs up to ``max_running`` requests (more wait in its queue, FIFO) and shares its token
-  rate among them: ``T(r) = peak_tok_s x min(r, n_sat) / n_sat`` (processor sharing), so it saturates
-  at ``n_sat`` running requests; a weight sync pauses every engine for ``sync_s``;
+  rate among them (processor sharing): ``T(r) = peak_tok_s x r / (r + c_half)``, the curve fitted to
+  the CPU engine's measured tokens/s at concurrency 1..64 (``benchmarks/engine_curve.py``; within
+  about 10% at every level), or a measured table (``EngineModel``); a weight sync pauses every
+  engine for ``sync_s``;
 - a trajectory has 1..``max_turns`` turns, lognormal tokens per turn, and a tool call between turns
   (uniform latency, plus a share ``tool_tail_p`` of slow calls with lognormal latency, the long tail);
 - the trainer asks for a batch, trains ``train_s``, syncs, and asks again (``runner.async_mode``).
@@ -20,6 +22,7 @@ actor's scraper does, through ``BrokerCore.engine_figures``.
 As a sizing tool (the trainer's TOML plus measured speeds):
 
     python -m asyncrl.simulate configs/tiny.toml --engine-tok-s 900 --train-s 1.2 --quick
+    python -m asyncrl.simulate configs/tiny.toml --engine-curve benchmarks/baselines/engine_curve.json --train-s 1.2
 """
 
 from __future__ import annotations
@@ -62,12 +65,93 @@ class Workload:
 
 @dataclass(frozen=True)
 class EngineModel:
+    """One engine's generated tokens/s against the requests it runs, ``T(r)``; each running request
+    gets ``T(r) / r`` (processor sharing).
+
+    ``T`` is the measured curve when ``curve`` is given (piecewise linear through (0, 0) and the
+    points, flat past the last one: an extrapolation), else the saturating curve fitted to it,
+    ``T(r) = peak_tok_s x r / (r + c_half)`` (``fit_saturation``; ``benchmarks/engine_curve.py``
+    measures the CPU engine's). Neither is assumed flat at a knee: the engine keeps gaining a little
+    from more requests, with diminishing returns, as the measured one does.
+    """
+
     peak_tok_s: float = 4000.0
-    """Saturated generated tokens/s of one engine."""
-    n_sat: int = 16
-    """Running requests at which it saturates."""
+    """The asymptote of the fitted curve (tokens/s of one engine at unbounded concurrency)."""
+    c_half: float = 8.0
+    """Running requests at which an engine makes half its peak tokens/s."""
     max_running: int = 32
     """Requests it runs at once (SGLang --max-running-requests); more queue."""
+    curve: tuple[tuple[float, float], ...] = ()
+    """Measured (running requests, tokens/s) points; when given they replace the fitted curve."""
+
+    def __post_init__(self):
+        if self.peak_tok_s <= 0 or self.c_half <= 0 or self.max_running < 1:
+            raise ValueError(f"EngineModel: peak_tok_s, c_half and max_running must be positive, got {self}")
+        xs = [c for c, _ in self.curve]
+        if self.curve and (xs != sorted(set(xs)) or xs[0] <= 0 or any(t <= 0 for _, t in self.curve)):
+            raise ValueError(f"EngineModel.curve: concurrencies must be positive and increasing and tokens/s "
+                             f"positive, got {self.curve}")
+
+    def tok_s(self, r: int) -> float:
+        """Generated tokens/s of one engine running ``r`` requests."""
+        if r <= 0:
+            return 0.0
+        if not self.curve:
+            return saturation_tok_s(r, self.peak_tok_s, self.c_half)
+        x0, t0 = 0.0, 0.0
+        for x1, t1 in self.curve:
+            if r <= x1:
+                return t0 + (t1 - t0) * (r - x0) / (x1 - x0)
+            x0, t0 = x1, t1
+        return t0
+
+    @classmethod
+    def from_measured(cls, points: list[tuple[float, float]], *, max_running: int, table: bool = False
+                      ) -> EngineModel:
+        """The model fitted to measured (concurrency, tokens/s) points (``table``: the points themselves)."""
+        peak, c_half = fit_saturation(points)
+        return cls(peak_tok_s=peak, c_half=c_half, max_running=max_running,
+                   curve=tuple((float(c), float(t)) for c, t in sorted(points)) if table else ())
+
+
+def saturation_tok_s(c: float, peak: float, c_half: float) -> float:
+    """``peak x c / (c + c_half)``: linear at low concurrency, half the peak at ``c_half``, saturating."""
+    return peak * c / (c + c_half)
+
+
+def fit_saturation(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(peak, c_half)`` of ``saturation_tok_s`` minimising the squared *relative* error over the
+    measured (concurrency, tokens/s) points: a log grid over ``c_half`` (ratio 1.002, from 1/1000 of
+    the smallest to 1000 x the largest concurrency), the best ``peak`` for each in closed form."""
+    pts = [(float(c), float(t)) for c, t in points]
+    if len(pts) < 2 or any(c <= 0 or t <= 0 for c, t in pts):
+        raise ValueError(f"fit_saturation: needs >= 2 points with positive concurrency and tokens/s, got {points}")
+    lo, hi = min(c for c, _ in pts) / 1000, max(c for c, _ in pts) * 1000
+    best = (math.inf, 0.0, 0.0)
+    h = lo
+    while h <= hi:
+        a = [(c / (c + h)) / t for c, t in pts]  # fit / measured = peak x a_i
+        peak = sum(a) / sum(x * x for x in a)
+        err = sum((peak * x - 1) ** 2 for x in a)
+        best = min(best, (err, peak, h))
+        h *= 1.002
+    return best[1], best[2]
+
+
+def curve_fit_report(points: list[tuple[float, float]], peak: float, c_half: float) -> list[dict]:
+    """Per measured point: the fitted tokens/s and the relative error (fit / measured - 1)."""
+    return [{"concurrency": c, "tok_s": t, "fit_tok_s": saturation_tok_s(c, peak, c_half),
+             "rel_err": saturation_tok_s(c, peak, c_half) / t - 1} for c, t in points]
+
+
+def load_curve(path: str) -> list[tuple[float, float]]:
+    """Measured (concurrency, tokens/s) points from ``benchmarks/engine_curve.py``'s JSON."""
+    try:
+        data = json.loads(open(path).read())
+        return [(float(p["concurrency"]), float(p["tok_s"])) for p in data["curve"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--engine-curve {path!r}: not an engine_curve.py result (a 'curve' list of "
+                         f"{{'concurrency', 'tok_s'}}): {e}") from e
 
 
 @dataclass(frozen=True)
@@ -174,10 +258,11 @@ class _Sim:
         self.mu = math.log(wl.mean_turn_tokens) - wl.tail_sigma ** 2 / 2
         self.n_running = self.n_queued = 0
         self.tok_s = 0.0  # sum over engines of T(r)
+        self.curve = [self.m.tok_s(r) for r in range(self.m.max_running + 1)]  # T(r), r <= max_running
 
     # ----------------------------------------------------------------- engines
     def _rate(self, r: int) -> float:
-        return 0.0 if self.paused or r == 0 else self.m.peak_tok_s / max(r, self.m.n_sat)
+        return 0.0 if self.paused or r == 0 else self.curve[r] / r
 
     def _sync_engine(self, e: _Engine) -> None:
         e.v += self._rate(len(e.running)) * (self.now - e.t)
@@ -192,7 +277,7 @@ class _Sim:
             self._push(t, "engine", (i, e.gen))
 
     def _engine_tok_s(self, r: int) -> float:
-        return self.m.peak_tok_s * min(r, self.m.n_sat) / self.m.n_sat
+        return self.curve[r]
 
     def _start_turn(self, req: _Req) -> None:
         e = self.engines[req.engine]
@@ -331,14 +416,13 @@ def _mean(r: SimResult, key: str, skip: int) -> float:
     return statistics.fmean(m.get(key, 0.0) for m in r.metrics[a:b])
 
 
-def from_config(path: str, overrides: list[str], *, engine_tok_s: float, train_s: float, n_sat: Optional[int],
-                mean_turn_tokens: float, tool_s: float, sync_s: float, steps: int) -> tuple[SimConfig, Workload]:
+def from_config(path: str, overrides: list[str], *, engine: EngineArgs, train_s: float, mean_turn_tokens: float,
+                tool_s: float, sync_s: float, steps: int) -> tuple[SimConfig, Workload]:
     """A SimConfig from the trainer's TOML (engines, batch, group size, limits, max_running_requests,
     max_turns) plus measured speeds."""
     c = load_config(path, overrides)
     engines = max(1, num_engines(c))
-    model = EngineModel(peak_tok_s=engine_tok_s, max_running=c.rollout.max_running_requests,
-                        n_sat=n_sat or max(1, c.rollout.max_running_requests // 2))
+    model = engine.model(c.rollout.max_running_requests)
     cfg = SimConfig(engines=engines, batch=c.data.rollout_batch_size, group_size=c.algorithm.group_size,
                     inflight=c.rollout_buffer.max_inflight_groups, buffered=c.rollout_buffer.max_buffered_groups,
                     steps=steps, engine=model)
@@ -347,29 +431,74 @@ def from_config(path: str, overrides: list[str], *, engine_tok_s: float, train_s
     return cfg, wl
 
 
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine model as the command line gives it: a measured curve, or peak + half-saturation."""
+
+    curve: Optional[list[tuple[float, float]]] = None
+    table: bool = False
+    peak_tok_s: Optional[float] = None
+    c_half: Optional[float] = None
+
+    def model(self, max_running: int) -> EngineModel:
+        if self.curve is not None:
+            return EngineModel.from_measured(self.curve, max_running=max_running, table=self.table)
+        assert self.peak_tok_s is not None
+        return EngineModel(peak_tok_s=self.peak_tok_s, max_running=max_running,
+                           c_half=self.c_half or max(1.0, max_running / 2))
+
+
+def _describe_engine(args: EngineArgs, m: EngineModel) -> list[str]:
+    lines = [f"engine model: tok/s(r) = {m.peak_tok_s:.0f} x r / (r + {m.c_half:.2f}), r <= {m.max_running} running"
+             + (" (the measured points are used as a table; the fit is shown for reference)" if m.curve else "")]
+    if args.curve is not None:
+        lines.append(f"{'concurrency':>11} {'measured':>9} {'fit':>9} {'rel.err':>8}")
+        for r in curve_fit_report(args.curve, m.peak_tok_s, m.c_half):
+            lines.append(f"{r['concurrency']:>11g} {r['tok_s']:9.0f} {r['fit_tok_s']:9.0f} {r['rel_err']:+8.1%}")
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="What limits for N engines of this speed and a trainer of that speed?")
     ap.add_argument("config", help="the trainer's TOML (engines, batch, group size, limits are read from it)")
     ap.add_argument("overrides", nargs="*", help="key=value, as for launch/train.py")
-    ap.add_argument("--engine-tok-s", type=float, required=True, help="measured generated tokens/s of one engine")
+    eng = ap.add_mutually_exclusive_group(required=True)
+    eng.add_argument("--engine-curve", metavar="JSON",
+                     help="one engine's measured tokens/s at several concurrencies (benchmarks/engine_curve.py "
+                          "--out); the model is the curve fitted to it")
+    eng.add_argument("--engine-tok-s", type=float,
+                     help="one engine's peak generated tokens/s (the asymptote; with --c-half)")
+    ap.add_argument("--c-half", type=float, default=None,
+                    help="with --engine-tok-s: running requests at which an engine makes half its peak "
+                         "(default max_running_requests / 2)")
+    ap.add_argument("--engine-table", action="store_true",
+                    help="with --engine-curve: use the measured points as they are (piecewise linear) instead of the fit")
     ap.add_argument("--train-s", type=float, required=True, help="measured train + sync seconds per step")
-    ap.add_argument("--n-sat", type=int, default=None,
-                    help="running requests at which an engine saturates (default max_running_requests / 2)")
     ap.add_argument("--turn-tokens", type=float, default=250.0, help="mean generated tokens per turn")
     ap.add_argument("--tool-s", type=float, default=0.5, help="mean tool-call seconds")
     ap.add_argument("--sync-s", type=float, default=0.2, help="weight-sync pause seconds")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="16 steps, measured from step 8")
     args = ap.parse_args(argv)
-    cfg, wl = from_config(args.config, args.overrides, engine_tok_s=args.engine_tok_s, train_s=args.train_s,
-                          n_sat=args.n_sat, mean_turn_tokens=args.turn_tokens, tool_s=args.tool_s,
-                          sync_s=args.sync_s, steps=16 if args.quick else args.steps)
+    if args.engine_curve is None and args.engine_table:
+        ap.error("--engine-table needs --engine-curve")
+    if args.engine_curve is not None and args.c_half is not None:
+        ap.error("--c-half goes with --engine-tok-s (with --engine-curve it is fitted)")
+    try:
+        engine = EngineArgs(curve=load_curve(args.engine_curve), table=args.engine_table) if args.engine_curve \
+            else EngineArgs(peak_tok_s=args.engine_tok_s, c_half=args.c_half)
+        cfg, wl = from_config(args.config, args.overrides, engine=engine, train_s=args.train_s,
+                              mean_turn_tokens=args.turn_tokens, tool_s=args.tool_s, sync_s=args.sync_s,
+                              steps=16 if args.quick else args.steps)
+    except ValueError as e:
+        ap.error(str(e))
     cfg = replace(cfg, measure_from=min(10, cfg.steps // 2))
     start = cfg.derived_inflight() if cfg.inflight == "auto" else int(cfg.inflight)
     bound = max(1, cfg.resolved_buffered() - cfg.batch)
     limits = sorted({max(1, min(bound, round(start * f))) for f in (0.25, 0.5, 1.0, 2.0)})
     rows, auto = sweep(cfg, wl, limits)
-    print(f"{cfg.engines} engines x {args.engine_tok_s:g} tok/s, batch {cfg.batch} x {cfg.group_size}, "
+    print("\n".join(_describe_engine(engine, cfg.engine)))
+    print(f"{cfg.engines} engines, batch {cfg.batch} x {cfg.group_size}, "
           f"max_buffered_groups {cfg.resolved_buffered()}, train {args.train_s:g} s/step")
     print(f"{'max_inflight_groups':>20} {'groups/s':>9} {'staleness':>9} {'wait_inflight':>13} {'wait_buffer':>11}")
     for r in rows + [dict(auto, limit=f"auto->{auto['limit']}")]:
@@ -379,7 +508,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     verdict = ("the buffer limit binds: training is the bottleneck (max_buffered_groups bounds the staleness)"
                if best["wait_buffer"] >= 0.5 else "the in-flight limit decides the engines' load")
     print(f"suggested max_inflight_groups = {auto['limit']} (auto settled at step {auto['settled_at']}); {verdict}")
-    print(json.dumps({"rows": rows, "auto": {k: v for k, v in auto.items() if k != "changes"},
+    fit = {"peak_tok_s": cfg.engine.peak_tok_s, "c_half": cfg.engine.c_half, "max_running": cfg.engine.max_running}
+    if engine.curve is not None:
+        fit["rel_err"] = {f"{r['concurrency']:g}": round(r["rel_err"], 4)
+                          for r in curve_fit_report(engine.curve, cfg.engine.peak_tok_s, cfg.engine.c_half)}
+    print(json.dumps({"engine": fit, "rows": rows, "auto": {k: v for k, v in auto.items() if k != "changes"},
                       "suggested_max_inflight_groups": auto["limit"]}))
     return 0
 

@@ -16,17 +16,35 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
 - no ``b`` yet: probe up when the limit binds and the engines report an empty queue (a raise
   takes effect at once), else probe down (``g / max_factor``);
 - the curve still rises steeply at the largest x seen (elasticity dlnT/dlnx >= ``rise_elasticity``
-  and the limit binds): probe up; ``g / b`` wider than ``resolution`` (and an integer lies between):
-  probe the geometric middle; else settle at ``g x (1 + margin)``;
+  and the limit binds) and a raise would measure a new point: probe up;
+- the curve rises up to the largest limit allowed (``g`` is the largest x and no raise is possible:
+  the buffer bound, or a limit that made the engines queue): the local power law T ~ x^e between
+  ``b`` and ``g`` says where T comes within ``tol`` of T(g): if that is within ``margin`` of ``g``
+  settle at that largest limit, else move there (the measured CPU engine curve, tok/s(r) = peak x
+  r / (r + c_half), has no knee before its slots fill: bisecting below a still-rising top only
+  starves the engines, step after step);
+- ``g / b`` wider than ``resolution`` (and an integer lies between): probe the geometric middle;
+  else settle at ``g x (1 + margin)``;
 - a step whose mean in-flight count is still above a lowered limit is not a point (the limit takes
   effect only as groups finish), nor is one that stays below the limit while neither limit held
   admission back (in-flight still ramping up); the first ``warmup_steps`` are not points either;
-- engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) are past
-  saturation by definition: step down at once (the queued share, at most ``/ max_factor``), and
-  no later probe goes above that limit (until a retune);
+- engines queueing requests (``num_queue_reqs`` > ``queue_frac x num_running_reqs``) while they run
+  as many as they ever did (within ``full_tol``: the slots are full; a queue while they run far fewer
+  is requests waiting for their prefill) are past saturation: step down at once (the queued share, at most ``/ max_factor``), and no later probe
+  goes above the limit that queued (until a retune). The step is a point of the curve too: when the
+  lower limit measures less throughput (a bursty queue, e.g. a long tail of tool calls, can leave
+  slots idle between bursts), the search settles back at the limit that queued. Not on a step still
+  draining a lowered limit;
+- the step right after a change is no figure at all: after a raise its burst of admissions queues for
+  a moment, not for good, and on real engines the figures lag (SGLang's ``gen_throughput`` is a
+  trailing ~10 s window, and the actor reports it once per step, held until the next report), so
+  that step still shows the old limit (on the CPU default, without this, every probe down read the
+  previous limit's throughput and it probed on down to 1);
 - settled, it holds (hysteresis): it searches again only when T at the settled limit moves by more
-  than ``retune_frac`` in the same direction for ``retune_steps`` steps in a row while the buffer
-  limit does not bind (then training sets the pace), or the engines start queueing.
+  than ``retune_frac`` (from the mean of the last ``REF_STEPS`` in-band steps) in the same direction
+  for ``retune_steps`` steps in a row while the buffer limit does not bind (then training sets the
+  pace), or the engines start queueing (a limit that queued when it was measured or in its first
+  settled steps keeps that queue: a lower one lost throughput).
 Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), clamped to
 ``[lower, upper]`` (``upper`` = the buffer limit's bound, ``max_buffered_groups -
 rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
@@ -34,7 +52,7 @@ rollout_batch_size``) and returned as a ``Change`` with its reason (the core log
 
     tuner = InflightAutotuner(start=96, upper=224)
     step = StepFigures(limit=96, mean_inflight=95.2, tokens_per_s=8000.0, wait_inflight=0.9, wait_buffer=0.0)
-    tuner.observe(step)                      # None: the first step is a warm-up
+    tuner.observe(step); tuner.observe(step)  # None: the first two steps are a warm-up
     change = tuner.observe(step)             # no engine figures, no point below: probe down
     change.new, change.reason                # 48, 'probe down: 8000 tok/s at 95.2 in flight, ...'
 """
@@ -44,6 +62,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Optional
+
+REF_STEPS = 16  # held steps the settled reference throughput averages (long enough to average noise out)
 
 
 @dataclass(frozen=True)
@@ -86,13 +106,16 @@ class AutotuneSettings:
     rise_elasticity: float = 0.5
     """dlnT/dlnx at the largest point above which the curve still rises: probe up."""
     queue_frac: float = 0.15
-    """Engines queueing more than this share of what they run are past saturation."""
+    """Engines queueing more than this share of what they run are past saturation ..."""
+    full_tol: float = 0.1
+    """... when they run within this fraction of the most requests they ever ran (their slots are full)."""
     retune_frac: float = 0.25
     """Search again when the settled throughput moves by more than this ..."""
     retune_steps: int = 3
     """... for this many steps in a row."""
-    warmup_steps: int = 1
-    """Steps ignored at the start (engines filling from empty)."""
+    warmup_steps: int = 2
+    """Steps ignored at the start: the engines fill from empty, and real engines' figures lag a step (the
+    second step's still describe the start-up: 0 tok/s read on the CPU default)."""
     ramp: float = 0.1
     """A step whose mean in-flight count stays this far below the limit while neither limit binds ..."""
     binds: float = 0.3
@@ -107,6 +130,8 @@ class _Point:
     t_sum: float
     n: int
     binds: bool
+    queued: bool = False
+    """The engines queued past ``queue_frac`` on a step of this point."""
 
     @property
     def t(self) -> float:
@@ -130,6 +155,9 @@ class InflightAutotuner:
         self._ref: list[float] = []
         self._off: list[float] = []
         self._ceiling = self.upper
+        self._changed = False  # the last step changed the limit: the next one is not a figure
+        self._max_running = 0.0  # the most requests the engines ran on a step so far
+        self._queued_at_settle: Optional[bool] = None  # the engines queued at the settled limit
         self.history: list[Change] = []
 
     # ----------------------------------------------------------------- the one entry point
@@ -139,13 +167,24 @@ class InflightAutotuner:
         if self.steps <= self.settings.warmup_steps or f.tokens_per_s <= 0 or f.mean_inflight <= 0:
             return None
         s = self.settings
-        if f.queue_reqs is not None and f.running_reqs and f.queue_reqs > s.queue_frac * f.running_reqs:
+        if self._changed:  # the step right after a change still shows the old limit: not a figure
+            self._changed = False
+            return None
+        draining = f.mean_inflight > f.limit * (1 + s.merge)
+        self._max_running = max(self._max_running, f.running_reqs or 0.0)
+        # queued while the engines run as many requests as they ever did: slots full. A queue while they run far
+        # fewer than before is requests waiting for their prefill (the CPU engine's queue at 4 groups of 24 slots)
+        queueing = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs \
+            and f.running_reqs >= (1 - s.full_tol) * self._max_running
+        # a settled limit that already queued when it settled (measured: lower lost throughput) is kept
+        if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
+            self._add(f, queued=True)  # a point too: if the lower limit then loses throughput, this one was needed
             change = self._move(min(self.limit - 1, math.floor(self.limit * share)),
                                 f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they "
                                 f"run: past saturation")
-            self._ceiling = self.limit  # no probe above a limit that made the engines queue
+            self._ceiling = f.limit  # no probe back up to the limit that made the engines queue
             return change
         if self.settled:
             return self._hold(f)
@@ -157,15 +196,16 @@ class InflightAutotuner:
         return self._search(f)
 
     # ----------------------------------------------------------------- internals
-    def _add(self, f: StepFigures) -> None:
+    def _add(self, f: StepFigures, queued: bool = False) -> None:
         binds = f.wait_inflight >= self.settings.binds
         for p in self._points:
             if abs(p.x - f.mean_inflight) <= self.settings.merge * max(p.x, f.mean_inflight):
                 p.t_sum += f.tokens_per_s
                 p.n += 1
                 p.binds = binds
+                p.queued = p.queued or queued
                 return
-        self._points.append(_Point(f.mean_inflight, f.tokens_per_s, 1, binds))
+        self._points.append(_Point(f.mean_inflight, f.tokens_per_s, 1, binds, queued))
 
     def _forget(self) -> None:
         self._points = []
@@ -193,25 +233,43 @@ class InflightAutotuner:
         if b is None and g.x > self.lower and self.limit > self.lower:
             return self._move(g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, "
                                                   f"none below it measured yet")
-        if rising and self.limit < self._ceiling:
+        room = min(g.x * s.max_factor, self._ceiling) > g.x * (1 + s.merge)  # a raise would measure a new point
+        if rising and room:
             return self._move(min(g.x * s.max_factor, self._ceiling),
                               f"probe up: throughput still rises at {g.x:.1f} in flight ({b.t:.0f} -> {g.t:.0f} tok/s)")
+        if b is not None and g is top and not room:
+            # the curve rises up to the largest limit allowed: the smallest limit within tol of it, read off the
+            # local power law T ~ x^e between b and g (the measured engine curve has no knee, only a slope)
+            e = math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x)
+            est = g.x * (1 - s.tol) ** (1 / e) if e > 0 else b.x
+            if est * (1 + s.margin) >= g.x:
+                return self._settle(g, b, self._ceiling, f"the curve still rises at the bound {self._ceiling} "
+                                                         f"(elasticity {e:.2f}); ")
+            if b.x < math.ceil(est) < g.x:
+                return self._move(est, f"interpolate: {b.t:.0f} tok/s at {b.x:.1f}, {g.t:.0f} at {g.x:.1f} in flight "
+                                       f"(elasticity {e:.2f}): within {s.tol:.0%} of it from {est:.1f}")
         if b is not None and g.x / b.x > s.resolution and b.x < math.ceil(math.sqrt(g.x * b.x)) < g.x:
             return self._move(math.sqrt(g.x * b.x), f"bisect: saturated at {g.x:.1f} ({g.t:.0f} tok/s), "
                                                     f"starved at {b.x:.1f} ({b.t:.0f} tok/s)")
+        return self._settle(g, b, g.x * (1 + s.margin), "")
+
+    def _settle(self, g: _Point, b: Optional[_Point], target: float, why: str) -> Optional[Change]:
         self.settled = True
         self._settle_t = 0.0
         self._ref = []
-        why = f"settle: the smallest saturated point is {g.x:.1f} in flight ({g.t:.0f} tok/s)"
+        self._queued_at_settle = g.queued or None  # its queue was measured with its throughput
+        why = f"settle: {why}the smallest saturated point is {g.x:.1f} in flight ({g.t:.0f} tok/s)"
         if b is not None:
             why += f"; {b.x:.1f} gave {b.t:.0f} tok/s"
-        return self._move(g.x * (1 + s.margin), why)
+        return self._move(min(target, self._ceiling), why)
 
     def _hold(self, f: StepFigures) -> Optional[Change]:
         s = self.settings
         if len(self._ref) < s.retune_steps:  # the reference: the mean of the first steps at the settled limit
             self._ref.append(f.tokens_per_s)
             self._settle_t = sum(self._ref) / len(self._ref)
+            q = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs
+            self._queued_at_settle = bool(self._queued_at_settle) or q
             return None
         if f.wait_buffer >= s.binds:  # training sets the pace: throughput moves say nothing about the engines
             self._off = []
@@ -219,6 +277,9 @@ class InflightAutotuner:
         dev = f.tokens_per_s / self._settle_t - 1
         self._off = self._off + [dev] if abs(dev) > s.retune_frac and (not self._off or dev * self._off[0] > 0) \
             else []
+        if not self._off:  # an in-band step refines the reference (a running mean: one noisy first step
+            self._ref = (self._ref + [f.tokens_per_s])[-REF_STEPS:]  # must not set it for good)
+            self._settle_t = sum(self._ref) / len(self._ref)
         if len(self._off) < s.retune_steps:
             return None
         old = self._settle_t
@@ -239,6 +300,7 @@ class InflightAutotuner:
         if new == self.limit:
             return None
         change = Change(self.limit, new, reason)
+        self._changed = True
         self.limit = new
         self.history.append(change)
         return change

@@ -46,7 +46,7 @@ def test_engine_queue_report_lowers_the_auto_limit(tmp_path):
         with pytest.raises(Exception, match="engine_figures"):
             client.engine_figures(running_reqs=-1, queue_reqs=0, gen_tokens_per_s=10)
         limits, changes = [], []
-        for step in range(1, 4):
+        for step in range(1, 5):  # two warm-up steps, then the queue report acts
             client.engine_figures(running_reqs=10, queue_reqs=10, gen_tokens_per_s=500)  # half of them queue
             deadline = time.monotonic() + 20
             while True:

@@ -1,8 +1,10 @@
 """The in-flight autotuner's decisions (asyncrl/broker/autotune.py) and its wiring into the broker core.
 
 The controller is fed the figures a step would show for an engine curve T(x) = peak x min(x, knee) / knee
-(flat past saturation, as SGLang's throughput is once the batch is compute-bound); the mean in-flight
-count of a step is the limit in force (the limit binds when generation is the bottleneck).
+(flat past saturation, as SGLang's throughput is once the batch is compute-bound), and, in the later
+tests, for the curve measured on the CPU engine, T(x) = peak x x / (x + c_half) (no knee, a slope that
+shrinks); the mean in-flight count of a step is the limit in force (the limit binds when generation is
+the bottleneck).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _run(tuner: InflightAutotuner, knee: float, steps: int, **kw) -> list[int]:
 
 def test_backs_off_from_an_oversized_limit_to_the_knee():
     tuner = InflightAutotuner(start=96, upper=200)
-    limits = _run(tuner, knee=20, steps=12)
+    limits = _run(tuner, knee=20, steps=24)  # each change: one step without figures, then its own
     assert tuner.settled
     assert 20 <= tuner.limit <= math.ceil(20 * 1.15 * 1.05), limits
     assert limits[-3:] == [tuner.limit] * 3
@@ -46,7 +48,7 @@ def test_backs_off_from_an_oversized_limit_to_the_knee():
 
 def test_climbs_to_saturate_engines_starved_by_a_small_limit():
     tuner = InflightAutotuner(start=4, upper=200)
-    limits = _run(tuner, knee=50, steps=14)
+    limits = _run(tuner, knee=50, steps=28)
     assert tuner.settled and 50 <= tuner.limit <= math.ceil(50 * 1.15 * 1.05), limits
     assert any(c.reason.startswith("probe up") for c in tuner.history)
 
@@ -66,7 +68,7 @@ def test_every_change_is_bounded_and_within_the_buffer_bound():
 def test_holds_under_noise_once_settled():
     rng = random.Random(0)
     tuner = InflightAutotuner(start=64, upper=200)
-    _run(tuner, knee=16, steps=10, noise=0.02, rng=rng)
+    _run(tuner, knee=16, steps=20, noise=0.02, rng=rng)
     assert tuner.settled
     settled = tuner.limit
     n_changes = len(tuner.history)
@@ -76,15 +78,16 @@ def test_holds_under_noise_once_settled():
 
 def test_retunes_when_the_workload_changes():
     tuner = InflightAutotuner(start=64, upper=400)
-    _run(tuner, knee=16, steps=12)
+    _run(tuner, knee=16, steps=24)
     assert tuner.settled and tuner.limit < 24
-    _run(tuner, knee=80, steps=16)  # e.g. longer tool calls: more groups needed in flight
+    _run(tuner, knee=80, steps=32)  # e.g. longer tool calls: more groups needed in flight
     assert tuner.limit >= 80 and any(c.reason.startswith("retune") for c in tuner.history)
 
 
 def test_engine_queue_backs_off_at_once():
     tuner = InflightAutotuner(start=100, upper=200)
-    tuner.observe(_figures(100, knee=10, queue=True))  # warm-up step: ignored
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_figures(100, knee=10, queue=True))
     change = tuner.observe(_figures(100, knee=10, queue=True))
     assert change is not None and change.new == 50 and "queue" in change.reason  # bounded: at most / 2
 
@@ -142,9 +145,136 @@ def test_event_simulator_drives_the_core_with_auto_within_bounds():
     from asyncrl.simulate import EngineModel, SimConfig, Workload, simulate
 
     cfg = SimConfig(engines=4, batch=8, buffered=8 + 40, inflight="auto", steps=14,
-                    engine=EngineModel(peak_tok_s=4000.0, n_sat=8, max_running=16))
+                    engine=EngineModel(peak_tok_s=4000.0, c_half=8.0, max_running=16))
     r = simulate(cfg, Workload(train_s=0.1, sync_s=0.05))
     assert len(r.metrics) == 14 and r.limits[0] == 20  # derived: ceil(16 x 4 x 1.2 / 4) = 20 (bound 40)
     assert all(1 <= n <= 40 for n in r.limits)
     assert all(b <= 2 * a + 1 and a <= 2 * b + 1 for a, b in zip(r.limits, r.limits[1:]))  # bounded steps
     assert r.changes and r.throughput_groups_s() > 0
+
+
+# --------------------------------------------------------------------- the measured engine curve
+# benchmarks/engine_curve.py measured the CPU engine: tok/s(r) = peak x r / (r + c_half), no knee
+# before its slots fill (asyncrl.simulate.fit_saturation). The figures below follow that curve.
+def _smooth(limit: int, *, c_half: float, peak: float = 5000.0, queued: float = 0.0, mean=None) -> StepFigures:
+    x = float(limit if mean is None else mean)
+    return StepFigures(limit=limit, mean_inflight=x, tokens_per_s=peak * x / (x + c_half), wait_inflight=1.0,
+                       wait_buffer=0.0, running_reqs=4 * x, queue_reqs=queued)
+
+
+def test_settles_at_the_bound_when_the_curve_still_rises_there():
+    """A still-rising top at the buffer bound: one probe down, then settle at the bound (no bisecting
+    below a rising curve, no 'probe up' back to the point already measured at the bound)."""
+    tuner = InflightAutotuner(start=40, upper=40)
+    for _ in range(8):
+        tuner.observe(_smooth(tuner.limit, c_half=16))
+    assert tuner.settled and tuner.limit == 40
+    assert [c.reason.split(":")[0] for c in tuner.history] == ["probe down", "settle"], tuner.history
+    assert "still rises at the bound" in tuner.history[-1].reason
+
+
+def test_interpolates_on_the_power_law_when_the_top_is_nearly_flat():
+    """Top at the bound, the curve nearly flat between b and g: move to where the local power law is within
+    tol of the top instead of halving the bracket."""
+    tuner = InflightAutotuner(start=40, upper=40)
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_smooth(40, c_half=2))
+    assert tuner.observe(_smooth(40, c_half=2)).new == 20  # probe down
+    assert tuner.observe(_smooth(20, c_half=2)) is None  # the step right after a change: no figure
+    change = tuner.observe(_smooth(20, c_half=2))  # T(20)/T(40) = 0.95: elasticity 0.07
+    assert change is not None and change.reason.startswith("interpolate") and 20 < change.new < 40
+    e = math.log((40 / 42) / (20 / 22)) / math.log(2)
+    assert change.new == math.ceil(40 * 0.98 ** (1 / e))
+
+
+def test_queue_after_a_raise_or_while_draining_is_not_a_back_off():
+    tuner = InflightAutotuner(start=20, upper=80)
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_smooth(20, c_half=100))
+    assert tuner.observe(_smooth(20, c_half=100)).new == 40  # probe up: binds, engines queue nothing
+    burst = tuner.observe(_smooth(40, c_half=10, queued=80.0))  # the raise's burst: 160 running, 80 queued
+    assert burst is None or "queue" not in burst.reason
+    tuner.settled, tuner._raised = False, False  # the same queue on a later step at that limit: back off
+    steady = tuner.observe(_smooth(tuner.limit, c_half=10, queued=80.0))
+    assert steady is not None and "queue" in steady.reason
+    tuner2 = InflightAutotuner(start=40, upper=80)
+    tuner2.observe(_smooth(40, c_half=10))
+    tuner2.limit = 20  # as if just lowered: the step still drains (mean 38 in flight)
+    assert tuner2.observe(_smooth(20, c_half=10, mean=38.0, queued=100.0)) is None and tuner2.limit == 20
+
+
+def test_a_queue_back_off_can_come_back_up_to_below_the_limit_that_queued():
+    tuner = InflightAutotuner(start=64, upper=64)
+    for _ in range(2):  # the two warm-up steps: ignored
+        tuner.observe(_smooth(64, c_half=16, queued=128.0))
+    change = tuner.observe(_smooth(64, c_half=16, queued=128.0))  # 256 running, 128 queued: share 2/3
+    assert change.new == 42 and "queue" in change.reason
+    assert tuner._ceiling == 64  # the limit that queued, not the lowered one
+
+
+def _settle(tuner: InflightAutotuner, **kw) -> None:
+    """Feed the curve until it settles, then the figure-less step after the settling change."""
+    for _ in range(12):
+        tuner.observe(_smooth(tuner.limit, **kw))
+        if tuner.settled:
+            break
+    assert tuner.settled
+    tuner.observe(_smooth(tuner.limit, **kw))
+
+
+def test_a_limit_that_queued_when_it_settled_is_kept():
+    """Settled where the engines already queued (a lower limit measured less throughput): that queue is
+    known, not a reason to back off; a queue that starts later is."""
+    tuner = InflightAutotuner(start=40, upper=40)
+    _settle(tuner, c_half=16)
+    assert tuner.limit == 40
+    for _ in range(10):
+        tuner.observe(_smooth(40, c_half=16, queued=40.0))  # 160 running, 40 queued: 25% (> queue_frac)
+    assert tuner.limit == 40 and tuner.settled
+    fresh = InflightAutotuner(start=40, upper=40)
+    _settle(fresh, c_half=16)
+    for _ in range(3):  # the reference steps at the settled limit: no queue
+        fresh.observe(_smooth(40, c_half=16))
+    change = fresh.observe(_smooth(40, c_half=16, queued=40.0))
+    assert change is not None and "queue" in change.reason
+
+
+def test_a_noisy_first_reference_step_does_not_trigger_a_retune():
+    tuner = InflightAutotuner(start=40, upper=40)
+    while not tuner.settled:
+        tuner.observe(_smooth(tuner.limit, c_half=16))
+    n = len(tuner.history)
+    base = _smooth(40, c_half=16).tokens_per_s
+    rng = random.Random(1)
+    for k in range(60):  # the first steps read 20% low (a noisy start); the in-band ones after refine the reference
+        t = base * (0.8 if k < 4 else 1 + rng.uniform(-0.1, 0.1))
+        tuner.observe(StepFigures(limit=40, mean_inflight=40.0, tokens_per_s=t, wait_inflight=1.0, wait_buffer=0.0))
+    assert len(tuner.history) == n and tuner.limit == 40
+
+
+def test_lagging_figures_do_not_walk_it_down():
+    """The real engines' figures lag a step (a trailing ~10 s gen_throughput, reported once per step): the
+    step after a change still shows the old limit's throughput. Read as the new limit's, every probe down
+    looks free and it walks down to 1 (seen on the CPU default); the step after a change is no figure."""
+    tuner = InflightAutotuner(start=8, upper=8)
+    prev = 8
+    for _ in range(16):
+        f = _smooth(tuner.limit, c_half=16)
+        lagged = StepFigures(limit=f.limit, mean_inflight=f.mean_inflight,
+                             tokens_per_s=_smooth(prev, c_half=16).tokens_per_s, wait_inflight=1.0, wait_buffer=0.0)
+        prev = tuner.limit
+        tuner.observe(lagged)
+    assert tuner.settled and tuner.limit == 8 and min(c.new for c in tuner.history) >= 4, tuner.history
+
+
+def test_a_queue_while_the_engines_run_fewer_than_before_is_not_saturation():
+    """The CPU default's broker log: "4 -> 3: engines queue 3 requests beyond the 16 they run", then 7, then 3 -
+    requests waiting for their prefill on an engine with 24 slots, read as saturation step after step. A queue
+    counts only while the engines run as many requests as they ever did."""
+    tuner = InflightAutotuner(start=8, upper=8)
+    figures = {8: (32.0, 6.0, 400.0), 4: (16.0, 3.0, 390.0), 3: (12.0, 3.0, 300.0)}  # running, queued, tok/s
+    for _ in range(12):
+        running, queued, t = figures.get(tuner.limit, (4.0 * tuner.limit, 1.0, 100.0 * tuner.limit))
+        tuner.observe(StepFigures(limit=tuner.limit, mean_inflight=float(tuner.limit), tokens_per_s=t,
+                                  wait_inflight=1.0, wait_buffer=0.0, running_reqs=running, queue_reqs=queued))
+    assert tuner.limit >= 4 and not any("queue" in c.reason for c in tuner.history if c.old < 8), tuner.history

@@ -115,3 +115,32 @@ def test_preemption_flag_takes_sigusr1_and_sigterm_and_restores_the_handlers(sig
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_engine_figures_for_the_autotuner_are_the_step_mean_without_retracted_requests(monkeypatch):
+    """The autotuner gets the mean of the scrapes since the last report, summed over engines, a queue
+    without the requests a retract-mode sync put back (its backlog is no saturation), and wall-clock
+    tokens/s from the engines' token counters (gen_throughput is the rate while decoding)."""
+    import asyncrl.runner.loop as loop
+    from asyncrl.rollout.cpu_engine import prometheus_text
+
+    served: dict[str, dict] = {}
+    now = [0.0]
+    monkeypatch.setattr(loop, "get_text", lambda url, path, **kw: prometheus_text(served[url], model_name="m"))
+    served["a"] = served["b"] = {"num_running_reqs": 4, "num_queue_reqs": 0, "gen_throughput": 100.0}
+    scraper = loop.EngineScraper(["a", "b"], interval_s=3600, clock=lambda: now[0])
+    scraper.close()  # the background thread scraped once (or not at all): the test drives the scrapes
+    scraper.autotune_figures()
+    assert scraper.autotune_figures() is None  # nothing scraped since the last report
+    served["a"] = {"num_running_reqs": 24, "num_queue_reqs": 30, "num_retracted_reqs": 24, "gen_throughput": 900.0,
+                   "generation_tokens_total": 1000}
+    served["b"] = {"num_running_reqs": 20, "num_queue_reqs": 0, "gen_throughput": 700.0, "generation_tokens_total": 0}
+    scraper._record(scraper.scrape())  # right after a sync: a's queue is its retracted requests + 6; first count
+    now[0] = 2.0
+    served["a"] = {"num_running_reqs": 24, "num_queue_reqs": 2, "gen_throughput": 1100.0,
+                   "generation_tokens_total": 2000}  # 1000 tokens in 2 s: 500/s (idle part of it)
+    served["b"] = dict(served["b"], generation_tokens_total=1400)  # busy all along: 700/s
+    scraper._record(scraper.scrape())
+    assert scraper.autotune_figures() == {"running_reqs": 44.0, "queue_reqs": 4.0,
+                                          "gen_tokens_per_s": (900 + 700 + 500 + 700) / 2}
+    assert "engine/0/num_queue_reqs" in scraper.latest() and not any(k.startswith("_") for k in scraper.latest())
