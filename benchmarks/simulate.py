@@ -123,7 +123,8 @@ def simulate(s: SimSetup) -> SimResult:
         rollout_batch_size=s.batch, group_size=s.group_size, max_inflight_groups=s.resolved_inflight(),
         max_buffered_groups=s.resolved_buffered(), max_dropped_groups_per_step=10 * s.batch,
         submission_granularity=s.granularity, unused_groups="drop", max_staleness=s.staleness_cap, seed=s.seed,
-        no_data_warning_s=1e9, worker_heartbeat_timeout_s=1e9)
+        no_data_warning_s=1e9, worker_heartbeat_timeout_s=1e9,
+        expected_workers=s.engines)
     core = BrokerCore([PromptItem(i, f"q{i}") for i in range(4096)], settings=settings, clock=lambda: now[0])
     for e in range(s.engines):
         core.add_worker(f"engine{e}", capacity=s.max_running)
@@ -192,7 +193,7 @@ def simulate(s: SimSetup) -> SimResult:
                     continue
                 t = Trajectory([0], [1], [1], [0.0], min_version=r.min_version, max_version=core.version)
                 done[r.gid].append(t)
-                if r.gid in core.inflight_group_ids():
+                if core.is_inflight(r.gid):
                     core.trajectory_finished(r.gid, r.idx, t)
                     if len(done[r.gid]) == s.group_size:
                         core.group_finished(r.gid, done.pop(r.gid))
