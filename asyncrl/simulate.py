@@ -89,8 +89,10 @@ class EngineModel:
             raise ValueError(f"EngineModel: peak_tok_s, c_half and max_running must be positive, got {self}")
         xs = [c for c, _ in self.curve]
         if self.curve and (xs != sorted(set(xs)) or xs[0] <= 0 or any(t <= 0 for _, t in self.curve)):
-            raise ValueError(f"EngineModel.curve: concurrencies must be positive and increasing and tokens/s "
-                             f"positive, got {self.curve}")
+            raise ValueError(
+                f"EngineModel.curve: concurrencies must be positive and increasing and tokens/s "
+                f"positive, got {self.curve}"
+            )
 
     def tok_s(self, r: int) -> float:
         """Generated tokens/s of one engine running ``r`` requests."""
@@ -106,12 +108,15 @@ class EngineModel:
         return t0
 
     @classmethod
-    def from_measured(cls, points: list[tuple[float, float]], *, max_running: int, table: bool = False
-                      ) -> EngineModel:
+    def from_measured(cls, points: list[tuple[float, float]], *, max_running: int, table: bool = False) -> EngineModel:
         """The model fitted to measured (concurrency, tokens/s) points (``table``: the points themselves)."""
         peak, c_half = fit_saturation(points)
-        return cls(peak_tok_s=peak, c_half=c_half, max_running=max_running,
-                   curve=tuple((float(c), float(t)) for c, t in sorted(points)) if table else ())
+        return cls(
+            peak_tok_s=peak,
+            c_half=c_half,
+            max_running=max_running,
+            curve=tuple((float(c), float(t)) for c, t in sorted(points)) if table else (),
+        )
 
 
 def saturation_tok_s(c: float, peak: float, c_half: float) -> float:
@@ -140,8 +145,15 @@ def fit_saturation(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def curve_fit_report(points: list[tuple[float, float]], peak: float, c_half: float) -> list[dict]:
     """Per measured point: the fitted tokens/s and the relative error (fit / measured - 1)."""
-    return [{"concurrency": c, "tok_s": t, "fit_tok_s": saturation_tok_s(c, peak, c_half),
-             "rel_err": saturation_tok_s(c, peak, c_half) / t - 1} for c, t in points]
+    return [
+        {
+            "concurrency": c,
+            "tok_s": t,
+            "fit_tok_s": saturation_tok_s(c, peak, c_half),
+            "rel_err": saturation_tok_s(c, peak, c_half) / t - 1,
+        }
+        for c, t in points
+    ]
 
 
 def load_curve(path: str) -> list[tuple[float, float]]:
@@ -150,8 +162,10 @@ def load_curve(path: str) -> list[tuple[float, float]]:
         data = json.loads(open(path).read())
         return [(float(p["concurrency"]), float(p["tok_s"])) for p in data["curve"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--engine-curve {path!r}: not an engine_curve.py result (a 'curve' list of "
-                         f"{{'concurrency', 'tok_s'}}): {e}") from e
+        raise ValueError(
+            f"--engine-curve {path!r}: not an engine_curve.py result (a 'curve' list of "
+            f"{{'concurrency', 'tok_s'}}): {e}"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -191,8 +205,11 @@ class SimResult:
     def throughput_groups_s(self, skip: int = 10) -> float:
         """Trained groups per second over steps ``skip``.. (after the settling deadline)."""
         a, b = self.window(skip)
-        return (b - a) * self.cfg.batch / (self.step_end_t[b - 1] - self.step_end_t[a - 1] if a else
-                                           self.step_end_t[b - 1])
+        return (
+            (b - a)
+            * self.cfg.batch
+            / (self.step_end_t[b - 1] - self.step_end_t[a - 1] if a else self.step_end_t[b - 1])
+        )
 
     def mean_staleness(self, skip: int = 10) -> float:
         a, b = self.window(skip)
@@ -237,13 +254,22 @@ class _Sim:
         auto = cfg.inflight == "auto"
         buffered = cfg.resolved_buffered()
         start = min(cfg.derived_inflight(), max(1, buffered - cfg.batch)) if auto else int(cfg.inflight)
-        self.core = BrokerCore([PromptItem(i, f"q{i}") for i in range(4096)], clock=lambda: self.now,
-                               settings=CoreSettings(
-                                   rollout_batch_size=cfg.batch, group_size=cfg.group_size,
-                                   max_inflight_groups=start, max_buffered_groups=buffered,
-                                   max_dropped_groups_per_step=10 * cfg.batch, submission_granularity="sample",
-                                   seed=cfg.seed, no_data_warning_s=1e9, worker_heartbeat_timeout_s=1e9,
-                                   inflight_autotune=auto))
+        self.core = BrokerCore(
+            [PromptItem(i, f"q{i}") for i in range(4096)],
+            clock=lambda: self.now,
+            settings=CoreSettings(
+                rollout_batch_size=cfg.batch,
+                group_size=cfg.group_size,
+                max_inflight_groups=start,
+                max_buffered_groups=buffered,
+                max_dropped_groups_per_step=10 * cfg.batch,
+                submission_granularity="sample",
+                seed=cfg.seed,
+                no_data_warning_s=1e9,
+                worker_heartbeat_timeout_s=1e9,
+                inflight_autotune=auto,
+            ),
+        )
         n_workers = min(cfg.engines, MAX_WORKERS)
         self.pools = [list(range(w, cfg.engines, n_workers)) for w in range(n_workers)]
         self.core.hold_issuing()  # else the first worker to join takes the whole first burst
@@ -255,7 +281,7 @@ class _Sim:
         self.seq = 0
         self.paused = False
         self.done: dict[int, list] = {}
-        self.mu = math.log(wl.mean_turn_tokens) - wl.tail_sigma ** 2 / 2
+        self.mu = math.log(wl.mean_turn_tokens) - wl.tail_sigma**2 / 2
         self.n_running = self.n_queued = 0
         self.tok_s = 0.0  # sum over engines of T(r)
         self.curve = [self.m.tok_s(r) for r in range(self.m.max_running + 1)]  # T(r), r <= max_running
@@ -369,8 +395,11 @@ class _Sim:
             elif kind == "tool":
                 self._start_turn(payload)
             elif kind == "report":
-                self.core.engine_figures(running_reqs=self.n_running, queue_reqs=self.n_queued,
-                                         gen_tokens_per_s=0.0 if self.paused else self.tok_s)
+                self.core.engine_figures(
+                    running_reqs=self.n_running,
+                    queue_reqs=self.n_queued,
+                    gen_tokens_per_s=0.0 if self.paused else self.tok_s,
+                )
                 self._push(self.now + self.cfg.report_s, "report", None)
             elif kind == "trained":
                 self.core.sync_begin("retract")
@@ -383,8 +412,9 @@ class _Sim:
                 res.step_end_t.append(self.now)
                 if step < self.cfg.steps:
                     self.core.request_batch(step)
-        res.changes = [f"{c.old} -> {c.new}: {c.reason}" for c in
-                       (self.core.autotuner.history if self.core.autotuner else [])]
+        res.changes = [
+            f"{c.old} -> {c.new}: {c.reason}" for c in (self.core.autotuner.history if self.core.autotuner else [])
+        ]
         return res
 
 
@@ -406,9 +436,13 @@ def sweep(cfg: SimConfig, wl: Workload, limits: list[int]) -> tuple[list[dict], 
 
 def _row(r: SimResult, limit: int) -> dict:
     k = r.cfg.measure_from
-    return {"limit": limit, "groups_s": r.throughput_groups_s(k), "staleness": r.mean_staleness(k),
-            "wait_inflight": _mean(r, "rollout/buffer/admission_wait_inflight_limit", k),
-            "wait_buffer": _mean(r, "rollout/buffer/admission_wait_buffer_full", k)}
+    return {
+        "limit": limit,
+        "groups_s": r.throughput_groups_s(k),
+        "staleness": r.mean_staleness(k),
+        "wait_inflight": _mean(r, "rollout/buffer/admission_wait_inflight_limit", k),
+        "wait_buffer": _mean(r, "rollout/buffer/admission_wait_buffer_full", k),
+    }
 
 
 def _mean(r: SimResult, key: str, skip: int) -> float:
@@ -416,18 +450,39 @@ def _mean(r: SimResult, key: str, skip: int) -> float:
     return statistics.fmean(m.get(key, 0.0) for m in r.metrics[a:b])
 
 
-def from_config(path: str, overrides: list[str], *, engine: EngineArgs, train_s: float, mean_turn_tokens: float,
-                tool_s: float, sync_s: float, steps: int) -> tuple[SimConfig, Workload]:
+def from_config(
+    path: str,
+    overrides: list[str],
+    *,
+    engine: EngineArgs,
+    train_s: float,
+    mean_turn_tokens: float,
+    tool_s: float,
+    sync_s: float,
+    steps: int,
+) -> tuple[SimConfig, Workload]:
     """A SimConfig from the trainer's TOML (engines, batch, group size, limits, max_running_requests,
     max_turns) plus measured speeds."""
     c = load_config(path, overrides)
     engines = max(1, num_engines(c))
     model = engine.model(c.rollout.max_running_requests)
-    cfg = SimConfig(engines=engines, batch=c.data.rollout_batch_size, group_size=c.algorithm.group_size,
-                    inflight=c.rollout_buffer.max_inflight_groups, buffered=c.rollout_buffer.max_buffered_groups,
-                    steps=steps, engine=model)
-    wl = Workload(name=path, mean_turn_tokens=mean_turn_tokens, max_turns=c.agentloop.max_turns,
-                  tool_s=(tool_s / 2, tool_s * 1.5), train_s=train_s, sync_s=sync_s)
+    cfg = SimConfig(
+        engines=engines,
+        batch=c.data.rollout_batch_size,
+        group_size=c.algorithm.group_size,
+        inflight=c.rollout_buffer.max_inflight_groups,
+        buffered=c.rollout_buffer.max_buffered_groups,
+        steps=steps,
+        engine=model,
+    )
+    wl = Workload(
+        name=path,
+        mean_turn_tokens=mean_turn_tokens,
+        max_turns=c.agentloop.max_turns,
+        tool_s=(tool_s / 2, tool_s * 1.5),
+        train_s=train_s,
+        sync_s=sync_s,
+    )
     return cfg, wl
 
 
@@ -444,13 +499,16 @@ class EngineArgs:
         if self.curve is not None:
             return EngineModel.from_measured(self.curve, max_running=max_running, table=self.table)
         assert self.peak_tok_s is not None
-        return EngineModel(peak_tok_s=self.peak_tok_s, max_running=max_running,
-                           c_half=self.c_half or max(1.0, max_running / 2))
+        return EngineModel(
+            peak_tok_s=self.peak_tok_s, max_running=max_running, c_half=self.c_half or max(1.0, max_running / 2)
+        )
 
 
 def _describe_engine(args: EngineArgs, m: EngineModel) -> list[str]:
-    lines = [f"engine model: tok/s(r) = {m.peak_tok_s:.0f} x r / (r + {m.c_half:.2f}), r <= {m.max_running} running"
-             + (" (the measured points are used as a table; the fit is shown for reference)" if m.curve else "")]
+    lines = [
+        f"engine model: tok/s(r) = {m.peak_tok_s:.0f} x r / (r + {m.c_half:.2f}), r <= {m.max_running} running"
+        + (" (the measured points are used as a table; the fit is shown for reference)" if m.curve else "")
+    ]
     if args.curve is not None:
         lines.append(f"{'concurrency':>11} {'measured':>9} {'fit':>9} {'rel.err':>8}")
         for r in curve_fit_report(args.curve, m.peak_tok_s, m.c_half):
@@ -463,16 +521,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("config", help="the trainer's TOML (engines, batch, group size, limits are read from it)")
     ap.add_argument("overrides", nargs="*", help="key=value, as for launch/train.py")
     eng = ap.add_mutually_exclusive_group(required=True)
-    eng.add_argument("--engine-curve", metavar="JSON",
-                     help="one engine's measured tokens/s at several concurrencies (benchmarks/engine_curve.py "
-                          "--out); the model is the curve fitted to it")
-    eng.add_argument("--engine-tok-s", type=float,
-                     help="one engine's peak generated tokens/s (the asymptote; with --c-half)")
-    ap.add_argument("--c-half", type=float, default=None,
-                    help="with --engine-tok-s: running requests at which an engine makes half its peak "
-                         "(default max_running_requests / 2)")
-    ap.add_argument("--engine-table", action="store_true",
-                    help="with --engine-curve: use the measured points as they are (piecewise linear) instead of the fit")
+    eng.add_argument(
+        "--engine-curve",
+        metavar="JSON",
+        help="one engine's measured tokens/s at several concurrencies (benchmarks/engine_curve.py "
+        "--out); the model is the curve fitted to it",
+    )
+    eng.add_argument(
+        "--engine-tok-s", type=float, help="one engine's peak generated tokens/s (the asymptote; with --c-half)"
+    )
+    ap.add_argument(
+        "--c-half",
+        type=float,
+        default=None,
+        help="with --engine-tok-s: running requests at which an engine makes half its peak "
+        "(default max_running_requests / 2)",
+    )
+    ap.add_argument(
+        "--engine-table",
+        action="store_true",
+        help="with --engine-curve: use the measured points as they are (piecewise linear) instead of the fit",
+    )
     ap.add_argument("--train-s", type=float, required=True, help="measured train + sync seconds per step")
     ap.add_argument("--turn-tokens", type=float, default=250.0, help="mean generated tokens per turn")
     ap.add_argument("--tool-s", type=float, default=0.5, help="mean tool-call seconds")
@@ -485,11 +554,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.engine_curve is not None and args.c_half is not None:
         ap.error("--c-half goes with --engine-tok-s (with --engine-curve it is fitted)")
     try:
-        engine = EngineArgs(curve=load_curve(args.engine_curve), table=args.engine_table) if args.engine_curve \
+        engine = (
+            EngineArgs(curve=load_curve(args.engine_curve), table=args.engine_table)
+            if args.engine_curve
             else EngineArgs(peak_tok_s=args.engine_tok_s, c_half=args.c_half)
-        cfg, wl = from_config(args.config, args.overrides, engine=engine, train_s=args.train_s,
-                              mean_turn_tokens=args.turn_tokens, tool_s=args.tool_s, sync_s=args.sync_s,
-                              steps=16 if args.quick else args.steps)
+        )
+        cfg, wl = from_config(
+            args.config,
+            args.overrides,
+            engine=engine,
+            train_s=args.train_s,
+            mean_turn_tokens=args.turn_tokens,
+            tool_s=args.tool_s,
+            sync_s=args.sync_s,
+            steps=16 if args.quick else args.steps,
+        )
     except ValueError as e:
         ap.error(str(e))
     cfg = replace(cfg, measure_from=min(10, cfg.steps // 2))
@@ -498,22 +577,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     limits = sorted({max(1, min(bound, round(start * f))) for f in (0.25, 0.5, 1.0, 2.0)})
     rows, auto = sweep(cfg, wl, limits)
     print("\n".join(_describe_engine(engine, cfg.engine)))
-    print(f"{cfg.engines} engines, batch {cfg.batch} x {cfg.group_size}, "
-          f"max_buffered_groups {cfg.resolved_buffered()}, train {args.train_s:g} s/step")
+    print(
+        f"{cfg.engines} engines, batch {cfg.batch} x {cfg.group_size}, "
+        f"max_buffered_groups {cfg.resolved_buffered()}, train {args.train_s:g} s/step"
+    )
     print(f"{'max_inflight_groups':>20} {'groups/s':>9} {'staleness':>9} {'wait_inflight':>13} {'wait_buffer':>11}")
     for r in rows + [dict(auto, limit=f"auto->{auto['limit']}")]:
-        print(f"{r['limit']!s:>20} {r['groups_s']:9.2f} {r['staleness']:9.2f} {r['wait_inflight']:13.2f} "
-              f"{r['wait_buffer']:11.2f}")
+        print(
+            f"{r['limit']!s:>20} {r['groups_s']:9.2f} {r['staleness']:9.2f} {r['wait_inflight']:13.2f} "
+            f"{r['wait_buffer']:11.2f}"
+        )
     best = max(rows, key=lambda r: r["groups_s"])
-    verdict = ("the buffer limit binds: training is the bottleneck (max_buffered_groups bounds the staleness)"
-               if best["wait_buffer"] >= 0.5 else "the in-flight limit decides the engines' load")
+    verdict = (
+        "the buffer limit binds: training is the bottleneck (max_buffered_groups bounds the staleness)"
+        if best["wait_buffer"] >= 0.5
+        else "the in-flight limit decides the engines' load"
+    )
     print(f"suggested max_inflight_groups = {auto['limit']} (auto settled at step {auto['settled_at']}); {verdict}")
     fit = {"peak_tok_s": cfg.engine.peak_tok_s, "c_half": cfg.engine.c_half, "max_running": cfg.engine.max_running}
     if engine.curve is not None:
-        fit["rel_err"] = {f"{r['concurrency']:g}": round(r["rel_err"], 4)
-                          for r in curve_fit_report(engine.curve, cfg.engine.peak_tok_s, cfg.engine.c_half)}
-    print(json.dumps({"engine": fit, "rows": rows, "auto": {k: v for k, v in auto.items() if k != "changes"},
-                      "suggested_max_inflight_groups": auto["limit"]}))
+        fit["rel_err"] = {
+            f"{r['concurrency']:g}": round(r["rel_err"], 4)
+            for r in curve_fit_report(engine.curve, cfg.engine.peak_tok_s, cfg.engine.c_half)
+        }
+    print(
+        json.dumps(
+            {
+                "engine": fit,
+                "rows": rows,
+                "auto": {k: v for k, v in auto.items() if k != "changes"},
+                "suggested_max_inflight_groups": auto["limit"],
+            }
+        )
+    )
     return 0
 
 

@@ -136,20 +136,33 @@ def main(argv: list[str] | None = None) -> int:
         actor = Actor(cfg)
         model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, weight_decay=0.0)
-        t = harness.interleave({
-            "actor": lambda a=actor: a.train_step(groups)["time/training"],
-            "plain": lambda m=model, o=opt, b=budget, c=cfg: plain_pytorch_step(m, o, samples, b, c.algorithm),
-        }, reps=args.reps, warmup=1)
+        t = harness.interleave(
+            {
+                "actor": lambda a=actor: a.train_step(groups)["time/training"],
+                "plain": lambda m=model, o=opt, b=budget, c=cfg: plain_pytorch_step(m, o, samples, b, c.algorithm),
+            },
+            reps=args.reps,
+            warmup=1,
+        )
         ps.destroy_model_parallel()
-        padded = sum(len(idx) * max(samples[i].num_tokens for i in idx)
-                     for idx in make_microbatches([s.num_tokens for s in samples], budget))
-        rep.ratio(f"budget{budget}_actor_over_plain_ratio", t["plain"], t["actor"], target=1.0,
-                  note="plain PyTorch s / Megatron actor s per step, same micro-batches")
+        padded = sum(
+            len(idx) * max(samples[i].num_tokens for i in idx)
+            for idx in make_microbatches([s.num_tokens for s in samples], budget)
+        )
+        rep.ratio(
+            f"budget{budget}_actor_over_plain_ratio",
+            t["plain"],
+            t["actor"],
+            target=1.0,
+            note="plain PyTorch s / Megatron actor s per step, same micro-batches",
+        )
         figures[f"budget{budget}"] = {
-            "actor_s": harness.summary(t["actor"]), "plain_s": harness.summary(t["plain"]),
+            "actor_s": harness.summary(t["actor"]),
+            "plain_s": harness.summary(t["plain"]),
             "actor_tokens_per_s": num_tokens / statistics.median(t["actor"]),
             "plain_tokens_per_s": num_tokens / statistics.median(t["plain"]),
-            "plain_padded_tokens": padded, "plain_padded_over_real": padded / num_tokens,
+            "plain_padded_tokens": padded,
+            "plain_padded_over_real": padded / num_tokens,
         }
     dist.destroy_process_group()
     rep.emit(figures, save=args.save)

@@ -40,9 +40,15 @@ def make_tokenizer(tmp: Path) -> tuple[AgentTokenizer, dict]:
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     data = write_dataset(tmp / "data", seed=0, num_countries=100, num_test=20, num_tokenizer_demos=50)
-    path = make_tiny_checkpoint(tmp / "model", corpus_path=data["tokenizer_text"], hidden_size=32,
-                                intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=1)
+    path = make_tiny_checkpoint(
+        tmp / "model",
+        corpus_path=data["tokenizer_text"],
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     return AgentTokenizer.from_pretrained(path), data
 
 
@@ -69,8 +75,10 @@ def bench_overhead(tok: AgentTokenizer, data: dict, *, num_groups: int, group_si
     replies = {}
     for r in rows:
         hop = r["extra_info"]["hops"][0]
-        replies[r["question"]] = (tok.encode(f"<think> I need to search. </think> <search> {hop['query']} </search>"),
-                                  tok.encode(f"<answer> {r['golden_answers'][0]} </answer>"))
+        replies[r["question"]] = (
+            tok.encode(f"<think> I need to search. </think> <search> {hop['query']} </search>"),
+            tok.encode(f"<answer> {r['golden_answers'][0]} </answer>"),
+        )
     first_turn = {}
     gen_seconds = [0.0]
 
@@ -81,21 +89,35 @@ def bench_overhead(tok: AgentTokenizer, data: dict, *, num_groups: int, group_si
         first_turn[key] = turn + 1
         q = item_of[key.split("-s")[0]]
         ids = replies[q][min(turn, 1)]
-        resp = {"output_ids": ids, "meta_info": {
-            "finish_reason": {"type": "stop", "matched": "</search>" if turn == 0 else "</answer>"},
-            "weight_version": "1", "weight_versions": [{"version": "1", "start": 0, "end": len(ids)}],
-            "output_token_logprobs": [[-0.5, t, None] for t in ids], "num_retractions": 0}}
+        resp = {
+            "output_ids": ids,
+            "meta_info": {
+                "finish_reason": {"type": "stop", "matched": "</search>" if turn == 0 else "</answer>"},
+                "weight_version": "1",
+                "weight_versions": [{"version": "1", "start": 0, "end": len(ids)}],
+                "output_token_logprobs": [[-0.5, t, None] for t in ids],
+                "num_retractions": 0,
+            },
+        }
         gen_seconds[0] += time.perf_counter() - t0
         return resp
 
     retriever = InstantRetriever(docs)
-    cfg = AgentLoopConfig(task_name="searchr1", max_turns=3, max_tokens_per_turn=64, max_total_tokens=1024,
-                          tool=ToolConfig(topk=3, max_obs_tokens=200))
-    loop = AgentLoop(task=get_task("searchr1"), tokenizer=tok, retriever=retriever, agent_cfg=cfg,
-                     sampling=SamplingConfig())
+    cfg = AgentLoopConfig(
+        task_name="searchr1",
+        max_turns=3,
+        max_tokens_per_turn=64,
+        max_total_tokens=1024,
+        tool=ToolConfig(topk=3, max_obs_tokens=200),
+    )
+    loop = AgentLoop(
+        task=get_task("searchr1"), tokenizer=tok, retriever=retriever, agent_cfg=cfg, sampling=SamplingConfig()
+    )
     handle = EngineHandle(None, max_in_flight=64, url="bench", generate_raw=engine)
-    items = [PromptItem(index=i, prompt=rows[i % len(rows)]["question"], answers=rows[i % len(rows)]["golden_answers"])
-             for i in range(num_groups)]
+    items = [
+        PromptItem(index=i, prompt=rows[i % len(rows)]["question"], answers=rows[i % len(rows)]["golden_answers"])
+        for i in range(num_groups)
+    ]
     item_of = {}
     for i, it in enumerate(items):
         item_of[f"bench-g{i}"] = it.prompt
@@ -112,9 +134,13 @@ def bench_overhead(tok: AgentTokenizer, data: dict, *, num_groups: int, group_si
     turns = sum(t.num_turns for t in trajs)
     assert all(t.reward == 1.0 for t in trajs), "benchmark trajectories should all be correct"
     overhead = wall - gen_seconds[0] - retriever.seconds
-    return {"turns": turns, "trajectories": len(trajs), "wall_s": round(wall, 3),
-            "overhead_ms_per_turn": round(1000 * overhead / turns, 4),
-            "mean_response_tokens": round(sum(len(t.response_ids) for t in trajs) / len(trajs), 1)}
+    return {
+        "turns": turns,
+        "trajectories": len(trajs),
+        "wall_s": round(wall, 3),
+        "overhead_ms_per_turn": round(1000 * overhead / turns, 4),
+        "mean_response_tokens": round(sum(len(t.response_ids) for t in trajs) / len(trajs), 1),
+    }
 
 
 def bench_bm25(num_docs: int, num_queries: int, batch: int) -> dict:
@@ -138,12 +164,18 @@ def bench_bm25(num_docs: int, num_queries: int, batch: int) -> dict:
     t0 = time.perf_counter()
     hits = 0
     for s in range(0, num_queries, batch):
-        qs = queries[s:s + batch]
+        qs = queries[s : s + batch]
         got, _ = r.search(qs, topk=3)
         hits += sum(q.split(" of ")[1] == d[0]["contents"].split("\n")[0] for q, d in zip(qs, got))
     dt = time.perf_counter() - t0
-    return {"num_docs": num_docs, "num_queries": num_queries, "batch": batch, "index_s": round(index_s, 2),
-            "queries_per_s": round(num_queries / dt, 1), "top1_is_subject": round(hits / num_queries, 3)}
+    return {
+        "num_docs": num_docs,
+        "num_queries": num_queries,
+        "batch": batch,
+        "index_s": round(index_s, 2),
+        "queries_per_s": round(num_queries / dt, 1),
+        "top1_is_subject": round(hits / num_queries, 3),
+    }
 
 
 def main() -> int:
@@ -155,11 +187,16 @@ def main() -> int:
         overhead = bench_overhead(tok, data, num_groups=50 if args.quick else 400, group_size=4)
     bm25 = bench_bm25(100_000, 5_000 if args.quick else 50_000, batch=256)
     out = {
-        "bench": "agent", "quick": args.quick, "machine": platform.processor() or platform.machine(),
+        "bench": "agent",
+        "quick": args.quick,
+        "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
-        "overhead_ms_per_turn": overhead["overhead_ms_per_turn"], "overhead_target_ms": 2.0,
-        "bm25_queries_per_s": bm25["queries_per_s"], "bm25_target_qps": 1000,
-        "overhead": overhead, "bm25": bm25,
+        "overhead_ms_per_turn": overhead["overhead_ms_per_turn"],
+        "overhead_target_ms": 2.0,
+        "bm25_queries_per_s": bm25["queries_per_s"],
+        "bm25_target_qps": 1000,
+        "overhead": overhead,
+        "bm25": bm25,
     }
     print(json.dumps(out))
     return 0

@@ -55,13 +55,28 @@ def prepare(prep_dir: Path) -> tuple[float, int]:
 def run_job(prep_dir: Path, run_dir: Path, *, inflight: str, steps: int, extra: list[str]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(REPO / "launch/train.py"), "configs/tiny.toml",
-           f'prepare.dir="{prep_dir}"', f'actor.model_path="{prep_dir}/model_sft"',
-           f'data.train_path="{prep_dir}/data/train.jsonl"', f'data.test_path="{prep_dir}/data/test.jsonl"',
-           f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
-           f"rollout.port={_free_port()}", f"runner.max_steps={steps}", "runner.eval_before_after=false",
-           f"rollout_buffer.max_inflight_groups={inflight}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(REPO / "launch/train.py"),
+        "configs/tiny.toml",
+        f'prepare.dir="{prep_dir}"',
+        f'actor.model_path="{prep_dir}/model_sft"',
+        f'data.train_path="{prep_dir}/data/train.jsonl"',
+        f'data.test_path="{prep_dir}/data/test.jsonl"',
+        f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
+        f'logging.run_dir="{run_dir}"',
+        f"rollout.port={_free_port()}",
+        f"runner.max_steps={steps}",
+        "runner.eval_before_after=false",
+        f"rollout_buffer.max_inflight_groups={inflight}",
+        *extra,
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
@@ -94,8 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="8 steps per run")
     p.add_argument("--steps", type=int, help="steps per run (default 8 quick, 30 full)")
     p.add_argument("--prep-dir", help="prepared tiny model and data (default: a temp dir, prepared each time)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override for every run (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run (repeatable)",
+    )
     a = p.parse_args(argv)
     steps = a.steps or (8 if a.quick else 30)
     t_start = time.perf_counter()
@@ -103,17 +124,29 @@ def main(argv: list[str] | None = None) -> int:
         prep_dir = Path(a.prep_dir).resolve() if a.prep_dir else Path(tmp) / "prep"
         prep_s, derived = prepare(prep_dir)
         runs = {}
-        for label, value in (("auto", '"auto"'), (f"derived={derived}", str(derived)),
-                             (f"2x={2 * derived}", str(2 * derived))):
+        for label, value in (
+            ("auto", '"auto"'),
+            (f"derived={derived}", str(derived)),
+            (f"2x={2 * derived}", str(2 * derived)),
+        ):
             recs = run_job(prep_dir, Path(tmp) / label.split("=")[0], inflight=value, steps=steps, extra=a.extra)
             runs[label] = summarize(recs)
             s = runs[label]
-            print(f"{label:>12}: step {s['time_step_s']:.2f}s  staleness {s['staleness_mean']:.2f} (max "
-                  f"{s['staleness_max']:.0f})  reward {s['reward_mean']:.3f}  wait in-flight {s['wait_inflight']:.2f} "
-                  f"buffer {s['wait_buffer']:.2f}  limits {s['inflight_limit_per_step']}", flush=True)
-    result = {"benchmark": "autotune", "steps": steps, "derived": derived, "runs": runs,
-              "prepare_s": round(prep_s, 1), "total_s": round(time.perf_counter() - t_start, 1),
-              "load_avg_1m": os.getloadavg()[0]}
+            print(
+                f"{label:>12}: step {s['time_step_s']:.2f}s  staleness {s['staleness_mean']:.2f} (max "
+                f"{s['staleness_max']:.0f})  reward {s['reward_mean']:.3f}  wait in-flight {s['wait_inflight']:.2f} "
+                f"buffer {s['wait_buffer']:.2f}  limits {s['inflight_limit_per_step']}",
+                flush=True,
+            )
+    result = {
+        "benchmark": "autotune",
+        "steps": steps,
+        "derived": derived,
+        "runs": runs,
+        "prepare_s": round(prep_s, 1),
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "load_avg_1m": os.getloadavg()[0],
+    }
     print(json.dumps(result), flush=True)
     return 0
 

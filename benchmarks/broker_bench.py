@@ -49,10 +49,16 @@ import harness  # noqa: E402
 
 
 def _traj(n_prompt: int, n_resp: int, version: int) -> Trajectory:
-    return Trajectory(prompt_ids=np.arange(n_prompt, dtype=np.int32), response_ids=np.arange(n_resp, dtype=np.int32),
-                      loss_mask=np.ones(n_resp, np.uint8), rollout_logprobs=np.full(n_resp, -0.5, np.float32),
-                      weight_versions=np.full(n_resp, version, np.int32), reward=1.0, min_version=version,
-                      max_version=version)
+    return Trajectory(
+        prompt_ids=np.arange(n_prompt, dtype=np.int32),
+        response_ids=np.arange(n_resp, dtype=np.int32),
+        loss_mask=np.ones(n_resp, np.uint8),
+        rollout_logprobs=np.full(n_resp, -0.5, np.float32),
+        weight_versions=np.full(n_resp, version, np.int32),
+        reward=1.0,
+        min_version=version,
+        max_version=version,
+    )
 
 
 class _NoRetriever:
@@ -72,10 +78,18 @@ def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int, model_
     from asyncrl.config import load_config
 
     tune_gc()
-    cfg = load_config(REPO / "configs/tiny.toml", ["agentloop.max_requests_per_engine=65536",
-                                                   "agentloop.heartbeat_interval_s=1.0"])
-    w = AgentWorker(cfg, broker_address=address, engine_urls=["http://127.0.0.1:9"], tokenizer_path=model_dir,
-                    worker_id=worker_id, retriever=_NoRetriever(), connect_timeout_s=30)
+    cfg = load_config(
+        REPO / "configs/tiny.toml", ["agentloop.max_requests_per_engine=65536", "agentloop.heartbeat_interval_s=1.0"]
+    )
+    w = AgentWorker(
+        cfg,
+        broker_address=address,
+        engine_urls=["http://127.0.0.1:9"],
+        tokenizer_path=model_dir,
+        worker_id=worker_id,
+        retriever=_NoRetriever(),
+        connect_timeout_s=30,
+    )
     traj = _traj(n_prompt, n_resp, 0)
 
     async def run_trajectory(item, engine, *, prompt_ids, rid):
@@ -92,10 +106,12 @@ def _config(tmp: Path, *, batch: int, group_size: int, inflight: int, buffered: 
         for i in range(1000):
             f.write(json.dumps({"question": f"q{i}", "golden_answers": ["a"]}) + "\n")
     cfg = tmp / "bench.toml"
-    cfg.write_text(f"[runner]\nasync_mode = true\n[data]\nrollout_batch_size = {batch}\n"
-                   f"[algorithm]\ngroup_size = {group_size}\n"
-                   f"[rollout_buffer]\nsubmission_granularity = \"group\"\nmax_inflight_groups = {inflight}\n"
-                   f"max_buffered_groups = {buffered}\nmax_dropped_groups_per_step = 1000000\n")
+    cfg.write_text(
+        f"[runner]\nasync_mode = true\n[data]\nrollout_batch_size = {batch}\n"
+        f"[algorithm]\ngroup_size = {group_size}\n"
+        f'[rollout_buffer]\nsubmission_granularity = "group"\nmax_inflight_groups = {inflight}\n'
+        f"max_buffered_groups = {buffered}\nmax_dropped_groups_per_step = 1000000\n"
+    )
     return str(cfg), str(prompts)
 
 
@@ -103,8 +119,13 @@ def _start(tmp: Path, n_workers: int, n_prompt: int, n_resp: int, model_dir: Pat
     cfg, prompts = _config(tmp, **cfg_kw)
     broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp / "broker.log"), log_level="WARNING")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    workers = [subprocess.Popen([sys.executable, __file__, "--worker", broker.address, f"w{i}", str(n_prompt),
-                                 str(n_resp), str(model_dir)], env=env) for i in range(n_workers)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", broker.address, f"w{i}", str(n_prompt), str(n_resp), str(model_dir)],
+            env=env,
+        )
+        for i in range(n_workers)
+    ]
     return broker, workers
 
 
@@ -164,8 +185,14 @@ def bench_throughput(tmp: Path, model_dir: Path, *, n_workers: int, window_s: fl
     for k in pids:
         if None not in cpu0[k] + cpu1[k]:
             cpu_us[k] = sum(b - a for a, b in zip(cpu0[k], cpu1[k])) / n_all * 1e6
-    return {"groups_per_s": harness.summary(rates), "groups": n_all, "seconds": dt, "workers": n_workers,
-            "group_size": 2, "cpu_us_per_group": cpu_us}
+    return {
+        "groups_per_s": harness.summary(rates),
+        "groups": n_all,
+        "seconds": dt,
+        "workers": n_workers,
+        "group_size": 2,
+        "cpu_us_per_group": cpu_us,
+    }
 
 
 def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
@@ -174,8 +201,9 @@ def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
     alternating, then resumes issuing."""
     batch, g, n_prompt, n_resp = 512, 5, 200, 1800
     nbytes = batch * g * (4 * n_prompt + 9 * n_resp + 4 * n_resp)
-    broker, workers = _start(tmp, 2, n_prompt, n_resp, model_dir, batch=batch, group_size=g, inflight=batch,
-                             buffered=batch)
+    broker, workers = _start(
+        tmp, 2, n_prompt, n_resp, model_dir, batch=batch, group_size=g, inflight=batch, buffered=batch
+    )
     client = BrokerClient(broker.address, timeout_s=60)
     raw = _RawPeer(nbytes)
     lat: list[float] = []
@@ -185,8 +213,11 @@ def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
         t0 = time.perf_counter()
         b = _fetch(client, step)
         dt = time.perf_counter() - t0
-        got = sum(4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
-                  for gr in b.groups for t in gr.trajectories)
+        got = sum(
+            4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
+            for gr in b.groups
+            for t in gr.trajectories
+        )
         assert len(b.groups) == batch and got == nbytes, (len(b.groups), got, nbytes)
         return dt
 
@@ -208,9 +239,18 @@ def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
     finally:
         raw.close()
         _stop(broker, workers, client)
-    return {"batch_groups": batch, "group_size": g, "tokens_per_traj": n_prompt + n_resp, "bytes": nbytes,
-            "handoff_s": harness.summary(lat), "raw_s": harness.summary(raw_lat),
-            "handoff_p99_s": _pct(lat, 99), "raw_p99_s": _pct(raw_lat, 99), "handoff": lat, "raw": raw_lat}
+    return {
+        "batch_groups": batch,
+        "group_size": g,
+        "tokens_per_traj": n_prompt + n_resp,
+        "bytes": nbytes,
+        "handoff_s": harness.summary(lat),
+        "raw_s": harness.summary(raw_lat),
+        "handoff_p99_s": _pct(lat, 99),
+        "raw_p99_s": _pct(raw_lat, 99),
+        "handoff": lat,
+        "raw": raw_lat,
+    }
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -242,10 +282,18 @@ def bench_broker_cpu(n_groups: int, *, per_message: int = 64) -> dict:
     from asyncrl.broker.core import BrokerCore, CoreSettings
     from asyncrl.broker.types import PromptItem
 
-    core = BrokerCore([PromptItem(i, f"q{i}", ["a"]) for i in range(1000)], clock=time.monotonic,
-                      settings=CoreSettings(rollout_batch_size=512, group_size=2, max_inflight_groups=2048,
-                                            max_buffered_groups=4096, max_dropped_groups_per_step=10**9,
-                                            submission_granularity="group"))
+    core = BrokerCore(
+        [PromptItem(i, f"q{i}", ["a"]) for i in range(1000)],
+        clock=time.monotonic,
+        settings=CoreSettings(
+            rollout_batch_size=512,
+            group_size=2,
+            max_inflight_groups=2048,
+            max_buffered_groups=4096,
+            max_dropped_groups_per_step=10**9,
+            submission_granularity="group",
+        ),
+    )
     core.add_worker("w0", capacity=1 << 16)
     core.add_worker("w1", capacity=1 << 16)
     trajs = [_traj(4, 8, 0) for _ in range(2)]
@@ -256,13 +304,14 @@ def bench_broker_cpu(n_groups: int, *, per_message: int = 64) -> dict:
         per_worker: dict[str, list] = {}
         for i in issues:
             per_worker.setdefault(i.worker_id, []).append(
-                [i.group_id, i.group_size, i.version, i.epoch, P._item_row(i.item)])
+                [i.group_id, i.group_size, i.version, i.epoch, P._item_row(i.item)]
+            )
         for rows in per_worker.values():
             P.encode(P.ISSUE, {"rows": rows})
         reports = []
         for k in range(0, len(issues), per_message):
             t1 = time.process_time()
-            frames = P.finished_groups_frames([(i.group_id, trajs, False, "") for i in issues[k:k + per_message]])
+            frames = P.finished_groups_frames([(i.group_id, trajs, False, "") for i in issues[k : k + per_message]])
             worker_s += time.process_time() - t1
             reports += [(gid, tr, ab) for gid, tr, ab, _ in P.unpack_finished_groups(P.decode(frames))]
         core.groups_finished(reports)
@@ -346,19 +395,39 @@ def main(argv=None) -> int:
         model_dir = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # the workers' tokenizer
         tp = bench_throughput(Path(d), model_dir, n_workers=args.workers, window_s=window, reps=args.reps)
         gps = tp["groups_per_s"]
-        print(f"throughput (production worker and fetch): {harness.fmt(gps, ' groups/s')} target >= 20000; "
-              "CPU us/group " + ", ".join(f"{k} {v:.1f}" for k, v in tp["cpu_us_per_group"].items()), flush=True)
+        print(
+            f"throughput (production worker and fetch): {harness.fmt(gps, ' groups/s')} target >= 20000; "
+            "CPU us/group " + ", ".join(f"{k} {v:.1f}" for k, v in tp["cpu_us_per_group"].items()),
+            flush=True,
+        )
         cpu = bench_broker_cpu(20000 if args.quick else 100000)
-        print(f"broker CPU per small group (in process, no sockets): {cpu['us_per_group']:.1f} us "
-              f"-> ceiling {cpu['ceiling_groups_per_s']:.0f} groups/s on one core of this machine", flush=True)
+        print(
+            f"broker CPU per small group (in process, no sockets): {cpu['us_per_group']:.1f} us "
+            f"-> ceiling {cpu['ceiling_groups_per_s']:.0f} groups/s on one core of this machine",
+            flush=True,
+        )
         ho = bench_handoff(Path(d), model_dir, reps=args.reps)
-    print(f"hand-off of {ho['batch_groups']} groups x {ho['group_size']} x {ho['tokens_per_traj']} tokens "
-          f"({ho['bytes'] / 1e6:.1f} MB): {harness.fmt(ho['handoff_s'], ' ms', 1e3)}; raw ZeroMQ "
-          f"{harness.fmt(ho['raw_s'], ' ms', 1e3)}", flush=True)
-    rep.ratio("throughput_over_target_ratio", gps["values"], [20000.0] * len(gps["values"]), target=1.0,
-              note="groups/s per window / 20,000 (the issue's target: >= 20k groups/s median)")
-    rep.ratio("handoff_over_raw_ratio", ho.pop("handoff"), ho.pop("raw"), target=1.5, at_least=False,
-              note="hand-off s / raw ZeroMQ round trip s of the same bytes, same repetition, issuing paused")
+    print(
+        f"hand-off of {ho['batch_groups']} groups x {ho['group_size']} x {ho['tokens_per_traj']} tokens "
+        f"({ho['bytes'] / 1e6:.1f} MB): {harness.fmt(ho['handoff_s'], ' ms', 1e3)}; raw ZeroMQ "
+        f"{harness.fmt(ho['raw_s'], ' ms', 1e3)}",
+        flush=True,
+    )
+    rep.ratio(
+        "throughput_over_target_ratio",
+        gps["values"],
+        [20000.0] * len(gps["values"]),
+        target=1.0,
+        note="groups/s per window / 20,000 (the issue's target: >= 20k groups/s median)",
+    )
+    rep.ratio(
+        "handoff_over_raw_ratio",
+        ho.pop("handoff"),
+        ho.pop("raw"),
+        target=1.5,
+        at_least=False,
+        note="hand-off s / raw ZeroMQ round trip s of the same bytes, same repetition, issuing paused",
+    )
     rep.emit({"throughput": tp, "broker_cpu": cpu, "handoff": ho, "zmq": zmq.zmq_version()}, save=args.save)
     return 0
 

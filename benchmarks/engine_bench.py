@@ -41,10 +41,12 @@ async def _engine_run(url: str, prompts, lengths, concurrency: int) -> tuple[flo
 
     sem = asyncio.Semaphore(concurrency)
     async with SGLangClient(url, request_timeout_s=600) as c:
+
         async def one(p, n):
             async with sem:
-                r = await c.generate(p, {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True},
-                                     return_logprob=True)
+                r = await c.generate(
+                    p, {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}, return_logprob=True
+                )
                 assert len(r.output_ids) == n, (len(r.output_ids), n)
                 return n
 
@@ -61,8 +63,10 @@ def _by_length(prompts, lengths):
 
 def _hf_computed(lengths, concurrency: int) -> int:
     """Generated token rows HF computes: per batch, its size x its longest request."""
-    return sum(len(lengths[i: i + concurrency]) * max(lengths[i: i + concurrency])
-               for i in range(0, len(lengths), concurrency))
+    return sum(
+        len(lengths[i : i + concurrency]) * max(lengths[i : i + concurrency])
+        for i in range(0, len(lengths), concurrency)
+    )
 
 
 def _hf_run(hf, prompts, lengths, concurrency: int, pad_id: int) -> tuple[float, int]:
@@ -72,16 +76,25 @@ def _hf_run(hf, prompts, lengths, concurrency: int, pad_id: int) -> tuple[float,
     t0 = time.perf_counter()
     toks = 0
     for i in range(0, len(prompts), concurrency):
-        ps, ns = prompts[i: i + concurrency], lengths[i: i + concurrency]
+        ps, ns = prompts[i : i + concurrency], lengths[i : i + concurrency]
         width = max(len(p) for p in ps)
         ids = torch.full((len(ps), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for b, p in enumerate(ps):
-            ids[b, width - len(p):] = torch.tensor(p)
-            mask[b, width - len(p):] = 1
+            ids[b, width - len(p) :] = torch.tensor(p)
+            mask[b, width - len(p) :] = 1
         with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
-                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(ns),
+                min_new_tokens=max(ns),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad_id,
+            )
         assert out.shape[1] == width + max(ns)
         toks += sum(ns)
     return time.perf_counter() - t0, toks
@@ -90,9 +103,13 @@ def _hf_run(hf, prompts, lengths, concurrency: int, pad_id: int) -> tuple[float,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_args(ap)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads for each side (1 is stable on a shared machine: OMP spin-waits with "
-                         "more threads than free cores slow both sides down many-fold)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for each side (1 is stable on a shared machine: OMP spin-waits with "
+        "more threads than free cores slow both sides down many-fold)",
+    )
     a = ap.parse_args(argv)
     rep = harness.Report("engine_bench", argv)
     import torch
@@ -112,32 +129,51 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         model = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # 4 layers, hidden 128
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        with running_cpu_engine(model, log_dir=Path(d) / "logs", max_running_requests=64,
-                                extra=["--num-threads", str(a.threads)]) as sup:
+        with running_cpu_engine(
+            model, log_dir=Path(d) / "logs", max_running_requests=64, extra=["--num-threads", str(a.threads)]
+        ) as sup:
             for c, n in n_req.items():
                 prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(16, 48))] for _ in range(n)]
                 lengths = [rng.randint(8, max_len) for _ in range(n)]
                 gen = sum(lengths)
-                t = harness.interleave({
-                    "engine": lambda p=prompts, n=lengths, c=c: asyncio.run(_engine_run(sup.url, p, n, c))[0],
-                    "hf": lambda p=prompts, n=lengths, c=c: _hf_run(hf, p, n, c, pad_id=0)[0],
-                }, reps=a.reps, warmup=1)
+                t = harness.interleave(
+                    {
+                        "engine": lambda p=prompts, n=lengths, c=c: asyncio.run(_engine_run(sup.url, p, n, c))[0],
+                        "hf": lambda p=prompts, n=lengths, c=c: _hf_run(hf, p, n, c, pad_id=0)[0],
+                    },
+                    reps=a.reps,
+                    warmup=1,
+                )
                 computed = _hf_computed(sorted(lengths), c)
-                rep.ratio(f"c{c}_speedup_ratio", t["hf"], t["engine"], target=targets[c],
-                          note="HF s / engine s for the same generated tokens = speed-up per generated token "
-                               "(HF batched by length)")
+                rep.ratio(
+                    f"c{c}_speedup_ratio",
+                    t["hf"],
+                    t["engine"],
+                    target=targets[c],
+                    note="HF s / engine s for the same generated tokens = speed-up per generated token "
+                    "(HF batched by length)",
+                )
                 levels[str(c)] = {
-                    "requests": n, "generated_tokens": gen, "hf_computed_tokens": computed,
+                    "requests": n,
+                    "generated_tokens": gen,
+                    "hf_computed_tokens": computed,
                     "hf_computed_over_generated": computed / gen,
-                    "engine_s": harness.summary(t["engine"]), "hf_s": harness.summary(t["hf"]),
+                    "engine_s": harness.summary(t["engine"]),
+                    "hf_s": harness.summary(t["hf"]),
                     "engine_generated_tok_s": gen / statistics.median(t["engine"]),
                     "hf_generated_tok_s": gen / statistics.median(t["hf"]),
                     "hf_computed_tok_s": computed / statistics.median(t["hf"]),
                 }
                 print(f"concurrency {c}: {levels[str(c)]}", file=sys.stderr)
-    rep.emit({"model": "tiny qwen2 (4 layers, hidden 128, vocab ~1k), fp32", "threads": a.threads,
-              "hf_batching": "by length (requests sorted by output length, then cut into batches of the concurrency)",
-              "levels": levels}, save=a.save)
+    rep.emit(
+        {
+            "model": "tiny qwen2 (4 layers, hidden 128, vocab ~1k), fp32",
+            "threads": a.threads,
+            "hf_batching": "by length (requests sorted by output length, then cut into batches of the concurrency)",
+            "levels": levels,
+        },
+        save=a.save,
+    )
     return 0
 
 

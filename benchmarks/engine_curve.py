@@ -47,20 +47,21 @@ def _loadavg() -> str:
         return "n/a"
 
 
-async def _level(url: str, c: int, *, rng: random.Random, prompt_tokens: int, output_tokens: int,
-                 vocab: int) -> dict:
+async def _level(url: str, c: int, *, rng: random.Random, prompt_tokens: int, output_tokens: int, vocab: int) -> dict:
     from asyncrl.engine.client import SGLangClient
 
     per_client = max(2, -(-MIN_TOKENS_PER_LEVEL // (c * output_tokens)))
     latencies: list[float] = []
     async with SGLangClient(url, request_timeout_s=600) as client:
+
         async def one_client() -> int:
             toks = 0
             for _ in range(per_client):
                 prompt = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
                 t0 = time.perf_counter()
-                r = await client.generate(prompt, {"max_new_tokens": output_tokens, "temperature": 1.0,
-                                                   "ignore_eos": True})
+                r = await client.generate(
+                    prompt, {"max_new_tokens": output_tokens, "temperature": 1.0, "ignore_eos": True}
+                )
                 latencies.append(time.perf_counter() - t0)
                 assert len(r.output_ids) == output_tokens, (len(r.output_ids), output_tokens)
                 toks += output_tokens
@@ -70,9 +71,15 @@ async def _level(url: str, c: int, *, rng: random.Random, prompt_tokens: int, ou
         t0 = time.perf_counter()
         toks = sum(await asyncio.gather(*(one_client() for _ in range(c))))
         wall = time.perf_counter() - t0
-    return {"concurrency": c, "requests": c * per_client, "tok_s": toks / wall,
-            "latency_s": statistics.median(latencies), "wall_s": wall,
-            "loadavg_before": load_before, "loadavg_after": _loadavg()}
+    return {
+        "concurrency": c,
+        "requests": c * per_client,
+        "tok_s": toks / wall,
+        "latency_s": statistics.median(latencies),
+        "wall_s": wall,
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
+    }
 
 
 def measure(*, levels: tuple[int, ...], rounds: int, prompt_tokens: int, output_tokens: int, threads: int) -> dict:
@@ -84,20 +91,31 @@ def measure(*, levels: tuple[int, ...], rounds: int, prompt_tokens: int, output_
     with tempfile.TemporaryDirectory() as d:
         model = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # 4 layers, hidden 128
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        with running_cpu_engine(model, log_dir=Path(d) / "logs", max_running_requests=max(levels),
-                                extra=["--num-threads", str(threads)]) as sup:
+        with running_cpu_engine(
+            model, log_dir=Path(d) / "logs", max_running_requests=max(levels), extra=["--num-threads", str(threads)]
+        ) as sup:
             kw = dict(rng=rng, prompt_tokens=prompt_tokens, output_tokens=output_tokens, vocab=vocab)
             asyncio.run(_level(sup.url, min(8, max(levels)), **kw))  # warm-up: allocator, first compiles
             for k in range(rounds):
-                for c in (levels if k % 2 == 0 else tuple(reversed(levels))):
+                for c in levels if k % 2 == 0 else tuple(reversed(levels)):
                     s = asyncio.run(_level(sup.url, c, **kw))
                     samples[c].append(s)
-                    print(f"round {k} c={c}: {s['tok_s']:.0f} tok/s, latency {s['latency_s']:.3f} s, "
-                          f"load {s['loadavg_before']} -> {s['loadavg_after']}", file=sys.stderr, flush=True)
-    curve = [{"concurrency": c, "tok_s": round(statistics.median(x["tok_s"] for x in samples[c]), 1),
-              "latency_s": round(statistics.median(x["latency_s"] for x in samples[c]), 4),
-              "tok_s_rounds": [round(x["tok_s"], 1) for x in samples[c]],
-              "loadavg": [x["loadavg_before"] for x in samples[c]]} for c in levels]
+                    print(
+                        f"round {k} c={c}: {s['tok_s']:.0f} tok/s, latency {s['latency_s']:.3f} s, "
+                        f"load {s['loadavg_before']} -> {s['loadavg_after']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    curve = [
+        {
+            "concurrency": c,
+            "tok_s": round(statistics.median(x["tok_s"] for x in samples[c]), 1),
+            "latency_s": round(statistics.median(x["latency_s"] for x in samples[c]), 4),
+            "tok_s_rounds": [round(x["tok_s"], 1) for x in samples[c]],
+            "loadavg": [x["loadavg_before"] for x in samples[c]],
+        }
+        for c in levels
+    ]
     return {"curve": curve, "samples": samples}
 
 
@@ -117,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
 
     levels = tuple(sorted({int(x) for x in a.levels.split(",")}))
     t0 = time.time()
-    m = measure(levels=levels, rounds=a.rounds, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens,
-                threads=a.threads)
+    m = measure(
+        levels=levels, rounds=a.rounds, prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens, threads=a.threads
+    )
     points = [(p["concurrency"], p["tok_s"]) for p in m["curve"]]
     peak, c_half = fit_saturation(points)
     report = curve_fit_report(points, peak, c_half)
     print(f"{'concurrency':>11} {'tok/s':>8} {'latency_s':>9} {'fit tok/s':>9} {'rel.err':>7}")
     for p, r in zip(m["curve"], report):
-        print(f"{p['concurrency']:>11} {p['tok_s']:8.0f} {p['latency_s']:9.3f} {r['fit_tok_s']:9.0f} "
-              f"{r['rel_err']:+7.1%}")
+        print(
+            f"{p['concurrency']:>11} {p['tok_s']:8.0f} {p['latency_s']:9.3f} {r['fit_tok_s']:9.0f} {r['rel_err']:+7.1%}"
+        )
     print(f"fit: tok/s(c) = {peak:.0f} x c / (c + {c_half:.2f})")
     result = {
         "benchmark": "engine_curve",
@@ -133,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}; shared",
         "model": "tiny qwen2 (4 layers, hidden 128), fp32, engine threads " + str(a.threads),
-        "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens, "rounds": a.rounds,
+        "prompt_tokens": a.prompt_tokens,
+        "output_tokens": a.output_tokens,
+        "rounds": a.rounds,
         "curve": m["curve"],
-        "fit": {"model": "tok_s(c) = peak x c / (c + c_half)", "peak_tok_s": round(peak, 1),
-                "c_half": round(c_half, 3), "rel_err": {str(r["concurrency"]): round(r["rel_err"], 4)
-                                                        for r in report}},
+        "fit": {
+            "model": "tok_s(c) = peak x c / (c + c_half)",
+            "peak_tok_s": round(peak, 1),
+            "c_half": round(c_half, 3),
+            "rel_err": {str(r["concurrency"]): round(r["rel_err"], 4) for r in report},
+        },
         "wall_s": round(time.time() - t0, 1),
     }
     if a.out:

@@ -51,8 +51,14 @@ def summary(xs: Sequence[float]) -> dict[str, Any]:
     if not xs:
         raise ValueError("summary of no repetitions")
     med = statistics.median(xs)
-    return {"median": med, "min": min(xs), "max": max(xs),
-            "spread": (max(xs) - min(xs)) / med if med else float("nan"), "n": len(xs), "values": list(xs)}
+    return {
+        "median": med,
+        "min": min(xs),
+        "max": max(xs),
+        "spread": (max(xs) - min(xs)) / med if med else float("nan"),
+        "n": len(xs),
+        "values": list(xs),
+    }
 
 
 def interleave(sides: dict[str, Callable[[], float]], *, reps: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -71,8 +77,10 @@ def interleave(sides: dict[str, Callable[[], float]], *, reps: int, warmup: int 
 
 
 def fmt(s: dict[str, Any], unit: str = "", scale: float = 1.0) -> str:
-    return (f"median {s['median'] * scale:.4g}{unit} (min {s['min'] * scale:.4g}, max {s['max'] * scale:.4g}, "
-            f"spread {s['spread'] * 100:.0f}%, n={s['n']})")
+    return (
+        f"median {s['median'] * scale:.4g}{unit} (min {s['min'] * scale:.4g}, max {s['max'] * scale:.4g}, "
+        f"spread {s['spread'] * 100:.0f}%, n={s['n']})"
+    )
 
 
 def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS) -> None:
@@ -93,8 +101,16 @@ class Report:
         self.load_start = loadavg()
         self.ratios: dict[str, dict[str, Any]] = {}
 
-    def ratio(self, key: str, num: Sequence[float], den: Sequence[float], *, target: float,
-              at_least: bool = True, note: str = "") -> dict[str, Any]:
+    def ratio(
+        self,
+        key: str,
+        num: Sequence[float],
+        den: Sequence[float],
+        *,
+        target: float,
+        at_least: bool = True,
+        note: str = "",
+    ) -> dict[str, Any]:
         """Per-repetition ratio ``num[i] / den[i]`` (pairs from the same repetition), its median and spread,
         and the target (``>=`` target when ``at_least``, else ``<=``)."""
         if not key.endswith("_ratio"):
@@ -102,13 +118,15 @@ class Report:
         if len(num) != len(den) or not num:
             raise ValueError(f"{key}: {len(num)} and {len(den)} repetitions; the sides must pair up")
         s = summary([a / b for a, b in zip(num, den)])
-        s.update(target=target, target_op=">=" if at_least else "<=",
-                 met=s["median"] >= target if at_least else s["median"] <= target)
+        s.update(
+            target=target,
+            target_op=">=" if at_least else "<=",
+            met=s["median"] >= target if at_least else s["median"] <= target,
+        )
         if note:
             s["note"] = note
         self.ratios[key] = s
-        print(f"{key}: {fmt(s)}; target {s['target_op']} {target} -> {'met' if s['met'] else 'MISSED'}",
-              flush=True)
+        print(f"{key}: {fmt(s)}; target {s['target_op']} {target} -> {'met' if s['met'] else 'MISSED'}", flush=True)
         return s
 
     def emit(self, figures: dict[str, Any], *, save: bool = False) -> dict[str, Any]:
@@ -118,8 +136,7 @@ class Report:
             "date": self.date,
             "load_start": self.load_start,
             "load_end": loadavg(),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version()},
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
             "wall_s": time.perf_counter() - self.t0,
             **{k: v for k, v in self.ratios.items()},
             "targets_missed": [k for k, v in self.ratios.items() if not v["met"]],
@@ -140,5 +157,6 @@ class Report:
         runs = [r for r in prior if isinstance(r, dict) and r.get("benchmark") == self.name and "date" in r]
         runs = (runs + [doc])[-KEEP_RUNS:]
         BASELINES.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"benchmark": self.name, "latest": doc, "runs": runs}, indent=1, default=float)
-                        + "\n")
+        path.write_text(
+            json.dumps({"benchmark": self.name, "latest": doc, "runs": runs}, indent=1, default=float) + "\n"
+        )

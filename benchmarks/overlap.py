@@ -102,10 +102,16 @@ def prepare(prep_dir: Path) -> float:
 
 def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> list[str]:
     return [
-        f'prepare.dir="{prep_dir}"', f'actor.model_path="{prep_dir}/model_sft"',
-        f'data.train_path="{prep_dir}/data/train.jsonl"', f'data.test_path="{prep_dir}/data/test.jsonl"',
-        f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
-        f"rollout.port={_free_port()}", f"runner.max_steps={steps}", *WORKLOAD, *extra,
+        f'prepare.dir="{prep_dir}"',
+        f'actor.model_path="{prep_dir}/model_sft"',
+        f'data.train_path="{prep_dir}/data/train.jsonl"',
+        f'data.test_path="{prep_dir}/data/test.jsonl"',
+        f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
+        f'logging.run_dir="{run_dir}"',
+        f"rollout.port={_free_port()}",
+        f"runner.max_steps={steps}",
+        *WORKLOAD,
+        *extra,
         f"runner.async_mode={'true' if async_mode else 'false'}",
     ]
 
@@ -113,16 +119,26 @@ def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int
 def run_job(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(REPO / "launch/train.py"), "configs/tiny.toml",
-           *job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(REPO / "launch/train.py"),
+        "configs/tiny.toml",
+        *job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra),
+    ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     wall_s = time.perf_counter() - t0
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
-        raise SystemExit(f"overlap: the {'async' if async_mode else 'sync'} job failed (exit {r.returncode}); "
-                         f"logs under {run_dir}")
+        raise SystemExit(
+            f"overlap: the {'async' if async_mode else 'sync'} job failed (exit {r.returncode}); logs under {run_dir}"
+        )
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"wall_s": wall_s, "records": recs}
 
@@ -141,11 +157,14 @@ def _mean(recs: list[dict], key: str) -> float:
 def summarize(mode: str, runs: list[dict]) -> dict:
     """Figures of one mode over its repeats: the steps after the first of every run, and their second half."""
     after_first = [rec for run in runs for rec in run["records"][1:]]
-    steady = [rec for run in runs for rec in run["records"][len(run["records"]) // 2:]]
+    steady = [rec for run in runs for rec in run["records"][len(run["records"]) // 2 :]]
     # wall clock between the ends of the first and the last step (includes the per-step logging and
     # /metrics scrape that time/step leaves out)
-    wall = [(run["records"][-1]["time"] - run["records"][0]["time"]) / (len(run["records"]) - 1)
-            for run in runs if len(run["records"]) > 1]
+    wall = [
+        (run["records"][-1]["time"] - run["records"][0]["time"]) / (len(run["records"]) - 1)
+        for run in runs
+        if len(run["records"]) > 1
+    ]
     out = {
         "time_step_s": _mean(after_first, "time/step"),
         "wall_step_s": statistics.mean(wall) if wall else 0.0,
@@ -194,8 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_args(p, reps=3)
     p.add_argument("--steps", type=int, help="steps per run (default 8 quick, 20 full)")
     p.add_argument("--prep-dir", default=str(REPO / "runs/overlap_bench"), help="prepared tiny model and data (cached)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override for both modes (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for both modes (repeatable)",
+    )
     a = p.parse_args(argv)
     if a.reps < 3:
         raise SystemExit(f"--reps {a.reps}: at least 3 paired runs (one pair is noise on a shared machine)")
@@ -211,16 +236,29 @@ def main(argv: list[str] | None = None) -> int:
             res = run_job(prep_dir, Path(tmp) / f"{mode}{i}", async_mode=mode == "async", steps=steps, extra=a.extra)
             runs[mode].append(res)
             s = summarize(mode, [res])
-            print(f"{mode} run {i}: time/step {s['time_step_s']:.3f}s (steady {s['time_step_steady_s']:.3f}s) "
-                  f"split {json.dumps(_round(s['split_s']))} job {res['wall_s']:.1f}s", flush=True)
+            print(
+                f"{mode} run {i}: time/step {s['time_step_s']:.3f}s (steady {s['time_step_steady_s']:.3f}s) "
+                f"split {json.dumps(_round(s['split_s']))} job {res['wall_s']:.1f}s",
+                flush=True,
+            )
             return s["time_step_s"]
 
         t = harness.interleave({"sync": lambda: one("sync"), "async": lambda: one("async")}, reps=a.reps, warmup=0)
     pairs = [figures(summarize("sync", [s]), summarize("async", [x])) for s, x in zip(runs["sync"], runs["async"])]
-    rep.ratio("sync_over_async_ratio", t["sync"], t["async"], target=1.5,
-              note="sync-mode time/step / async-mode time/step, per pair of runs")
-    rep.ratio("overlap_efficiency_ratio", [f["ideal_async_time_step_s"] for f in pairs], t["async"], target=0.9,
-              note="ideal / measured async time/step, ideal = max(generation, training) + sync of the pair's sync run")
+    rep.ratio(
+        "sync_over_async_ratio",
+        t["sync"],
+        t["async"],
+        target=1.5,
+        note="sync-mode time/step / async-mode time/step, per pair of runs",
+    )
+    rep.ratio(
+        "overlap_efficiency_ratio",
+        [f["ideal_async_time_step_s"] for f in pairs],
+        t["async"],
+        target=0.9,
+        note="ideal / measured async time/step, ideal = max(generation, training) + sync of the pair's sync run",
+    )
     result = {
         "pairs": _round(pairs),
         "sync": _round(summarize("sync", runs["sync"])),

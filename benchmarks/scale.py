@@ -129,10 +129,18 @@ class _Gid:
 
 
 def _core(inflight: int, workers: int, batch: int, gs: int, clock) -> BrokerCore:
-    s = CoreSettings(rollout_batch_size=batch, group_size=gs, max_inflight_groups=inflight,
-                     max_buffered_groups=inflight + batch, max_dropped_groups_per_step=10**9,
-                     submission_granularity="sample", max_staleness=STALENESS_CAP, seed=0,
-                     no_data_warning_s=1e9, worker_heartbeat_timeout_s=1e9)
+    s = CoreSettings(
+        rollout_batch_size=batch,
+        group_size=gs,
+        max_inflight_groups=inflight,
+        max_buffered_groups=inflight + batch,
+        max_dropped_groups_per_step=10**9,
+        submission_granularity="sample",
+        max_staleness=STALENESS_CAP,
+        seed=0,
+        no_data_warning_s=1e9,
+        worker_heartbeat_timeout_s=1e9,
+    )
     core = BrokerCore([PromptItem(i, f"q{i}") for i in range(4096)], settings=s, clock=clock)
     cap = max(1, math.ceil(inflight * gs / (1.2 * workers)))
     core.hold_issuing()  # every worker joins before the first burst (the old core gives it all to the first)
@@ -151,8 +159,11 @@ def drive(inflight: int, workers: int, *, steps: int, gs: int = 8, seed: int = 0
     assert len(live) == inflight, (len(live), inflight)
     member = getattr(core, "is_inflight", None)
     if member is None:  # a core from before is_inflight: the simulator's list scan, or the server's owner()
-        member = (lambda g: g in core.inflight_group_ids()) if OLD_MEMBERSHIP == "ids" else \
-            (lambda g: core.owner(g) is not None)
+        member = (
+            (lambda g: g in core.inflight_group_ids())
+            if OLD_MEMBERSHIP == "ids"
+            else (lambda g: core.owner(g) is not None)
+        )
     rng = random.Random(seed)
     events = 0
     t0 = 0.0
@@ -193,18 +204,30 @@ def per_event(inflight: int, workers: int, *, steps: int, reps: int) -> dict:
         net.append(cpu / real["events"] * 1e6)
         per_step.append(cpu / steps)
     events_per_step = real["events"] / steps
-    return {"inflight": inflight, "workers": workers, "batch": _batch_for(inflight), "reps": reps,
-            "events_per_step": events_per_step,
-            "us_per_event": statistics.median(net), "us_per_event_min": min(net), "us_per_event_max": max(net),
-            "core_s_per_step": statistics.median(per_step),
-            "core_s_per_step_spread": [min(per_step), max(per_step)]}
+    return {
+        "inflight": inflight,
+        "workers": workers,
+        "batch": _batch_for(inflight),
+        "reps": reps,
+        "events_per_step": events_per_step,
+        "us_per_event": statistics.median(net),
+        "us_per_event_min": min(net),
+        "us_per_event_max": max(net),
+        "core_s_per_step": statistics.median(per_step),
+        "core_s_per_step_spread": [min(per_step), max(per_step)],
+    }
 
 
 def step_model(engines: int, batch: int, gs: int) -> dict:
     """The simulator's step at saturated engines: max(generation, training) + sync."""
     gen_s = batch * gs * MEAN_TURNS * TURN_TOKENS / (engines * PEAK_TOK_S)
-    return {"generation_s": gen_s, "train_s": TRAIN_S, "sync_s": SYNC_S,
-            "step_s": max(gen_s, TRAIN_S) + SYNC_S, "generation_bound_step_s": gen_s + SYNC_S}
+    return {
+        "generation_s": gen_s,
+        "train_s": TRAIN_S,
+        "sync_s": SYNC_S,
+        "step_s": max(gen_s, TRAIN_S) + SYNC_S,
+        "generation_bound_step_s": gen_s + SYNC_S,
+    }
 
 
 # --------------------------------------------------------------------------- 3. weight sync on paper
@@ -241,36 +264,69 @@ def control_overhead(engines: int, tensors_per_bucket: int, *, reps: int) -> dic
     th.start()
     try:
         urls = [f"http://127.0.0.1:{srv.server_address[1]}"] * engines
-        bucket = [(f"model.layers.{i // 64}.mlp.experts.{i % 64}.w{i % 3}.weight", torch.empty(768, 2048,
-                   dtype=torch.bfloat16, device="meta")) for i in range(tensors_per_bucket)]
+        bucket = [
+            (
+                f"model.layers.{i // 64}.mlp.experts.{i % 64}.w{i % 3}.weight",
+                torch.empty(768, 2048, dtype=torch.bfloat16, device="meta"),
+            )
+            for i in range(tensors_per_bucket)
+        ]
         per_bucket, per_sync = [], []
         for _ in range(reps):
             t = time.perf_counter()
             body = update_request(bucket_meta(bucket), group_name="scale", flush_cache=True, flattened=False)
             meta_s = time.perf_counter() - t
-            per_bucket.append(meta_s + _fan_out_s(urls, "/update_weights_from_distributed", body,
-                                                  step="update_weights_from_distributed"))
-            per_sync.append(sum(_fan_out_s(urls, p, {}, step=p.strip("/")) for p in (
-                "/pause_generation", "/begin_weight_update", "/update_weight_version", "/end_weight_update",
-                "/flush_cache", "/continue_generation")))
+            per_bucket.append(
+                meta_s
+                + _fan_out_s(urls, "/update_weights_from_distributed", body, step="update_weights_from_distributed")
+            )
+            per_sync.append(
+                sum(
+                    _fan_out_s(urls, p, {}, step=p.strip("/"))
+                    for p in (
+                        "/pause_generation",
+                        "/begin_weight_update",
+                        "/update_weight_version",
+                        "/end_weight_update",
+                        "/flush_cache",
+                        "/continue_generation",
+                    )
+                )
+            )
     finally:
         srv.shutdown()
         srv.server_close()
-    return {"engines": engines, "tensors_per_bucket": tensors_per_bucket, "reps": reps,
-            "per_bucket_s": statistics.median(per_bucket), "per_bucket_spread_s": [min(per_bucket), max(per_bucket)],
-            "per_sync_s": statistics.median(per_sync), "per_sync_spread_s": [min(per_sync), max(per_sync)]}
+    return {
+        "engines": engines,
+        "tensors_per_bucket": tensors_per_bucket,
+        "reps": reps,
+        "per_bucket_s": statistics.median(per_bucket),
+        "per_bucket_spread_s": [min(per_bucket), max(per_bucket)],
+        "per_sync_s": statistics.median(per_sync),
+        "per_sync_spread_s": [min(per_sync), max(per_sync)],
+    }
 
 
-def sync_on_paper(*, params: float, bytes_per_param: int, tensors: int, bucket_bytes: int, link_gb_s: float,
-                  ctrl: dict) -> dict:
+def sync_on_paper(
+    *, params: float, bytes_per_param: int, tensors: int, bucket_bytes: int, link_gb_s: float, ctrl: dict
+) -> dict:
     model_bytes = params * bytes_per_param
     buckets = math.ceil(model_bytes / bucket_bytes)
     transfer_s = model_bytes / (link_gb_s * 1e9)
     # per-bucket overhead measured at ctrl["tensors_per_bucket"]; the metadata part scales with tensors per bucket
     control_s = ctrl["per_sync_s"] + buckets * ctrl["per_bucket_s"]
-    return {"params": params, "bytes": model_bytes, "tensors": tensors, "buckets": buckets,
-            "bucket_bytes": bucket_bytes, "link_GB_s": link_gb_s, "engines": ctrl["engines"],
-            "transfer_s": transfer_s, "control_s": control_s, "sync_s": transfer_s + control_s}
+    return {
+        "params": params,
+        "bytes": model_bytes,
+        "tensors": tensors,
+        "buckets": buckets,
+        "bucket_bytes": bucket_bytes,
+        "link_GB_s": link_gb_s,
+        "engines": ctrl["engines"],
+        "transfer_s": transfer_s,
+        "control_s": control_s,
+        "sync_s": transfer_s + control_s,
+    }
 
 
 def _committed_sync_control() -> dict:
@@ -278,8 +334,11 @@ def _committed_sync_control() -> dict:
     try:
         d = json.loads(p.read_text())
         r = next(x for x in d["results"] if x["engines"] == 1)
-        return {"file": str(p.relative_to(BASELINES.parents[1])), "sync_minus_transfer_s": r["sync_s"] - r["sync_transfer_s"],
-                "num_buckets": d.get("num_buckets")}
+        return {
+            "file": str(p.relative_to(BASELINES.parents[1])),
+            "sync_minus_transfer_s": r["sync_s"] - r["sync_transfer_s"],
+            "num_buckets": d.get("num_buckets"),
+        }
     except (OSError, ValueError, KeyError, StopIteration) as e:
         return {"file": str(p), "error": f"{type(e).__name__}: {e}"}
 
@@ -290,15 +349,23 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 points per curve, 1 timed step, 5 repetitions")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--params", type=float, default=30.5e9, help="model parameters (default: a 30B MoE)")
-    ap.add_argument("--tensors", type=int, default=18_867, help="tensors in the model (Qwen3-30B-A3B: 48 layers x "
-                    "(128 experts x 3 + 9) + 3)")
+    ap.add_argument(
+        "--tensors",
+        type=int,
+        default=18_867,
+        help="tensors in the model (Qwen3-30B-A3B: 48 layers x (128 experts x 3 + 9) + 3)",
+    )
     ap.add_argument("--link-gb-s", type=float, default=50.0, help="broadcast bandwidth, GB/s (400 Gb/s InfiniBand)")
     ap.add_argument("--engines", type=int, default=1, help="engines the sync fans out to (Miles' example: one)")
     ap.add_argument("--bucket-bytes", type=int, default=512 * 1024 * 1024, help="sync.bucket_bytes")
     ap.add_argument("--write", action="store_true", help="write benchmarks/baselines/scale.json")
-    ap.add_argument("--old-membership", choices=("ids", "owner"), default="ids",
-                    help="a core without is_inflight (measuring the old code): ask inflight_group_ids (the "
-                         "simulator's pattern) or owner (the server's)")
+    ap.add_argument(
+        "--old-membership",
+        choices=("ids", "owner"),
+        default="ids",
+        help="a core without is_inflight (measuring the old code): ask inflight_group_ids (the "
+        "simulator's pattern) or owner (the server's)",
+    )
     args = ap.parse_args()
     global OLD_MEMBERSHIP
     OLD_MEMBERSHIP = args.old_membership
@@ -315,40 +382,64 @@ def main() -> int:
     for n in inflights:
         curve_n.append(per_event(n, 1000, steps=steps, reps=args.reps))
         c = curve_n[-1]
-        print(f"  in-flight {n:6d}, workers 1000: {c['us_per_event']:7.2f} us/event "
-              f"[{c['us_per_event_min']:.2f}, {c['us_per_event_max']:.2f}]", flush=True)
+        print(
+            f"  in-flight {n:6d}, workers 1000: {c['us_per_event']:7.2f} us/event "
+            f"[{c['us_per_event_min']:.2f}, {c['us_per_event_max']:.2f}]",
+            flush=True,
+        )
     for w in workerss:
         hit = next((c for c in curve_n if c["workers"] == w and c["inflight"] == 16000), None)
         curve_w.append(hit or per_event(16000, w, steps=steps, reps=args.reps))
         c = curve_w[-1]
-        print(f"  in-flight  16000, workers {w:4d}: {c['us_per_event']:7.2f} us/event "
-              f"[{c['us_per_event_min']:.2f}, {c['us_per_event_max']:.2f}]", flush=True)
+        print(
+            f"  in-flight  16000, workers {w:4d}: {c['us_per_event']:7.2f} us/event "
+            f"[{c['us_per_event_min']:.2f}, {c['us_per_event_max']:.2f}]",
+            flush=True,
+        )
     at = next(c for c in curve_w if c["workers"] == 1000)
     model = step_model(1000, at["batch"], gs)
     share = at["core_s_per_step"] / model["step_s"]
     share_gen = at["core_s_per_step"] / model["generation_bound_step_s"]
-    print(f"\n== 1,000 engines, 16k groups in flight, batch {at['batch']} x {gs}: core {at['core_s_per_step'] * 1e3:.1f} ms "
-          f"CPU per step ({at['events_per_step']:.0f} events)")
-    print(f"  step (simulator's model: max(generation {model['generation_s']:.2f} s, train {TRAIN_S:g} s) + sync "
-          f"{SYNC_S:g} s) = {model['step_s']:.2f} s: core share {share:.2%} (target <= {SHARE_TARGET:.0%})")
-    print(f"  generation-bound step (train_s -> 0) = {model['generation_bound_step_s']:.2f} s: core share {share_gen:.2%}")
+    print(
+        f"\n== 1,000 engines, 16k groups in flight, batch {at['batch']} x {gs}: core {at['core_s_per_step'] * 1e3:.1f} ms "
+        f"CPU per step ({at['events_per_step']:.0f} events)"
+    )
+    print(
+        f"  step (simulator's model: max(generation {model['generation_s']:.2f} s, train {TRAIN_S:g} s) + sync "
+        f"{SYNC_S:g} s) = {model['step_s']:.2f} s: core share {share:.2%} (target <= {SHARE_TARGET:.0%})"
+    )
+    print(
+        f"  generation-bound step (train_s -> 0) = {model['generation_bound_step_s']:.2f} s: core share {share_gen:.2%}"
+    )
 
     print("\n== weight sync on paper (control measured against stub engines on localhost)")
     tensors_per_bucket = max(1, round(args.tensors / math.ceil(args.params * 2 / args.bucket_bytes)))
     ctrl = control_overhead(args.engines, tensors_per_bucket, reps=args.reps)
     committed = _committed_sync_control()
-    print(f"  control: {ctrl['per_bucket_s'] * 1e3:.2f} ms per bucket ({tensors_per_bucket} tensors, "
-          f"{args.engines} engine(s)), {ctrl['per_sync_s'] * 1e3:.2f} ms per sync (six other HTTP steps); "
-          f"committed weight_sync_bench 1 engine, sync - transfer: "
-          f"{committed.get('sync_minus_transfer_s', float('nan')) * 1e3:.1f} ms")
+    print(
+        f"  control: {ctrl['per_bucket_s'] * 1e3:.2f} ms per bucket ({tensors_per_bucket} tensors, "
+        f"{args.engines} engine(s)), {ctrl['per_sync_s'] * 1e3:.2f} ms per sync (six other HTTP steps); "
+        f"committed weight_sync_bench 1 engine, sync - transfer: "
+        f"{committed.get('sync_minus_transfer_s', float('nan')) * 1e3:.1f} ms"
+    )
     paper = []
     for gb_s in sorted({args.link_gb_s, 25.0, 100.0}):
-        paper.append(sync_on_paper(params=args.params, bytes_per_param=2, tensors=args.tensors,
-                                   bucket_bytes=args.bucket_bytes, link_gb_s=gb_s, ctrl=ctrl))
+        paper.append(
+            sync_on_paper(
+                params=args.params,
+                bytes_per_param=2,
+                tensors=args.tensors,
+                bucket_bytes=args.bucket_bytes,
+                link_gb_s=gb_s,
+                ctrl=ctrl,
+            )
+        )
         p = paper[-1]
-        print(f"  {args.params / 1e9:.1f}B params bf16 ({p['bytes'] / 1e9:.0f} GB, {p['buckets']} buckets) over "
-              f"{gb_s:g} GB/s to {args.engines} engine(s): transfer {p['transfer_s']:.2f} s + control "
-              f"{p['control_s']:.2f} s = {p['sync_s']:.2f} s   (Miles, 30B MoE, NCCL broadcast: {MILES_30B_SYNC_S} s)")
+        print(
+            f"  {args.params / 1e9:.1f}B params bf16 ({p['bytes'] / 1e9:.0f} GB, {p['buckets']} buckets) over "
+            f"{gb_s:g} GB/s to {args.engines} engine(s): transfer {p['transfer_s']:.2f} s + control "
+            f"{p['control_s']:.2f} s = {p['sync_s']:.2f} s   (Miles, 30B MoE, NCCL broadcast: {MILES_30B_SYNC_S} s)"
+        )
     main_paper = next(p for p in paper if p["link_GB_s"] == args.link_gb_s)
     load1 = open("/proc/loadavg").read().split()[:3]
     out = {
@@ -358,14 +449,21 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1},
         "core_per_event_vs_inflight": curve_n,
         "core_per_event_vs_workers": curve_w,
-        "step_model": model | {"source": "benchmarks/simulate.py --setup defaults: peak 4000 tok/s per engine, "
-                                          "250 tokens x 2 turns, train 6 s, sync 0.3 s; 1,000 engines"},
+        "step_model": model
+        | {
+            "source": "benchmarks/simulate.py --setup defaults: peak 4000 tok/s per engine, "
+            "250 tokens x 2 turns, train 6 s, sync 0.3 s; 1,000 engines"
+        },
         "core_s_per_step": at["core_s_per_step"],
-        "core_step_share_ratio": share, "core_step_share_target": f"<= {SHARE_TARGET}",
-        "core_generation_share_ratio": share_gen, "core_generation_share_target": f"<= {SHARE_TARGET}",
-        "sync_control": ctrl, "sync_control_committed": committed,
+        "core_step_share_ratio": share,
+        "core_step_share_target": f"<= {SHARE_TARGET}",
+        "core_generation_share_ratio": share_gen,
+        "core_generation_share_target": f"<= {SHARE_TARGET}",
+        "sync_control": ctrl,
+        "sync_control_committed": committed,
         "sync_on_paper": paper,
-        "sync_vs_miles_ratio": main_paper["sync_s"] / MILES_30B_SYNC_S, "sync_vs_miles_target": "<= 1.0",
+        "sync_vs_miles_ratio": main_paper["sync_s"] / MILES_30B_SYNC_S,
+        "sync_vs_miles_target": "<= 1.0",
         "miles_30b_sync_s": MILES_30B_SYNC_S,
         "wall_s": round(time.time() - t_start, 1),
     }

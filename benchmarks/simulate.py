@@ -107,24 +107,38 @@ class SimResult:
         if self.failure:
             return "run stopped: " + self.failure.split(":")[0]
         if buf >= 0.5 and buf >= inf:
-            return (f"buffer limit binds ({buf:.0%} of each step): training is the bottleneck; "
-                    f"max_buffered_groups bounds the staleness")
+            return (
+                f"buffer limit binds ({buf:.0%} of each step): training is the bottleneck; "
+                f"max_buffered_groups bounds the staleness"
+            )
         if inf >= 0.5:
-            return (f"in-flight limit binds ({inf:.0%} of each step): the engines are as loaded as allowed; "
-                    f"raise max_inflight_groups only if they are below saturation")
-        return (f"neither limit binds (in-flight {inf:.0%}, buffer {buf:.0%}); the actor waits {wait:.1f}s/step: "
-                f"generation is the bottleneck")
+            return (
+                f"in-flight limit binds ({inf:.0%} of each step): the engines are as loaded as allowed; "
+                f"raise max_inflight_groups only if they are below saturation"
+            )
+        return (
+            f"neither limit binds (in-flight {inf:.0%}, buffer {buf:.0%}); the actor waits {wait:.1f}s/step: "
+            f"generation is the bottleneck"
+        )
 
 
 def simulate(s: SimSetup) -> SimResult:
     rng = random.Random(s.seed)
     now = [0.0]
     settings = CoreSettings(
-        rollout_batch_size=s.batch, group_size=s.group_size, max_inflight_groups=s.resolved_inflight(),
-        max_buffered_groups=s.resolved_buffered(), max_dropped_groups_per_step=10 * s.batch,
-        submission_granularity=s.granularity, unused_groups="drop", max_staleness=s.staleness_cap, seed=s.seed,
-        no_data_warning_s=1e9, worker_heartbeat_timeout_s=1e9,
-        expected_workers=s.engines)
+        rollout_batch_size=s.batch,
+        group_size=s.group_size,
+        max_inflight_groups=s.resolved_inflight(),
+        max_buffered_groups=s.resolved_buffered(),
+        max_dropped_groups_per_step=10 * s.batch,
+        submission_granularity=s.granularity,
+        unused_groups="drop",
+        max_staleness=s.staleness_cap,
+        seed=s.seed,
+        no_data_warning_s=1e9,
+        worker_heartbeat_timeout_s=1e9,
+        expected_workers=s.engines,
+    )
     core = BrokerCore([PromptItem(i, f"q{i}") for i in range(4096)], settings=settings, clock=lambda: now[0])
     for e in range(s.engines):
         core.add_worker(f"engine{e}", capacity=s.max_running)
@@ -134,7 +148,7 @@ def simulate(s: SimSetup) -> SimResult:
     done: dict[int, list[Trajectory]] = {}
     res = SimResult(s)
     trainer_state, trainer_until, step, step_start, paused_until = "request", 0.0, 0, 0.0, -1.0
-    mu = math.log(s.mean_turn_tokens) - s.tail_sigma ** 2 / 2
+    mu = math.log(s.mean_turn_tokens) - s.tail_sigma**2 / 2
 
     def turn_tokens() -> float:
         return min(8 * s.mean_turn_tokens, rng.lognormvariate(mu, s.tail_sigma))
@@ -211,15 +225,23 @@ def simulate(s: SimSetup) -> SimResult:
 
 
 def row(label: str, r: SimResult) -> dict:
-    return {"setup": label, "inflight": r.setup.resolved_inflight(), "buffered": r.setup.resolved_buffered(),
-            "cap": r.setup.staleness_cap, "step_s": round(r.median_step_s, 2), "groups_s": round(r.groups_per_s, 2),
-            "staleness": round(r.mean("rollout/data_staleness/mean"), 2),
-            "max_stale": round(max((m.get("rollout/data_staleness/max", 0) for m in r.metrics), default=0), 1),
-            "span": round(r.mean("rollout/version_span/mean"), 2), "queue": round(r.mean("rollout/queue_steps/mean"), 2),
-            "wait_inflight": round(r.mean("rollout/buffer/admission_wait_inflight_limit"), 2),
-            "wait_buffer": round(r.mean("rollout/buffer/admission_wait_buffer_full"), 2),
-            "drops_step": round(r.mean("rollout/buffer/dropped_groups", skip=1), 2),
-            "wait_data_s": round(r.mean("time/wait_data"), 2), "failure": bool(r.failure)}
+    return {
+        "setup": label,
+        "inflight": r.setup.resolved_inflight(),
+        "buffered": r.setup.resolved_buffered(),
+        "cap": r.setup.staleness_cap,
+        "step_s": round(r.median_step_s, 2),
+        "groups_s": round(r.groups_per_s, 2),
+        "staleness": round(r.mean("rollout/data_staleness/mean"), 2),
+        "max_stale": round(max((m.get("rollout/data_staleness/max", 0) for m in r.metrics), default=0), 1),
+        "span": round(r.mean("rollout/version_span/mean"), 2),
+        "queue": round(r.mean("rollout/queue_steps/mean"), 2),
+        "wait_inflight": round(r.mean("rollout/buffer/admission_wait_inflight_limit"), 2),
+        "wait_buffer": round(r.mean("rollout/buffer/admission_wait_buffer_full"), 2),
+        "drops_step": round(r.mean("rollout/buffer/dropped_groups", skip=1), 2),
+        "wait_data_s": round(r.mean("time/wait_data"), 2),
+        "failure": bool(r.failure),
+    }
 
 
 def print_table(title: str, rows: list[dict]) -> None:
@@ -246,8 +268,10 @@ def run_all(quick: bool, out_dir: Path) -> dict:
     rows_b = [row(lbl, r) for lbl, r in b]
     print_table("B. generation bottleneck: raising max_inflight_groups past saturation (8 groups)", rows_b)
     # C: staleness cap vs the natural bound max_buffered / B = 2
-    c = [(f"cap={cap}", simulate(SimSetup(buffered=2 * B, staleness_cap=cap, **train_bound)))
-         for cap in (None, 3, 2, 1, 0)]
+    c = [
+        (f"cap={cap}", simulate(SimSetup(buffered=2 * B, staleness_cap=cap, **train_bound)))
+        for cap in (None, 3, 2, 1, 0)
+    ]
     rows_c = [row(lbl, r) for lbl, r in c]
     print_table("C. staleness cap vs the natural bound max_buffered_groups / B = 2", rows_c)
     print("\nwhich limit binds:")
@@ -305,8 +329,10 @@ AUTO_ENGINE = replace(EngineModel.from_measured(load_curve(str(ENGINE_CURVE)), m
 AUTO_SHAPES = {
     "generation-bound": (Workload("generation-bound", max_turns=2, train_s=0.1, sync_s=0.05), "derived+B"),
     "training-bound": (Workload("training-bound", max_turns=2, train_s=1.5, sync_s=0.05), "2B"),
-    "multi-turn-tail": (Workload("multi-turn-tail", max_turns=4, tool_tail_p=0.1, tool_tail_mean_s=4.0,
-                                 train_s=0.1, sync_s=0.05), "2derived+B"),
+    "multi-turn-tail": (
+        Workload("multi-turn-tail", max_turns=4, tool_tail_p=0.1, tool_tail_mean_s=4.0, train_s=0.1, sync_s=0.05),
+        "2derived+B",
+    ),
 }
 
 
@@ -331,8 +357,13 @@ def autotune_case(shape: str, engines: int, steps: int) -> dict:
     wl, buf = AUTO_SHAPES[shape]
     batch = max(4, engines)
     start = steps // 2
-    base = SimConfig(engines=engines, batch=batch, steps=max(steps, start + math.ceil(MEASURED_GROUPS / batch)),
-                     engine=AUTO_ENGINE, measure_from=start)
+    base = SimConfig(
+        engines=engines,
+        batch=batch,
+        steps=max(steps, start + math.ceil(MEASURED_GROUPS / batch)),
+        engine=AUTO_ENGINE,
+        measure_from=start,
+    )
     d = base.derived_inflight()
     buffered = {"derived+B": d + batch, "2B": 2 * batch, "2derived+B": 2 * d + batch}[buf]
     cfg = replace(base, buffered=buffered)
@@ -341,15 +372,27 @@ def autotune_case(shape: str, engines: int, steps: int) -> dict:
     seeds = max(1, math.ceil(SEED_GROUPS / ((cfg.steps - start) * batch)))
     runs = [sweep(replace(cfg, seed=k), wl, limits) for k in range(seeds)]
     rows = [_mean_rows([r[i] for r, _ in runs]) for i in range(len(limits))]
-    auto = _mean_rows([a for _, a in runs]) | {"settled_at": max(a["settled_at"] for _, a in runs),
-                                               "limits_per_seed": [a["limits"] for _, a in runs]}
+    auto = _mean_rows([a for _, a in runs]) | {
+        "settled_at": max(a["settled_at"] for _, a in runs),
+        "limits_per_seed": [a["limits"] for _, a in runs],
+    }
     best = max(rows, key=lambda r: r["groups_s"])
-    return {"shape": shape, "engines": engines, "batch": batch, "buffered": buffered, "derived": d, "fixed": rows,
-            "best_fixed": best["limit"], "auto": auto, "seeds": seeds,
-            "throughput_ratio": auto["groups_s"] / best["groups_s"],
-            "staleness_excess": auto["staleness"] - best["staleness"],
-            "ok": auto["groups_s"] >= 0.97 * best["groups_s"] and auto["staleness"] <= best["staleness"] + 0.1
-            and auto["settled_at"] <= 10}
+    return {
+        "shape": shape,
+        "engines": engines,
+        "batch": batch,
+        "buffered": buffered,
+        "derived": d,
+        "fixed": rows,
+        "best_fixed": best["limit"],
+        "auto": auto,
+        "seeds": seeds,
+        "throughput_ratio": auto["groups_s"] / best["groups_s"],
+        "staleness_excess": auto["staleness"] - best["staleness"],
+        "ok": auto["groups_s"] >= 0.97 * best["groups_s"]
+        and auto["staleness"] <= best["staleness"] + 0.1
+        and auto["settled_at"] <= 10,
+    }
 
 
 def run_autotune(quick: bool, out_dir: Path, engine_counts: Optional[tuple[int, ...]] = None) -> dict:
@@ -363,22 +406,34 @@ def run_autotune(quick: bool, out_dir: Path, engine_counts: Optional[tuple[int, 
         for e in engine_counts:
             cases.append(autotune_case(shape, e, steps))
             c = cases[-1]
-            print(f"  {shape} E={e}: auto {c['throughput_ratio']:.1%} of the best fixed limit's throughput, "
-                  f"staleness {c['staleness_excess']:+.2f}, settled at step {c['auto']['settled_at']}", flush=True)
-    print(f"\n== D. max_inflight_groups = \"auto\" vs fixed limits (throughput and staleness over steps {steps // 2}.."
-          f"{steps}, at least {MEASURED_GROUPS} groups)")
+            print(
+                f"  {shape} E={e}: auto {c['throughput_ratio']:.1%} of the best fixed limit's throughput, "
+                f"staleness {c['staleness_excess']:+.2f}, settled at step {c['auto']['settled_at']}",
+                flush=True,
+            )
+    print(
+        f'\n== D. max_inflight_groups = "auto" vs fixed limits (throughput and staleness over steps {steps // 2}..'
+        f"{steps}, at least {MEASURED_GROUPS} groups)"
+    )
     print(f"{'shape':>17} {'E':>5} {'limit':>12} {'groups/s':>9} {'staleness':>9}")
     for c in cases:
         for r in c["fixed"]:
             star = " *best" if r["limit"] == c["best_fixed"] else ""
-            print(f"{c['shape']:>17} {c['engines']:>5} {r['limit']:>12} {r['groups_s']:9.2f} {r['staleness']:9.2f}{star}")
+            print(
+                f"{c['shape']:>17} {c['engines']:>5} {r['limit']:>12} {r['groups_s']:9.2f} {r['staleness']:9.2f}{star}"
+            )
         a = c["auto"]
-        print(f"{c['shape']:>17} {c['engines']:>5} {'auto->' + str(a['limit']):>12} {a['groups_s']:9.2f} "
-              f"{a['staleness']:9.2f}  {c['throughput_ratio']:.1%} of best, staleness {c['staleness_excess']:+.2f}, "
-              f"settled at step {a['settled_at']}{'' if c['ok'] else '  FAILS'}")
+        print(
+            f"{c['shape']:>17} {c['engines']:>5} {'auto->' + str(a['limit']):>12} {a['groups_s']:9.2f} "
+            f"{a['staleness']:9.2f}  {c['throughput_ratio']:.1%} of best, staleness {c['staleness_excess']:+.2f}, "
+            f"settled at step {a['settled_at']}{'' if c['ok'] else '  FAILS'}"
+        )
     _plot_autotune(cases, out_dir / "autotune.png")
-    summary = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k not in ("fixed", "auto")}
-               | {"auto_limit": c["auto"]["limit"], "settled_at": c["auto"]["settled_at"]} for c in cases]
+    summary = [
+        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k not in ("fixed", "auto")}
+        | {"auto_limit": c["auto"]["limit"], "settled_at": c["auto"]["settled_at"]}
+        for c in cases
+    ]
     return {"cases": summary, "all_ok": all(c["ok"] for c in cases), "plot": str(out_dir / "autotune.png")}
 
 
@@ -430,8 +485,16 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.time()
     if args.setup:
-        s = SimSetup(batch=args.batch, group_size=args.group_size, inflight=args.inflight, buffered=args.buffered,
-                     staleness_cap=args.cap, train_s=args.train_s, engines=args.engines, steps=args.steps)
+        s = SimSetup(
+            batch=args.batch,
+            group_size=args.group_size,
+            inflight=args.inflight,
+            buffered=args.buffered,
+            staleness_cap=args.cap,
+            train_s=args.train_s,
+            engines=args.engines,
+            steps=args.steps,
+        )
         r = simulate(s)
         print_table("setup", [row("setup", r)])
         print("which limit binds:", r.verdict())

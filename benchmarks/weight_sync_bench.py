@@ -61,8 +61,9 @@ def _receiver(args_path: str) -> int:
     if a["flattened"]:
         recv = [[torch.zeros(b["nbytes"], dtype=torch.uint8)] for b in a["buckets"]]
     else:
-        recv = [[torch.zeros(s, dtype=dtype_from_name(d)) for s, d in zip(b["shapes"], b["dtypes"])]
-                for b in a["buckets"]]
+        recv = [
+            [torch.zeros(s, dtype=dtype_from_name(d)) for s, d in zip(b["shapes"], b["dtypes"])] for b in a["buckets"]
+        ]
     for _ in range(a["reps"]):
         for tensors in recv:  # all of a bucket's receives queued at once, as the engine does
             for w in [dist.broadcast(t, group_src=0, group=pg, async_op=True) for t in tensors]:
@@ -218,28 +219,44 @@ def main(argv=None) -> int:
             ]
             for n in counts:
                 t = _measure(sups[:n], state, buckets, sync_cfg, a.reps, tmp)
-                print(f"engines={n}: " + "; ".join(f"{k} {harness.fmt(harness.summary(v), ' ms', 1e3)}"
-                                                   for k, v in t.items()), flush=True)
-                rep.ratio(f"engines{n}_sync_ratio", t["bare"], t["sync"], target=0.9,
-                          note="bare broadcast s / full sync s (same bytes, same buckets)")
-                rep.ratio(f"engines{n}_transfer_ratio", t["bare"], t["transfer"], target=0.9,
-                          note="bare broadcast s / the sync's transfer phase s (control and gather excluded)")
+                print(
+                    f"engines={n}: "
+                    + "; ".join(f"{k} {harness.fmt(harness.summary(v), ' ms', 1e3)}" for k, v in t.items()),
+                    flush=True,
+                )
+                rep.ratio(
+                    f"engines{n}_sync_ratio",
+                    t["bare"],
+                    t["sync"],
+                    target=0.9,
+                    note="bare broadcast s / full sync s (same bytes, same buckets)",
+                )
+                rep.ratio(
+                    f"engines{n}_transfer_ratio",
+                    t["bare"],
+                    t["transfer"],
+                    target=0.9,
+                    note="bare broadcast s / the sync's transfer phase s (control and gather excluded)",
+                )
                 results[f"engines{n}"] = {
                     **{f"{k}_s": harness.summary(v) for k, v in t.items()},
                     "sync_bytes_per_s": model_bytes / statistics.median(t["sync"]),
                     "bare_bytes_per_s": model_bytes / statistics.median(t["bare"]),
                 }
-    rep.emit({
-        "model_bytes": model_bytes,
-        "num_tensors": len(state),
-        "num_buckets": len(buckets),
-        "bucket_bytes": sync_cfg.bucket_bytes,
-        "flattened_bucket": a.flattened,
-        "reps": a.reps,
-        "backend": "gloo",
-        "torch": torch.__version__,
-        "results": results,
-    }, save=a.save)
+    rep.emit(
+        {
+            "model_bytes": model_bytes,
+            "num_tensors": len(state),
+            "num_buckets": len(buckets),
+            "bucket_bytes": sync_cfg.bucket_bytes,
+            "flattened_bucket": a.flattened,
+            "reps": a.reps,
+            "backend": "gloo",
+            "torch": torch.__version__,
+            "results": results,
+        },
+        save=a.save,
+    )
     return 0
 
 

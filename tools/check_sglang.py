@@ -53,10 +53,20 @@ NO_BODY = {"/flush_cache"}  # SGLang 0.5.23 reads only a ``timeout`` query param
 # ------------------------------------------------------------------------------------- command lines
 def _expected(cfg, *, port: int, tp: int) -> dict[str, Any]:
     r = cfg.rollout
-    return {"model_path": r.model_path or cfg.actor.model_path, "tp_size": tp, "dp_size": 1, "base_gpu_id": 0,
-            "host": "0.0.0.0", "port": port, "mem_fraction_static": r.sglang.mem_fraction_static,
-            "max_running_requests": r.max_running_requests, "enable_metrics": True, "weight_version": "0",
-            "random_seed": cfg.runner.seed, "skip_server_warmup": True}
+    return {
+        "model_path": r.model_path or cfg.actor.model_path,
+        "tp_size": tp,
+        "dp_size": 1,
+        "base_gpu_id": 0,
+        "host": "0.0.0.0",
+        "port": port,
+        "mem_fraction_static": r.sglang.mem_fraction_static,
+        "max_running_requests": r.max_running_requests,
+        "enable_metrics": True,
+        "weight_version": "0",
+        "random_seed": cfg.runner.seed,
+        "skip_server_warmup": True,
+    }
 
 
 def command_cases() -> list[tuple[str, Any, int]]:
@@ -64,12 +74,22 @@ def command_cases() -> list[tuple[str, Any, int]]:
     from asyncrl.config.loader import load_config
 
     base = load_config(ROOT / "configs/searchr1.toml", [])
-    tp2 = load_config(ROOT / "configs/searchr1.toml", [
-        "rollout.tensor_parallel_size=2", 'rollout.sglang.extra_args=["--log-level", "warning", "--chunked-prefill-size", "8192"]'])
-    fleet = load_config(ROOT / "configs/searchr1.toml", [
-        "eval.eval_num_gpus=2", "eval.eval_num_gpus_per_engine=2", 'eval.eval_sglang={mem_fraction_static = "0.6"}'])
-    return [("rollout (configs/searchr1.toml)", base, 1), ("rollout TP 2 + extra_args", tp2, 2),
-            ("eval fleet TP 2", eval_engine_config(fleet), 2)]
+    tp2 = load_config(
+        ROOT / "configs/searchr1.toml",
+        [
+            "rollout.tensor_parallel_size=2",
+            'rollout.sglang.extra_args=["--log-level", "warning", "--chunked-prefill-size", "8192"]',
+        ],
+    )
+    fleet = load_config(
+        ROOT / "configs/searchr1.toml",
+        ["eval.eval_num_gpus=2", "eval.eval_num_gpus_per_engine=2", 'eval.eval_sglang={mem_fraction_static = "0.6"}'],
+    )
+    return [
+        ("rollout (configs/searchr1.toml)", base, 1),
+        ("rollout TP 2 + extra_args", tp2, 2),
+        ("eval fleet TP 2", eval_engine_config(fleet), 2),
+    ]
 
 
 def check_commands() -> list[dict]:
@@ -121,11 +141,17 @@ def _client_bodies() -> list[tuple[str, Any]]:
         for mode in ("abort", "retract", "in_place"):
             await c.pause_generation(mode)
         await c.continue_generation()
-        await c.init_weights_update_group(master_address="10.0.0.1", master_port=29555, rank_offset=1, world_size=3,
-                                          backend="nccl")
+        await c.init_weights_update_group(
+            master_address="10.0.0.1", master_port=29555, rank_offset=1, world_size=3, backend="nccl"
+        )
         await c.begin_weight_update()
-        await c.update_weights_from_distributed(names=["model.norm.weight"], dtypes=["bfloat16"], shapes=[[8]],
-                                                weight_version="3", load_format="flattened_bucket")
+        await c.update_weights_from_distributed(
+            names=["model.norm.weight"],
+            dtypes=["bfloat16"],
+            shapes=[[8]],
+            weight_version="3",
+            load_format="flattened_bucket",
+        )
         await c.update_weight_version("3")
         await c.end_weight_update()
         await c.update_weights_from_disk("/snap/step_3", weight_version="3")
@@ -165,14 +191,29 @@ def _sync_bodies() -> list[tuple[str, Any]]:
         syncer = weight_sync.WeightSyncer(group, pause_mode=mode, sync_cfg=SyncConfig())
         syncer.pause()
         syncer.finish(7)
-    meta = bucket_meta([("model.embed_tokens.weight", torch.zeros(4, 2, dtype=torch.bfloat16)),
-                        ("model.norm.weight", torch.zeros(2))])
+    meta = bucket_meta(
+        [("model.embed_tokens.weight", torch.zeros(4, 2, dtype=torch.bfloat16)), ("model.norm.weight", torch.zeros(2))]
+    )
     for flat in (False, True):
-        calls.append(("/update_weights_from_distributed",
-                      update_request(meta, group_name=group.group_name, flush_cache=True, flattened=flat)))
-    calls.append(("/init_weights_update_group", join_request(master_address="10.0.0.1", master_port=29555,
-                                                             rank_offset=1, world_size=2, group_name=group.group_name,
-                                                             backend="nccl")))
+        calls.append(
+            (
+                "/update_weights_from_distributed",
+                update_request(meta, group_name=group.group_name, flush_cache=True, flattened=flat),
+            )
+        )
+    calls.append(
+        (
+            "/init_weights_update_group",
+            join_request(
+                master_address="10.0.0.1",
+                master_port=29555,
+                rank_offset=1,
+                world_size=2,
+                group_name=group.group_name,
+                backend="nccl",
+            ),
+        )
+    )
     return [(f"weight sync {p}", (p, b)) for p, b in calls]
 
 
@@ -245,8 +286,12 @@ def main() -> int:
     import sglang
 
     sys.path.insert(0, str(ROOT))
-    report = {"sglang": sglang.__version__, "launch_module": importlib.util.find_spec("sglang.launch_server") is not None,
-              "commands": check_commands(), "bodies": check_bodies()}
+    report = {
+        "sglang": sglang.__version__,
+        "launch_module": importlib.util.find_spec("sglang.launch_server") is not None,
+        "commands": check_commands(),
+        "bodies": check_bodies(),
+    }
     bad = [c for c in report["commands"] + report["bodies"] if c["problems"]]
     report["num_checked"] = len(report["commands"]) + len(report["bodies"])
     report["num_problems"] = sum(len(c["problems"]) for c in bad)

@@ -61,10 +61,18 @@ class ModelShape:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> ModelShape:
-        return cls(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
-                   num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-                   num_query_groups=spec.num_query_groups, head_dim=spec.head_dim,
-                   tie_word_embeddings=spec.tie_word_embeddings, qk_norm=spec.qk_norm, qkv_bias=spec.qkv_bias)
+        return cls(
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            ffn_hidden_size=spec.ffn_hidden_size,
+            num_layers=spec.num_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_query_groups=spec.num_query_groups,
+            head_dim=spec.head_dim,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            qk_norm=spec.qk_norm,
+            qkv_bias=spec.qkv_bias,
+        )
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelShape:

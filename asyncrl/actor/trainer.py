@@ -164,8 +164,11 @@ class Actor:
             layers_per_stage=self.spec.num_layers // self.pp,
         )
         if self.rank == 0:
-            log.info("actor attention: %s; recompute: %s",
-                     attention_path(self.attention, dtype=self.dtype, device=self.device), self.recompute or "none")
+            log.info(
+                "actor attention: %s; recompute: %s",
+                attention_path(self.attention, dtype=self.dtype, device=self.device),
+                self.recompute or "none",
+            )
 
         self.model = self._build_and_load()
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -216,8 +219,14 @@ class Actor:
 
     # ------------------------------------------------------------------ model
     def _build_and_load(self) -> torch.nn.Module:
-        model = build_gpt_model(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.dtype,
-                                attention_backend=self.attention, recompute=self.recompute)
+        model = build_gpt_model(
+            self.spec,
+            tp=self.tp,
+            pp=self.pp,
+            params_dtype=self.dtype,
+            attention_backend=self.attention,
+            recompute=self.recompute,
+        )
         model.to(self.device)
         load_hf_into_model(
             model,
@@ -249,9 +258,16 @@ class Actor:
 
     def _logprobs_of(self, logits: torch.Tensor, packed: PackedBatch, *, with_entropy: bool):
         """Response-token log-probs (and entropies) of a packed micro-batch's logits (vocab-parallel)."""
-        return logprobs_from_logits(logits, packed, vocab_start=self.vocab_start, true_vocab=self.spec.vocab_size,
-                                    tp_group=self.tp_group, tp=self.tp, with_entropy=with_entropy,
-                                    temperature=self.temperature)
+        return logprobs_from_logits(
+            logits,
+            packed,
+            vocab_start=self.vocab_start,
+            true_vocab=self.spec.vocab_size,
+            tp_group=self.tp_group,
+            tp=self.tp,
+            with_entropy=with_entropy,
+            temperature=self.temperature,
+        )
 
     def _policy_loss(self, logp, ent, x: dict[str, torch.Tensor], prox, ref):
         """The configured PPO/GRPO loss of one micro-batch (``x``: its ``_extras``)."""
@@ -322,13 +338,19 @@ class Actor:
         """Forward-only schedule: ``[(logp, ent)]`` per micro-batch on the last stage, ``[]`` elsewhere."""
 
         def loss_fn(item, logits):
-            return torch.zeros((), device=logits.device), self._logprobs_of(logits, item.packed,
-                                                                             with_entropy=with_entropy)
+            return torch.zeros((), device=logits.device), self._logprobs_of(
+                logits, item.packed, with_entropy=with_entropy
+            )
 
         with torch.no_grad():
             return run_schedule(
-                model, [_Item(p) for p in packed], loss_fn=loss_fn, rows=rows, row_len=row_len,
-                backend=self.attention, forward_only=True
+                model,
+                [_Item(p) for p in packed],
+                loss_fn=loss_fn,
+                rows=rows,
+                row_len=row_len,
+                backend=self.attention,
+                forward_only=True,
             )
 
     def _accumulate_grads_pp(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:
@@ -360,8 +382,9 @@ class Actor:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        data = run_schedule(self.ddp, items, loss_fn=loss_fn, rows=rows, row_len=row_len, backend=self.attention,
-                forward_only=False)
+        data = run_schedule(
+            self.ddp, items, loss_fn=loss_fn, rows=rows, row_len=row_len, backend=self.attention, forward_only=False
+        )
         sums: dict[str, float] = defaultdict(float)
         for d in data:
             for k, v in d.items():
@@ -456,8 +479,9 @@ class Actor:
 
         keys = SUM_KEYS  # fixed order: a rank without samples still joins the all-reduce
         # on the actor's device: NCCL (GPU jobs) only reduces CUDA tensors
-        vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_seq_tokens)], dtype=torch.float64,
-                           device=self.device)
+        vec = torch.tensor(
+            [sums.get(k, 0.0) for k in keys] + [float(num_seq_tokens)], dtype=torch.float64, device=self.device
+        )
         if self.dp > 1:
             dist.all_reduce(vec, group=self.dp_group)
         total = dict(zip(keys, vec[:-1].tolist()))

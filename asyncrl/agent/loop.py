@@ -81,8 +81,9 @@ def parse_version(value: Any, url: str) -> int:
     try:
         return int(str(value))
     except ValueError:
-        raise EngineError(url, "/generate", f"weight version {value!r} is not an integer; launch engines with "
-                          "--weight-version 0") from None
+        raise EngineError(
+            url, "/generate", f"weight version {value!r} is not an integer; launch engines with --weight-version 0"
+        ) from None
 
 
 def token_versions(meta: dict, num_tokens: int, url: str) -> list[int]:
@@ -132,8 +133,14 @@ class EngineHandle:
     timeout, HTTP status, malformed reply) is ``asyncrl.engine.client.EngineError`` naming the URL.
     """
 
-    def __init__(self, client: Any, *, max_in_flight: int, url: Optional[str] = None,
-                 generate_raw: Optional[Callable[..., Awaitable[dict]]] = None):
+    def __init__(
+        self,
+        client: Any,
+        *,
+        max_in_flight: int,
+        url: Optional[str] = None,
+        generate_raw: Optional[Callable[..., Awaitable[dict]]] = None,
+    ):
         self.client = client
         self.url = url or getattr(client, "url", None) or getattr(client, "base_url", "?")
         self.max_in_flight = max_in_flight
@@ -235,9 +242,14 @@ class TrajectoryBuilder:
     def build(self, **fields: Any) -> Trajectory:
         gen_versions = [v for v in self.versions if v >= 0]
         return Trajectory(
-            prompt_ids=list(self.prompt_ids), response_ids=self.response_ids, loss_mask=self.loss_mask,
-            rollout_logprobs=self.logprobs, weight_versions=self.versions,
-            min_version=min(gen_versions, default=0), max_version=max(gen_versions, default=0), **fields,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=self.response_ids,
+            loss_mask=self.loss_mask,
+            rollout_logprobs=self.logprobs,
+            weight_versions=self.versions,
+            min_version=min(gen_versions, default=0),
+            max_version=max(gen_versions, default=0),
+            **fields,
         )
 
 
@@ -245,8 +257,17 @@ class TrajectoryBuilder:
 
 
 class AgentLoop:
-    def __init__(self, *, task: Task, tokenizer: Any, retriever: Retriever, agent_cfg: AgentLoopConfig,
-                 sampling: SamplingConfig, gate: Optional[TurnGate] = None, rid_prefix: str = "agent"):
+    def __init__(
+        self,
+        *,
+        task: Task,
+        tokenizer: Any,
+        retriever: Retriever,
+        agent_cfg: AgentLoopConfig,
+        sampling: SamplingConfig,
+        gate: Optional[TurnGate] = None,
+        rid_prefix: str = "agent",
+    ):
         self.task = task
         self.tokenizer = tokenizer
         self.retriever = retriever
@@ -292,11 +313,19 @@ class AgentLoop:
         return f"{self.rid_prefix}-{prefix}-{next(self._rids)}"
 
     # -- one trajectory
-    async def run_trajectory(self, item: PromptItem, engine: EngineHandle, *, prompt_ids: Optional[list[int]] = None,
-                             greedy: bool = False, rid: str = "t") -> Trajectory:
+    async def run_trajectory(
+        self,
+        item: PromptItem,
+        engine: EngineHandle,
+        *,
+        prompt_ids: Optional[list[int]] = None,
+        greedy: bool = False,
+        rid: str = "t",
+    ) -> Trajectory:
         t_start = time.perf_counter()
-        b = TrajectoryBuilder(list(prompt_ids if prompt_ids is not None else self.prompt_ids(item)),
-                              self.cfg.max_total_tokens)
+        b = TrajectoryBuilder(
+            list(prompt_ids if prompt_ids is not None else self.prompt_ids(item)), self.cfg.max_total_tokens
+        )
         stats = {"generate_s": 0.0, "tool_s": 0.0}
         tool: dict = {}  # failed retrieval attempts of this trajectory (``tool/errors``)
         turn_finishes: list[str] = []
@@ -310,7 +339,8 @@ class AgentLoop:
                     break
                 max_new = min(self.cfg.max_tokens_per_turn, b.room)
                 ids, finish_type, matched, retractions = await self._generate_turn(
-                    b, engine, max_new, greedy=greedy, rid=f"{rid}-t{turn}", stats=stats)
+                    b, engine, max_new, greedy=greedy, rid=f"{rid}-t{turn}", stats=stats
+                )
                 num_turns += 1
                 num_retractions += retractions
                 turn_finishes.append(finish_type)
@@ -346,17 +376,29 @@ class AgentLoop:
         except RetrieverOutageError:  # fatal: the worker stops and the run fails naming the URL
             raise
         except RetrieverError as exc:  # marked: an eval must fail on it, not count it as a wrong answer
-            return self._aborted(b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes,
-                                 kind="tool")
+            return self._aborted(
+                b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes, kind="tool"
+            )
         reward = float(self.task.reward("".join(gen_texts), item.answers))
         stats["total_s"] = time.perf_counter() - t_start
-        return b.build(reward=reward, num_turns=num_turns, num_tool_calls=num_tool_calls,
-                       num_retractions=num_retractions, finish_reason=finish_reason, truncated=truncated,
-                       timings=stats, extra={"turn_finish_reasons": turn_finishes, "engine": engine.url,
-                                             "tool_errors": tool.get("tool_errors", 0)})
+        return b.build(
+            reward=reward,
+            num_turns=num_turns,
+            num_tool_calls=num_tool_calls,
+            num_retractions=num_retractions,
+            finish_reason=finish_reason,
+            truncated=truncated,
+            timings=stats,
+            extra={
+                "turn_finish_reasons": turn_finishes,
+                "engine": engine.url,
+                "tool_errors": tool.get("tool_errors", 0),
+            },
+        )
 
-    async def _generate_turn(self, b: TrajectoryBuilder, engine: EngineHandle, max_new: int, *, greedy: bool,
-                             rid: str, stats: dict) -> tuple[list[int], str, Any, int]:
+    async def _generate_turn(
+        self, b: TrajectoryBuilder, engine: EngineHandle, max_new: int, *, greedy: bool, rid: str, stats: dict
+    ) -> tuple[list[int], str, Any, int]:
         """One turn: generate (re-issuing after engine-side aborts) and append the output."""
         turn_ids: list[int] = []
         retractions = 0
@@ -366,8 +408,11 @@ class AgentLoop:
             await self.gate.wait_open()
             await self.retriever.wait_available()  # an outage holds new turns (no sample biased to non-searchers)
             t0 = time.perf_counter()
-            out = await engine.generate(b.input_ids(), self.sampling_params(max_new - len(turn_ids), greedy=greedy),
-                                        rid=self._new_rid(f"{rid}-{attempt}"))
+            out = await engine.generate(
+                b.input_ids(),
+                self.sampling_params(max_new - len(turn_ids), greedy=greedy),
+                rid=self._new_rid(f"{rid}-{attempt}"),
+            )
             stats["generate_s"] += time.perf_counter() - t0
             attempt += 1
             b.add_generated(out.output_ids, out.logprobs, out.versions)
@@ -379,23 +424,43 @@ class AgentLoop:
             if aborts_without_progress >= MAX_ABORTS_WITHOUT_PROGRESS or len(turn_ids) >= max_new:
                 if len(turn_ids) >= max_new:
                     return turn_ids, "length", None, retractions
-                raise EngineError(engine.url, "/generate", f"request aborted {aborts_without_progress} times "
-                                  "without progress")
-            log.info("engine %s aborted request %s after %d tokens; re-issuing the rest of the turn",
-                     engine.url, rid, len(turn_ids))
+                raise EngineError(
+                    engine.url, "/generate", f"request aborted {aborts_without_progress} times without progress"
+                )
+            log.info(
+                "engine %s aborted request %s after %d tokens; re-issuing the rest of the turn",
+                engine.url,
+                rid,
+                len(turn_ids),
+            )
 
-    def _aborted(self, b, error, stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes,
-                 kind: str = "engine"):
+    def _aborted(
+        self, b, error, stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes, kind: str = "engine"
+    ):
         """An aborted trajectory; ``extra["error_kind"]`` says whether the ``engine`` or the ``tool`` failed."""
         stats["total_s"] = time.perf_counter() - t_start
         log.warning("trajectory aborted: %s", error)
-        return b.build(reward=0.0, num_turns=num_turns, num_tool_calls=num_tool_calls,
-                       num_retractions=num_retractions, finish_reason="abort", aborted=True, error=error,
-                       timings=stats, extra={"turn_finish_reasons": turn_finishes, "error_kind": kind})
+        return b.build(
+            reward=0.0,
+            num_turns=num_turns,
+            num_tool_calls=num_tool_calls,
+            num_retractions=num_retractions,
+            finish_reason="abort",
+            aborted=True,
+            error=error,
+            timings=stats,
+            extra={"turn_finish_reasons": turn_finishes, "error_kind": kind},
+        )
 
     # -- groups
-    async def run_group(self, group: Group, engine: EngineHandle, *, group_size: int,
-                        on_trajectory: Optional[Callable[[int, Trajectory], Any]] = None) -> Group:
+    async def run_group(
+        self,
+        group: Group,
+        engine: EngineHandle,
+        *,
+        group_size: int,
+        on_trajectory: Optional[Callable[[int, Trajectory], Any]] = None,
+    ) -> Group:
         """Run ``group_size`` trajectories of ``group.item`` concurrently on ``engine``.
 
         ``on_trajectory(index, trajectory)`` is called as each finishes (it may be a coroutine
@@ -407,8 +472,9 @@ class AgentLoop:
 
         async def one(i: int) -> Trajectory:
             try:
-                traj = await self.run_trajectory(group.item, engine, prompt_ids=prompt_ids,
-                                                 rid=f"g{group.group_id}-s{i}")
+                traj = await self.run_trajectory(
+                    group.item, engine, prompt_ids=prompt_ids, rid=f"g{group.group_id}-s{i}"
+                )
             finally:
                 engine.load -= 1
             if on_trajectory is not None:

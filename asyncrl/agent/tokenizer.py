@@ -20,8 +20,15 @@ from tokenizers import Tokenizer
 
 
 class AgentTokenizer:
-    def __init__(self, tokenizer: Any, *, eos_token_ids: Sequence[int], chat_template: str | None = None,
-                 special_tokens: dict[str, str] | None = None, path: str = ""):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        path: str = "",
+    ):
         self.tokenizer = tokenizer
         """A ``tokenizers.Tokenizer``."""
         self.eos_token_ids = list(eos_token_ids)
@@ -49,8 +56,13 @@ class AgentTokenizer:
         if not eos and "eos_token" in special:
             tid = tokenizer.token_to_id(special["eos_token"])
             eos = [] if tid is None else [tid]
-        return cls(tokenizer, eos_token_ids=eos, chat_template=tcfg.get("chat_template"),
-                   special_tokens=special, path=str(root))
+        return cls(
+            tokenizer,
+            eos_token_ids=eos,
+            chat_template=tcfg.get("chat_template"),
+            special_tokens=special,
+            path=str(root),
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no BOS/EOS added."""
@@ -66,8 +78,9 @@ class AgentTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> Any:
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> Any:
         if not self.chat_template:
             raise ValueError(f"agentloop.chat_template = true but the tokenizer at {self.path!r} has no chat_template")
         if self._template is None:
@@ -80,8 +93,9 @@ class AgentTokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special_tokens)
+        text = self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
         return self.encode(text) if tokenize else text
 
 

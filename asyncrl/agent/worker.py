@@ -69,11 +69,19 @@ class EngineWatch:
     """How long to wait for that sync before failing, naming the engine."""
 
     @classmethod
-    def from_config(cls, cfg: Config, sup: EngineSupervisor, *, announce: Callable[[int], None],
-                    synced: Callable[[int], bool]) -> EngineWatch:
+    def from_config(
+        cls, cfg: Config, sup: EngineSupervisor, *, announce: Callable[[int], None], synced: Callable[[int], bool]
+    ) -> EngineWatch:
         r = cfg.rollout
-        return cls(sup, r.health_check_interval_s, r.health_check_timeout_s, r.unhealthy_after_s, announce, synced,
-                   sync_wait_s=cfg.sync.join_timeout_s + cfg.sync.step_timeout_s)
+        return cls(
+            sup,
+            r.health_check_interval_s,
+            r.health_check_timeout_s,
+            r.unhealthy_after_s,
+            announce,
+            synced,
+            sync_wait_s=cfg.sync.join_timeout_s + cfg.sync.step_timeout_s,
+        )
 
     async def healthy(self) -> bool:
         return self.sup.alive() and await asyncio.to_thread(self.sup.probe, self.probe_timeout_s)
@@ -94,9 +102,18 @@ def requests_per_engine(cfg: Config) -> int:
 
 
 class AgentWorker:
-    def __init__(self, cfg: Config, *, broker_address: str, engine_urls: Sequence[str], tokenizer_path: str,
-                 worker_id: str, retriever: Optional[Retriever] = None, connect_timeout_s: float = 60.0,
-                 watch: Optional[EngineWatch] = None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        broker_address: str,
+        engine_urls: Sequence[str],
+        tokenizer_path: str,
+        worker_id: str,
+        retriever: Optional[Retriever] = None,
+        connect_timeout_s: float = 60.0,
+        watch: Optional[EngineWatch] = None,
+    ):
         if not engine_urls:
             raise ValueError(f"agent worker {worker_id}: no engine URLs")
         self.cfg = cfg
@@ -112,15 +129,28 @@ class AgentWorker:
         self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
         self.retriever = retriever if retriever is not None else make_retriever(cfg.agentloop.tool)
         self.gate = TurnGate()
-        self.loop = AgentLoop(task=self.task, tokenizer=self.tokenizer, retriever=self.retriever,
-                              agent_cfg=cfg.agentloop, sampling=cfg.rollout.sampling, gate=self.gate,
-                              rid_prefix=worker_id)
+        self.loop = AgentLoop(
+            task=self.task,
+            tokenizer=self.tokenizer,
+            retriever=self.retriever,
+            agent_cfg=cfg.agentloop,
+            sampling=cfg.rollout.sampling,
+            gate=self.gate,
+            rid_prefix=worker_id,
+        )
         self.version = 0
         self.watch = watch
         self._watch_task: Optional[asyncio.Task] = None
         self.tasks: dict[int, asyncio.Task] = {}
-        self.stats = {"groups_done": 0, "groups_aborted": 0, "groups_cancelled": 0, "trajectories_done": 0,
-                      "trajectories_aborted": 0, "engine_restarts": 0, "groups_held_for_restart": 0}
+        self.stats = {
+            "groups_done": 0,
+            "groups_aborted": 0,
+            "groups_cancelled": 0,
+            "trajectories_done": 0,
+            "trajectories_aborted": 0,
+            "engine_restarts": 0,
+            "groups_held_for_restart": 0,
+        }
 
     # -- lifecycle
     async def run(self) -> dict:
@@ -143,14 +173,22 @@ class AgentWorker:
 
     async def _connect(self) -> None:
         per_engine = requests_per_engine(self.cfg)
-        self.conn = AsyncWorkerConnection(self.broker_address, worker_id=self.worker_id,
-                                          capacity=per_engine * len(self.engines),
-                                          heartbeat_interval_s=self.cfg.agentloop.heartbeat_interval_s)
+        self.conn = AsyncWorkerConnection(
+            self.broker_address,
+            worker_id=self.worker_id,
+            capacity=per_engine * len(self.engines),
+            heartbeat_interval_s=self.cfg.agentloop.heartbeat_interval_s,
+        )
         welcome = await self.conn.connect(timeout_s=self.connect_timeout_s)
         self.version = welcome.version
         self._set_hold(welcome.hold)
-        log.info("worker %s connected to %s (%d engines, %d requests each)", self.worker_id,
-                 self.broker_address, len(self.engines), per_engine)
+        log.info(
+            "worker %s connected to %s (%d engines, %d requests each)",
+            self.worker_id,
+            self.broker_address,
+            len(self.engines),
+            per_engine,
+        )
 
     def _start_watch(self) -> None:
         if self.watch is not None:
@@ -167,8 +205,13 @@ class AgentWorker:
     async def _recover_engine(self, verdict: str) -> None:
         """Re-issue this worker's groups, restart the engine, wait for the actor's sync, take work again."""
         w = self.watch
-        log.warning("worker %s: engine %s is %s; its %d in-flight groups go back to the broker", self.worker_id,
-                    w.sup.url, verdict, len(self.tasks))
+        log.warning(
+            "worker %s: engine %s is %s; its %d in-flight groups go back to the broker",
+            self.worker_id,
+            w.sup.url,
+            verdict,
+            len(self.tasks),
+        )
         await self._cancel_all()
         await self.conn.close(say_bye=True)  # the broker re-issues the groups (counted as re-issued)
         while verdict is not None:
@@ -177,8 +220,12 @@ class AgentWorker:
             self.stats["engine_restarts"] += 1
             w.announce(w.sup.restarts)
             verdict = await self._wait_synced(w.sup.restarts)
-        log.info("worker %s: engine %s restarted (%d) and synced; taking work again", self.worker_id, w.sup.url,
-                 w.sup.restarts)
+        log.info(
+            "worker %s: engine %s restarted (%d) and synced; taking work again",
+            self.worker_id,
+            w.sup.url,
+            w.sup.restarts,
+        )
         await self._connect()
 
     async def _wait_synced(self, n: int) -> Optional[str]:
@@ -189,9 +236,11 @@ class AgentWorker:
             if not w.sup.alive():
                 return f"dead: the process exited with code {w.sup.exit_code()} before its weight sync"
             if time.monotonic() > deadline:
-                raise TimeoutError(f"agent worker {self.worker_id}: the actor did not sync restarted engine "
-                                   f"{w.sup.url} (restart {n}) within {w.sync_wait_s:g} s "
-                                   f"(sync.join_timeout_s + sync.step_timeout_s)")
+                raise TimeoutError(
+                    f"agent worker {self.worker_id}: the actor did not sync restarted engine "
+                    f"{w.sup.url} (restart {n}) within {w.sync_wait_s:g} s "
+                    f"(sync.join_timeout_s + sync.step_timeout_s)"
+                )
             await asyncio.sleep(POLL_S)
         return None
 
@@ -274,14 +323,30 @@ class AgentWorker:
         task) re-issues it; if no restart comes within the hang verdict's time, report it aborted after all."""
         w = self.watch
         self.stats["groups_held_for_restart"] += 1
-        log.warning("group %d aborted while engine %s is unhealthy (%s); holding it for the restart", group_id,
-                    w.sup.url, error)
+        log.warning(
+            "group %d aborted while engine %s is unhealthy (%s); holding it for the restart", group_id, w.sup.url, error
+        )
         await asyncio.sleep(w.unhealthy_after_s + 2 * (w.interval_s + w.probe_timeout_s))
 
 
-def run_worker(cfg: Config, *, broker_address: str, engine_urls: list[str], tokenizer_path: str,
-               worker_id: str, retriever: Optional[Retriever] = None, watch: Optional[EngineWatch] = None) -> dict:
+def run_worker(
+    cfg: Config,
+    *,
+    broker_address: str,
+    engine_urls: list[str],
+    tokenizer_path: str,
+    worker_id: str,
+    retriever: Optional[Retriever] = None,
+    watch: Optional[EngineWatch] = None,
+) -> dict:
     """Run the agent worker until the broker says shutdown; returns its counters."""
-    worker = AgentWorker(cfg, broker_address=broker_address, engine_urls=engine_urls,
-                         tokenizer_path=tokenizer_path, worker_id=worker_id, retriever=retriever, watch=watch)
+    worker = AgentWorker(
+        cfg,
+        broker_address=broker_address,
+        engine_urls=engine_urls,
+        tokenizer_path=tokenizer_path,
+        worker_id=worker_id,
+        retriever=retriever,
+        watch=watch,
+    )
     return asyncio.run(worker.run())

@@ -174,16 +174,21 @@ class InflightAutotuner:
         self._max_running = max(self._max_running, f.running_reqs or 0.0)
         # queued while the engines run as many requests as they ever did: slots full. A queue while they run far
         # fewer than before is requests waiting for their prefill (the CPU engine's queue at 4 groups of 24 slots)
-        queueing = f.queue_reqs is not None and bool(f.running_reqs) and f.queue_reqs > s.queue_frac * f.running_reqs \
+        queueing = (
+            f.queue_reqs is not None
+            and bool(f.running_reqs)
+            and f.queue_reqs > s.queue_frac * f.running_reqs
             and f.running_reqs >= (1 - s.full_tol) * self._max_running
+        )
         # a settled limit that already queued when it settled (measured: lower lost throughput) is kept
         if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
             self._add(f, queued=True)  # a point too: if the lower limit then loses throughput, this one was needed
-            change = self._move(min(self.limit - 1, math.floor(self.limit * share)),
-                                f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they "
-                                f"run: past saturation")
+            change = self._move(
+                min(self.limit - 1, math.floor(self.limit * share)),
+                f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they run: past saturation",
+            )
             self._ceiling = f.limit  # no probe back up to the limit that made the engines queue
             return change
         if self.settled:
@@ -224,33 +229,49 @@ class InflightAutotuner:
         s = self.settings
         g, b = self._knee()
         top = max(self._points, key=lambda p: p.x)
-        rising = b is not None and g is top and g.binds and f.wait_buffer < s.binds and \
-            math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x) >= s.rise_elasticity
+        rising = (
+            b is not None
+            and g is top
+            and g.binds
+            and f.wait_buffer < s.binds
+            and math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x) >= s.rise_elasticity
+        )
         idle = f.queue_reqs is not None and f.queue_reqs <= 0.02 * (f.running_reqs or 0.0)
         if b is None and g is top and idle and g.binds and f.wait_buffer < s.binds and self.limit < self._ceiling:
-            return self._move(min(g.x * s.max_factor, self._ceiling),
-                              f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing")
+            return self._move(
+                min(g.x * s.max_factor, self._ceiling),
+                f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing",
+            )
         if b is None and g.x > self.lower and self.limit > self.lower:
-            return self._move(g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, "
-                                                  f"none below it measured yet")
+            return self._move(
+                g.x / s.max_factor, f"probe down: {g.t:.0f} tok/s at {g.x:.1f} in flight, none below it measured yet"
+            )
         room = min(g.x * s.max_factor, self._ceiling) > g.x * (1 + s.merge)  # a raise would measure a new point
         if rising and room:
-            return self._move(min(g.x * s.max_factor, self._ceiling),
-                              f"probe up: throughput still rises at {g.x:.1f} in flight ({b.t:.0f} -> {g.t:.0f} tok/s)")
+            return self._move(
+                min(g.x * s.max_factor, self._ceiling),
+                f"probe up: throughput still rises at {g.x:.1f} in flight ({b.t:.0f} -> {g.t:.0f} tok/s)",
+            )
         if b is not None and g is top and not room:
             # the curve rises up to the largest limit allowed: the smallest limit within tol of it, read off the
             # local power law T ~ x^e between b and g (the measured engine curve has no knee, only a slope)
             e = math.log(g.t / max(b.t, 1e-9)) / math.log(g.x / b.x)
             est = g.x * (1 - s.tol) ** (1 / e) if e > 0 else b.x
             if est * (1 + s.margin) >= g.x:
-                return self._settle(g, b, self._ceiling, f"the curve still rises at the bound {self._ceiling} "
-                                                         f"(elasticity {e:.2f}); ")
+                return self._settle(
+                    g, b, self._ceiling, f"the curve still rises at the bound {self._ceiling} (elasticity {e:.2f}); "
+                )
             if b.x < math.ceil(est) < g.x:
-                return self._move(est, f"interpolate: {b.t:.0f} tok/s at {b.x:.1f}, {g.t:.0f} at {g.x:.1f} in flight "
-                                       f"(elasticity {e:.2f}): within {s.tol:.0%} of it from {est:.1f}")
+                return self._move(
+                    est,
+                    f"interpolate: {b.t:.0f} tok/s at {b.x:.1f}, {g.t:.0f} at {g.x:.1f} in flight "
+                    f"(elasticity {e:.2f}): within {s.tol:.0%} of it from {est:.1f}",
+                )
         if b is not None and g.x / b.x > s.resolution and b.x < math.ceil(math.sqrt(g.x * b.x)) < g.x:
-            return self._move(math.sqrt(g.x * b.x), f"bisect: saturated at {g.x:.1f} ({g.t:.0f} tok/s), "
-                                                    f"starved at {b.x:.1f} ({b.t:.0f} tok/s)")
+            return self._move(
+                math.sqrt(g.x * b.x),
+                f"bisect: saturated at {g.x:.1f} ({g.t:.0f} tok/s), starved at {b.x:.1f} ({b.t:.0f} tok/s)",
+            )
         return self._settle(g, b, g.x * (1 + s.margin), "")
 
     def _settle(self, g: _Point, b: Optional[_Point], target: float, why: str) -> Optional[Change]:
@@ -275,8 +296,7 @@ class InflightAutotuner:
             self._off = []
             return None
         dev = f.tokens_per_s / self._settle_t - 1
-        self._off = self._off + [dev] if abs(dev) > s.retune_frac and (not self._off or dev * self._off[0] > 0) \
-            else []
+        self._off = self._off + [dev] if abs(dev) > s.retune_frac and (not self._off or dev * self._off[0] > 0) else []
         if not self._off:  # an in-band step refines the reference (a running mean: one noisy first step
             self._ref = (self._ref + [f.tokens_per_s])[-REF_STEPS:]  # must not set it for good)
             self._settle_t = sum(self._ref) / len(self._ref)

@@ -180,8 +180,9 @@ class DefaultDataBuffer(DataBuffer):
             self._version_heap = [(v, gid) for gid, v in mv.items()]
             heapq.heapify(self._version_heap)
         # staleness of what stays buffered: mean and max from the maintained total and heap
-        self._buffer_staleness = (engine_version - self._version_sum / len(mv), engine_version - self._oldest_version()) \
-            if mv else (0.0, 0)
+        self._buffer_staleness = (
+            (engine_version - self._version_sum / len(mv), engine_version - self._oldest_version()) if mv else (0.0, 0)
+        )
         return out, rejected
 
     def get_metrics(self) -> dict[str, float]:
@@ -267,5 +268,7 @@ def make_data_buffer(settings: BufferSettings, custom_path: Optional[str]) -> Da
     if _is_miles_buffer(cls):
         takes_arg = len(inspect.signature(cls).parameters) > 0
         return MilesBufferAdapter(settings, cls(settings) if takes_arg else cls())
-    raise ValueError(f"rollout_buffer.custom_data_buffer_path: {custom_path!r} is neither a DataBuffer subclass "
-                     f"(asyncrl.broker.buffer.DataBuffer) nor a class with Miles' put(group), get() and get_metrics()")
+    raise ValueError(
+        f"rollout_buffer.custom_data_buffer_path: {custom_path!r} is neither a DataBuffer subclass "
+        f"(asyncrl.broker.buffer.DataBuffer) nor a class with Miles' put(group), get() and get_metrics()"
+    )

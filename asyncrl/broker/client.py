@@ -127,10 +127,20 @@ def _to_events(msg: P.Message) -> list[WorkerEvent]:
     b = msg.body
     if msg.type == P.ISSUE:
         if "rows" in b:  # compact: [group_id, group_size, version, epoch, item row]
-            return [Assignment(gid, P._item_from_row(item), epoch, size, version)
-                    for gid, size, version, epoch, item in b["rows"]]
-        return [Assignment(int(g["group_id"]), P.item_from_wire(g["item"]), int(g["epoch"]), int(g["group_size"]),
-                           int(g["version"])) for g in b["groups"]]
+            return [
+                Assignment(gid, P._item_from_row(item), epoch, size, version)
+                for gid, size, version, epoch, item in b["rows"]
+            ]
+        return [
+            Assignment(
+                int(g["group_id"]),
+                P.item_from_wire(g["item"]),
+                int(g["epoch"]),
+                int(g["group_size"]),
+                int(g["version"]),
+            )
+            for g in b["groups"]
+        ]
     if msg.type == P.CONTROL:
         return [Control(bool(b["hold"]), int(b["version"]))]
     if msg.type == P.CANCEL:
@@ -143,8 +153,15 @@ def _to_events(msg: P.Message) -> list[WorkerEvent]:
 class WorkerConnection:
     """Blocking worker-side connection (see the module docstring)."""
 
-    def __init__(self, address: str, *, worker_id: str, capacity: int, heartbeat_interval_s: float = 2.0,
-                 context: Optional[zmq.Context] = None):
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker_id: str,
+        capacity: int,
+        heartbeat_interval_s: float = 2.0,
+        context: Optional[zmq.Context] = None,
+    ):
         self.address, self.worker_id, self.capacity = address, worker_id, capacity
         self.heartbeat_interval_s = heartbeat_interval_s
         self.sock = _dealer(context or zmq.Context.instance(), address, worker_id)
@@ -173,13 +190,16 @@ class WorkerConnection:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
-                raise TimeoutError(f"broker at {self.address} did not answer hello from worker {self.worker_id!r} "
-                                   f"within {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"broker at {self.address} did not answer hello from worker {self.worker_id!r} "
+                    f"within {timeout_s:.0f}s"
+                )
             msg = P.decode(self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.WELCOME:
                 b = msg.body
-                self.welcome = Welcome(int(b["version"]), int(b["group_size"]), bool(b["hold"]),
-                                       float(b["heartbeat_interval_s"]))
+                self.welcome = Welcome(
+                    int(b["version"]), int(b["group_size"]), bool(b["hold"]), float(b["heartbeat_interval_s"])
+                )
                 return self.welcome
             if msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
@@ -215,8 +235,15 @@ class WorkerConnection:
         ``trajectory`` its data travels now and ``send_group(..., None)`` may omit it."""
         self._send(_traj_frames(group_id, index, trajectory))
 
-    def send_group(self, group_id: int, trajectories: Optional[Sequence[Trajectory]] = None, *,
-                   aborted: bool = False, error: str = "", flush: bool = True) -> None:
+    def send_group(
+        self,
+        group_id: int,
+        trajectories: Optional[Sequence[Trajectory]] = None,
+        *,
+        aborted: bool = False,
+        error: str = "",
+        flush: bool = True,
+    ) -> None:
         """The group finished. ``aborted=True`` (a generate/tool call failed; ``error`` says what) makes the
         broker apply ``rollout_buffer.unused_groups``; it is never trained. ``flush=False`` queues it: the
         queued groups travel together in one message at the next ``flush``/``poll``/send (or when
@@ -245,15 +272,22 @@ class WorkerConnection:
 class AsyncWorkerConnection:
     """The same as ``WorkerConnection`` for asyncio programs (pyzmq's asyncio sockets).
 
-        conn = AsyncWorkerConnection(address, worker_id="engine0", capacity=64)
-        await conn.connect(timeout_s=30)       # starts the heartbeat task
-        ev = await conn.recv(timeout_s=1.0)    # one WorkerEvent or None
-        await conn.send_group(gid, trajs)
-        await conn.close()
+    conn = AsyncWorkerConnection(address, worker_id="engine0", capacity=64)
+    await conn.connect(timeout_s=30)       # starts the heartbeat task
+    ev = await conn.recv(timeout_s=1.0)    # one WorkerEvent or None
+    await conn.send_group(gid, trajs)
+    await conn.close()
     """
 
-    def __init__(self, address: str, *, worker_id: str, capacity: int, heartbeat_interval_s: float = 2.0,
-                 context: Optional[zmq.asyncio.Context] = None):
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker_id: str,
+        capacity: int,
+        heartbeat_interval_s: float = 2.0,
+        context: Optional[zmq.asyncio.Context] = None,
+    ):
         self.address, self.worker_id, self.capacity = address, worker_id, capacity
         self.heartbeat_interval_s = heartbeat_interval_s
         self.sock = _dealer(context or zmq.asyncio.Context.instance(), address, worker_id)
@@ -264,18 +298,23 @@ class AsyncWorkerConnection:
         self._flush_task: Optional[asyncio.Task] = None
 
     async def connect(self, *, timeout_s: float = 30.0) -> Welcome:
-        await self.sock.send_multipart(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
+        await self.sock.send_multipart(
+            P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True})
+        )
         deadline = time.monotonic() + timeout_s
         while self.welcome is None:
             left = deadline - time.monotonic()
             if left <= 0 or not await self.sock.poll(int(left * 1000)):
-                raise TimeoutError(f"broker at {self.address} did not answer hello from worker {self.worker_id!r} "
-                                   f"within {timeout_s:.0f}s")
+                raise TimeoutError(
+                    f"broker at {self.address} did not answer hello from worker {self.worker_id!r} "
+                    f"within {timeout_s:.0f}s"
+                )
             msg = P.decode(await self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.WELCOME:
                 b = msg.body
-                self.welcome = Welcome(int(b["version"]), int(b["group_size"]), bool(b["hold"]),
-                                       float(b["heartbeat_interval_s"]))
+                self.welcome = Welcome(
+                    int(b["version"]), int(b["group_size"]), bool(b["hold"]), float(b["heartbeat_interval_s"])
+                )
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
             else:
@@ -300,7 +339,8 @@ class AsyncWorkerConnection:
             msg = P.decode(await self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.REHELLO:
                 await self.sock.send_multipart(
-                    P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
+                    P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True})
+                )
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
             else:
@@ -312,8 +352,14 @@ class AsyncWorkerConnection:
         await self.flush()
         await self.sock.send_multipart(_traj_frames(group_id, index, trajectory))
 
-    async def send_group(self, group_id: int, trajectories: Optional[Sequence[Trajectory]] = None, *,
-                         aborted: bool = False, error: str = "") -> None:
+    async def send_group(
+        self,
+        group_id: int,
+        trajectories: Optional[Sequence[Trajectory]] = None,
+        *,
+        aborted: bool = False,
+        error: str = "",
+    ) -> None:
         """Groups finished by several tasks in the same event-loop turn travel together in one ``groups``
         message: the first caller yields once to the loop, then sends what was queued meanwhile (the others
         return at once; their group is in that message). Trajectories must not change after the call."""
@@ -352,20 +398,24 @@ class BrokerClient:
         self.address, self.timeout_s = address, timeout_s
         self.sock = _dealer(context or zmq.Context.instance(), address, f"actor-{os.getpid()}-{id(self):x}")
 
-    def _call(self, msg_type: str, body: Optional[dict] = None, blobs=(), *, timeout_s: Optional[float] = None
-              ) -> P.Message:
+    def _call(
+        self, msg_type: str, body: Optional[dict] = None, blobs=(), *, timeout_s: Optional[float] = None
+    ) -> P.Message:
         self.sock.send_multipart(P.encode(msg_type, body, blobs), copy=not blobs)
         t = self.timeout_s if timeout_s is None else timeout_s
         if not self.sock.poll(int(t * 1000)):
-            raise TimeoutError(f"broker at {self.address} did not answer {msg_type!r} within {t:.0f}s "
-                               f"(is the broker process alive? see its log in the run directory)")
+            raise TimeoutError(
+                f"broker at {self.address} did not answer {msg_type!r} within {t:.0f}s "
+                f"(is the broker process alive? see its log in the run directory)"
+            )
         msg = P.decode(self.sock.recv_multipart(copy=False), allowed=P.TO_ACTOR_TYPES)
         if msg.type == P.ERROR:
             raise BrokerError(msg.body.get("message", "broker error"))
         return msg
 
-    def get_batch(self, step: int, *, timeout_s: float, actor_version: Optional[int] = None,
-                  as_lists: bool = False) -> Batch:
+    def get_batch(
+        self, step: int, *, timeout_s: float, actor_version: Optional[int] = None, as_lists: bool = False
+    ) -> Batch:
         """Block until the oldest ``rollout_batch_size`` groups are ready (``Batch.wait_s`` is time/wait_data).
         Raises TimeoutError after ``timeout_s`` (the request is withdrawn) and BrokerError when the broker
         stopped the run (e.g. ``rollout_buffer.max_dropped_groups_per_step``)."""
@@ -374,8 +424,11 @@ class BrokerClient:
         if msg.type == P.TIMEOUT:
             raise TimeoutError(f"no batch for step {step} from the broker at {self.address} within {timeout_s:.1f}s")
         b = msg.body
-        groups = P.unpack_group_rows(b["rows"], msg.blobs, as_lists=as_lists) if "rows" in b \
+        groups = (
+            P.unpack_group_rows(b["rows"], msg.blobs, as_lists=as_lists)
+            if "rows" in b
             else P.unpack_groups(b["groups"], msg.blobs, as_lists=as_lists)
+        )
         return Batch(step=int(b["step"]), groups=groups, wait_s=float(b["wait_s"]), metrics=dict(b["metrics"]))
 
     def sync_begin(self, mode: str = "retract") -> None:
@@ -397,8 +450,14 @@ class BrokerClient:
 
     def engine_figures(self, *, running_reqs: float, queue_reqs: float, gen_tokens_per_s: float) -> None:
         """The engines' latest ``/metrics`` summed over engines (``max_inflight_groups = "auto"`` uses them)."""
-        self._call(P.ENGINE_FIGURES, {"running_reqs": float(running_reqs), "queue_reqs": float(queue_reqs),
-                                      "gen_tokens_per_s": float(gen_tokens_per_s)})
+        self._call(
+            P.ENGINE_FIGURES,
+            {
+                "running_reqs": float(running_reqs),
+                "queue_reqs": float(queue_reqs),
+                "gen_tokens_per_s": float(gen_tokens_per_s),
+            },
+        )
 
     def batch_filtered(self, group_ids: list[int]) -> None:
         """The sample filter removed these groups of the last batch: the broker counts them as
@@ -441,6 +500,7 @@ def broker_handshake(address: str, *, timeout_s: float, who: str) -> dict[str, A
         raise TimeoutError(
             f"{who}: no answer from the broker at {address} within {timeout_s:.0f}s "
             f"(cluster.broker_handshake_timeout_s); is that address reachable from this node? On several nodes set "
-            f"cluster.broker_host to an address of node 0 that every node reaches") from None
+            f"cluster.broker_host to an address of node 0 that every node reaches"
+        ) from None
     finally:
         client.close()

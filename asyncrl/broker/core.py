@@ -127,17 +127,25 @@ class CoreSettings:
         """From a resolved ``asyncrl.config.Config``."""
         rb = cfg.rollout_buffer
         return cls(
-            rollout_batch_size=cfg.data.rollout_batch_size, group_size=cfg.algorithm.group_size,
-            max_inflight_groups=inflight_start(cfg), max_buffered_groups=rb.max_buffered_groups,
+            rollout_batch_size=cfg.data.rollout_batch_size,
+            group_size=cfg.algorithm.group_size,
+            max_inflight_groups=inflight_start(cfg),
+            max_buffered_groups=rb.max_buffered_groups,
             inflight_autotune=rb.max_inflight_groups == "auto",
             max_dropped_groups_per_step=rb.max_dropped_groups_per_step,
             submission_granularity=rb.submission_granularity or ("sample" if cfg.runner.async_mode else "group"),
             max_inflight_samples=rb.max_concurrent_samples,
-            unused_groups=rb.unused_groups, max_staleness=cfg.agentloop.max_actor_accept_staleness,
-            sync_mode=not cfg.runner.async_mode, seed=cfg.runner.seed, shuffle=cfg.data.shuffle,
-            no_data_warning_s=rb.no_data_warning_s, worker_heartbeat_timeout_s=rb.worker_heartbeat_timeout_s,
+            unused_groups=rb.unused_groups,
+            max_staleness=cfg.agentloop.max_actor_accept_staleness,
+            sync_mode=not cfg.runner.async_mode,
+            seed=cfg.runner.seed,
+            shuffle=cfg.data.shuffle,
+            no_data_warning_s=rb.no_data_warning_s,
+            worker_heartbeat_timeout_s=rb.worker_heartbeat_timeout_s,
             dynamic_sampling_filter_path=rb.dynamic_sampling_filter_path,
-            custom_data_buffer_path=rb.custom_data_buffer_path, expected_workers=num_engines(cfg))
+            custom_data_buffer_path=rb.custom_data_buffer_path,
+            expected_workers=num_engines(cfg),
+        )
 
 
 @dataclass(slots=True)
@@ -201,8 +209,14 @@ class _Request:
 
 
 class BrokerCore:
-    def __init__(self, prompts: list[PromptItem], *, settings: CoreSettings, clock: Callable[[], float],
-                 data_buffer: Optional[DataBuffer] = None):
+    def __init__(
+        self,
+        prompts: list[PromptItem],
+        *,
+        settings: CoreSettings,
+        clock: Callable[[], float],
+        data_buffer: Optional[DataBuffer] = None,
+    ):
         s = settings
         assert s.rollout_batch_size <= s.max_buffered_groups, "validate(): max_buffered_groups >= rollout_batch_size"
         self.s = settings
@@ -213,8 +227,9 @@ class BrokerCore:
             if s.dynamic_sampling_filter_path:
                 flt = import_path(s.dynamic_sampling_filter_path, "rollout_buffer.dynamic_sampling_filter_path")
             bs = BufferSettings(max_staleness=s.max_staleness, dynamic_filter=flt, capacity=s.max_buffered_groups)
-            data_buffer = make_data_buffer(bs, s.custom_data_buffer_path) if s.custom_data_buffer_path \
-                else DefaultDataBuffer(bs)
+            data_buffer = (
+                make_data_buffer(bs, s.custom_data_buffer_path) if s.custom_data_buffer_path else DefaultDataBuffer(bs)
+            )
         self.buffer = data_buffer
         self.version = 0
         self.num_skipped_long_prompts = 0  # data.max_prompt_tokens (set by the server)
@@ -253,8 +268,11 @@ class BrokerCore:
         """Lifetime totals: issued, finished, trained, dropped, retried, reissued, unknown_reports, ..."""
         self.last_metrics: dict[str, float] = {}
         self.inflight_limit = s.max_inflight_groups
-        self.autotuner = InflightAutotuner(start=s.max_inflight_groups, upper=max(
-            1, s.max_buffered_groups - s.rollout_batch_size)) if s.inflight_autotune else None
+        self.autotuner = (
+            InflightAutotuner(start=s.max_inflight_groups, upper=max(1, s.max_buffered_groups - s.rollout_batch_size))
+            if s.inflight_autotune
+            else None
+        )
         self._engines: Optional[tuple[float, float, float]] = None
         self._reset_step(now)
 
@@ -391,8 +409,9 @@ class BrokerCore:
             self._admit()
         return True
 
-    def group_finished(self, group_id: int, trajectories: Optional[list[Trajectory]] = None, *,
-                       aborted: bool = False) -> bool:
+    def group_finished(
+        self, group_id: int, trajectories: Optional[list[Trajectory]] = None, *, aborted: bool = False
+    ) -> bool:
         """A whole group came back. ``trajectories=None``: use the ones reported one by one."""
         if group_id not in self._inflight:
             self.counters["unknown_reports"] += 1
@@ -436,13 +455,20 @@ class BrokerCore:
         if trajectories is None:
             trajectories = [g.trajectories[i] for i in sorted(g.trajectories) if g.trajectories[i] is not None]
         if not aborted and len(trajectories) != self.s.group_size:
-            log.warning("group %d came back with %d trajectories, expected group_size = %d; treating it as aborted",
-                        group_id, len(trajectories), self.s.group_size)
+            log.warning(
+                "group %d came back with %d trajectories, expected group_size = %d; treating it as aborted",
+                group_id,
+                len(trajectories),
+                self.s.group_size,
+            )
             self.counters["malformed_groups"] += 1
             aborted = True
         if not aborted and not all(math.isfinite(t.reward) for t in trajectories):
-            log.warning("group %d came back with a non-finite reward %s; not trained on (dropped as aborted)",
-                        group_id, [t.reward for t in trajectories])
+            log.warning(
+                "group %d came back with a non-finite reward %s; not trained on (dropped as aborted)",
+                group_id,
+                [t.reward for t in trajectories],
+            )
             self.counters["nonfinite_rewards"] += 1
             aborted = True
         group = Group(group_id, g.item, g.epoch, list(trajectories), g.issued_version, 0, aborted)
@@ -529,16 +555,22 @@ class BrokerCore:
                 break
             expired.append(wid)
         for wid in expired:
-            log.warning("worker %s missed heartbeats for %.1fs (rollout_buffer.worker_heartbeat_timeout_s = %.1f)",
-                        wid, now - self._workers[wid].last_seen, self.s.worker_heartbeat_timeout_s)
+            log.warning(
+                "worker %s missed heartbeats for %.1fs (rollout_buffer.worker_heartbeat_timeout_s = %.1f)",
+                wid,
+                now - self._workers[wid].last_seen,
+                self.s.worker_heartbeat_timeout_s,
+            )
             self.remove_worker(wid)
         out = []
         if self._request is not None and self.failure is None:
             since = now - max(self._last_arrival_t, self._last_warning_t)
             if since >= self.s.no_data_warning_s:
-                msg = (f"No completed rollout groups for {self.s.no_data_warning_s:.1f}s (actor waiting for step "
-                       f"{self._request.step}: {len(self.buffer)}/{self.s.rollout_batch_size} groups buffered, "
-                       f"{len(self._inflight)} in flight, {len(self._workers)} workers)")
+                msg = (
+                    f"No completed rollout groups for {self.s.no_data_warning_s:.1f}s (actor waiting for step "
+                    f"{self._request.step}: {len(self.buffer)}/{self.s.rollout_batch_size} groups buffered, "
+                    f"{len(self._inflight)} in flight, {len(self._workers)} workers)"
+                )
                 log.warning(msg)
                 out.append(msg)
                 self._last_warning_t = now
@@ -587,11 +619,17 @@ class BrokerCore:
     def _still_joining(self) -> bool:
         """The start-up phase (see the contract) ends once ``expected_workers`` joined or the grace ran out."""
         s = self.s
-        if self._joining and (len(self._workers) >= s.expected_workers or self._first_join_t is not None
-                              and self._last_t - self._first_join_t > s.worker_join_grace_s):
+        if self._joining and (
+            len(self._workers) >= s.expected_workers
+            or self._first_join_t is not None
+            and self._last_t - self._first_join_t > s.worker_join_grace_s
+        ):
             self._joining = False
-            log.info("%d of %d expected workers joined: workers may now be issued past their capacity",
-                     len(self._workers), s.expected_workers)
+            log.info(
+                "%d of %d expected workers joined: workers may now be issued past their capacity",
+                len(self._workers),
+                s.expected_workers,
+            )
         return self._joining
 
     def _reset_step(self, now: float) -> None:
@@ -700,20 +738,26 @@ class BrokerCore:
         reasons = {k[5:]: v for k, v in self._step.items() if k.startswith("drop_")}
         fixes = []
         if reasons.get("stale"):
-            fixes.append(f"raise agentloop.max_actor_accept_staleness (now {self.s.max_staleness}) above "
-                         f"max_buffered_groups / rollout_batch_size = "
-                         f"{self.s.max_buffered_groups / self.s.rollout_batch_size:g}, or lower "
-                         f"rollout_buffer.max_buffered_groups")
+            fixes.append(
+                f"raise agentloop.max_actor_accept_staleness (now {self.s.max_staleness}) above "
+                f"max_buffered_groups / rollout_batch_size = "
+                f"{self.s.max_buffered_groups / self.s.rollout_batch_size:g}, or lower "
+                f"rollout_buffer.max_buffered_groups"
+            )
         if reasons.get("aborted"):
             fixes.append("fix what aborts the groups (engine or retriever failures: see the agent worker logs)")
         others = [r for r in reasons if r not in ("stale", "aborted")]
         if others:
-            fixes.append(f"loosen the dynamic-sampling filter (rollout_buffer.dynamic_sampling_filter_path) "
-                         f"rejecting for {others}")
-        return (f"rollout_buffer.max_dropped_groups_per_step: {self._step['dropped']} groups were dropped since the "
-                f"last batch (limit {self.s.max_dropped_groups_per_step}; by reason {reasons}): groups are dropped "
-                f"faster than training uses them. To fix: {'; '.join(fixes)}; or raise "
-                f"rollout_buffer.max_dropped_groups_per_step.")
+            fixes.append(
+                f"loosen the dynamic-sampling filter (rollout_buffer.dynamic_sampling_filter_path) "
+                f"rejecting for {others}"
+            )
+        return (
+            f"rollout_buffer.max_dropped_groups_per_step: {self._step['dropped']} groups were dropped since the "
+            f"last batch (limit {self.s.max_dropped_groups_per_step}; by reason {reasons}): groups are dropped "
+            f"faster than training uses them. To fix: {'; '.join(fixes)}; or raise "
+            f"rollout_buffer.max_dropped_groups_per_step."
+        )
 
     def _try_handoff(self) -> None:
         req = self._request
@@ -731,8 +775,12 @@ class BrokerCore:
                 self.buffer.restore(groups + self.buffer.groups())
             return
         now = self._last_t
-        self._batch = Batch(step=req.step, groups=groups, wait_s=now - req.t,
-                            metrics=self._step_metrics(groups, req.actor_version, now - req.t))
+        self._batch = Batch(
+            step=req.step,
+            groups=groups,
+            wait_s=now - req.t,
+            metrics=self._step_metrics(groups, req.actor_version, now - req.t),
+        )
         self.last_metrics = self._batch.metrics
         self.counters["trained"] += len(groups)
         self._last_batch_ids = [g.group_id for g in groups]
@@ -742,8 +790,9 @@ class BrokerCore:
     def _step_metrics(self, groups: list[Group], v: int, wait_s: float) -> dict[str, float]:
         now = self._last_t
         dur = now - self._step_start
-        mins = [min([t.min_version for t in g.trajectories]) if g.trajectories else g.issued_version
-                for g in groups]  # Group.min_version, computed once per group
+        mins = [
+            min([t.min_version for t in g.trajectories]) if g.trajectories else g.issued_version for g in groups
+        ]  # Group.min_version, computed once per group
         st = [v - m for m in mins]
         span = [g.finished_version - m for g, m in zip(groups, mins)]
         queue = [v - g.finished_version for g in groups]
@@ -778,15 +827,24 @@ class BrokerCore:
     def _autotune(self, dur: float) -> dict[str, float]:
         """The step's figures for the in-flight autotuner (when on); the limit in force next."""
         a = self._area
-        m = {"rollout/buffer/inflight_limit": float(self.inflight_limit),
-             "rollout/buffer/mean_inflight_groups": a[0] / dur if dur > 0 else self._inflight_used()}
+        m = {
+            "rollout/buffer/inflight_limit": float(self.inflight_limit),
+            "rollout/buffer/mean_inflight_groups": a[0] / dur if dur > 0 else self._inflight_used(),
+        }
         if self.autotuner is None or dur <= 0:
             return m
         eng = self._engines is not None and a[3] > 0
-        change = self.autotuner.observe(StepFigures(
-            limit=self.inflight_limit, mean_inflight=a[0] / dur, tokens_per_s=(a[3] if eng else a[4]) / dur,
-            wait_inflight=self._wait_inflight / dur, wait_buffer=self._wait_buffer / dur,
-            running_reqs=a[1] / dur if eng else None, queue_reqs=a[2] / dur if eng else None))
+        change = self.autotuner.observe(
+            StepFigures(
+                limit=self.inflight_limit,
+                mean_inflight=a[0] / dur,
+                tokens_per_s=(a[3] if eng else a[4]) / dur,
+                wait_inflight=self._wait_inflight / dur,
+                wait_buffer=self._wait_buffer / dur,
+                running_reqs=a[1] / dur if eng else None,
+                queue_reqs=a[2] / dur if eng else None,
+            )
+        )
         if change is not None:
             log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)
             self.inflight_limit = change.new
@@ -854,11 +912,14 @@ def validate_state(state: dict, *, group_size: int) -> None:
         raise ValueError("broker state: buffered group ids are not unique")
     for g in buffered:
         if not 0 <= g.group_id < state["next_group_id"]:
-            raise ValueError(f"broker state: buffered group {g.group_id} is not below next_group_id "
-                             f"{state['next_group_id']}")
+            raise ValueError(
+                f"broker state: buffered group {g.group_id} is not below next_group_id {state['next_group_id']}"
+            )
         if len(g.trajectories) != group_size:
-            raise ValueError(f"broker state: buffered group {g.group_id} has {len(g.trajectories)} trajectories, "
-                             f"expected rollout.n_samples_per_prompt = {group_size}")
+            raise ValueError(
+                f"broker state: buffered group {g.group_id} has {len(g.trajectories)} trajectories, "
+                f"expected rollout.n_samples_per_prompt = {group_size}"
+            )
     counters = state.get("counters")
     if counters is None:
         return
@@ -870,5 +931,7 @@ def validate_state(state: dict, *, group_size: int) -> None:
     issued, trained, dropped, reissued = (counters.get(k, 0) for k in _ACCOUNTED)
     held = len(state["inflight"]) + len(buffered)
     if issued != trained + dropped + held + reissued:
-        raise ValueError(f"broker state: counters break issued == trained + dropped + held + reissued "
-                         f"({issued} != {trained} + {dropped} + {held} + {reissued})")
+        raise ValueError(
+            f"broker state: counters break issued == trained + dropped + held + reissued "
+            f"({issued} != {trained} + {dropped} + {held} + {reissued})"
+        )

@@ -52,18 +52,24 @@ class Dataloader:
 
     def remaining_in_epoch(self) -> list[int]:
         """Dataset positions (``PromptItem`` list indices) not yet read in the current epoch."""
-        return [int(i) for i in self._order[self.position:]]
+        return [int(i) for i in self._order[self.position :]]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
-                "num_prompts": len(self.items)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.items),
+        }
 
     def check_state(self, state: dict) -> None:
         """Raise ``ValueError`` unless ``load_state_dict(state)`` would succeed (nothing changes here)."""
         if state["num_prompts"] != len(self.items):
             raise ValueError(
                 f"data.train_path: the checkpoint's dataloader saw {state['num_prompts']} prompts but the dataset "
-                f"now has {len(self.items)}; resume with the same training data")
+                f"now has {len(self.items)}; resume with the same training data"
+            )
         for k in ("epoch", "position", "seed"):
             if type(state[k]) is not int or state[k] < 0:
                 raise ValueError(f"broker state: dataloader.{k} must be an integer >= 0, got {state[k]!r:.80}")
@@ -75,8 +81,9 @@ class Dataloader:
         self._order = self._epoch_order(self.epoch)
 
 
-def drop_long_prompts(items: list[PromptItem], count_tokens: Callable[[PromptItem], int],
-                      max_tokens: int) -> tuple[list[PromptItem], list[tuple[int, int]]]:
+def drop_long_prompts(
+    items: list[PromptItem], count_tokens: Callable[[PromptItem], int], max_tokens: int
+) -> tuple[list[PromptItem], list[tuple[int, int]]]:
     """``data.max_prompt_tokens``: the prompts of at most ``max_tokens`` tokens, and ``(index, tokens)`` of each
     one skipped. Every prompt longer than that is skipped (an empty result is an error naming the key)."""
     kept, skipped = [], []
@@ -87,6 +94,8 @@ def drop_long_prompts(items: list[PromptItem], count_tokens: Callable[[PromptIte
         else:
             kept.append(it)
     if items and not kept:
-        raise ValueError(f"data.max_prompt_tokens: all {len(items)} prompts are longer than {max_tokens} tokens "
-                         f"(shortest {min(n for _, n in skipped)}); raise it")
+        raise ValueError(
+            f"data.max_prompt_tokens: all {len(items)} prompts are longer than {max_tokens} tokens "
+            f"(shortest {min(n for _, n in skipped)}); raise it"
+        )
     return kept, skipped

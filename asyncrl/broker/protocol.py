@@ -80,7 +80,14 @@ HELLO, HEARTBEAT, TRAJ, GROUP, GROUPS, BYE = "hello", "hb", "traj", "group", "gr
 WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN = "welcome", "issue", "control", "cancel", "rehello", "shutdown"
 # actor -> broker
 GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE = (
-    "get_batch", "sync_begin", "sync_end", "metrics", "status", "get_state", "set_state")
+    "get_batch",
+    "sync_begin",
+    "sync_end",
+    "metrics",
+    "status",
+    "get_state",
+    "set_state",
+)
 # broker -> actor
 BATCH, TIMEOUT, OK, ERROR, STATE = "batch", "timeout", "ok", "error", "state"
 # actor -> broker: a blocking eval on the shared engines stops issuing new prompts (turns go on)
@@ -91,8 +98,22 @@ BATCH_FILTERED = "batch_filtered"
 ENGINE_FIGURES = "engine_figures"
 
 WORKER_TYPES = frozenset({HELLO, HEARTBEAT, TRAJ, GROUP, GROUPS, BYE})
-ACTOR_TYPES = frozenset({GET_BATCH, SYNC_BEGIN, SYNC_END, METRICS, STATUS, GET_STATE, SET_STATE, SHUTDOWN,
-                         HOLD_ISSUING, RELEASE_ISSUING, BATCH_FILTERED, ENGINE_FIGURES})
+ACTOR_TYPES = frozenset(
+    {
+        GET_BATCH,
+        SYNC_BEGIN,
+        SYNC_END,
+        METRICS,
+        STATUS,
+        GET_STATE,
+        SET_STATE,
+        SHUTDOWN,
+        HOLD_ISSUING,
+        RELEASE_ISSUING,
+        BATCH_FILTERED,
+        ENGINE_FIGURES,
+    }
+)
 TO_WORKER_TYPES = frozenset({WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN})
 TO_ACTOR_TYPES = frozenset({BATCH, TIMEOUT, OK, ERROR, STATE, METRICS, STATUS})
 
@@ -151,8 +172,10 @@ def worker_id_field(body: dict, where: str) -> Optional[str]:
     if v is None:
         return None
     if not isinstance(v, str) or not 0 < len(v) <= MAX_WORKER_ID_CHARS:
-        raise ProtocolError(f"{where}: field 'worker_id' must be a non-empty string of at most "
-                            f"{MAX_WORKER_ID_CHARS} characters, got {v!r:.80}")
+        raise ProtocolError(
+            f"{where}: field 'worker_id' must be a non-empty string of at most "
+            f"{MAX_WORKER_ID_CHARS} characters, got {v!r:.80}"
+        )
     return v
 
 
@@ -174,8 +197,17 @@ def _finite_or_nan_reward(v: Any) -> float:
 
 
 # The types of a trajectory's optional scalar fields (the dataclass defaults' types).
-_SCALAR_TYPES = {"num_turns": int, "num_tool_calls": int, "num_retractions": int, "finish_reason": str,
-                 "truncated": bool, "aborted": bool, "error": str, "timings": dict, "extra": dict}
+_SCALAR_TYPES = {
+    "num_turns": int,
+    "num_tool_calls": int,
+    "num_retractions": int,
+    "finish_reason": str,
+    "truncated": bool,
+    "aborted": bool,
+    "error": str,
+    "timings": dict,
+    "extra": dict,
+}
 
 
 def _check_scalars(d: dict) -> None:
@@ -233,23 +265,44 @@ def decode(frames: Sequence[Any], *, allowed: frozenset[str] | None = None) -> M
 
 # ---------------------------------------------------------------- items, trajectories, groups
 def item_to_wire(item: PromptItem) -> dict:
-    return {"index": item.index, "prompt": item.prompt, "answers": list(item.answers),
-            "data_source": item.data_source, "extra": item.extra}
+    return {
+        "index": item.index,
+        "prompt": item.prompt,
+        "answers": list(item.answers),
+        "data_source": item.data_source,
+        "extra": item.extra,
+    }
 
 
 def item_from_wire(d: dict) -> PromptItem:
     try:
-        return PromptItem(_strict_int(d["index"], "prompt item index"), d["prompt"], list(d.get("answers", ())),
-                          d.get("data_source", ""), dict(d.get("extra", _EMPTY)))
+        return PromptItem(
+            _strict_int(d["index"], "prompt item index"),
+            d["prompt"],
+            list(d.get("answers", ())),
+            d.get("data_source", ""),
+            dict(d.get("extra", _EMPTY)),
+        )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ProtocolError):
             raise
         raise ProtocolError(f"bad prompt item: {e!r}") from None
 
 
-_SCALAR_DEFAULTS = {"reward": 0.0, "min_version": 0, "max_version": 0, "num_turns": 0, "num_tool_calls": 0,
-                    "num_retractions": 0, "finish_reason": "", "truncated": False, "aborted": False, "error": "",
-                    "timings": {}, "extra": {}}
+_SCALAR_DEFAULTS = {
+    "reward": 0.0,
+    "min_version": 0,
+    "max_version": 0,
+    "num_turns": 0,
+    "num_tool_calls": 0,
+    "num_retractions": 0,
+    "finish_reason": "",
+    "truncated": False,
+    "aborted": False,
+    "error": "",
+    "timings": {},
+    "extra": {},
+}
 
 
 _SCALAR_ITEMS = tuple(_SCALAR_DEFAULTS.items())
@@ -277,9 +330,13 @@ def _materialize(wire) -> tuple[np.ndarray, ...]:
     o_r = start + 4 * n_p
     o_lp = o_r + 4 * n_r
     o_wv = o_lp + 4 * n_r
-    return (np.frombuffer(base, "<i4", n_p, start), np.frombuffer(base, "<i4", n_r, o_r),
-            np.frombuffer(base, np.uint8, n_r, o_wv + 4 * n_w), np.frombuffer(base, "<f4", n_r, o_lp),
-            np.frombuffer(base, "<i4", n_w, o_wv))
+    return (
+        np.frombuffer(base, "<i4", n_p, start),
+        np.frombuffer(base, "<i4", n_r, o_r),
+        np.frombuffer(base, np.uint8, n_r, o_wv + 4 * n_w),
+        np.frombuffer(base, "<f4", n_r, o_lp),
+        np.frombuffer(base, "<i4", n_w, o_wv),
+    )
 
 
 def _plain_trajectory(kw: dict) -> Trajectory:
@@ -326,8 +383,12 @@ def _received_meta(t: Trajectory):
     """The meta a WireTrajectory was decoded from, when none of its scalar fields changed since (else None)."""
     d = t.__dict__
     meta = d.get("_meta")
-    if meta is None or _FLAT_GET(d) != d["_snap"] or d["timings"] != meta.get("timings", _EMPTY) \
-            or d["extra"] != meta.get("extra", _EMPTY):
+    if (
+        meta is None
+        or _FLAT_GET(d) != d["_snap"]
+        or d["timings"] != meta.get("timings", _EMPTY)
+        or d["extra"] != meta.get("extra", _EMPTY)
+    ):
         return None
     return meta
 
@@ -338,7 +399,7 @@ def _reusable_blob(t: Trajectory):
     if wire is None or not _unchanged(t, wire):
         return None
     base, start, size, _ = wire
-    return base[start:start + size]
+    return base[start : start + size]
 
 
 def _scalar_meta(t: Trajectory) -> dict:
@@ -374,7 +435,9 @@ def pack_trajectory(t: Trajectory, blob_index: int) -> tuple[dict, Any]:
 
 def unpack_trajectory(meta: dict, blob: Any, *, as_lists: bool = False) -> Trajectory:
     """``meta["o"]`` (default 0) is the trajectory's byte offset inside ``blob``."""
-    base = blob if isinstance(blob, memoryview) and blob.format == "B" and blob.ndim == 1 else memoryview(blob).cast("B")
+    base = (
+        blob if isinstance(blob, memoryview) and blob.format == "B" and blob.ndim == 1 else memoryview(blob).cast("B")
+    )
     return _unpack(meta, base, as_lists)
 
 
@@ -385,8 +448,14 @@ def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
         if not (type(n_p) is int and type(n_r) is int and type(n_w) is int and type(start) is int):
             raise ProtocolError(f"trajectory meta: offsets and lengths must be integers: {meta!r:.200}")
         size = 4 * n_p + 9 * n_r + 4 * n_w
-        if n_p < 0 or n_r < 0 or n_w < 0 or start < 0 or start + size > base.nbytes or (
-                "o" not in meta and base.nbytes != size):
+        if (
+            n_p < 0
+            or n_r < 0
+            or n_w < 0
+            or start < 0
+            or start + size > base.nbytes
+            or ("o" not in meta and base.nbytes != size)
+        ):
             raise ProtocolError(f"trajectory blob has {base.nbytes} bytes, expected {size} at offset {start}")
         wire = (base, start, size, (n_p, n_r, n_w))
         keys = meta.keys()
@@ -406,8 +475,10 @@ def _unpack(meta: dict, base: memoryview, as_lists: bool) -> Trajectory:
         d["timings"] = {} if tm is None else dict(tm)
         d["extra"] = {} if ex is None else dict(ex)
         if type(d["min_version"]) is not int or type(d["max_version"]) is not int:
-            raise ProtocolError(f"trajectory versions must be integers: min_version {d['min_version']!r}, "
-                                f"max_version {d['max_version']!r}")
+            raise ProtocolError(
+                f"trajectory versions must be integers: min_version {d['min_version']!r}, "
+                f"max_version {d['max_version']!r}"
+            )
         if type(d["reward"]) is not float:
             d["reward"] = _finite_or_nan_reward(d["reward"])
         _check_scalars(d)
@@ -441,12 +512,14 @@ def _blob_base(blobs: Sequence[Any], m: Any, bases: dict) -> memoryview:
     except (KeyError, IndexError, TypeError, ValueError) as e:
         if isinstance(e, ProtocolError):
             raise
-        raise ProtocolError(f"trajectory refers to a missing blob: {m.get('b') if isinstance(m, dict) else m!r}") \
-            from None
+        raise ProtocolError(
+            f"trajectory refers to a missing blob: {m.get('b') if isinstance(m, dict) else m!r}"
+        ) from None
 
 
-def unpack_trajectories(metas: list, blobs: Sequence[Any], *, as_lists: bool = False,
-                        bases: dict | None = None) -> list[Trajectory]:
+def unpack_trajectories(
+    metas: list, blobs: Sequence[Any], *, as_lists: bool = False, bases: dict | None = None
+) -> list[Trajectory]:
     """``bases`` (blob index -> memoryview) may be shared by the calls for one message, so that the
     trajectories of many groups are views of the same frame object."""
     if bases is None:
@@ -466,8 +539,11 @@ def _wire_range(trajs: Sequence[Trajectory]):
     lo, hi, total = w0[1], w0[1] + w0[2], 0
     for t in trajs:
         w = t.__dict__.get("_wire")
-        if w is None or not (w[0] is base or (w[0].obj is base.obj and w[0].nbytes == base.nbytes)) \
-                or not _unchanged(t, w):
+        if (
+            w is None
+            or not (w[0] is base or (w[0].obj is base.obj and w[0].nbytes == base.nbytes))
+            or not _unchanged(t, w)
+        ):
             return None
         if w[1] < lo:
             lo = w[1]
@@ -518,9 +594,15 @@ def pack_group_blob(trajs: Sequence[Trajectory], blob_index: int) -> tuple[list[
 
 
 def _group_map(g: Group, metas: list[dict]) -> dict:
-    return {"group_id": g.group_id, "epoch": g.epoch, "issued_version": g.issued_version,
-            "finished_version": g.finished_version, "aborted": g.aborted, "item": item_to_wire(g.item),
-            "trajs": metas}
+    return {
+        "group_id": g.group_id,
+        "epoch": g.epoch,
+        "issued_version": g.issued_version,
+        "finished_version": g.finished_version,
+        "aborted": g.aborted,
+        "item": item_to_wire(g.item),
+        "trajs": metas,
+    }
 
 
 def pack_groups(groups: Sequence[Group], blobs: list) -> list[dict]:
@@ -562,9 +644,17 @@ def unpack_groups(maps: list, blobs: Sequence[Any], *, as_lists: bool = False) -
     for d in maps:
         try:
             trajs = [_unpack(m, _blob_base(blobs, m, bases), as_lists) for m in d["trajs"]]
-            out.append(Group(_strict_int(d["group_id"], "group_id"), item_from_wire(d["item"]),
-                             _strict_int(d["epoch"], "epoch"), trajs, _strict_int(d["issued_version"], "issued_version"),
-                             _strict_int(d["finished_version"], "finished_version"), bool(d["aborted"])))
+            out.append(
+                Group(
+                    _strict_int(d["group_id"], "group_id"),
+                    item_from_wire(d["item"]),
+                    _strict_int(d["epoch"], "epoch"),
+                    trajs,
+                    _strict_int(d["issued_version"], "issued_version"),
+                    _strict_int(d["finished_version"], "finished_version"),
+                    bool(d["aborted"]),
+                )
+            )
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"bad group: {e!r}") from None
     return out
@@ -590,8 +680,11 @@ def _row_scalars(t: Trajectory) -> tuple:
     except KeyError:  # a field that does not live in __dict__ (a subclass): the slow way
         rest_vals = tuple(getattr(t, k) for k in _REST)
         reward, mn, mx = t.reward, t.min_version, t.max_version
-    rest = None if rest_vals == _REST_DEFAULTS else \
-        {k: v for k, v, dflt in zip(_REST, rest_vals, _REST_DEFAULTS) if v != dflt}
+    rest = (
+        None
+        if rest_vals == _REST_DEFAULTS
+        else {k: v for k, v, dflt in zip(_REST, rest_vals, _REST_DEFAULTS) if v != dflt}
+    )
     return float(reward), mn, mx, rest
 
 
@@ -609,8 +702,10 @@ def _token_pieces(t: Trajectory, pieces: list) -> tuple[int, int, int, int]:
     lm = np.ascontiguousarray(t.loss_mask, _U1)
     n_p, n_r, n_w = len(p), len(r), len(wv)
     if len(lp) != n_r or len(lm) != n_r or n_w not in (0, n_r):
-        raise ValueError(f"trajectory arrays do not align: {n_r} response ids, {len(lp)} logprobs, "
-                         f"{len(lm)} loss_mask entries, {n_w} weight_versions")
+        raise ValueError(
+            f"trajectory arrays do not align: {n_r} response ids, {len(lp)} logprobs, "
+            f"{len(lm)} loss_mask entries, {n_w} weight_versions"
+        )
     size = 4 * n_p + 9 * n_r + 4 * n_w
     if size <= 16384:  # small: bytes are cheaper to make than memoryviews (the join copies either way)
         pieces += (p.tobytes(), r.tobytes(), lp.tobytes(), wv.tobytes(), lm.tobytes())
@@ -625,8 +720,14 @@ def _unpack_row(row: Any, blobs: Sequence[Any], bases: dict, as_lists: bool) -> 
         base = bases.get(b)
         if base is None:
             base = bases[b] = memoryview(blobs[_strict_int(b, "trajectory row: blob index")]).cast("B")
-        if not (type(start) is int and type(n_p) is int and type(n_r) is int and type(n_w) is int
-                and type(mn) is int and type(mx) is int):
+        if not (
+            type(start) is int
+            and type(n_p) is int
+            and type(n_r) is int
+            and type(n_w) is int
+            and type(mn) is int
+            and type(mx) is int
+        ):
             raise ProtocolError(f"trajectory row: offsets, lengths and versions must be integers: {row!r:.200}")
         size = 4 * n_p + 9 * n_r + 4 * n_w
         if n_p < 0 or n_r < 0 or n_w < 0 or start < 0 or start + size > base.nbytes:
@@ -664,8 +765,7 @@ def _item_row(item: PromptItem) -> list:
 def _item_from_row(r: Any) -> PromptItem:
     try:
         index, prompt, answers, data_source, extra = r
-        return PromptItem(_strict_int(index, "prompt item index"), prompt, list(answers), data_source,
-                          dict(extra))
+        return PromptItem(_strict_int(index, "prompt item index"), prompt, list(answers), data_source, dict(extra))
     except (TypeError, ValueError) as e:
         if isinstance(e, ProtocolError):
             raise
@@ -684,8 +784,11 @@ def pack_group_rows(groups: Sequence[Group], blobs: list) -> list[list]:
         for t in trajs:
             d = t.__dict__
             w = d.get("_wire")
-            if w is None or (base is not None and w[0] is not base) or not (
-                    d.keys().isdisjoint(_ARRAY_FIELDS) if "_wire_arrays" not in d else _unchanged(t, w)):
+            if (
+                w is None
+                or (base is not None and w[0] is not base)
+                or not (d.keys().isdisjoint(_ARRAY_FIELDS) if "_wire_arrays" not in d else _unchanged(t, w))
+            ):
                 base = None
                 break
             if base is None:
@@ -710,9 +813,21 @@ def pack_group_rows(groups: Sequence[Group], blobs: list) -> list[list]:
                 w = d["_wire"]
                 n = w[3]
                 rest = _REST_GET(d)  # a WireTrajectory keeps every scalar field in its __dict__
-                rows.append([run_b, w[1] - run_lo, n[0], n[1], n[2], float(d["reward"]), d["min_version"],
-                             d["max_version"], None if rest == _REST_DEFAULTS else
-                             {k: v for k, v, dflt in zip(_REST, rest, _REST_DEFAULTS) if v != dflt}])
+                rows.append(
+                    [
+                        run_b,
+                        w[1] - run_lo,
+                        n[0],
+                        n[1],
+                        n[2],
+                        float(d["reward"]),
+                        d["min_version"],
+                        d["max_version"],
+                        None
+                        if rest == _REST_DEFAULTS
+                        else {k: v for k, v, dflt in zip(_REST, rest, _REST_DEFAULTS) if v != dflt},
+                    ]
+                )
         else:
             pieces, offset, b = [], 0, len(blobs)
             for t in trajs:
@@ -721,8 +836,17 @@ def pack_group_rows(groups: Sequence[Group], blobs: list) -> list[list]:
                 offset += size
             blobs.append(b"".join(pieces))
         it = g.item
-        out.append([g.group_id, g.epoch, g.issued_version, g.finished_version, g.aborted,
-                    [it.index, it.prompt, list(it.answers), it.data_source, it.extra], rows])
+        out.append(
+            [
+                g.group_id,
+                g.epoch,
+                g.issued_version,
+                g.finished_version,
+                g.aborted,
+                [it.index, it.prompt, list(it.answers), it.data_source, it.extra],
+                rows,
+            ]
+        )
     if run_base is not None:
         blobs[run_b] = _slice([run_base, run_lo, run_hi, run_b])
     return out
@@ -737,8 +861,17 @@ def unpack_group_rows(rows: Any, blobs: Sequence[Any], *, as_lists: bool = False
         try:
             gid, epoch, iv, fv, aborted, item, trows = r
             trajs = [_unpack_row(x, blobs, bases, as_lists) for x in trows]
-            out.append(Group(_strict_int(gid, "group_id"), _item_from_row(item), _strict_int(epoch, "epoch"), trajs,
-                             _strict_int(iv, "issued_version"), _strict_int(fv, "finished_version"), bool(aborted)))
+            out.append(
+                Group(
+                    _strict_int(gid, "group_id"),
+                    _item_from_row(item),
+                    _strict_int(epoch, "epoch"),
+                    trajs,
+                    _strict_int(iv, "issued_version"),
+                    _strict_int(fv, "finished_version"),
+                    bool(aborted),
+                )
+            )
         except (TypeError, ValueError) as e:
             if isinstance(e, ProtocolError):
                 raise
@@ -788,12 +921,15 @@ def unpack_finished_groups(msg: Message) -> list[tuple[int, Optional[list[Trajec
 def pack_state(state: dict) -> tuple[dict, list[bytes]]:
     """``BrokerCore.state_dict()`` -> (header map, blobs)."""
     blobs: list[bytes] = []
-    body = {"counters": dict(state.get("counters", {})), "version": state["version"],
-            "next_group_id": state["next_group_id"],
-            "dataloader": state["dataloader"],
-            "queued": [[item_to_wire(it), e] for it, e in state["queued"]],
-            "inflight": [[item_to_wire(it), e] for it, e in state["inflight"]],
-            "buffered": pack_groups(state["buffered"], blobs)}
+    body = {
+        "counters": dict(state.get("counters", {})),
+        "version": state["version"],
+        "next_group_id": state["next_group_id"],
+        "dataloader": state["dataloader"],
+        "queued": [[item_to_wire(it), e] for it, e in state["queued"]],
+        "inflight": [[item_to_wire(it), e] for it, e in state["inflight"]],
+        "buffered": pack_groups(state["buffered"], blobs),
+    }
     return body, blobs
 
 
@@ -802,15 +938,18 @@ def unpack_state(body: dict, blobs: Sequence[Any]) -> dict:
         dl = dict(body["dataloader"])
         for k in ("epoch", "position", "seed", "num_prompts"):
             _strict_int(dl[k], f"broker state: dataloader.{k}")
-        out = {"version": _strict_int(body["version"], "broker state: version"),
-               "next_group_id": _strict_int(body["next_group_id"], "broker state: next_group_id"),
-               "dataloader": dl,
-               "queued": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["queued"]],
-               "inflight": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["inflight"]],
-               "buffered": unpack_groups(body["buffered"], blobs)}
+        out = {
+            "version": _strict_int(body["version"], "broker state: version"),
+            "next_group_id": _strict_int(body["next_group_id"], "broker state: next_group_id"),
+            "dataloader": dl,
+            "queued": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["queued"]],
+            "inflight": [(item_from_wire(it), _strict_int(e, "broker state: epoch")) for it, e in body["inflight"]],
+            "buffered": unpack_groups(body["buffered"], blobs),
+        }
         if "counters" in body:  # absent in checkpoints written before the counters were saved
-            out["counters"] = {str(k): _strict_int(v, f"broker state: counters.{k}") for k, v in
-                               dict(body["counters"]).items()}
+            out["counters"] = {
+                str(k): _strict_int(v, f"broker state: counters.{k}") for k, v in dict(body["counters"]).items()
+            }
         return out
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         if isinstance(e, ProtocolError):
@@ -820,8 +959,7 @@ def unpack_state(body: dict, blobs: Sequence[Any]) -> dict:
 
 def state_to_bytes(body: dict, blobs: Sequence[Any]) -> bytes:
     """A self-contained blob (what the runner writes into its checkpoint)."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, "state": body, "blobs": [bytes(b) for b in blobs]},
-                         use_bin_type=True)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "state": body, "blobs": [bytes(b) for b in blobs]}, use_bin_type=True)
 
 
 def state_from_bytes(data: bytes) -> tuple[dict, list[bytes]]:

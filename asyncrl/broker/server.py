@@ -70,8 +70,15 @@ class _PendingBatch:
 
 
 class BrokerServer:
-    def __init__(self, core: BrokerCore, *, bind: str = "tcp://127.0.0.1:0", heartbeat_interval_s: float = 2.0,
-                 tick_s: float = 0.2, context: Optional[zmq.Context] = None):
+    def __init__(
+        self,
+        core: BrokerCore,
+        *,
+        bind: str = "tcp://127.0.0.1:0",
+        heartbeat_interval_s: float = 2.0,
+        tick_s: float = 0.2,
+        context: Optional[zmq.Context] = None,
+    ):
         self.core = core
         self.heartbeat_interval_s = heartbeat_interval_s
         self.tick_s = tick_s
@@ -160,8 +167,11 @@ class BrokerServer:
             self._stop = True
         elif self._sigterm_deferred and not self._sigterm_reported:
             self._sigterm_reported = True
-            log.warning("SIGTERM deferred while the parent (pid %d, actor rank 0) lives: it checkpoints the "
-                        "buffered groups first, then stops the broker", self.parent_pid)
+            log.warning(
+                "SIGTERM deferred while the parent (pid %d, actor rank 0) lives: it checkpoints the "
+                "buffered groups first, then stops the broker",
+                self.parent_pid,
+            )
 
     def _close(self) -> None:
         for wid in list(self._worker_ident):
@@ -218,15 +228,28 @@ class BrokerServer:
                 if wid in rows_ok:
                     lst.append([iss.group_id, iss.group_size, iss.version, iss.epoch, hit[2]])
                 else:
-                    lst.append({"group_id": iss.group_id, "group_size": iss.group_size, "version": iss.version,
-                                "epoch": iss.epoch, "item": hit[1]})
+                    lst.append(
+                        {
+                            "group_id": iss.group_id,
+                            "group_size": iss.group_size,
+                            "version": iss.version,
+                            "epoch": iss.epoch,
+                            "item": hit[1],
+                        }
+                    )
             for wid, groups in per_worker.items():
                 if wid in self._worker_ident:  # else: issued to a worker that just vanished (re-queued)
                     self._send_worker(wid, P.ISSUE, {"rows" if wid in rows_ok else "groups": groups})
         drops = core.take_drops()
         for d in drops if log.isEnabledFor(logging.DEBUG) else ():
-            log.debug("dropped group %d (prompt %d, epoch %d): %s%s", d.group_id, d.item.index, d.epoch, d.reason,
-                      " -> retried" if d.retried else "")
+            log.debug(
+                "dropped group %d (prompt %d, epoch %d): %s%s",
+                d.group_id,
+                d.item.index,
+                d.epoch,
+                d.reason,
+                " -> retried" if d.retried else "",
+            )
         self._flush_batch()
 
     def _flush_control(self) -> None:
@@ -286,8 +309,11 @@ class BrokerServer:
         if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: a flood does not flood the log
             log.warning("refused %r from %r without the run secret (%d so far)", msg_type, ident, n)
         if ident:
-            self._send(ident, P.ERROR, {"message": "unauthenticated: this broker needs the run secret "
-                                                   "(ASYNCRL_API_KEY)", "kind": "AuthError"})
+            self._send(
+                ident,
+                P.ERROR,
+                {"message": "unauthenticated: this broker needs the run secret (ASYNCRL_API_KEY)", "kind": "AuthError"},
+            )
 
     def _finish_pending(self) -> None:
         """Hand the finished groups received so far to the core (one call: one admission check)."""
@@ -314,17 +340,25 @@ class BrokerServer:
         if msg.type == P.HELLO:
             cap = b.get("capacity")
             if type(cap) is not int or not 1 <= cap <= MAX_WORKER_CAPACITY:
-                raise P.ProtocolError(f"hello: field 'capacity' must be an integer in [1, {MAX_WORKER_CAPACITY}], "
-                                      f"got {cap!r:.80}")
+                raise P.ProtocolError(
+                    f"hello: field 'capacity' must be an integer in [1, {MAX_WORKER_CAPACITY}], got {cap!r:.80}"
+                )
             self._worker_ident[wid] = ident
             if b.get("rows"):
                 self._row_workers.add(wid)
             else:
                 self._row_workers.discard(wid)
             self._control_sent[wid] = (self.core.hold_new_turns, self.core.version)
-            self._send(ident, P.WELCOME, {"version": self.core.version, "group_size": self.core.s.group_size,
-                                          "hold": self.core.hold_new_turns,
-                                          "heartbeat_interval_s": self.heartbeat_interval_s})
+            self._send(
+                ident,
+                P.WELCOME,
+                {
+                    "version": self.core.version,
+                    "group_size": self.core.s.group_size,
+                    "hold": self.core.hold_new_turns,
+                    "heartbeat_interval_s": self.heartbeat_interval_s,
+                },
+            )
             self.core.add_worker(wid, capacity=cap)
             log.info("worker %s joined (capacity %d)", wid, cap)
             return
@@ -344,8 +378,9 @@ class BrokerServer:
             gid = P.int_field(b, "group_id", P.TRAJ)
             index = P.int_field(b, "index", P.TRAJ)
             if index >= self.core.s.group_size:
-                raise P.ProtocolError(f"traj: field 'index' must be < group_size = {self.core.s.group_size}, "
-                                      f"got {index}")
+                raise P.ProtocolError(
+                    f"traj: field 'index' must be < group_size = {self.core.s.group_size}, got {index}"
+                )
             traj = None
             if b.get("traj") is not None:
                 traj = P.unpack_trajectories([b["traj"]], msg.blobs)[0]
@@ -392,8 +427,9 @@ class BrokerServer:
             elif msg.type == P.SYNC_BEGIN:
                 mode = b.get("mode", "retract")
                 if mode not in SYNC_MODES:
-                    raise P.ProtocolError(f"sync_begin: field 'mode' must be one of {list(SYNC_MODES)}, "
-                                          f"got {mode!r:.80}")
+                    raise P.ProtocolError(
+                        f"sync_begin: field 'mode' must be one of {list(SYNC_MODES)}, got {mode!r:.80}"
+                    )
                 core.sync_begin(mode)
                 self._flush_control()  # the hold is on its way to every worker before the actor hears OK
                 self._send(ident, P.OK)
@@ -408,8 +444,9 @@ class BrokerServer:
                 core.release_issuing()
                 self._send(ident, P.OK)
             elif msg.type == P.BATCH_FILTERED:
-                core.batch_filtered(P.int_list_field(b, "group_ids", P.BATCH_FILTERED,
-                                                     max_len=core.s.rollout_batch_size))
+                core.batch_filtered(
+                    P.int_list_field(b, "group_ids", P.BATCH_FILTERED, max_len=core.s.rollout_batch_size)
+                )
                 self._send(ident, P.OK)
             elif msg.type == P.ENGINE_FIGURES:
                 figures = {k: float(b[k]) for k in ("running_reqs", "queue_reqs", "gen_tokens_per_s")}
@@ -419,8 +456,11 @@ class BrokerServer:
                 core.engine_figures(**figures)
                 self._send(ident, P.OK)
             elif msg.type == P.METRICS:
-                self._send(ident, P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters),
-                                              "status": self.status()})
+                self._send(
+                    ident,
+                    P.METRICS,
+                    {"metrics": core.last_metrics, "counters": dict(core.counters), "status": self.status()},
+                )
             elif msg.type == P.STATUS:
                 self._send(ident, P.STATUS, self.status())
             elif msg.type == P.GET_STATE:
@@ -444,12 +484,19 @@ class BrokerServer:
 
     def status(self) -> dict:
         c = self.core
-        return {"version": c.version, "num_inflight_groups": c.num_inflight_groups,
-                "num_inflight_samples": c.num_inflight_samples, "num_buffered_groups": c.num_buffered_groups,
-                "workers": c.workers(), "hold": c.hold_new_turns, "waiting_step": c.waiting_step,
-                "issuing_held": c.issuing_held,
-                "failure": None if c.failure is None else str(c.failure),
-                "counters": dict(c.counters), "stats": dict(self.stats)}
+        return {
+            "version": c.version,
+            "num_inflight_groups": c.num_inflight_groups,
+            "num_inflight_samples": c.num_inflight_samples,
+            "num_buffered_groups": c.num_buffered_groups,
+            "workers": c.workers(),
+            "hold": c.hold_new_turns,
+            "waiting_step": c.waiting_step,
+            "issuing_held": c.issuing_held,
+            "failure": None if c.failure is None else str(c.failure),
+            "counters": dict(c.counters),
+            "stats": dict(self.stats),
+        }
 
 
 def tune_gc() -> None:
@@ -461,9 +508,16 @@ def tune_gc() -> None:
     gc.set_threshold(35_000, 20, 20)
 
 
-def run_broker(cfg, prompts: list, *, source: str = "", bind: str = "tcp://127.0.0.1:0",
-               address_file: Optional[str] = None, num_skipped_long_prompts: int = 0,
-               parent_pid: Optional[int] = None) -> None:
+def run_broker(
+    cfg,
+    prompts: list,
+    *,
+    source: str = "",
+    bind: str = "tcp://127.0.0.1:0",
+    address_file: Optional[str] = None,
+    num_skipped_long_prompts: int = 0,
+    parent_pid: Optional[int] = None,
+) -> None:
     """Build the core from a resolved ``Config`` and the ``prompts`` (``PromptItem``s, loaded by the caller from
     ``source``; ``num_skipped_long_prompts`` of them were left out by ``data.max_prompt_tokens``), serve until
     shutdown. Publishes the endpoint. ``parent_pid``: the supervising parent (see ``install_signal_handlers``)."""
@@ -480,8 +534,16 @@ def run_broker(cfg, prompts: list, *, source: str = "", bind: str = "tcp://127.0
             f.write(server.address)
         os.replace(tmp, address_file)
     print(f"ASYNCRL_BROKER_ADDRESS={server.address}", flush=True)
-    log.info("broker: %d prompts from %s, limits inflight=%d buffered=%d batch=%d group_size=%d (%s, %s mode)",
-             len(prompts), source, core.s.max_inflight_groups, core.s.max_buffered_groups, core.s.rollout_batch_size,
-             core.s.group_size, core.s.submission_granularity, "sync" if core.s.sync_mode else "async")
+    log.info(
+        "broker: %d prompts from %s, limits inflight=%d buffered=%d batch=%d group_size=%d (%s, %s mode)",
+        len(prompts),
+        source,
+        core.s.max_inflight_groups,
+        core.s.max_buffered_groups,
+        core.s.rollout_batch_size,
+        core.s.group_size,
+        core.s.submission_granularity,
+        "sync" if core.s.sync_mode else "async",
+    )
     server.serve_forever()
     sys.stdout.flush()

@@ -38,8 +38,15 @@ class AddressError(RuntimeError):
     """No routable address for a multi-node job; the message says which setting fixes it."""
 
 
-def choose_endpoint(*, num_nodes: int, master_addr: str, route_addr: Optional[str], iface_addrs: list[str],
-                    configured_host: Optional[str] = None, what: str = "the broker") -> Endpoint:
+def choose_endpoint(
+    *,
+    num_nodes: int,
+    master_addr: str,
+    route_addr: Optional[str],
+    iface_addrs: list[str],
+    configured_host: Optional[str] = None,
+    what: str = "the broker",
+) -> Endpoint:
     """Pure: the bind and advertise hosts from what this host knows (see the module contract).
 
     ``route_addr``: the source address of the route to MASTER_ADDR (None if there is none);
@@ -47,8 +54,10 @@ def choose_endpoint(*, num_nodes: int, master_addr: str, route_addr: Optional[st
     one_host = num_nodes <= 1 or is_loopback(master_addr)
     if configured_host:
         if is_loopback(configured_host) and not one_host:
-            raise AddressError(f"cluster.broker_host: {configured_host!r} is a loopback address, unreachable from "
-                               f"the other nodes of a {num_nodes}-node job; give an address of node 0 they reach")
+            raise AddressError(
+                f"cluster.broker_host: {configured_host!r} is a loopback address, unreachable from "
+                f"the other nodes of a {num_nodes}-node job; give an address of node 0 they reach"
+            )
         return Endpoint(bind_host=configured_host, advertise_host=configured_host)
     if one_host:
         host = "127.0.0.1" if is_loopback(master_addr) or not route_addr else route_addr
@@ -58,7 +67,8 @@ def choose_endpoint(*, num_nodes: int, master_addr: str, route_addr: Optional[st
         raise AddressError(
             f"{what}: no routable address on this host for a {num_nodes}-node job (the route to MASTER_ADDR="
             f"{master_addr} gives {route_addr!r}, interfaces {iface_addrs}); set cluster.broker_host to an address "
-            f"of this node that every node reaches, or start torchrun with --local-addr")
+            f"of this node that every node reaches, or start torchrun with --local-addr"
+        )
     return Endpoint(bind_host="0.0.0.0", advertise_host=candidates[0])
 
 
@@ -108,8 +118,14 @@ def host_endpoint(*, num_nodes: int, configured_host: Optional[str] = None, what
     port = int(os.environ.get("MASTER_PORT", "29500"))
     route = None if is_loopback(master) else route_address(master, port)
     ifaces = interface_addresses() if num_nodes > 1 and not configured_host else []
-    ep = choose_endpoint(num_nodes=num_nodes, master_addr=master, route_addr=route, iface_addrs=ifaces,
-                         configured_host=configured_host, what=what)
+    ep = choose_endpoint(
+        num_nodes=num_nodes,
+        master_addr=master,
+        route_addr=route,
+        iface_addrs=ifaces,
+        configured_host=configured_host,
+        what=what,
+    )
     if configured_host:  # ZeroMQ binds on an address or an interface, not a host name: resolve it here
         try:
             bind = socket.gethostbyname(configured_host)

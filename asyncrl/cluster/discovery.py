@@ -31,10 +31,11 @@ class Discovery:
         addr = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
         if not addr or not port:
-            raise RuntimeError("MASTER_ADDR/MASTER_PORT are not set: launch with torchrun "
-                               "(e.g. torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml)")
-        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                              use_libuv=True)
+            raise RuntimeError(
+                "MASTER_ADDR/MASTER_PORT are not set: launch with torchrun "
+                "(e.g. torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml)"
+            )
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return cls(store, f"asyncrl/{run_id}/{restart}/", timeout_s=timeout_s)
@@ -48,8 +49,10 @@ class Discovery:
         deadline = time.monotonic() + t
         while not self.store.check([key]):
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no value for discovery key {self.prefix}{key!r} after {t:.0f}s: "
-                                   f"the rank that publishes it did not start or failed")
+                raise TimeoutError(
+                    f"no value for discovery key {self.prefix}{key!r} after {t:.0f}s: "
+                    f"the rank that publishes it did not start or failed"
+                )
             time.sleep(_POLL_S)
         return self.store.get(key).decode()
 

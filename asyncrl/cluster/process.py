@@ -90,9 +90,17 @@ def tail_file(path: Path, n: int = 30) -> str:
     return "\n".join(lines[-n:])
 
 
-def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | None = None,
-                cwd: str | None = None, inherit_env: bool = True, console_stdout: bool = False,
-                stop_signal: signal.Signals = signal.SIGTERM) -> Child:
+def spawn_child(
+    name: str,
+    cmd: list[str],
+    *,
+    log_dir: str | Path,
+    env: dict | None = None,
+    cwd: str | None = None,
+    inherit_env: bool = True,
+    console_stdout: bool = False,
+    stop_signal: signal.Signals = signal.SIGTERM,
+) -> Child:
     """``console_stdout``: the child's stdout stays the parent's (the console), only stderr goes to the log
     (a child that prints its operator-facing warnings to stdout and logs everything to stderr).
     ``stop_signal``: what ``stop_child`` sends before SIGKILL."""
@@ -103,9 +111,16 @@ def spawn_child(name: str, cmd: list[str], *, log_dir: str | Path, env: dict | N
     full_env = dict(os.environ) if inherit_env else {}
     if env:
         full_env.update(env)
-    popen = subprocess.Popen(cmd, stdout=None if console_stdout else out, stderr=out if console_stdout else
-                             subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                             cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
+    popen = subprocess.Popen(
+        cmd,
+        stdout=None if console_stdout else out,
+        stderr=out if console_stdout else subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     out.close()
     child = Child(name=name, popen=popen, log_path=log_path, stop_signal=stop_signal)
     _children.append(child)
@@ -123,8 +138,9 @@ def stop_child(child: Child, grace_s: float = 10.0) -> None:
         try:
             child.popen.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            log.warning("%s (pid %d) ignored %s for %.0fs; killing", child.name, child.pid, child.stop_signal.name,
-                        grace_s)
+            log.warning(
+                "%s (pid %d) ignored %s for %.0fs; killing", child.name, child.pid, child.stop_signal.name, grace_s
+            )
             try:
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -161,8 +177,15 @@ def install_signal_handlers(grace_s: float = 10.0) -> None:
     atexit.register(stop_all, grace_s)
 
 
-def wait_until(pred: Callable[[], bool], *, timeout_s: float, what: str, child: Child | None = None,
-               interval_s: float = 0.2, report_every_s: float = 30.0) -> None:
+def wait_until(
+    pred: Callable[[], bool],
+    *,
+    timeout_s: float,
+    what: str,
+    child: Child | None = None,
+    interval_s: float = 0.2,
+    report_every_s: float = 30.0,
+) -> None:
     t0 = time.monotonic()
     last_report = t0
     while True:
@@ -170,8 +193,10 @@ def wait_until(pred: Callable[[], bool], *, timeout_s: float, what: str, child: 
             return
         now = time.monotonic()
         if child is not None and not child.alive():
-            raise ChildFailed(f"{child.name} exited with code {child.popen.returncode} while waiting for {what}; "
-                              f"last lines of {child.log_path}:\n{child.tail()}")
+            raise ChildFailed(
+                f"{child.name} exited with code {child.popen.returncode} while waiting for {what}; "
+                f"last lines of {child.log_path}:\n{child.tail()}"
+            )
         if now - t0 > timeout_s:
             extra = f"; last lines of {child.log_path}:\n{child.tail()}" if child is not None else ""
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}{extra}")
@@ -197,17 +222,21 @@ def _fail_fast(message: str, grace_s: float, code: int = 1) -> None:
     os._exit(code)
 
 
-def fail_fast_on_exit(child: Child, *, what: str, grace_s: float = 10.0,
-                      interval_s: float = WATCH_INTERVAL_S) -> threading.Thread:
+def fail_fast_on_exit(
+    child: Child, *, what: str, grace_s: float = 10.0, interval_s: float = WATCH_INTERVAL_S
+) -> threading.Thread:
     """Watch ``child`` on a daemon thread; if it exits without ``stop_child``, fail this rank at once."""
 
     def watch() -> None:
         while not child.stopping:
             if not child.alive() and not child.stopping:
-                _fail_fast(f"{what} (pid {child.pid}) exited with code {child.popen.returncode}; failing this "
-                           f"rank so that torchrun stops the job (with --max-restarts it restarts it and "
-                           f"runner.resume=true resumes from the last complete checkpoint). Last lines of "
-                           f"{child.log_path}:\n{child.tail()}", grace_s)
+                _fail_fast(
+                    f"{what} (pid {child.pid}) exited with code {child.popen.returncode}; failing this "
+                    f"rank so that torchrun stops the job (with --max-restarts it restarts it and "
+                    f"runner.resume=true resumes from the last complete checkpoint). Last lines of "
+                    f"{child.log_path}:\n{child.tail()}",
+                    grace_s,
+                )
             time.sleep(interval_s)
 
     t = threading.Thread(target=watch, name=f"watch-{child.name}", daemon=True)
@@ -222,8 +251,9 @@ def start_parent_watchdog(*, grace_s: float = 10.0, interval_s: float = WATCH_IN
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
-        _fail_fast(f"parent process {parent} (the torchrun agent) is gone; stopping this rank's children "
-                   f"and exiting", grace_s)
+        _fail_fast(
+            f"parent process {parent} (the torchrun agent) is gone; stopping this rank's children and exiting", grace_s
+        )
 
     t = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
     t.start()

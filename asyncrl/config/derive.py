@@ -49,8 +49,11 @@ def inflight_start(cfg: Config) -> int:
     if rb.max_concurrent_samples is not None:
         n = max(1, rb.max_concurrent_samples // cfg.algorithm.group_size)
     else:
-        n = default_max_inflight_groups(max_running_requests=cfg.rollout.max_running_requests,
-                                        instances=max(1, num_engines(cfg)), group_size=cfg.algorithm.group_size)
+        n = default_max_inflight_groups(
+            max_running_requests=cfg.rollout.max_running_requests,
+            instances=max(1, num_engines(cfg)),
+            group_size=cfg.algorithm.group_size,
+        )
     return max(1, min(n, rb.max_buffered_groups - cfg.data.rollout_batch_size))
 
 
@@ -65,9 +68,13 @@ def resolve(cfg: Config) -> Config:
         else:
             updates["max_inflight_groups"] = default_max_inflight_groups(
                 max_running_requests=cfg.rollout.max_running_requests,
-                instances=max(1, num_engines(cfg)), group_size=cfg.algorithm.group_size)
+                instances=max(1, num_engines(cfg)),
+                group_size=cfg.algorithm.group_size,
+            )
     if rb.max_buffered_groups is None:
-        factor = CAPACITY_FACTOR if rb.async_data_buffer_capacity_factor is None else rb.async_data_buffer_capacity_factor
+        factor = (
+            CAPACITY_FACTOR if rb.async_data_buffer_capacity_factor is None else rb.async_data_buffer_capacity_factor
+        )
         updates["max_buffered_groups"] = max(1, math.floor(factor * B))
     if rb.max_dropped_groups_per_step is None:
         updates["max_dropped_groups_per_step"] = 10 * B
@@ -91,17 +98,25 @@ def explain(cfg: Config) -> list[str]:
     if "rollout_buffer.max_buffered_groups" in cfg.derived:
         f = rb.async_data_buffer_capacity_factor
         f = CAPACITY_FACTOR if f is None else f
-        lines.append(f"rollout_buffer.async_data_buffer_capacity_factor = {f:g} -> rollout_buffer.max_buffered_groups "
-                     f"= floor({f:g} x rollout_batch_size {B}) = {rb.max_buffered_groups} (in-flight + buffered groups)")
+        lines.append(
+            f"rollout_buffer.async_data_buffer_capacity_factor = {f:g} -> rollout_buffer.max_buffered_groups "
+            f"= floor({f:g} x rollout_batch_size {B}) = {rb.max_buffered_groups} (in-flight + buffered groups)"
+        )
     how = "derived from runner.async_mode" if "rollout_buffer.submission_granularity" in cfg.derived else "set"
     if rb.submission_granularity == "sample":
-        budget = (f"rollout_buffer.max_concurrent_samples = {rb.max_concurrent_samples}" if rb.max_concurrent_samples
-                  else f"max_inflight_groups x group_size = {rb.max_inflight_groups * gs}")
+        budget = (
+            f"rollout_buffer.max_concurrent_samples = {rb.max_concurrent_samples}"
+            if rb.max_concurrent_samples
+            else f"max_inflight_groups x group_size = {rb.max_inflight_groups * gs}"
+        )
         lines.append(
-            f"rollout_buffer.submission_granularity = \"sample\" ({how}): each finished trajectory frees its slot of "
+            f'rollout_buffer.submission_granularity = "sample" ({how}): each finished trajectory frees its slot of '
             f"the trajectory budget ({budget}); the in-flight limit still counts groups: at most "
-            f"max_inflight_groups = {rb.max_inflight_groups} groups in flight")
+            f"max_inflight_groups = {rb.max_inflight_groups} groups in flight"
+        )
     else:
-        lines.append(f"rollout_buffer.submission_granularity = \"group\" ({how}): a group holds its in-flight slot "
-                     f"until its last trajectory returns; at most {rb.max_inflight_groups} groups in flight")
+        lines.append(
+            f'rollout_buffer.submission_granularity = "group" ({how}): a group holds its in-flight slot '
+            f"until its last trajectory returns; at most {rb.max_inflight_groups} groups in flight"
+        )
     return lines

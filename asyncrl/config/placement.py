@@ -29,7 +29,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-
 KNOWN_COMPONENTS = ("actor", "rollout", "reward", "eval")
 """``eval``: the devices of the dedicated eval fleet (``eval.eval_num_gpus``), optional."""
 
@@ -39,18 +38,18 @@ def parse_devices(spec: str, key: str) -> list[int]:
     for part in str(spec).split(","):
         part = part.strip()
         if not part:
-            raise ConfigError(f"{key}: empty device in {spec!r}; write e.g. \"0-7\" or \"0,2\"")
+            raise ConfigError(f'{key}: empty device in {spec!r}; write e.g. "0-7" or "0,2"')
         try:
             if "-" in part:
                 lo_s, hi_s = part.split("-", 1)
                 lo, hi = int(lo_s), int(hi_s)
                 if hi < lo:
-                    raise ConfigError(f"{key}: range {part!r} is backwards; write \"{hi}-{lo}\"")
+                    raise ConfigError(f'{key}: range {part!r} is backwards; write "{hi}-{lo}"')
                 devices.extend(range(lo, hi + 1))
             else:
                 devices.append(int(part))
         except ValueError:
-            raise ConfigError(f"{key}: cannot parse devices {spec!r}; write e.g. \"0-7\" or \"0,2\"") from None
+            raise ConfigError(f'{key}: cannot parse devices {spec!r}; write e.g. "0-7" or "0,2"') from None
     if any(d < 0 for d in devices):
         raise ConfigError(f"{key}: negative device in {spec!r}")
     if len(set(devices)) != len(devices):
@@ -83,9 +82,11 @@ class Placement:
         """The fleet's engines (``eval.eval_num_gpus_per_engine`` = ``tp`` devices each; first rank launches)."""
         r = self.eval_ranks
         if len(r) % tp:
-            raise ConfigError(f"eval.eval_num_gpus_per_engine: {tp} does not divide the {len(r)} devices of "
-                              f"cluster.component_placement.eval")
-        return tuple(tuple(r[i:i + tp]) for i in range(0, len(r), tp))
+            raise ConfigError(
+                f"eval.eval_num_gpus_per_engine: {tp} does not divide the {len(r)} devices of "
+                f"cluster.component_placement.eval"
+            )
+        return tuple(tuple(r[i : i + tp]) for i in range(0, len(r), tp))
 
     def role_of(self, rank: int) -> str:
         if rank in self.actor_ranks:
@@ -121,17 +122,25 @@ def parse_placement(raw: dict[str, str], *, world_size: int, engine_tp: int) -> 
             if d in owner:
                 raise ConfigError(
                     f"{ekey}: device {d} is also placed for '{owner[d]}'; placements must not overlap "
-                    f"(list components that share devices in one key, e.g. \"rollout,reward\")")
+                    f'(list components that share devices in one key, e.g. "rollout,reward")'
+                )
             if d >= world_size:
                 raise ConfigError(
-                    f"{ekey}: device {d} is out of range: the job has {world_size} devices (0-{world_size - 1})")
+                    f"{ekey}: device {d} is out of range: the job has {world_size} devices (0-{world_size - 1})"
+                )
             owner[d] = key
         for n in names:
             components[n] = sorted(devices)
     for required in ("actor", "rollout", "reward"):
         if required not in components:
-            extra = (" (Search-R1 computes rewards in the agent loop, but component_placement always "
-                     "expects one: write \"rollout,reward\" = ...)") if required == "reward" else ""
+            extra = (
+                (
+                    " (Search-R1 computes rewards in the agent loop, but component_placement always "
+                    'expects one: write "rollout,reward" = ...)'
+                )
+                if required == "reward"
+                else ""
+            )
             raise ConfigError(f"{base}: missing a '{required}' entry{extra}")
     for other in ("rollout", "eval"):
         shared = sorted(set(components["actor"]) & set(components.get(other, ())))
@@ -140,16 +149,18 @@ def parse_placement(raw: dict[str, str], *, world_size: int, engine_tp: int) -> 
                 f"{base}: colocated placement is not supported: 'actor' and '{other}' share devices {shared[:8]}"
                 f"{'...' if len(shared) > 8 else ''}. Each device runs one torchrun rank with one role, so a shared "
                 f"device would become an actor rank and no engine would start there; put them on separate "
-                f"devices, e.g. actor = \"0-7\", \"rollout,reward\" = \"8-15\"")
+                f'devices, e.g. actor = "0-7", "rollout,reward" = "8-15"'
+            )
     uncovered = sorted(set(range(world_size)) - set(owner))
     if uncovered:
         raise ConfigError(
             f"{base}: devices {uncovered} of the {world_size}-device job are not placed; "
-            f"cover every torchrun rank (e.g. add them to 'actor' or 'rollout')")
+            f"cover every torchrun rank (e.g. add them to 'actor' or 'rollout')"
+        )
     rollout = components["rollout"]
     if len(rollout) % engine_tp:
         raise ConfigError(
-            f"rollout.tensor_parallel_size: {engine_tp} does not divide the {len(rollout)} rollout devices")
-    engines = tuple(tuple(rollout[i:i + engine_tp]) for i in range(0, len(rollout), engine_tp))
-    return Placement(world_size=world_size, components={k: tuple(v) for k, v in components.items()},
-                     engines=engines)
+            f"rollout.tensor_parallel_size: {engine_tp} does not divide the {len(rollout)} rollout devices"
+        )
+    engines = tuple(tuple(rollout[i : i + engine_tp]) for i in range(0, len(rollout), engine_tp))
+    return Placement(world_size=world_size, components={k: tuple(v) for k, v in components.items()}, engines=engines)

@@ -43,8 +43,10 @@ def render_config(cfg: Config) -> str:
             key = f"{path}.{k}" if path else k
             mark = "  # derived" if key in cfg.derived else ""
             if key == "rollout_buffer.max_inflight_groups" and v == "auto":
-                mark = (f"  # tuned by the broker: starts at {inflight_start(cfg)}, within [1, "
-                        f"{max(1, cfg.rollout_buffer.max_buffered_groups - cfg.data.rollout_batch_size)}]")
+                mark = (
+                    f"  # tuned by the broker: starts at {inflight_start(cfg)}, within [1, "
+                    f"{max(1, cfg.rollout_buffer.max_buffered_groups - cfg.data.rollout_batch_size)}]"
+                )
             lines.append(f"{_toml_key(k)} = {_toml_value(v)}{mark}")
         for k, v in subs.items():
             emit(v, f"{path}.{k}" if path else k)

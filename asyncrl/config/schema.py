@@ -74,9 +74,7 @@ class RunnerConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    component_placement: dict[str, str] = field(
-        default_factory=lambda: {"actor": "0", "rollout,reward": "1"}
-    )
+    component_placement: dict[str, str] = field(default_factory=lambda: {"actor": "0", "rollout,reward": "1"})
     """Component -> devices, e.g. ``actor = "0-7"``, ``"rollout,reward" = "8-15"``. Global rank r
     uses device r (on CPU a device is just a rank). A ``reward`` entry is always required."""
     num_nodes: int = 1
@@ -106,9 +104,12 @@ class ClusterConfig:
         _positive(self.actor_collective_timeout_s, "cluster.actor_collective_timeout_s")
         _positive(self.broker_handshake_timeout_s, "cluster.broker_handshake_timeout_s")
         if self.broker_host is not None:
-            _require(bool(self.broker_host.strip()) and self.broker_host not in ("0.0.0.0", "*", "::"),
-                     "cluster.broker_host", f"must be an address the other nodes connect to, got "
-                     f"{self.broker_host!r} (the broker binds all interfaces by itself when it is unset)")
+            _require(
+                bool(self.broker_host.strip()) and self.broker_host not in ("0.0.0.0", "*", "::"),
+                "cluster.broker_host",
+                f"must be an address the other nodes connect to, got "
+                f"{self.broker_host!r} (the broker binds all interfaces by itself when it is unset)",
+            )
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,11 @@ class SGLangConfig:
     """Extra ``sglang.launch_server`` flags, passed through verbatim."""
 
     def __post_init__(self):
-        _require(0.0 < self.mem_fraction_static <= 1.0, "rollout.sglang.mem_fraction_static",
-                 f"must be in (0, 1], got {self.mem_fraction_static!r}")
+        _require(
+            0.0 < self.mem_fraction_static <= 1.0,
+            "rollout.sglang.mem_fraction_static",
+            f"must be in (0, 1], got {self.mem_fraction_static!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,11 @@ class SamplingConfig:
     def __post_init__(self):
         _non_negative(self.temperature, "rollout.sampling.temperature")
         _require(0.0 < self.top_p <= 1.0, "rollout.sampling.top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _require(self.top_k == -1 or self.top_k >= 1, "rollout.sampling.top_k",
-                 f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        _require(
+            self.top_k == -1 or self.top_k >= 1,
+            "rollout.sampling.top_k",
+            f"must be -1 (off) or >= 1, got {self.top_k!r}",
+        )
 
 
 PauseMode = Literal["retract", "in_place", "drain", "abort"]
@@ -192,9 +199,12 @@ class RolloutConfig:
         _positive(self.health_check_interval_s, "rollout.health_check_interval_s")
         _positive(self.health_check_timeout_s, "rollout.health_check_timeout_s")
         _positive(self.unhealthy_after_s, "rollout.unhealthy_after_s")
-        _require(self.health_check_timeout_s < self.unhealthy_after_s, "rollout.health_check_timeout_s",
-                 f"must be < rollout.unhealthy_after_s ({self.unhealthy_after_s!r}), got "
-                 f"{self.health_check_timeout_s!r}: one slow probe must not count as a hang")
+        _require(
+            self.health_check_timeout_s < self.unhealthy_after_s,
+            "rollout.health_check_timeout_s",
+            f"must be < rollout.unhealthy_after_s ({self.unhealthy_after_s!r}), got "
+            f"{self.health_check_timeout_s!r}: one slow probe must not count as a hang",
+        )
         _require(0 < self.port < 65536, "rollout.port", f"must be a TCP port, got {self.port!r}")
 
 
@@ -294,8 +304,7 @@ class RolloutBufferConfig:
     def __post_init__(self):
         if self.max_inflight_groups != "auto":
             _positive(self.max_inflight_groups, "rollout_buffer.max_inflight_groups")
-        for name in ("max_concurrent_samples", "max_buffered_groups",
-                     "max_dropped_groups_per_step"):
+        for name in ("max_concurrent_samples", "max_buffered_groups", "max_dropped_groups_per_step"):
             _positive(getattr(self, name), f"rollout_buffer.{name}")
         _positive(self.async_data_buffer_capacity_factor, "rollout_buffer.async_data_buffer_capacity_factor")
         _positive(self.no_data_warning_s, "rollout_buffer.no_data_warning_s")
@@ -344,7 +353,9 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         _positive(self.group_size, "algorithm.group_size")
-        _require(0 <= self.clip_ratio_low < 1, "algorithm.clip_ratio_low", f"must be in [0, 1), got {self.clip_ratio_low!r}")
+        _require(
+            0 <= self.clip_ratio_low < 1, "algorithm.clip_ratio_low", f"must be in [0, 1), got {self.clip_ratio_low!r}"
+        )
         _non_negative(self.clip_ratio_high, "algorithm.clip_ratio_high")
         if self.dual_clip is not None:
             _require(self.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {self.dual_clip!r}")
@@ -391,8 +402,11 @@ class ActorConfig:
         _positive(self.tensor_model_parallel_size, "actor.tensor_model_parallel_size")
         _positive(self.pipeline_model_parallel_size, "actor.pipeline_model_parallel_size")
         _positive(self.lr, "actor.lr")
-        _require(0.0 <= self.min_lr <= self.lr, "actor.min_lr", f"must be in [0, actor.lr = {self.lr!r}], "
-                 f"got {self.min_lr!r}")
+        _require(
+            0.0 <= self.min_lr <= self.lr,
+            "actor.min_lr",
+            f"must be in [0, actor.lr = {self.lr!r}], got {self.min_lr!r}",
+        )
         _non_negative(self.lr_warmup_steps, "actor.lr_warmup_steps")
         _non_negative(self.grad_clip, "actor.grad_clip")
         _positive(self.max_tokens_per_microbatch, "actor.max_tokens_per_microbatch")
@@ -522,11 +536,16 @@ class PrepareConfig:
         _positive(self.vocab_size, "prepare.vocab_size")
         _positive(self.hidden_size, "prepare.hidden_size")
         _positive(self.num_layers, "prepare.num_layers")
-        _require(0.0 <= self.sft_correct_fraction <= 1.0, "prepare.sft_correct_fraction",
-                 f"must be in [0, 1], got {self.sft_correct_fraction!r}")
-        _require(0.0 <= self.sft_wrong_copy_fraction <= 1.0 - self.sft_correct_fraction,
-                 "prepare.sft_wrong_copy_fraction",
-                 f"must be in [0, 1 - sft_correct_fraction], got {self.sft_wrong_copy_fraction!r}")
+        _require(
+            0.0 <= self.sft_correct_fraction <= 1.0,
+            "prepare.sft_correct_fraction",
+            f"must be in [0, 1], got {self.sft_correct_fraction!r}",
+        )
+        _require(
+            0.0 <= self.sft_wrong_copy_fraction <= 1.0 - self.sft_correct_fraction,
+            "prepare.sft_wrong_copy_fraction",
+            f"must be in [0, 1 - sft_correct_fraction], got {self.sft_wrong_copy_fraction!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ MILES_FLAGS: dict[str, str] = {
 }
 """Miles flag (dashes as underscores, no leading ``--``) -> project key."""
 
+
 def project_key(name: str) -> Optional[str]:
     """The project key of a Miles flag spelled any of the ways above, or None when it is not one."""
     k = name.strip().lstrip("-").replace("-", "_")
@@ -51,9 +52,9 @@ def project_key(name: str) -> Optional[str]:
         return MILES_FLAGS[k]
     bare = k[3:] if k.startswith("no_") else k  # booleans' --no- form
     if bare.startswith("eval_sglang_") and len(bare) > len("eval_sglang_"):
-        return f"eval.eval_sglang.{bare[len('eval_sglang_'):]}"
+        return f"eval.eval_sglang.{bare[len('eval_sglang_') :]}"
     if bare.startswith("sglang_") and len(bare) > len("sglang_"):  # any other SGLang flag: passed through verbatim
-        return f"rollout.sglang.extra_args (\"--{bare[len('sglang_'):].replace('_', '-')}\")"
+        return f'rollout.sglang.extra_args ("--{bare[len("sglang_") :].replace("_", "-")}")'
     return None
 
 

@@ -43,37 +43,44 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         if shared:
             raise ConfigError(
                 f"cluster.component_placement: runner.async_mode = true needs the actor and the rollout on "
-                f"separate devices, but both use {sorted(shared)}; e.g. actor = \"0-7\", \"rollout,reward\" = \"8-15\"")
+                f'separate devices, but both use {sorted(shared)}; e.g. actor = "0-7", "rollout,reward" = "8-15"'
+            )
         ok_backend = cfg.rollout.rollout_backend == "cpu" or (
-            cfg.rollout.rollout_backend == "sglang" and cfg.rollout.sglang.backend_type == "server")
+            cfg.rollout.rollout_backend == "sglang" and cfg.rollout.sglang.backend_type == "server"
+        )
         if not ok_backend:
             raise ConfigError(
                 f"rollout.sglang.backend_type: runner.async_mode = true needs the SGLang server backend "
                 f"(weight sync pauses generation over HTTP), got rollout_backend = "
                 f"{cfg.rollout.rollout_backend!r}, backend_type = {cfg.rollout.sglang.backend_type!r}; "
-                f"set rollout.sglang.backend_type = \"server\"")
+                f'set rollout.sglang.backend_type = "server"'
+            )
         if not cfg.agentloop.task_name:
-            raise ConfigError("agentloop.task_name: required when runner.async_mode = true (e.g. \"searchr1\")")
+            raise ConfigError('agentloop.task_name: required when runner.async_mode = true (e.g. "searchr1")')
         if cfg.rollout.pause_mode == "abort":
             raise ConfigError(
                 "rollout.pause_mode: 'abort' would kill every in-flight request at each weight sync and is "
-                "rejected in async mode; use \"retract\" (default), \"in_place\" or \"drain\"")
+                'rejected in async mode; use "retract" (default), "in_place" or "drain"'
+            )
     elif cfg.rollout.pause_mode not in PAUSE_MODES:  # pragma: no cover - Literal catches it
         raise ConfigError(f"rollout.pause_mode: must be one of {PAUSE_MODES}")
     if cfg.rollout.sglang.backend_type != "server":
         raise ConfigError(
-            "rollout.sglang.backend_type: only \"server\" is implemented (SGLang runs as an HTTP server beside each "
-            "rollout rank, in both modes); the in-process \"engine\" backend is not; set backend_type = \"server\"")
+            'rollout.sglang.backend_type: only "server" is implemented (SGLang runs as an HTTP server beside each '
+            'rollout rank, in both modes); the in-process "engine" backend is not; set backend_type = "server"'
+        )
 
     placement = parse_placement(
-        cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size)
+        cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size
+    )
 
     n_actor = len(placement.actor_ranks)
     mp = cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size
     if n_actor % mp:
         raise ConfigError(
             f"actor.tensor_model_parallel_size: TP {cfg.actor.tensor_model_parallel_size} x PP "
-            f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices")
+            f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices"
+        )
 
     _validate_recompute(cfg)
 
@@ -81,16 +88,19 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         raise ConfigError(
             f"rollout_buffer.async_data_buffer_capacity_factor: set together with rollout_buffer.max_buffered_groups "
             f"= {rb.max_buffered_groups}; both size the buffer (the factor sets max_buffered_groups = floor(factor x "
-            f"rollout_batch_size)): set only one")
+            f"rollout_batch_size)): set only one"
+        )
     if rb.max_buffered_groups < B:
         raise ConfigError(
             f"rollout_buffer.max_buffered_groups: {rb.max_buffered_groups} is below data.rollout_batch_size "
-            f"= {B}, so a batch could never be assembled; raise it to at least {2 * B} (the default 2 x B)")
+            f"= {B}, so a batch could never be assembled; raise it to at least {2 * B} (the default 2 x B)"
+        )
     if rb.max_inflight_groups == "auto" and rb.max_buffered_groups <= B:
         raise ConfigError(
-            f"rollout_buffer.max_inflight_groups = \"auto\": it tunes within [1, max_buffered_groups - "
+            f'rollout_buffer.max_inflight_groups = "auto": it tunes within [1, max_buffered_groups - '
             f"rollout_batch_size], empty with max_buffered_groups = {rb.max_buffered_groups} and "
-            f"data.rollout_batch_size = {B}; raise rollout_buffer.max_buffered_groups to at least {2 * B}")
+            f"data.rollout_batch_size = {B}; raise rollout_buffer.max_buffered_groups to at least {2 * B}"
+        )
     if rb.max_dropped_groups_per_step < 1:  # pragma: no cover - __post_init__ catches it
         raise ConfigError("rollout_buffer.max_dropped_groups_per_step: must be >= 1")
 
@@ -100,13 +110,14 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
     tool = cfg.agentloop.tool
     if cfg.agentloop.task_name:
         if tool.retriever == "http" and not tool.retriever_url:
-            raise ConfigError("agentloop.tool.retriever_url: required when agentloop.tool.retriever = \"http\"")
+            raise ConfigError('agentloop.tool.retriever_url: required when agentloop.tool.retriever = "http"')
         if tool.retriever == "bm25" and not tool.corpus_path:
-            raise ConfigError("agentloop.tool.corpus_path: required when agentloop.tool.retriever = \"bm25\"")
+            raise ConfigError('agentloop.tool.corpus_path: required when agentloop.tool.retriever = "bm25"')
     if cfg.eval.eval_num_gpus and cfg.eval.eval_function_path:
         raise ConfigError(
             "eval.eval_function_path: an external eval backend and a dedicated fleet (eval.eval_num_gpus) "
-            "each select a backend; set only one")
+            "each select a backend; set only one"
+        )
     _validate_fleet(cfg, placement)
     warnings += _validate_eval(cfg)
     warnings += _warn_open_sglang(cfg)
@@ -115,7 +126,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
     if cfg.algorithm.off_policy_correction != "none" and not r.async_mode:
         warnings.append(
             f"algorithm.off_policy_correction = {cfg.algorithm.off_policy_correction!r} in synchronous mode: "
-            f"data is on-policy up to engine/actor numerics; the correction only guards that mismatch")
+            f"data is on-policy up to engine/actor numerics; the correction only guards that mismatch"
+        )
 
     natural_bound = rb.max_buffered_groups / B
     cap = cfg.agentloop.max_actor_accept_staleness
@@ -123,16 +135,19 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
         warnings.append(
             f"agentloop.max_actor_accept_staleness = {cap} is below the staleness the buffer limit produces "
             f"on its own (max_buffered_groups / rollout_batch_size = {natural_bound:g}): the oldest groups of "
-            f"every batch will be dropped; raise it to at least {natural_bound:g} or lower max_buffered_groups")
+            f"every batch will be dropped; raise it to at least {natural_bound:g} or lower max_buffered_groups"
+        )
     if rb.max_inflight_groups != "auto" and rb.max_buffered_groups < rb.max_inflight_groups + B:
         warnings.append(
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < max_inflight_groups "
             f"({rb.max_inflight_groups}) + rollout_batch_size ({B}): when generation is the bottleneck, buffered "
-            f"groups take budget from in-flight ones and the engines run short of work")
+            f"groups take budget from in-flight ones and the engines run short of work"
+        )
     if rb.max_buffered_groups < 2 * B:
         warnings.append(
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < 2 x rollout_batch_size ({2 * B}): "
-            f"when training is the bottleneck the next batch can only start after this one is handed off")
+            f"when training is the bottleneck the next batch can only start after this one is handed off"
+        )
     return warnings
 
 
@@ -142,8 +157,10 @@ def _warn_open_sglang(cfg: Config) -> list[str]:
     n = flags.get("tokenizer_worker_num")
     if cfg.rollout.rollout_backend != "sglang" or n in (None, True, False) or str(n).strip() in ("", "1"):
         return []
-    return [f"rollout.sglang.extra_args: --tokenizer-worker-num {n}: SGLang (0.5.23) checks no --api-key with "
-            f"several tokenizer workers, so the engines take requests from anyone who reaches their port"]
+    return [
+        f"rollout.sglang.extra_args: --tokenizer-worker-num {n}: SGLang (0.5.23) checks no --api-key with "
+        f"several tokenizer workers, so the engines take requests from anyone who reaches their port"
+    ]
 
 
 def _validate_broker_host(cfg: Config, world: int) -> None:
@@ -154,7 +171,10 @@ def _validate_broker_host(cfg: Config, world: int) -> None:
     if host and num_nodes > 1 and is_loopback(host) and not is_loopback(os.environ.get("MASTER_ADDR", "node0")):
         raise ConfigError(
             f"cluster.broker_host: {host!r} is a loopback address but the job has {num_nodes} nodes; the rollout "
-            f"ranks on the other nodes could not reach the broker: give an address of node 0 they reach, or unset it")
+            f"ranks on the other nodes could not reach the broker: give an address of node 0 they reach, or unset it"
+        )
+
+
 def _validate_recompute(cfg: Config) -> None:
     """``actor.recompute_method`` / ``recompute_num_layers`` only mean something with full recompute."""
     a = cfg.actor
@@ -163,8 +183,9 @@ def _validate_recompute(cfg: Config) -> None:
     for key in ("recompute_method", "recompute_num_layers"):
         if getattr(a, key) is not None:
             raise ConfigError(
-                f"actor.{key}: {getattr(a, key)!r} is only used with actor.recompute_granularity = \"full\" "
-                f"(got {a.recompute_granularity!r}); remove it or set recompute_granularity = \"full\"")
+                f'actor.{key}: {getattr(a, key)!r} is only used with actor.recompute_granularity = "full" '
+                f'(got {a.recompute_granularity!r}); remove it or set recompute_granularity = "full"'
+            )
 
 
 def _validate_fleet(cfg: Config, placement) -> None:
@@ -175,13 +196,15 @@ def _validate_fleet(cfg: Config, placement) -> None:
         if n_dev:
             raise ConfigError(
                 f"cluster.component_placement.eval: {n_dev} devices are placed for a dedicated eval fleet but "
-                f"eval.eval_num_gpus = 0; set eval.eval_num_gpus = {n_dev} or remove the 'eval' key")
+                f"eval.eval_num_gpus = 0; set eval.eval_num_gpus = {n_dev} or remove the 'eval' key"
+            )
         return
     fleet_size(e)
     if n_dev != e.eval_num_gpus:
         raise ConfigError(
             f"cluster.component_placement.eval: {n_dev} devices are placed for the eval fleet but "
-            f"eval.eval_num_gpus = {e.eval_num_gpus}; they must match (e.g. eval = \"2\" for one device)")
+            f'eval.eval_num_gpus = {e.eval_num_gpus}; they must match (e.g. eval = "2" for one device)'
+        )
     eval_engine_config(cfg)  # the eval.eval_sglang overrides resolve
 
 
@@ -199,29 +222,35 @@ def _validate_eval(cfg: Config) -> list[str]:
             raise ConfigError(
                 f"eval.eval_hf_dir: {what} needs a weight snapshot source: set eval.eval_hf_dir "
                 "(a fresh HF export per eval point, tmpfs recommended) or runner.save_hf = true (reuse the "
-                "periodic HF checkpoints)")
+                "periodic HF checkpoints)"
+            )
         if not e.eval_hf_dir:
             ci = r.checkpoint_interval
             if not ci or e.eval_interval % ci:
                 raise ConfigError(
                     f"eval.eval_interval: reusing the periodic HF checkpoints (runner.save_hf, no eval.eval_hf_dir) "
                     f"needs eval.eval_interval = {e.eval_interval} to be a multiple of runner.checkpoint_interval "
-                    f"= {ci}; change either, or set eval.eval_hf_dir for a fresh export per eval point")
+                    f"= {ci}; change either, or set eval.eval_hf_dir for a fresh export per eval point"
+                )
         if e.eval_function_path:
             return warnings
     # shared engines and the fleet run the agent loop's greedy eval
     where = "on the dedicated fleet" if e.eval_num_gpus else "on the shared engines"
     if not cfg.agentloop.task_name:
-        raise ConfigError(f"agentloop.task_name: the periodic eval {where} (eval.eval_interval) runs "
-                          "the agent loop and needs a task (e.g. \"searchr1\")")
+        raise ConfigError(
+            f"agentloop.task_name: the periodic eval {where} (eval.eval_interval) runs "
+            'the agent loop and needs a task (e.g. "searchr1")'
+        )
     if not e.eval_prompt_data and not cfg.data.test_path:
         raise ConfigError(
             "eval.eval_prompt_data: eval.eval_interval is set but there is nothing to evaluate: give "
-            "eval.eval_prompt_data = { name = \"path.jsonl\" } or data.test_path")
+            'eval.eval_prompt_data = { name = "path.jsonl" } or data.test_path'
+        )
     if e.eval_hf_dir and not e.eval_num_gpus:
         warnings.append(
             f"eval.eval_hf_dir = {e.eval_hf_dir!r} is ignored: the eval runs on the shared rollout engines "
-            f"(no snapshot); it is used with eval.eval_function_path")
+            f"(no snapshot); it is used with eval.eval_function_path"
+        )
     return warnings
 
 
@@ -229,14 +258,18 @@ def _validate_eval(cfg: Config) -> list[str]:
 def _hooks(cfg: Config) -> list[tuple[str, str]]:
     """(dotted key, ``module:attr``) of every user hook the config names."""
     rb, e, lg = cfg.rollout_buffer, cfg.eval, cfg.logging
-    return [(k, v) for k, v in (
-        ("rollout_buffer.dynamic_sampling_filter_path", rb.dynamic_sampling_filter_path),
-        ("rollout_buffer.sample_filter_path", rb.sample_filter_path),
-        ("rollout_buffer.custom_data_buffer_path", rb.custom_data_buffer_path),
-        ("eval.eval_function_path", e.eval_function_path),
-        ("logging.custom_rollout_log_function_path", lg.custom_rollout_log_function_path),
-        ("logging.custom_eval_rollout_log_function_path", lg.custom_eval_rollout_log_function_path),
-    ) if v]
+    return [
+        (k, v)
+        for k, v in (
+            ("rollout_buffer.dynamic_sampling_filter_path", rb.dynamic_sampling_filter_path),
+            ("rollout_buffer.sample_filter_path", rb.sample_filter_path),
+            ("rollout_buffer.custom_data_buffer_path", rb.custom_data_buffer_path),
+            ("eval.eval_function_path", e.eval_function_path),
+            ("logging.custom_rollout_log_function_path", lg.custom_rollout_log_function_path),
+            ("logging.custom_eval_rollout_log_function_path", lg.custom_eval_rollout_log_function_path),
+        )
+        if v
+    ]
 
 
 def _read_paths(cfg: Config) -> list[tuple[str, str, str]]:
@@ -276,8 +309,9 @@ def check_inputs(cfg: Config) -> None:
         p = Path(path)
         if kind == "model":
             if not p.is_dir():
-                raise ConfigError(f"{key}: {path!r} is not a directory (a HF checkpoint: config.json, "
-                                  f"*.safetensors, tokenizer files)")
+                raise ConfigError(
+                    f"{key}: {path!r} is not a directory (a HF checkpoint: config.json, *.safetensors, tokenizer files)"
+                )
             if not (p / "config.json").is_file():
                 raise ConfigError(f"{key}: {path!r} has no config.json; is it a HF checkpoint directory?")
         elif not p.is_file():

@@ -161,8 +161,14 @@ def parse_engine_load(metrics_text: str) -> Optional[float]:
 
 
 class SGLangClient:
-    def __init__(self, url: str, *, request_timeout_s: float = 600.0, control_timeout_s: float = 60.0,
-                 max_connections: int = 1024):
+    def __init__(
+        self,
+        url: str,
+        *,
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+        max_connections: int = 1024,
+    ):
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -172,9 +178,12 @@ class SGLangClient:
     @classmethod
     def from_config(cls, url: str, rollout_cfg) -> SGLangClient:
         """Timeouts from ``asyncrl.config.schema.RolloutConfig``."""
-        return cls(url, request_timeout_s=rollout_cfg.request_timeout_s,
-                   control_timeout_s=rollout_cfg.control_timeout_s,
-                   max_connections=max(64, 2 * rollout_cfg.max_running_requests))
+        return cls(
+            url,
+            request_timeout_s=rollout_cfg.request_timeout_s,
+            control_timeout_s=rollout_cfg.control_timeout_s,
+            max_connections=max(64, 2 * rollout_cfg.max_running_requests),
+        )
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -190,17 +199,20 @@ class SGLangClient:
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(  # the run secret, as SGLang's --api-key wants it
-                connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
-                headers=auth_headers())
+                connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False), headers=auth_headers()
+            )
         return self._session
 
     # ---- transport -----------------------------------------------------------------------
-    async def _request(self, method: str, endpoint: str, body: Any = None, *,
-                       timeout_s: Optional[float] = None, want: str = "json") -> Any:
+    async def _request(
+        self, method: str, endpoint: str, body: Any = None, *, timeout_s: Optional[float] = None, want: str = "json"
+    ) -> Any:
         t = self.control_timeout_s if timeout_s is None else timeout_s
         try:
             async with self._sess().request(
-                method, self.url + endpoint, json=body,
+                method,
+                self.url + endpoint,
+                json=body,
                 timeout=aiohttp.ClientTimeout(total=t),
             ) as resp:
                 raw = await resp.read()
@@ -228,21 +240,32 @@ class SGLangClient:
         return data or {}
 
     # ---- generation ----------------------------------------------------------------------
-    async def generate(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None, *,
-                       rid: Optional[str] = None, return_logprob: bool = True,
-                       logprob_start_len: Optional[int] = None,
-                       timeout_s: Optional[float] = None) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Optional[dict] = None,
+        *,
+        rid: Optional[str] = None,
+        return_logprob: bool = True,
+        logprob_start_len: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+    ) -> GenerateResult:
         """POST /generate for one prompt of token ids. An aborted request is returned (not raised):
         check ``result.aborted``. ``logprob_start_len >= 0`` also asks for prompt log-probs
         (``meta_info["input_token_logprobs"]``)."""
-        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
-                                "return_logprob": return_logprob, "stream": False}
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+            "stream": False,
+        }
         if rid is not None:
             body["rid"] = rid
         if logprob_start_len is not None:
             body["logprob_start_len"] = logprob_start_len
-        data = await self._request("POST", "/generate", body,
-                                   timeout_s=self.request_timeout_s if timeout_s is None else timeout_s)
+        data = await self._request(
+            "POST", "/generate", body, timeout_s=self.request_timeout_s if timeout_s is None else timeout_s
+        )
         if isinstance(data, list):  # n > 1 in sampling_params: take the first, keep all raw
             data = data[0]
         return parse_generate_response(data, self.url)
@@ -262,13 +285,30 @@ class SGLangClient:
         await self._request("POST", "/flush_cache", None, want="text")
 
     # ---- weight sync ---------------------------------------------------------------------
-    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl", timeout_s: Optional[float] = None) -> dict:
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: Optional[float] = None,
+    ) -> dict:
         """Blocks until every rank joined: run it as a task, then join the group on the trainer."""
-        return await self._control("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s=timeout_s)
+        return await self._control(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+            timeout_s=timeout_s,
+        )
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return await self._control("/destroy_weights_update_group", {"group_name": group_name})
@@ -279,34 +319,61 @@ class SGLangClient:
     async def end_weight_update(self) -> dict:
         return await self._control("/end_weight_update", {})
 
-    async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
-                                              shapes: Sequence[Sequence[int]],
-                                              group_name: str = "weight_update_group",
-                                              flush_cache: bool = True, weight_version: Optional[str] = None,
-                                              load_format: Optional[str] = None,
-                                              timeout_s: Optional[float] = None) -> dict:
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+        load_format: Optional[str] = None,
+        timeout_s: Optional[float] = None,
+    ) -> dict:
         """Send while the trainer broadcasts the tensors from group rank 0 in ``names`` order
         (``load_format="flattened_bucket"``: one uint8 tensor, each tensor's bytes back to back)."""
-        return await self._control("/update_weights_from_distributed", {
-            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
-            "weight_version": weight_version, "load_format": load_format}, timeout_s=timeout_s)
+        return await self._control(
+            "/update_weights_from_distributed",
+            {
+                "names": list(names),
+                "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+                "shapes": [list(s) for s in shapes],
+                "group_name": group_name,
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+                "load_format": load_format,
+            },
+            timeout_s=timeout_s,
+        )
 
-    async def update_weights_from_disk(self, model_path: str, *, load_format: Optional[str] = None,
-                                       weight_version: Optional[str] = None, abort_all_requests: bool = False,
-                                       flush_cache: bool = True, timeout_s: Optional[float] = None) -> dict:
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        load_format: Optional[str] = None,
+        weight_version: Optional[str] = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+        timeout_s: Optional[float] = None,
+    ) -> dict:
         """POST /update_weights_from_disk: load the HF checkpoint at ``model_path`` (a path on the engine's
         host) into the running engine; ``weight_version`` (when given) becomes the engine's version."""
-        body: dict[str, Any] = {"model_path": str(model_path), "load_format": load_format,
-                                "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
+        body: dict[str, Any] = {
+            "model_path": str(model_path),
+            "load_format": load_format,
+            "abort_all_requests": abort_all_requests,
+            "flush_cache": flush_cache,
+        }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         return await self._control("/update_weights_from_disk", body, timeout_s=timeout_s)
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
         """Note: our default is False; SGLang's server default (if the key is omitted) is True."""
-        return await self._control("/update_weight_version", {
-            "new_version": str(new_version), "abort_all_requests": abort_all_requests})
+        return await self._control(
+            "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        )
 
     # ---- info ----------------------------------------------------------------------------
     async def model_info(self, *, timeout_s: Optional[float] = None) -> dict:

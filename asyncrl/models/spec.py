@@ -29,8 +29,10 @@ from typing import Any, Optional
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE variants ``asyncrl.models.rope`` computes (``default`` = plain RoPE, stored as ``rope_scaling = None``)."""
-_ROPE_KEYS = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,18 @@ class ModelSpec:
     """Where it was read (named in the errors of ``require``)."""
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], generation_config: Optional[dict] = None, *,
-                       where: str = "config.json") -> ModelSpec:
+    def from_hf_config(
+        cls, hf: dict[str, Any], generation_config: Optional[dict] = None, *, where: str = "config.json"
+    ) -> ModelSpec:
         return parse_hf_config(hf, generation_config, where=where)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelSpec:
         p = Path(path)
         gen = p / "generation_config.json"
-        return parse_hf_config(load_hf_config(p), read_json(gen) if gen.is_file() else None,
-                               where=str(p / "config.json"))
+        return parse_hf_config(
+            load_hf_config(p), read_json(gen) if gen.is_file() else None, where=str(p / "config.json")
+        )
 
 
 def read_json(path: Path) -> dict:
@@ -148,14 +152,15 @@ def _eos_ids(*sources: Optional[dict]) -> tuple[int, ...]:
     eos: list[int] = []
     for src in sources:
         e = (src or {}).get("eos_token_id")
-        for t in ([] if e is None else e if isinstance(e, list) else [e]):
+        for t in [] if e is None else e if isinstance(e, list) else [e]:
             if int(t) not in eos:
                 eos.append(int(t))
     return tuple(eos)
 
 
-def parse_hf_config(hf: dict[str, Any], generation_config: Optional[dict] = None, *,
-                    where: str = "config.json") -> ModelSpec:
+def parse_hf_config(
+    hf: dict[str, Any], generation_config: Optional[dict] = None, *, where: str = "config.json"
+) -> ModelSpec:
     """``ModelSpec.from_hf_config``; errors name ``where`` and the field at fault."""
     mt = hf.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
@@ -172,8 +177,9 @@ def parse_hf_config(hf: dict[str, Any], generation_config: Optional[dict] = None
     if nh % nkv:
         raise ValueError(f"{where}: num_key_value_heads={nkv} must divide num_attention_heads={nh}")
     if hf.get("head_dim") is None and h % nh:
-        raise ValueError(f"{where}: head_dim is missing and hidden_size={h} is not a multiple of "
-                         f"num_attention_heads={nh}")
+        raise ValueError(
+            f"{where}: head_dim is missing and hidden_size={h} is not a multiple of num_attention_heads={nh}"
+        )
     theta, scaling = _rope(hf, where)
     attention_bias = bool(hf.get("attention_bias", False))
     return ModelSpec(
@@ -218,9 +224,12 @@ def require(spec: ModelSpec, consumer: Consumer) -> ModelSpec:
     where = spec.source
     rtype = spec.rope_scaling["rope_type"] if spec.rope_scaling else "default"
     if rtype not in consumer.rope_types:
-        raise ValueError(f"{where}: rope_scaling.rope_type={rtype!r} is not supported by {consumer.name} "
-                         f"(supported: {', '.join(consumer.rope_types)})")
+        raise ValueError(
+            f"{where}: rope_scaling.rope_type={rtype!r} is not supported by {consumer.name} "
+            f"(supported: {', '.join(consumer.rope_types)})"
+        )
     if spec.o_bias and not consumer.o_bias:
-        raise ValueError(f"{where}: attention_bias=true ({spec.model_type}: an o_proj bias) is not supported by "
-                         f"{consumer.name}")
+        raise ValueError(
+            f"{where}: attention_bias=true ({spec.model_type}: an o_proj bias) is not supported by {consumer.name}"
+        )
     return spec

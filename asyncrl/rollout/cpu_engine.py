@@ -165,9 +165,14 @@ class CpuEngine:
             raise FileNotFoundError(f"model path {args.model_path!r}: no tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(tok_path))
         self.scheduler = Scheduler(
-            self.model, self._decode, max_running_requests=args.max_running_requests, seed=args.seed,
-            weight_version=args.weight_version, prefix_cache_tokens=args.prefix_cache_tokens,
-            context_length=args.context_length)
+            self.model,
+            self._decode,
+            max_running_requests=args.max_running_requests,
+            seed=args.seed,
+            weight_version=args.weight_version,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+            context_length=args.context_length,
+        )
         self.groups: dict[str, Any] = {}
         self.update_open = False
         self._standby: Optional[CausalLM] = None
@@ -180,8 +185,13 @@ class CpuEngine:
         """Requests refused for a missing or wrong API key."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
-        log.info("loaded %s (%s, %d layers) in %.1fs", args.model_path, self.model.spec.model_type,
-                 self.model.spec.num_layers, time.monotonic() - t0)
+        log.info(
+            "loaded %s (%s, %d layers) in %.1fs",
+            args.model_path,
+            self.model.spec.model_type,
+            self.model.spec.num_layers,
+            time.monotonic() - t0,
+        )
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
@@ -246,8 +256,13 @@ class CpuEngine:
         if not bearer_matches(request.headers.get("Authorization"), key):
             self.unauthorized += 1
             if self.unauthorized & (self.unauthorized - 1) == 0:
-                log.warning("refused %s %s from %s without the API key (%d so far)", request.method, request.path,
-                            request.remote, self.unauthorized)
+                log.warning(
+                    "refused %s %s from %s without the API key (%d so far)",
+                    request.method,
+                    request.path,
+                    request.remote,
+                    self.unauthorized,
+                )
             return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
@@ -310,27 +325,42 @@ class CpuEngine:
         rid_list = (rids if rids is not None else [None] * n_prompts) if batch else [rids]
         for r in rid_list:
             if r is not None and (not isinstance(r, str) or not 0 < len(r) <= MAX_RID_CHARS):
-                raise RequestError(f"rid must be a non-empty string of at most {MAX_RID_CHARS} characters, "
-                                   f"got {r!r:.80}")
+                raise RequestError(
+                    f"rid must be a non-empty string of at most {MAX_RID_CHARS} characters, got {r!r:.80}"
+                )
         raw_params = per("sampling_params", {})
         params_list = [parse_sampling_params(p) for p in raw_params]
         if sum(p.n for p in params_list) > MAX_REQUESTS_PER_CALL:
-            raise RequestError(f"sampling_params.n: {sum(p.n for p in params_list)} samples in one request, "
-                               f"at most {MAX_REQUESTS_PER_CALL}")
+            raise RequestError(
+                f"sampling_params.n: {sum(p.n for p in params_list)} samples in one request, "
+                f"at most {MAX_REQUESTS_PER_CALL}"
+            )
         rlp = [check_bool(v, "return_logprob") for v in per("return_logprob", False)]
-        lsl = [-1 if v is None else check_int(v, "logprob_start_len", lo=-1, hi=MAX_TOKENS)
-               for v in per("logprob_start_len", -1)]
+        lsl = [
+            -1 if v is None else check_int(v, "logprob_start_len", lo=-1, hi=MAX_TOKENS)
+            for v in per("logprob_start_len", -1)
+        ]
         reqs, futs = [], []
         for i, prompt in enumerate(prompts):
             p = params_list[i]
-            self._check_context(len(prompt), p.max_new_tokens, asked=isinstance(raw_params[i], dict) and
-                                raw_params[i].get("max_new_tokens") is not None)
+            self._check_context(
+                len(prompt),
+                p.max_new_tokens,
+                asked=isinstance(raw_params[i], dict) and raw_params[i].get("max_new_tokens") is not None,
+            )
             for k in range(p.n):
                 base = rid_list[i] if rid_list[i] is not None else new_rid()
                 fut = loop.create_future()
-                reqs.append(Request(rid=base if p.n == 1 else f"{base}_{k}", input_ids=list(prompt), params=p,
-                                    return_logprob=rlp[i], logprob_start_len=lsl[i],
-                                    deliver=self._deliverer(loop, fut)))
+                reqs.append(
+                    Request(
+                        rid=base if p.n == 1 else f"{base}_{k}",
+                        input_ids=list(prompt),
+                        params=p,
+                        return_logprob=rlp[i],
+                        logprob_start_len=lsl[i],
+                        deliver=self._deliverer(loop, fut),
+                    )
+                )
                 futs.append(fut)
         return reqs, futs, batch
 
@@ -368,8 +398,11 @@ class CpuEngine:
                     return gathered.result()
                 transport = request.transport
                 if transport is None or transport.is_closing():
-                    log.info("client of %d request(s) disconnected (rid %s...): aborting them", len(reqs),
-                             reqs[0].rid if reqs else "?")
+                    log.info(
+                        "client of %d request(s) disconnected (rid %s...): aborting them",
+                        len(reqs),
+                        reqs[0].rid if reqs else "?",
+                    )
                     self._abort(reqs)
                     self.num_disconnect_aborts += len(reqs)
                     return None
@@ -389,7 +422,8 @@ class CpuEngine:
         if asked and n_prompt + max_new >= ctx:
             raise RequestError(
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) = {n_prompt + max_new} tokens reaches the "
-                f"model's context length ({ctx} tokens); shorten the prompt or lower max_new_tokens")
+                f"model's context length ({ctx} tokens); shorten the prompt or lower max_new_tokens"
+            )
 
     @staticmethod
     def _deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
@@ -397,7 +431,9 @@ class CpuEngine:
             def _set() -> None:
                 if not fut.done():
                     fut.set_result(out)
+
             loop.call_soon_threadsafe(_set)
+
         return deliver
 
     async def health(self, request: web.Request) -> web.Response:
@@ -409,9 +445,12 @@ class CpuEngine:
             return web.Response(status=200)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        req = Request(rid=f"HEALTH_CHECK_{time.time()}", input_ids=[0],
-                      params=parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}),
-                      deliver=self._deliverer(loop, fut))
+        req = Request(
+            rid=f"HEALTH_CHECK_{time.time()}",
+            input_ids=[0],
+            params=parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}),
+            deliver=self._deliverer(loop, fut),
+        )
         self.scheduler.submit(req)
         try:
             await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
@@ -448,15 +487,19 @@ class CpuEngine:
         ok = await self._call(lambda s: s.flush_cache())
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                 "waiting requests, the operation will not be performed.)\n",
-            status=200 if ok else 400)
+            "waiting requests, the operation will not be performed.)\n",
+            status=200 if ok else 400,
+        )
 
     # ---- weight updates ------------------------------------------------------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
-            addr, name, backend = (body.get("master_address"), body.get("group_name", "weight_update_group"),
-                                   body.get("backend", "nccl"))
+            addr, name, backend = (
+                body.get("master_address"),
+                body.get("group_name", "weight_update_group"),
+                body.get("backend", "nccl"),
+            )
             for key, v in (("master_address", addr), ("group_name", name), ("backend", backend)):
                 if not isinstance(v, str) or not v:
                     raise RequestError(f"{key} must be a non-empty string, got {v!r:.80}")
@@ -470,8 +513,16 @@ class CpuEngine:
         if name in self.groups:
             return _result(False, f"group {name!r} already exists; destroy it first")
         try:
-            pg = await asyncio.to_thread(init_weight_update_group, addr, port, rank, world, name,
-                                         backend=backend, timeout_s=self.args.weight_sync_timeout_s)
+            pg = await asyncio.to_thread(
+                init_weight_update_group,
+                addr,
+                port,
+                rank,
+                world,
+                name,
+                backend=backend,
+                timeout_s=self.args.weight_sync_timeout_s,
+            )
         except (RuntimeError, ValueError) as e:
             log.error("init_weights_update_group failed: %s", e)
             return _result(False, f"Failed to initialize custom process group: {e}")
@@ -511,8 +562,9 @@ class CpuEngine:
         if not isinstance(name, str):
             return _result(False, f"group_name must be a string, got {name!r:.80}")
         if not self.update_open:
-            return _result(False, "weight update not begun: call /begin_weight_update before "
-                                  "/update_weights_from_distributed")
+            return _result(
+                False, "weight update not begun: call /begin_weight_update before /update_weights_from_distributed"
+            )
         pg = self.groups.get(name)
         if pg is None:
             return _result(False, f"group {name!r} does not exist: call /init_weights_update_group first")
@@ -538,8 +590,13 @@ class CpuEngine:
         and the model's own shape. The broadcast sizes follow from these shapes, so a metadata mistake is a 400
         here instead of a size mismatch inside gloo (which aborts the process)."""
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes) and names):
+        if not (
+            isinstance(names, list)
+            and isinstance(dtypes, list)
+            and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)
+            and names
+        ):
             raise RequestError("names, dtypes and shapes must be non-empty lists of the same length")
         if len(names) > MAX_TENSORS_PER_UPDATE:
             raise RequestError(f"names: {len(names)} tensors in one update, at most {MAX_TENSORS_PER_UPDATE}")
@@ -564,8 +621,9 @@ class CpuEngine:
             else:
                 raise RequestError(f"names: unknown parameter {n!r} for the running {m.spec.model_type}")
             if tuple(shape) != expected:
-                raise RequestError(f"shapes: parameter {n!r} has shape {tuple(shape)}, the running model's is "
-                                   f"{expected}")
+                raise RequestError(
+                    f"shapes: parameter {n!r} has shape {tuple(shape)}, the running model's is {expected}"
+                )
             out.append(expected)
         return names, dts, out
 
@@ -589,7 +647,7 @@ class CpuEngine:
             dist.broadcast(buf, group_src=0, group=pg)
             named, off = [], 0
             for name, size, s, d in zip(names, sizes, shapes, dts):
-                named.append((name, buf[off: off + size].view(d).reshape(s)))
+                named.append((name, buf[off : off + size].view(d).reshape(s)))
                 off += size
             return named, []
         bank = self._standby_bank()
@@ -640,8 +698,13 @@ class CpuEngine:
         if version is not None:
             sched.weight_version = version
             msg += f" Weight version updated to {version}."
-        log.info("received %d tensors in %.3fs, put in in %.3fs (%s)", len(names), t1 - t0, time.monotonic() - t1,
-                 fmt or "per-tensor")
+        log.info(
+            "received %d tensors in %.3fs, put in in %.3fs (%s)",
+            len(names),
+            t1 - t0,
+            time.monotonic() - t1,
+            fmt or "per-tensor",
+        )
         return True, msg
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
@@ -662,8 +725,9 @@ class CpuEngine:
             return _result(False, f"update_weights_from_disk: {e}")
         fmt = body.get("load_format")
         if fmt not in (None, "auto", "safetensors"):
-            return _result(False, f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or "
-                                  f"'safetensors')")
+            return _result(
+                False, f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or 'safetensors')"
+            )
         t0 = time.monotonic()
         try:
             named = await asyncio.to_thread(self._read_checkpoint, Path(path))
@@ -681,10 +745,10 @@ class CpuEngine:
             return s.weight_version
 
         v = await self._call(apply)
-        log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path,
-                 time.monotonic() - t0, v)
-        return _result(True, f"Succeeded to update model weights from {path}. Weight version {v}.",
-                       num_paused_requests=0)
+        log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
+        return _result(
+            True, f"Succeeded to update model weights from {path}. Weight version {v}.", num_paused_requests=0
+        )
 
     def _read_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
         """Read a HF safetensors checkpoint directory and check it against the running model (same names and
@@ -700,8 +764,10 @@ class CpuEngine:
                     continue
                 raise KeyError(f"{str(d)!r}: unknown parameter {name!r} for the running {m.spec.model_type}")
             if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"{str(d)!r}: parameter {name!r} has shape {tuple(t.shape)}, the running model's "
-                                 f"is {tuple(dst.shape)}")
+                raise ValueError(
+                    f"{str(d)!r}: parameter {name!r} has shape {tuple(t.shape)}, the running model's "
+                    f"is {tuple(dst.shape)}"
+                )
             named.append((name, t))
             seen.add(name)
         missing = m.missing_after(seen)
@@ -731,17 +797,19 @@ class CpuEngine:
 
     # ---- info / metrics ------------------------------------------------------------------
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "model_path": self.args.model_path,
-            "tokenizer_path": self.args.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.scheduler.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": self.model.spec.model_type,
-            "architectures": None,
-        })
+        return web.json_response(
+            {
+                "model_path": self.args.model_path,
+                "tokenizer_path": self.args.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.scheduler.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": self.model.spec.model_type,
+                "architectures": None,
+            }
+        )
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.scheduler.weight_version})
@@ -749,25 +817,28 @@ class CpuEngine:
     async def server_info(self, request: web.Request) -> web.Response:
         m = await self._call(lambda s: {**s.metrics(), "paused": s.paused})
         a = asdict(self.args)
-        return web.json_response({
-            **a,
-            "tp_size": 1,
-            "dp_size": 1,
-            "random_seed": self.args.seed,
-            "enable_metrics": True,
-            "device": "cpu",
-            "context_length": self.scheduler.context_length,
-            "weight_version": self.scheduler.weight_version,
-            "max_total_num_tokens": self.scheduler.kv.max_rows * self.scheduler.context_length,
-            "internal_states": [m],
-            "version": ENGINE_VERSION,
-        })
+        return web.json_response(
+            {
+                **a,
+                "tp_size": 1,
+                "dp_size": 1,
+                "random_seed": self.args.seed,
+                "enable_metrics": True,
+                "device": "cpu",
+                "context_length": self.scheduler.context_length,
+                "weight_version": self.scheduler.weight_version,
+                "max_total_num_tokens": self.scheduler.kv.max_rows * self.scheduler.context_length,
+                "internal_states": [m],
+                "version": ENGINE_VERSION,
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         m = await self._call(lambda s: s.metrics())
         m[DISCONNECT_SERIES] = float(self.num_disconnect_aborts)
-        return web.Response(text=prometheus_text(m, model_name=self.args.model_path),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(
+            text=prometheus_text(m, model_name=self.args.model_path), content_type="text/plain", charset="utf-8"
+        )
 
 
 # SGLang's series (name, type, help); counters are exposed with their ``_total`` name.
@@ -787,8 +858,11 @@ _SERIES = (
     ("num_retractions_total", "counter", "Number of request retractions."),
     # ours: sglang 0.5.23 counts these only inside num_aborted_requests_total (``TokenizerManager.abort_request``
     # on a disconnect, ``srt/managers/tokenizer_manager.py``); named after its ``num_grammar_aborted_total``
-    ("num_disconnect_aborted_requests_total", "counter",
-     "Number of requests aborted because their HTTP client disconnected (timed out or gone) before the answer."),
+    (
+        "num_disconnect_aborted_requests_total",
+        "counter",
+        "Number of requests aborted because their HTTP client disconnected (timed out or gone) before the answer.",
+    ),
 )
 DISCONNECT_SERIES = "num_disconnect_aborted_requests_total"
 
@@ -823,12 +897,21 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
     a = ap.parse_args(argv)
     if a.max_running_requests < 1:
         ap.error("--max-running-requests must be >= 1")
-    return EngineArgs(model_path=a.model_path, port=a.port, host=a.host,
-                      max_running_requests=a.max_running_requests, weight_version=a.weight_version,
-                      seed=a.seed, prefix_cache_tokens=a.prefix_cache_tokens, context_length=a.context_length,
-                      num_threads=a.num_threads, weight_sync_timeout_s=a.weight_sync_timeout_s,
-                      nccl_port=a.nccl_port, dist_timeout_s=a.dist_timeout_s,
-                      api_key=a.api_key or auth.current())
+    return EngineArgs(
+        model_path=a.model_path,
+        port=a.port,
+        host=a.host,
+        max_running_requests=a.max_running_requests,
+        weight_version=a.weight_version,
+        seed=a.seed,
+        prefix_cache_tokens=a.prefix_cache_tokens,
+        context_length=a.context_length,
+        num_threads=a.num_threads,
+        weight_sync_timeout_s=a.weight_sync_timeout_s,
+        nccl_port=a.nccl_port,
+        dist_timeout_s=a.dist_timeout_s,
+        api_key=a.api_key or auth.current(),
+    )
 
 
 def init_engine_world(args: EngineArgs) -> str:
@@ -842,15 +925,17 @@ def init_engine_world(args: EngineArgs) -> str:
             port = s.getsockname()[1]
     init_method = f"tcp://{host}:{port}"
     t0 = time.monotonic()
-    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1,
-                            timeout=_dt.timedelta(seconds=args.dist_timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=0, world_size=1, timeout=_dt.timedelta(seconds=args.dist_timeout_s)
+    )
     log.info("own torch.distributed world at %s (gloo, 1 rank) in %.2fs", init_method, time.monotonic() - t0)
     return init_method
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s cpu_engine: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s cpu_engine: %(message)s"
+    )
     args = parse_args(argv)
     init_engine_world(args)
     engine = CpuEngine(args)

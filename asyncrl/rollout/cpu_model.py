@@ -72,8 +72,10 @@ class KVPool:
 
     def read_row(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one row's first ``length`` positions: ([L, kvh, length, d], same)."""
-        return (torch.stack([t[row, :, :length] for t in self.k]).clone(),
-                torch.stack([t[row, :, :length] for t in self.v]).clone())
+        return (
+            torch.stack([t[row, :, :length] for t in self.k]).clone(),
+            torch.stack([t[row, :, :length] for t in self.v]).clone(),
+        )
 
     def write_row(self, row: int, k_L: torch.Tensor, v_L: torch.Tensor, length: int) -> None:
         self.ensure_capacity(length)
@@ -96,8 +98,10 @@ class CausalLM:
         self.params: dict[str, torch.Tensor] = {}
         # buffer -> the HF names that are views of it ("layers.3.qkv_w" -> q/k/v_proj.weight): the
         # unit ``swap_groups`` exchanges between two models of the same spec
-        self.groups: dict[str, tuple[str, ...]] = {"embed": ("model.embed_tokens.weight",),
-                                                   "norm": ("model.norm.weight",)}
+        self.groups: dict[str, tuple[str, ...]] = {
+            "embed": ("model.embed_tokens.weight",),
+            "norm": ("model.norm.weight",),
+        }
         self.embed = torch.zeros(s.vocab_size, h)
         self.params["model.embed_tokens.weight"] = self.embed
         self.layers: list[dict[str, torch.Tensor]] = []
@@ -117,14 +121,18 @@ class CausalLM:
             }
             self.layers.append(L)
             q_end, k_end = nh * d, (nh + nkv) * d
-            for k, names in (("ln1", ["input_layernorm.weight"]),
-                             ("qkv_w", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-                             ("qkv_b", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
-                             ("o_w", ["self_attn.o_proj.weight"]), ("o_b", ["self_attn.o_proj.bias"]),
-                             ("ln2", ["post_attention_layernorm.weight"]),
-                             ("gu_w", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-                             ("down_w", ["mlp.down_proj.weight"]),
-                             ("q_norm", ["self_attn.q_norm.weight"]), ("k_norm", ["self_attn.k_norm.weight"])):
+            for k, names in (
+                ("ln1", ["input_layernorm.weight"]),
+                ("qkv_w", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+                ("qkv_b", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
+                ("o_w", ["self_attn.o_proj.weight"]),
+                ("o_b", ["self_attn.o_proj.bias"]),
+                ("ln2", ["post_attention_layernorm.weight"]),
+                ("gu_w", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+                ("down_w", ["mlp.down_proj.weight"]),
+                ("q_norm", ["self_attn.q_norm.weight"]),
+                ("k_norm", ["self_attn.k_norm.weight"]),
+            ):
                 if L[k] is not None:
                     self.groups[f"layers.{i}.{k}"] = tuple(p + n for n in names)
             self.params[p + "input_layernorm.weight"] = L["ln1"]
@@ -213,8 +221,9 @@ class CausalLM:
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     @torch.no_grad()
-    def forward(self, tokens_BN: torch.Tensor, past_len_B: torch.Tensor, new_len_B: torch.Tensor,
-                kv: KVPool, row0: int) -> torch.Tensor:
+    def forward(
+        self, tokens_BN: torch.Tensor, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int
+    ) -> torch.Tensor:
         s = self.spec
         B, N = tokens_BN.shape
         d, nh, nkv = s.head_dim, s.num_attention_heads, s.num_query_groups
@@ -260,8 +269,8 @@ class CausalLM:
             kc, vc = kv.k[layer], kv.v[layer]
             kc[rows, :, kpos] = k.transpose(1, 2)[b_idx, j_idx]
             vc[rows, :, kpos] = v.transpose(1, 2)[b_idx, j_idx]
-            keys = kc[row0: row0 + B, :, :Lmax]
-            vals = vc[row0: row0 + B, :, :Lmax]
+            keys = kc[row0 : row0 + B, :, :Lmax]
+            vals = vc[row0 : row0 + B, :, :Lmax]
             # grouped-query attention without repeating K/V: query head h reads kv head h // grp
             scores = torch.matmul(q.reshape(B, nkv, grp * N, d), keys.transpose(-1, -2)).mul_(scale)
             scores = scores.view(B, nkv, grp, N, Lmax).masked_fill_(neg_mask, float("-inf"))

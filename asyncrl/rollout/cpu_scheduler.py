@@ -59,17 +59,44 @@ class RequestError(ValueError):
 
 # Every key SGLang's SamplingParams accepts (0.5.x). Unknown keys are a 400, as in SGLang.
 _SGLANG_SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
 }
 # Known to SGLang but not implemented here: accepted only at their neutral value.
 _NEUTRAL = {
-    "stop_regex": (None, [], ""), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
-    "structural_tag": (None,), "logit_bias": (None, {}), "custom_params": (None, {}),
+    "stop_regex": (None, [], ""),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None, {}),
+    "custom_params": (None, {}),
 }
 
 
@@ -207,8 +234,8 @@ class Request:
         """``tokens()[kv_len:]`` without building the whole list (decode: the last token)."""
         n_in = len(self.input_ids)
         if self.kv_len >= n_in:
-            return self.output_ids[self.kv_len - n_in:]
-        return self.input_ids[self.kv_len:] + self.output_ids
+            return self.output_ids[self.kv_len - n_in :]
+        return self.input_ids[self.kv_len :] + self.output_ids
 
 
 class PrefixCache:
@@ -217,7 +244,8 @@ class PrefixCache:
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.entries: collections.OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = (
-            collections.OrderedDict())
+            collections.OrderedDict()
+        )
         self.tokens = 0
 
     def insert(self, key: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -265,9 +293,17 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, model: CausalLM, decode: Callable[[list[int], bool], str], *,
-                 max_running_requests: int, seed: int = 0, weight_version: str = "default",
-                 prefix_cache_tokens: int = 32768, context_length: Optional[int] = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        decode: Callable[[list[int], bool], str],
+        *,
+        max_running_requests: int,
+        seed: int = 0,
+        weight_version: str = "default",
+        prefix_cache_tokens: int = 32768,
+        context_length: Optional[int] = None,
+    ):
         self.model = model
         self.decode = decode
         self.max_running = max_running_requests
@@ -291,8 +327,9 @@ class Scheduler:
         if not req.input_ids:
             raise RequestError("input_ids is empty")
         if len(req.input_ids) >= self.context_length:
-            raise RequestError(f"input_ids has {len(req.input_ids)} tokens; the context length is "
-                               f"{self.context_length}")
+            raise RequestError(
+                f"input_ids has {len(req.input_ids)} tokens; the context length is {self.context_length}"
+            )
         if req.params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
         with self._cond:
@@ -419,7 +456,7 @@ class Scheduler:
         ids = torch.tensor(r.input_ids)
         vals = lp[:-1].gather(1, ids[1:, None])[:, 0].tolist()
         full: list[Optional[float]] = [None] + vals
-        r.input_logprobs = full[r.logprob_start_len:]
+        r.input_logprobs = full[r.logprob_start_len :]
 
     def _sample(self, logits_BV: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
         B, V = logits_BV.shape
@@ -550,13 +587,14 @@ class Scheduler:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, ids)]
             start = r.logprob_start_len
             meta["input_token_logprobs"] = (
-                [[lp, t, None] for lp, t in zip(r.input_logprobs or [], r.input_ids[start:])]
-                if start >= 0 else [])
+                [[lp, t, None] for lp, t in zip(r.input_logprobs or [], r.input_ids[start:])] if start >= 0 else []
+            )
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     # ---- control (engine thread, through ``call``) -------------------------------------
     def abort(self, rid: Optional[str] = None, *, abort_all: bool = False) -> int:
         """Abort matching requests (rid prefix match, as SGLang); returns how many."""
+
         def hit(r: Request) -> bool:
             return abort_all or (rid is not None and rid != "" and r.rid.startswith(rid))
 

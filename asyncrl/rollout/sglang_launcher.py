@@ -64,10 +64,22 @@ PORT_STRIDE = 10  # engine k on a node listens on rollout.port + k * PORT_STRIDE
 # What torchrun's elastic agent exports to each rank (torch 2.13 local_elastic_agent.py), plus the
 # TORCHELASTIC_* prefix. TORCH_NCCL_ASYNC_ERROR_HANDLING is the one TORCH_NCCL_* it sets; other
 # TORCH_NCCL_*/NCCL_* settings are the user's and are kept.
-LAUNCHER_VARIABLES = frozenset({
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-})
+LAUNCHER_VARIABLES = frozenset(
+    {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
 LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 
 
@@ -89,12 +101,14 @@ def engine_visible_devices(parent: Optional[str], gpu_ids: Sequence[int]) -> str
     if bad:
         raise EngineLaunchError(
             f"engine devices {list(gpu_ids)} (node-local indices) are not all visible to this rank: "
-            f"CUDA_VISIBLE_DEVICES={parent!r}; every rank must see all of its node's devices")
+            f"CUDA_VISIBLE_DEVICES={parent!r}; every rank must see all of its node's devices"
+        )
     return ",".join(visible[i] for i in gpu_ids)
 
 
-def engine_environment(environ: Mapping[str, str], *, gpu_ids: Optional[Sequence[int]] = None,
-                       extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def engine_environment(
+    environ: Mapping[str, str], *, gpu_ids: Optional[Sequence[int]] = None, extra: Optional[Mapping[str, str]] = None
+) -> dict[str, str]:
     """The complete environment of an engine child: ``environ`` without torchrun's variables,
     ``CUDA_VISIBLE_DEVICES`` set to ``gpu_ids`` (when given), then ``extra`` (see module contract)."""
     env = {k: v for k, v in environ.items() if not is_launcher_variable(k)}
@@ -112,24 +126,43 @@ def _model_path(cfg: Config) -> str:
     return cfg.rollout.model_path or cfg.actor.model_path
 
 
-def sglang_command(cfg: Config, *, port: int, base_gpu_id: int, host: str = "0.0.0.0",
-                   weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
+def sglang_command(
+    cfg: Config,
+    *,
+    port: int,
+    base_gpu_id: int,
+    host: str = "0.0.0.0",
+    weight_version: str = INITIAL_WEIGHT_VERSION,
+    python: str = sys.executable,
+) -> list[str]:
     """argv of ``python -m sglang.launch_server`` for one engine (``--dp-size 1``: one server per
     engine, as NCCL weight sync needs)."""
     r = cfg.rollout
     cmd = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", _model_path(cfg),
-        "--tp-size", str(r.tensor_parallel_size),
-        "--dp-size", "1",
-        "--base-gpu-id", str(base_gpu_id),
-        "--host", host,
-        "--port", str(port),
-        "--mem-fraction-static", str(r.sglang.mem_fraction_static),
-        "--max-running-requests", str(r.max_running_requests),
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        _model_path(cfg),
+        "--tp-size",
+        str(r.tensor_parallel_size),
+        "--dp-size",
+        "1",
+        "--base-gpu-id",
+        str(base_gpu_id),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        str(r.sglang.mem_fraction_static),
+        "--max-running-requests",
+        str(r.max_running_requests),
         "--enable-metrics",
-        "--weight-version", str(weight_version),
-        "--random-seed", str(cfg.runner.seed),
+        "--weight-version",
+        str(weight_version),
+        "--random-seed",
+        str(cfg.runner.seed),
         "--skip-server-warmup",
     ]
     if auth.current():  # SGLang reads its key from the command line only
@@ -137,27 +170,49 @@ def sglang_command(cfg: Config, *, port: int, base_gpu_id: int, host: str = "0.0
     return cmd + [str(a) for a in r.sglang.extra_args]
 
 
-def cpu_engine_command(cfg: Config, *, port: int, host: str = "0.0.0.0",
-                       weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
+def cpu_engine_command(
+    cfg: Config,
+    *,
+    port: int,
+    host: str = "0.0.0.0",
+    weight_version: str = INITIAL_WEIGHT_VERSION,
+    python: str = sys.executable,
+) -> list[str]:
     """argv of the CPU engine for one engine (TP is always 1 on CPU)."""
     r = cfg.rollout
     return [
-        python, "-m", "asyncrl.rollout.cpu_engine",
-        "--model-path", _model_path(cfg),
-        "--host", host,
-        "--port", str(port),
-        "--max-running-requests", str(r.max_running_requests),
-        "--weight-version", str(weight_version),
-        "--seed", str(cfg.runner.seed),
+        python,
+        "-m",
+        "asyncrl.rollout.cpu_engine",
+        "--model-path",
+        _model_path(cfg),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-running-requests",
+        str(r.max_running_requests),
+        "--weight-version",
+        str(weight_version),
+        "--seed",
+        str(cfg.runner.seed),
     ]
 
 
-def engine_command(cfg: Config, *, port: int, base_gpu_id: int = 0, host: str = "0.0.0.0",
-                   weight_version: str = INITIAL_WEIGHT_VERSION, python: str = sys.executable) -> list[str]:
+def engine_command(
+    cfg: Config,
+    *,
+    port: int,
+    base_gpu_id: int = 0,
+    host: str = "0.0.0.0",
+    weight_version: str = INITIAL_WEIGHT_VERSION,
+    python: str = sys.executable,
+) -> list[str]:
     if cfg.rollout.rollout_backend == "cpu":
         return cpu_engine_command(cfg, port=port, host=host, weight_version=weight_version, python=python)
-    return sglang_command(cfg, port=port, base_gpu_id=base_gpu_id, host=host, weight_version=weight_version,
-                          python=python)
+    return sglang_command(
+        cfg, port=port, base_gpu_id=base_gpu_id, host=host, weight_version=weight_version, python=python
+    )
 
 
 def model_info_ready(url: str, timeout_s: float = 2.0) -> bool:
@@ -209,9 +264,19 @@ class HealthTracker:
 
 
 class EngineSupervisor:
-    def __init__(self, command: list[str], *, url: str, name: str, log_dir: str | Path,
-                 start_timeout_s: float = 1800.0, max_restarts: int = 2, shutdown_grace_s: float = 10.0,
-                 env: Optional[dict[str, str]] = None, gpu_ids: Optional[Sequence[int]] = None):
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        url: str,
+        name: str,
+        log_dir: str | Path,
+        start_timeout_s: float = 1800.0,
+        max_restarts: int = 2,
+        shutdown_grace_s: float = 10.0,
+        env: Optional[dict[str, str]] = None,
+        gpu_ids: Optional[Sequence[int]] = None,
+    ):
         """``env``: variables added to ``engine_environment(os.environ, gpu_ids=gpu_ids)``."""
         self.command = list(command)
         self.gpu_ids = None if gpu_ids is None else list(gpu_ids)
@@ -226,10 +291,19 @@ class EngineSupervisor:
         self.child: Optional[Child] = None
 
     @classmethod
-    def from_config(cls, cfg: Config, *, engine_index: int, local_engine_index: Optional[int] = None,
-                    base_gpu_id: int = 0, run_dir: Optional[str | Path] = None, host: str = "0.0.0.0",
-                    advertise_host: Optional[str] = None, port: Optional[int] = None,
-                    name: Optional[str] = None) -> EngineSupervisor:
+    def from_config(
+        cls,
+        cfg: Config,
+        *,
+        engine_index: int,
+        local_engine_index: Optional[int] = None,
+        base_gpu_id: int = 0,
+        run_dir: Optional[str | Path] = None,
+        host: str = "0.0.0.0",
+        advertise_host: Optional[str] = None,
+        port: Optional[int] = None,
+        name: Optional[str] = None,
+    ) -> EngineSupervisor:
         """Engine ``engine_index`` (global; names the log unless ``name``) on the node-local devices
         ``base_gpu_id .. + rollout.tensor_parallel_size``, listening on
         ``rollout.port + local_engine_index * 10`` unless ``port`` is given; its URL uses
@@ -243,10 +317,15 @@ class EngineSupervisor:
             env, gpu_ids = None, range(base_gpu_id, base_gpu_id + cfg.rollout.tensor_parallel_size)
         return cls(
             engine_command(cfg, port=p, base_gpu_id=0, host=host),
-            url=f"http://{adv}:{p}", name=name or f"engine{engine_index}",
+            url=f"http://{adv}:{p}",
+            name=name or f"engine{engine_index}",
             log_dir=Path(run_dir or cfg.logging.run_dir) / "logs",
-            start_timeout_s=cfg.rollout.start_timeout_s, max_restarts=cfg.rollout.max_restarts,
-            shutdown_grace_s=cfg.cluster.shutdown_grace_s, env=env, gpu_ids=gpu_ids)
+            start_timeout_s=cfg.rollout.start_timeout_s,
+            max_restarts=cfg.rollout.max_restarts,
+            shutdown_grace_s=cfg.cluster.shutdown_grace_s,
+            env=env,
+            gpu_ids=gpu_ids,
+        )
 
     @property
     def pid(self) -> Optional[int]:
@@ -264,15 +343,21 @@ class EngineSupervisor:
         if self.alive():
             raise EngineLaunchError(f"{self.name} at {self.url} is already running (pid {self.pid})")
         if model_info_ready(self.url, timeout_s=1.0):
-            raise EngineLaunchError(f"{self.name}: something already answers at {self.url}; "
-                                    "another engine on this port? change rollout.port")
+            raise EngineLaunchError(
+                f"{self.name}: something already answers at {self.url}; "
+                "another engine on this port? change rollout.port"
+            )
         self._spawn()
         self.wait_ready()
 
     def _spawn(self) -> None:
         env = engine_environment(os.environ, gpu_ids=self.gpu_ids, extra=self.env)
-        log.info("starting %s (CUDA_VISIBLE_DEVICES=%s): %s", self.name, env.get("CUDA_VISIBLE_DEVICES", "-"),
-                 " ".join(self.command))
+        log.info(
+            "starting %s (CUDA_VISIBLE_DEVICES=%s): %s",
+            self.name,
+            env.get("CUDA_VISIBLE_DEVICES", "-"),
+            " ".join(self.command),
+        )
         self.child = spawn_child(self.name, self.command, log_dir=self.log_dir, env=env, inherit_env=False)
 
     def wait_ready(self) -> None:
@@ -280,12 +365,19 @@ class EngineSupervisor:
         or ``rollout.start_timeout_s`` passes."""
         assert self.child is not None, "wait_ready() before start()/relaunch()"
         try:
-            wait_until(lambda: model_info_ready(self.url), timeout_s=self.start_timeout_s,
-                       what=f"{self.name} to answer {self.url}/model_info", child=self.child, interval_s=0.3)
+            wait_until(
+                lambda: model_info_ready(self.url),
+                timeout_s=self.start_timeout_s,
+                what=f"{self.name} to answer {self.url}/model_info",
+                child=self.child,
+                interval_s=0.3,
+            )
         except (ChildFailed, TimeoutError) as e:
             self._kill()
-            raise EngineLaunchError(f"{self.name} at {self.url} did not start (step: start, "
-                                    f"rollout.start_timeout_s={self.start_timeout_s:g}): {e}") from None
+            raise EngineLaunchError(
+                f"{self.name} at {self.url} did not start (step: start, "
+                f"rollout.start_timeout_s={self.start_timeout_s:g}): {e}"
+            ) from None
         log.info("%s ready at %s (pid %d)", self.name, self.url, self.pid)
 
     def probe(self, timeout_s: float) -> bool:
@@ -302,7 +394,8 @@ class EngineSupervisor:
             self._kill_now()
             raise EngineLaunchError(
                 f"{self.name} at {self.url} is {reason} after {self.restarts} restart(s) "
-                f"(rollout.max_restarts={self.max_restarts}); last lines of {self.log_path}:\n{tail_file(self.log_path)}")
+                f"(rollout.max_restarts={self.max_restarts}); last lines of {self.log_path}:\n{tail_file(self.log_path)}"
+            )
         self.restarts += 1
         log.warning("%s at %s is %s; restart %d/%d", self.name, self.url, reason, self.restarts, self.max_restarts)
         self._kill_now()
@@ -329,7 +422,8 @@ class EngineSupervisor:
         if self.restarts >= self.max_restarts:
             raise EngineLaunchError(
                 f"{self.name} at {self.url} exited (code {code}) after {self.restarts} restart(s) "
-                f"(rollout.max_restarts={self.max_restarts}); last lines of {self.log_path}:\n{tail}")
+                f"(rollout.max_restarts={self.max_restarts}); last lines of {self.log_path}:\n{tail}"
+            )
         self.restarts += 1
         log.warning("%s exited with code %s; restart %d/%d", self.name, code, self.restarts, self.max_restarts)
         self.child = None

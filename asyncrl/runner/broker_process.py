@@ -55,16 +55,35 @@ class BrokerProcess:
         return self.proc.returncode
 
 
-def start_broker(config_path: str, overrides: list[str] | None = None, *, bind: str = "tcp://127.0.0.1:0",
-                 prompts_path: Optional[str] = None, log_path: Optional[str] = None, log_level: str = "INFO",
-                 timeout_s: float = 30.0, parent_pid: Optional[int] = None) -> BrokerProcess:
+def start_broker(
+    config_path: str,
+    overrides: list[str] | None = None,
+    *,
+    bind: str = "tcp://127.0.0.1:0",
+    prompts_path: Optional[str] = None,
+    log_path: Optional[str] = None,
+    log_level: str = "INFO",
+    timeout_s: float = 30.0,
+    parent_pid: Optional[int] = None,
+) -> BrokerProcess:
     """``parent_pid``: run it as a supervised child of that process (``--parent-pid``: SIGTERM deferred while it
     lives; ``BrokerProcess.stop`` then waits ``timeout_s`` and kills, so stop such a broker with SIGINT)."""
     fd, addr_file = tempfile.mkstemp(prefix="asyncrl-broker-", suffix=".addr")
     os.close(fd)
     os.unlink(addr_file)
-    cmd = [sys.executable, "-m", "asyncrl.runner.broker_process", str(config_path), *(overrides or []), "--bind", bind,
-           "--address-file", addr_file, "--log-level", log_level]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.runner.broker_process",
+        str(config_path),
+        *(overrides or []),
+        "--bind",
+        bind,
+        "--address-file",
+        addr_file,
+        "--log-level",
+        log_level,
+    ]
     if prompts_path:
         cmd += ["--prompts", str(prompts_path)]
     if parent_pid is not None:
@@ -78,8 +97,10 @@ def start_broker(config_path: str, overrides: list[str] | None = None, *, bind: 
     try:
         while not os.path.exists(addr_file):
             if proc.poll() is not None:
-                raise RuntimeError(f"broker exited with code {proc.returncode} before binding"
-                                   + (f"; see {log_path}" if log_path else ""))
+                raise RuntimeError(
+                    f"broker exited with code {proc.returncode} before binding"
+                    + (f"; see {log_path}" if log_path else "")
+                )
             if time.monotonic() > deadline:
                 proc.kill()
                 raise TimeoutError(f"broker did not publish its address within {timeout_s:.0f}s")
@@ -112,9 +133,15 @@ def skip_long_prompts(cfg, prompts: list) -> tuple[list, list[tuple[int, int]]]:
 
     kept, skipped = drop_long_prompts(prompts, count, cfg.data.max_prompt_tokens)
     if skipped:
-        log.warning("data.max_prompt_tokens = %d: skipped %d of %d prompts longer than that (longest %d tokens, "
-                    "prompt #%d); metric data/skipped_long_prompts", cfg.data.max_prompt_tokens, len(skipped),
-                    len(prompts), max(n for _, n in skipped), max(skipped, key=lambda s: s[1])[0])
+        log.warning(
+            "data.max_prompt_tokens = %d: skipped %d of %d prompts longer than that (longest %d tokens, "
+            "prompt #%d); metric data/skipped_long_prompts",
+            cfg.data.max_prompt_tokens,
+            len(skipped),
+            len(prompts),
+            max(n for _, n in skipped),
+            max(skipped, key=lambda s: s[1])[0],
+        )
     return kept, skipped
 
 
@@ -126,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address-file", default=None, help="write the bound endpoint here")
     ap.add_argument("--prompts", default=None, help="prompt file (default: data.train_path)")
     ap.add_argument("--log-level", default="INFO")
-    ap.add_argument("--parent-pid", type=int, default=None,
-                    help="the supervising parent: SIGTERM is deferred while it lives (stop with shutdown or SIGINT)")
+    ap.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="the supervising parent: SIGTERM is deferred while it lives (stop with shutdown or SIGINT)",
+    )
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s broker: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s broker: %(message)s"
+    )
     # operator-facing warnings (no completed groups, dead workers, drops) reach the console too, not only the log
     console = logging.StreamHandler(sys.stdout)
     console.setLevel(logging.WARNING)
@@ -141,8 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     if not path:
         raise ValueError("data.train_path: the broker needs a prompt file (Search-R1 parquet or JSONL)")
     prompts, skipped = skip_long_prompts(cfg, load_prompts(path))
-    run_broker(cfg, prompts, source=path, bind=args.bind, address_file=args.address_file,
-               num_skipped_long_prompts=len(skipped), parent_pid=args.parent_pid)
+    run_broker(
+        cfg,
+        prompts,
+        source=path,
+        bind=args.bind,
+        address_file=args.address_file,
+        num_skipped_long_prompts=len(skipped),
+        parent_pid=args.parent_pid,
+    )
     return 0
 
 

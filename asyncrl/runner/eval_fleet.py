@@ -50,6 +50,7 @@ PROBE_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
 """After a load every fleet engine scores this prompt; the sum of its log-probs (``eval/fleet/probe_logprob``)
 identifies the weights it carries (the engines must agree)."""
 
+
 # ------------------------------------------------------------------------------------------- the eval job
 class FleetEval:
     """``(snapshot_dir, step) -> metrics``: load the snapshot into every fleet engine, then evaluate."""
@@ -72,13 +73,17 @@ class FleetEval:
                 try:
                     await c.update_weights_from_disk(snapshot_dir, weight_version=version, timeout_s=reload_s)
                 except EngineError as e:
-                    raise RuntimeError(f"eval fleet engine {i} ({url}): step update_weights_from_disk of "
-                                       f"{snapshot_dir} (version {version}, eval.eval_reload_timeout_s={reload_s:g}) "
-                                       f"failed: {e}") from e
+                    raise RuntimeError(
+                        f"eval fleet engine {i} ({url}): step update_weights_from_disk of "
+                        f"{snapshot_dir} (version {version}, eval.eval_reload_timeout_s={reload_s:g}) "
+                        f"failed: {e}"
+                    ) from e
                 got = await c.weight_version()
                 if got != version:
-                    raise RuntimeError(f"eval fleet engine {i} ({url}): weight version {got!r} after loading "
-                                       f"{snapshot_dir}, expected {version!r}")
+                    raise RuntimeError(
+                        f"eval fleet engine {i} ({url}): weight version {got!r} after loading "
+                        f"{snapshot_dir}, expected {version!r}"
+                    )
                 res = await c.generate(PROBE_IDS, {"max_new_tokens": 1, "temperature": 0.0}, logprob_start_len=0)
                 return sum(float(x[0]) for x in res.meta_info["input_token_logprobs"] if x[0] is not None)
 
@@ -87,8 +92,9 @@ class FleetEval:
 
         probes = asyncio.run(all_())
         if max(probes) - min(probes) > 1e-3 * (1 + abs(probes[0])):
-            raise RuntimeError(f"eval fleet engines {self.urls} disagree after loading {snapshot_dir}: probe "
-                               f"log-probs {probes}")
+            raise RuntimeError(
+                f"eval fleet engines {self.urls} disagree after loading {snapshot_dir}: probe log-probs {probes}"
+            )
         return probes[0]
 
     def __call__(self, snapshot_dir: str, step: int) -> dict[str, float]:
@@ -96,8 +102,11 @@ class FleetEval:
         version = json.loads(meta.read_text())["weight_version"] if meta.is_file() else step
         t0 = time.perf_counter()
         probe = self.load(snapshot_dir, str(version))
-        m = {"eval/fleet/load_time_seconds": time.perf_counter() - t0, "eval/fleet/weight_version": float(version),
-             "eval/fleet/probe_logprob": probe}
+        m = {
+            "eval/fleet/load_time_seconds": time.perf_counter() - t0,
+            "eval/fleet/weight_version": float(version),
+            "eval/fleet/probe_logprob": probe,
+        }
         m.update(engine_eval_metrics(self.evaluator.evaluate(self.datasets)))
         return m
 
@@ -105,4 +114,6 @@ class FleetEval:
 # ------------------------------------------------------------------------------------------- the eval ranks
 def lookup_fleet_urls(cfg: Config, disc: Any) -> list[str]:
     """Actor rank 0: the fleet engines' URLs, in engine order."""
-    return [disc.lookup(URL_KEY.format(i), timeout_s=cfg.rollout.start_timeout_s + 60) for i in range(fleet_size(cfg.eval))]
+    return [
+        disc.lookup(URL_KEY.format(i), timeout_s=cfg.rollout.start_timeout_s + 60) for i in range(fleet_size(cfg.eval))
+    ]

@@ -119,8 +119,10 @@ class CheckpointEvalFn:
 def load_eval_fn(path: str, cfg: Any) -> CheckpointEvalFn:
     cls = import_path(path, "eval.eval_function_path")
     if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
-        raise ValueError(f"eval.eval_function_path: {path!r} is not a CheckpointEvalFn subclass "
-                         f"(asyncrl.runner.evaluation.CheckpointEvalFn)")
+        raise ValueError(
+            f"eval.eval_function_path: {path!r} is not a CheckpointEvalFn subclass "
+            f"(asyncrl.runner.evaluation.CheckpointEvalFn)"
+        )
     return cls(cfg)
 
 
@@ -173,17 +175,27 @@ class EngineEvaluator:
         async def run() -> dict[str, dict]:
             clients = [SGLangClient.from_config(u, cfg.rollout) for u in self.engine_urls]
             try:
-                loop = AgentLoop(task=get_task(cfg.agentloop.task_name), tokenizer=self.tokenizer,
-                                 retriever=self.retriever, agent_cfg=cfg.agentloop, sampling=cfg.rollout.sampling,
-                                 rid_prefix="eval")
-                handles = [EngineHandle(c, max_in_flight=cfg.agentloop.max_requests_per_engine, url=u)
-                           for c, u in zip(clients, self.engine_urls)]
+                loop = AgentLoop(
+                    task=get_task(cfg.agentloop.task_name),
+                    tokenizer=self.tokenizer,
+                    retriever=self.retriever,
+                    agent_cfg=cfg.agentloop,
+                    sampling=cfg.rollout.sampling,
+                    rid_prefix="eval",
+                )
+                handles = [
+                    EngineHandle(c, max_in_flight=cfg.agentloop.max_requests_per_engine, url=u)
+                    for c, u in zip(clients, self.engine_urls)
+                ]
                 out = {}
                 for name, path in datasets.items():
                     items = self.items(name, path)
-                    trajs = await asyncio.gather(*(
-                        loop.run_trajectory(it, handles[k % len(handles)], greedy=True, rid=f"{name}{k}")
-                        for k, it in enumerate(items)))
+                    trajs = await asyncio.gather(
+                        *(
+                            loop.run_trajectory(it, handles[k % len(handles)], greedy=True, rid=f"{name}{k}")
+                            for k, it in enumerate(items)
+                        )
+                    )
                     raise_tool_failures(trajs, name)
                     summary = summarize_eval(trajs)
                     done = [t for t in trajs if not t.aborted]
@@ -224,18 +236,27 @@ def raise_tool_failures(trajs: list, dataset: str) -> None:
     lower accuracy: aborted trajectories are left out of the accuracy, and a dead retriever aborts them all."""
     tool = [t for t in trajs if t.aborted and t.extra.get("error_kind") == "tool"]
     if tool:
-        raise EvalError(f"eval of {dataset!r}: {len(tool)} of {len(trajs)} trajectories lost their tool: "
-                        f"{tool[0].error} (agentloop.tool)")
+        raise EvalError(
+            f"eval of {dataset!r}: {len(tool)} of {len(trajs)} trajectories lost their tool: "
+            f"{tool[0].error} (agentloop.tool)"
+        )
     if trajs and all(t.aborted for t in trajs):
         raise EvalError(f"eval of {dataset!r}: all {len(trajs)} trajectories aborted: {trajs[0].error}")
 
 
 def engine_eval_metrics(results: dict[str, dict]) -> dict[str, float]:
     """``{name: summary}`` -> ``eval/<name>/accuracy``, ``response_len``, ``num_turns``, ``num_tool_calls``, ..."""
-    keys = {"accuracy": "accuracy", "response_len": "response_len", "mean_turns": "num_turns",
-            "mean_tool_calls": "num_tool_calls", "answer_rate": "answer_rate", "num_prompts": "num_prompts",
-            "num_aborted": "num_aborted", "weight_version_mean": "weight_version/mean",
-            "mixed_version_ratio": "weight_version/mixed_version_ratio"}
+    keys = {
+        "accuracy": "accuracy",
+        "response_len": "response_len",
+        "mean_turns": "num_turns",
+        "mean_tool_calls": "num_tool_calls",
+        "answer_rate": "answer_rate",
+        "num_prompts": "num_prompts",
+        "num_aborted": "num_aborted",
+        "weight_version_mean": "weight_version/mean",
+        "mixed_version_ratio": "weight_version/mixed_version_ratio",
+    }
     out = {}
     for name, summary in results.items():
         for src, dst in keys.items():
@@ -267,10 +288,19 @@ class PeriodicEval:
     finished since, each to be logged at its own eval step. Non-leader ranks get empty results.
     """
 
-    def __init__(self, cfg: Any, *, actor: Any, is_leader: bool, broker: Any = None,
-                 engine_evaluator: Optional[EngineEvaluator] = None, ckpt_root: str | Path | None = None,
-                 bcast: Callable[[Any], Any] = lambda x: x, fleet_eval: Optional[Callable[[str, int], dict]] = None,
-                 leader_phase: Optional[Callable[..., Any]] = None):
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        actor: Any,
+        is_leader: bool,
+        broker: Any = None,
+        engine_evaluator: Optional[EngineEvaluator] = None,
+        ckpt_root: str | Path | None = None,
+        bcast: Callable[[Any], Any] = lambda x: x,
+        fleet_eval: Optional[Callable[[str, int], dict]] = None,
+        leader_phase: Optional[Callable[..., Any]] = None,
+    ):
         """``leader_phase(name, fn, timeout_s=...)`` runs ``fn`` on the leader while the other actor ranks wait
         outside any collective (``asyncrl.runner.leader.LeaderPhases.run``; default: ``fn`` on the leader).
         ``fleet_eval``: the leader's ``(snapshot_dir, step) -> metrics`` for the ``fleet`` backend
@@ -295,9 +325,13 @@ class PeriodicEval:
             else:
                 self.fn = load_eval_fn(e.eval_function_path, cfg)
                 evaluate = self._evaluate
-            self.dispatcher = EvalDispatcher(evaluate, max_in_flight=e.eval_max_in_flight,
-                                             overflow_policy=e.eval_overflow_policy,
-                                             keep_snapshots=e.eval_keep_snapshots, wait_timeout_s=e.eval_wait_timeout_s)
+            self.dispatcher = EvalDispatcher(
+                evaluate,
+                max_in_flight=e.eval_max_in_flight,
+                overflow_policy=e.eval_overflow_policy,
+                keep_snapshots=e.eval_keep_snapshots,
+                wait_timeout_s=e.eval_wait_timeout_s,
+            )
 
     def _evaluate(self, checkpoint_dir: str, step: int) -> dict:
         assert self.fn is not None
@@ -314,16 +348,20 @@ class PeriodicEval:
         m = evaluate_on_engines(self.broker, self.engine_evaluator, self.datasets)
         m["eval/lag_steps"] = 0.0
         m["eval/step"] = float(step)
-        log.info("eval at step %d on the shared engines: %s", step,
-                 {k: round(v, 4) for k, v in m.items() if k.endswith("/accuracy")})
+        log.info(
+            "eval at step %d on the shared engines: %s",
+            step,
+            {k: round(v, 4) for k, v in m.items() if k.endswith("/accuracy")},
+        )
         return m
 
     def _external(self, step: int) -> dict[str, float]:
         e, disp = self.cfg.eval, self.dispatcher
         # every rank: export or not; the leader may wait for a slot (backpressure) while the others wait outside
         # any collective
-        admitted = self._bcast(self._phase(f"eval slot for step {step}", lambda: disp.admit(step),
-                                           timeout_s=e.eval_wait_timeout_s))
+        admitted = self._bcast(
+            self._phase(f"eval slot for step {step}", lambda: disp.admit(step), timeout_s=e.eval_wait_timeout_s)
+        )
         if not admitted:
             return {"eval/skipped": float(disp.num_skipped), "eval/skipped_busy": 1.0} if self.is_leader else {}
         if e.eval_hf_dir:
@@ -331,8 +369,12 @@ class PeriodicEval:
             try:
                 d = export_snapshot(self.actor, e.eval_hf_dir, step, is_leader=self.is_leader)
             except Exception:  # noqa: BLE001 - a failed export is a skipped point, never the end of the run
-                log.error("eval point of step %d skipped: the snapshot export into %s raised; training goes on:\n%s",
-                          step, e.eval_hf_dir, traceback.format_exc())
+                log.error(
+                    "eval point of step %d skipped: the snapshot export into %s raised; training goes on:\n%s",
+                    step,
+                    e.eval_hf_dir,
+                    traceback.format_exc(),
+                )
                 if not self.is_leader:
                     return {}
                 disp.num_skipped += 1
@@ -355,10 +397,21 @@ class PeriodicEval:
         disp = self.dispatcher
         out = []
         for o in outcomes:
-            m = outcome_metrics(o, logged_at=logged_at, num_skipped=disp.num_skipped, num_errors=disp.num_errors,
-                                datasets=list(self.datasets))
-            log.info("eval point of step %d (%s, logged at step %d): %s%s", o.step, o.status, logged_at,
-                     {k: round(v, 4) for k, v in o.metrics.items()}, f" ({o.reason})" if o.reason else "")
+            m = outcome_metrics(
+                o,
+                logged_at=logged_at,
+                num_skipped=disp.num_skipped,
+                num_errors=disp.num_errors,
+                datasets=list(self.datasets),
+            )
+            log.info(
+                "eval point of step %d (%s, logged at step %d): %s%s",
+                o.step,
+                o.status,
+                logged_at,
+                {k: round(v, 4) for k, v in o.metrics.items()},
+                f" ({o.reason})" if o.reason else "",
+            )
             out.append((o.step, m))
         return out
 
@@ -444,9 +497,15 @@ class EvalDispatcher:
     ``keep_snapshots`` have been retired (oldest first). Thread-safe for one caller thread.
     """
 
-    def __init__(self, evaluate: Callable[[str, int], dict], *, max_in_flight: int,
-                 overflow_policy: Literal["backpressure", "skip"], keep_snapshots: int,
-                 wait_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        evaluate: Callable[[str, int], dict],
+        *,
+        max_in_flight: int,
+        overflow_policy: Literal["backpressure", "skip"],
+        keep_snapshots: int,
+        wait_timeout_s: float = 600.0,
+    ):
         assert max_in_flight >= 1 and keep_snapshots >= 0
         self._evaluate = evaluate
         self.max_in_flight, self.overflow_policy = max_in_flight, overflow_policy
@@ -478,15 +537,21 @@ class EvalDispatcher:
                 return True
             if self.overflow_policy == "skip":
                 self.num_skipped += 1
-                log.warning("eval point of step %d skipped: %d evals still in flight (eval.eval_max_in_flight = %d, "
-                            "eval.eval_overflow_policy = \"skip\")", step, self._pending, self.max_in_flight)
+                log.warning(
+                    "eval point of step %d skipped: %d evals still in flight (eval.eval_max_in_flight = %d, "
+                    'eval.eval_overflow_policy = "skip")',
+                    step,
+                    self._pending,
+                    self.max_in_flight,
+                )
                 return False
             if not self._cv.wait_for(lambda: self._pending < self.max_in_flight, timeout=self.wait_timeout_s):
                 raise TimeoutError(
                     f"eval.eval_wait_timeout_s: no eval slot for step {step} within {self.wait_timeout_s:.0f}s "
                     f"({self._pending} evals in flight, eval.eval_max_in_flight = {self.max_in_flight}); the eval "
                     f"function is stuck or slower than training: raise the timeout or use "
-                    f"eval.eval_overflow_policy = \"skip\"")
+                    f'eval.eval_overflow_policy = "skip"'
+                )
             return True
 
     def submit(self, step: int, snapshot: str | Path, *, owned: bool) -> None:
@@ -509,8 +574,12 @@ class EvalDispatcher:
             finished = self._cv.wait_for(lambda: self._pending == 0, timeout=t)
             left = self._pending
         if not finished:
-            log.warning("eval: %d evals still pending after %.0fs at the end of the run (eval.eval_wait_timeout_s); "
-                        "their points are not logged", left, t)
+            log.warning(
+                "eval: %d evals still pending after %.0fs at the end of the run (eval.eval_wait_timeout_s); "
+                "their points are not logged",
+                left,
+                t,
+            )
         self._queue.put(None)
         if finished:
             self._thread.join(timeout=t)
@@ -543,19 +612,34 @@ class EvalDispatcher:
             with self._cv:
                 self.num_skipped += 1
             log.warning("eval point of step %d skipped by the eval function: %s", p.step, e.reason)
-            return EvalOutcome(p.step, "skipped", reason=e.reason, duration_s=time.perf_counter() - t0,
-                               snapshot=str(p.snapshot))
+            return EvalOutcome(
+                p.step, "skipped", reason=e.reason, duration_s=time.perf_counter() - t0, snapshot=str(p.snapshot)
+            )
         except Exception as e:  # noqa: BLE001 - user code: logged with its traceback and counted, training goes on
             with self._cv:
                 self.num_errors += 1
-            log.error("eval point of step %d failed (eval.eval_function_path); training goes on:\n%s", p.step,
-                      traceback.format_exc())
-            return EvalOutcome(p.step, "error", reason=f"{type(e).__name__}: {e}", duration_s=time.perf_counter() - t0,
-                               snapshot=str(p.snapshot))
+            log.error(
+                "eval point of step %d failed (eval.eval_function_path); training goes on:\n%s",
+                p.step,
+                traceback.format_exc(),
+            )
+            return EvalOutcome(
+                p.step,
+                "error",
+                reason=f"{type(e).__name__}: {e}",
+                duration_s=time.perf_counter() - t0,
+                snapshot=str(p.snapshot),
+            )
         with self._cv:
             self.num_completed += 1
-        return EvalOutcome(p.step, "ok", metrics=metrics, duration_s=time.perf_counter() - t0,
-                           snapshot=str(p.snapshot), weight_version=version)
+        return EvalOutcome(
+            p.step,
+            "ok",
+            metrics=metrics,
+            duration_s=time.perf_counter() - t0,
+            snapshot=str(p.snapshot),
+            weight_version=version,
+        )
 
     def _retire(self, p: _Point) -> None:
         if not p.owned:
@@ -571,8 +655,10 @@ class EvalDispatcher:
 
 def _float_metrics(metrics: Any, step: int) -> dict[str, float]:
     if not isinstance(metrics, dict):
-        raise TypeError(f"eval.eval_function_path: evaluate_checkpoint returned {type(metrics).__name__} for step "
-                        f"{step}, expected dict[str, float]")
+        raise TypeError(
+            f"eval.eval_function_path: evaluate_checkpoint returned {type(metrics).__name__} for step "
+            f"{step}, expected dict[str, float]"
+        )
     out = {}
     for k, v in metrics.items():
         try:
@@ -582,8 +668,9 @@ def _float_metrics(metrics: Any, step: int) -> dict[str, float]:
     return out
 
 
-def outcome_metrics(out: EvalOutcome, *, logged_at: int, num_skipped: int, num_errors: int,
-                    datasets: tuple | list = ()) -> dict[str, float]:
+def outcome_metrics(
+    out: EvalOutcome, *, logged_at: int, num_skipped: int, num_errors: int, datasets: tuple | list = ()
+) -> dict[str, float]:
     """What to log for a finished point, at ``out.step``: its metrics as ``eval/<name>``, ``eval/lag_steps``,
     ``eval/time_seconds``, the running ``eval/skipped`` / ``eval/errors`` counts, ``eval/step``, the skip reason
     (``eval/skipped_<reason>``, ``eval/skipped_crashed``) and each dataset's snapshot weight version."""

@@ -62,9 +62,11 @@ class NonFiniteGuard:
             what.append(f"loss {loss!r}, grad norm {m.get('train/grad_norm')!r} (step skipped)")
         if bad_rewards > 0:
             what.append(f"{bad_rewards:.0f} non-finite rewards")
-        return (f"{self.consecutive} consecutive steps with non-finite numbers (last: {'; '.join(what)}); "
-                f"runner.max_nonfinite_steps = {self.limit}: stopping. Check actor.lr, the reward function and "
-                f"the data; resume from the last checkpoint once fixed")
+        return (
+            f"{self.consecutive} consecutive steps with non-finite numbers (last: {'; '.join(what)}); "
+            f"runner.max_nonfinite_steps = {self.limit}: stopping. Check actor.lr, the reward function and "
+            f"the data; resume from the last checkpoint once fixed"
+        )
 
 
 class Preempted(RuntimeError):

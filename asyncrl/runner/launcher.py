@@ -93,13 +93,19 @@ def _plan_rows(cfg: Config, placement: Placement) -> list[tuple[int, str]]:
             e = placement.engine_of(r)
             ranks = placement.engines[e]
             kind = "SGLang server" if gpu else "CPU engine"
-            detail = (f"engine {e} ({kind}, TP {len(ranks)}) launcher + agent worker" if r == ranks[0]
-                      else f"engine {e} TP rank {ranks.index(r)} (held by the engine's first rank)")
+            detail = (
+                f"engine {e} ({kind}, TP {len(ranks)}) launcher + agent worker"
+                if r == ranks[0]
+                else f"engine {e} TP rank {ranks.index(r)} (held by the engine's first rank)"
+            )
         elif role == "eval":
             tp = cfg.eval.eval_num_gpus_per_engine
             e, ranks = next((i, rs) for i, rs in enumerate(placement.eval_engines(tp)) if r in rs)
-            detail = (f"eval fleet engine {e} (TP {tp}) launcher" if r == ranks[0]
-                      else f"eval fleet engine {e} TP rank {ranks.index(r)}")
+            detail = (
+                f"eval fleet engine {e} (TP {tp}) launcher"
+                if r == ranks[0]
+                else f"eval fleet engine {e} TP rank {ranks.index(r)}"
+            )
         else:
             detail = "idle (reward is computed in the agent loop)"
         rows.append((node, f"{r:<5} {node:<5} {role:<8} {device:<13} {detail}"))
@@ -112,9 +118,11 @@ _PLAN_HEADER = "rank  node  role     device        detail"
 def render_plan(cfg: Config, placement: Placement) -> str:
     rows = [_PLAN_HEADER] + [row for _, row in _plan_rows(cfg, placement)]
     mode = "async" if cfg.runner.async_mode else "sync"
-    head = (f"# plan: {placement.world_size} ranks, mode {mode}, {len(placement.engines)} engine(s), "
-            f"actor TP {cfg.actor.tensor_model_parallel_size} x PP {cfg.actor.pipeline_model_parallel_size} "
-            f"x DP {len(placement.actor_ranks) // (cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size)}")
+    head = (
+        f"# plan: {placement.world_size} ranks, mode {mode}, {len(placement.engines)} engine(s), "
+        f"actor TP {cfg.actor.tensor_model_parallel_size} x PP {cfg.actor.pipeline_model_parallel_size} "
+        f"x DP {len(placement.actor_ranks) // (cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size)}"
+    )
     return head + "\n" + "\n".join(rows) + "\n"
 
 
@@ -135,11 +143,16 @@ def render_node_plan(cfg: Config, placement: Placement, node: int) -> str:
     rows = [row for n, row in _plan_rows(cfg, placement) if n == node]
     if not rows:
         num_nodes = max(n for n, _ in _plan_rows(cfg, placement)) + 1
-        raise ConfigError(f"node rank {node}: the job has {placement.world_size} ranks on {num_nodes} node(s) "
-                          f"(cluster.num_devices_per_node / LOCAL_WORLD_SIZE per node); no rank runs on node {node}")
+        raise ConfigError(
+            f"node rank {node}: the job has {placement.world_size} ranks on {num_nodes} node(s) "
+            f"(cluster.num_devices_per_node / LOCAL_WORLD_SIZE per node); no rank runs on node {node}"
+        )
     roles = sorted({row.split()[2] for row in rows})
-    return f"# this node: node {node}, {len(rows)} ranks, roles {', '.join(roles)}\n" + "\n".join(
-        [_PLAN_HEADER, *rows]) + "\n"
+    return (
+        f"# this node: node {node}, {len(rows)} ranks, roles {', '.join(roles)}\n"
+        + "\n".join([_PLAN_HEADER, *rows])
+        + "\n"
+    )
 
 
 def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement, memory_line: str) -> None:
@@ -193,18 +206,27 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
     a = cfg.actor
     shape, source = _model_shape(a.model_path)
     if shape is None:
-        return (f"# actor memory: not estimated (no usable config.json in actor.model_path = {a.model_path!r} "
-                "and not a known model)")
+        return (
+            f"# actor memory: not estimated (no usable config.json in actor.model_path = {a.model_path!r} "
+            "and not a known model)"
+        )
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     gpu = cfg.rollout.rollout_backend == "sglang"
     est = estimate_actor_memory(
-        shape, tp=tp, pp=pp, dp=max(1, len(placement.actor_ranks) // (tp * pp)), bf16=gpu and a.params_dtype == "bf16",
+        shape,
+        tp=tp,
+        pp=pp,
+        dp=max(1, len(placement.actor_ranks) // (tp * pp)),
+        bf16=gpu and a.params_dtype == "bf16",
         microbatch_tokens=a.max_tokens_per_microbatch,
         row_len=min(a.max_tokens_per_microbatch, cfg.agentloop.max_total_tokens),
-        distributed_optimizer=a.use_distributed_optimizer, ref_model=cfg.algorithm.kl_coef > 0,
+        distributed_optimizer=a.use_distributed_optimizer,
+        ref_model=cfg.algorithm.kl_coef > 0,
         attention="unfused" if a.attention_backend == "unfused" else "fused",
-        recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
-        recompute_num_layers=a.recompute_num_layers)
+        recompute_granularity=a.recompute_granularity,
+        recompute_method=a.recompute_method,
+        recompute_num_layers=a.recompute_num_layers,
+    )
     line = f"# actor memory ({source}, {a.max_tokens_per_microbatch} tokens per micro-batch): {est.render()}"
     budget = cfg.cluster.device_memory_gb * USABLE_FRACTION
     if not gpu:
@@ -213,23 +235,24 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
         raise ConfigError(
             f"actor memory estimate {est.total / GIB:.1f} GiB per rank ({est.render()}) exceeds "
             f"{USABLE_FRACTION:g} x cluster.device_memory_gb = {budget:.1f} GiB; lower "
-            f"actor.max_tokens_per_microbatch, set actor.recompute_granularity = \"full\", raise "
+            f'actor.max_tokens_per_microbatch, set actor.recompute_granularity = "full", raise '
             f"actor.tensor_model_parallel_size / actor.pipeline_model_parallel_size, set "
-            f"actor.use_distributed_optimizer = true, or set cluster.device_memory_gb to the real GPU size")
+            f"actor.use_distributed_optimizer = true, or set cluster.device_memory_gb to the real GPU size"
+        )
     return line + f" [fits {budget:.1f} GiB = {USABLE_FRACTION:g} x cluster.device_memory_gb]"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s rank{rank} %(name)s] %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s rank{rank} %(name)s] %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = load_config(args.config, args.overrides)
         warnings = validate(cfg)
         world = job_world_size(cfg)
-        placement = parse_placement(cfg.cluster.component_placement, world_size=world,
-                                    engine_tp=cfg.rollout.tensor_parallel_size)
+        placement = parse_placement(
+            cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size
+        )
         memory_line = actor_memory(cfg, placement)
         check_models(cfg)
     except ConfigError as e:
@@ -246,17 +269,27 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if "MASTER_ADDR" not in os.environ:
-        print("launch/train.py: run it under torchrun, e.g. "
-              f"torchrun --nproc_per_node {world} launch/train.py {args.config}", file=sys.stderr)
+        print(
+            "launch/train.py: run it under torchrun, e.g. "
+            f"torchrun --nproc_per_node {world} launch/train.py {args.config}",
+            file=sys.stderr,
+        )
         return 2
     try:  # paths and hooks, before any process (broker, engine) starts; not on --dry-run (no data needed)
         check_inputs(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    ctx = RankContext(cfg=cfg, config_path=str(args.config), overrides=list(args.overrides), rank=rank,
-                      world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")), placement=placement,
-                      run_dir=Path(cfg.logging.run_dir))
+    ctx = RankContext(
+        cfg=cfg,
+        config_path=str(args.config),
+        overrides=list(args.overrides),
+        rank=rank,
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        placement=placement,
+        run_dir=Path(cfg.logging.run_dir),
+    )
     process.install_signal_handlers(cfg.cluster.shutdown_grace_s)
     ignore_preempt_signal()  # the actor ranks' step loop handles it (checkpoint, then exit 75)
     process.start_parent_watchdog(grace_s=cfg.cluster.shutdown_grace_s)  # a SIGKILLed torchrun takes us along

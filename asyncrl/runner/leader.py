@@ -38,8 +38,16 @@ class LeaderFailed(RuntimeError):
 
 
 class LeaderPhases:
-    def __init__(self, store: Any, *, is_leader: bool, heartbeat_store: Any = None, heartbeat_s: float = 1.0,
-                 dead_after_s: float = 30.0, margin_s: float = 60.0):
+    def __init__(
+        self,
+        store: Any,
+        *,
+        is_leader: bool,
+        heartbeat_store: Any = None,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 30.0,
+        margin_s: float = 60.0,
+    ):
         """``store``: a torch.distributed store (a ``PrefixStore`` of this run) every actor rank reaches;
         ``heartbeat_store``: a second client of it for rank 0's heartbeat thread (a store client is used
         from one thread at a time)."""
@@ -50,8 +58,9 @@ class LeaderPhases:
         self._thread: Optional[threading.Thread] = None
         if is_leader:
             assert heartbeat_store is not None, "the leader needs its own store client for the heartbeat"
-            self._thread = threading.Thread(target=self._beat, args=(heartbeat_store,), name="leader-heartbeat",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._beat, args=(heartbeat_store,), name="leader-heartbeat", daemon=True
+            )
             self._thread.start()
 
     def _beat(self, store: Any) -> None:
@@ -84,11 +93,15 @@ class LeaderPhases:
             if beat != last_beat:
                 last_beat, last_change = beat, now
             elif now - last_change > self.dead_after_s:
-                raise LeaderFailed(f"actor rank 0 stopped heartbeating during its phase {name!r} (no sign for "
-                                   f"{now - last_change:.0f}s): it died or hangs; see its log")
+                raise LeaderFailed(
+                    f"actor rank 0 stopped heartbeating during its phase {name!r} (no sign for "
+                    f"{now - last_change:.0f}s): it died or hangs; see its log"
+                )
             if deadline is not None and now > deadline:
-                raise LeaderFailed(f"actor rank 0 did not finish its phase {name!r} within {timeout_s:.0f}s "
-                                   f"(+{self.margin_s:.0f}s margin)")
+                raise LeaderFailed(
+                    f"actor rank 0 did not finish its phase {name!r} within {timeout_s:.0f}s "
+                    f"(+{self.margin_s:.0f}s margin)"
+                )
             time.sleep(_POLL_S)
         value = self.store.get(key).decode()
         if value != "ok":

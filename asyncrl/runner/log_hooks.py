@@ -43,10 +43,12 @@ def eval_data(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
 class LogHooks:
     def __init__(self, cfg: Any):
         self.cfg = cfg
-        self.rollout_fn = _load(cfg.logging.custom_rollout_log_function_path,
-                                "logging.custom_rollout_log_function_path")
-        self.eval_fn = _load(cfg.logging.custom_eval_rollout_log_function_path,
-                             "logging.custom_eval_rollout_log_function_path")
+        self.rollout_fn = _load(
+            cfg.logging.custom_rollout_log_function_path, "logging.custom_rollout_log_function_path"
+        )
+        self.eval_fn = _load(
+            cfg.logging.custom_eval_rollout_log_function_path, "logging.custom_eval_rollout_log_function_path"
+        )
 
     def step(self, step: int, groups: list, metrics: dict[str, float]) -> dict[str, float]:
         """The step's record as the default logging should write it (the rollout hook, then the eval hook)."""

@@ -134,8 +134,9 @@ def make_batch_filter(path: str | None):
             return ordered
         out = fn(ordered)
         if not isinstance(out, list):
-            raise ValueError(f"rollout_buffer.sample_filter_path: {path!r} returned {type(out).__name__}, "
-                             f"expected a list of groups")
+            raise ValueError(
+                f"rollout_buffer.sample_filter_path: {path!r} returned {type(out).__name__}, expected a list of groups"
+            )
         return out
 
     return apply
@@ -255,8 +256,7 @@ class EngineScraper:
         return (n - last[1]) / (now - last[0])
 
 
-def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, broker=None,
-                        evaluator=None) -> dict:
+def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, broker=None, evaluator=None) -> dict:
     """Greedy held-out accuracy (``data.test_path``) on the shared engines; with ``broker``, no new prompt
     is issued meanwhile (``hold_issuing``; in-flight groups finish) and issuing resumes after."""
     if not cfg.data.test_path:
@@ -274,17 +274,35 @@ def evaluate_on_engines(cfg, engine_urls: list[str], *, tokenizer_path: str, bro
 class _LeaderParts:
     """What actor rank 0 alone holds: the broker client, the metrics writer, the weight sync, the scraper."""
 
-    def __init__(self, cfg, run_dir: Path, broker_address: str, engine_urls: list[str], discovery=None, *,
-                 purge_step: int | None = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir: Path,
+        broker_address: str,
+        engine_urls: list[str],
+        discovery=None,
+        *,
+        purge_step: int | None = None,
+    ):
         self.broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
-        self.writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
-                                    console=cfg.logging.console, max_steps=cfg.runner.max_steps,
-                                    purge_step=purge_step)
+        self.writer = MetricsWriter(
+            run_dir,
+            tensorboard=cfg.logging.tensorboard,
+            jsonl=cfg.logging.jsonl,
+            console=cfg.logging.console,
+            max_steps=cfg.runner.max_steps,
+            purge_step=purge_step,
+        )
         self.group = WeightSyncGroup(
-            [EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls], cfg.sync)
+            [EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls], cfg.sync
+        )
         self.group.init()
-        self.syncer = WeightSyncer(self.group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
-                                   hooks=SyncHooks(sync_begin=self.broker.sync_begin, sync_end=self.broker.sync_end))
+        self.syncer = WeightSyncer(
+            self.group,
+            pause_mode=cfg.rollout.pause_mode,
+            sync_cfg=cfg.sync,
+            hooks=SyncHooks(sync_begin=self.broker.sync_begin, sync_end=self.broker.sync_end),
+        )
         self.recovery = make_recovery(cfg, self.group, discovery)
         self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
@@ -312,7 +330,6 @@ class _LeaderParts:
         self.last_groups = groups
         return groups, m
 
-
     def report_engine_figures(self) -> None:
         """The engines' figures (summed over engines, averaged over the scrapes since the last report) to the
         broker's in-flight autotuner."""
@@ -335,14 +352,14 @@ def batch_timeout_s(cfg) -> float:
     return cfg.rollout.request_timeout_s * 4
 
 
-def before_after_eval(cfg, parts: _LeaderParts, evaluator, engine_urls: list[str], *, step: int,
-                      release: bool) -> dict:
+def before_after_eval(cfg, parts: _LeaderParts, evaluator, engine_urls: list[str], *, step: int, release: bool) -> dict:
     """The held-out eval before the first / after the last step: its summary, also logged at ``step`` as
     ``eval/test/*`` (TensorBoard and metrics.jsonl). ``release=False`` leaves issuing held (the run ends)."""
     t0 = time.perf_counter()
     if release:
-        result = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path, broker=parts.broker,
-                                     evaluator=evaluator)
+        result = evaluate_on_engines(
+            cfg, engine_urls, tokenizer_path=cfg.rollout.model_path, broker=parts.broker, evaluator=evaluator
+        )
     else:
         parts.broker.hold_issuing()
         result = evaluate_on_engines(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path, evaluator=evaluator)
@@ -354,8 +371,17 @@ def before_after_eval(cfg, parts: _LeaderParts, evaluator, engine_urls: list[str
     return result
 
 
-def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], broker_child, actor_rank: int,
-                 eval_engine_urls: list[str] | None = None, phases, discovery=None) -> int:
+def run_training(
+    ctx,
+    *,
+    broker_address: str | None,
+    engine_urls: list[str],
+    broker_child,
+    actor_rank: int,
+    eval_engine_urls: list[str] | None = None,
+    phases,
+    discovery=None,
+) -> int:
     """The step loop on every actor rank. ``phases`` (``asyncrl.runner.leader.LeaderPhases``) runs what actor
     rank 0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective;
     ``discovery`` carries the engines' restart counts (``asyncrl.sync.recovery``)."""
@@ -365,14 +391,21 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
     start_step = 0
     ident, latest, purge_step = _bcast_obj(_resume_plan(cfg, ctx.run_dir, ckpt_root) if is_leader else None)
-    parts = phases.run("set up the weight sync and the metrics", lambda: _LeaderParts(
-        cfg, ctx.run_dir, broker_address, engine_urls, discovery, purge_step=purge_step))
+    parts = phases.run(
+        "set up the weight sync and the metrics",
+        lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls, discovery, purge_step=purge_step),
+    )
     broker = parts.broker if is_leader else None
     recovery = parts.recovery if is_leader else None
-    built = phases.run("build the evaluator (checks the tool URLs)", lambda: _make_evaluation(
-        cfg, actor, True, broker, engine_urls, ckpt_root, eval_engine_urls=eval_engine_urls, phases=phases))
-    periodic, evaluator = built if is_leader else _make_evaluation(cfg, actor, False, None, engine_urls, ckpt_root,
-                                                                   phases=phases)
+    built = phases.run(
+        "build the evaluator (checks the tool URLs)",
+        lambda: _make_evaluation(
+            cfg, actor, True, broker, engine_urls, ckpt_root, eval_engine_urls=eval_engine_urls, phases=phases
+        ),
+    )
+    periodic, evaluator = (
+        built if is_leader else _make_evaluation(cfg, actor, False, None, engine_urls, ckpt_root, phases=phases)
+    )
     if latest:
         meta = actor.load_checkpoint(latest)
         start_step = int(meta["step"])
@@ -385,15 +418,30 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
         _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
     if cfg.runner.eval_before_after and start_step == 0:
-        summary["eval_before"] = phases.run("eval before training", lambda: before_after_eval(
-            cfg, parts, evaluator, engine_urls, step=0, release=True))
+        summary["eval_before"] = phases.run(
+            "eval before training", lambda: before_after_eval(cfg, parts, evaluator, engine_urls, step=0, release=True)
+        )
     nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
     preempt = Preemption().install()
     if recovery is not None:  # a sync that fails once a preemption signal arrived is abandoned, not waited for
         recovery.abandon = lambda: preempt.requested
     try:
-        _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step,
-               broker, recovery, is_leader)
+        _steps(
+            ctx,
+            actor,
+            parts,
+            phases,
+            periodic,
+            summary,
+            nonfinite,
+            preempt,
+            ckpt_root,
+            ident,
+            start_step,
+            broker,
+            recovery,
+            is_leader,
+        )
     finally:
         preempt.restore()
     phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls, broker_child))
@@ -401,8 +449,22 @@ def run_training(ctx, *, broker_address: str | None, engine_urls: list[str], bro
     return 0
 
 
-def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckpt_root, ident, start_step, broker,
-           recovery, is_leader) -> None:
+def _steps(
+    ctx,
+    actor,
+    parts,
+    phases,
+    periodic,
+    summary,
+    nonfinite,
+    preempt,
+    ckpt_root,
+    ident,
+    start_step,
+    broker,
+    recovery,
+    is_leader,
+) -> None:
     """The steps after ``start_step``. A preemption signal on any actor rank seen before a step's batch (or by the
     leader while it waits for it) checkpoints the previous step; seen after training (or failing the step's sync)
     it skips the step's sync and eval, logs and checkpoints the step. Either way ``Preempted`` is raised on every
@@ -410,8 +472,11 @@ def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckp
     cfg = ctx.cfg
     for step in range(start_step + 1, cfg.runner.max_steps + 1):
         t_step = time.perf_counter()
-        got = None if any(_gather_obj(preempt.requested)) else _next_batch(
-            actor, parts if is_leader else None, cfg, step, phases, preempt)
+        got = (
+            None
+            if any(_gather_obj(preempt.requested))
+            else _next_batch(actor, parts if is_leader else None, cfg, step, phases, preempt)
+        )
         if got is None:
             _preempted(actor, ckpt_root, step - 1, broker, ident, preempt)
         groups, m = got
@@ -439,8 +504,11 @@ def _steps(ctx, actor, parts, phases, periodic, summary, nonfinite, preempt, ckp
             if is_leader:
                 _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
             _preempted(actor, ckpt_root, step, broker, ident, preempt)
-        if cfg.runner.checkpoint_interval and step % cfg.runner.checkpoint_interval == 0 or (
-                cfg.runner.save_at_end and step == cfg.runner.max_steps):
+        if (
+            cfg.runner.checkpoint_interval
+            and step % cfg.runner.checkpoint_interval == 0
+            or (cfg.runner.save_at_end and step == cfg.runner.max_steps)
+        ):
             _save(actor, ckpt_root, step, broker, ident)
         m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         if is_leader:
@@ -461,8 +529,9 @@ def _preempted(actor, root: Path, step: int, broker, ident: dict, preempt) -> No
     raise Preempted(step, str(d) if step > 0 else None, signame)
 
 
-def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: int, t_step: float,
-              version: int) -> None:
+def _log_step(
+    cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: int, t_step: float, version: int
+) -> None:
     m["time/step"] = time.perf_counter() - t_step
     m.update(parts.scraper.latest())
     m.update(broker_accounting(parts.broker.status()))
@@ -471,23 +540,38 @@ def _log_step(cfg, parts: _LeaderParts, periodic, summary: dict, m: dict, step: 
     parts.writer.log(parts.hooks.step(step, parts.last_groups, m), step)
     for eval_step, em in periodic.late_points(step):  # external/fleet evals: each at its own step
         parts.writer.log(parts.hooks.eval(eval_step, em), eval_step)
-    summary["steps"].append({k: m.get(k) for k in (
-        "reward/mean", "rollout/data_staleness/mean", "rollout/data_staleness/max", "time/step",
-        "time/training", "time/wait_data", "time/rollout", "time/sync_weights")})
+    summary["steps"].append(
+        {
+            k: m.get(k)
+            for k in (
+                "reward/mean",
+                "rollout/data_staleness/mean",
+                "rollout/data_staleness/max",
+                "time/step",
+                "time/training",
+                "time/wait_data",
+                "time/rollout",
+                "time/sync_weights",
+            )
+        }
+    )
     summary["staleness_max"] = max(summary["staleness_max"], m.get("rollout/data_staleness/max", 0.0))
-    summary["drops"] += m.get("rollout/fully_async/stale_groups_filtered", 0.0) + m.get(
-        "rollout/fully_async/aborted_groups_filtered", 0.0) + m["rollout/sample_filter/removed_groups"]
+    summary["drops"] += (
+        m.get("rollout/fully_async/stale_groups_filtered", 0.0)
+        + m.get("rollout/fully_async/aborted_groups_filtered", 0.0)
+        + m["rollout/sample_filter/removed_groups"]
+    )
 
 
-def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine_urls: list[str],
-            broker_child) -> None:
+def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine_urls: list[str], broker_child) -> None:
     """Actor rank 0 at the end: pending external evals, the after-training eval, the summary, shutdown."""
     cfg = ctx.cfg
     for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
         parts.writer.log(parts.hooks.eval(eval_step, em), eval_step)
     if cfg.runner.eval_before_after:  # no new prompts from here on: the run ends after this eval
-        summary["eval_after"] = before_after_eval(cfg, parts, evaluator, engine_urls, step=cfg.runner.max_steps,
-                                                  release=False)
+        summary["eval_after"] = before_after_eval(
+            cfg, parts, evaluator, engine_urls, step=cfg.runner.max_steps, release=False
+        )
     summary["wall_s"] = time.time() - ctx.started_at
     summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
     print_summary(cfg, summary, ctx.run_dir)
@@ -500,8 +584,17 @@ def _finish(ctx, parts: _LeaderParts, periodic, summary: dict, evaluator, engine
     parts.group.destroy()
 
 
-def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str], ckpt_root: Path, *,
-                     eval_engine_urls: list[str] | None = None, phases=None):
+def _make_evaluation(
+    cfg,
+    actor,
+    is_leader: bool,
+    broker,
+    engine_urls: list[str],
+    ckpt_root: Path,
+    *,
+    eval_engine_urls: list[str] | None = None,
+    phases=None,
+):
     """The periodic eval (``eval.*``) and, on the leader, the shared-engine evaluator (built once; it checks
     the tool URLs it will call)."""
     evaluator = None
@@ -509,18 +602,28 @@ def _make_evaluation(cfg, actor, is_leader: bool, broker, engine_urls: list[str]
         evaluator = EngineEvaluator(cfg, engine_urls, tokenizer_path=cfg.rollout.model_path)
     fleet = None
     if is_leader and select_backend(cfg) == "fleet":
-        fleet = FleetEval(cfg, list(eval_engine_urls or []),
-                          tokenizer_path=cfg.rollout.model_path or cfg.actor.model_path)
-    periodic = PeriodicEval(cfg, actor=actor, is_leader=is_leader, broker=broker, engine_evaluator=evaluator,
-                            ckpt_root=ckpt_root, bcast=_bcast_obj, fleet_eval=fleet,
-                            leader_phase=phases.run if phases is not None else None)
+        fleet = FleetEval(
+            cfg, list(eval_engine_urls or []), tokenizer_path=cfg.rollout.model_path or cfg.actor.model_path
+        )
+    periodic = PeriodicEval(
+        cfg,
+        actor=actor,
+        is_leader=is_leader,
+        broker=broker,
+        engine_evaluator=evaluator,
+        ckpt_root=ckpt_root,
+        bcast=_bcast_obj,
+        fleet_eval=fleet,
+        leader_phase=phases.run if phases is not None else None,
+    )
     return periodic, evaluator
 
 
 def _sync(actor, syncer, cfg, is_leader, recovery=None):
     """A weight sync at the actor's version (collective), surviving engine restarts (``sync.recovery``)."""
-    return sync_weights(actor, syncer, recovery, bucket_bytes=cfg.sync.bucket_bytes, is_leader=is_leader,
-                        bcast=_bcast_obj)
+    return sync_weights(
+        actor, syncer, recovery, bucket_bytes=cfg.sync.bucket_bytes, is_leader=is_leader, bcast=_bcast_obj
+    )
 
 
 def make_recovery(cfg, group, discovery):
@@ -533,8 +636,9 @@ def make_recovery(cfg, group, discovery):
         publish = lambda i, k: discovery.publish(synced_key(i), str(k))  # noqa: E731
     # long enough for the rollout rank to call a hang, restart the engine and see it answer
     wait_s = r.unhealthy_after_s + r.health_check_interval_s + r.health_check_timeout_s + r.start_timeout_s
-    return EngineRecovery(group, read_restarts=read, publish_synced=publish, wait_s=wait_s,
-                          max_failures=2 * r.max_restarts * n + 1)
+    return EngineRecovery(
+        group, read_restarts=read, publish_synced=publish, wait_s=wait_s, max_failures=2 * r.max_restarts * n + 1
+    )
 
 
 def _next_batch(actor, parts, cfg, step: int, phases, preempt=None):
@@ -544,19 +648,27 @@ def _next_batch(actor, parts, cfg, step: int, phases, preempt=None):
     the leader waits again (see module contract)."""
     t0 = time.monotonic()
     while True:
-        got = phases.run(f"wait for the batch of step {step}",
-                         lambda: parts.next_batch(cfg, step, actor.version, t0, preempt),
-                         timeout_s=batch_timeout_s(cfg) + cfg.rollout.control_timeout_s)
-        verdict = _bcast_obj(None if parts is None else "preempt" if got is _PREEMPT else "sync" if got is None
-                             else None)
+        got = phases.run(
+            f"wait for the batch of step {step}",
+            lambda: parts.next_batch(cfg, step, actor.version, t0, preempt),
+            timeout_s=batch_timeout_s(cfg) + cfg.rollout.control_timeout_s,
+        )
+        verdict = _bcast_obj(
+            None if parts is None else "preempt" if got is _PREEMPT else "sync" if got is None else None
+        )
         if verdict == "preempt":
             return None
         if verdict is None:
             return got if parts is not None else (None, {})
         log.info("step %d: catch-up weight sync for restarted engine(s) while waiting for data", step)
         try:
-            _sync(actor, parts.syncer if parts is not None else None, cfg, parts is not None,
-                  parts.recovery if parts is not None else None)
+            _sync(
+                actor,
+                parts.syncer if parts is not None else None,
+                cfg,
+                parts is not None,
+                parts.recovery if parts is not None else None,
+            )
         except SyncAbandoned as e:  # a preemption signal arrived and the sync failed: stop as preempted
             log.warning("%s", e)
             return None
@@ -572,8 +684,9 @@ def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0:
             return None
         left = timeout_s - (time.monotonic() - t0)
         if left <= 0:
-            raise TimeoutError(f"no batch for step {step} from the broker within {timeout_s:.0f}s "
-                               f"(rollout.request_timeout_s x 4)")
+            raise TimeoutError(
+                f"no batch for step {step} from the broker within {timeout_s:.0f}s (rollout.request_timeout_s x 4)"
+            )
         try:
             batch = broker.get_batch(step, timeout_s=min(_BATCH_SLICE_S, left), actor_version=version, as_lists=True)
         except TimeoutError:
@@ -637,16 +750,21 @@ def print_summary(cfg, summary: dict, run_dir: Path) -> None:
         "prepare_s": summary.get("prepare_s"),
     }
     (run_dir / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
-    lines = ["", "=" * 72, f"asyncrl summary ({out['mode']}, {out['steps']} steps, run dir {run_dir})",
-             f"  reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (gain {last - first:+.3f})",
-             f"  held-out accuracy: before {out['test_accuracy_before']} -> after {out['test_accuracy_after']}",
-             f"  staleness: mean {out['staleness_mean']:.2f}, max {out['staleness_max']:.0f}; "
-             f"dropped groups {out['dropped_groups']:.0f}",
-             f"  time/step {out['time/step']:.2f}s = training {out['time/training']:.2f}s + wait_data "
-             f"{out['time/wait_data']:.2f}s + rollout {out['time/rollout']:.2f}s + sync_weights "
-             f"{out['time/sync_weights']:.2f}s"]
+    lines = [
+        "",
+        "=" * 72,
+        f"asyncrl summary ({out['mode']}, {out['steps']} steps, run dir {run_dir})",
+        f"  reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (gain {last - first:+.3f})",
+        f"  held-out accuracy: before {out['test_accuracy_before']} -> after {out['test_accuracy_after']}",
+        f"  staleness: mean {out['staleness_mean']:.2f}, max {out['staleness_max']:.0f}; "
+        f"dropped groups {out['dropped_groups']:.0f}",
+        f"  time/step {out['time/step']:.2f}s = training {out['time/training']:.2f}s + wait_data "
+        f"{out['time/wait_data']:.2f}s + rollout {out['time/rollout']:.2f}s + sync_weights "
+        f"{out['time/sync_weights']:.2f}s",
+    ]
     if out["wall_s"] is not None:
-        lines.append(f"  wall time {out['wall_s']:.0f}s (of which preparing the embedded default "
-                     f"{out['prepare_s'] or 0.0:.0f}s)")
+        lines.append(
+            f"  wall time {out['wall_s']:.0f}s (of which preparing the embedded default {out['prepare_s'] or 0.0:.0f}s)"
+        )
     lines.append("=" * 72)
     print("\n".join(lines), flush=True)

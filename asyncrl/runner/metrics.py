@@ -50,9 +50,17 @@ def _scalar(value) -> float | None:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, jsonl: bool = True,
-                 console: bool = True, console_stream: TextIO | None = None, max_steps: int | None = None,
-                 purge_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        jsonl: bool = True,
+        console: bool = True,
+        console_stream: TextIO | None = None,
+        max_steps: int | None = None,
+        purge_step: int | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._tb = None

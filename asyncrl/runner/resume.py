@@ -27,8 +27,15 @@ from asyncrl.config.loader import to_dict
 
 log = logging.getLogger("asyncrl.runner")
 
-RESUMABLE_KEYS = ("runner.max_steps", "runner.resume", "runner.resume_from", "runner.max_nonfinite_steps",
-                  "rollout.port", "logging", "cluster")
+RESUMABLE_KEYS = (
+    "runner.max_steps",
+    "runner.resume",
+    "runner.resume_from",
+    "runner.max_nonfinite_steps",
+    "rollout.port",
+    "logging",
+    "cluster",
+)
 """Keys (or whole sections) a resumed run may change: the step budget, the resume switches, where it runs and
 logs (ports, placement, timeouts)."""
 IDENTITY_FILE = "run.json"
@@ -64,9 +71,14 @@ def establish_identity(cfg, run_dir: Path) -> dict:
     if resuming and old is not None and old["config_hash"] == h:
         return {"run_id": old["run_id"], "config_hash": h}
     if old is not None and resuming:
-        log.warning("run dir %s holds run %s of another config (hash %s, now %s): starting a new run; its "
-                    "checkpoints are not resumed (set runner.resume_from to start from one)", run_dir,
-                    old["run_id"], old["config_hash"], h)
+        log.warning(
+            "run dir %s holds run %s of another config (hash %s, now %s): starting a new run; its "
+            "checkpoints are not resumed (set runner.resume_from to start from one)",
+            run_dir,
+            old["run_id"],
+            old["config_hash"],
+            h,
+        )
     ident = {"run_id": uuid.uuid4().hex[:12], "config_hash": h}
     write_identity(run_dir, ident)
     return ident

@@ -97,9 +97,13 @@ def run_actor(ctx, disc: Discovery) -> int:
         import torch
 
         torch.cuda.set_device(ctx.local_rank)
-    dist.init_process_group(backend, store=dist.PrefixStore(disc.prefix + "actor_world", disc.raw_store),
-                            rank=actor_rank, world_size=len(actor_ranks),
-                            timeout=timedelta(seconds=cfg.cluster.actor_collective_timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(disc.prefix + "actor_world", disc.raw_store),
+        rank=actor_rank,
+        world_size=len(actor_ranks),
+        timeout=timedelta(seconds=cfg.cluster.actor_collective_timeout_s),
+    )
     phases = _actor_phases(cfg, disc, is_leader=actor_rank == 0)
     broker = None
     try:
@@ -108,9 +112,16 @@ def run_actor(ctx, disc: Discovery) -> int:
         broker, address, engine_urls, eval_urls = started if actor_rank == 0 else (None, None, [], [])
         from asyncrl.runner.loop import run_training
 
-        return run_training(ctx, broker_address=address, engine_urls=engine_urls, broker_child=broker,
-                            actor_rank=actor_rank, eval_engine_urls=eval_urls, phases=phases,
-                            discovery=disc)
+        return run_training(
+            ctx,
+            broker_address=address,
+            engine_urls=engine_urls,
+            broker_child=broker,
+            actor_rank=actor_rank,
+            eval_engine_urls=eval_urls,
+            phases=phases,
+            discovery=disc,
+        )
     finally:
         phases.close()
         if actor_rank == 0:
@@ -128,8 +139,10 @@ def _leader_startup(ctx, disc: Discovery):
     """Actor rank 0: spawn the broker, publish its address, wait for every engine (and eval-fleet) URL."""
     cfg = ctx.cfg
     broker, address = _spawn_broker(ctx, disc)
-    engine_urls = [disc.lookup(f"engine/{i}/url", timeout_s=cfg.rollout.start_timeout_s + 60)
-                   for i in range(len(ctx.placement.engines))]
+    engine_urls = [
+        disc.lookup(f"engine/{i}/url", timeout_s=cfg.rollout.start_timeout_s + 60)
+        for i in range(len(ctx.placement.engines))
+    ]
     log.info("broker at %s; engines %s", address, engine_urls)
     eval_urls: list[str] = []
     if cfg.eval.eval_num_gpus:
@@ -147,11 +160,26 @@ def _spawn_broker(ctx, disc: Discovery):
     addr_file.unlink(missing_ok=True)
     # it defers SIGTERM while this rank lives (a preemption's SIGTERM reaches it too; the checkpoint needs it)
     broker = process.spawn_child(
-        "broker", [sys.executable, "-m", "asyncrl.runner.broker_process", "--bind", f"tcp://{ep.bind_host}:0",
-                   "--address-file", str(addr_file), "--parent-pid", str(os.getpid()), *_base_cmd(ctx)],
-        log_dir=ctx.run_dir / "logs", console_stdout=True, stop_signal=signal.SIGINT)
-    process.wait_until(addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind",
-                       child=broker)
+        "broker",
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.runner.broker_process",
+            "--bind",
+            f"tcp://{ep.bind_host}:0",
+            "--address-file",
+            str(addr_file),
+            "--parent-pid",
+            str(os.getpid()),
+            *_base_cmd(ctx),
+        ],
+        log_dir=ctx.run_dir / "logs",
+        console_stdout=True,
+        stop_signal=signal.SIGINT,
+    )
+    process.wait_until(
+        addr_file.is_file, timeout_s=cfg.cluster.store_timeout_s, what="the broker to bind", child=broker
+    )
     process.fail_fast_on_exit(broker, what="the broker", grace_s=cfg.cluster.shutdown_grace_s)
     port = addr_file.read_text().strip().rsplit(":", 1)[1]
     address = f"tcp://{ep.advertise_host}:{port}"
@@ -162,8 +190,11 @@ def _spawn_broker(ctx, disc: Discovery):
 def broker_handshake(ctx, disc: Discovery) -> str:
     """A rollout rank's start-up round trip to the broker (``cluster.broker_handshake_timeout_s``); its address."""
     address = disc.lookup("broker/address")
-    round_trip(address, timeout_s=ctx.cfg.cluster.broker_handshake_timeout_s,
-               who=f"{ctx.role} rank {ctx.rank} on {os.uname().nodename}")
+    round_trip(
+        address,
+        timeout_s=ctx.cfg.cluster.broker_handshake_timeout_s,
+        who=f"{ctx.role} rank {ctx.rank} on {os.uname().nodename}",
+    )
     log.info("broker at %s answered rank %d", address, ctx.rank)
     return address
 
@@ -182,16 +213,32 @@ def run_rollout(ctx, disc: Discovery) -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     base_gpu = ranks[0] % per_node
     host = local_address()
-    sup = EngineSupervisor.from_config(cfg, engine_index=e, local_engine_index=ctx.local_rank, base_gpu_id=base_gpu,
-                                       host="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", advertise_host=host,
-                                       run_dir=ctx.run_dir)
+    sup = EngineSupervisor.from_config(
+        cfg,
+        engine_index=e,
+        local_engine_index=ctx.local_rank,
+        base_gpu_id=base_gpu,
+        host="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0",
+        advertise_host=host,
+        run_dir=ctx.run_dir,
+    )
     sup.start()
     try:
         disc.publish(f"engine/{e}/url", sup.url)
-        watch = EngineWatch.from_config(cfg, sup, announce=lambda n: disc.publish(restarts_key(e), str(n)),
-                                        synced=lambda n: read_count(disc, synced_key(e)) >= n)
-        run_worker(cfg, broker_address=broker_address, engine_urls=[sup.url], tokenizer_path=str(model_path),
-                   worker_id=f"engine{e}", watch=watch)
+        watch = EngineWatch.from_config(
+            cfg,
+            sup,
+            announce=lambda n: disc.publish(restarts_key(e), str(n)),
+            synced=lambda n: read_count(disc, synced_key(e)) >= n,
+        )
+        run_worker(
+            cfg,
+            broker_address=broker_address,
+            engine_urls=[sup.url],
+            tokenizer_path=str(model_path),
+            worker_id=f"engine{e}",
+            watch=watch,
+        )
     finally:
         sup.stop()
     return 0
@@ -221,8 +268,16 @@ def run_eval_engine(ctx, disc: Discovery) -> int:
     port = engine_port(cfg, ctx.local_rank)  # local ranks are unique on a node: no clash with rollout engines
     bind = "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"
     # the same launch path as a rollout engine: clean environment, CUDA_VISIBLE_DEVICES = its devices
-    sup = EngineSupervisor.from_config(ecfg, engine_index=i, base_gpu_id=ranks[0] % per_node, run_dir=ctx.run_dir,
-                                       host=bind, advertise_host=host, port=port, name=f"eval_engine{i}")
+    sup = EngineSupervisor.from_config(
+        ecfg,
+        engine_index=i,
+        base_gpu_id=ranks[0] % per_node,
+        run_dir=ctx.run_dir,
+        host=bind,
+        advertise_host=host,
+        port=port,
+        name=f"eval_engine{i}",
+    )
     sup.start()
     try:
         disc.publish(eval_fleet.URL_KEY.format(i), sup.url)

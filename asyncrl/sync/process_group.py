@@ -62,15 +62,23 @@ def init_weight_update_group(
     if group_name in _c10d._world.pg_names.values():
         raise ValueError(
             f"weight-update group {group_name!r} already exists in this process; "
-            "destroy it (destroy_weight_update_group) before joining again")
+            "destroy it (destroy_weight_update_group) before joining again"
+        )
     timeout = _dt.timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{int(master_port)}"
     try:
         # A TCPStore built directly, not ``dist.rendezvous(url)``: under torchrun
         # (TORCHELASTIC_USE_AGENT_STORE=True) the rendezvous handler would make every rank, rank 0
         # included, a client of a store nobody hosts. On the wire this is the same TCP rendezvous.
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                              timeout=timeout, wait_for_workers=False, use_libuv=True)
+        store = dist.TCPStore(
+            master_address,
+            int(master_port),
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+            use_libuv=True,
+        )
         store = dist.PrefixStore(group_name, store)
         pg, _ = _c10d._new_process_group_helper(
             world_size,
@@ -84,8 +92,8 @@ def init_weight_update_group(
         )
     except (RuntimeError, dist.DistError) as e:  # DistStoreError/DistNetworkError on timeouts
         raise RuntimeError(
-            f"weight-update group {group_name!r} at {url} (rank {rank}/{world_size}, {backend}): "
-            f"rendezvous failed: {e}") from e
+            f"weight-update group {group_name!r} at {url} (rank {rank}/{world_size}, {backend}): rendezvous failed: {e}"
+        ) from e
     # Identity map group rank -> "global" rank, as SGLang registers it: lets src=<group rank> work.
     _c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     if collective_timeout_s is not None and collective_timeout_s != timeout_s:

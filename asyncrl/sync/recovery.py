@@ -52,8 +52,15 @@ class SyncAbandoned(RuntimeError):
 class EngineRecovery:
     """Restart counts seen, joined and synced, per engine of one weight-sync group (see module contract)."""
 
-    def __init__(self, group: WeightSyncGroup, *, read_restarts: Callable[[int], int],
-                 publish_synced: Callable[[int, int], None], wait_s: float, max_failures: int):
+    def __init__(
+        self,
+        group: WeightSyncGroup,
+        *,
+        read_restarts: Callable[[int], int],
+        publish_synced: Callable[[int, int], None],
+        wait_s: float,
+        max_failures: int,
+    ):
         self.group = group
         self.max_failures = max_failures
         self.failures = 0
@@ -114,8 +121,15 @@ class EngineRecovery:
         return True
 
 
-def sync_weights(actor, syncer, recovery: Optional[EngineRecovery], *, bucket_bytes: int, is_leader: bool,
-                 bcast: Callable[[Any], Any]):
+def sync_weights(
+    actor,
+    syncer,
+    recovery: Optional[EngineRecovery],
+    *,
+    bucket_bytes: int,
+    is_leader: bool,
+    bcast: Callable[[Any], Any],
+):
     """One weight sync at ``actor.version`` that survives engine restarts (collective; see module contract).
     Returns the leader's ``SyncResult`` (None on other ranks)."""
     while True:
@@ -141,6 +155,8 @@ def sync_weights(actor, syncer, recovery: Optional[EngineRecovery], *, bucket_by
         if verdict is None:
             return res
         if verdict == "abandon":
-            raise SyncAbandoned(f"weight sync at version {actor.version} abandoned: the run is stopping"
-                                + (f" ({err})" if err is not None else ""))
+            raise SyncAbandoned(
+                f"weight sync at version {actor.version} abandoned: the run is stopping"
+                + (f" ({err})" if err is not None else "")
+            )
         log.info("retrying the weight sync at version %s", actor.version)

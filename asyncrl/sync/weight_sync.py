@@ -218,8 +218,11 @@ def push_buckets(
         except EngineStepError:
             raise
         except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
-            raise EngineStepError(group.urls, step, f"broadcast of bucket {num_buckets} ({len(bucket)} tensors) "
-                                                    f"failed: {type(e).__name__}: {e}") from e
+            raise EngineStepError(
+                group.urls,
+                step,
+                f"broadcast of bucket {num_buckets} ({len(bucket)} tensors) failed: {type(e).__name__}: {e}",
+            ) from e
         transfer_s += time.perf_counter() - t1
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
@@ -302,8 +305,9 @@ class WeightSyncer:
         if self.hooks.sync_begin is not None:
             self.hooks.sync_begin(self.pause_mode)
         t = self.cfg.step_timeout_s
-        begin = functools.partial(post_json, path="/begin_weight_update", body={"selector": "all"}, timeout_s=t,
-                                  step="begin_weight_update")
+        begin = functools.partial(
+            post_json, path="/begin_weight_update", body={"selector": "all"}, timeout_s=t, step="begin_weight_update"
+        )
         if self.pause_mode == "drain":
             self._drain()
             fan_out(self.urls, lambda u: begin(u), timeout_s=t + 1, step="begin_weight_update")
@@ -333,13 +337,21 @@ class WeightSyncer:
         t = self.cfg.step_timeout_s
 
         def finish_one(u: str) -> Any:
-            post_json(u, "/update_weight_version", {"new_version": v, "abort_all_requests": False}, timeout_s=t,
-                      step="update_weight_version")
+            post_json(
+                u,
+                "/update_weight_version",
+                {"new_version": v, "abort_all_requests": False},
+                timeout_s=t,
+                step="update_weight_version",
+            )
             # The version check and the flush ride along with /end_weight_update: up to three calls at once
             # per engine (the engine is paused and every bucket is in: their order does not matter).
             info = spawn(get_json, u, "/model_info", timeout_s=t, step="model_info", name="sync-check")
-            flush = spawn(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache",
-                          name="sync-flush") if self.pause_mode != "in_place" else None
+            flush = (
+                spawn(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache", name="sync-flush")
+                if self.pause_mode != "in_place"
+                else None
+            )
             post_json(u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update")
             if flush is not None:
                 flush.result(timeout=t)

@@ -55,8 +55,13 @@ def row_to_item(row: dict, index: int, *, source: str = "") -> PromptItem:
     for key in ("id", "extra_info", "ability"):
         if row.get(key) is not None:
             extra[key] = row[key]
-    return PromptItem(index=index, prompt=str(question).strip(), answers=answers,
-                      data_source=str(row.get("data_source") or ""), extra=extra)
+    return PromptItem(
+        index=index,
+        prompt=str(question).strip(),
+        answers=answers,
+        data_source=str(row.get("data_source") or ""),
+        extra=extra,
+    )
 
 
 def load_prompts(path: str | Path) -> list[PromptItem]:

@@ -25,8 +25,15 @@ from asyncrl.agent.tools.bm25 import BM25Retriever
 from asyncrl.agent.tools.http_retriever import HttpRetriever
 from asyncrl.config.schema import ToolConfig
 
-__all__ = ["BM25Retriever", "HttpRetriever", "Retriever", "RetrieverError", "RetrieverOutageError", "check_retriever",
-           "make_retriever"]
+__all__ = [
+    "BM25Retriever",
+    "HttpRetriever",
+    "Retriever",
+    "RetrieverError",
+    "RetrieverOutageError",
+    "check_retriever",
+    "make_retriever",
+]
 
 
 def make_retriever(tool: ToolConfig) -> Retriever:
@@ -38,8 +45,13 @@ def make_retriever(tool: ToolConfig) -> Retriever:
     if tool.retriever == "http":
         if not tool.retriever_url:
             raise ValueError("agentloop.tool.retriever_url: required when agentloop.tool.retriever = 'http'")
-        return HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=tool.max_retries,
-                             backoff_s=tool.retry_backoff_s, max_outage_s=tool.max_outage_s)
+        return HttpRetriever(
+            tool.retriever_url,
+            timeout_s=tool.timeout_s,
+            max_retries=tool.max_retries,
+            backoff_s=tool.retry_backoff_s,
+            max_outage_s=tool.max_outage_s,
+        )
     raise ValueError(f"agentloop.tool.retriever: unknown retriever {tool.retriever!r} (bm25 | http)")
 
 
@@ -48,6 +60,7 @@ def check_retriever(tool: ToolConfig, *, role: str) -> None:
     retriever; BM25 runs in process). Raises ``RetrieverError`` naming the URL and ``role``."""
     if tool.retriever != "http":
         return
+
     async def once() -> None:
         r = HttpRetriever(tool.retriever_url, timeout_s=tool.timeout_s, max_retries=0)
         try:
@@ -58,6 +71,8 @@ def check_retriever(tool: ToolConfig, *, role: str) -> None:
     try:
         asyncio.run(once())
     except RetrieverError as e:
-        raise RetrieverError(f"{role}: agentloop.tool.retriever_url {tool.retriever_url} does not answer a "
-                             f"/retrieve request: {e}; start the retriever where this node reaches it, or "
-                             f"point the URL at a host this node reaches") from None
+        raise RetrieverError(
+            f"{role}: agentloop.tool.retriever_url {tool.retriever_url} does not answer a "
+            f"/retrieve request: {e}; start the retriever where this node reaches it, or "
+            f"point the URL at a host this node reaches"
+        ) from None

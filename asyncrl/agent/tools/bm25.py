@@ -55,8 +55,9 @@ class BM25Retriever:
         self.docs = list(docs)
         self.name = name
         self._tokenizer = Tokenizer(stopwords="en")
-        corpus_ids = self._tokenizer.tokenize([d["contents"] for d in self.docs], update_vocab=True,
-                                              return_as="ids", show_progress=False)
+        corpus_ids = self._tokenizer.tokenize(
+            [d["contents"] for d in self.docs], update_vocab=True, return_as="ids", show_progress=False
+        )
         self._bm25 = bm25s.BM25()
         self._bm25.index(corpus_ids, show_progress=False)
         # bm25s is pure CPU work: run it off the event loop, one batch at a time.

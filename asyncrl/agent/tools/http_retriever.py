@@ -34,8 +34,15 @@ MAX_BACKOFF_S = 5.0
 
 
 class HttpRetriever:
-    def __init__(self, url: str, *, timeout_s: float = 30.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 max_outage_s: float = 0.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 30.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_outage_s: float = 0.0,
+    ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"agentloop.tool.retriever_url: expected http(s)://host:port/retrieve, got {url!r}")
         self.url = url
@@ -107,19 +114,27 @@ class HttpRetriever:
         if self.down_since is None:
             self.down_since = now
             self._available.clear()
-            log.error("retriever %s unreachable after %d attempts (%s): holding new turns until it answers "
-                      "(agentloop.tool.max_outage_s = %g)", self.url, attempt, err, self.max_outage_s)
+            log.error(
+                "retriever %s unreachable after %d attempts (%s): holding new turns until it answers "
+                "(agentloop.tool.max_outage_s = %g)",
+                self.url,
+                attempt,
+                err,
+                self.max_outage_s,
+            )
         if now - self.down_since >= self.max_outage_s:
             self.num_failures += 1
             raise RetrieverOutageError(
                 f"retriever {self.url} unreachable for {now - self.down_since:.0f}s (agentloop.tool.max_outage_s = "
                 f"{self.max_outage_s:g}), last error: {err}; restart it or point agentloop.tool.retriever_url at a "
-                f"live one, then resume from the last checkpoint")
+                f"live one, then resume from the last checkpoint"
+            )
 
     def _outage_ends(self) -> None:
         if self.down_since is not None:
-            log.warning("retriever %s answers again after %.1fs; new turns resume", self.url,
-                        time.monotonic() - self.down_since)
+            log.warning(
+                "retriever %s answers again after %.1fs; new turns resume", self.url, time.monotonic() - self.down_since
+            )
             self.down_since = None
             self._available.set()
 

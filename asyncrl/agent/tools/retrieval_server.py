@@ -93,8 +93,9 @@ async def serve(corpus: str, *, host: str, port: int, topk: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m asyncrl.agent.tools.retrieval_server",
-                                 description="Search-R1 /retrieve over BM25")
+    ap = argparse.ArgumentParser(
+        prog="python -m asyncrl.agent.tools.retrieval_server", description="Search-R1 /retrieve over BM25"
+    )
     ap.add_argument("--corpus", required=True, help="Search-R1 corpus JSONL ({id, contents})")
     ap.add_argument("--port", type=int, required=True, help="TCP port (0 = any free port)")
     ap.add_argument("--host", default="127.0.0.1")
