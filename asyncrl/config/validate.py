@@ -34,10 +34,23 @@ def _component_devices(cfg: Config, name: str) -> set[int]:
 
 
 def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
+    """Raise ``ConfigError`` (naming the key) for a config that cannot run; the warnings for one that runs badly.
+    The checks run in a fixed order, so the first problem of a config is always the one reported."""
     world = job_world_size(cfg) if world_size is None else world_size
-    warnings: list[str] = []
-    r, rb, B = cfg.runner, cfg.rollout_buffer, cfg.data.rollout_batch_size
+    _validate_mode(cfg)
+    placement = parse_placement(
+        cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size
+    )
+    _validate_parallelism(cfg, placement)
+    _validate_recompute(cfg)
+    _validate_buffer(cfg)
+    _validate_broker_host(cfg, world)
+    warnings = _validate_paths_tools_eval(cfg, placement)
+    return warnings + _warn_limits(cfg)
 
+
+def _validate_mode(cfg: Config) -> None:
+    r = cfg.runner
     if r.async_mode:
         shared = _component_devices(cfg, "actor") & _component_devices(cfg, "rollout")
         if shared:
@@ -70,10 +83,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             'rollout rank, in both modes); the in-process "engine" backend is not; set backend_type = "server"'
         )
 
-    placement = parse_placement(
-        cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size
-    )
 
+def _validate_parallelism(cfg: Config, placement) -> None:
     n_actor = len(placement.actor_ranks)
     mp = cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size
     if n_actor % mp:
@@ -82,8 +93,9 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices"
         )
 
-    _validate_recompute(cfg)
 
+def _validate_buffer(cfg: Config) -> None:
+    rb, B = cfg.rollout_buffer, cfg.data.rollout_batch_size
     if rb.async_data_buffer_capacity_factor is not None and "rollout_buffer.max_buffered_groups" not in cfg.derived:
         raise ConfigError(
             f"rollout_buffer.async_data_buffer_capacity_factor: set together with rollout_buffer.max_buffered_groups "
@@ -104,7 +116,10 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
     if rb.max_dropped_groups_per_step < 1:  # pragma: no cover - __post_init__ catches it
         raise ConfigError("rollout_buffer.max_dropped_groups_per_step: must be >= 1")
 
-    _validate_broker_host(cfg, world)
+
+def _validate_paths_tools_eval(cfg: Config, placement) -> list[str]:
+    r = cfg.runner
+    warnings: list[str] = []
     if r.resume_from is not None and not (Path(r.resume_from) / "meta.json").is_file():
         raise ConfigError(f"runner.resume_from: {r.resume_from!r} is not an actor checkpoint (no meta.json)")
     tool = cfg.agentloop.tool
@@ -129,6 +144,12 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
             f"data is on-policy up to engine/actor numerics; the correction only guards that mismatch"
         )
 
+    return warnings
+
+
+def _warn_limits(cfg: Config) -> list[str]:
+    rb, B = cfg.rollout_buffer, cfg.data.rollout_batch_size
+    warnings: list[str] = []
     natural_bound = rb.max_buffered_groups / B
     cap = cfg.agentloop.max_actor_accept_staleness
     if cap is not None and cap < natural_bound:
