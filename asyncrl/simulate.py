@@ -516,7 +516,7 @@ def _describe_engine(args: EngineArgs, m: EngineModel) -> list[str]:
     return lines
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="What limits for N engines of this speed and a trainer of that speed?")
     ap.add_argument("config", help="the trainer's TOML (engines, batch, group size, limits are read from it)")
     ap.add_argument("overrides", nargs="*", help="key=value, as for launch/train.py")
@@ -548,6 +548,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sync-s", type=float, default=0.2, help="weight-sync pause seconds")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="16 steps, measured from step 8")
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.engine_curve is None and args.engine_table:
         ap.error("--engine-table needs --engine-curve")
@@ -571,6 +576,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     except ValueError as e:
         ap.error(str(e))
+    _report(cfg, wl, engine, args.train_s)
+    return 0
+
+
+def _report(cfg: SimConfig, wl: Workload, engine: EngineArgs, train_s: float) -> None:
+    """Sweep a few fixed limits and auto; print the table, the suggestion, and JSON last."""
     cfg = replace(cfg, measure_from=min(10, cfg.steps // 2))
     start = cfg.derived_inflight() if cfg.inflight == "auto" else int(cfg.inflight)
     bound = max(1, cfg.resolved_buffered() - cfg.batch)
@@ -579,7 +590,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\n".join(_describe_engine(engine, cfg.engine)))
     print(
         f"{cfg.engines} engines, batch {cfg.batch} x {cfg.group_size}, "
-        f"max_buffered_groups {cfg.resolved_buffered()}, train {args.train_s:g} s/step"
+        f"max_buffered_groups {cfg.resolved_buffered()}, train {train_s:g} s/step"
     )
     print(f"{'max_inflight_groups':>20} {'groups/s':>9} {'staleness':>9} {'wait_inflight':>13} {'wait_buffer':>11}")
     for r in rows + [dict(auto, limit=f"auto->{auto['limit']}")]:
@@ -610,7 +621,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             }
         )
     )
-    return 0
 
 
 if __name__ == "__main__":
