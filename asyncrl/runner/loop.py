@@ -382,118 +382,127 @@ def run_training(
     phases,
     discovery=None,
 ) -> int:
-    """The step loop on every actor rank. ``phases`` (``asyncrl.runner.leader.LeaderPhases``) runs what actor
-    rank 0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective;
-    ``discovery`` carries the engines' restart counts (``asyncrl.sync.recovery``)."""
-    cfg = ctx.cfg
-    is_leader = actor_rank == 0
-    actor = Actor(cfg)
-    ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
-    start_step = 0
-    ident, latest, purge_step = _bcast_obj(_resume_plan(cfg, ctx.run_dir, ckpt_root) if is_leader else None)
-    parts = phases.run(
-        "set up the weight sync and the metrics",
-        lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls, discovery, purge_step=purge_step),
+    """The step loop on every actor rank (``Trainer``); 0 when every step ran."""
+    trainer = Trainer(
+        ctx,
+        broker_address=broker_address,
+        engine_urls=engine_urls,
+        broker_child=broker_child,
+        actor_rank=actor_rank,
+        eval_engine_urls=eval_engine_urls,
+        phases=phases,
+        discovery=discovery,
     )
-    broker = parts.broker if is_leader else None
-    recovery = parts.recovery if is_leader else None
-    built = phases.run(
-        "build the evaluator (checks the tool URLs)",
-        lambda: _make_evaluation(
-            cfg, actor, True, broker, engine_urls, ckpt_root, eval_engine_urls=eval_engine_urls, phases=phases
-        ),
-    )
-    periodic, evaluator = (
-        built if is_leader else _make_evaluation(cfg, actor, False, None, engine_urls, ckpt_root, phases=phases)
-    )
-    if latest:
-        meta = actor.load_checkpoint(latest)
-        start_step = int(meta["step"])
-        if is_leader:
-            broker_state = Path(latest) / "broker_state.bin"
+    return trainer.run()
+
+
+class Trainer:
+    """One actor rank's run, built in one place: the Megatron actor on every rank; on actor rank 0 also the
+    leader's parts (``_LeaderParts``: broker client, weight-sync group, metrics writer, engine scraper, hooks,
+    engine recovery) and the evaluator. ``phases`` (``asyncrl.runner.leader.LeaderPhases``) runs what actor rank
+    0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective;
+    ``discovery`` carries the engines' restart counts (``asyncrl.sync.recovery``). What only the leader does is
+    decided here, in the small methods below, so ``_step`` reads the same on every rank."""
+
+    def __init__(
+        self, ctx, *, broker_address, engine_urls, broker_child, actor_rank, eval_engine_urls, phases, discovery
+    ):
+        cfg = self.cfg = ctx.cfg
+        self.ctx, self.phases, self.engine_urls, self.broker_child = ctx, phases, engine_urls, broker_child
+        self.is_leader = actor_rank == 0
+        self.actor = Actor(cfg)
+        self.ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
+        plan = _resume_plan(cfg, ctx.run_dir, self.ckpt_root) if self.is_leader else None
+        self.ident, self.latest, purge_step = _bcast_obj(plan)
+        self.parts = phases.run(
+            "set up the weight sync and the metrics",
+            lambda: _LeaderParts(cfg, ctx.run_dir, broker_address, engine_urls, discovery, purge_step=purge_step),
+        )
+        self.broker = self.parts.broker if self.is_leader else None
+        self.recovery = self.parts.recovery if self.is_leader else None
+        built = phases.run(
+            "build the evaluator (checks the tool URLs)",
+            lambda: _make_evaluation(
+                cfg,
+                self.actor,
+                True,
+                self.broker,
+                engine_urls,
+                self.ckpt_root,
+                eval_engine_urls=eval_engine_urls,
+                phases=phases,
+            ),
+        )
+        if not self.is_leader:
+            built = _make_evaluation(cfg, self.actor, False, None, engine_urls, self.ckpt_root, phases=phases)
+        self.periodic, self.evaluator = built
+        self.summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
+        self.nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
+        self.preempt = Preemption()
+
+    def run(self) -> int:
+        cfg = self.cfg
+        start_step = self._resume()
+        if cfg.runner.eval_before_after and start_step == 0:
+            self.summary["eval_before"] = self.phases.run(
+                "eval before training",
+                lambda: before_after_eval(cfg, self.parts, self.evaluator, self.engine_urls, step=0, release=True),
+            )
+        self.preempt.install()
+        if self.recovery is not None:  # a sync that fails once a preemption signal arrived is abandoned
+            self.recovery.abandon = lambda: self.preempt.requested
+        try:
+            for step in range(start_step + 1, cfg.runner.max_steps + 1):
+                self._step(step)
+        finally:
+            self.preempt.restore()
+        self.phases.run(
+            "finish the run",
+            lambda: _finish(
+                self.ctx, self.parts, self.periodic, self.summary, self.evaluator, self.engine_urls, self.broker_child
+            ),
+        )
+        dist.barrier()
+        return 0
+
+    def _resume(self) -> int:
+        """Load the checkpoint picked by ``_resume_plan`` (the broker's state with it) and bring the engines to
+        its weights (they started from the HF checkpoint); the step to go on from."""
+        if not self.latest:
+            return 0
+        meta = self.actor.load_checkpoint(self.latest)
+        if self.is_leader:
+            broker_state = Path(self.latest) / "broker_state.bin"
             if broker_state.is_file():
-                broker.set_state(broker_state.read_bytes())
-            log.info("resumed from %s at step %d (weight version %d)", latest, start_step, actor.version)
-    summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
-    if latest:  # the engines started from the HF checkpoint: bring them to the resumed weights
-        _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
-    if cfg.runner.eval_before_after and start_step == 0:
-        summary["eval_before"] = phases.run(
-            "eval before training", lambda: before_after_eval(cfg, parts, evaluator, engine_urls, step=0, release=True)
-        )
-    nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
-    preempt = Preemption().install()
-    if recovery is not None:  # a sync that fails once a preemption signal arrived is abandoned, not waited for
-        recovery.abandon = lambda: preempt.requested
-    try:
-        _steps(
-            ctx,
-            actor,
-            parts,
-            phases,
-            periodic,
-            summary,
-            nonfinite,
-            preempt,
-            ckpt_root,
-            ident,
-            start_step,
-            broker,
-            recovery,
-            is_leader,
-        )
-    finally:
-        preempt.restore()
-    phases.run("finish the run", lambda: _finish(ctx, parts, periodic, summary, evaluator, engine_urls, broker_child))
-    dist.barrier()
-    return 0
+                self.broker.set_state(broker_state.read_bytes())
+            log.info(
+                "resumed from %s at step %d (weight version %d)", self.latest, int(meta["step"]), self.actor.version
+            )
+        self._sync()
+        return int(meta["step"])
 
-
-def _steps(
-    ctx,
-    actor,
-    parts,
-    phases,
-    periodic,
-    summary,
-    nonfinite,
-    preempt,
-    ckpt_root,
-    ident,
-    start_step,
-    broker,
-    recovery,
-    is_leader,
-) -> None:
-    """The steps after ``start_step``. A preemption signal on any actor rank seen before a step's batch (or by the
-    leader while it waits for it) checkpoints the previous step; seen after training (or failing the step's sync)
-    it skips the step's sync and eval, logs and checkpoints the step. Either way ``Preempted`` is raised on every
-    actor rank."""
-    cfg = ctx.cfg
-    for step in range(start_step + 1, cfg.runner.max_steps + 1):
-        t_step = time.perf_counter()
-        got = (
-            None
-            if any(_gather_obj(preempt.requested))
-            else _next_batch(actor, parts if is_leader else None, cfg, step, phases, preempt)
-        )
+    def _step(self, step: int) -> None:
+        """One step. A preemption signal on any actor rank seen before the batch (or by the leader while it waits
+        for it) checkpoints the previous step; seen after training (or failing the step's sync) it skips the
+        step's sync and eval, logs and checkpoints the step. Either way ``Preempted`` is raised on every rank."""
+        cfg, t_step = self.cfg, time.perf_counter()
+        got = None if any(_gather_obj(self.preempt.requested)) else self._batch(step)
         if got is None:
-            _preempted(actor, ckpt_root, step - 1, broker, ident, preempt)
+            self._preempted(step - 1)
         groups, m = got
         t0 = time.perf_counter()
-        m.update(actor.train_step(groups))
+        m.update(self.actor.train_step(groups))
         m["time/training"] = time.perf_counter() - t0
         # the leader alone sees the rewards; a preemption signal on any actor rank counts
-        seen = _gather_obj((nonfinite.update(m) if is_leader else None, preempt.requested))
+        seen = _gather_obj((self.nonfinite.update(m) if self.is_leader else None, self.preempt.requested))
         verdict, stop = seen[0][0], any(flag for _, flag in seen)
         if verdict:
-            if is_leader:
-                _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
+            self._log(m, step, t_step)
             raise NonFiniteError(verdict)
         m["time/sync_weights"] = 0.0
         if not stop and step % cfg.rollout.update_weights_interval == 0:
             try:
-                res = _sync(actor, parts.syncer if is_leader else None, cfg, is_leader, recovery)
+                res = self._sync()
             except SyncAbandoned as e:  # the engines stopped under a preemption: the checkpoint has the weights
                 log.warning("%s", e)
                 stop = True
@@ -501,18 +510,28 @@ def _steps(
                 if res is not None:
                     m.update(res.metrics())
         if stop:  # preempted: no sync (or a broken one), no eval; this step is logged and checkpointed
-            if is_leader:
-                _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
-            _preempted(actor, ckpt_root, step, broker, ident, preempt)
-        if (
-            cfg.runner.checkpoint_interval
-            and step % cfg.runner.checkpoint_interval == 0
-            or (cfg.runner.save_at_end and step == cfg.runner.max_steps)
-        ):
-            _save(actor, ckpt_root, step, broker, ident)
-        m.update(periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
-        if is_leader:
-            _log_step(cfg, parts, periodic, summary, m, step, t_step, actor.version)
+            self._log(m, step, t_step)
+            self._preempted(step)
+        r = cfg.runner
+        if (r.checkpoint_interval and step % r.checkpoint_interval == 0) or (r.save_at_end and step == r.max_steps):
+            _save(self.actor, self.ckpt_root, step, self.broker, self.ident)
+        m.update(self.periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
+        self._log(m, step, t_step)
+
+    def _batch(self, step: int):
+        return _next_batch(
+            self.actor, self.parts if self.is_leader else None, self.cfg, step, self.phases, self.preempt
+        )
+
+    def _sync(self):
+        return _sync(self.actor, self.parts.syncer if self.is_leader else None, self.cfg, self.is_leader, self.recovery)
+
+    def _log(self, m: dict, step: int, t_step: float) -> None:
+        if self.is_leader:
+            _log_step(self.cfg, self.parts, self.periodic, self.summary, m, step, t_step, self.actor.version)
+
+    def _preempted(self, step: int) -> None:
+        _preempted(self.actor, self.ckpt_root, step, self.broker, self.ident, self.preempt)
 
 
 def _preempted(actor, root: Path, step: int, broker, ident: dict, preempt) -> None:
