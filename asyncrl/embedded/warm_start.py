@@ -111,6 +111,57 @@ def _pad_rows(batch: list[tuple[list[int], list[int]]], P: int, pad: int
     return rows_BS, gen_BS, valid_BS
 
 
+PACK_WIDTHS = (1.0, 1.25, 1.5, 1.75, 2.0)
+"""Row widths tried by ``_pack_rows`` (times the batch's longest sequence); the fewest computed
+tokens wins. Measured on the embedded default: useful/computed tokens 0.71 padded, ~0.9 packed."""
+
+
+def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        r = next((r for r in range(len(rows)) if room[r] >= lengths[b]), None)
+        if r is None:
+            rows.append([])
+            room.append(width)
+            r = len(rows) - 1
+        rows[r].append(b)
+        room[r] -= lengths[b]
+    return rows
+
+
+def _pack_rows(batch: list[tuple[list[int], list[int]]], P: int, pad: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's tokens after the shared prefix of length ``P``, packed first-fit (longest first)
+    into rows (of the ``PACK_WIDTHS`` width that computes the fewest tokens) and right-padded:
+    ``(ids, generated, valid, segments)`` ``[R, S]``, ``segments`` numbering the sequences (and each
+    row's padding) for ``TorchDecoder.hidden_states_shared_prefix``. Same tokens as ``_pad_rows``
+    without most of its padding (the batch's sequences differ in length)."""
+    lengths = [len(ids) - P for ids, _ in batch]
+    packings = [_first_fit(lengths, int(max(lengths) * f)) for f in PACK_WIDTHS]
+    cost = [len(rows) * max(sum(lengths[b] for b in row) for row in rows) for rows in packings]
+    rows = packings[cost.index(min(cost))]
+    R, S = len(rows), max(sum(lengths[b] for b in row) for row in rows)
+    ids_RS = torch.full((R, S), pad, dtype=torch.long)
+    gen_RS = torch.zeros((R, S), dtype=torch.bool)
+    valid_RS = torch.zeros((R, S), dtype=torch.bool)
+    seg_RS = torch.zeros((R, S), dtype=torch.long)
+    seg = 0
+    for r, members in enumerate(rows):
+        at = 0
+        for b in members:
+            ids, mask = batch[b]
+            n = len(ids) - P
+            ids_RS[r, at:at + n] = torch.tensor(ids[P:])
+            gen_RS[r, at:at + n] = torch.tensor(mask[P:], dtype=torch.bool)
+            valid_RS[r, at:at + n] = True
+            seg_RS[r, at:at + n] = seg
+            seg, at = seg + 1, at + n
+        seg_RS[r, at:] = seg  # the row's padding: a run of its own
+        seg += 1
+    return ids_RS, gen_RS, valid_RS, seg_RS
+
+
 def _weighted_nll(model, pred_BSH, rows_BS, gen_BS, valid_BS, pred_prefix_PH, prefix_targets_P, *, rows: int,
                   context_weight: float):
     """Next-token loss: generated tokens weigh 1, prompt/tool tokens ``context_weight`` (the shared
@@ -156,13 +207,17 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
                 batches = _length_grouped_batches(examples, p.sft_batch_size, rng)
             batch = batches.pop()
             B = len(batch)
-            rows_BS, gen_BS, valid_BS = _pad_rows(batch, P, pad)
+            rows_BS, gen_BS, valid_BS, seg_BS = _pack_rows(batch, P, pad)
             lr = p.sft_lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, p.sft_steps)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows_BS)
-            # position t predicts token t+1: the prefix's last position predicts each row's first token
-            pred_BSH = torch.cat((h_prefix[:, -1:].expand(B, -1, -1), h_rows[:, :-1]), dim=1)
+            h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows_BS, seg_BS)
+            # position t predicts token t+1: the prefix's last position predicts each sequence's first token
+            R = rows_BS.shape[0]
+            pred_BSH = torch.cat((h_prefix[:, -1:].expand(R, -1, -1), h_rows[:, :-1]), dim=1)
+            starts_BS = torch.ones_like(seg_BS, dtype=torch.bool)
+            starts_BS[:, 1:] = seg_BS[:, 1:] != seg_BS[:, :-1]
+            pred_BSH = torch.where(starts_BS[..., None], h_prefix[:, -1:], pred_BSH)
             loss = _weighted_nll(model, pred_BSH, rows_BS, gen_BS, valid_BS, h_prefix[0, :-1], prefix[1:],
                                  rows=B, context_weight=p.sft_context_loss_weight)
             opt.zero_grad(set_to_none=True)
