@@ -57,9 +57,14 @@ class _Attention(nn.Module):
         keys/values (for use as the next call's prefix). ``mask`` (``[B, 1, T, P + T]``, True =
         attend) replaces the causal mask (packed rows: see ``hidden_states_shared_prefix``)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        # one matmul for q, k and v (the HF parameters stay separate: same values, fewer passes over x)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        bias = torch.cat([m.bias for m in projs]) if self.q_proj.bias is not None else None
+        qkv = F.linear(x, torch.cat([m.weight for m in projs]), bias)
+        q, k, v = qkv.split((self.nh * self.d, self.nkv * self.d, self.nkv * self.d), dim=-1)
+        q = q.view(B, T, self.nh, self.d).transpose(1, 2)
+        k = k.view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -92,7 +97,8 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(f, h, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _Layer(nn.Module):
