@@ -51,14 +51,20 @@ class _Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
+    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None, mask=None):
         """Causal self-attention; with ``prefix_kv`` (keys/values ``[1, nkv, P, d]`` of a prefix
         shared by every row) the rows also attend to that prefix. ``kv_out`` collects this call's
-        keys/values (for use as the next call's prefix)."""
+        keys/values (for use as the next call's prefix). ``mask`` (``[B, 1, T, P + T]``, True =
+        attend) replaces the causal mask (packed rows: see ``hidden_states_shared_prefix``)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        # one matmul for q, k and v (the HF parameters stay separate: same values, fewer passes over x)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        bias = torch.cat([m.bias for m in projs]) if self.q_proj.bias is not None else None
+        qkv = F.linear(x, torch.cat([m.weight for m in projs]), bias)
+        q, k, v = qkv.split((self.nh * self.d, self.nkv * self.d, self.nkv * self.d), dim=-1)
+        q = q.view(B, T, self.nh, self.d).transpose(1, 2)
+        k = k.view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -72,7 +78,7 @@ class _Attention(nn.Module):
             P = pk.shape[2]
             k = torch.cat((pk.expand(B, -1, -1, -1), k), dim=2)
             v = torch.cat((pv.expand(B, -1, -1, -1), v), dim=2)
-            allowed = torch.ones(T, P + T, dtype=torch.bool).tril(P)
+            allowed = torch.ones(T, P + T, dtype=torch.bool).tril(P) if mask is None else mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
 
@@ -91,7 +97,8 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(f, h, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _Layer(nn.Module):
@@ -102,8 +109,8 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = _MLP(s)
 
-    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, prefix_kv, kv_out)
+    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, prefix_kv, kv_out, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -139,24 +146,50 @@ class TorchDecoder(nn.Module):
         """Final-norm hidden states ``[B, T, H]``."""
         return self._run(ids_BT, offset=0)
 
-    def hidden_states_shared_prefix(self, prefix_P: torch.Tensor, ids_BS: torch.Tensor
+    def hidden_states_shared_prefix(self, prefix_P: torch.Tensor, ids_BS: torch.Tensor,
+                                    segments_BS: torch.Tensor | None = None
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of rows ``prefix + ids_BS[b]`` with the common prefix computed once:
         ``([1, P, H] of the prefix, [B, S, H] of the rows' own tokens)``. Equal to
-        ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once."""
+        ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once.
+
+        ``segments_BS`` (int, ``>= 0``) packs several sequences per row: each maximal run of one
+        segment id is a sequence ``prefix + run`` of its own (positions restart after the prefix,
+        attention stays inside the run and the prefix), so short sequences share a row instead of
+        being padded to the longest. Equal to running each sequence alone."""
         kvs: list = []
+        P = prefix_P.shape[0]
         h_prefix = self._run(prefix_P[None], offset=0, kv_out=kvs)
-        return h_prefix, self._run(ids_BS, offset=prefix_P.shape[0], prefix_kvs=kvs)
+        if segments_BS is None:
+            return h_prefix, self._run(ids_BS, offset=P, prefix_kvs=kvs)
+        B, S = ids_BS.shape
+        start_BS = torch.ones(B, S, dtype=torch.bool)
+        start_BS[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
+        idx_S = torch.arange(S)
+        # position of each token inside its run: its index minus the index of its run's first token
+        first_BS = torch.cummax(torch.where(start_BS, idx_S, 0), dim=1).values
+        positions_BS = P + idx_S - first_BS
+        run_BS = torch.cumsum(start_BS, dim=1)
+        same_BSS = run_BS[:, :, None] == run_BS[:, None, :]
+        own_BSS = same_BSS & torch.ones(S, S, dtype=torch.bool).tril()
+        mask = torch.cat((torch.ones(B, S, P, dtype=torch.bool), own_BSS), dim=2)[:, None]
+        return h_prefix, self._run(ids_BS, offset=P, prefix_kvs=kvs, positions_BT=positions_BS, mask=mask)
 
     def _run(self, ids_BT: torch.Tensor, *, offset: int, kv_out: list | None = None,
-             prefix_kvs: list | None = None) -> torch.Tensor:
+             prefix_kvs: list | None = None, positions_BT: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
         T = ids_BT.shape[1]
-        freqs = torch.arange(offset, offset + T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        if positions_BT is None:
+            freqs = torch.arange(offset, offset + T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        else:
+            freqs = positions_BT.to(torch.float32)[..., None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos()[:, None], emb.sin()[:, None]
         x = self.model.embed_tokens(ids_BT)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, prefix_kvs[i] if prefix_kvs is not None else None, kv_out)
+            x = layer(x, cos, sin, prefix_kvs[i] if prefix_kvs is not None else None, kv_out, mask)
         return self.model.norm(x)
 
     @classmethod

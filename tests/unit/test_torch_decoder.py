@@ -73,3 +73,20 @@ def test_shared_prefix_equals_full_rows_values_and_gradients(tmp_path, arch):
     with pytest.raises(AssertionError):
         for a, b in zip(shared_grads(3.0 * 1.001), g_full, strict=True):
             assert_close_to_scale(a, b, rel=GRAD_REL)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_packed_rows_equal_each_sequence_alone(tmp_path, arch):
+    """Sequences packed into one row (``segments_BS``) see only the prefix and themselves, with
+    positions restarting after the prefix: their hidden states equal running each alone."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5, num_hidden_layers=2)
+    model = TorchDecoder.from_pretrained(path)
+    V = model.config["vocab_size"]
+    torch.manual_seed(1)
+    prefix, a, b, c = (torch.randint(0, V, (n,)) for n in (6, 4, 3, 5))
+    packed = torch.stack((torch.cat((a, b, torch.zeros(2, dtype=torch.long))), torch.cat((c, torch.zeros(4, dtype=torch.long)))))
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2], [3, 3, 3, 3, 3, 4, 4, 4, 4]])
+    _, h_packed = model.hidden_states_shared_prefix(prefix, packed, segments)
+    for row, lo, seq in ((0, 0, a), (0, 4, b), (1, 0, c)):
+        h_alone = model.hidden_states(torch.cat((prefix, seq))[None])[0, 6:]
+        assert_close_to_scale(h_packed[row, lo:lo + len(seq)], h_alone, rel=HIDDEN_REL)
