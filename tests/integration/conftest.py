@@ -2,7 +2,7 @@
 
 ``prepared``: the embedded default's artefacts (``configs/tiny.toml``: synthetic data, tokenizer, tiny Qwen2,
 warm start; ``asyncrl.runner.prepare``) made ONCE per test session into a temporary directory and shared, read
-only, by every test that starts a job of the default (``proc_helpers.run_tiny`` / ``TinyJob``). A test that
+only, by every test that starts a job of the default (``proc_helpers.run_job`` / ``TinyJob``). A test that
 writes into the artefacts asks for ``prepared_copy`` (its own copy; copying is ~0.1 s, preparing ~15 s). The
 shared directory is fingerprinted when made and checked at the end of the session: a test that wrote into it
 is reported there.

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,7 +121,7 @@ def tiny_cmd(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, torchrun_ar
             *tiny_overrides(prep, run_dir, *extra)]
 
 
-def run_tiny(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None,
+def run_job(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None,
              timeout_s: float = 300) -> subprocess.CompletedProcess:
     """A job of the embedded default run to its end (``extra``: overrides); its exit status and output."""
     return subprocess.run(tiny_cmd(prep, run_dir, *extra, nproc=nproc), cwd=REPO, env=env or tiny_env(),
@@ -138,14 +137,13 @@ class TinyJob:
     """A job of the embedded default started in the background (stdout+stderr into ``<run_dir>.out``), for tests
     that act on it while it runs. Waits are on conditions (a step in metrics.jsonl, a pid), never bare sleeps."""
 
-    def __init__(self, prep: Path, run_dir: Path, *extra: str, torchrun_args: tuple[str, ...] = (),
-                 preexec_fn: Callable[[], object] | None = None):
+    def __init__(self, prep: Path, run_dir: Path, *extra: str, torchrun_args: tuple[str, ...] = ()):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.out_path = run_dir.parent / f"{run_dir.name}.out"
         self._out = open(self.out_path, "w")  # noqa: SIM115 - closed in finish() / kill_all()
         self.proc = subprocess.Popen(tiny_cmd(prep, run_dir, *extra, torchrun_args=torchrun_args), cwd=REPO,
-                                     env=tiny_env(), stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
+                                     env=tiny_env(), stdout=self._out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")

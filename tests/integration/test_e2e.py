@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from proc_helpers import assert_nothing_left, read_metrics, run_tiny
+from proc_helpers import assert_nothing_left, read_metrics, run_job
 
 # Every metric the two seed documents name (RLinf's page and Miles' page), as logged per step.
 SEED_METRICS_ASYNC = [
@@ -85,9 +85,9 @@ def test_async_steps(prepared, tmp_path, pause_mode):
     """Also: Miles' dynamic-sampling filter (``rollout/dynamic_filter/drop_<reason>``) and custom rollout log
     hook (called every step with the step's trajectories; returning False keeps the default logging)."""
     run_dir = tmp_path / "run"
-    r = run_tiny(prepared, run_dir, "runner.max_steps=4", f'rollout.pause_mode="{pause_mode}"',
-                 'rollout_buffer.dynamic_sampling_filter_path="eval_helpers:drop_every_fifth"',
-                 'logging.custom_rollout_log_function_path="eval_helpers:log_rollout_data"')
+    r = run_job(prepared, run_dir, "runner.max_steps=4", f'rollout.pause_mode="{pause_mode}"',
+                'rollout_buffer.dynamic_sampling_filter_path="eval_helpers:drop_every_fifth"',
+                'logging.custom_rollout_log_function_path="eval_helpers:log_rollout_data"')
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
@@ -115,7 +115,7 @@ def test_async_steps(prepared, tmp_path, pause_mode):
 @pytest.mark.slow
 def test_sync_steps(prepared, tmp_path):
     run_dir = tmp_path / "run"
-    r = run_tiny(prepared, run_dir, "runner.max_steps=3", "runner.async_mode=false")
+    r = run_job(prepared, run_dir, "runner.max_steps=3", "runner.async_mode=false")
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3]
@@ -138,10 +138,10 @@ def test_sync_steps(prepared, tmp_path):
 @pytest.mark.slow
 def test_kill_and_resume(prepared, tmp_path):
     run_dir = tmp_path / "run"
-    r = run_tiny(prepared, run_dir, "runner.max_steps=2", "runner.checkpoint_interval=2")
+    r = run_job(prepared, run_dir, "runner.max_steps=2", "runner.checkpoint_interval=2")
     _assert_clean_exit(r, run_dir)
     assert (run_dir / "checkpoints" / "step_000002" / "complete").is_file()
-    r = run_tiny(prepared, run_dir, "runner.max_steps=4", "runner.checkpoint_interval=2", "runner.resume=true")
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "runner.checkpoint_interval=2", "runner.resume=true")
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
@@ -156,9 +156,9 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path):
     from eval_helpers import weights_checksum
 
     run_dir = tmp_path / "shared"  # 4 of the 34 held-out prompts a point: the points' plumbing, not the figures
-    r = run_tiny(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2", "runner.eval_before_after=true",
-                 "eval.max_samples=4",
-                 'logging.custom_eval_rollout_log_function_path="eval_helpers:log_eval_rollout_data"')
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2", "runner.eval_before_after=true",
+                "eval.max_samples=4",
+                'logging.custom_eval_rollout_log_function_path="eval_helpers:log_eval_rollout_data"')
     _assert_clean_exit(r, run_dir)
     assert_eval_points_measured_their_step(tb_scalars(run_dir), [2, 4])  # shared engines, interval 1: exact
     calls = [json.loads(ln) for ln in (run_dir / "hook_calls.jsonl").read_text().splitlines()]
@@ -181,9 +181,9 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path):
 
     hf_dir = tmp_path / "eval_hf"
     run_dir = tmp_path / "external"  # every step is an eval point: step 1 skipped (EvalSkip), step 3 crashes
-    r = run_tiny(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=1",
-                 'eval.eval_function_path="eval_helpers:SkippingChecksumEval"', f'eval.eval_hf_dir="{hf_dir}"',
-                 "eval.eval_keep_snapshots=1", "runner.save_at_end=true", "runner.save_hf=true")
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=1",
+                'eval.eval_function_path="eval_helpers:SkippingChecksumEval"', f'eval.eval_hf_dir="{hf_dir}"',
+                "eval.eval_keep_snapshots=1", "runner.save_at_end=true", "runner.save_hf=true")
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     steps = [x for x in recs if "time/step" in x]
@@ -215,10 +215,10 @@ def test_periodic_eval_on_a_dedicated_fleet(prepared, tmp_path):
     the step) and the held-out set is evaluated there, logged at its step with ``eval/lag_steps``."""
     run_dir = tmp_path / "fleet"
     hf_dir = tmp_path / "eval_hf"
-    r = run_tiny(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2", "eval.eval_num_gpus=1",
-                 f'eval.eval_hf_dir="{hf_dir}"', "eval.eval_keep_snapshots=1", "eval.max_samples=4",
-                 'cluster.component_placement={ actor = "0", "rollout,reward" = "1", eval = "2" }',
-                 "cluster.num_devices_per_node=3", nproc=3)
+    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2", "eval.eval_num_gpus=1",
+                f'eval.eval_hf_dir="{hf_dir}"', "eval.eval_keep_snapshots=1", "eval.max_samples=4",
+                'cluster.component_placement={ actor = "0", "rollout,reward" = "1", eval = "2" }',
+                "cluster.num_devices_per_node=3", nproc=3)
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     steps = [x for x in recs if "time/step" in x]

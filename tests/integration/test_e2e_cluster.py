@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from proc_helpers import TRAIN, assert_nothing_left, free_port, read_metrics, run_tiny, tiny_env, tiny_overrides
+from proc_helpers import TRAIN, assert_nothing_left, free_port, read_metrics, run_job, tiny_env, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,12 +26,12 @@ def test_leader_phase_longer_than_the_collective_timeout_completes(prepared, tmp
     collective. Before: rank 1 waited in a broadcast with ``cluster.store_timeout_s`` as its deadline and
     the job failed. The before/after eval (``eval.max_samples`` prompts) lands in metrics.jsonl and TensorBoard."""
     run_dir = tmp_path / "run"
-    r = run_tiny(prepared, run_dir,
-                 'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }', "cluster.num_devices_per_node=3",
-                 "cluster.actor_collective_timeout_s=6", "runner.max_steps=2", "runner.async_mode=false",
-                 "runner.eval_before_after=true", "eval.max_samples=6",
-                 'rollout_buffer.sample_filter_path="slow_filter:slow_first_batch"',
-                 nproc=3, env=tiny_env(ASYNCRL_TEST_SLOW_FILTER_S="10"), timeout_s=600)
+    r = run_job(prepared, run_dir,
+                'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }', "cluster.num_devices_per_node=3",
+                "cluster.actor_collective_timeout_s=6", "runner.max_steps=2", "runner.async_mode=false",
+                "runner.eval_before_after=true", "eval.max_samples=6",
+                'rollout_buffer.sample_filter_path="slow_filter:slow_first_batch"',
+                nproc=3, env=tiny_env(ASYNCRL_TEST_SLOW_FILTER_S="10"), timeout_s=600)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
     assert_nothing_left(run_dir, within_s=10)
     recs = read_metrics(run_dir)
@@ -128,8 +128,8 @@ def test_unreachable_tool_url_fails_the_start_naming_url_and_role(prepared, tmp_
     run_dir = tmp_path / "run"
     url = f"http://127.0.0.1:{free_port()}/retrieve"
     # runner.eval_before_after at tiny.toml's value (true): actor rank 0's eval checks the URL too
-    r = run_tiny(prepared, run_dir, 'agentloop.tool.retriever="http"', f'agentloop.tool.retriever_url="{url}"',
-                 "runner.max_steps=2", "runner.eval_before_after=true")
+    r = run_job(prepared, run_dir, 'agentloop.tool.retriever="http"', f'agentloop.tool.retriever_url="{url}"',
+                "runner.max_steps=2", "runner.eval_before_after=true")
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert f"rollout rank 1 (engine 0): agentloop.tool.retriever_url {url} does not answer" in out, out[-4000:]
