@@ -3,13 +3,14 @@
 ``prepared``: the embedded default's artefacts (``configs/tiny.toml``: synthetic data, tokenizer, tiny Qwen2,
 warm start; ``asyncrl.runner.prepare``) made ONCE per test session into a temporary directory and shared, read
 only, by every test that starts a job of the default (``proc_helpers.run_job`` / ``TinyJob``). A test that
-writes into the artefacts asks for ``prepared_copy`` (its own copy; copying is ~0.1 s, preparing ~15 s). The
-shared directory is fingerprinted when made and checked at the end of the session: a test that wrote into it
+writes into the artefacts asks for ``prepared_copy`` (its own copy of the 9 MB; preparing takes ~8 CPU-seconds).
+The shared directory is fingerprinted when made and checked at the end of the session: a test that wrote into it
 is reported there.
 
 The tests that use it check plumbing, supervision and accounting, not learning, so the warm start is
-``PREPARE_OVERRIDES``' two small steps (it runs the same code as the default's 1200; loss stays ~ln(vocab)).
-The tests that check learning train their own models (test_actor_learning.py, ...).
+``PREPARE_OVERRIDES``' two small steps (the same code as the default's 1200 steps). Measured: the jobs behave
+as with the 10-step warm start these modules each made before (~33 CPU-seconds each): rewards 0, 3 turns and
+~68 generated tokens a trajectory, no tool call. test_actor_learning.py checks learning on its own model.
 """
 
 from __future__ import annotations
