@@ -1,15 +1,24 @@
-"""Shared helpers of the integration tests: free ports, torchrun jobs, leftover-process checks, and the float
-tolerances of the parity tests (which must hold on any x86: kernels, thread counts and reduction orders differ)."""
+"""Shared helpers of the integration tests: free ports, torchrun jobs (scripts, and jobs of the embedded default
+``configs/tiny.toml`` on the session's ``prepared`` artefacts, see conftest.py), leftover-process checks, and the
+float tolerances of the parity tests (which must hold on any x86: kernels, thread counts and reduction orders
+differ)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+TRAIN = REPO / "launch" / "train.py"
 
 # float32 parity, relative to max(1, max|reference|): log-probs of a 1000-token vocabulary reach ~10 and entropies
 # ~7, so one rounding step (eps 1.2e-7) there is ~1e-6 absolute; measured worst 1.4e-7 of the scale.
@@ -76,3 +85,146 @@ def descendants(root: int) -> list[int]:
         out += kids
         frontier = kids
     return out
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def cmdline(pid: int) -> str:
+    """``pid``'s command line, space-joined ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def assert_nothing_left(run_dir: Path, *, within_s: float) -> None:
+    """No process whose command line names ``run_dir`` is left after ``within_s`` (a failure bound: polled)."""
+    deadline = time.monotonic() + within_s
+    while pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids_mentioning(str(run_dir)) == [], "processes of the run are left"
+
+
+# ------------------------------------------------------------ jobs of the embedded default (configs/tiny.toml)
+
+
+def tiny_overrides(prep: Path, run_dir: Path, *extra: str) -> list[str]:
+    """``configs/tiny.toml`` overrides of a test job: the prepared artefacts under ``prep`` (conftest's
+    ``prepared``), ``run_dir``, a free broker port, 4 prompts x 2 samples a step, no before/after eval;
+    then ``extra`` (a later override of the same key wins)."""
+    return [f'prepare.dir="{prep}"', f'actor.model_path="{prep}/model_sft"',
+            f'data.train_path="{prep}/data/train.jsonl"', f'data.test_path="{prep}/data/test.jsonl"',
+            f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
+            f"rollout.port={free_port()}", "data.rollout_batch_size=4", "algorithm.group_size=2",
+            "runner.eval_before_after=false", *extra]
+
+
+def tiny_env(**extra: str) -> dict[str, str]:
+    """The job's environment: no inherited torchrun rendezvous variables, this folder (the test plug-ins:
+    eval_helpers, nan_rewards, slow_filter) and the repo on PYTHONPATH, one OpenMP thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def tiny_cmd(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    """``torchrun --nproc_per_node N --master_port <free> [torchrun_args] launch/train.py configs/tiny.toml ...``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), *torchrun_args, str(TRAIN), "configs/tiny.toml",
+            *tiny_overrides(prep, run_dir, *extra)]
+
+
+def run_job(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None,
+             timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """A job of the embedded default run to its end (``extra``: overrides); its exit status and output."""
+    return subprocess.run(tiny_cmd(prep, run_dir, *extra, nproc=nproc), cwd=REPO, env=env or tiny_env(),
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a finished run."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+class TinyJob:
+    """A job of the embedded default started in the background (stdout+stderr into ``<run_dir>.out``), for tests
+    that act on it while it runs. Waits are on conditions (a step in metrics.jsonl, a pid), never bare sleeps."""
+
+    def __init__(self, prep: Path, run_dir: Path, *extra: str, torchrun_args: tuple[str, ...] = ()):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path = run_dir.parent / f"{run_dir.name}.out"
+        self._out = open(self.out_path, "w")  # noqa: SIM115 - closed in finish() / kill_all()
+        self.proc = subprocess.Popen(tiny_cmd(prep, run_dir, *extra, torchrun_args=torchrun_args), cwd=REPO,
+                                     env=tiny_env(), stdout=self._out, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def records(self) -> list[dict]:
+        """metrics.jsonl so far (a line being written is left out)."""
+        p = self.run_dir / "metrics.jsonl"
+        if not p.is_file():
+            return []
+        out = []
+        for line in p.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                pass
+        return out
+
+    def wait_for(self, what: str, pred, timeout_s: float = 120.0):
+        """``pred()``'s first truthy value; fails the test if the job exits or ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = pred()
+            if got:
+                return got
+            if self.proc.poll() is not None:
+                pytest.fail(f"job exited ({self.proc.returncode}) while waiting for {what}:\n{self.output()[-6000:]}")
+            time.sleep(0.1)
+        pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}:\n{self.output()[-6000:]}")
+
+    def wait_step(self, step: int, timeout_s: float = 120.0) -> dict:
+        return self.wait_for(f"step {step} in metrics.jsonl",
+                             lambda: next((r for r in self.records() if r.get("step", 0) >= step), None), timeout_s)
+
+    def engine_pid(self) -> int | None:
+        """The CPU engine: the child of one of this job's ranks."""
+        ranks = set(pids_mentioning(str(self.run_dir)))
+        pids = [p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if _ppid(p) in ranks]
+        return pids[0] if len(pids) == 1 else None
+
+    def engine_port(self) -> int:
+        argv = cmdline(self.engine_pid() or 0).split()
+        return int(argv[argv.index("--port") + 1])
+
+    def finish(self, timeout_s: float = 300.0) -> int:
+        """The job's exit status (``subprocess.TimeoutExpired`` if it runs past ``timeout_s``)."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self._out.close()
+
+    def kill_all(self) -> None:
+        """Teardown of a failed test: SIGKILL torchrun and whatever of the job it left."""
+        for pid in [self.proc.pid, *self.leftovers()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+        self._out.close()
+
+    def leftovers(self) -> list[int]:
+        """The job's processes: torchrun, ranks and broker name the run directory; engines are children of ranks."""
+        mine = set(pids_mentioning(str(self.run_dir)))
+        return sorted(mine | {p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if _ppid(p) in mine})

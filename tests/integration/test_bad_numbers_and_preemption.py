@@ -14,21 +14,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from proc_helpers import descendants, free_port
-from test_e2e import prepared, read_metrics, run_job  # noqa: F401  (prepared is a fixture)
+from proc_helpers import REPO, descendants, read_metrics, run_job, tiny_cmd, tiny_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
 @pytest.mark.slow
-def test_nonfinite_rewards_stop_the_run(prepared, tmp_path, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def test_nonfinite_rewards_stop_the_run(prepared, tmp_path):
     run_dir = tmp_path / "run"
     r = run_job(prepared, run_dir, "runner.max_steps=8", "runner.max_nonfinite_steps=2",
                 'rollout_buffer.sample_filter_path="nan_rewards:nan_from_second_batch"')
@@ -42,17 +39,10 @@ def test_nonfinite_rewards_stop_the_run(prepared, tmp_path, monkeypatch):  # noq
 
 
 def _start(prep: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "launch/train.py"), "configs/tiny.toml",
-           f'prepare.dir="{prep}"', f'actor.model_path="{prep}/model_sft"',
-           f'data.train_path="{prep}/data/train.jsonl"', f'data.test_path="{prep}/data/test.jsonl"',
-           f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
-           f"rollout.port={free_port()}", "data.rollout_batch_size=4", "algorithm.group_size=2",
-           "runner.eval_before_after=false", *extra]
     # torchrun itself would die of SIGUSR1: it is started ignoring it (``trap '' USR1; exec torchrun ...`` in a
     # Slurm script); the ranks inherit that, and the actor ranks' step loop handles it
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(tiny_cmd(prep, run_dir, *extra), cwd=REPO, env=tiny_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
 
 
@@ -68,7 +58,7 @@ TORCHRUN_SHUTDOWN_TIMEOUT_S = 30
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
-def test_preemption_signal_checkpoints_the_last_step_and_the_run_resumes_from_it(prepared, tmp_path, sig):  # noqa: F811
+def test_preemption_signal_checkpoints_the_last_step_and_the_run_resumes_from_it(prepared, tmp_path, sig):
     """``sig`` to every process of the job mid-run, torchrun included, as Slurm sends its ``--signal=USR1@...``
     notice or, at the time limit or on ``scancel``, SIGTERM: the job writes a complete checkpoint of its last
     trained step (no checkpoint interval set; with the broker's buffered groups) and exits non-zero, the actor rank
@@ -123,7 +113,7 @@ def test_preemption_signal_checkpoints_the_last_step_and_the_run_resumes_from_it
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_step_checkpoints_that_step_without_its_sync(prepared, tmp_path, monkeypatch):  # noqa: F811
+def test_sigterm_during_a_step_checkpoints_that_step_without_its_sync(prepared, tmp_path, monkeypatch):
     """SIGTERM reaches actor rank 0 (and, through torchrun, every rank) after it took step 3's batch: the step is
     trained and logged, its weight sync is skipped (the engines are stopping), its checkpoint written; the resumed
     run brings the engines to those weights and goes on with every step once."""

@@ -14,48 +14,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from proc_helpers import free_port, pids_mentioning
+from proc_helpers import TRAIN, assert_nothing_left, free_port, read_metrics, run_job, tiny_env, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """The embedded default's artefacts, with a short warm start (plumbing, not learning)."""
-    from asyncrl.config import load_config
-    from asyncrl.runner.prepare import prepare_if_needed
-
-    d = tmp_path_factory.mktemp("tiny")
-    cfg = load_config(ROOT / "configs/tiny.toml", [f'prepare.dir="{d}"', "prepare.sft_steps=10",
-                                                    "prepare.num_entities=60"])
-    prepare_if_needed(cfg)
-    return d
-
-
-def _overrides(prep: Path, run_dir: Path) -> list[str]:
-    return [f'prepare.dir="{prep}"', f'actor.model_path="{prep}/model_sft"',
-            f'data.train_path="{prep}/data/train.jsonl"', f'data.test_path="{prep}/data/test.jsonl"',
-            f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
-            f"rollout.port={free_port()}", "data.rollout_batch_size=4", "algorithm.group_size=2"]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _assert_nothing_left(run_dir: Path) -> None:
-    deadline = time.monotonic() + 10
-    while pids_mentioning(str(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert pids_mentioning(str(run_dir)) == [], "processes of the run are left"
 
 
 @pytest.mark.slow
@@ -65,18 +26,15 @@ def test_leader_phase_longer_than_the_collective_timeout_completes(prepared, tmp
     collective. Before: rank 1 waited in a broadcast with ``cluster.store_timeout_s`` as its deadline and
     the job failed. The before/after eval (``eval.max_samples`` prompts) lands in metrics.jsonl and TensorBoard."""
     run_dir = tmp_path / "run"
-    env = _env()
-    env["ASYNCRL_TEST_SLOW_FILTER_S"] = "10"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
-           str(ROOT / "launch/train.py"), "configs/tiny.toml", *_overrides(prepared, run_dir),
-           'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }', "cluster.num_devices_per_node=3",
-           "cluster.actor_collective_timeout_s=6", "runner.max_steps=2", "runner.async_mode=false",
-           "runner.eval_before_after=true", "eval.max_samples=6",
-           'rollout_buffer.sample_filter_path="slow_filter:slow_first_batch"']
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = run_job(prepared, run_dir,
+                'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }', "cluster.num_devices_per_node=3",
+                "cluster.actor_collective_timeout_s=6", "runner.max_steps=2", "runner.async_mode=false",
+                "runner.eval_before_after=true", "eval.max_samples=6",
+                'rollout_buffer.sample_filter_path="slow_filter:slow_first_batch"',
+                nproc=3, env=tiny_env(ASYNCRL_TEST_SLOW_FILTER_S="10"), timeout_s=600)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
-    _assert_nothing_left(run_dir)
-    recs = _read_metrics(run_dir)
+    assert_nothing_left(run_dir, within_s=10)
+    recs = read_metrics(run_dir)
     steps = [x for x in recs if "time/step" in x]
     assert [x["step"] for x in steps] == [1, 2]
     assert steps[0]["time/step"] > 10  # the leader's phase did outlast the collective timeout
@@ -97,14 +55,14 @@ def test_leader_phase_longer_than_the_collective_timeout_completes(prepared, tmp
 def _agent(node_args: list[str], endpoint: str, rdzv_id: str, args: list[str], env: dict, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--max-restarts", "0",
-           *node_args, str(ROOT / "launch/train.py"), "configs/tiny.toml", *args]
+           *node_args, str(TRAIN), "configs/tiny.toml", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
 def _run_two_nodes(args: list[str], tmp: Path, name: str, timeout_s: float) -> list[str]:
     """Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1); both must exit 0. Their outputs."""
-    endpoint, rdzv_id, env = f"127.0.0.1:{free_port()}", f"asyncrl-{uuid.uuid4().hex[:8]}", _env()
+    endpoint, rdzv_id, env = f"127.0.0.1:{free_port()}", f"asyncrl-{uuid.uuid4().hex[:8]}", tiny_env()
     logs = [tmp / f"{name}-agent{i}.log" for i in range(2)]
     agents = [_agent([], endpoint, rdzv_id, args, env, logs[i]) for i in range(2)]
     deadline = time.monotonic() + timeout_s
@@ -127,14 +85,14 @@ def test_two_nodes_on_one_host_train_and_exit_clean(prepared, tmp_path):
     """``searchr1.toml``'s shape at the embedded default's size: node 0 = the actor (+ broker), node 1 = the
     rollout (CPU engine + agent worker); the broker's address reaches node 1, every process exits."""
     run_dir = tmp_path / "run"
-    args = [*_overrides(prepared, run_dir), "cluster.num_nodes=2", "cluster.num_devices_per_node=1",
-            "runner.max_steps=3", "runner.eval_before_after=false"]
+    args = tiny_overrides(prepared, run_dir, "cluster.num_nodes=2", "cluster.num_devices_per_node=1",
+                          "runner.max_steps=3", "runner.eval_before_after=false")
     outs = _run_two_nodes([*args, "--dry-run"], tmp_path, "dry", timeout_s=180)
     plans = "\n".join(outs)
     assert "# this node: node 0, 1 ranks, roles actor" in plans and "# this node: node 1, 1 ranks, roles rollout" in plans
     outs = _run_two_nodes(args, tmp_path, "run", timeout_s=480)
-    _assert_nothing_left(run_dir)
-    recs = _read_metrics(run_dir)
+    assert_nothing_left(run_dir, within_s=10)
+    recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3]
     assert recs[-1]["actor/weight_version"] == 3 and all(x["reward/mean"] >= 0 for x in recs)
     last = recs[-1]
@@ -169,12 +127,11 @@ def test_unreachable_tool_url_fails_the_start_naming_url_and_role(prepared, tmp_
     step, naming the URL and the rank (before: the trajectories aborted one by one, and the evals read 0)."""
     run_dir = tmp_path / "run"
     url = f"http://127.0.0.1:{free_port()}/retrieve"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "launch/train.py"), "configs/tiny.toml", *_overrides(prepared, run_dir),
-           'agentloop.tool.retriever="http"', f'agentloop.tool.retriever_url="{url}"', "runner.max_steps=2"]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    # runner.eval_before_after at tiny.toml's value (true): actor rank 0's eval checks the URL too
+    r = run_job(prepared, run_dir, 'agentloop.tool.retriever="http"', f'agentloop.tool.retriever_url="{url}"',
+                "runner.max_steps=2", "runner.eval_before_after=true")
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert f"rollout rank 1 (engine 0): agentloop.tool.retriever_url {url} does not answer" in out, out[-4000:]
-    _assert_nothing_left(run_dir)
-    assert not (run_dir / "metrics.jsonl").exists() or not _read_metrics(run_dir)
+    assert_nothing_left(run_dir, within_s=10)
+    assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)
