@@ -62,8 +62,10 @@ class KnowledgeBase:
 
 
 def _word(rng: random.Random, syllables: int, suffix: str = "") -> str:
-    parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) + (rng.choice(_CODAS) if i == syllables - 1 and not suffix else "")
-             for i in range(syllables)]
+    parts = [
+        rng.choice(_ONSETS) + rng.choice(_VOWELS) + (rng.choice(_CODAS) if i == syllables - 1 and not suffix else "")
+        for i in range(syllables)
+    ]
     return ("".join(parts) + suffix).capitalize()
 
 
@@ -76,8 +78,9 @@ def _unique(rng: random.Random, used: set[str], make: Callable[[], str]) -> str:
     raise RuntimeError("name space exhausted: lower the number of entities")
 
 
-def make_knowledge_base(*, seed: int, num_countries: int = 200, num_test_countries: int = 20,
-                        people_per_country: int = 2) -> KnowledgeBase:
+def make_knowledge_base(
+    *, seed: int, num_countries: int = 200, num_test_countries: int = 20, people_per_country: int = 2
+) -> KnowledgeBase:
     """Countries (capital, currency, leader) and people (country of birth), all names made up."""
     rng = random.Random(seed)
     used: set[str] = set()
@@ -116,19 +119,40 @@ def make_questions(kb: KnowledgeBase, *, seed: int, two_hop_fraction: float = 0.
     by_name = {c.name: c for c in kb.countries}
     out = []
     for c in kb.countries:
-        out.append(_q(f"What is the capital of {c.name}?", c.capital, c.name, "synth_1hop",
-                      [(f"capital of {c.name}", c.capital)]))
-        out.append(_q(f"What is the currency of {c.name}?", c.currency, c.name, "synth_1hop",
-                      [(f"currency of {c.name}", c.currency)]))
-        out.append(_q(f"Who is the leader of {c.name}?", c.leader, c.name, "synth_1hop",
-                      [(f"leader of {c.name}", c.leader)]))
+        out.append(
+            _q(
+                f"What is the capital of {c.name}?",
+                c.capital,
+                c.name,
+                "synth_1hop",
+                [(f"capital of {c.name}", c.capital)],
+            )
+        )
+        out.append(
+            _q(
+                f"What is the currency of {c.name}?",
+                c.currency,
+                c.name,
+                "synth_1hop",
+                [(f"currency of {c.name}", c.currency)],
+            )
+        )
+        out.append(
+            _q(f"Who is the leader of {c.name}?", c.leader, c.name, "synth_1hop", [(f"leader of {c.name}", c.leader)])
+        )
     two_hop = []
     for person, country in kb.births.items():
-        out.append(_q(f"Where was {person} born?", country, country, "synth_1hop",
-                      [(f"{person} born", country)]))
+        out.append(_q(f"Where was {person} born?", country, country, "synth_1hop", [(f"{person} born", country)]))
         cap = by_name[country].capital
-        two_hop.append(_q(f"What is the capital of the country where {person} was born?", cap, country,
-                          "synth_2hop", [(f"{person} born", country), (f"capital of {country}", cap)]))
+        two_hop.append(
+            _q(
+                f"What is the capital of the country where {person} was born?",
+                cap,
+                country,
+                "synth_2hop",
+                [(f"{person} born", country), (f"capital of {country}", cap)],
+            )
+        )
     num_two_hop = round(two_hop_fraction / max(1e-9, 1 - two_hop_fraction) * len(out))
     out.extend(rng.sample(two_hop, min(num_two_hop, len(two_hop))))
     rng.shuffle(out)
@@ -136,8 +160,13 @@ def make_questions(kb: KnowledgeBase, *, seed: int, two_hop_fraction: float = 0.
 
 
 def _q(question: str, answer: str, key_country: str, source: str, hops: list[tuple[str, str]]) -> dict:
-    return {"question": question, "answers": [answer], "key_country": key_country, "data_source": source,
-            "hops": [{"query": q, "answer": a} for q, a in hops]}
+    return {
+        "question": question,
+        "answers": [answer],
+        "key_country": key_country,
+        "data_source": source,
+        "hops": [{"query": q, "answer": a} for q, a in hops],
+    }
 
 
 def to_search_r1_row(q: dict, *, split: str, index: int) -> dict:
@@ -170,9 +199,18 @@ SearchFn = Callable[[list[str], int], list[list[dict]]]
 """``(queries, topk) -> docs per query`` (e.g. ``lambda q, k: bm25.search(q, k)[0]``)."""
 
 
-def make_sft_demos(rows: Sequence[dict], search: SearchFn, *, num_demos: int, seed: int, topk: int = 3,
-                   correct_fraction: float = 0.6, wrong_copy_fraction: float = 0.2,
-                   chat_template: bool = False, tokenizer: Any = None) -> list[dict]:
+def make_sft_demos(
+    rows: Sequence[dict],
+    search: SearchFn,
+    *,
+    num_demos: int,
+    seed: int,
+    topk: int = 3,
+    correct_fraction: float = 0.6,
+    wrong_copy_fraction: float = 0.2,
+    chat_template: bool = False,
+    tokenizer: Any = None,
+) -> list[dict]:
     """Demonstration trajectories over ``rows`` (Search-R1 rows with ``extra_info.hops``).
 
     Kinds: ``correct`` (search each hop's query, copy the answer), ``wrong_copy`` (search, then
@@ -190,7 +228,13 @@ def make_sft_demos(rows: Sequence[dict], search: SearchFn, *, num_demos: int, se
     for _ in range(num_demos):
         row = rows[rng.randrange(len(rows))]
         u = rng.random()
-        kind = "correct" if u < correct_fraction else "wrong_copy" if u < correct_fraction + wrong_copy_fraction else "guess"
+        kind = (
+            "correct"
+            if u < correct_fraction
+            else "wrong_copy"
+            if u < correct_fraction + wrong_copy_fraction
+            else "guess"
+        )
         hops = row["extra_info"]["hops"]
         answers = list(row["golden_answers"])
         segments: list[dict] = []
@@ -206,14 +250,16 @@ def make_sft_demos(rows: Sequence[dict], search: SearchFn, *, num_demos: int, se
             final = _wrong_answer(rng, answers, answer_pool)
         segments.append({"text": f"<answer> {final} </answer>", "generated": True})
         generated = "".join(s["text"] for s in segments if s["generated"])
-        demos.append({
-            "kind": kind,
-            "question": row["question"],
-            "answers": answers,
-            "prompt": searchr1.build_prompt(row["question"], chat_template=chat_template, tokenizer=tokenizer),
-            "segments": segments,
-            "reward": searchr1.compute_reward(generated, answers),
-        })
+        demos.append(
+            {
+                "kind": kind,
+                "question": row["question"],
+                "answers": answers,
+                "prompt": searchr1.build_prompt(row["question"], chat_template=chat_template, tokenizer=tokenizer),
+                "segments": segments,
+                "reward": searchr1.compute_reward(generated, answers),
+            }
+        )
     return demos
 
 
@@ -229,9 +275,16 @@ def _wrong_answer(rng: random.Random, answers: list[str], pool: list[str]) -> st
 # ---------------------------------------------------------------- files
 
 
-def write_dataset(out_dir: str | Path, *, seed: int, num_countries: int = 200, num_test: int = 100,
-                  num_test_countries: int | None = None, two_hop_fraction: float = 0.2,
-                  num_tokenizer_demos: int = 200) -> dict[str, Path]:
+def write_dataset(
+    out_dir: str | Path,
+    *,
+    seed: int,
+    num_countries: int = 200,
+    num_test: int = 100,
+    num_test_countries: int | None = None,
+    two_hop_fraction: float = 0.2,
+    num_tokenizer_demos: int = 200,
+) -> dict[str, Path]:
     """Write the corpus, the train/test splits (JSONL and parquet) and the tokenizer text."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -287,8 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-test", type=int, default=100, help="at most this many test questions")
     ap.add_argument("--two-hop-fraction", type=float, default=0.2)
     args = ap.parse_args(argv)
-    paths = write_dataset(args.out, seed=args.seed, num_countries=args.num_countries, num_test=args.num_test,
-                          two_hop_fraction=args.two_hop_fraction)
+    paths = write_dataset(
+        args.out,
+        seed=args.seed,
+        num_countries=args.num_countries,
+        num_test=args.num_test,
+        two_hop_fraction=args.two_hop_fraction,
+    )
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
 

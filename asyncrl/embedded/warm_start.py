@@ -53,9 +53,15 @@ def build_demo_examples(cfg, *, data_dir: Path, tokenizer, num_demos: int) -> li
                 cache[(q, k)] = docs
         return [cache[(q, k)] for q in queries]
 
-    demos = make_sft_demos(rows, search, num_demos=num_demos, seed=cfg.prepare.seed + 1,
-                           topk=topk, correct_fraction=cfg.prepare.sft_correct_fraction,
-                           wrong_copy_fraction=cfg.prepare.sft_wrong_copy_fraction)
+    demos = make_sft_demos(
+        rows,
+        search,
+        num_demos=num_demos,
+        seed=cfg.prepare.seed + 1,
+        topk=topk,
+        correct_fraction=cfg.prepare.sft_correct_fraction,
+        wrong_copy_fraction=cfg.prepare.sft_wrong_copy_fraction,
+    )
     encoded: dict[str, list[int]] = {}  # prompts, queries and retrieved blocks repeat across demos
 
     def encode(text: str) -> list[int]:
@@ -88,7 +94,7 @@ reference the packing is compared with."""
 def _length_grouped_batches(examples: list, batch_size: int, rng: random.Random) -> list[list]:
     n = min(batch_size, len(examples))
     draw = sorted(rng.sample(examples, min(LENGTH_GROUPS * n, len(examples))), key=lambda e: len(e[0]))
-    batches = [draw[i:i + n] for i in range(0, len(draw) - n + 1, n)]
+    batches = [draw[i : i + n] for i in range(0, len(draw) - n + 1, n)]
     rng.shuffle(batches)
     return batches
 
@@ -104,8 +110,9 @@ def _common_prefix_len(seqs: list[list[int]]) -> int:
     return n
 
 
-def _pad_rows(batch: list[tuple[list[int], list[int]]], P: int, pad: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pad_rows(
+    batch: list[tuple[list[int], list[int]]], P: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The batch's tokens after the shared prefix of length ``P``, right-padded: ``(ids, generated, valid)``
     ``[B, S]``."""
     B, S = len(batch), max(len(ids) for ids, _ in batch) - P
@@ -139,8 +146,9 @@ def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def _pack_rows(batch: list[tuple[list[int], list[int]]], P: int, pad: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pack_rows(
+    batch: list[tuple[list[int], list[int]]], P: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The batch's tokens after the shared prefix of length ``P``, packed first-fit (longest first)
     into rows (of the ``PACK_WIDTHS`` width that computes the fewest tokens) and right-padded:
     ``(ids, generated, valid, segments)`` ``[R, S]``, ``segments`` numbering the sequences (and each
@@ -161,18 +169,19 @@ def _pack_rows(batch: list[tuple[list[int], list[int]]], P: int, pad: int
         for b in members:
             ids, mask = batch[b]
             n = len(ids) - P
-            ids_RS[r, at:at + n] = torch.tensor(ids[P:])
-            gen_RS[r, at:at + n] = torch.tensor(mask[P:], dtype=torch.bool)
-            valid_RS[r, at:at + n] = True
-            seg_RS[r, at:at + n] = seg
+            ids_RS[r, at : at + n] = torch.tensor(ids[P:])
+            gen_RS[r, at : at + n] = torch.tensor(mask[P:], dtype=torch.bool)
+            valid_RS[r, at : at + n] = True
+            seg_RS[r, at : at + n] = seg
             seg, at = seg + 1, at + n
         seg_RS[r, at:] = seg  # the row's padding: a run of its own
         seg += 1
     return ids_RS, gen_RS, valid_RS, seg_RS
 
 
-def _weighted_nll(model, pred_BSH, rows_BS, gen_BS, valid_BS, pred_prefix_PH, prefix_targets_P, *, rows: int,
-                  context_weight: float):
+def _weighted_nll(
+    model, pred_BSH, rows_BS, gen_BS, valid_BS, pred_prefix_PH, prefix_targets_P, *, rows: int, context_weight: float
+):
     """Next-token loss: generated tokens weigh 1, prompt/tool tokens ``context_weight`` (the shared
     prefix's terms times ``rows``), normalised by the total weight; generated tokens only when
     ``context_weight`` is 0 (the LM head then skips every other position)."""
@@ -209,8 +218,13 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     prefix = torch.tensor(examples[0][0][:P], dtype=torch.long)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(p.num_threads or len(os.sched_getaffinity(0)))
-    log.info("prepare: warm start of %d steps on %d demos (shared prefix %d tokens, %d threads)",
-             p.sft_steps, len(examples), P, torch.get_num_threads())
+    log.info(
+        "prepare: warm start of %d steps on %d demos (shared prefix %d tokens, %d threads)",
+        p.sft_steps,
+        len(examples),
+        P,
+        torch.get_num_threads(),
+    )
     t0 = time.time()
     try:
         batches: list[list[tuple[list[int], list[int]]]] = []
@@ -230,20 +244,37 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
             starts_BS = torch.ones_like(seg_BS, dtype=torch.bool)
             starts_BS[:, 1:] = seg_BS[:, 1:] != seg_BS[:, :-1]
             pred_BSH = torch.where(starts_BS[..., None], h_prefix[:, -1:], pred_BSH)
-            loss = _weighted_nll(model, pred_BSH, rows_BS, gen_BS, valid_BS, h_prefix[0, :-1], prefix[1:],
-                                 rows=B, context_weight=p.sft_context_loss_weight)
+            loss = _weighted_nll(
+                model,
+                pred_BSH,
+                rows_BS,
+                gen_BS,
+                valid_BS,
+                h_prefix[0, :-1],
+                prefix[1:],
+                rows=B,
+                context_weight=p.sft_context_loss_weight,
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(loss.item())
             if step % 50 == 0 or step == p.sft_steps - 1:
-                log.info("prepare: warm start step %d/%d loss %.3f (%.2f s/step)", step + 1, p.sft_steps,
-                         loss.item(), (time.time() - t0) / (step + 1))
+                log.info(
+                    "prepare: warm start step %d/%d loss %.3f (%.2f s/step)",
+                    step + 1,
+                    p.sft_steps,
+                    loss.item(),
+                    (time.time() - t0) / (step + 1),
+                )
     finally:
         torch.set_num_threads(threads_before)
     model.save_pretrained(out_dir, copy_from=base_dir)
-    stats = {"steps": p.sft_steps, "first_loss": losses[0] if losses else None,
-             "last_loss": sum(losses[-10:]) / max(1, len(losses[-10:])) if losses else None}
+    stats = {
+        "steps": p.sft_steps,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": sum(losses[-10:]) / max(1, len(losses[-10:])) if losses else None,
+    }
     (out_dir / "warm_start.json").write_text(json.dumps(stats) + "\n")
     return stats

@@ -146,9 +146,9 @@ class TorchDecoder(nn.Module):
         """Final-norm hidden states ``[B, T, H]``."""
         return self._run(ids_BT, offset=0)
 
-    def hidden_states_shared_prefix(self, prefix_P: torch.Tensor, ids_BS: torch.Tensor,
-                                    segments_BS: torch.Tensor | None = None
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_states_shared_prefix(
+        self, prefix_P: torch.Tensor, ids_BS: torch.Tensor, segments_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of rows ``prefix + ids_BS[b]`` with the common prefix computed once:
         ``([1, P, H] of the prefix, [B, S, H] of the rows' own tokens)``. Equal to
         ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once.
@@ -175,9 +175,16 @@ class TorchDecoder(nn.Module):
         mask = torch.cat((torch.ones(B, S, P, dtype=torch.bool), own_BSS), dim=2)[:, None]
         return h_prefix, self._run(ids_BS, offset=P, prefix_kvs=kvs, positions_BT=positions_BS, mask=mask)
 
-    def _run(self, ids_BT: torch.Tensor, *, offset: int, kv_out: list | None = None,
-             prefix_kvs: list | None = None, positions_BT: torch.Tensor | None = None,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(
+        self,
+        ids_BT: torch.Tensor,
+        *,
+        offset: int,
+        kv_out: list | None = None,
+        prefix_kvs: list | None = None,
+        positions_BT: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         T = ids_BT.shape[1]
         if positions_BT is None:
             freqs = torch.arange(offset, offset + T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
@@ -201,8 +208,9 @@ class TorchDecoder(nn.Module):
             state.pop("lm_head.weight", None)
         missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{root}: checkpoint does not match config.json (missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]})")
+            raise ValueError(
+                f"{root}: checkpoint does not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
         return model
 
     def save_pretrained(self, out: str | Path, *, copy_from: str | Path) -> Path:

@@ -48,9 +48,16 @@ def prepare_if_needed(cfg) -> dict[str, Path]:
         log.info("prepare: synthetic data in %s (%.1fs)", data, time.time() - t0)
     if not _done(base):
         t0 = time.time()
-        make_tiny_checkpoint(base, arch="qwen2", corpus_path=data / "tokenizer_text.txt", seed=p.seed,
-                             vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_layers,
-                             intermediate_size=p.hidden_size * 11 // 4)
+        make_tiny_checkpoint(
+            base,
+            arch="qwen2",
+            corpus_path=data / "tokenizer_text.txt",
+            seed=p.seed,
+            vocab_size=p.vocab_size,
+            hidden_size=p.hidden_size,
+            num_hidden_layers=p.num_layers,
+            intermediate_size=p.hidden_size * 11 // 4,
+        )
         _mark(base)
         log.info("prepare: tiny Qwen2 checkpoint in %s (%.1fs)", base, time.time() - t0)
     if not _done(sft):

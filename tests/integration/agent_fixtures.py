@@ -51,9 +51,17 @@ def make_scripted_model(root: Path, *, seed: int = 0, topk: int = 2) -> Scripted
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     data = write_dataset(root / "data", seed=seed, num_countries=40, num_test=20, num_tokenizer_demos=40)
-    path = make_tiny_checkpoint(root / "model", corpus_path=data["tokenizer_text"], hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=1, vocab_size=600, seed=seed)
+    path = make_tiny_checkpoint(
+        root / "model",
+        corpus_path=data["tokenizer_text"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=600,
+        seed=seed,
+    )
     tok = AgentTokenizer.from_pretrained(path)
     bm25 = BM25Retriever.from_jsonl(data["corpus"])
     rows = [json.loads(line) for line in data["train"].read_text().splitlines()]
@@ -99,13 +107,34 @@ class Server:
         self.log.close()
 
 
-def start_cpu_engine(model_path: Path, log_path: Path, *, timeout_s: float = 120.0,
-                     max_running_requests: int = 16, api_key: str | None = None) -> tuple[Server, str]:
+def start_cpu_engine(
+    model_path: Path,
+    log_path: Path,
+    *,
+    timeout_s: float = 120.0,
+    max_running_requests: int = 16,
+    api_key: str | None = None,
+) -> tuple[Server, str]:
     port = free_port()
-    srv = Server([sys.executable, "-m", "asyncrl.rollout.cpu_engine", "--model-path", str(model_path),
-                  "--port", str(port), "--max-running-requests", str(max_running_requests),
-                  "--weight-version", "0", "--num-threads", "1", *(["--api-key", api_key] if api_key else [])],
-                 log_path)
+    srv = Server(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.rollout.cpu_engine",
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(port),
+            "--max-running-requests",
+            str(max_running_requests),
+            "--weight-version",
+            "0",
+            "--num-threads",
+            "1",
+            *(["--api-key", api_key] if api_key else []),
+        ],
+        log_path,
+    )
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -125,10 +154,13 @@ def start_cpu_engine(model_path: Path, log_path: Path, *, timeout_s: float = 120
         time.sleep(0.2)
 
 
-def start_retrieval_server(corpus: Path, log_path: Path, *, timeout_s: float = 60.0,
-                           port: int = 0) -> tuple[Server, str]:
-    srv = Server([sys.executable, "-m", "asyncrl.agent.tools.retrieval_server", "--corpus", str(corpus),
-                  "--port", str(port)], log_path)
+def start_retrieval_server(
+    corpus: Path, log_path: Path, *, timeout_s: float = 60.0, port: int = 0
+) -> tuple[Server, str]:
+    srv = Server(
+        [sys.executable, "-m", "asyncrl.agent.tools.retrieval_server", "--corpus", str(corpus), "--port", str(port)],
+        log_path,
+    )
     deadline = time.monotonic() + timeout_s
     line = b""
     while not line:

@@ -34,8 +34,12 @@ class ChecksumEval(CheckpointEvalFn):
         if meta["step"] != input.step:
             raise EvalSkip(f"snapshot {d} holds step {meta['step']}, asked for {input.step}")
         load_model(d)  # the CPU engine loads it too
-        return {"checksum": weights_checksum(d), "snapshot_step": float(meta["step"]),
-                "weight_version": float(meta["weight_version"]), "num_datasets": float(len(input.datasets))}
+        return {
+            "checksum": weights_checksum(d),
+            "snapshot_step": float(meta["step"]),
+            "weight_version": float(meta["weight_version"]),
+            "num_datasets": float(len(input.datasets)),
+        }
 
 
 class EverySkipReasonEval(ChecksumEval):
@@ -83,8 +87,16 @@ def _hook_log(args, record: dict) -> None:
 
 def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
     """Miles' ``--custom-rollout-log-function-path`` signature; False keeps the default logging."""
-    _hook_log(args, {"kind": "rollout", "step": rollout_id, "samples": len(samples), "time": rollout_time,
-                     "staleness": rollout_extra_metrics.get("rollout/data_staleness/mean")})
+    _hook_log(
+        args,
+        {
+            "kind": "rollout",
+            "step": rollout_id,
+            "samples": len(samples),
+            "time": rollout_time,
+            "staleness": rollout_extra_metrics.get("rollout/data_staleness/mean"),
+        },
+    )
     return False
 
 

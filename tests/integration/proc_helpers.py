@@ -38,10 +38,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180) -> subprocess.CompletedProcess:
+def run_torchrun(
+    script: Path, args: list[str], *, nproc: int = 2, timeout_s: float = 180
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node N script args`` with the repo importable, one thread per rank."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 
@@ -117,11 +127,19 @@ def tiny_overrides(prep: Path, run_dir: Path, *extra: str) -> list[str]:
     """``configs/tiny.toml`` overrides of a test job: the prepared artefacts under ``prep`` (conftest's
     ``prepared``), ``run_dir``, a free broker port, 4 prompts x 2 samples a step, no before/after eval;
     then ``extra`` (a later override of the same key wins)."""
-    return [f'prepare.dir="{prep}"', f'actor.model_path="{prep}/model_sft"',
-            f'data.train_path="{prep}/data/train.jsonl"', f'data.test_path="{prep}/data/test.jsonl"',
-            f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"', f'logging.run_dir="{run_dir}"',
-            f"rollout.port={free_port()}", "data.rollout_batch_size=4", "algorithm.group_size=2",
-            "runner.eval_before_after=false", *extra]
+    return [
+        f'prepare.dir="{prep}"',
+        f'actor.model_path="{prep}/model_sft"',
+        f'data.train_path="{prep}/data/train.jsonl"',
+        f'data.test_path="{prep}/data/test.jsonl"',
+        f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"',
+        f'logging.run_dir="{run_dir}"',
+        f"rollout.port={free_port()}",
+        "data.rollout_batch_size=4",
+        "algorithm.group_size=2",
+        "runner.eval_before_after=false",
+        *extra,
+    ]
 
 
 def tiny_env(**extra: str) -> dict[str, str]:
@@ -136,16 +154,33 @@ def tiny_env(**extra: str) -> dict[str, str]:
 
 def tiny_cmd(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, torchrun_args: tuple[str, ...] = ()) -> list[str]:
     """``torchrun --nproc_per_node N --master_port <free> [torchrun_args] launch/train.py configs/tiny.toml ...``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(free_port()), *torchrun_args, str(TRAIN), "configs/tiny.toml",
-            *tiny_overrides(prep, run_dir, *extra)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        *torchrun_args,
+        str(TRAIN),
+        "configs/tiny.toml",
+        *tiny_overrides(prep, run_dir, *extra),
+    ]
 
 
-def run_job(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None,
-             timeout_s: float = 300) -> subprocess.CompletedProcess:
+def run_job(
+    prep: Path, run_dir: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None, timeout_s: float = 300
+) -> subprocess.CompletedProcess:
     """A job of the embedded default run to its end (``extra``: overrides); its exit status and output."""
-    return subprocess.run(tiny_cmd(prep, run_dir, *extra, nproc=nproc), cwd=REPO, env=env or tiny_env(),
-                          capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        tiny_cmd(prep, run_dir, *extra, nproc=nproc),
+        cwd=REPO,
+        env=env or tiny_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -162,8 +197,13 @@ class TinyJob:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.out_path = run_dir.parent / f"{run_dir.name}.out"
         self._out = open(self.out_path, "w")  # noqa: SIM115 - closed in finish() / kill_all()
-        self.proc = subprocess.Popen(tiny_cmd(prep, run_dir, *extra, torchrun_args=torchrun_args), cwd=REPO,
-                                     env=tiny_env(), stdout=self._out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            tiny_cmd(prep, run_dir, *extra, torchrun_args=torchrun_args),
+            cwd=REPO,
+            env=tiny_env(),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+        )
 
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
@@ -194,8 +234,11 @@ class TinyJob:
         pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}:\n{self.output()[-6000:]}")
 
     def wait_step(self, step: int, timeout_s: float = 120.0) -> dict:
-        return self.wait_for(f"step {step} in metrics.jsonl",
-                             lambda: next((r for r in self.records() if r.get("step", 0) >= step), None), timeout_s)
+        return self.wait_for(
+            f"step {step} in metrics.jsonl",
+            lambda: next((r for r in self.records() if r.get("step", 0) >= step), None),
+            timeout_s,
+        )
 
     def engine_pid(self) -> int | None:
         """The CPU engine: the child of one of this job's ranks."""

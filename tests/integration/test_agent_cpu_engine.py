@@ -35,10 +35,21 @@ def setup(tmp_path_factory):
 
 
 def make_loop(model, retriever, **kw):
-    cfg = AgentLoopConfig(task_name="searchr1", max_turns=2, max_tokens_per_turn=24, max_total_tokens=400,
-                          tool=ToolConfig(topk=TOPK, max_obs_tokens=96), **kw)
-    return AgentLoop(task=get_task("searchr1"), tokenizer=AgentTokenizer.from_pretrained(model.path),
-                     retriever=retriever, agent_cfg=cfg, sampling=SamplingConfig(temperature=1.0))
+    cfg = AgentLoopConfig(
+        task_name="searchr1",
+        max_turns=2,
+        max_tokens_per_turn=24,
+        max_total_tokens=400,
+        tool=ToolConfig(topk=TOPK, max_obs_tokens=96),
+        **kw,
+    )
+    return AgentLoop(
+        task=get_task("searchr1"),
+        tokenizer=AgentTokenizer.from_pretrained(model.path),
+        retriever=retriever,
+        agent_cfg=cfg,
+        sampling=SamplingConfig(temperature=1.0),
+    )
 
 
 def test_trajectory_is_prompt_engine_ids_and_tool_tokens(setup):
@@ -51,6 +62,7 @@ def test_trajectory_is_prompt_engine_ids_and_tool_tokens(setup):
 
     async def go():
         async with SGLangClient(url, request_timeout_s=60) as client:
+
             async def recorded(input_ids, params, rid):
                 res = await client.generate(input_ids, params, rid=rid, return_logprob=True)
                 calls.append((rid, list(input_ids), res))
@@ -116,8 +128,7 @@ def test_retrieval_server_killed_mid_run_retries_then_aborts_the_group(setup):
                     return {"output_ids": res.output_ids, "meta_info": res.meta_info}
 
                 engine2 = EngineHandle(client, max_in_flight=1, generate_raw=gen)
-                task = asyncio.create_task(
-                    loop.run_group(Group(group_id=2, item=item, epoch=0), engine2, group_size=4))
+                task = asyncio.create_task(loop.run_group(Group(group_id=2, item=item, epoch=0), engine2, group_size=4))
                 await asyncio.wait_for(first_turn_done.wait(), 60)
                 server.stop()  # mid-run: the other trajectories have not searched yet
                 broken = await asyncio.wait_for(task, 120)

@@ -49,11 +49,19 @@ def test_worker_holds_through_a_retriever_outage_then_fails_past_the_budget(tmp_
     engine, engine_url = start_cpu_engine(model.path, tmp_path / "engine.log")
     retrieval, retrieve_url = start_retrieval_server(model.data_dir / "corpus.jsonl", tmp_path / "retrieval.log")
     overrides = [
-        f"data.train_path={model.data_dir / 'train.jsonl'}", "data.rollout_batch_size=2", "algorithm.group_size=2",
-        "agentloop.max_turns=2", "agentloop.tool.retriever=http", f"agentloop.tool.retriever_url={retrieve_url}",
-        "agentloop.tool.max_retries=1", "agentloop.tool.retry_backoff_s=0.05", "agentloop.tool.timeout_s=30",
-        "agentloop.tool.max_outage_s=120", "agentloop.heartbeat_interval_s=0.5",
-        "rollout_buffer.max_inflight_groups=2", "rollout_buffer.max_buffered_groups=4",
+        f"data.train_path={model.data_dir / 'train.jsonl'}",
+        "data.rollout_batch_size=2",
+        "algorithm.group_size=2",
+        "agentloop.max_turns=2",
+        "agentloop.tool.retriever=http",
+        f"agentloop.tool.retriever_url={retrieve_url}",
+        "agentloop.tool.max_retries=1",
+        "agentloop.tool.retry_backoff_s=0.05",
+        "agentloop.tool.timeout_s=30",
+        "agentloop.tool.max_outage_s=120",
+        "agentloop.heartbeat_interval_s=0.5",
+        "rollout_buffer.max_inflight_groups=2",
+        "rollout_buffer.max_buffered_groups=4",
         f"logging.run_dir={tmp_path / 'run'}",
     ]
     cfg = load_config(REPO / "configs" / "tiny.toml", overrides)
@@ -64,8 +72,14 @@ def test_worker_holds_through_a_retriever_outage_then_fails_past_the_budget(tmp_
 
     def worker_body():
         try:
-            result["stats"] = run_worker(cfg, broker_address=broker.address, engine_urls=[engine_url],
-                                         tokenizer_path=str(model.path), worker_id="engine0", retriever=retriever)
+            result["stats"] = run_worker(
+                cfg,
+                broker_address=broker.address,
+                engine_urls=[engine_url],
+                tokenizer_path=str(model.path),
+                worker_id="engine0",
+                retriever=retriever,
+            )
         except BaseException as exc:  # surfaced by the assertions below
             result["error"] = exc
 

@@ -47,8 +47,11 @@ def _raw(address: str, header: dict) -> dict:
 def test_broker_refuses_peers_without_the_run_secret(tmp_path, monkeypatch):
     model = make_scripted_model(tmp_path)
     monkeypatch.setenv(ENV, SECRET)  # the broker process inherits it, as from its rank
-    broker = start_broker(str(REPO / "configs/tiny.toml"), [f"data.train_path={model.data_dir / 'train.jsonl'}"],
-                          log_path=str(tmp_path / "broker.log"))
+    broker = start_broker(
+        str(REPO / "configs/tiny.toml"),
+        [f"data.train_path={model.data_dir / 'train.jsonl'}"],
+        log_path=str(tmp_path / "broker.log"),
+    )
     try:
         monkeypatch.delenv(ENV)
         stranger = BrokerClient(broker.address, timeout_s=10)
@@ -95,8 +98,12 @@ def test_cpu_engine_api_key_like_sglang(tmp_path):
                 assert r.status == 200
         status, out = _post(url + "/generate", body, SECRET)
         assert status == 200 and out["meta_info"]["completion_tokens"] >= 1
-        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"bearer {SECRET}"})
+        req = urllib.request.Request(
+            url + "/generate",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"bearer {SECRET}"},
+        )
         with urllib.request.urlopen(req, timeout=60) as r:  # SGLang compares the scheme case-insensitively
             assert r.status == 200
         assert engine.proc.poll() is None

@@ -27,8 +27,13 @@ ROOT = HERE.parents[1]
 @pytest.mark.slow
 def test_nonfinite_rewards_stop_the_run(prepared, tmp_path):
     run_dir = tmp_path / "run"
-    r = run_job(prepared, run_dir, "runner.max_steps=8", "runner.max_nonfinite_steps=2",
-                'rollout_buffer.sample_filter_path="nan_rewards:nan_from_second_batch"')
+    r = run_job(
+        prepared,
+        run_dir,
+        "runner.max_steps=8",
+        "runner.max_nonfinite_steps=2",
+        'rollout_buffer.sample_filter_path="nan_rewards:nan_from_second_batch"',
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-4000:]
     assert "runner.max_nonfinite_steps = 2" in out, out[-4000:]
@@ -41,9 +46,15 @@ def test_nonfinite_rewards_stop_the_run(prepared, tmp_path):
 def _start(prep: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
     # torchrun itself would die of SIGUSR1: it is started ignoring it (``trap '' USR1; exec torchrun ...`` in a
     # Slurm script); the ranks inherit that, and the actor ranks' step loop handles it
-    return subprocess.Popen(tiny_cmd(prep, run_dir, *extra), cwd=REPO, env=tiny_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
+    return subprocess.Popen(
+        tiny_cmd(prep, run_dir, *extra),
+        cwd=REPO,
+        env=tiny_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
+    )
 
 
 def _steps(run_dir: Path) -> list[int]:

@@ -19,8 +19,10 @@ def _inputs(tmp: Path) -> tuple[str, str]:
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"q{i}", "golden_answers": ["a"]}) + "\n" for i in range(32)))
     cfg = tmp / "b.toml"
-    cfg.write_text("[runner]\nasync_mode = true\n[data]\nrollout_batch_size = 2\n[algorithm]\ngroup_size = 2\n"
-                   "[rollout_buffer]\nmax_inflight_groups = \"auto\"\nmax_buffered_groups = 6\n")
+    cfg.write_text(
+        "[runner]\nasync_mode = true\n[data]\nrollout_batch_size = 2\n[algorithm]\ngroup_size = 2\n"
+        '[rollout_buffer]\nmax_inflight_groups = "auto"\nmax_buffered_groups = 6\n'
+    )
     return str(cfg), str(prompts)
 
 

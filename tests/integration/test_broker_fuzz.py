@@ -33,15 +33,56 @@ GROUP_SIZE = 2
 RECV_TIMEOUT_S = 10.0
 
 # ---------------------------------------------------------------- strategies
-NASTY_NUMBERS = [math.inf, -math.inf, math.nan, 1e300, -0.0, 0.5, 1.0, 2**63 - 1, 2**64 - 1, -2**63, -1, 0, 1, 3,
-                 True, False]
+NASTY_NUMBERS = [
+    math.inf,
+    -math.inf,
+    math.nan,
+    1e300,
+    -0.0,
+    0.5,
+    1.0,
+    2**63 - 1,
+    2**64 - 1,
+    -(2**63),
+    -1,
+    0,
+    1,
+    3,
+    True,
+    False,
+]
 scalars = st.one_of(
-    st.sampled_from(NASTY_NUMBERS), st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True),
-    st.none(), st.text(max_size=8), st.binary(max_size=8))
-nasty = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.text(max_size=6), inner, max_size=4), max_leaves=12)
-FIELDS = ["group_id", "index", "step", "version", "timeout_s", "actor_version", "worker_id", "capacity",
-          "group_ids", "trajs", "traj", "groups", "rows", "mode", "state", "aborted", "error"]
+    st.sampled_from(NASTY_NUMBERS),
+    st.integers(-3, 40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+)
+nasty = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "group_id",
+    "index",
+    "step",
+    "version",
+    "timeout_s",
+    "actor_version",
+    "worker_id",
+    "capacity",
+    "group_ids",
+    "trajs",
+    "traj",
+    "groups",
+    "rows",
+    "mode",
+    "state",
+    "aborted",
+    "error",
+]
 # every type but ``shutdown`` (a valid one stops the broker, as it should) and ``status`` (it has no fields, and
 # its answer is the probe the checks read)
 TYPES = sorted((P.WORKER_TYPES | P.ACTOR_TYPES) - {P.SHUTDOWN, P.STATUS}) + ["welcome", "nope", ""]
@@ -57,9 +98,28 @@ def random_header(draw) -> tuple[dict, list]:
         if k == "groups":
             body[k] = draw(st.lists(group_entry.map(list), max_size=3) | nasty)
         elif k in ("traj", "trajs"):
-            body[k] = draw(st.dictionaries(st.sampled_from(["b", "o", "np", "nr", "nw", "reward", "min_version",
-                                                            "max_version", "num_turns", "timings", "error"]),
-                                           nasty, max_size=8) | nasty)
+            body[k] = draw(
+                st.dictionaries(
+                    st.sampled_from(
+                        [
+                            "b",
+                            "o",
+                            "np",
+                            "nr",
+                            "nw",
+                            "reward",
+                            "min_version",
+                            "max_version",
+                            "num_turns",
+                            "timings",
+                            "error",
+                        ]
+                    ),
+                    nasty,
+                    max_size=8,
+                )
+                | nasty
+            )
             if k == "trajs":
                 body[k] = [body[k]]
         else:
@@ -73,8 +133,14 @@ def _valid_groups_body(gid: int) -> tuple[dict, list]:
 
 
 def _traj(reward: float) -> Trajectory:
-    return Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 1, 1], rollout_logprobs=[-0.5] * 3,
-                      reward=reward, weight_versions=[0, 0, 0])
+    return Trajectory(
+        prompt_ids=[1, 2],
+        response_ids=[3, 4, 5],
+        loss_mask=[1, 1, 1],
+        rollout_logprobs=[-0.5] * 3,
+        reward=reward,
+        weight_versions=[0, 0, 0],
+    )
 
 
 VALID = {
@@ -124,8 +190,15 @@ def _prompts(n: int = 12) -> list[PromptItem]:
 
 
 def _settings() -> CoreSettings:
-    return CoreSettings(rollout_batch_size=2, group_size=GROUP_SIZE, max_inflight_groups=4, max_buffered_groups=8,
-                        max_dropped_groups_per_step=10**9, worker_heartbeat_timeout_s=3600, no_data_warning_s=3600)
+    return CoreSettings(
+        rollout_batch_size=2,
+        group_size=GROUP_SIZE,
+        max_inflight_groups=4,
+        max_buffered_groups=8,
+        max_dropped_groups_per_step=10**9,
+        worker_heartbeat_timeout_s=3600,
+        no_data_warning_s=3600,
+    )
 
 
 class Peer:
@@ -215,8 +288,9 @@ def train_one_batch(peer: Peer) -> None:
     assert len(gids) >= 2, (replies, {k: v for k, v in s.items() if k != "stats"})
     trained = s["counters"].get("trained", 0)
     done = [P.finished_groups_frames([(gid, [_traj(1.0), _traj(0.0)], False, "")]) for gid in gids[:2]]
-    replies, s = peer.exchange(*done, P.encode(P.GET_BATCH, {"step": 7, "timeout_s": 5.0,
-                                                               "actor_version": s["version"]}))
+    replies, s = peer.exchange(
+        *done, P.encode(P.GET_BATCH, {"step": 7, "timeout_s": 5.0, "actor_version": s["version"]})
+    )
     assert [m.type for m in replies if m.type in (P.BATCH, P.ERROR, P.TIMEOUT)] == [P.BATCH], replies
     assert s["counters"]["trained"] >= trained + 2
 
@@ -227,8 +301,9 @@ def test_fuzz_in_process_never_fatal_counters_unchanged():
     peer = InProcessPeer()
     outcome = []
 
-    @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-              database=None)
+    @settings(
+        max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+    )
     @given(frames=fuzz_message())
     def one(frames):
         outcome.append(check_frame(peer, frames))
@@ -254,8 +329,15 @@ def _send(b: InProcessPeer, *messages: list) -> list[P.Message]:
 
 
 # ---------------------------------------------------------------- one test per defect (in process)
-INT_FIELDS = [(P.TRAJ, "group_id"), (P.TRAJ, "index"), (P.GROUP, "group_id"), (P.GET_BATCH, "step"),
-              (P.GET_BATCH, "actor_version"), (P.SYNC_END, "version"), (P.GET_BATCH, "timeout_s")]
+INT_FIELDS = [
+    (P.TRAJ, "group_id"),
+    (P.TRAJ, "index"),
+    (P.GROUP, "group_id"),
+    (P.GET_BATCH, "step"),
+    (P.GET_BATCH, "actor_version"),
+    (P.SYNC_END, "version"),
+    (P.GET_BATCH, "timeout_s"),
+]
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 1.0])
@@ -319,9 +401,11 @@ def test_report_of_another_workers_group_is_ignored(broker):
     other.exchange(_hello("rogue"))
     mine = [g for g in broker.core.inflight_group_ids() if broker.core.owner(g) == "fuzz"]
     counters = dict(broker.core.counters)
-    other.exchange(*[P.finished_groups_frames([(g, [_traj(1.0), _traj(0.0)], False, "")]) for g in mine],
-                   P.encode(P.TRAJ, {"group_id": mine[0], "index": 0, "traj": None}),
-                   P.encode(P.GROUP, {"group_id": mine[0], "aborted": True, "error": "x", "trajs": []}))
+    other.exchange(
+        *[P.finished_groups_frames([(g, [_traj(1.0), _traj(0.0)], False, "")]) for g in mine],
+        P.encode(P.TRAJ, {"group_id": mine[0], "index": 0, "traj": None}),
+        P.encode(P.GROUP, {"group_id": mine[0], "aborted": True, "error": "x", "trajs": []}),
+    )
     assert broker.server.stats["foreign_reports"] == len(mine) + 2
     assert dict(broker.core.counters) == counters and broker.core.num_buffered_groups == 0
     _send(broker, P.finished_groups_frames([(mine[0], [_traj(1.0), _traj(0.0)], False, "")]))
@@ -354,8 +438,9 @@ def _write_inputs(tmp: Path) -> tuple[str, str]:
     cfg = tmp / "broker.toml"
     cfg.write_text(
         "[runner]\nasync_mode = true\n[data]\nrollout_batch_size = 2\n[algorithm]\ngroup_size = 2\n"
-        "[rollout_buffer]\nsubmission_granularity = \"group\"\nmax_inflight_groups = 4\nmax_buffered_groups = 8\n"
-        "worker_heartbeat_timeout_s = 3600.0\nno_data_warning_s = 3600.0\nmax_dropped_groups_per_step = 100000\n")
+        '[rollout_buffer]\nsubmission_granularity = "group"\nmax_inflight_groups = 4\nmax_buffered_groups = 8\n'
+        "worker_heartbeat_timeout_s = 3600.0\nno_data_warning_s = 3600.0\nmax_dropped_groups_per_step = 100000\n"
+    )
     return str(cfg), str(prompts)
 
 
@@ -383,8 +468,9 @@ def test_fuzz_real_broker_process(tmp_path):
     peer = ProcessPeer(broker.address, broker.proc)
     outcome = []
 
-    @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-              database=None)
+    @settings(
+        max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+    )
     @given(frames=fuzz_message())
     def one(frames):
         outcome.append(check_frame(peer, frames))
@@ -397,4 +483,3 @@ def test_fuzz_real_broker_process(tmp_path):
         peer.close()
         code = broker.stop()
     assert code == 0, (tmp_path / "broker.log").read_text()[-3000:]
-

@@ -53,9 +53,17 @@ def _worker_main(address: str, worker_id: str, mode: str) -> int:
                 trajs = []
                 for i in range(ev.group_size):
                     n = 3 + i
-                    t = Trajectory(prompt_ids=[ev.item.index, 1, 2], response_ids=list(range(n)), loss_mask=[1] * n,
-                                   rollout_logprobs=[-0.1] * n, reward=float(i % 2), weight_versions=[version] * n,
-                                   min_version=version, max_version=version, finish_reason="answer")
+                    t = Trajectory(
+                        prompt_ids=[ev.item.index, 1, 2],
+                        response_ids=list(range(n)),
+                        loss_mask=[1] * n,
+                        rollout_logprobs=[-0.1] * n,
+                        reward=float(i % 2),
+                        weight_versions=[version] * n,
+                        min_version=version,
+                        max_version=version,
+                        finish_reason="answer",
+                    )
                     conn.send_trajectory(ev.group_id, i, t)
                     trajs.append(t)
                 conn.send_group(ev.group_id, None)  # trajectories already sent one by one
@@ -73,15 +81,21 @@ def _write_inputs(tmp: Path) -> tuple[str, str]:
         "[data]\nrollout_batch_size = 4\n"
         "[algorithm]\ngroup_size = 2\n"
         "[agentloop]\nheartbeat_interval_s = 0.2\n"
-        "[rollout_buffer]\nsubmission_granularity = \"group\"\nmax_inflight_groups = 4\nmax_buffered_groups = 8\nworker_heartbeat_timeout_s = 3.0\n"
-        "no_data_warning_s = 5.0\n")
+        '[rollout_buffer]\nsubmission_granularity = "group"\nmax_inflight_groups = 4\nmax_buffered_groups = 8\nworker_heartbeat_timeout_s = 3.0\n'
+        "no_data_warning_s = 5.0\n"
+    )
     return str(cfg), str(prompts)
 
 
 def _spawn_worker(address: str, worker_id: str, mode: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.Popen([sys.executable, __file__, "--worker", address, worker_id, mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker", address, worker_id, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _read_got(proc: subprocess.Popen, n: int, timeout_s: float) -> list[tuple[int, int, int]]:
@@ -188,8 +202,9 @@ if __name__ == "__main__":
 def test_no_completed_groups_warning_reaches_the_console_not_only_the_log(tmp_path, capfd):
     cfg, prompts = _write_inputs(tmp_path)
     log = tmp_path / "broker.log"
-    broker = start_broker(cfg, ["rollout_buffer.no_data_warning_s=0.5"], prompts_path=prompts, log_path=str(log),
-                          timeout_s=30)
+    broker = start_broker(
+        cfg, ["rollout_buffer.no_data_warning_s=0.5"], prompts_path=prompts, log_path=str(log), timeout_s=30
+    )
     client = BrokerClient(broker.address, timeout_s=20)
     try:
         with pytest.raises(TimeoutError):
@@ -254,11 +269,18 @@ def test_supervised_broker_stops_when_its_parent_dies(tmp_path):
     """No PR_SET_PDEATHSIG here (``start_broker`` does not set it): the broker's own watch of its parent pid stops it
     once the parent is SIGKILLed."""
     cfg, prompts = _write_inputs(tmp_path)
-    code = ("import os, sys; from asyncrl.runner.broker_process import start_broker; "
-            f"b = start_broker({cfg!r}, [], prompts_path={prompts!r}, log_path={str(tmp_path / 'broker.log')!r}, "
-            "parent_pid=os.getpid()); print('PID', b.proc.pid, flush=True); sys.stdin.read()")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=REPO))
+    code = (
+        "import os, sys; from asyncrl.runner.broker_process import start_broker; "
+        f"b = start_broker({cfg!r}, [], prompts_path={prompts!r}, log_path={str(tmp_path / 'broker.log')!r}, "
+        "parent_pid=os.getpid()); print('PID', b.proc.pid, flush=True); sys.stdin.read()"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     pid = None
     try:
         pid = next(int(ln.split()[1]) for ln in parent.stdout if ln.startswith("PID "))  # the broker prints too

@@ -27,14 +27,27 @@ def _inputs(tmp: Path, rollout_buffer: str) -> tuple[str, str]:
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"q{i}", "golden_answers": ["a"]}) + "\n" for i in range(6)))
     cfg = tmp / "b.toml"
-    cfg.write_text("[runner]\nasync_mode = true\n[data]\nrollout_batch_size = 2\n[algorithm]\ngroup_size = 2\n"
-                   f"[rollout_buffer]\nmax_inflight_groups = 2\nmax_buffered_groups = 4\n{rollout_buffer}")
+    cfg.write_text(
+        "[runner]\nasync_mode = true\n[data]\nrollout_batch_size = 2\n[algorithm]\ngroup_size = 2\n"
+        f"[rollout_buffer]\nmax_inflight_groups = 2\nmax_buffered_groups = 4\n{rollout_buffer}"
+    )
     return str(cfg), str(prompts)
 
 
 def _trajs(version: int, n: int = 2) -> list[Trajectory]:
-    return [Trajectory([1], [2, 3], [1, 1], [-0.1, -0.2], reward=1.0, weight_versions=[version] * 2,
-                       min_version=version, max_version=version) for _ in range(n)]
+    return [
+        Trajectory(
+            [1],
+            [2, 3],
+            [1, 1],
+            [-0.1, -0.2],
+            reward=1.0,
+            weight_versions=[version] * 2,
+            min_version=version,
+            max_version=version,
+        )
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.slow
@@ -137,8 +150,11 @@ def test_finished_groups_travel_together_sync_and_async(tmp_path):
     (asyncio) reach the broker as ONE ``groups`` message each, and are trained like single ``group`` messages."""
     cfg, prompts = _inputs(tmp_path, "")
     cfg_path = Path(cfg)
-    cfg_path.write_text(cfg_path.read_text().replace("max_inflight_groups = 2", "max_inflight_groups = 4")
-                        .replace("max_buffered_groups = 4", "max_buffered_groups = 8"))
+    cfg_path.write_text(
+        cfg_path.read_text()
+        .replace("max_inflight_groups = 2", "max_inflight_groups = 4")
+        .replace("max_buffered_groups = 4", "max_buffered_groups = 8")
+    )
     broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp_path / "broker.log"))
     client = BrokerClient(broker.address, timeout_s=20)
     conn = WorkerConnection(broker.address, worker_id="sync", capacity=8, heartbeat_interval_s=1.0)

@@ -43,10 +43,14 @@ def test_client_errors_name_url_and_endpoint():
 
 def test_supervisor_start_timeout_and_early_exit_show_the_log(tmp_path):
     port = free_port()
-    never = [sys.executable, "-c", "print('hello from a server that never listens', flush=True); "
-             "import time; time.sleep(60)"]
-    sup = EngineSupervisor(never, url=f"http://127.0.0.1:{port}", name="never", log_dir=tmp_path,
-                           start_timeout_s=1.5, shutdown_grace_s=2)
+    never = [
+        sys.executable,
+        "-c",
+        "print('hello from a server that never listens', flush=True); import time; time.sleep(60)",
+    ]
+    sup = EngineSupervisor(
+        never, url=f"http://127.0.0.1:{port}", name="never", log_dir=tmp_path, start_timeout_s=1.5, shutdown_grace_s=2
+    )
     with pytest.raises(EngineLaunchError, match="hello from a server that never listens"):
         sup.start()
     assert not sup.alive()
@@ -57,13 +61,21 @@ def test_supervisor_start_timeout_and_early_exit_show_the_log(tmp_path):
 
 
 def test_supervisor_runs_cpu_engine_from_config_and_restarts_it(tmp_path, monkeypatch):
-    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", num_hidden_layers=1, hidden_size=32,
-                                 intermediate_size=64)
+    model = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
     cfg = dataclasses.replace(
         Config(),
-        rollout=RolloutConfig(rollout_backend="cpu", model_path=str(model), max_running_requests=4, port=free_port(),
-                              start_timeout_s=60, max_restarts=1),
-        logging=LoggingConfig(run_dir=str(tmp_path / "run")))
+        rollout=RolloutConfig(
+            rollout_backend="cpu",
+            model_path=str(model),
+            max_running_requests=4,
+            port=free_port(),
+            start_timeout_s=60,
+            max_restarts=1,
+        ),
+        logging=LoggingConfig(run_dir=str(tmp_path / "run")),
+    )
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
     sup = EngineSupervisor.from_config(cfg, engine_index=0, host="127.0.0.1")
     sup.start()

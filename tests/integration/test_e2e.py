@@ -39,18 +39,35 @@ SEED_METRICS_ASYNC = [
 ]
 # RLinf's sync-mode split and the broker's metrics, in the synchronous run
 SEED_METRICS_SYNC = [
-    "rollout/buffer/admission_wait_inflight_limit", "rollout/buffer/admission_wait_buffer_full",
-    "rollout/data_staleness/mean", "rollout/data_staleness/max", "rollout/version_span/mean",
-    "rollout/queue_steps/mean", "rollout/fully_async/avg_staleness", "rollout/fully_async/max_staleness",
-    "time/step", "time/rollout", "time/training", "time/sync_weights",
+    "rollout/buffer/admission_wait_inflight_limit",
+    "rollout/buffer/admission_wait_buffer_full",
+    "rollout/data_staleness/mean",
+    "rollout/data_staleness/max",
+    "rollout/version_span/mean",
+    "rollout/queue_steps/mean",
+    "rollout/fully_async/avg_staleness",
+    "rollout/fully_async/max_staleness",
+    "time/step",
+    "time/rollout",
+    "time/training",
+    "time/sync_weights",
 ]
 # Miles' eval metrics of a point that ran, in every eval run (the dataset is data.test_path's "test")
-SEED_METRICS_EVAL = ["eval/step", "eval/lag_steps", "eval/test/weight_version/mean",
-                     "eval/test/weight_version/mixed_version_ratio"]
+SEED_METRICS_EVAL = [
+    "eval/step",
+    "eval/lag_steps",
+    "eval/test/weight_version/mean",
+    "eval/test/weight_version/mixed_version_ratio",
+]
 # Miles' checkpoint-backend metrics and every skip reason of its table, in the external-function run
 SEED_METRICS_EVAL_EXTERNAL = SEED_METRICS_EVAL + [
-    "eval/export_time_seconds", "eval/skipped_busy", "eval/skipped_export_failed", "eval/skipped_ckpt_missing",
-    "eval/skipped_crashed", "eval/skipped_no_free_slot"]
+    "eval/export_time_seconds",
+    "eval/skipped_busy",
+    "eval/skipped_export_failed",
+    "eval/skipped_ckpt_missing",
+    "eval/skipped_crashed",
+    "eval/skipped_no_free_slot",
+]
 
 
 def tb_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -78,8 +95,12 @@ def _assert_clean_exit(r, run_dir: Path):
 def _assert_no_prompt_lost(recs: list[dict]):
     last = recs[-1]
     issued = last["broker/issued_groups"]
-    accounted = (last["broker/trained_groups"] + last["broker/dropped_groups"] + last["broker/held_groups"]
-                 + last["broker/reissued_groups"])
+    accounted = (
+        last["broker/trained_groups"]
+        + last["broker/dropped_groups"]
+        + last["broker/held_groups"]
+        + last["broker/reissued_groups"]
+    )
     assert issued == accounted, last
 
 
@@ -89,9 +110,14 @@ def test_async_steps(prepared, tmp_path, pause_mode):
     """Also: Miles' dynamic-sampling filter (``rollout/dynamic_filter/drop_<reason>``) and custom rollout log
     hook (called every step with the step's trajectories; returning False keeps the default logging)."""
     run_dir = tmp_path / "run"
-    r = run_job(prepared, run_dir, "runner.max_steps=4", f'rollout.pause_mode="{pause_mode}"',
-                'rollout_buffer.dynamic_sampling_filter_path="eval_helpers:drop_every_fifth"',
-                'logging.custom_rollout_log_function_path="eval_helpers:log_rollout_data"')
+    r = run_job(
+        prepared,
+        run_dir,
+        "runner.max_steps=4",
+        f'rollout.pause_mode="{pause_mode}"',
+        'rollout_buffer.dynamic_sampling_filter_path="eval_helpers:drop_every_fifth"',
+        'logging.custom_rollout_log_function_path="eval_helpers:log_rollout_data"',
+    )
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
@@ -103,7 +129,9 @@ def test_async_steps(prepared, tmp_path, pause_mode):
     assert sorted(tb["time/step"]) == [1, 2, 3, 4]
     calls = [json.loads(ln) for ln in (run_dir / "hook_calls.jsonl").read_text().splitlines()]
     assert [c["step"] for c in calls] == [1, 2, 3, 4] and all(c["samples"] > 0 for c in calls)
-    assert [c["staleness"] for c in calls] == pytest.approx([tb["rollout/data_staleness/mean"][s] for s in (1, 2, 3, 4)])
+    assert [c["staleness"] for c in calls] == pytest.approx(
+        [tb["rollout/data_staleness/mean"][s] for s in (1, 2, 3, 4)]
+    )
 
     bound = 8 / 4 + 1  # max_buffered_groups / rollout_batch_size + 1
     assert max(x["rollout/data_staleness/max"] for x in recs) <= bound
@@ -160,9 +188,15 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path):
     from eval_helpers import weights_checksum
 
     run_dir = tmp_path / "shared"  # 4 of the 34 held-out prompts a point: the points' plumbing, not the figures
-    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2", "runner.eval_before_after=true",
-                "eval.max_samples=4",
-                'logging.custom_eval_rollout_log_function_path="eval_helpers:log_eval_rollout_data"')
+    r = run_job(
+        prepared,
+        run_dir,
+        "runner.max_steps=4",
+        "eval.eval_interval=2",
+        "runner.eval_before_after=true",
+        "eval.max_samples=4",
+        'logging.custom_eval_rollout_log_function_path="eval_helpers:log_eval_rollout_data"',
+    )
     _assert_clean_exit(r, run_dir)
     assert_eval_points_measured_their_step(tb_scalars(run_dir), [2, 4])  # shared engines, interval 1: exact
     calls = [json.loads(ln) for ln in (run_dir / "hook_calls.jsonl").read_text().splitlines()]
@@ -190,10 +224,19 @@ def test_periodic_eval_shared_engines_and_external_backend(prepared, tmp_path):
     hf_dir.mkdir()
     (hf_dir / "step_000001").write_text("not a directory: the export of step 1 raises\n")
     run_dir = tmp_path / "external"
-    r = run_job(prepared, run_dir, "runner.max_steps=6", "eval.eval_interval=1",
-                'eval.eval_function_path="eval_helpers:EverySkipReasonEval"', f'eval.eval_hf_dir="{hf_dir}"',
-                'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=4", "eval.eval_keep_snapshots=1",
-                "runner.checkpoint_interval=5", "runner.save_hf=true")
+    r = run_job(
+        prepared,
+        run_dir,
+        "runner.max_steps=6",
+        "eval.eval_interval=1",
+        'eval.eval_function_path="eval_helpers:EverySkipReasonEval"',
+        f'eval.eval_hf_dir="{hf_dir}"',
+        'eval.eval_overflow_policy="skip"',
+        "eval.eval_max_in_flight=4",
+        "eval.eval_keep_snapshots=1",
+        "runner.checkpoint_interval=5",
+        "runner.save_hf=true",
+    )
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     steps = [x for x in recs if "time/step" in x]
@@ -226,10 +269,19 @@ def test_periodic_eval_on_a_dedicated_fleet(prepared, tmp_path):
     the step) and the held-out set is evaluated there, logged at its step with ``eval/lag_steps``."""
     run_dir = tmp_path / "fleet"
     hf_dir = tmp_path / "eval_hf"
-    r = run_job(prepared, run_dir, "runner.max_steps=4", "eval.eval_interval=2", "eval.eval_num_gpus=1",
-                f'eval.eval_hf_dir="{hf_dir}"', "eval.eval_keep_snapshots=1", "eval.max_samples=4",
-                'cluster.component_placement={ actor = "0", "rollout,reward" = "1", eval = "2" }',
-                "cluster.num_devices_per_node=3", nproc=3)
+    r = run_job(
+        prepared,
+        run_dir,
+        "runner.max_steps=4",
+        "eval.eval_interval=2",
+        "eval.eval_num_gpus=1",
+        f'eval.eval_hf_dir="{hf_dir}"',
+        "eval.eval_keep_snapshots=1",
+        "eval.max_samples=4",
+        'cluster.component_placement={ actor = "0", "rollout,reward" = "1", eval = "2" }',
+        "cluster.num_devices_per_node=3",
+        nproc=3,
+    )
     _assert_clean_exit(r, run_dir)
     recs = read_metrics(run_dir)
     steps = [x for x in recs if "time/step" in x]

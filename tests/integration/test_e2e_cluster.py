@@ -26,12 +26,21 @@ def test_leader_phase_longer_than_the_collective_timeout_completes(prepared, tmp
     collective. Before: rank 1 waited in a broadcast with ``cluster.store_timeout_s`` as its deadline and
     the job failed. The before/after eval (``eval.max_samples`` prompts) lands in metrics.jsonl and TensorBoard."""
     run_dir = tmp_path / "run"
-    r = run_job(prepared, run_dir,
-                'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }', "cluster.num_devices_per_node=3",
-                "cluster.actor_collective_timeout_s=6", "runner.max_steps=2", "runner.async_mode=false",
-                "runner.eval_before_after=true", "eval.max_samples=6",
-                'rollout_buffer.sample_filter_path="slow_filter:slow_first_batch"',
-                nproc=3, env=tiny_env(ASYNCRL_TEST_SLOW_FILTER_S="10"), timeout_s=600)
+    r = run_job(
+        prepared,
+        run_dir,
+        'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }',
+        "cluster.num_devices_per_node=3",
+        "cluster.actor_collective_timeout_s=6",
+        "runner.max_steps=2",
+        "runner.async_mode=false",
+        "runner.eval_before_after=true",
+        "eval.max_samples=6",
+        'rollout_buffer.sample_filter_path="slow_filter:slow_first_batch"',
+        nproc=3,
+        env=tiny_env(ASYNCRL_TEST_SLOW_FILTER_S="10"),
+        timeout_s=600,
+    )
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
     assert_nothing_left(run_dir, within_s=10)
     recs = read_metrics(run_dir)
@@ -52,12 +61,33 @@ def test_leader_phase_longer_than_the_collective_timeout_completes(prepared, tmp
     assert summary["test_accuracy_before"] == evals[0]["eval/test/accuracy"]
 
 
-def _agent(node_args: list[str], endpoint: str, rdzv_id: str, args: list[str], env: dict, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--max-restarts", "0",
-           *node_args, str(TRAIN), "configs/tiny.toml", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def _agent(
+    node_args: list[str], endpoint: str, rdzv_id: str, args: list[str], env: dict, log: Path
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--max-restarts",
+        "0",
+        *node_args,
+        str(TRAIN),
+        "configs/tiny.toml",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _run_two_nodes(args: list[str], tmp: Path, name: str, timeout_s: float) -> list[str]:
@@ -85,19 +115,31 @@ def test_two_nodes_on_one_host_train_and_exit_clean(prepared, tmp_path):
     """``searchr1.toml``'s shape at the embedded default's size: node 0 = the actor (+ broker), node 1 = the
     rollout (CPU engine + agent worker); the broker's address reaches node 1, every process exits."""
     run_dir = tmp_path / "run"
-    args = tiny_overrides(prepared, run_dir, "cluster.num_nodes=2", "cluster.num_devices_per_node=1",
-                          "runner.max_steps=3", "runner.eval_before_after=false")
+    args = tiny_overrides(
+        prepared,
+        run_dir,
+        "cluster.num_nodes=2",
+        "cluster.num_devices_per_node=1",
+        "runner.max_steps=3",
+        "runner.eval_before_after=false",
+    )
     outs = _run_two_nodes([*args, "--dry-run"], tmp_path, "dry", timeout_s=180)
     plans = "\n".join(outs)
-    assert "# this node: node 0, 1 ranks, roles actor" in plans and "# this node: node 1, 1 ranks, roles rollout" in plans
+    assert (
+        "# this node: node 0, 1 ranks, roles actor" in plans and "# this node: node 1, 1 ranks, roles rollout" in plans
+    )
     outs = _run_two_nodes(args, tmp_path, "run", timeout_s=480)
     assert_nothing_left(run_dir, within_s=10)
     recs = read_metrics(run_dir)
     assert [x["step"] for x in recs] == [1, 2, 3]
     assert recs[-1]["actor/weight_version"] == 3 and all(x["reward/mean"] >= 0 for x in recs)
     last = recs[-1]
-    assert last["broker/issued_groups"] == (last["broker/trained_groups"] + last["broker/dropped_groups"]
-                                            + last["broker/held_groups"] + last["broker/reissued_groups"])
+    assert last["broker/issued_groups"] == (
+        last["broker/trained_groups"]
+        + last["broker/dropped_groups"]
+        + last["broker/held_groups"]
+        + last["broker/reissued_groups"]
+    )
 
 
 def test_dry_run_for_node_rank_1_shows_its_roles_and_devices():
@@ -105,8 +147,14 @@ def test_dry_run_for_node_rank_1_shows_its_roles_and_devices():
     printed a plan, so node 1 printed nothing."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(GROUP_RANK="1", RANK="8", LOCAL_RANK="0", WORLD_SIZE="16", LOCAL_WORLD_SIZE="8", GROUP_WORLD_SIZE="2")
-    r = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "configs/searchr1.toml", "--dry-run"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "launch/train.py"), "configs/searchr1.toml", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     node = r.stdout.split("# this node: ", 1)[1]
     assert node.startswith("node 1, 8 ranks, roles rollout")
@@ -116,8 +164,14 @@ def test_dry_run_for_node_rank_1_shows_its_roles_and_devices():
         assert row.split()[:4] == [str(8 + i), "1", "rollout", f"cuda:{i}"], row
         assert f"engine {i} (SGLang server, TP 1)" in row
     env["GROUP_RANK"] = "2"  # a node the job does not have
-    r = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "configs/searchr1.toml", "--dry-run"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "launch/train.py"), "configs/searchr1.toml", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "node rank 2" in r.stderr
 
 
@@ -128,8 +182,14 @@ def test_unreachable_tool_url_fails_the_start_naming_url_and_role(prepared, tmp_
     run_dir = tmp_path / "run"
     url = f"http://127.0.0.1:{free_port()}/retrieve"
     # runner.eval_before_after at tiny.toml's value (true): actor rank 0's eval checks the URL too
-    r = run_job(prepared, run_dir, 'agentloop.tool.retriever="http"', f'agentloop.tool.retriever_url="{url}"',
-                "runner.max_steps=2", "runner.eval_before_after=true")
+    r = run_job(
+        prepared,
+        run_dir,
+        'agentloop.tool.retriever="http"',
+        f'agentloop.tool.retriever_url="{url}"',
+        "runner.max_steps=2",
+        "runner.eval_before_after=true",
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert f"rollout rank 1 (engine 0): agentloop.tool.retriever_url {url} does not answer" in out, out[-4000:]

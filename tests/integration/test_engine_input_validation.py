@@ -37,14 +37,19 @@ CONTEXT = 48  # keeps every fuzzed generation short
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("validation")
-    return make_tiny_checkpoint(d / "model", arch="qwen2", seed=0, num_hidden_layers=2, hidden_size=64,
-                                intermediate_size=128)
+    return make_tiny_checkpoint(
+        d / "model", arch="qwen2", seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=128
+    )
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    with running_cpu_engine(model_dir, log_dir=tmp_path_factory.mktemp("logs"), max_running_requests=8,
-                            extra=["--context-length", str(CONTEXT)]) as sup:
+    with running_cpu_engine(
+        model_dir,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        max_running_requests=8,
+        extra=["--context-length", str(CONTEXT)],
+    ) as sup:
         yield sup
 
 
@@ -55,6 +60,7 @@ def _post(url: str, path: str, body=None, *, raw: bytes | None = None, timeout_s
             async with s.post(url + path, data=data, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 text = await r.text()
                 return r.status, (json.loads(text) if r.content_type == "application/json" else text)
+
     return asyncio.run(go())
 
 
@@ -67,8 +73,11 @@ def _alive_and_answering(engine) -> None:
 # ---------------------------------------------------------------- /generate
 def test_top_k_beyond_int64_is_served_and_not_fatal(engine):
     for k in (2**63, 2**70, 10**30):
-        status, out = _post(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": {
-            "top_k": k, "max_new_tokens": 4, "temperature": 1.0}})
+        status, out = _post(
+            engine.url,
+            "/generate",
+            {"input_ids": PROMPT, "sampling_params": {"top_k": k, "max_new_tokens": 4, "temperature": 1.0}},
+        )
         assert status == 200 and len(out["output_ids"]) == 4, out
     _alive_and_answering(engine)
 
@@ -132,10 +141,16 @@ def test_undecodable_body_is_400(engine):
 BAD_CONTROL = [
     ("/abort_request", {"abort_all": "false"}, "abort_all"),
     ("/abort_request", {"rid": 5}, "rid"),
-    ("/init_weights_update_group", {"master_address": "x", "master_port": math.inf, "rank_offset": 1,
-                                    "world_size": 2, "backend": "gloo"}, "master_port"),
-    ("/init_weights_update_group", {"master_address": "x", "master_port": 5, "rank_offset": 3,
-                                    "world_size": 2, "backend": "gloo"}, "rank_offset"),
+    (
+        "/init_weights_update_group",
+        {"master_address": "x", "master_port": math.inf, "rank_offset": 1, "world_size": 2, "backend": "gloo"},
+        "master_port",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": "x", "master_port": 5, "rank_offset": 3, "world_size": 2, "backend": "gloo"},
+        "rank_offset",
+    ),
     ("/update_weights_from_distributed", {"group_name": 7}, "group_name"),
     ("/update_weight_version", {"new_version": [1]}, "new_version"),
     ("/update_weight_version", {"new_version": "2", "abort_all_requests": "false"}, "abort_all_requests"),
@@ -156,14 +171,26 @@ def test_bad_control_field_is_400_naming_it(engine, path, body, field):
 def test_abort_all_string_false_aborts_nothing(engine):
     async def go():
         async with aiohttp.ClientSession() as s:
-            long = asyncio.create_task(s.post(engine.url + "/generate", json={
-                "input_ids": PROMPT, "rid": "keep-me", "sampling_params": {
-                    "max_new_tokens": CONTEXT - len(PROMPT) - 1, "temperature": 1.0, "ignore_eos": True}}))
+            long = asyncio.create_task(
+                s.post(
+                    engine.url + "/generate",
+                    json={
+                        "input_ids": PROMPT,
+                        "rid": "keep-me",
+                        "sampling_params": {
+                            "max_new_tokens": CONTEXT - len(PROMPT) - 1,
+                            "temperature": 1.0,
+                            "ignore_eos": True,
+                        },
+                    },
+                )
+            )
             async with s.post(engine.url + "/abort_request", json={"abort_all": "false"}) as r:
                 assert r.status == 400
             async with await long as r:
                 out = await r.json()
             assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
+
     asyncio.run(go())
 
 
@@ -179,15 +206,18 @@ def _metric(url: str, name: str) -> float:
     async def go():
         async with SGLangClient(url, request_timeout_s=30) as c:
             return await c.metrics()
+
     m = asyncio.run(go())
     return getattr(m, name)
 
 
 def _series(url: str) -> dict[str, float]:
     """Every ``sglang:*`` series of ``/metrics`` as the scraper reads them."""
+
     async def go():
         async with aiohttp.ClientSession() as s, s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as r:
             return parse_prometheus(await r.text())
+
     return asyncio.run(go())
 
 
@@ -226,14 +256,26 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
         async with SGLangClient(engine.url, request_timeout_s=60, control_timeout_s=60) as c:
             before = (await c.generate(PROMPT, GREEDY, return_logprob=True)).output_logprobs
             port = free_port()
-            join = asyncio.create_task(c.init_weights_update_group(
-                master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name="val",
-                backend="gloo", timeout_s=60))
+            join = asyncio.create_task(
+                c.init_weights_update_group(
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    rank_offset=1,
+                    world_size=2,
+                    group_name="val",
+                    backend="gloo",
+                    timeout_s=60,
+                )
+            )
             pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, "val", timeout_s=60)
             assert (await join)["success"] is True
             await c.begin_weight_update()
-            good = {"names": names, "dtypes": ["float32"] * 2, "shapes": [list(new[n].shape) for n in names],
-                    "group_name": "val"}
+            good = {
+                "names": names,
+                "dtypes": ["float32"] * 2,
+                "shapes": [list(new[n].shape) for n in names],
+                "group_name": "val",
+            }
             bad = [
                 ({"names": [names[0], "model.no_such.weight"], "shapes": [good["shapes"][0], [4]]}, "no_such"),
                 ({"shapes": [good["shapes"][0], [3, 3]]}, "shape"),
@@ -248,15 +290,17 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
             ]
             for patch, what in bad:
                 status, out = await asyncio.to_thread(
-                    _post, engine.url, "/update_weights_from_distributed", raw=_dumps({**good, **patch}),
-                    timeout_s=10)
+                    _post, engine.url, "/update_weights_from_distributed", raw=_dumps({**good, **patch}), timeout_s=10
+                )
                 assert status == 400 and what in out["message"], (patch, out)
             after = (await c.generate(PROMPT, GREEDY, return_logprob=True)).output_logprobs
             assert after == before  # nothing was written
-            call = asyncio.create_task(c.update_weights_from_distributed(
-                names=names, dtypes=["float32"] * 2, shapes=[list(new[n].shape) for n in names], group_name="val"))
-            await asyncio.to_thread(lambda: [dist.broadcast(new[n].contiguous(), group_src=0, group=pg)
-                                             for n in names])
+            call = asyncio.create_task(
+                c.update_weights_from_distributed(
+                    names=names, dtypes=["float32"] * 2, shapes=[list(new[n].shape) for n in names], group_name="val"
+                )
+            )
+            await asyncio.to_thread(lambda: [dist.broadcast(new[n].contiguous(), group_src=0, group=pg) for n in names])
             assert (await call)["success"] is True
             await c.end_weight_update()
             changed = (await c.generate(PROMPT, GREEDY, return_logprob=True)).output_logprobs
@@ -269,28 +313,60 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
 
 
 # ---------------------------------------------------------------- the fuzz (last: it may leave odd state behind)
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.sampled_from([2**63, 2**64, -2**63, 10**30]),
-                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.text(max_size=5), inner, max_size=3), max_leaves=10)
-SP_KEYS = ["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "ignore_eos",
-           "skip_special_tokens", "no_stop_trim", "min_new_tokens", "sampling_seed", "frequency_penalty",
-           "logit_bias", "json_schema", "stream_interval", "bogus"]
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 70),
+    st.sampled_from([2**63, 2**64, -(2**63), 10**30]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10,
+)
+SP_KEYS = [
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "min_new_tokens",
+    "sampling_seed",
+    "frequency_penalty",
+    "logit_bias",
+    "json_schema",
+    "stream_interval",
+    "bogus",
+]
 sampling = st.dictionaries(st.sampled_from(SP_KEYS), json_values, max_size=5)
 ids = st.lists(st.integers(0, 40), min_size=0, max_size=6)
-generate_body = st.fixed_dictionaries({}, optional={
-    "input_ids": st.one_of(ids, st.lists(ids, max_size=3), json_values),
-    "text": st.one_of(st.text(max_size=12), json_values),
-    "sampling_params": st.one_of(sampling, st.lists(sampling, max_size=3), json_values),
-    "rid": json_values, "return_logprob": json_values, "logprob_start_len": json_values, "stream": json_values,
-    "extra_key": json_values})
+generate_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "input_ids": st.one_of(ids, st.lists(ids, max_size=3), json_values),
+        "text": st.one_of(st.text(max_size=12), json_values),
+        "sampling_params": st.one_of(sampling, st.lists(sampling, max_size=3), json_values),
+        "rid": json_values,
+        "return_logprob": json_values,
+        "logprob_start_len": json_values,
+        "stream": json_values,
+        "extra_key": json_values,
+    },
+)
 
 
 def test_fuzz_generate_never_500_never_fatal(engine):
     statuses: dict[int, int] = {}
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-              database=None)
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
     @given(body=generate_body)
     def one(body):
         if isinstance(body.get("sampling_params"), dict):  # keep the valid ones short

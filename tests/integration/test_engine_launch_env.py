@@ -31,9 +31,16 @@ def _rank_main(model: str, out: str, port: int) -> None:
     res: dict = {"rank_env": {k: os.environ.get(k) for k in ("TORCHELASTIC_USE_AGENT_STORE", "MASTER_PORT")}}
     cfg = dataclasses.replace(
         Config(),
-        rollout=RolloutConfig(rollout_backend="cpu", model_path=model, max_running_requests=2, port=port,
-                              start_timeout_s=90, max_restarts=0),
-        logging=LoggingConfig(run_dir=str(Path(out).parent / "run")))
+        rollout=RolloutConfig(
+            rollout_backend="cpu",
+            model_path=model,
+            max_running_requests=2,
+            port=port,
+            start_timeout_s=90,
+            max_restarts=0,
+        ),
+        logging=LoggingConfig(run_dir=str(Path(out).parent / "run")),
+    )
     sup = EngineSupervisor.from_config(cfg, engine_index=0, host="127.0.0.1")
     try:
         sup.start()
@@ -45,8 +52,9 @@ def _rank_main(model: str, out: str, port: int) -> None:
     finally:
         sup.stop()
     # the same engine with the rank's whole environment (a short --dist-timeout: it cannot succeed)
-    leaky = spawn_child("leaky_engine", [*sup.command, "--dist-timeout", "5"], log_dir=sup.log_dir,
-                        env={"OMP_NUM_THREADS": "1"})
+    leaky = spawn_child(
+        "leaky_engine", [*sup.command, "--dist-timeout", "5"], log_dir=sup.log_dir, env={"OMP_NUM_THREADS": "1"}
+    )
     deadline = time.monotonic() + 60
     while leaky.alive() and time.monotonic() < deadline and not model_info_ready(sup.url, timeout_s=1.0):
         time.sleep(0.3)
@@ -60,17 +68,22 @@ def _rank_main(model: str, out: str, port: int) -> None:
 def test_engine_started_from_a_torchrun_rank_comes_up(tmp_path):
     from asyncrl.models.tiny import make_tiny_checkpoint
 
-    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", num_hidden_layers=1, hidden_size=32,
-                                 intermediate_size=64)
+    model = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
     out = tmp_path / "result.json"
-    proc = proc_helpers.run_torchrun(Path(__file__), [str(model), str(out), str(proc_helpers.free_port())], nproc=1,
-                                     timeout_s=300)
+    proc = proc_helpers.run_torchrun(
+        Path(__file__), [str(model), str(out), str(proc_helpers.free_port())], nproc=1, timeout_s=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["rank_env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # we really were a torchrun rank
     assert res["started"], res.get("error")
-    leaked = [k for k in res["engine_env_keys"]
-              if k.startswith("TORCHELASTIC_") or k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")]
+    leaked = [
+        k
+        for k in res["engine_env_keys"]
+        if k.startswith("TORCHELASTIC_") or k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    ]
     assert leaked == []
     # the inherited environment is what breaks the start (the engine's tcp:// world never forms)
     assert not res["leaky_answered"]

@@ -22,8 +22,9 @@ NUM_REQUESTS = 4
 
 
 def test_scraper_sees_running_requests_on_a_real_engine(tmp_path):
-    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", num_hidden_layers=1, hidden_size=32,
-                                 intermediate_size=64)
+    model = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
     with running_cpu_engine(model, log_dir=tmp_path / "logs", max_running_requests=NUM_REQUESTS) as sup:
         idle = EngineScraper([sup.url], interval_s=3600).scrape()
         assert idle["sglang_num_running_reqs"] == 0.0 and idle["engine/0/num_running_reqs"] == 0.0

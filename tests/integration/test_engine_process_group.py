@@ -25,8 +25,7 @@ def _member(rank: int, world_size: int, ports: list[int], default_port: int | No
 
     try:
         if default_port is not None:  # a process that already has its own (unrelated) default world
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{default_port}",
-                                    rank=0, world_size=1)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{default_port}", rank=0, world_size=1)
         results = []
         for round_, port in enumerate(ports):  # join, use, destroy, join again (same name)
             pg = init_weight_update_group("127.0.0.1", port, rank, world_size, "wug", timeout_s=60)

@@ -22,8 +22,9 @@ LONG = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     d = tmp_path_factory.mktemp("proto")
-    model = make_tiny_checkpoint(d / "model", arch="qwen2", seed=0, num_hidden_layers=2, hidden_size=64,
-                                 intermediate_size=128)
+    model = make_tiny_checkpoint(
+        d / "model", arch="qwen2", seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=128
+    )
     with running_cpu_engine(model, log_dir=d / "logs", max_running_requests=8) as sup:
         yield sup
 
@@ -48,8 +49,7 @@ async def _wait(pred, timeout_s=30.0):
 def test_generate_shapes_and_errors(engine):
     async def go():
         async with SGLangClient(engine.url, request_timeout_s=60) as c:
-            r = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0}, rid="g1",
-                                 logprob_start_len=0)
+            r = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0}, rid="g1", logprob_start_len=0)
             assert r.rid == "g1" and len(r.output_ids) == 6 and r.finish_reason == {"type": "length", "length": 6}
             assert len(r.output_logprobs) == 6 and all(lp <= 0 for lp in r.output_logprobs)
             entries = r.meta_info["output_token_logprobs"]
@@ -66,9 +66,10 @@ def test_generate_shapes_and_errors(engine):
             assert s.output_ids == r.output_ids[:3] and s.finish_reason == {"type": "stop", "matched": stop_tok}
             # stop string: ids untrimmed, text cut before the string
             full = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0, "skip_special_tokens": False})
-            word = full.text[len(full.text) // 2:][:2] or full.text
-            st = await c.generate([5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0, "stop": [word],
-                                                 "skip_special_tokens": False})
+            word = full.text[len(full.text) // 2 :][:2] or full.text
+            st = await c.generate(
+                [5, 6, 7, 8], {"max_new_tokens": 6, "temperature": 0, "stop": [word], "skip_special_tokens": False}
+            )
             assert st.finish_reason == {"type": "stop", "matched": word}
             assert word not in st.text and r.output_ids[: len(st.output_ids)] == st.output_ids
             # sampling with a seed is reproducible
@@ -92,14 +93,20 @@ def test_generate_shapes_and_errors(engine):
             res = await long
             assert res.aborted and res.finish_reason["message"] == "Aborted" and 0 < len(res.output_ids) < 400
             # batch input
-            status, text = await _raw(engine.url, "POST", "/generate", {
-                "input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+            status, text = await _raw(
+                engine.url,
+                "POST",
+                "/generate",
+                {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+            )
             assert status == 200 and [len(x["output_ids"]) for x in json.loads(text)] == [2, 2]
+
     run(go())
 
 
 def test_prompt_plus_max_new_tokens_over_the_context_is_rejected_like_sglang(engine):
     """SGLang answers 400 naming the lengths instead of silently returning a shorter output."""
+
     async def go():
         status, text = await _raw(engine.url, "GET", "/get_server_info")
         ctx = json.loads(text)["context_length"]
@@ -114,6 +121,7 @@ def test_prompt_plus_max_new_tokens_over_the_context_is_rejected_like_sglang(eng
             assert ei.value.status == 400 and str(ctx) in ei.value.message
             r = await c.generate([5, 6, 7, 8], {"max_new_tokens": 2, "temperature": 0})  # the engine serves on
             assert len(r.output_ids) == 2
+
     run(go())
 
 
@@ -158,20 +166,26 @@ def test_info_metrics_flush_and_prefix_reuse(engine):
             assert third.cached_tokens == 0 and third.output_ids == second.output_ids  # same result without cache
             status, _ = await _raw(engine.url, "GET", "/health")
             assert status == 200
-            status, text = await _raw(engine.url, "POST", "/update_weights_from_distributed",
-                                      {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]})
+            status, text = await _raw(
+                engine.url,
+                "POST",
+                "/update_weights_from_distributed",
+                {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]},
+            )
             assert status == 400 and "begin_weight_update" in json.loads(text)["message"]
             with pytest.raises(EngineError, match="begin_weight_update"):
                 await c.end_weight_update()
             with pytest.raises(EngineError, match="does not exist"):
                 await c.destroy_weights_update_group("nope")
             with pytest.raises(EngineError, match="gloo"):
-                await c.init_weights_update_group(master_address="127.0.0.1", master_port=1, rank_offset=1,
-                                                  world_size=2, backend="nccl")
+                await c.init_weights_update_group(
+                    master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, backend="nccl"
+                )
             status, text = await _raw(engine.url, "POST", "/pause_generation", {"mode": "drain"})
             assert status == 400 and "drain" in text
             status, text = await _raw(engine.url, "POST", "/pause_generation")  # a body is required
             assert status == 400
+
     run(go())
 
 
@@ -192,6 +206,7 @@ def test_pause_abort_then_requests_wait_for_continue(engine):
             await c.continue_generation()
             r = await asyncio.wait_for(late, 30)
             assert r.finish_reason["type"] == "length" and len(r.output_ids) == 4
+
     run(go())
 
 
@@ -215,6 +230,7 @@ def test_pause_retract_resumes_under_new_version(engine):
                 assert a["version"] == "0" and b["version"] == "1"
                 assert a["start"] == 0 and a["end"] == b["start"] and b["end"] == 400 and 0 < a["end"] < 400
             await c.update_weight_version("0", abort_all_requests=False)
+
     run(go())
 
 
@@ -234,6 +250,7 @@ def test_pause_in_place_keeps_kv(engine):
             await c.continue_generation()
             done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert all(len(r.output_ids) == 400 and r.num_retractions == 0 for r in done)
+
     run(go())
 
 
@@ -243,10 +260,14 @@ def test_update_weight_version_aborts_by_default(engine):
             t = asyncio.create_task(c.generate([70, 71], LONG))
             await _wait(lambda: _in_flight(c))
             status, text = await _raw(engine.url, "POST", "/update_weight_version", {"new_version": "5"})
-            assert status == 200 and json.loads(text) == {"success": True, "message": "Weight version updated to 5",
-                                                          "new_version": "5"}
+            assert status == 200 and json.loads(text) == {
+                "success": True,
+                "message": "Weight version updated to 5",
+                "new_version": "5",
+            }
             r = await asyncio.wait_for(t, 30)
             assert r.aborted
             assert (await c.model_info())["weight_version"] == "5"
             await c.update_weight_version("0")
+
     run(go())

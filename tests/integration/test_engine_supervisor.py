@@ -40,8 +40,9 @@ def _wait(pred, what: str, timeout_s: float = 30.0):
 
 
 def test_stopped_engine_is_called_hung_and_relaunched(tmp_path):
-    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,
-                                 intermediate_size=64)
+    model = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
     with running_cpu_engine(model, log_dir=tmp_path / "logs") as sup:
         sup.max_restarts = 1
         assert sup.probe(timeout_s=5)
@@ -64,8 +65,11 @@ def test_stopped_engine_is_called_hung_and_relaunched(tmp_path):
         assert not Path(f"/proc/{first}").exists() or "zombie" in Path(f"/proc/{first}/status").read_text()
         os.kill(sup.pid, signal.SIGKILL)
         _wait(lambda: not sup.alive(), "the killed engine to be seen dead")
-        with pytest.raises(EngineLaunchError, match=r"cpu_engine_\d+ at http.* after 1 restart\(s\) "
-                                                    r"\(rollout.max_restarts=1\)"):
+        with pytest.raises(
+            EngineLaunchError,
+            match=r"cpu_engine_\d+ at http.* after 1 restart\(s\) "
+            r"\(rollout.max_restarts=1\)",
+        ):
             sup.relaunch("dead: the process exited with code -9")
 
 
@@ -99,8 +103,9 @@ def _env():
 
 def test_vital_child_death_fails_the_parent_fast(tmp_path):
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", _CHILD_DIES, str(tmp_path)], env=_env(), capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD_DIES, str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 1
     assert "the vital child (pid" in r.stderr and "exited with code 0" in r.stderr
     assert time.monotonic() - t0 < 30  # not the 60 s sleep
@@ -109,12 +114,14 @@ def test_vital_child_death_fails_the_parent_fast(tmp_path):
 def test_sigkilled_parent_takes_the_rank_and_its_children(tmp_path):
     """The shape of torchrun: the agent starts a rank in its own session; SIGKILL the agent and the rank (which
     watches its parent) stops its child and exits."""
-    agent = subprocess.Popen([sys.executable, "-c", _PARENT_DIES, str(tmp_path), _RANK], env=_env(),
-                             stdout=subprocess.PIPE, text=True)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT_DIES, str(tmp_path), _RANK], env=_env(), stdout=subprocess.PIPE, text=True
+    )
     try:
         rank = int(agent.stdout.readline())
-        engine = _wait(lambda: next((p for p in pids_mentioning("time.sleep(600)") if _ppid(p) == rank), None),
-                       "the rank's child")
+        engine = _wait(
+            lambda: next((p for p in pids_mentioning("time.sleep(600)") if _ppid(p) == rank), None), "the rank's child"
+        )
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)
         _wait(lambda: not _running(rank) and not _running(engine), "the rank and its child to exit", timeout_s=10)

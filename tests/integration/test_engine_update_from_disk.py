@@ -27,8 +27,10 @@ def _perturbed(src, dst, scale=0.3):
     shutil.copytree(src, dst)
     g = torch.Generator().manual_seed(7)
     for f in dst.glob("*.safetensors"):
-        tensors = {k: (v + scale * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype)).contiguous()
-                   for k, v in load_file(str(f)).items()}
+        tensors = {
+            k: (v + scale * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype)).contiguous()
+            for k, v in load_file(str(f)).items()
+        }
         save_file(tensors, str(f))
     return dst
 

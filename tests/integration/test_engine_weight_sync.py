@@ -29,7 +29,7 @@ def _greedy(model_dir, n=8) -> list[int]:
         kv = KVPool(m.spec, 1)
         h = m.forward(torch.tensor([ids]), torch.tensor([0]), torch.tensor([len(ids)]), kv, 0)
         ids.append(int(m.logits(h[0, -1]).argmax()))
-    return ids[len(PROMPT):]
+    return ids[len(PROMPT) :]
 
 
 def test_trainer_pushes_weights_and_version(tmp_path):
@@ -48,21 +48,37 @@ def test_trainer_pushes_weights_and_version(tmp_path):
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
             with pytest.raises(EngineError, match="does not exist"):
                 await c.begin_weight_update()
-                await c.update_weights_from_distributed(names=names[:1], dtypes=["float32"], shapes=[[1]],
-                                                        group_name="wsync")
+                await c.update_weights_from_distributed(
+                    names=names[:1], dtypes=["float32"], shapes=[[1]], group_name="wsync"
+                )
             await c.end_weight_update()
             port = free_port()
-            join = asyncio.create_task(c.init_weights_update_group(
-                master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name="wsync",
-                backend="gloo", timeout_s=60))
+            join = asyncio.create_task(
+                c.init_weights_update_group(
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    rank_offset=1,
+                    world_size=2,
+                    group_name="wsync",
+                    backend="gloo",
+                    timeout_s=60,
+                )
+            )
             pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, "wsync", timeout_s=60)
             assert (await join)["success"] is True
             await c.begin_weight_update()
             for bucket, fmt in buckets:
                 tensors = [new[n] for n in bucket]
-                call = asyncio.create_task(c.update_weights_from_distributed(
-                    names=bucket, dtypes=[str(t.dtype) for t in tensors], shapes=[list(t.shape) for t in tensors],
-                    group_name="wsync", flush_cache=True, load_format=fmt))
+                call = asyncio.create_task(
+                    c.update_weights_from_distributed(
+                        names=bucket,
+                        dtypes=[str(t.dtype) for t in tensors],
+                        shapes=[list(t.shape) for t in tensors],
+                        group_name="wsync",
+                        flush_cache=True,
+                        load_format=fmt,
+                    )
+                )
 
                 def send(fmt=fmt, tensors=tensors):
                     if fmt == "flattened_bucket":
@@ -100,9 +116,17 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
 
     async def join(c, group):
         port = free_port()
-        task = asyncio.create_task(c.init_weights_update_group(
-            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=group,
-            backend="gloo", timeout_s=60))
+        task = asyncio.create_task(
+            c.init_weights_update_group(
+                master_address="127.0.0.1",
+                master_port=port,
+                rank_offset=1,
+                world_size=2,
+                group_name=group,
+                backend="gloo",
+                timeout_s=60,
+            )
+        )
         pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, group, timeout_s=60)
         assert (await task)["success"] is True
         return pg
@@ -110,8 +134,11 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
     async def push(c, pg, group, weights, calls):
         for bucket in calls:
             ts = [weights[n].contiguous() for n in bucket]
-            call = asyncio.create_task(c.update_weights_from_distributed(
-                names=bucket, dtypes=["float32"] * len(ts), shapes=[list(t.shape) for t in ts], group_name=group))
+            call = asyncio.create_task(
+                c.update_weights_from_distributed(
+                    names=bucket, dtypes=["float32"] * len(ts), shapes=[list(t.shape) for t in ts], group_name=group
+                )
+            )
             await asyncio.to_thread(lambda ts=ts: [dist.broadcast(t, group_src=0, group=pg) for t in ts])
             assert (await call)["success"] is True
 
@@ -127,9 +154,14 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
             await push(c, pg, "g1", wa, [[n] for n in names])
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
             # a receive that fails after the first tensor: the trainer leaves the group
-            call = asyncio.create_task(c.update_weights_from_distributed(
-                names=names, dtypes=["float32"] * len(names), shapes=[list(wb[n].shape) for n in names],
-                group_name="g1"))
+            call = asyncio.create_task(
+                c.update_weights_from_distributed(
+                    names=names,
+                    dtypes=["float32"] * len(names),
+                    shapes=[list(wb[n].shape) for n in names],
+                    group_name="g1",
+                )
+            )
             await asyncio.to_thread(dist.broadcast, wb[names[0]].contiguous(), group_src=0, group=pg)
             destroy_weight_update_group(pg)
             with pytest.raises(EngineError, match="no weight changed"):
@@ -137,12 +169,13 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
             await c.destroy_weights_update_group("g1")
             pg = await join(c, "g2")
-            await push(c, pg, "g2", wb, [names[: len(names) // 2], names[len(names) // 2:]])
+            await push(c, pg, "g2", wb, [names[: len(names) // 2], names[len(names) // 2 :]])
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_b
             await c.end_weight_update()
             await c.destroy_weights_update_group("g2")
             destroy_weight_update_group(pg)
 
-    with running_cpu_engine(a, log_dir=tmp_path / "logs", max_running_requests=4,
-                            extra=["--weight-sync-timeout-s", "10"]) as sup:
+    with running_cpu_engine(
+        a, log_dir=tmp_path / "logs", max_running_requests=4, extra=["--weight-sync-timeout-s", "10"]
+    ) as sup:
         asyncio.run(go(sup.url))

@@ -40,10 +40,23 @@ def tok(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tok")
     text = d / "text.txt"
-    text.write_text("\n".join([doc["contents"] for doc in DOCS] + [searchr1.build_prompt("capital of Zorvania"),
-                                                                    "<search> capital </search>"]) * 5)
-    path = make_tiny_checkpoint(d / "m", corpus_path=text, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=1, vocab_size=300)
+    text.write_text(
+        "\n".join(
+            [doc["contents"] for doc in DOCS]
+            + [searchr1.build_prompt("capital of Zorvania"), "<search> capital </search>"]
+        )
+        * 5
+    )
+    path = make_tiny_checkpoint(
+        d / "m",
+        corpus_path=text,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+    )
     return AgentTokenizer.from_pretrained(path)
 
 
@@ -56,8 +69,9 @@ def test_start_check_fails_naming_the_url_and_the_role():
     url = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(RetrieverError) as e:
-        check_retriever(ToolConfig(retriever="http", retriever_url=url, timeout_s=5, max_retries=3),
-                        role="actor rank 0 (eval)")
+        check_retriever(
+            ToolConfig(retriever="http", retriever_url=url, timeout_s=5, max_retries=3), role="actor rank 0 (eval)"
+        )
     assert url in str(e.value) and "actor rank 0 (eval)" in str(e.value) and "retriever_url" in str(e.value)
     assert time.monotonic() - t0 < 10  # one attempt, no retries with backoff
 
@@ -65,16 +79,31 @@ def test_start_check_fails_naming_the_url_and_the_role():
 def test_eval_with_the_retriever_gone_is_an_error_naming_the_url(server, tok):
     proc, url = server
     retriever = HttpRetriever(url, timeout_s=5, max_retries=1, backoff_s=0.01)
-    cfg = AgentLoopConfig(task_name="searchr1", max_turns=2, max_tokens_per_turn=16, max_total_tokens=8192,
-                          tool=ToolConfig(retriever="http", retriever_url=url, topk=1))
-    loop = AgentLoop(task=get_task("searchr1"), tokenizer=tok, retriever=retriever, agent_cfg=cfg,
-                     sampling=SamplingConfig(temperature=0.0))
+    cfg = AgentLoopConfig(
+        task_name="searchr1",
+        max_turns=2,
+        max_tokens_per_turn=16,
+        max_total_tokens=8192,
+        tool=ToolConfig(retriever="http", retriever_url=url, topk=1),
+    )
+    loop = AgentLoop(
+        task=get_task("searchr1"),
+        tokenizer=tok,
+        retriever=retriever,
+        agent_cfg=cfg,
+        sampling=SamplingConfig(temperature=0.0),
+    )
 
     async def searching_engine(input_ids, params, rid):  # the engine is the edge here: it always searches
         ids = tok.encode("<search> capital </search>")
-        return {"output_ids": ids, "meta_info": {"finish_reason": {"type": "stop", "matched": "</search>"},
-                                                 "weight_version": "0",
-                                                 "output_token_logprobs": [[-0.1, t, None] for t in ids]}}
+        return {
+            "output_ids": ids,
+            "meta_info": {
+                "finish_reason": {"type": "stop", "matched": "</search>"},
+                "weight_version": "0",
+                "output_token_logprobs": [[-0.1, t, None] for t in ids],
+            },
+        }
 
     items = [PromptItem(index=i, prompt="capital of Zorvania", answers=["Quelport"]) for i in range(3)]
 

@@ -44,8 +44,18 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_dry_run_two_processes():
-    r = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", TRAIN, "configs/tiny.toml",
-             "--dry-run"])
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            TRAIN,
+            "configs/tiny.toml",
+            "--dry-run",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("# plan: 2 ranks") == 1  # printed once, by rank 0
     assert "1     0     rollout  cpu (rank 1)" in r.stdout
@@ -59,8 +69,21 @@ def test_torchrun_bad_config_exits_nonzero_on_every_rank(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     run_dir = tmp_path / "run"
-    r = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-             TRAIN, "configs/tiny.toml", "data.rollout_batch_size=0", f'logging.run_dir="{run_dir}"'])
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            TRAIN,
+            "configs/tiny.toml",
+            "data.rollout_batch_size=0",
+            f'logging.run_dir="{run_dir}"',
+        ]
+    )
     assert r.returncode != 0
     # Every rank validates before anything starts; the first to exit makes torchrun stop the other,
     # which may be killed before it prints, so at least one report (each report names the key).

@@ -13,8 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STOP_BOUND_S = 60  # from the failing rank's error to the job's exit; measured 10 s on a 2-core box at load 20
 
 
-
-
 def _inputs(tmp_path: Path) -> list[str]:
     """Real data and a real tiny model (check_inputs requires the paths the run reads to exist)."""
     from asyncrl.embedded.synth import write_dataset
@@ -22,15 +20,38 @@ def _inputs(tmp_path: Path) -> list[str]:
 
     data = tmp_path / "data"
     write_dataset(data, seed=0, num_countries=20, num_test=10)
-    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", corpus_path=data / "tokenizer_text.txt", seed=0,
-                                 vocab_size=512, hidden_size=32, num_hidden_layers=1, intermediate_size=64)
-    return ["prepare.enabled=false", f'actor.model_path="{model}"', f'data.train_path="{data}/train.jsonl"',
-            f'data.test_path="{data}/test.jsonl"', f'agentloop.tool.corpus_path="{data}/corpus.jsonl"']
+    model = make_tiny_checkpoint(
+        tmp_path / "model",
+        arch="qwen2",
+        corpus_path=data / "tokenizer_text.txt",
+        seed=0,
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=1,
+        intermediate_size=64,
+    )
+    return [
+        "prepare.enabled=false",
+        f'actor.model_path="{model}"',
+        f'data.train_path="{data}/train.jsonl"',
+        f'data.test_path="{data}/test.jsonl"',
+        f'agentloop.tool.corpus_path="{data}/corpus.jsonl"',
+    ]
 
 
 def _torchrun(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            str(ROOT / "launch/train.py"), "configs/tiny.toml", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(ROOT / "launch/train.py"),
+        "configs/tiny.toml",
+        *args,
+    ]
 
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
@@ -40,8 +61,9 @@ ENV = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_P
 def test_missing_model_path_fails_before_any_process_starts(tmp_path):
     """A path the run reads is checked on every rank before the broker or an engine starts (issue 15)."""
     run_dir = tmp_path / "run"
-    cmd = _torchrun([*_inputs(tmp_path), f'rollout.model_path="{tmp_path}/no_such_model"',
-                     f'logging.run_dir="{run_dir}"'])
+    cmd = _torchrun(
+        [*_inputs(tmp_path), f'rollout.model_path="{tmp_path}/no_such_model"', f'logging.run_dir="{run_dir}"']
+    )
     r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "config error: rollout.model_path" in r.stderr and "no_such_model" in r.stderr, r.stderr[-2000:]

@@ -27,7 +27,9 @@ def start_server(corpus, timeout_s=60.0):
     """Start the server on a free port; returns (process, url). The caller kills the process."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.agent.tools.retrieval_server", "--corpus", str(corpus), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + timeout_s
     line = ""

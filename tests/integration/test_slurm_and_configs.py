@@ -42,8 +42,22 @@ echo "fake srun ran"
 def _clean_env() -> dict[str, str]:
     env = dict(os.environ)
     for k in list(env):
-        if k.startswith("SLURM_") or k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                           "RUN_DIR", "RDZV_PORT", "NPROC_PER_NODE", "TORCHRUN") or k.startswith("RETRIEVER_"):
+        if (
+            k.startswith("SLURM_")
+            or k
+            in (
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE",
+                "RUN_DIR",
+                "RDZV_PORT",
+                "NPROC_PER_NODE",
+                "TORCHRUN",
+            )
+            or k.startswith("RETRIEVER_")
+        ):
             del env[k]
     return env
 
@@ -62,12 +76,20 @@ def fake_slurm(tmp_path):
 
     def run(*args: str, job_id: str = "4242", **env_extra: str) -> subprocess.CompletedProcess:
         env = _clean_env()
-        env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_LOG_DIR=str(logs), PYTHON=sys.executable,
-                   SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="gpu-node[07-08]", SLURM_JOB_NUM_NODES="2",
-                   SLURM_SUBMIT_DIR=str(submit), SLURM_CPUS_PER_TASK="64")  # sbatch sets it from #SBATCH
+        env.update(
+            PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+            FAKE_LOG_DIR=str(logs),
+            PYTHON=sys.executable,
+            SLURM_JOB_ID=job_id,
+            SLURM_JOB_NODELIST="gpu-node[07-08]",
+            SLURM_JOB_NUM_NODES="2",
+            SLURM_SUBMIT_DIR=str(submit),
+            SLURM_CPUS_PER_TASK="64",
+        )  # sbatch sets it from #SBATCH
         env.update(env_extra)
-        return subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run(
+            ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
 
     return run, submit, logs
 
@@ -109,9 +131,13 @@ def test_sbatch_builds_one_torchrun_per_node_with_a_job_rendezvous(fake_slurm, c
     assert _value_after(argv[:t], "--cpus-per-task") == "64"
     # torchrun starts with SIGUSR1 ignored (Slurm's preemption notice is for the actor ranks): run the same
     # wrapper for real in front of a probe instead of torchrun
-    wrapper = argv[argv.index("bash"):t]
-    probe = subprocess.run([*wrapper, sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)"],
-                           capture_output=True, text=True, timeout=30)
+    wrapper = argv[argv.index("bash") : t]
+    probe = subprocess.run(
+        [*wrapper, sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert probe.stdout.strip() == "True", probe
     torchrun = argv[t:]
     assert _value_after(torchrun, "--nnodes") == "2"
@@ -122,7 +148,7 @@ def test_sbatch_builds_one_torchrun_per_node_with_a_job_rendezvous(fake_slurm, c
     # the program, its config, the per-job run directory, then the extra overrides in order
     p = torchrun.index("launch/train.py")
     run_dir = submit / "runs" / f"{Path(config).stem}-4242"
-    assert torchrun[p + 1:] == [config, f'logging.run_dir="{run_dir}"', "runner.max_steps=5"]
+    assert torchrun[p + 1 :] == [config, f'logging.run_dir="{run_dir}"', "runner.max_steps=5"]
     assert run_dir.is_dir()
     # the config was validated before srun: the plan of the dry run is in the run directory
     plan = (run_dir / "plan.txt").read_text()
@@ -140,8 +166,10 @@ def test_two_jobs_get_their_own_rendezvous_and_run_directory(fake_slurm):
         seen.append((_value_after(argv, "--rdzv-id"), argv[-1]))
         assert _value_after(argv, "--rdzv-endpoint") == "gpu-node07:29611"
         assert argv[argv.index("launch/train.py") + 1] == "configs/searchr1.toml"  # the default config
-    assert seen == [("101", f'logging.run_dir="{submit}/runs/searchr1-101"'),
-                    ("102", f'logging.run_dir="{submit}/runs/searchr1-102"')]
+    assert seen == [
+        ("101", f'logging.run_dir="{submit}/runs/searchr1-101"'),
+        ("102", f'logging.run_dir="{submit}/runs/searchr1-102"'),
+    ]
 
 
 @pytest.mark.slow
@@ -187,21 +215,32 @@ def test_sbatch_starts_the_retriever_where_both_nodes_reach_it(fake_slurm, tmp_p
 
     run, submit, logs = fake_slurm
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('{"id": "0", "contents": "Paris is the capital of France"}\n'
-                      '{"id": "1", "contents": "Berlin is a city"}\n')
+    corpus.write_text(
+        '{"id": "0", "contents": "Paris is the capital of France"}\n{"id": "1", "contents": "Berlin is a city"}\n'
+    )
     host, port = socket.gethostname(), proc_helpers.free_port()  # the head node is this machine
-    cmd = (f"{sys.executable} -m asyncrl.agent.tools.retrieval_server --corpus {corpus} --host 0.0.0.0 "
-           f"--port {port}")
+    cmd = f"{sys.executable} -m asyncrl.agent.tools.retrieval_server --corpus {corpus} --host 0.0.0.0 --port {port}"
     url = f"http://{host}:{port}/retrieve"
-    r = run("configs/searchr1.toml", "runner.max_steps=3", RETRIEVER_CMD=cmd, RETRIEVER_PORT=str(port),
-            FAKE_NODES=f"{host}\\nother-node", FAKE_PROBE_URL=url, PYTHONPATH=str(ROOT))
+    r = run(
+        "configs/searchr1.toml",
+        "runner.max_steps=3",
+        RETRIEVER_CMD=cmd,
+        RETRIEVER_PORT=str(port),
+        FAKE_NODES=f"{host}\\nother-node",
+        FAKE_PROBE_URL=url,
+        PYTHONPATH=str(ROOT),
+    )
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert f"retriever ready at {url}" in r.stdout and "loopback" not in r.stderr
     torchrun = _srun_argv(logs)
     p = torchrun.index("launch/train.py")
     run_dir = submit / "runs" / "searchr1-4242"
-    assert torchrun[p + 1:] == ["configs/searchr1.toml", f'logging.run_dir="{run_dir}"',
-                                f'agentloop.tool.retriever_url="{url}"', "runner.max_steps=3"]
+    assert torchrun[p + 1 :] == [
+        "configs/searchr1.toml",
+        f'logging.run_dir="{run_dir}"',
+        f'agentloop.tool.retriever_url="{url}"',
+        "runner.max_steps=3",
+    ]
     assert f'retriever_url = "{url}"' in (run_dir / "plan.txt").read_text()
     assert "Paris is the capital" in (logs / "probe.out").read_text()  # it answered while the job ran
     assert proc_helpers.pids_mentioning(str(corpus)) == []  # and was stopped with the job
@@ -210,8 +249,11 @@ def test_sbatch_starts_the_retriever_where_both_nodes_reach_it(fake_slurm, tmp_p
 @pytest.mark.slow
 def test_sbatch_retriever_that_dies_fails_before_srun(fake_slurm):
     run, submit, logs = fake_slurm
-    r = run(RETRIEVER_CMD="echo 'no index at /data/e5' >&2; exit 4", RETRIEVER_HOST="127.0.0.1",
-            RETRIEVER_PORT=str(proc_helpers.free_port()))
+    r = run(
+        RETRIEVER_CMD="echo 'no index at /data/e5' >&2; exit 4",
+        RETRIEVER_HOST="127.0.0.1",
+        RETRIEVER_PORT=str(proc_helpers.free_port()),
+    )
     assert r.returncode == 3
     assert "retriever exited" in r.stderr and "no index at /data/e5" in r.stderr
     assert not (logs / "srun.args").exists()
@@ -219,8 +261,9 @@ def test_sbatch_retriever_that_dies_fails_before_srun(fake_slurm):
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
     env = _clean_env()
-    return subprocess.run([sys.executable, TRAIN, *args, "--dry-run"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, TRAIN, *args, "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -254,8 +297,9 @@ def test_sync_config_is_the_async_config_with_async_mode_off():
     a = to_dict(load_config(ROOT / "configs/searchr1.toml", []))
     s = to_dict(load_config(ROOT / "configs/searchr1_sync.toml", []))
     diff = {(sec, k) for sec in a for k in a[sec] if a[sec][k] != s[sec][k]}
-    assert diff == {("runner", "async_mode"), ("logging", "run_dir"),
-                    ("rollout_buffer", "submission_granularity")}, diff
+    assert diff == {("runner", "async_mode"), ("logging", "run_dir"), ("rollout_buffer", "submission_granularity")}, (
+        diff
+    )
     assert a["runner"]["async_mode"] is True and s["runner"]["async_mode"] is False
     # the RLinf reference layout: actor on node 0, rollout and reward on node 1
     assert a["cluster"]["component_placement"] == {"actor": "0-7", "rollout,reward": "8-15"}

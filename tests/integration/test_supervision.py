@@ -63,8 +63,13 @@ def test_engine_sigkill_and_sigstop_are_recovered(prepared, tmp_path):
     # 12 steps: the SIGSTOP lands at step ~5 (7 at most: the restart shows in metrics a step or two after the
     # kill, then 2 more steps), and the buffer (max_buffered_groups 8 = 2 steps of data) cannot finish the run
     # past a stopped engine in the 3+ steps left, so the hang is always noticed before the run ends
-    job = TinyJob(prepared, tmp_path / "run", "runner.max_steps=12", "rollout.unhealthy_after_s=6",
-                  "rollout.health_check_timeout_s=2")
+    job = TinyJob(
+        prepared,
+        tmp_path / "run",
+        "runner.max_steps=12",
+        "rollout.unhealthy_after_s=6",
+        "rollout.health_check_timeout_s=2",
+    )
     try:
         job.wait_step(2, timeout_s=240)
         first = job.wait_for("the engine's pid", job.engine_pid)
@@ -72,8 +77,10 @@ def test_engine_sigkill_and_sigstop_are_recovered(prepared, tmp_path):
         t_kill = time.monotonic()
         second = job.wait_for("the restarted engine's pid", lambda: (p := job.engine_pid()) not in (None, first) and p)
         assert time.monotonic() - t_kill < 15, "a dead engine must be noticed and replaced within 15 s"
-        rec = job.wait_for("the first restart in metrics",
-                           lambda: next((r for r in job.records() if r.get("rollout/engine_restarts", 0) >= 1), None))
+        rec = job.wait_for(
+            "the first restart in metrics",
+            lambda: next((r for r in job.records() if r.get("rollout/engine_restarts", 0) >= 1), None),
+        )
         job.wait_step(rec["step"] + 2)
         os.kill(second, signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -89,8 +96,12 @@ def test_engine_sigkill_and_sigstop_are_recovered(prepared, tmp_path):
     last = recs[-1]
     assert last["rollout/engine_restarts"] == 2
     issued = last["broker/issued_groups"]
-    assert issued == (last["broker/trained_groups"] + last["broker/dropped_groups"] + last["broker/held_groups"]
-                      + last["broker/reissued_groups"]), last
+    assert issued == (
+        last["broker/trained_groups"]
+        + last["broker/dropped_groups"]
+        + last["broker/held_groups"]
+        + last["broker/reissued_groups"]
+    ), last
     assert last["broker/dropped_groups"] == 0, "groups of the killed engine were dropped instead of re-issued"
     assert last["broker/reissued_groups"] >= 1, "the killed engine's in-flight groups were not re-issued"
     versions = [r["actor/weight_version"] for r in recs]
@@ -104,12 +115,21 @@ def test_broker_sigkill_fails_fast_and_resumes_under_max_restarts(prepared, tmp_
     15 s with an error naming the broker; torchrun (``--max-restarts 1``) starts the job again, it resumes from
     the step-4 checkpoint and finishes."""
     run_dir = tmp_path / "run"
-    job = TinyJob(prepared, run_dir, "runner.max_steps=7", "runner.checkpoint_interval=2", "runner.resume=true",
-                  torchrun_args=("--max-restarts", "1"))
+    job = TinyJob(
+        prepared,
+        run_dir,
+        "runner.max_steps=7",
+        "runner.checkpoint_interval=2",
+        "runner.resume=true",
+        torchrun_args=("--max-restarts", "1"),
+    )
     try:
         job.wait_step(4, timeout_s=240)
-        ranks = [p for p in pids_mentioning(str(run_dir)) if "launch/train.py" in cmdline(p) and p != job.proc.pid
-                 and "torch.distributed.run" not in cmdline(p)]
+        ranks = [
+            p
+            for p in pids_mentioning(str(run_dir))
+            if "launch/train.py" in cmdline(p) and p != job.proc.pid and "torch.distributed.run" not in cmdline(p)
+        ]
         assert len(ranks) == 2, ranks
         broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.runner.broker_process" in cmdline(p))
         os.kill(broker, signal.SIGKILL)

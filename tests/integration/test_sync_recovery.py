@@ -58,8 +58,9 @@ def _watch_and_restart(sup, counts: list[int], stop: threading.Event, unhealthy_
 
 
 def test_sync_survives_a_hung_engine(tmp_path):
-    ckpt = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,
-                                intermediate_size=64)
+    ckpt = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
     trainer = _Trainer(TorchDecoder.from_pretrained(ckpt), version=3)
     with torch.no_grad():
         for p in trainer.model.parameters():
@@ -70,29 +71,38 @@ def test_sync_survives_a_hung_engine(tmp_path):
         group = WeightSyncGroup([EngineEndpoint(sup.url)], cfg, master_address="127.0.0.1", control_timeout_s=10)
         group.init()
         counts, published, stop = [0], {}, threading.Event()
-        rec = EngineRecovery(group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__,
-                             wait_s=60, max_failures=2)
+        rec = EngineRecovery(
+            group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__, wait_s=60, max_failures=2
+        )
         syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=cfg)
         watcher = threading.Thread(target=_watch_and_restart, args=(sup, counts, stop, 2.0), daemon=True)
         watcher.start()
         try:
             os.kill(sup.pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            res = sync_weights(trainer, syncer, rec, bucket_bytes=cfg.bucket_bytes, is_leader=True,
-                               bcast=lambda x: x)
+            res = sync_weights(trainer, syncer, rec, bucket_bytes=cfg.bucket_bytes, is_leader=True, bcast=lambda x: x)
             took = time.monotonic() - t0
             assert res.version == "3" and counts == [1] and published == {0: 1}
             assert took < 30, f"the sync took {took:.0f}s with a hung engine"
             assert str(get_json(sup.url, "/model_info", timeout_s=10, step="t")["weight_version"]) == "3"
-            out = post_json(sup.url, "/generate", {"input_ids": PROMPT, "return_logprob": True,
-                            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}},
-                            timeout_s=30, step="generate", check_success=False)
+            out = post_json(
+                sup.url,
+                "/generate",
+                {
+                    "input_ids": PROMPT,
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                },
+                timeout_s=30,
+                step="generate",
+                check_success=False,
+            )
             lps = out["meta_info"]["output_token_logprobs"]
             ids = [t for _, t, _ in lps]
             with torch.no_grad():
                 logp = torch.log_softmax(trainer.model(torch.tensor([PROMPT + ids]))[0].float(), dim=-1)
             n = len(PROMPT)
-            expected = logp[n - 1:n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
+            expected = logp[n - 1 : n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
         finally:
             stop.set()

@@ -33,7 +33,15 @@ def test_rows_have_search_r1_fields_and_both_hop_kinds(synth_dir):
     train, test = _rows(synth_dir / "train.jsonl"), _rows(synth_dir / "test.jsonl")
     assert train and 0 < len(test) <= 40
     for row in train + test:
-        assert set(row) >= {"data_source", "prompt", "ability", "reward_model", "extra_info", "question", "golden_answers"}
+        assert set(row) >= {
+            "data_source",
+            "prompt",
+            "ability",
+            "reward_model",
+            "extra_info",
+            "question",
+            "golden_answers",
+        }
         assert row["prompt"][0]["role"] == "user"
         assert row["prompt"][0]["content"] == searchr1.build_prompt(row["question"])
         assert row["reward_model"]["ground_truth"]["target"] == row["golden_answers"]
@@ -53,7 +61,9 @@ def test_answers_only_by_search(synth_dir):
     docs, _ = retriever.search([h["query"] for h in hops], topk=2)
     assert all(h["answer"] in d[0]["contents"] for h, d in zip(hops, docs))
     for r in train + test:
-        assert all(searchr1.normalize_answer(a) not in searchr1.normalize_answer(r["question"]) for a in r["golden_answers"])
+        assert all(
+            searchr1.normalize_answer(a) not in searchr1.normalize_answer(r["question"]) for a in r["golden_answers"]
+        )
     train_answers = {a for r in train for a in r["golden_answers"]}
     assert not train_answers & {a for r in test for a in r["golden_answers"]}
     # a policy that always guesses the most common training answer scores ~0 on test
@@ -67,15 +77,20 @@ def test_answers_only_by_search(synth_dir):
 def test_load_prompts_parquet_equals_jsonl(synth_dir):
     a = load_prompts(synth_dir / "train.parquet")
     b = load_prompts(synth_dir / "train.jsonl")
-    assert [(i.index, i.prompt, i.answers, i.data_source) for i in a] == [(i.index, i.prompt, i.answers, i.data_source) for i in b]
+    assert [(i.index, i.prompt, i.answers, i.data_source) for i in a] == [
+        (i.index, i.prompt, i.answers, i.data_source) for i in b
+    ]
     assert a[5].index == 5 and a[5].prompt.endswith("?") and a[5].answers
 
 
 def test_load_prompts_search_r1_row_without_question_column(tmp_path):
-    row = {"data_source": "nq", "prompt": [{"role": "user", "content": searchr1.build_prompt("who wrote hamlet")}],
-           "ability": "fact-reasoning",
-           "reward_model": {"style": "rule", "ground_truth": {"target": ["Shakespeare", "William Shakespeare"]}},
-           "extra_info": {"split": "train", "index": 0}}
+    row = {
+        "data_source": "nq",
+        "prompt": [{"role": "user", "content": searchr1.build_prompt("who wrote hamlet")}],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["Shakespeare", "William Shakespeare"]}},
+        "extra_info": {"split": "train", "index": 0},
+    }
     p = tmp_path / "x.jsonl"
     p.write_text(json.dumps(row) + "\n")
     (item,) = load_prompts(p)

@@ -36,16 +36,23 @@ def tok(tmp_path_factory):
     lines = [doc["contents"] for doc in DOCS] + [searchr1.build_prompt("What is the capital of Zorvania")] * 3
     lines += [searchr1.INVALID_ACTION_MESSAGE, "<search> capital of Zorvania </search> <answer> Quelport </answer>"]
     text.write_text("\n".join(lines * 5))
-    path = make_tiny_checkpoint(d / "m", corpus_path=text, hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=400)
+    path = make_tiny_checkpoint(
+        d / "m",
+        corpus_path=text,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=400,
+    )
     return AgentTokenizer.from_pretrained(path)
 
 
 class ScriptedEngine:
     """Replies with scripted texts, turn after turn, per trajectory (keyed by the rid's trajectory part)."""
 
-    def __init__(self, tok, replies, *, version="3", split_at=None, eos_after=(), fail_on_call=None,
-                 abort_first=False):
+    def __init__(self, tok, replies, *, version="3", split_at=None, eos_after=(), fail_on_call=None, abort_first=False):
         self.tok, self.replies, self.version = tok, list(replies), version
         self.split_at, self.eos_after, self.fail_on_call = split_at, set(eos_after), fail_on_call
         self.abort_first = abort_first
@@ -84,30 +91,44 @@ class ScriptedEngine:
             "num_retractions": 0,
         }
         if self.split_at is not None and len(ids) > self.split_at:
-            meta["weight_versions"] = [{"version": "2", "start": 0, "end": self.split_at},
-                                       {"version": self.version, "start": self.split_at, "end": len(ids)}]
+            meta["weight_versions"] = [
+                {"version": "2", "start": 0, "end": self.split_at},
+                {"version": self.version, "start": self.split_at, "end": len(ids)},
+            ]
             meta["num_retractions"] = 1
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 def make_loop(tok, **agent_kw):
     tool = ToolConfig(topk=agent_kw.pop("topk", 2), max_obs_tokens=agent_kw.pop("max_obs_tokens", 200))
-    cfg = AgentLoopConfig(task_name="searchr1", tool=tool, **{"max_turns": 3, "max_tokens_per_turn": 24,
-                                                             "max_total_tokens": 400, **agent_kw})
-    return AgentLoop(task=get_task("searchr1"), tokenizer=tok, retriever=BM25Retriever(DOCS), agent_cfg=cfg,
-                     sampling=SamplingConfig(temperature=1.0))
+    cfg = AgentLoopConfig(
+        task_name="searchr1",
+        tool=tool,
+        **{"max_turns": 3, "max_tokens_per_turn": 24, "max_total_tokens": 400, **agent_kw},
+    )
+    return AgentLoop(
+        task=get_task("searchr1"),
+        tokenizer=tok,
+        retriever=BM25Retriever(DOCS),
+        agent_cfg=cfg,
+        sampling=SamplingConfig(temperature=1.0),
+    )
 
 
 ITEM = PromptItem(index=0, prompt="What is the capital of Zorvania", answers=["Quelport"])
 
 
 def run(loop, engine, **kw):
-    return asyncio.run(loop.run_trajectory(ITEM, EngineHandle(None, max_in_flight=4, url="http://e0", generate_raw=engine), **kw))
+    return asyncio.run(
+        loop.run_trajectory(ITEM, EngineHandle(None, max_in_flight=4, url="http://e0", generate_raw=engine), **kw)
+    )
 
 
 def test_search_then_answer_ids_masks_logprobs_versions(tok):
     loop = make_loop(tok)
-    eng = ScriptedEngine(tok, ["<search> capital of Zorvania </search> ignored", "<answer> Quelport </answer>"], split_at=3)
+    eng = ScriptedEngine(
+        tok, ["<search> capital of Zorvania </search> ignored", "<answer> Quelport </answer>"], split_at=3
+    )
     t = run(loop, eng)
     prompt_ids = tok.encode(searchr1.build_prompt(ITEM.prompt))
     gen1 = tok.encode("<search> capital of Zorvania </search>")
@@ -117,12 +138,19 @@ def test_search_then_answer_ids_masks_logprobs_versions(tok):
     assert t.response_ids == gen1 + obs + gen2
     assert t.loss_mask == [1] * len(gen1) + [0] * len(obs) + [1] * len(gen2)
     # log-probs are the engine's, position by position; 0.0 on tool tokens
-    assert t.rollout_logprobs == [-0.01 * (j + 1) for j in range(len(gen1))] + [0.0] * len(obs) + \
-        [-0.01 * (j + 1) for j in range(len(gen2))]
+    assert t.rollout_logprobs == [-0.01 * (j + 1) for j in range(len(gen1))] + [0.0] * len(obs) + [
+        -0.01 * (j + 1) for j in range(len(gen2))
+    ]
     assert t.weight_versions == [2] * 3 + [3] * (len(gen1) - 3) + [-1] * len(obs) + [2] * 3 + [3] * (len(gen2) - 3)
     assert (t.min_version, t.max_version, t.num_retractions) == (2, 3, 2)
-    assert (t.reward, t.finish_reason, t.num_turns, t.num_tool_calls, t.truncated, t.aborted) == \
-        (1.0, "answer", 2, 1, False, False)
+    assert (t.reward, t.finish_reason, t.num_turns, t.num_tool_calls, t.truncated, t.aborted) == (
+        1.0,
+        "answer",
+        2,
+        1,
+        False,
+        False,
+    )
     # the second generate call saw exactly prompt + turn 1 + observation (token in, token out)
     assert eng.calls[1][0] == prompt_ids + gen1 + obs
     assert eng.calls[0][1]["stop"] == ["</search>", "</answer>"] and eng.calls[0][1]["max_new_tokens"] == 24
@@ -271,9 +299,14 @@ def test_evaluate_is_greedy_and_reports_accuracy(tok):
 
 
 def test_generate_reply_parsing_errors_name_the_engine():
-    ok = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": 0},
-                                               "output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
-                                               "weight_version": "4"}}
+    ok = {
+        "output_ids": [5, 6],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 0},
+            "output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
+            "weight_version": "4",
+        },
+    }
     out = parse_generate_response(ok, "http://e")
     assert out.logprobs == [-1.0, -2.0] and out.versions == [4, 4] and out.finish_matched == 0
     bad = json.loads(json.dumps(ok))
@@ -282,6 +315,8 @@ def test_generate_reply_parsing_errors_name_the_engine():
         parse_generate_response(bad, "http://e")
     with pytest.raises(EngineError, match="no output_token_logprobs"):
         parse_generate_response({"output_ids": [1], "meta_info": {}}, "http://e")
-    assert token_versions({"weight_version": "5", "weight_versions": [{"version": "4", "start": 0, "end": 1}]}, 3, "u") == [4, 5, 5]
+    assert token_versions(
+        {"weight_version": "5", "weight_versions": [{"version": "4", "start": 0, "end": 1}]}, 3, "u"
+    ) == [4, 5, 5]
     with pytest.raises(EngineError, match="not an integer"):
         token_versions({"weight_version": "abc"}, 1, "http://e")

@@ -10,24 +10,54 @@ from asyncrl.cluster.auth import bearer_matches, open_path
 KEY = "k3y"
 
 
-@pytest.mark.parametrize("method,path", [("OPTIONS", "/generate"), ("GET", "/health"), ("GET", "/health_generate"),
-                                         ("GET", "/ready"), ("GET", "/metrics"), ("POST", "/metrics/x")])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("OPTIONS", "/generate"),
+        ("GET", "/health"),
+        ("GET", "/health_generate"),
+        ("GET", "/ready"),
+        ("GET", "/metrics"),
+        ("POST", "/metrics/x"),
+    ],
+)
 def test_open_paths(method, path):
     assert open_path(method, path)
 
 
-@pytest.mark.parametrize("method,path", [("POST", "/generate"), ("POST", "/pause_generation"),
-                                         ("POST", "/update_weights_from_distributed"), ("POST", "/abort_request"),
-                                         ("POST", "/flush_cache"), ("GET", "/server_info"), ("GET", "/model_info")])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("POST", "/generate"),
+        ("POST", "/pause_generation"),
+        ("POST", "/update_weights_from_distributed"),
+        ("POST", "/abort_request"),
+        ("POST", "/flush_cache"),
+        ("GET", "/server_info"),
+        ("GET", "/model_info"),
+    ],
+)
 def test_guarded_paths(method, path):
     assert not open_path(method, path)
 
 
-@pytest.mark.parametrize("header,ok", [
-    (f"Bearer {KEY}", True), (f"bearer {KEY}", True), (f"BEARER {KEY}", True),  # scheme in any case
-    (None, False), ("", False), (KEY, False), (f"Basic {KEY}", False), (f"Bearer  {KEY}", False),
-    (f"Bearer {KEY} ", False), (f"Bearer {KEY}x", False), ("Bearer", False), (f"Bearer\t{KEY}", False),
-])
+@pytest.mark.parametrize(
+    "header,ok",
+    [
+        (f"Bearer {KEY}", True),
+        (f"bearer {KEY}", True),
+        (f"BEARER {KEY}", True),  # scheme in any case
+        (None, False),
+        ("", False),
+        (KEY, False),
+        (f"Basic {KEY}", False),
+        (f"Bearer  {KEY}", False),
+        (f"Bearer {KEY} ", False),
+        (f"Bearer {KEY}x", False),
+        ("Bearer", False),
+        (f"Bearer\t{KEY}", False),
+    ],
+)
 def test_bearer_header(header, ok):
     assert bearer_matches(header, KEY) is ok
 

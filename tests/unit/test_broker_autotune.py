@@ -18,14 +18,22 @@ from asyncrl.broker.core import BrokerCore, CoreSettings
 from asyncrl.broker.types import PromptItem, Trajectory
 
 
-def _figures(limit: int, knee: float, *, peak: float = 5000.0, noise: float = 0.0, rng=None,
-             queue: bool = False) -> StepFigures:
+def _figures(
+    limit: int, knee: float, *, peak: float = 5000.0, noise: float = 0.0, rng=None, queue: bool = False
+) -> StepFigures:
     t = peak * min(limit, knee) / knee * (1 + (rng.uniform(-noise, noise) if rng else 0.0))
     running = queued = None
     if queue:  # engines run at most 2 x knee requests per in-flight group's worth; the rest queue
         running, queued = min(limit, 2 * knee), max(0.0, limit - 2 * knee)
-    return StepFigures(limit=limit, mean_inflight=float(limit), tokens_per_s=t, wait_inflight=1.0,
-                       wait_buffer=0.0, running_reqs=running, queue_reqs=queued)
+    return StepFigures(
+        limit=limit,
+        mean_inflight=float(limit),
+        tokens_per_s=t,
+        wait_inflight=1.0,
+        wait_buffer=0.0,
+        running_reqs=running,
+        queue_reqs=queued,
+    )
 
 
 def _run(tuner: InflightAutotuner, knee: float, steps: int, **kw) -> list[int]:
@@ -95,9 +103,18 @@ def test_engine_queue_backs_off_at_once():
 def test_core_logs_the_limit_and_tunes_it_down():
     """The core with ``inflight_autotune``: a generation-bound toy where throughput saturates at 6 groups."""
     now = [0.0]
-    core = BrokerCore([PromptItem(i, f"q{i}") for i in range(64)], clock=lambda: now[0], settings=CoreSettings(
-        rollout_batch_size=4, group_size=1, max_inflight_groups=24, max_buffered_groups=28,
-        max_dropped_groups_per_step=40, inflight_autotune=True))
+    core = BrokerCore(
+        [PromptItem(i, f"q{i}") for i in range(64)],
+        clock=lambda: now[0],
+        settings=CoreSettings(
+            rollout_batch_size=4,
+            group_size=1,
+            max_inflight_groups=24,
+            max_buffered_groups=28,
+            max_dropped_groups_per_step=40,
+            inflight_autotune=True,
+        ),
+    )
     core.add_worker("w", capacity=100)
     limits = []
     for step in range(14):
@@ -117,7 +134,7 @@ def test_config_accepts_auto_and_starts_at_the_derived_limit():
     from asyncrl.config.render import render_config
 
     tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
-    cfg = load_config(tiny, ["rollout_buffer.max_inflight_groups=\"auto\""])
+    cfg = load_config(tiny, ['rollout_buffer.max_inflight_groups="auto"'])
     validate(cfg, world_size=2)
     assert cfg.rollout_buffer.max_inflight_groups == "auto"
     s = CoreSettings.from_config(cfg)
@@ -125,14 +142,14 @@ def test_config_accepts_auto_and_starts_at_the_derived_limit():
     assert 'max_inflight_groups = "auto"  # tuned by the broker: starts at 8, within [1, 8]' in render_config(cfg)
     fixed = CoreSettings.from_config(load_config(tiny, ["rollout_buffer.max_inflight_groups=5"]))
     assert not fixed.inflight_autotune and fixed.max_inflight_groups == 5
-    for bad, key in (("\"fast\"", "expected int or 'auto'"), ("0", "> 0")):
+    for bad, key in (('"fast"', "expected int or 'auto'"), ("0", "> 0")):
         try:
             load_config(tiny, [f"rollout_buffer.max_inflight_groups={bad}"])
         except ConfigError as e:
             assert "rollout_buffer.max_inflight_groups" in str(e) and key in str(e)
         else:
             raise AssertionError(f"{bad} accepted")
-    cramped = load_config(tiny, ["rollout_buffer.max_inflight_groups=\"auto\"", "rollout_buffer.max_buffered_groups=8"])
+    cramped = load_config(tiny, ['rollout_buffer.max_inflight_groups="auto"', "rollout_buffer.max_buffered_groups=8"])
     try:
         validate(cramped, world_size=2)
     except ConfigError as e:
@@ -144,8 +161,14 @@ def test_config_accepts_auto_and_starts_at_the_derived_limit():
 def test_event_simulator_drives_the_core_with_auto_within_bounds():
     from asyncrl.simulate import EngineModel, SimConfig, Workload, simulate
 
-    cfg = SimConfig(engines=4, batch=8, buffered=8 + 40, inflight="auto", steps=14,
-                    engine=EngineModel(peak_tok_s=4000.0, c_half=8.0, max_running=16))
+    cfg = SimConfig(
+        engines=4,
+        batch=8,
+        buffered=8 + 40,
+        inflight="auto",
+        steps=14,
+        engine=EngineModel(peak_tok_s=4000.0, c_half=8.0, max_running=16),
+    )
     r = simulate(cfg, Workload(train_s=0.1, sync_s=0.05))
     assert len(r.metrics) == 14 and r.limits[0] == 20  # derived: ceil(16 x 4 x 1.2 / 4) = 20 (bound 40)
     assert all(1 <= n <= 40 for n in r.limits)
@@ -158,8 +181,15 @@ def test_event_simulator_drives_the_core_with_auto_within_bounds():
 # before its slots fill (asyncrl.simulate.fit_saturation). The figures below follow that curve.
 def _smooth(limit: int, *, c_half: float, peak: float = 5000.0, queued: float = 0.0, mean=None) -> StepFigures:
     x = float(limit if mean is None else mean)
-    return StepFigures(limit=limit, mean_inflight=x, tokens_per_s=peak * x / (x + c_half), wait_inflight=1.0,
-                       wait_buffer=0.0, running_reqs=4 * x, queue_reqs=queued)
+    return StepFigures(
+        limit=limit,
+        mean_inflight=x,
+        tokens_per_s=peak * x / (x + c_half),
+        wait_inflight=1.0,
+        wait_buffer=0.0,
+        running_reqs=4 * x,
+        queue_reqs=queued,
+    )
 
 
 def test_settles_at_the_bound_when_the_curve_still_rises_there():
@@ -260,8 +290,13 @@ def test_lagging_figures_do_not_walk_it_down():
     prev = 8
     for _ in range(16):
         f = _smooth(tuner.limit, c_half=16)
-        lagged = StepFigures(limit=f.limit, mean_inflight=f.mean_inflight,
-                             tokens_per_s=_smooth(prev, c_half=16).tokens_per_s, wait_inflight=1.0, wait_buffer=0.0)
+        lagged = StepFigures(
+            limit=f.limit,
+            mean_inflight=f.mean_inflight,
+            tokens_per_s=_smooth(prev, c_half=16).tokens_per_s,
+            wait_inflight=1.0,
+            wait_buffer=0.0,
+        )
         prev = tuner.limit
         tuner.observe(lagged)
     assert tuner.settled and tuner.limit == 8 and min(c.new for c in tuner.history) >= 4, tuner.history
@@ -275,6 +310,15 @@ def test_a_queue_while_the_engines_run_fewer_than_before_is_not_saturation():
     figures = {8: (32.0, 6.0, 400.0), 4: (16.0, 3.0, 390.0), 3: (12.0, 3.0, 300.0)}  # running, queued, tok/s
     for _ in range(12):
         running, queued, t = figures.get(tuner.limit, (4.0 * tuner.limit, 1.0, 100.0 * tuner.limit))
-        tuner.observe(StepFigures(limit=tuner.limit, mean_inflight=float(tuner.limit), tokens_per_s=t,
-                                  wait_inflight=1.0, wait_buffer=0.0, running_reqs=running, queue_reqs=queued))
+        tuner.observe(
+            StepFigures(
+                limit=tuner.limit,
+                mean_inflight=float(tuner.limit),
+                tokens_per_s=t,
+                wait_inflight=1.0,
+                wait_buffer=0.0,
+                running_reqs=running,
+                queue_reqs=queued,
+            )
+        )
     assert tuner.limit >= 4 and not any("queue" in c.reason for c in tuner.history if c.old < 8), tuner.history

@@ -32,16 +32,29 @@ class LifoBuffer(DefaultDataBuffer):
 
 def make(n=10, clock=None, **kw):
     t = clock if clock is not None else [0.0]
-    base = dict(rollout_batch_size=2, group_size=2, max_inflight_groups=3, max_buffered_groups=4,
-                max_dropped_groups_per_step=100, seed=3)
+    base = dict(
+        rollout_batch_size=2,
+        group_size=2,
+        max_inflight_groups=3,
+        max_buffered_groups=4,
+        max_dropped_groups_per_step=100,
+        seed=3,
+    )
     base.update(kw)
     core = BrokerCore([PromptItem(i, f"q{i}") for i in range(n)], settings=CoreSettings(**base), clock=lambda: t[0])
     return core, t
 
 
 def traj(vmin=0, vmax=None, n=3, reward=1.0):
-    return Trajectory(list(range(4)), list(range(n)), [1] * n, [-0.5] * n, reward=reward, min_version=vmin,
-                      max_version=vmin if vmax is None else vmax)
+    return Trajectory(
+        list(range(4)),
+        list(range(n)),
+        [1] * n,
+        [-0.5] * n,
+        reward=reward,
+        min_version=vmin,
+        max_version=vmin if vmax is None else vmax,
+    )
 
 
 def finish(core, gid, vmin=0, aborted=False, **kw):
@@ -86,8 +99,13 @@ def test_group_granularity_and_buffer_limit():
 def test_sample_granularity_frees_a_slot_per_trajectory():
     """Miles' per-sample freeing, kept as an option: a trajectory budget (max_concurrent_samples = 4) under a group
     limit set above it (3 groups)."""
-    core, _ = make(submission_granularity="sample", max_inflight_groups=3, max_inflight_samples=4,
-                   max_buffered_groups=10, rollout_batch_size=2)
+    core, _ = make(
+        submission_granularity="sample",
+        max_inflight_groups=3,
+        max_inflight_samples=4,
+        max_buffered_groups=10,
+        rollout_batch_size=2,
+    )
     core.add_worker("w", capacity=8)
     first = core.take_issues()
     assert len(first) == 2
@@ -105,8 +123,13 @@ def test_sample_granularity_frees_a_slot_per_trajectory():
 def test_the_inflight_limit_counts_groups_in_both_granularities(granularity):
     """RLinf's max_inflight_groups = 2 is a budget of 2 groups, also under the derived ``sample`` granularity:
     finished trajectories of unfinished groups never let a third group out."""
-    core, _ = make(submission_granularity=granularity, max_inflight_groups=2, max_buffered_groups=10,
-                   rollout_batch_size=2, group_size=3)
+    core, _ = make(
+        submission_granularity=granularity,
+        max_inflight_groups=2,
+        max_buffered_groups=10,
+        rollout_batch_size=2,
+        group_size=3,
+    )
     core.add_worker("w", capacity=12)
     first = core.take_issues()
     assert len(first) == 2
@@ -145,7 +168,9 @@ def test_staleness_split_and_cap_drops_with_replacement_issue():
 
 
 def test_aborted_retry_requeues_at_once_and_filter_drops_by_reason():
-    core, _ = make(unused_groups="retry", max_inflight_groups=1, dynamic_sampling_filter_path=f"{__name__}:reject_short")
+    core, _ = make(
+        unused_groups="retry", max_inflight_groups=1, dynamic_sampling_filter_path=f"{__name__}:reject_short"
+    )
     core.add_worker("w", capacity=8)
     (a,) = core.take_issues()
     finish(core, a.group_id, aborted=True)
@@ -285,12 +310,15 @@ def test_resume_restores_the_counters_and_the_accounting_holds():
     assert _accounting_holds(fresh) and fresh.counters["issued"] > core.counters["issued"]
 
 
-@pytest.mark.parametrize("field,bad,match", [
-    ("counters", {"issued": 1}, "issued == trained"),
-    ("counters", {"issued": -1}, "counters.issued"),
-    ("version", -3, "version"),
-    ("next_group_id", 0, "next_group_id"),
-])
+@pytest.mark.parametrize(
+    "field,bad,match",
+    [
+        ("counters", {"issued": 1}, "issued == trained"),
+        ("counters", {"issued": -1}, "counters.issued"),
+        ("version", -3, "version"),
+        ("next_group_id", 0, "next_group_id"),
+    ],
+)
 def test_a_bad_broker_state_is_refused_and_changes_nothing(field, bad, match):
     """A state that would break the accounting (or is out of range) raises naming the field before anything is
     restored (today it was loaded unchecked)."""
@@ -301,8 +329,12 @@ def test_a_bad_broker_state_is_refused_and_changes_nothing(field, bad, match):
     before = (dict(target.counters), target.inflight_group_ids(), target.dataloader.state_dict(), target.version)
     with pytest.raises(ValueError, match=match):
         target.load_state_dict(state)
-    assert before == (dict(target.counters), target.inflight_group_ids(), target.dataloader.state_dict(),
-                      target.version)
+    assert before == (
+        dict(target.counters),
+        target.inflight_group_ids(),
+        target.dataloader.state_dict(),
+        target.version,
+    )
 
 
 def test_custom_buffer_by_import_path():
@@ -327,8 +359,18 @@ def test_settings_from_config():
 
 
 def test_protocol_roundtrip_and_malformed():
-    t = Trajectory([1, 2, 3], [4, 5], [1, 0], [-0.25, 0.0], reward=1.0, weight_versions=[3, -1], min_version=3,
-                   max_version=3, finish_reason="answer", timings={"total_s": 1.5})
+    t = Trajectory(
+        [1, 2, 3],
+        [4, 5],
+        [1, 0],
+        [-0.25, 0.0],
+        reward=1.0,
+        weight_versions=[3, -1],
+        min_version=3,
+        max_version=3,
+        finish_reason="answer",
+        timings={"total_s": 1.5},
+    )
     g = Group(7, PromptItem(2, "q", ["a"]), epoch=1, trajectories=[t, t], issued_version=2, finished_version=3)
     blobs: list = []
     maps = P.pack_groups([g], blobs)
@@ -341,8 +383,12 @@ def test_protocol_roundtrip_and_malformed():
     assert t2.weight_versions.tolist() == [3, -1] and t2.finish_reason == "answer" and t2.timings == {"total_s": 1.5}
     assert (g2.group_id, g2.epoch, g2.item.answers, g2.min_version) == (7, 1, ["a"], 3)
     assert P.unpack_groups(msg.body["groups"], msg.blobs, as_lists=True)[0].trajectories[0].prompt_ids == [1, 2, 3]
-    for bad in ([b"\xc1"], [msgpack.packb({"v": 99, "t": "hello"})], [msgpack.packb({"v": 1, "t": "nope"})],
-                [msgpack.packb([1, 2])]):
+    for bad in (
+        [b"\xc1"],
+        [msgpack.packb({"v": 99, "t": "hello"})],
+        [msgpack.packb({"v": 1, "t": "nope"})],
+        [msgpack.packb([1, 2])],
+    ):
         with pytest.raises(P.ProtocolError):
             P.decode(bad, allowed=P.WORKER_TYPES)
     with pytest.raises(P.ProtocolError, match="blob"):
@@ -352,8 +398,10 @@ def test_protocol_roundtrip_and_malformed():
 def test_group_blob_is_reused_without_copy_when_forwarded():
     from asyncrl.broker.client import _group_frames
 
-    trajs = [Trajectory([9, 8], list(range(n)), [1] * n, [-1.0] * n, weight_versions=[2] * n, min_version=2,
-                        max_version=2) for n in (3, 5)]
+    trajs = [
+        Trajectory([9, 8], list(range(n)), [1] * n, [-1.0] * n, weight_versions=[2] * n, min_version=2, max_version=2)
+        for n in (3, 5)
+    ]
     msg = P.decode(_group_frames(4, trajs, False, ""))
     assert len(msg.blobs) == 1
     decoded = P.unpack_trajectories(msg.body["trajs"], msg.blobs)
@@ -386,10 +434,25 @@ def test_wire_trajectory_is_lazy_and_copies_to_a_plain_trajectory():
 
 def test_groups_message_and_group_rows_roundtrip_forward_zero_copy():
     """A worker's multi-group ``groups`` message -> broker (decode) -> batch rows (forwarded slices) -> actor."""
-    rich = Trajectory([1, 2, 3], [4, 5], [1, 0], [-0.25, 0.0], reward=2.0, weight_versions=[3, -1], min_version=3,
-                      max_version=4, num_turns=2, finish_reason="answer", timings={"total_s": 1.5}, extra={"k": 1})
-    entries = [(10, [rich, traj(vmin=1, n=3)], False, ""), (11, [traj(vmin=2, n=1), traj(vmin=2, n=2)], False, ""),
-               (12, None, True, "engine http://x down")]
+    rich = Trajectory(
+        [1, 2, 3],
+        [4, 5],
+        [1, 0],
+        [-0.25, 0.0],
+        reward=2.0,
+        weight_versions=[3, -1],
+        min_version=3,
+        max_version=4,
+        num_turns=2,
+        finish_reason="answer",
+        timings={"total_s": 1.5},
+        extra={"k": 1},
+    )
+    entries = [
+        (10, [rich, traj(vmin=1, n=3)], False, ""),
+        (11, [traj(vmin=2, n=1), traj(vmin=2, n=2)], False, ""),
+        (12, None, True, "engine http://x down"),
+    ]
     msg = P.decode(P.finished_groups_frames(entries), allowed=P.WORKER_TYPES)
     assert msg.type == P.GROUPS and len(msg.blobs) == 1
     got = P.unpack_finished_groups(msg)
@@ -397,10 +460,19 @@ def test_groups_message_and_group_rows_roundtrip_forward_zero_copy():
     assert got[2][1] is None
     t0 = got[0][1][0]
     assert "response_ids" not in t0.__dict__ and t0.response_ids.tolist() == [4, 5]
-    assert (t0.reward, t0.min_version, t0.max_version, t0.num_turns, t0.finish_reason, t0.timings, t0.extra) == \
-        (2.0, 3, 4, 2, "answer", {"total_s": 1.5}, {"k": 1})
-    groups = [Group(gid, PromptItem(gid, f"q{gid}", ["a"]), epoch=1, trajectories=trajs, issued_version=1,
-                    finished_version=4) for gid, trajs, _, _ in got[:2]]
+    assert (t0.reward, t0.min_version, t0.max_version, t0.num_turns, t0.finish_reason, t0.timings, t0.extra) == (
+        2.0,
+        3,
+        4,
+        2,
+        "answer",
+        {"total_s": 1.5},
+        {"k": 1},
+    )
+    groups = [
+        Group(gid, PromptItem(gid, f"q{gid}", ["a"]), epoch=1, trajectories=trajs, issued_version=1, finished_version=4)
+        for gid, trajs, _, _ in got[:2]
+    ]
     blobs: list = []
     rows = P.pack_group_rows(groups, blobs)
     # consecutive groups of one received frame travel as ONE zero-copy slice of it
@@ -409,10 +481,18 @@ def test_groups_message_and_group_rows_roundtrip_forward_zero_copy():
     assert [g.group_id for g in back] == [10, 11] and back[0].item.answers == ["a"] and back[0].epoch == 1
     assert [[t.response_ids.tolist() for t in g.trajectories] for g in back] == [[[4, 5], [0, 1, 2]], [[0], [0, 1]]]
     b0 = back[0].trajectories[0]
-    assert (b0.weight_versions.tolist(), b0.loss_mask.tolist(), b0.rollout_logprobs.tolist()) == \
-        ([3, -1], [1, 0], [-0.25, 0.0])
-    assert (b0.reward, b0.num_turns, b0.timings, back[0].min_version, back[1].finished_version) == \
-        (2.0, 2, {"total_s": 1.5}, 1, 4)
+    assert (b0.weight_versions.tolist(), b0.loss_mask.tolist(), b0.rollout_logprobs.tolist()) == (
+        [3, -1],
+        [1, 0],
+        [-0.25, 0.0],
+    )
+    assert (b0.reward, b0.num_turns, b0.timings, back[0].min_version, back[1].finished_version) == (
+        2.0,
+        2,
+        {"total_s": 1.5},
+        1,
+        4,
+    )
     assert P.unpack_group_rows(msg_rows(rows, blobs), blobs, as_lists=True)[0].trajectories[0].prompt_ids == [1, 2, 3]
     # a changed trajectory is packed afresh with its new values (and the others are still forwarded)
     got[1][1][0].response_ids = np.array([9, 9], np.int32)
@@ -429,15 +509,18 @@ def msg_rows(rows, blobs):
     return P.decode(P.encode(P.BATCH, {"rows": rows}, blobs), allowed=P.TO_ACTOR_TYPES).body["rows"]
 
 
-@pytest.mark.parametrize("bad", [
-    [[1, False, "", [[0, 0, 4, 3]]]],                                 # a short trajectory row
-    [[1, False, "", [[0, 0, 4, 3, 3, 1.0, "0", 0, None]]]],           # a version that is not an integer
-    [[1, False, "", [[0, 90, 4, 3, 3, 1.0, 0, 0, None]]]],            # past the end of the blob
-    [[1, False, "", [[5, 0, 4, 3, 3, 1.0, 0, 0, None]]]],             # a missing blob
-    [["x", False, "", []]],                                            # not a group id
-    [[1, False]],                                                      # a short group
-    "nope",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [[1, False, "", [[0, 0, 4, 3]]]],  # a short trajectory row
+        [[1, False, "", [[0, 0, 4, 3, 3, 1.0, "0", 0, None]]]],  # a version that is not an integer
+        [[1, False, "", [[0, 90, 4, 3, 3, 1.0, 0, 0, None]]]],  # past the end of the blob
+        [[1, False, "", [[5, 0, 4, 3, 3, 1.0, 0, 0, None]]]],  # a missing blob
+        [["x", False, "", []]],  # not a group id
+        [[1, False]],  # a short group
+        "nope",
+    ],
+)
 def test_malformed_groups_message_is_a_protocol_error(bad):
     msg = P.decode(P.encode(P.GROUPS, {"groups": bad}, [b"\x00" * 67]), allowed=P.WORKER_TYPES)
     with pytest.raises(P.ProtocolError):
@@ -458,19 +541,26 @@ def test_groups_finished_batch_matches_one_by_one():
         core.request_batch(0)
         b = core.take_batch()
         return known, [g.group_id for g in b.groups], dict(core.counters), core.num_inflight_groups
+
     assert run(True) == run(False)
     assert run(True)[0] == [True, True, True, False]
 
 
 def test_trajectory_versions_are_validated_on_both_formats():
     """The core computes staleness from them: a non-integer version never reaches it."""
-    m = P.decode(P.encode(P.GROUP, {"group_id": 1, "trajs": [{"b": 0, "np": 1, "nr": 1, "nw": 1, "max_version": "x"}]},
-                          [b"\x00" * 17]), allowed=P.WORKER_TYPES)
+    m = P.decode(
+        P.encode(
+            P.GROUP, {"group_id": 1, "trajs": [{"b": 0, "np": 1, "nr": 1, "nw": 1, "max_version": "x"}]}, [b"\x00" * 17]
+        ),
+        allowed=P.WORKER_TYPES,
+    )
     with pytest.raises(P.ProtocolError, match="versions must be integers"):
         P.unpack_trajectories(m.body["trajs"], m.blobs)
     rest = {"min_version": "x", "num_turns": 3}  # the rest map cannot override the checked positional fields
-    m = P.decode(P.encode(P.GROUPS, {"groups": [[1, False, "", [[0, 0, 1, 1, 1, 1.0, 2, 2, rest]]]]},
-                          [b"\x00" * 17]), allowed=P.WORKER_TYPES)
+    m = P.decode(
+        P.encode(P.GROUPS, {"groups": [[1, False, "", [[0, 0, 1, 1, 1, 1.0, 2, 2, rest]]]]}, [b"\x00" * 17]),
+        allowed=P.WORKER_TYPES,
+    )
     ((gid, (t,), aborted, error),) = P.unpack_finished_groups(m)
     assert (gid, t.min_version, t.num_turns, aborted, error) == (1, 2, 3, False, "")
 
@@ -532,8 +622,12 @@ def test_a_miles_interface_buffer_drops_in_through_the_adapter():
 
     buf = make_data_buffer(BufferSettings(), f"{__name__}:MilesStyleBuffer")
     assert isinstance(buf, MilesBufferAdapter) and isinstance(buf.inner, MilesStyleBuffer)
-    core, _ = make(custom_data_buffer_path=f"{__name__}:MilesStyleBuffer", max_inflight_groups=3, shuffle=False,
-                   max_buffered_groups=6)
+    core, _ = make(
+        custom_data_buffer_path=f"{__name__}:MilesStyleBuffer",
+        max_inflight_groups=3,
+        shuffle=False,
+        max_buffered_groups=6,
+    )
     core.add_worker("w", capacity=8)
     issues = core.take_issues()
     for i in issues:
@@ -550,8 +644,9 @@ def test_max_prompt_tokens_skips_long_prompts_with_a_counted_warning_and_a_metri
     from asyncrl.models.tiny import make_tiny_checkpoint
     from asyncrl.runner.broker_process import skip_long_prompts
 
-    model = make_tiny_checkpoint(tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32,
-                                 intermediate_size=64)
+    model = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
     prompts = [PromptItem(0, "who wrote it?"), PromptItem(1, "who " * 400 + "wrote it?"), PromptItem(2, "where?")]
     base = ['agentloop.task_name="searchr1"', f'actor.model_path="{model}"']
     cfg = load_config(None, base + ["data.max_prompt_tokens=300"])
@@ -559,9 +654,11 @@ def test_max_prompt_tokens_skips_long_prompts_with_a_counted_warning_and_a_metri
         kept, skipped = skip_long_prompts(cfg, prompts)
     assert [p.index for p in kept] == [0, 2] and [i for i, _ in skipped] == [1] and skipped[0][1] > 300
     assert "data.max_prompt_tokens = 300: skipped 1 of 3 prompts" in caplog.text
-    core = BrokerCore(kept, settings=CoreSettings.from_config(load_config(None, ["data.rollout_batch_size=1",
-                                                                                  "algorithm.group_size=1"])),
-                      clock=lambda: 0.0)
+    core = BrokerCore(
+        kept,
+        settings=CoreSettings.from_config(load_config(None, ["data.rollout_batch_size=1", "algorithm.group_size=1"])),
+        clock=lambda: 0.0,
+    )
     core.num_skipped_long_prompts = len(skipped)
     core.add_worker("w", capacity=4)
     core.request_batch(0)  # sync mode: issued on request

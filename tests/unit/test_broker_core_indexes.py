@@ -17,23 +17,50 @@ from asyncrl.config.derive import num_engines
 
 core_settings = st.builds(
     lambda B, G, inflight, extra_buf, gran, cap, expected, grace: CoreSettings(
-        rollout_batch_size=B, group_size=G, max_inflight_groups=inflight, max_buffered_groups=B + extra_buf,
-        max_dropped_groups_per_step=10_000, submission_granularity=gran, max_staleness=cap, seed=3,
-        no_data_warning_s=5.0, worker_heartbeat_timeout_s=4.0, expected_workers=expected, worker_join_grace_s=grace),
-    st.integers(1, 4), st.integers(1, 3), st.integers(1, 12), st.integers(0, 8), st.sampled_from(["group", "sample"]),
-    st.one_of(st.none(), st.integers(0, 2)), st.integers(0, 6), st.sampled_from([0.0, 2.0, 100.0]))
+        rollout_batch_size=B,
+        group_size=G,
+        max_inflight_groups=inflight,
+        max_buffered_groups=B + extra_buf,
+        max_dropped_groups_per_step=10_000,
+        submission_granularity=gran,
+        max_staleness=cap,
+        seed=3,
+        no_data_warning_s=5.0,
+        worker_heartbeat_timeout_s=4.0,
+        expected_workers=expected,
+        worker_join_grace_s=grace,
+    ),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 12),
+    st.integers(0, 8),
+    st.sampled_from(["group", "sample"]),
+    st.one_of(st.none(), st.integers(0, 2)),
+    st.integers(0, 6),
+    st.sampled_from([0.0, 2.0, 100.0]),
+)
 
-events = st.lists(st.one_of(
-    st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
-    st.tuples(st.just("add_worker"), st.integers(0, 5), st.integers(1, 9)),
-    st.tuples(st.just("remove_worker"), st.integers(0, 5)),
-    st.tuples(st.just("heartbeat"), st.integers(0, 5)),
-    st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
-    st.tuples(st.just("finish"), st.integers(0, 50), st.booleans(), st.integers(0, 2)),
-    st.tuples(st.just("request"),),
-    st.tuples(st.just("sync"),),
-    st.tuples(st.just("tick"),),
-), min_size=1, max_size=150)
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
+        st.tuples(st.just("add_worker"), st.integers(0, 5), st.integers(1, 9)),
+        st.tuples(st.just("remove_worker"), st.integers(0, 5)),
+        st.tuples(st.just("heartbeat"), st.integers(0, 5)),
+        st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
+        st.tuples(st.just("finish"), st.integers(0, 50), st.booleans(), st.integers(0, 2)),
+        st.tuples(
+            st.just("request"),
+        ),
+        st.tuples(
+            st.just("sync"),
+        ),
+        st.tuples(
+            st.just("tick"),
+        ),
+    ),
+    min_size=1,
+    max_size=150,
+)
 
 
 def check_indexes(core: BrokerCore, peak_capacity: dict[str, int]) -> None:
@@ -73,8 +100,10 @@ def check_indexes(core: BrokerCore, peak_capacity: dict[str, int]) -> None:
 
 
 def trajs(core, vmin):
-    return [Trajectory([1], [2], [1], [0.0], reward=1.0, min_version=vmin, max_version=core.version)
-            for _ in range(core.s.group_size)]
+    return [
+        Trajectory([1], [2], [1], [0.0], reward=1.0, min_version=vmin, max_version=core.version)
+        for _ in range(core.s.group_size)
+    ]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -129,9 +158,16 @@ def test_indexes_match_brute_force_after_every_event(s, evs):
 # ----------------------------------------------------------------------------- start-up admission
 def make(expected, *, inflight=40, gs=4, grace=60.0):
     now = [0.0]
-    s = CoreSettings(rollout_batch_size=8, group_size=gs, max_inflight_groups=inflight,
-                     max_buffered_groups=inflight + 8, max_dropped_groups_per_step=100, seed=1,
-                     expected_workers=expected, worker_join_grace_s=grace)
+    s = CoreSettings(
+        rollout_batch_size=8,
+        group_size=gs,
+        max_inflight_groups=inflight,
+        max_buffered_groups=inflight + 8,
+        max_dropped_groups_per_step=100,
+        seed=1,
+        expected_workers=expected,
+        worker_join_grace_s=grace,
+    )
     return BrokerCore([PromptItem(i, f"q{i}") for i in range(100)], settings=s, clock=lambda: now[0]), now
 
 

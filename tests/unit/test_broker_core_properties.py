@@ -19,30 +19,67 @@ def reject_negative(group):
 
 core_settings = st.builds(
     lambda B, G, inflight, extra_buf, gran, unused, cap, sync: CoreSettings(
-        rollout_batch_size=B, group_size=G, max_inflight_groups=inflight, max_buffered_groups=B + extra_buf,
-        max_dropped_groups_per_step=10_000, submission_granularity=gran, unused_groups=unused, max_staleness=cap,
-        sync_mode=sync, seed=7, no_data_warning_s=5.0, worker_heartbeat_timeout_s=4.0),
-    st.integers(1, 4), st.integers(1, 3), st.integers(1, 6), st.integers(0, 6), st.sampled_from(["group", "sample"]),
-    st.sampled_from(["drop", "retry"]), st.one_of(st.none(), st.integers(0, 2)), st.booleans())
+        rollout_batch_size=B,
+        group_size=G,
+        max_inflight_groups=inflight,
+        max_buffered_groups=B + extra_buf,
+        max_dropped_groups_per_step=10_000,
+        submission_granularity=gran,
+        unused_groups=unused,
+        max_staleness=cap,
+        sync_mode=sync,
+        seed=7,
+        no_data_warning_s=5.0,
+        worker_heartbeat_timeout_s=4.0,
+    ),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 6),
+    st.integers(0, 6),
+    st.sampled_from(["group", "sample"]),
+    st.sampled_from(["drop", "retry"]),
+    st.one_of(st.none(), st.integers(0, 2)),
+    st.booleans(),
+)
 
-finish_many = st.tuples(st.just("finish_many"), st.lists(st.tuples(st.integers(0, 50),
-                                                                  st.sampled_from(["ok", "ok", "aborted", "neg"]),
-                                                                  st.integers(0, 3)), min_size=1, max_size=6),
-                        st.booleans())
+finish_many = st.tuples(
+    st.just("finish_many"),
+    st.lists(
+        st.tuples(st.integers(0, 50), st.sampled_from(["ok", "ok", "aborted", "neg"]), st.integers(0, 3)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.booleans(),
+)
 
-events = st.lists(st.one_of(
-    st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
-    st.tuples(st.just("add_worker"), st.integers(0, 2)),
-    st.tuples(st.just("remove_worker"), st.integers(0, 2)),
-    st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
-    st.tuples(st.just("finish"), st.integers(0, 50), st.sampled_from(["ok", "ok", "ok", "aborted", "neg"]),
-              st.integers(0, 3)),
-    finish_many, finish_many,  # twice: batched arrivals (a worker's ``groups`` message) as often as the rest
-    st.tuples(st.just("request"),),
-    st.tuples(st.just("sync"), st.sampled_from(["retract", "drain"])),
-    st.tuples(st.just("sync_end"),),
-    st.tuples(st.just("tick"),),
-), min_size=1, max_size=120)
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
+        st.tuples(st.just("add_worker"), st.integers(0, 2)),
+        st.tuples(st.just("remove_worker"), st.integers(0, 2)),
+        st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
+        st.tuples(
+            st.just("finish"),
+            st.integers(0, 50),
+            st.sampled_from(["ok", "ok", "ok", "aborted", "neg"]),
+            st.integers(0, 3),
+        ),
+        finish_many,
+        finish_many,  # twice: batched arrivals (a worker's ``groups`` message) as often as the rest
+        st.tuples(
+            st.just("request"),
+        ),
+        st.tuples(st.just("sync"), st.sampled_from(["retract", "drain"])),
+        st.tuples(
+            st.just("sync_end"),
+        ),
+        st.tuples(
+            st.just("tick"),
+        ),
+    ),
+    min_size=1,
+    max_size=120,
+)
 
 
 class Model:
@@ -99,8 +136,11 @@ class Model:
             assert abs(ratios[f"rollout/data_staleness/ratio_{k}"] - c / n) < 1e-9
         assert m["rollout/buffer/dropped_groups"] == self.step_drops
         fa = "rollout/fully_async/"
-        filtered = m[fa + "aborted_groups_filtered"] + m[fa + "stale_groups_filtered"] + m.get(
-            "rollout/dynamic_filter/drop_neg", 0.0)
+        filtered = (
+            m[fa + "aborted_groups_filtered"]
+            + m[fa + "stale_groups_filtered"]
+            + m.get("rollout/dynamic_filter/drop_neg", 0.0)
+        )
         assert filtered == self.step_drops
         for k in ("admission_wait_inflight_limit", "admission_wait_buffer_full"):
             assert 0.0 <= m["rollout/buffer/" + k] <= 1.0 + 1e-9
@@ -135,8 +175,10 @@ def finished(core, model, gid, outcome, dv):
     vmin = min(core.version, issued_v + dv)
     model.versions_of[gid] = vmin
     reward = -1.0 if outcome == "neg" else 1.0
-    trajs = [Trajectory([1], [2], [1], [0.0], reward=reward, min_version=vmin, max_version=core.version)
-             for _ in range(core.s.group_size)]
+    trajs = [
+        Trajectory([1], [2], [1], [0.0], reward=reward, min_version=vmin, max_version=core.version)
+        for _ in range(core.s.group_size)
+    ]
     return trajs, outcome == "aborted"
 
 
@@ -146,15 +188,25 @@ def test_core_invariants_hold_after_every_event(s, evs):
     run_events(s, evs)
 
 
-batch_events = st.lists(st.one_of(
-    finish_many, finish_many, finish_many,
-    st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
-    st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
-    st.tuples(st.just("request"),),
-    st.tuples(st.just("sync"), st.sampled_from(["retract", "drain"])),
-    st.tuples(st.just("sync_end"),),
-    st.tuples(st.just("remove_worker"), st.integers(0, 2)),
-), min_size=5, max_size=60)
+batch_events = st.lists(
+    st.one_of(
+        finish_many,
+        finish_many,
+        finish_many,
+        st.tuples(st.just("advance"), st.floats(0.0, 3.0)),
+        st.tuples(st.just("traj"), st.integers(0, 50), st.integers(0, 2)),
+        st.tuples(
+            st.just("request"),
+        ),
+        st.tuples(st.just("sync"), st.sampled_from(["retract", "drain"])),
+        st.tuples(
+            st.just("sync_end"),
+        ),
+        st.tuples(st.just("remove_worker"), st.integers(0, 2)),
+    ),
+    min_size=5,
+    max_size=60,
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

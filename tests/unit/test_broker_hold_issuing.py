@@ -12,8 +12,14 @@ from asyncrl.broker.types import PromptItem, Trajectory
 
 
 def make(**kw):
-    base = dict(rollout_batch_size=2, group_size=2, max_inflight_groups=3, max_buffered_groups=6,
-                max_dropped_groups_per_step=100, seed=3)
+    base = dict(
+        rollout_batch_size=2,
+        group_size=2,
+        max_inflight_groups=3,
+        max_buffered_groups=6,
+        max_dropped_groups_per_step=100,
+        seed=3,
+    )
     base.update(kw)
     return BrokerCore([PromptItem(i, f"q{i}") for i in range(10)], settings=CoreSettings(**base), clock=lambda: 0.0)
 

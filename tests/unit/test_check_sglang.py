@@ -32,13 +32,22 @@ def test_our_command_lines_parse_as_we_mean_them(tool):
 def test_our_request_bodies_fit_sglangs_request_classes(tool):
     results = tool.check_bodies()
     endpoints = {r["case"].split()[-1] for r in results}
-    assert {"/generate", "/pause_generation", "/continue_generation", "/init_weights_update_group",
-            "/update_weights_from_distributed", "/update_weights_from_disk", "/abort_request"} <= endpoints
+    assert {
+        "/generate",
+        "/pause_generation",
+        "/continue_generation",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_disk",
+        "/abort_request",
+    } <= endpoints
     assert [r for r in results if r["problems"]] == []
 
 
 def test_the_check_catches_mismatches(tool):
     assert tool.check_body("/pause_generation", {"mode": "drain"})
     assert any("new_version" in p for p in tool.check_body("/update_weight_version", {"version": "1"}))
-    assert any("max_tokens" in p for p in tool.check_body("/generate", {"input_ids": [1],
-                                                                        "sampling_params": {"max_tokens": 3}}))
+    assert any(
+        "max_tokens" in p
+        for p in tool.check_body("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}})
+    )

@@ -49,8 +49,9 @@ def test_loopback_master_means_one_host():
 
 
 def test_configured_broker_host_wins_and_loopback_is_refused_on_several_nodes():
-    ep = choose_endpoint(num_nodes=2, master_addr="node0", route_addr="127.0.1.1", iface_addrs=[],
-                         configured_host="10.0.0.9")
+    ep = choose_endpoint(
+        num_nodes=2, master_addr="node0", route_addr="127.0.1.1", iface_addrs=[], configured_host="10.0.0.9"
+    )
     assert (ep.bind_host, ep.advertise_host) == ("10.0.0.9", "10.0.0.9")
     with pytest.raises(AddressError, match="cluster.broker_host.*loopback"):
         choose_endpoint(num_nodes=2, master_addr="node0", route_addr=None, iface_addrs=[], configured_host="127.0.0.1")
@@ -98,6 +99,8 @@ def test_loopback_broker_host_on_two_nodes_is_a_config_error(monkeypatch):
 
     for k in ("MASTER_ADDR", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/searchr1.toml", ['cluster.broker_host="127.0.0.1"'])
+    cfg = load_config(
+        Path(__file__).resolve().parents[2] / "configs/searchr1.toml", ['cluster.broker_host="127.0.0.1"']
+    )
     with pytest.raises(ConfigError, match="cluster.broker_host.*2 nodes"):
         validate(cfg)

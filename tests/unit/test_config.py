@@ -89,8 +89,15 @@ def test_max_concurrent_samples_sets_inflight_in_groups(tmp_path):
 
 
 def test_overrides_take_toml_literals(tmp_path):
-    cfg = load(tmp_path, overrides=["runner.max_steps=7", "rollout.sampling.temperature=0.5",
-                                    "rollout.pause_mode=in_place", 'logging.run_dir="runs/x"'])
+    cfg = load(
+        tmp_path,
+        overrides=[
+            "runner.max_steps=7",
+            "rollout.sampling.temperature=0.5",
+            "rollout.pause_mode=in_place",
+            'logging.run_dir="runs/x"',
+        ],
+    )
     assert cfg.runner.max_steps == 7
     assert cfg.rollout.sampling.temperature == 0.5
     assert cfg.rollout.pause_mode == "in_place"
@@ -115,14 +122,20 @@ def test_config_does_not_import_torch():
 
 
 def test_async_rejects_shared_devices(tmp_path):
-    msg = check(tmp_path, ['cluster.component_placement={ actor = "0-2", "rollout,reward" = "2-3" }'],
-                "cluster.component_placement")
+    msg = check(
+        tmp_path,
+        ['cluster.component_placement={ actor = "0-2", "rollout,reward" = "2-3" }'],
+        "cluster.component_placement",
+    )
     assert "separate" in msg
 
 
 def test_async_rejects_non_server_backend(tmp_path):
-    check(tmp_path, ['rollout.rollout_backend="sglang"', 'rollout.sglang.backend_type="engine"'],
-          "rollout.sglang.backend_type")
+    check(
+        tmp_path,
+        ['rollout.rollout_backend="sglang"', 'rollout.sglang.backend_type="engine"'],
+        "rollout.sglang.backend_type",
+    )
 
 
 def test_async_requires_task_name(tmp_path):
@@ -146,32 +159,44 @@ def test_abort_pause_mode_allowed_in_sync(tmp_path):
 
 
 def test_overlapping_placement(tmp_path):
-    check(tmp_path, ['runner.async_mode=false',
-                     'cluster.component_placement={ actor = "0-2", rollout = "2-3", reward = "3" }'],
-          "cluster.component_placement")
+    check(
+        tmp_path,
+        ["runner.async_mode=false", 'cluster.component_placement={ actor = "0-2", rollout = "2-3", reward = "3" }'],
+        "cluster.component_placement",
+    )
 
 
 def test_out_of_range_placement(tmp_path):
-    msg = check(tmp_path, ['cluster.component_placement={ actor = "0-1", "rollout,reward" = "2-4" }'],
-                "cluster.component_placement")
+    msg = check(
+        tmp_path,
+        ['cluster.component_placement={ actor = "0-1", "rollout,reward" = "2-4" }'],
+        "cluster.component_placement",
+    )
     assert "out of range" in msg
 
 
 def test_placement_must_cover_world(tmp_path):
-    msg = check(tmp_path, ['cluster.component_placement={ actor = "0", "rollout,reward" = "2-3" }'],
-                "cluster.component_placement")
+    msg = check(
+        tmp_path,
+        ['cluster.component_placement={ actor = "0", "rollout,reward" = "2-3" }'],
+        "cluster.component_placement",
+    )
     assert "[1]" in msg
 
 
 def test_placement_needs_reward(tmp_path):
-    msg = check(tmp_path, ['cluster.component_placement={ actor = "0-1", rollout = "2-3" }'],
-                "cluster.component_placement")
+    msg = check(
+        tmp_path, ['cluster.component_placement={ actor = "0-1", rollout = "2-3" }'], "cluster.component_placement"
+    )
     assert "reward" in msg
 
 
 def test_unparsable_placement(tmp_path):
-    check(tmp_path, ['cluster.component_placement={ actor = "zero", "rollout,reward" = "2-3" }'],
-          "cluster.component_placement.actor")
+    check(
+        tmp_path,
+        ['cluster.component_placement={ actor = "zero", "rollout,reward" = "2-3" }'],
+        "cluster.component_placement.actor",
+    )
 
 
 def test_unknown_key_suggests(tmp_path):
@@ -180,28 +205,34 @@ def test_unknown_key_suggests(tmp_path):
 
 
 def test_unknown_section_suggests(tmp_path):
-    msg = check(tmp_path, ["rolout.pause_mode=\"retract\""], "rolout")
+    msg = check(tmp_path, ['rolout.pause_mode="retract"'], "rolout")
     assert "did you mean 'rollout'" in msg
 
 
-@pytest.mark.parametrize("override,key", [
-    ("data.rollout_batch_size=\"big\"", "data.rollout_batch_size"),
-    ("runner.async_mode=1", "runner.async_mode"),
-    ("rollout.max_running_requests=2.5", "rollout.max_running_requests"),
-    ("algorithm.group_size=true", "algorithm.group_size"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ('data.rollout_batch_size="big"', "data.rollout_batch_size"),
+        ("runner.async_mode=1", "runner.async_mode"),
+        ("rollout.max_running_requests=2.5", "rollout.max_running_requests"),
+        ("algorithm.group_size=true", "algorithm.group_size"),
+    ],
+)
 def test_wrong_types(tmp_path, override, key):
     check(tmp_path, [override], key)
 
 
-@pytest.mark.parametrize("override,key", [
-    ("data.rollout_batch_size=0", "data.rollout_batch_size"),
-    ("algorithm.group_size=-1", "algorithm.group_size"),
-    ("rollout.max_running_requests=0", "rollout.max_running_requests"),
-    ("rollout_buffer.max_inflight_groups=0", "rollout_buffer.max_inflight_groups"),
-    ("rollout_buffer.max_buffered_groups=-3", "rollout_buffer.max_buffered_groups"),
-    ("sync.bucket_bytes=0", "sync.bucket_bytes"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("data.rollout_batch_size=0", "data.rollout_batch_size"),
+        ("algorithm.group_size=-1", "algorithm.group_size"),
+        ("rollout.max_running_requests=0", "rollout.max_running_requests"),
+        ("rollout_buffer.max_inflight_groups=0", "rollout_buffer.max_inflight_groups"),
+        ("rollout_buffer.max_buffered_groups=-3", "rollout_buffer.max_buffered_groups"),
+        ("sync.bucket_bytes=0", "sync.bucket_bytes"),
+    ],
+)
 def test_non_positive_sizes(tmp_path, override, key):
     check(tmp_path, [override], key)
 
@@ -223,8 +254,11 @@ def test_http_retriever_needs_url(tmp_path):
 
 
 def test_eval_backends_are_exclusive(tmp_path):
-    check(tmp_path, ["eval.eval_num_gpus=1", 'eval.eval_function_path="m:F"', "eval.eval_interval=5"],
-          "eval.eval_function_path")
+    check(
+        tmp_path,
+        ["eval.eval_num_gpus=1", 'eval.eval_function_path="m:F"', "eval.eval_interval=5"],
+        "eval.eval_function_path",
+    )
 
 
 # ---- warnings ---------------------------------------------------------------------------------
@@ -246,17 +280,27 @@ def test_warning_buffer_below_inflight_plus_batch(tmp_path):
 
 
 def test_warning_buffer_below_two_batches(tmp_path):
-    ws = validate(load(tmp_path, overrides=["rollout_buffer.max_buffered_groups=5",
-                                            "rollout_buffer.max_inflight_groups=1"]), world_size=4)
+    ws = validate(
+        load(tmp_path, overrides=["rollout_buffer.max_buffered_groups=5", "rollout_buffer.max_inflight_groups=1"]),
+        world_size=4,
+    )
     assert any("2 x rollout_batch_size" in w for w in ws)
 
 
-@pytest.mark.parametrize("extra,warned", [('["--tokenizer-worker-num", "4"]', True),
-                                          ('["--tokenizer-worker-num=2"]', True),
-                                          ('["--tokenizer-worker-num", "1"]', False), ("[]", False)])
+@pytest.mark.parametrize(
+    "extra,warned",
+    [
+        ('["--tokenizer-worker-num", "4"]', True),
+        ('["--tokenizer-worker-num=2"]', True),
+        ('["--tokenizer-worker-num", "1"]', False),
+        ("[]", False),
+    ],
+)
 def test_warning_sglang_tokenizer_workers_skip_the_api_key(tmp_path, extra, warned):
-    ws = validate(load(tmp_path, overrides=['rollout.rollout_backend="sglang"',
-                                            f"rollout.sglang.extra_args={extra}"]), world_size=4)
+    ws = validate(
+        load(tmp_path, overrides=['rollout.rollout_backend="sglang"', f"rollout.sglang.extra_args={extra}"]),
+        world_size=4,
+    )
     assert any("--tokenizer-worker-num" in w and "--api-key" in w for w in ws) is warned, ws
 
 
@@ -271,7 +315,8 @@ def test_defaults_give_no_buffer_warnings(tmp_path):
 def test_colocated_placement_is_rejected_with_the_reason(tmp_path):
     text = BASE.replace("async_mode = true", "async_mode = false").replace(
         'component_placement = { actor = "0-1", "rollout,reward" = "2-3" }',
-        'component_placement = { "actor,rollout,reward" = "0-3" }')
+        'component_placement = { "actor,rollout,reward" = "0-3" }',
+    )
     msg = check(tmp_path, [], "cluster.component_placement", text=text)
     assert "colocated placement is not supported" in msg and "[0, 1, 2, 3]" in msg and "no engine" in msg
 
@@ -281,19 +326,25 @@ def test_capacity_factor_sets_the_buffer_limit(tmp_path, factor, B, expected):
     from asyncrl.config.derive import explain
 
     ov = [f"data.rollout_batch_size={B}"] + (
-        [] if factor is None else [f"rollout_buffer.async_data_buffer_capacity_factor={factor}"])
+        [] if factor is None else [f"rollout_buffer.async_data_buffer_capacity_factor={factor}"]
+    )
     cfg = load(tmp_path, overrides=ov)
     validate(cfg, world_size=4)
     assert cfg.rollout_buffer.max_buffered_groups == expected  # floor(factor x B)
     assert "rollout_buffer.max_buffered_groups" in cfg.derived
     shown = "\n".join(explain(cfg))
-    assert f"max_buffered_groups = floor({2.0 if factor is None else factor:g} x rollout_batch_size {B}) = {expected}" \
+    assert (
+        f"max_buffered_groups = floor({2.0 if factor is None else factor:g} x rollout_batch_size {B}) = {expected}"
         in shown
+    )
 
 
 def test_capacity_factor_and_max_buffered_groups_together_are_an_error(tmp_path):
-    msg = check(tmp_path, ["rollout_buffer.async_data_buffer_capacity_factor=2.0",
-                           "rollout_buffer.max_buffered_groups=8"], "rollout_buffer.async_data_buffer_capacity_factor")
+    msg = check(
+        tmp_path,
+        ["rollout_buffer.async_data_buffer_capacity_factor=2.0", "rollout_buffer.max_buffered_groups=8"],
+        "rollout_buffer.async_data_buffer_capacity_factor",
+    )
     assert "set only one" in msg
 
 
@@ -306,14 +357,36 @@ def test_dry_run_explains_what_the_derived_sample_granularity_changes(tmp_path):
 
 
 MILES_PAGE_FLAGS = [  # every flag named on Miles' fully-async page
-    "fully-async", "rollout-batch-size", "async-max-concurrent-samples", "rollout-submission-granularity",
-    "n-samples-per-prompt", "update-weights-interval", "pause-generation-mode", "async-data-buffer-capacity-factor",
-    "max-weight-staleness", "async-unused-samples-handler", "custom-async-data-buffer-path",
-    "dynamic-sampling-filter-path", "rollout-sample-filter-path", "eval-num-gpus", "eval-function-path",
-    "eval-interval", "eval-hf-dir", "eval-prompt-data", "eval-sglang-mem-fraction-static",
-    "no-eval-sglang-enable-dp-attention", "eval-num-gpus-per-engine", "save-hf", "eval-overflow-policy",
-    "eval-keep-snapshots", "eval-max-in-flight", "sglang-mem-fraction-static", "custom-rollout-log-function-path",
-    "custom-eval-rollout-log-function-path", "eval-backend"]
+    "fully-async",
+    "rollout-batch-size",
+    "async-max-concurrent-samples",
+    "rollout-submission-granularity",
+    "n-samples-per-prompt",
+    "update-weights-interval",
+    "pause-generation-mode",
+    "async-data-buffer-capacity-factor",
+    "max-weight-staleness",
+    "async-unused-samples-handler",
+    "custom-async-data-buffer-path",
+    "dynamic-sampling-filter-path",
+    "rollout-sample-filter-path",
+    "eval-num-gpus",
+    "eval-function-path",
+    "eval-interval",
+    "eval-hf-dir",
+    "eval-prompt-data",
+    "eval-sglang-mem-fraction-static",
+    "no-eval-sglang-enable-dp-attention",
+    "eval-num-gpus-per-engine",
+    "save-hf",
+    "eval-overflow-policy",
+    "eval-keep-snapshots",
+    "eval-max-in-flight",
+    "sglang-mem-fraction-static",
+    "custom-rollout-log-function-path",
+    "custom-eval-rollout-log-function-path",
+    "eval-backend",
+]
 
 
 @pytest.mark.parametrize("flag", MILES_PAGE_FLAGS)
@@ -332,7 +405,7 @@ def test_every_miles_flag_is_answered_with_the_projects_key(tmp_path, flag):
 def test_a_miles_flag_inside_a_section_is_answered_not_guessed(tmp_path):
     msg = check(tmp_path, ["rollout_buffer.max_weight_staleness=1"], "rollout_buffer.max_weight_staleness")
     assert "did you mean 'agentloop.max_actor_accept_staleness'?" in msg
-    msg = check(tmp_path, ["rollout_buffer.rollout_submission_granularity=\"group\""], "rollout_submission")
+    msg = check(tmp_path, ['rollout_buffer.rollout_submission_granularity="group"'], "rollout_submission")
     assert "did you mean 'rollout_buffer.submission_granularity'?" in msg
 
 
@@ -356,5 +429,8 @@ def test_every_schema_field_is_used_outside_the_config_package():
 
 
 def test_sglang_engine_backend_is_rejected_in_sync_mode_too(tmp_path):
-    check(tmp_path, ["runner.async_mode=false", 'rollout.rollout_backend="sglang"',
-                     'rollout.sglang.backend_type="engine"'], "rollout.sglang.backend_type")
+    check(
+        tmp_path,
+        ["runner.async_mode=false", 'rollout.rollout_backend="sglang"', 'rollout.sglang.backend_type="engine"'],
+        "rollout.sglang.backend_type",
+    )

@@ -45,8 +45,10 @@ class FileEval(CheckpointEvalFn):
         if (d / "boom").exists():
             raise RuntimeError("the eval server is down")
         meta = d / "snapshot.json"
-        return {"value": float((d / "value.txt").read_text()),
-                "step_read": json.loads(meta.read_text())["step"] if meta.exists() else input.step}
+        return {
+            "value": float((d / "value.txt").read_text()),
+            "step_read": json.loads(meta.read_text())["step"] if meta.exists() else input.step,
+        }
 
 
 def snapshot(root: Path, step: int, value: float = 1.0, **flags: str) -> Path:
@@ -73,8 +75,10 @@ def test_points_come_back_in_order_at_their_step_with_lag(tmp_path):
         disp.submit(step, snapshot(tmp_path, step, v), owned=False)
     outs = disp.close()
     assert [(o.step, o.status, o.metrics) for o in outs] == [
-        (2, "ok", {"value": 0.5, "step_read": 2.0}), (4, "ok", {"value": 0.25, "step_read": 4.0}),
-        (6, "ok", {"value": 0.75, "step_read": 6.0})]
+        (2, "ok", {"value": 0.5, "step_read": 2.0}),
+        (4, "ok", {"value": 0.25, "step_read": 4.0}),
+        (6, "ok", {"value": 0.75, "step_read": 6.0}),
+    ]
     m = outcome_metrics(outs[0], logged_at=5, num_skipped=0, num_errors=0)
     assert m["eval/value"] == 0.5 and m["eval/step_read"] == 2.0 and m["eval/lag_steps"] == 3.0
     assert m["eval/skipped"] == 0.0 and m["eval/time_seconds"] >= 0.0
@@ -141,8 +145,9 @@ def test_eval_skip_and_a_raising_function_are_attributed_and_training_goes_on(tm
 
 
 def test_a_non_dict_result_is_an_error_not_a_dead_thread(tmp_path):
-    disp = EvalDispatcher(lambda d, step: [1.0], max_in_flight=2, overflow_policy="skip", keep_snapshots=1,
-                          wait_timeout_s=WAIT_S)
+    disp = EvalDispatcher(
+        lambda d, step: [1.0], max_in_flight=2, overflow_policy="skip", keep_snapshots=1, wait_timeout_s=WAIT_S
+    )
     (tmp_path / "snapshot.json").write_text("{}")
     disp.submit(1, tmp_path, owned=False)
     disp.submit(2, tmp_path, owned=False)
@@ -183,8 +188,12 @@ def test_owned_snapshots_are_retired_on_every_outcome_and_only_keep_snapshots_st
     disp = dispatcher(fn, max_in_flight=8, keep_snapshots=1)
     reused = snapshot(tmp_path / "ckpt", 2)
     disp.submit(2, reused, owned=False)  # a periodic checkpoint: never deleted
-    owned = [snapshot(tmp_path / "eval", 4), snapshot(tmp_path / "eval", 6, boom="1"),
-             snapshot(tmp_path / "eval", 8, skip="x"), snapshot(tmp_path / "eval", 10)]
+    owned = [
+        snapshot(tmp_path / "eval", 4),
+        snapshot(tmp_path / "eval", 6, boom="1"),
+        snapshot(tmp_path / "eval", 8, skip="x"),
+        snapshot(tmp_path / "eval", 10),
+    ]
     for d in owned:
         disp.submit(int(d.name.split("_")[1]), d, owned=True)
     assert len(disp.close()) == 5
@@ -244,9 +253,16 @@ def test_an_export_that_raises_is_a_skipped_point_and_training_goes_on(tmp_path)
     from asyncrl.runner.evaluation import PeriodicEval
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "configs/tiny.toml", [
-        f'eval.eval_function_path="{__name__}:FileEval"', "eval.eval_interval=2",
-        f'eval.eval_hf_dir="{tmp_path / "hf"}"', 'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=1"])
+    cfg = load_config(
+        root / "configs/tiny.toml",
+        [
+            f'eval.eval_function_path="{__name__}:FileEval"',
+            "eval.eval_interval=2",
+            f'eval.eval_hf_dir="{tmp_path / "hf"}"',
+            'eval.eval_overflow_policy="skip"',
+            "eval.eval_max_in_flight=1",
+        ],
+    )
     pe = PeriodicEval(cfg, actor=_ExportFails(), is_leader=True)
     try:
         m = pe.after_step(2)  # does not raise
@@ -281,9 +297,16 @@ def test_a_due_point_without_a_slot_under_skip_is_eval_skipped_busy_at_its_step(
     from asyncrl.runner.evaluation import PeriodicEval
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "configs/tiny.toml", [
-        f'eval.eval_function_path="{__name__}:GatedEval"', "eval.eval_interval=2", f'eval.eval_hf_dir="{tmp_path}"',
-        'eval.eval_overflow_policy="skip"', "eval.eval_max_in_flight=1"])
+    cfg = load_config(
+        root / "configs/tiny.toml",
+        [
+            f'eval.eval_function_path="{__name__}:GatedEval"',
+            "eval.eval_interval=2",
+            f'eval.eval_hf_dir="{tmp_path}"',
+            'eval.eval_overflow_policy="skip"',
+            "eval.eval_max_in_flight=1",
+        ],
+    )
     pe = PeriodicEval(cfg, actor=_ExportsValue(), is_leader=True)
     try:
         assert "eval/export_time_seconds" in pe.after_step(2)

@@ -21,8 +21,13 @@ from asyncrl.config.schema import EvalConfig
 from asyncrl.rollout.sglang_launcher import sglang_command
 
 FLEET_PLACEMENT = 'cluster.component_placement={ actor = "0", "rollout,reward" = "1-2", eval = "3" }'
-FLEET = [FLEET_PLACEMENT, "eval.eval_num_gpus=1", "eval.eval_interval=2", 'eval.eval_hf_dir="/dev/shm/x"',
-         'data.test_path="t.jsonl"']
+FLEET = [
+    FLEET_PLACEMENT,
+    "eval.eval_num_gpus=1",
+    "eval.eval_interval=2",
+    'eval.eval_hf_dir="/dev/shm/x"',
+    'data.test_path="t.jsonl"',
+]
 
 
 def test_fleet_size_divides():
@@ -36,15 +41,26 @@ def test_fleet_size_divides():
 def test_flags_round_trip():
     args = ["--dp-size", "2", "--enable-dp-attention", "--chunked-prefill-size=512", "--no-enable-cache-report"]
     f = parse_flags(args)
-    assert f == {"dp_size": "2", "enable_dp_attention": True, "chunked_prefill_size": "512",
-                 "enable_cache_report": False}
+    assert f == {
+        "dp_size": "2",
+        "enable_dp_attention": True,
+        "chunked_prefill_size": "512",
+        "enable_cache_report": False,
+    }
     assert parse_flags(render_flags(f)) == {k: v for k, v in f.items() if v is not False}
     with pytest.raises(ConfigError, match="rollout.sglang.extra_args"):
         parse_flags(["2", "--x"])
 
 
-ROLLOUT = {"mem_fraction_static": "0.8", "dp_size": "2", "pp_size": "2", "ep_size": "4", "attn_cp_size": "2",
-           "enable_dp_attention": True, "chunked_prefill_size": "512"}
+ROLLOUT = {
+    "mem_fraction_static": "0.8",
+    "dp_size": "2",
+    "pp_size": "2",
+    "ep_size": "4",
+    "attn_cp_size": "2",
+    "enable_dp_attention": True,
+    "chunked_prefill_size": "512",
+}
 
 
 def test_same_tp_inherits_everything():
@@ -58,8 +74,12 @@ def test_different_tp_resets_the_tp_tied_fields_to_one():
     assert all(s[k] == "1" for k in ("dp_size", "pp_size", "ep_size", "attn_cp_size"))
     assert s["enable_dp_attention"] is True and s["chunked_prefill_size"] == "512"  # the rest is inherited
     # an explicit override wins over the reset; a boolean is turned off by "false" or the no_ form
-    s = resolve_eval_sglang(ROLLOUT, rollout_tp=2, eval_tp=4, overrides={
-        "dp_size": "2", "mem_fraction_static": "0.9", "enable_dp_attention": "false"})
+    s = resolve_eval_sglang(
+        ROLLOUT,
+        rollout_tp=2,
+        eval_tp=4,
+        overrides={"dp_size": "2", "mem_fraction_static": "0.9", "enable_dp_attention": "false"},
+    )
     assert s["dp_size"] == "2" and s["pp_size"] == "1" and s["mem_fraction_static"] == "0.9"
     assert s["enable_dp_attention"] is False and "--enable-dp-attention" not in render_flags(s)
     s = resolve_eval_sglang(ROLLOUT, rollout_tp=2, eval_tp=2, overrides={"no_enable_dp_attention": "true"})
@@ -72,10 +92,16 @@ def test_tp_cannot_be_overridden_in_eval_sglang():
 
 
 def test_eval_engine_config_feeds_the_command_builders(tmp_path):
-    cfg = load(tmp_path, overrides=[
-        "rollout.tensor_parallel_size=2", 'rollout.sglang.extra_args=["--dp-size", "2", "--enable-metrics"]',
-        'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2-3", eval = "4" }',
-        "eval.eval_num_gpus=1", 'eval.eval_sglang={ mem_fraction_static = "0.9", max_running_requests = "7" }'])
+    cfg = load(
+        tmp_path,
+        overrides=[
+            "rollout.tensor_parallel_size=2",
+            'rollout.sglang.extra_args=["--dp-size", "2", "--enable-metrics"]',
+            'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2-3", eval = "4" }',
+            "eval.eval_num_gpus=1",
+            'eval.eval_sglang={ mem_fraction_static = "0.9", max_running_requests = "7" }',
+        ],
+    )
     s = eval_engine_settings(cfg)
     assert s["tp_size"] == "1" and s["dp_size"] == "1" and s["enable_metrics"] is True
     ecfg = eval_engine_config(cfg)
@@ -97,8 +123,13 @@ def test_placement_eval_ranks_and_engines():
 
 def test_a_valid_fleet_config(tmp_path):
     validate(load(tmp_path, overrides=FLEET), world_size=4)
-    validate(load(tmp_path, overrides=[*FLEET[:3], 'data.test_path="t.jsonl"', "runner.save_hf=true",
-                                       "runner.checkpoint_interval=2"]), world_size=4)
+    validate(
+        load(
+            tmp_path,
+            overrides=[*FLEET[:3], 'data.test_path="t.jsonl"', "runner.save_hf=true", "runner.checkpoint_interval=2"],
+        ),
+        world_size=4,
+    )
 
 
 def test_fleet_validation_errors_name_their_keys(tmp_path):

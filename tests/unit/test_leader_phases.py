@@ -31,8 +31,9 @@ def _follow(follower: LeaderPhases, name: str, out: dict, timeout_s=None) -> thr
     def body():
         t0 = time.monotonic()
         try:
-            out["result"] = follower.run(name, lambda: pytest.fail("a follower must not run the phase"),
-                                         timeout_s=timeout_s)
+            out["result"] = follower.run(
+                name, lambda: pytest.fail("a follower must not run the phase"), timeout_s=timeout_s
+            )
         except LeaderFailed as e:
             out["error"] = e
         out["waited_s"] = time.monotonic() - t0

@@ -26,9 +26,13 @@ def log_eval_rollout_data(rollout_id, args, data, extra_metrics):
 
 
 def _cfg():
-    return load_config(ROOT / "configs/tiny.toml", [
-        f'logging.custom_rollout_log_function_path="{__name__}:log_rollout_data"',
-        f'logging.custom_eval_rollout_log_function_path="{__name__}:log_eval_rollout_data"'])
+    return load_config(
+        ROOT / "configs/tiny.toml",
+        [
+            f'logging.custom_rollout_log_function_path="{__name__}:log_rollout_data"',
+            f'logging.custom_eval_rollout_log_function_path="{__name__}:log_eval_rollout_data"',
+        ],
+    )
 
 
 def _groups():
@@ -43,14 +47,24 @@ def test_hooks_get_the_steps_data_and_true_skips_the_default_logging(skip):
     cfg = _cfg()
     hooks = LogHooks(cfg)
     groups = _groups()
-    m = {"rollout/data_staleness/mean": 1.0, "time/wait_data": 2.5, "actor/loss": 0.1, "eval/test/accuracy": 0.5,
-         "eval/time_seconds": 3.0}
+    m = {
+        "rollout/data_staleness/mean": 1.0,
+        "time/wait_data": 2.5,
+        "actor/loss": 0.1,
+        "eval/test/accuracy": 0.5,
+        "eval/time_seconds": 3.0,
+    }
     out = hooks.step(7, groups, dict(m))
     kind, step, args, samples, extra, t = CALLS[0]
     assert (kind, step, args, t) == ("rollout", 7, cfg, 2.5)
     assert samples == [t for g in groups for t in g.trajectories] and extra == {"rollout/data_staleness/mean": 1.0}
-    assert CALLS[1] == ("eval", 7, cfg, {"test": {"accuracy": 0.5}},
-                        {"eval/test/accuracy": 0.5, "eval/time_seconds": 3.0})
+    assert CALLS[1] == (
+        "eval",
+        7,
+        cfg,
+        {"test": {"accuracy": 0.5}},
+        {"eval/test/accuracy": 0.5, "eval/time_seconds": 3.0},
+    )
     if skip:
         assert out == {"time/wait_data": 2.5, "actor/loss": 0.1}
     else:

@@ -49,11 +49,23 @@ def test_a_resumed_run_purges_the_steps_it_writes_again(tmp_path):
     again.close()
 
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["reward/mean"]) for r in recs] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0),
-                                                             (6, 60.0)]
+    assert [(r["step"], r["reward/mean"]) for r in recs] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+        (5, 50.0),
+        (6, 60.0),
+    ]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
-        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+        (5, 50.0),
+        (6, 60.0),
+    ]

@@ -21,26 +21,41 @@ from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
 from asyncrl.rollout.cpu_model import KVPool, load_model
 
-BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
+BASE = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"hidden_size": None}, "hidden_size is missing"),
-    ({"vocab_size": "64"}, "vocab_size='64' must be a positive integer"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=4"),
-    ({"hidden_size": 30}, "head_dim is missing and hidden_size=30"),
-    ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be a positive number"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor is missing"),
-    ({"rope_scaling": {"type": "linear"}}, "rope_scaling.factor is missing"),
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-    ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
-    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"hidden_size": None}, "hidden_size is missing"),
+        ({"vocab_size": "64"}, "vocab_size='64' must be a positive integer"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=4"),
+        ({"hidden_size": 30}, "head_dim is missing and hidden_size=30"),
+        ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be a positive number"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor is missing"),
+        ({"rope_scaling": {"type": "linear"}}, "rope_scaling.factor is missing"),
+        ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+        ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ],
+)
 def test_parse_errors_name_the_field(change, field):
     hf = {k: v for k, v in {**BASE, **change}.items() if v is not None}
     with pytest.raises(ValueError, match="^cfg.json: " + field.replace("(", r"\(").replace("[", r"\[")):
@@ -49,8 +64,16 @@ def test_parse_errors_name_the_field(change, field):
 
 def test_one_reading_of_the_hf_fields():
     gen = {"eos_token_id": [2, 5]}
-    s = ModelSpec.from_hf_config({**BASE, "eos_token_id": 2, "attention_bias": True, "head_dim": 16,
-                                  "rope_parameters": {"rope_theta": 5e5, **LLAMA3}}, gen)
+    s = ModelSpec.from_hf_config(
+        {
+            **BASE,
+            "eos_token_id": 2,
+            "attention_bias": True,
+            "head_dim": 16,
+            "rope_parameters": {"rope_theta": 5e5, **LLAMA3},
+        },
+        gen,
+    )
     assert (s.ffn_hidden_size, s.num_layers, s.num_query_groups, s.head_dim) == (48, 2, 2, 16)
     assert s.qkv_bias and s.o_bias and not s.qk_norm and s.eos_token_ids == (2, 5)
     assert s.rope_theta == 5e5 and s.rope_scaling["rope_type"] == "llama3"  # transformers 5 layout
@@ -61,17 +84,25 @@ def test_one_reading_of_the_hf_fields():
     assert (shape.ffn_hidden_size, shape.num_query_groups, shape.qk_norm, shape.qkv_bias) == (48, 2, True, False)
 
 
-@pytest.mark.parametrize("extra,refused_by", [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"actor"}),
-    ({"rope_scaling": LLAMA3}, {"actor"}),
-    ({"attention_bias": True}, {"actor"}),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {"actor", "cpu", "decoder"}),
-])
+@pytest.mark.parametrize(
+    "extra,refused_by",
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"actor"}),
+        ({"rope_scaling": LLAMA3}, {"actor"}),
+        ({"attention_bias": True}, {"actor"}),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {"actor", "cpu", "decoder"}),
+    ],
+)
 def test_each_consumer_refuses_what_it_cannot_run_through_its_loader(tmp_path, extra, refused_by):
-    path = make_tiny_checkpoint(tmp_path / "m", arch="llama", num_hidden_layers=1, hidden_size=32,
-                                intermediate_size=48, **extra)
-    loaders = {"actor": actor_spec, "cpu": load_model, "decoder": TorchDecoder.from_pretrained,
-               "converter": lambda p: hf_to_actor_checkpoint(p, tmp_path / "ckpt")}
+    path = make_tiny_checkpoint(
+        tmp_path / "m", arch="llama", num_hidden_layers=1, hidden_size=32, intermediate_size=48, **extra
+    )
+    loaders = {
+        "actor": actor_spec,
+        "cpu": load_model,
+        "decoder": TorchDecoder.from_pretrained,
+        "converter": lambda p: hf_to_actor_checkpoint(p, tmp_path / "ckpt"),
+    }
     names = {"actor": ACTOR.name, "converter": ACTOR.name, "cpu": CPU_ENGINE.name, "decoder": TORCH_DECODER.name}
     refused_by = refused_by | ({"converter"} if "actor" in refused_by else set())
     for who, load in loaders.items():
@@ -83,11 +114,14 @@ def test_each_consumer_refuses_what_it_cannot_run_through_its_loader(tmp_path, e
             load(path)
 
 
-@pytest.mark.parametrize("extra", [{"rope_scaling": LLAMA3}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-                                   {"attention_bias": True}])
+@pytest.mark.parametrize(
+    "extra",
+    [{"rope_scaling": LLAMA3}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"attention_bias": True}],
+)
 def test_plain_decoder_and_cpu_engine_agree_on_the_shared_features(tmp_path, extra):
-    path = make_tiny_checkpoint(tmp_path / "m", arch="llama", seed=4, num_hidden_layers=2, hidden_size=32,
-                                intermediate_size=48, **extra)
+    path = make_tiny_checkpoint(
+        tmp_path / "m", arch="llama", seed=4, num_hidden_layers=2, hidden_size=32, intermediate_size=48, **extra
+    )
     ids = torch.randint(0, 60, (1, 40), generator=torch.Generator().manual_seed(0))  # past the 16-token context
     with torch.no_grad():
         ours = TorchDecoder.from_pretrained(path)(ids)[0]
@@ -107,8 +141,9 @@ def test_one_safetensors_reader(tmp_path):
     d.mkdir()
     save_file(a, str(d / "m-1.safetensors"))
     save_file(b, str(d / "m-2.safetensors"))
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"x": "m-1.safetensors", "y": "m-1.safetensors", "z": "m-2.safetensors"}}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "m-1.safetensors", "y": "m-1.safetensors", "z": "m-2.safetensors"}})
+    )
     r = SafetensorsReader(d)
     assert r.keys() == ["x", "y", "z"] and "z" in r and torch.equal(r.get("x"), a["x"])
     assert {k: v.tolist() for k, v in r.items()} == {k: v.tolist() for k, v in {**a, **b}.items()}

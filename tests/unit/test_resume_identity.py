@@ -41,8 +41,10 @@ def test_resume_skips_another_runs_newer_checkpoint(tmp_path):
 def test_identity_survives_a_restart_but_not_a_config_change(tmp_path):
     cfg = _cfg("runner.resume=true")
     first = establish_identity(cfg, tmp_path)
-    assert establish_identity(dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, max_steps=99)),
-                              tmp_path) == first  # a longer budget is the same run
+    assert (
+        establish_identity(dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, max_steps=99)), tmp_path)
+        == first
+    )  # a longer budget is the same run
     assert establish_identity(_cfg("runner.resume=true", "rollout.port=45678"), tmp_path) == first  # a new port
     other = _cfg("runner.resume=true", "actor.lr=0.5")
     assert config_hash(other) != first["config_hash"]

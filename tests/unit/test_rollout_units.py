@@ -29,8 +29,14 @@ def test_sampling_params_unknown_and_bad_values_name_the_key():
 
 
 def _cfg(**rollout) -> Config:
-    r = RolloutConfig(model_path="/m", max_running_requests=32, tensor_parallel_size=2, port=30000,
-                      sglang=SGLangConfig(mem_fraction_static=0.7, extra_args=["--log-level", "warning"]), **rollout)
+    r = RolloutConfig(
+        model_path="/m",
+        max_running_requests=32,
+        tensor_parallel_size=2,
+        port=30000,
+        sglang=SGLangConfig(mem_fraction_static=0.7, extra_args=["--log-level", "warning"]),
+        **rollout,
+    )
     return dataclasses.replace(Config(), rollout=r)
 
 
@@ -55,15 +61,27 @@ def test_cpu_command_selected_by_backend():
 
 
 def test_prometheus_and_generate_parsers():
-    text = ('# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{tp_rank="0"} 3.0\n'
-            'sglang:num_running_reqs{tp_rank="1"} 1.0\nsglang:cache_hit_rate{a="b"} 0.5\n'
-            'sglang:cache_hit_rate{a="c"} 0.25\nsglang:generation_tokens_total 12\nother_metric 9\n')
+    text = (
+        '# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{tp_rank="0"} 3.0\n'
+        'sglang:num_running_reqs{tp_rank="1"} 1.0\nsglang:cache_hit_rate{a="b"} 0.5\n'
+        'sglang:cache_hit_rate{a="c"} 0.25\nsglang:generation_tokens_total 12\nother_metric 9\n'
+    )
     m = parse_prometheus(text)
     assert m == {"num_running_reqs": 4.0, "cache_hit_rate": 0.375, "generation_tokens_total": 12.0}
-    r = parse_generate_response({"text": "a", "output_ids": [4, 5], "meta_info": {
-        "id": "r", "finish_reason": {"type": "length", "length": 2}, "weight_version": "3",
-        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}],
-        "output_token_logprobs": [[-0.5, 4, None], [-1.5, 5, None]], "num_retractions": 1}})
+    r = parse_generate_response(
+        {
+            "text": "a",
+            "output_ids": [4, 5],
+            "meta_info": {
+                "id": "r",
+                "finish_reason": {"type": "length", "length": 2},
+                "weight_version": "3",
+                "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}],
+                "output_token_logprobs": [[-0.5, 4, None], [-1.5, 5, None]],
+                "num_retractions": 1,
+            },
+        }
+    )
     assert r.output_logprobs == [-0.5, -1.5] and r.versions == ["2", "3"] and not r.aborted
     assert _server_message('{"error": {"message": "boom"}}') == "boom"
     assert _server_message('{"success": false, "message": "nope"}') == "nope"
@@ -77,9 +95,17 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
     transformers = pytest.importorskip("transformers")
     from asyncrl.rollout.cpu_model import KVPool, load_model
 
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, rms_norm_eps=1e-6,
-                  max_position_embeddings=256)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)  # HF's random init too: the same weights on every run
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=5000.0)

@@ -11,9 +11,18 @@ from asyncrl.runner.loop import broker_accounting, make_batch_filter, rollout_me
 
 
 def _group(gid, index, rewards):
-    trajs = [Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 0, 1],
-                        rollout_logprobs=[-0.1, 0.0, -0.2], reward=r, num_turns=2, num_tool_calls=1)
-             for r in rewards]
+    trajs = [
+        Trajectory(
+            prompt_ids=[1, 2],
+            response_ids=[3, 4, 5],
+            loss_mask=[1, 0, 1],
+            rollout_logprobs=[-0.1, 0.0, -0.2],
+            reward=r,
+            num_turns=2,
+            num_tool_calls=1,
+        )
+        for r in rewards
+    ]
     return Group(group_id=gid, item=PromptItem(index=index, prompt="q"), epoch=0, trajectories=trajs)
 
 
@@ -53,11 +62,19 @@ def test_rollout_metrics_of_a_batch():
 
 
 def test_broker_accounting_adds_up():
-    st = {"counters": {"issued": 10, "trained": 4, "dropped": 1, "reissued": 1},
-          "num_inflight_groups": 3, "num_buffered_groups": 1}
+    st = {
+        "counters": {"issued": 10, "trained": 4, "dropped": 1, "reissued": 1},
+        "num_inflight_groups": 3,
+        "num_buffered_groups": 1,
+    }
     a = broker_accounting(st)
-    assert a["broker/issued_groups"] == a["broker/trained_groups"] + a["broker/dropped_groups"] + \
-        a["broker/held_groups"] + a["broker/reissued_groups"]
+    assert (
+        a["broker/issued_groups"]
+        == a["broker/trained_groups"]
+        + a["broker/dropped_groups"]
+        + a["broker/held_groups"]
+        + a["broker/reissued_groups"]
+    )
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
@@ -132,15 +149,27 @@ def test_engine_figures_for_the_autotuner_are_the_step_mean_without_retracted_re
     scraper.close()  # the background thread scraped once (or not at all): the test drives the scrapes
     scraper.autotune_figures()
     assert scraper.autotune_figures() is None  # nothing scraped since the last report
-    served["a"] = {"num_running_reqs": 24, "num_queue_reqs": 30, "num_retracted_reqs": 24, "gen_throughput": 900.0,
-                   "generation_tokens_total": 1000}
+    served["a"] = {
+        "num_running_reqs": 24,
+        "num_queue_reqs": 30,
+        "num_retracted_reqs": 24,
+        "gen_throughput": 900.0,
+        "generation_tokens_total": 1000,
+    }
     served["b"] = {"num_running_reqs": 20, "num_queue_reqs": 0, "gen_throughput": 700.0, "generation_tokens_total": 0}
     scraper._record(scraper.scrape())  # right after a sync: a's queue is its retracted requests + 6; first count
     now[0] = 2.0
-    served["a"] = {"num_running_reqs": 24, "num_queue_reqs": 2, "gen_throughput": 1100.0,
-                   "generation_tokens_total": 2000}  # 1000 tokens in 2 s: 500/s (idle part of it)
+    served["a"] = {
+        "num_running_reqs": 24,
+        "num_queue_reqs": 2,
+        "gen_throughput": 1100.0,
+        "generation_tokens_total": 2000,
+    }  # 1000 tokens in 2 s: 500/s (idle part of it)
     served["b"] = dict(served["b"], generation_tokens_total=1400)  # busy all along: 700/s
     scraper._record(scraper.scrape())
-    assert scraper.autotune_figures() == {"running_reqs": 44.0, "queue_reqs": 4.0,
-                                          "gen_tokens_per_s": (900 + 700 + 500 + 700) / 2}
+    assert scraper.autotune_figures() == {
+        "running_reqs": 44.0,
+        "queue_reqs": 4.0,
+        "gen_tokens_per_s": (900 + 700 + 500 + 700) / 2,
+    }
     assert "engine/0/num_queue_reqs" in scraper.latest() and not any(k.startswith("_") for k in scraper.latest())

@@ -26,12 +26,18 @@ def test_base_prompt_is_search_r1_template():
 class _ChatTok:
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
         assert add_generation_prompt and not tokenize
-        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+        return (
+            "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+            + "<|im_start|>assistant\n"
+        )
 
 
 def test_chat_prompt_wraps_the_template_as_one_user_message():
     text = s.build_prompt("Where was Tarin Velo born", chat_template=True, tokenizer=_ChatTok())
-    assert text == "<|im_start|>user\n" + s.build_prompt("Where was Tarin Velo born") + "<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>user\n" + s.build_prompt("Where was Tarin Velo born") + "<|im_end|>\n<|im_start|>assistant\n"
+    )
     with pytest.raises(ValueError, match="chat_template"):
         s.build_prompt("q", chat_template=True)
 

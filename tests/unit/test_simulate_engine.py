@@ -41,8 +41,9 @@ def test_engine_model_table_interpolates_and_is_flat_past_the_last_point():
 
 def test_cli_takes_a_measured_curve_and_prints_the_fit(tmp_path, capsys):
     curve = tmp_path / "curve.json"
-    curve.write_text(json.dumps({"curve": [{"concurrency": c, "tok_s": saturation_tok_s(c, 1800.0, 12.0)}
-                                           for c in (1, 4, 16, 64)]}))
+    curve.write_text(
+        json.dumps({"curve": [{"concurrency": c, "tok_s": saturation_tok_s(c, 1800.0, 12.0)} for c in (1, 4, 16, 64)]})
+    )
     assert main([TINY, "--engine-curve", str(curve), "--train-s", "1.0", "--steps", "8"]) == 0
     out = capsys.readouterr().out
     assert "rel.err" in out

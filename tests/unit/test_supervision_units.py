@@ -42,8 +42,13 @@ class _Group:
 
 def _recovery(counts: list[int], published: dict, *, wait_s: float = 5.0, max_failures: int = 3):
     group = _Group(len(counts))
-    rec = EngineRecovery(group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__,
-                         wait_s=wait_s, max_failures=max_failures)
+    rec = EngineRecovery(
+        group,
+        read_restarts=lambda i: counts[i],
+        publish_synced=published.__setitem__,
+        wait_s=wait_s,
+        max_failures=max_failures,
+    )
     return group, rec
 
 
@@ -118,8 +123,7 @@ def test_sync_weights_retries_after_a_restart_and_finishes_every_gather():
     group, rec = _recovery(counts, published)
     actor, syncer = _Actor(), _Syncer(counts)
     decisions = []
-    res = sync_weights(actor, syncer, rec, bucket_bytes=1, is_leader=True,
-                       bcast=lambda x: decisions.append(x) or x)
+    res = sync_weights(actor, syncer, rec, bucket_bytes=1, is_leader=True, bcast=lambda x: decisions.append(x) or x)
     assert res == ([[("w1", None)], [("w2", None)]], 7)
     assert decisions == ["retry", None]  # every rank was told to retry once, then done
     assert actor.iterated == [0, 1, 2, 0, 1, 2]  # the failed attempt still ran the whole (collective) gather
@@ -164,12 +168,15 @@ def test_sync_weights_abandon_reaches_the_other_ranks():
     assert actor.iterated == [0, 1, 2]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.health_check_interval_s=0", "rollout.health_check_interval_s"),
-    ("rollout.health_check_timeout_s=-1", "rollout.health_check_timeout_s"),
-    ("rollout.unhealthy_after_s=0", "rollout.unhealthy_after_s"),
-    ("rollout.health_check_timeout_s=20", "rollout.health_check_timeout_s"),  # not below unhealthy_after_s
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.health_check_interval_s=0", "rollout.health_check_interval_s"),
+        ("rollout.health_check_timeout_s=-1", "rollout.health_check_timeout_s"),
+        ("rollout.unhealthy_after_s=0", "rollout.unhealthy_after_s"),
+        ("rollout.health_check_timeout_s=20", "rollout.health_check_timeout_s"),  # not below unhealthy_after_s
+    ],
+)
 def test_supervision_keys_are_checked(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(Path(__file__).resolve().parents[2] / "configs/tiny.toml", [override])
@@ -184,9 +191,18 @@ def test_a_batch_asked_for_in_slices_keeps_its_wait_time_and_the_warning_clock()
     of the same step continues the first one (``time/wait_data``, the no-data warning), a new step starts anew;
     an engine's worker leaving re-issues its groups, counted as re-issued, and the accounting holds."""
     t = [0.0]
-    core = BrokerCore([PromptItem(i, f"q{i}") for i in range(10)], clock=lambda: t[0], settings=CoreSettings(
-        rollout_batch_size=2, group_size=3, max_inflight_groups=3, max_buffered_groups=4,
-        max_dropped_groups_per_step=100, no_data_warning_s=5.0))
+    core = BrokerCore(
+        [PromptItem(i, f"q{i}") for i in range(10)],
+        clock=lambda: t[0],
+        settings=CoreSettings(
+            rollout_batch_size=2,
+            group_size=3,
+            max_inflight_groups=3,
+            max_buffered_groups=4,
+            max_dropped_groups_per_step=100,
+            no_data_warning_s=5.0,
+        ),
+    )
     core.add_worker("engine0", capacity=9)
     first = [i.group_id for i in core.take_issues()]
     core.request_batch(step=1)

@@ -84,9 +84,11 @@ def test_packed_rows_equal_each_sequence_alone(tmp_path, arch):
     V = model.config["vocab_size"]
     torch.manual_seed(1)
     prefix, a, b, c = (torch.randint(0, V, (n,)) for n in (6, 4, 3, 5))
-    packed = torch.stack((torch.cat((a, b, torch.zeros(2, dtype=torch.long))), torch.cat((c, torch.zeros(4, dtype=torch.long)))))
+    packed = torch.stack(
+        (torch.cat((a, b, torch.zeros(2, dtype=torch.long))), torch.cat((c, torch.zeros(4, dtype=torch.long))))
+    )
     segments = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2], [3, 3, 3, 3, 3, 4, 4, 4, 4]])
     _, h_packed = model.hidden_states_shared_prefix(prefix, packed, segments)
     for row, lo, seq in ((0, 0, a), (0, 4, b), (1, 0, c)):
         h_alone = model.hidden_states(torch.cat((prefix, seq))[None])[0, 6:]
-        assert_close_to_scale(h_packed[row, lo:lo + len(seq)], h_alone, rel=HIDDEN_REL)
+        assert_close_to_scale(h_packed[row, lo : lo + len(seq)], h_alone, rel=HIDDEN_REL)

@@ -20,21 +20,25 @@ def _loss_and_grads(model, batch, prefix, P, *, packed):
         starts = torch.ones_like(seg, dtype=torch.bool)
         starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
         pred = torch.where(starts[..., None], h_prefix[:, -1:], pred)
-    loss = ws._weighted_nll(model, pred, rows, gen, valid, h_prefix[0, :-1], prefix[1:], rows=len(batch),
-                            context_weight=0.3)
+    loss = ws._weighted_nll(
+        model, pred, rows, gen, valid, h_prefix[0, :-1], prefix[1:], rows=len(batch), context_weight=0.3
+    )
     return loss, torch.autograd.grad(loss, list(model.parameters()))
 
 
 def test_packed_rows_equal_padded_rows(tmp_path):
-    model = TorchDecoder.from_pretrained(make_tiny_checkpoint(tmp_path / "m", arch="qwen2", seed=2,
-                                                              num_hidden_layers=2))
+    model = TorchDecoder.from_pretrained(
+        make_tiny_checkpoint(tmp_path / "m", arch="qwen2", seed=2, num_hidden_layers=2)
+    )
     rng = random.Random(0)
     P, V = 9, model.config["vocab_size"]
     prefix_ids = [rng.randrange(1, V) for _ in range(P)]
     batch = []
     for _ in range(12):
         n = rng.choice((3, 5, 8, 20))
-        batch.append((prefix_ids + [rng.randrange(1, V) for _ in range(n)], [0] * P + [rng.randrange(2) for _ in range(n)]))
+        batch.append(
+            (prefix_ids + [rng.randrange(1, V) for _ in range(n)], [0] * P + [rng.randrange(2) for _ in range(n)])
+        )
     ids, _, valid, _ = ws._pack_rows(batch, P, 0)
     assert ids.shape[0] < len(batch) and int(valid.sum()) == sum(len(i) - P for i, _ in batch)
     prefix = torch.tensor(prefix_ids)
