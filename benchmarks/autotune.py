@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,15 +27,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import harness  # noqa: E402
 
 PREPARE = ["prepare.sft_steps=10", "prepare.num_entities=60"]  # a short warm start: this measures the limits
 RUN_TIMEOUT_S = 600.0  # one torchrun job; a hang fails the benchmark instead of blocking forever
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare(prep_dir: Path) -> tuple[float, int]:
@@ -53,35 +48,21 @@ def prepare(prep_dir: Path) -> tuple[float, int]:
 
 
 def run_job(prep_dir: Path, run_dir: Path, *, inflight: str, steps: int, extra: list[str]) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(REPO / "launch/train.py"),
-        "configs/tiny.toml",
+    overrides = [
         f'prepare.dir="{prep_dir}"',
         f'actor.model_path="{prep_dir}/model_sft"',
         f'data.train_path="{prep_dir}/data/train.jsonl"',
         f'data.test_path="{prep_dir}/data/test.jsonl"',
         f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
         f'logging.run_dir="{run_dir}"',
-        f"rollout.port={_free_port()}",
+        f"rollout.port={harness.free_port()}",
         f"runner.max_steps={steps}",
         "runner.eval_before_after=false",
         f"rollout_buffer.max_inflight_groups={inflight}",
         *extra,
     ]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
-        raise SystemExit(f"autotune: the run with max_inflight_groups={inflight} failed (exit {r.returncode})")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    what = f"autotune: the run with max_inflight_groups={inflight}"
+    return harness.run_tiny_job(run_dir, overrides, timeout_s=RUN_TIMEOUT_S, what=what)[1]
 
 
 def _mean(recs: list[dict], key: str) -> float:

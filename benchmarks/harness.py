@@ -160,3 +160,32 @@ class Report:
         path.write_text(
             json.dumps({"benchmark": self.name, "latest": doc, "runs": runs}, indent=1, default=float) + "\n"
         )
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a job's rendezvous or its engines)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, what: str) -> tuple[float, list[dict]]:
+    """``torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml <overrides>`` to its end (inherited
+    rendezvous variables dropped, one OpenMP thread per process): its wall seconds and ``run_dir``'s metrics
+    records. A failed job ends the benchmark naming ``what``, with the tail of its output."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += [str(REPO / "launch/train.py"), "configs/tiny.toml", *overrides]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    wall_s = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
+        raise SystemExit(f"{what} failed (exit {r.returncode}); logs under {run_dir}")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return wall_s, recs

@@ -46,10 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,12 +81,6 @@ PREPARE = ["prepare.sft_steps=20", "prepare.num_entities=60"]
 RUN_TIMEOUT_S = 600.0  # one torchrun job; a hang fails the benchmark instead of blocking forever
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prepare(prep_dir: Path) -> float:
     from asyncrl.config import load_config
     from asyncrl.runner.prepare import prepare_if_needed
@@ -108,7 +99,7 @@ def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int
         f'data.test_path="{prep_dir}/data/test.jsonl"',
         f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
         f'logging.run_dir="{run_dir}"',
-        f"rollout.port={_free_port()}",
+        f"rollout.port={harness.free_port()}",
         f"runner.max_steps={steps}",
         *WORKLOAD,
         *extra,
@@ -117,29 +108,9 @@ def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int
 
 
 def run_job(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(REPO / "launch/train.py"),
-        "configs/tiny.toml",
-        *job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra),
-    ]
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    wall_s = time.perf_counter() - t0
-    if r.returncode != 0:
-        sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
-        raise SystemExit(
-            f"overlap: the {'async' if async_mode else 'sync'} job failed (exit {r.returncode}); logs under {run_dir}"
-        )
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    overrides = job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra)
+    what = f"overlap: the {'async' if async_mode else 'sync'} job"
+    wall_s, recs = harness.run_tiny_job(run_dir, overrides, timeout_s=RUN_TIMEOUT_S, what=what)
     return {"wall_s": wall_s, "records": recs}
 
 
