@@ -49,14 +49,7 @@ def prepare(prep_dir: Path) -> tuple[float, int]:
 
 def run_job(prep_dir: Path, run_dir: Path, *, inflight: str, steps: int, extra: list[str]) -> list[dict]:
     overrides = [
-        f'prepare.dir="{prep_dir}"',
-        f'actor.model_path="{prep_dir}/model_sft"',
-        f'data.train_path="{prep_dir}/data/train.jsonl"',
-        f'data.test_path="{prep_dir}/data/test.jsonl"',
-        f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
-        f'logging.run_dir="{run_dir}"',
-        f"rollout.port={harness.free_port()}",
-        f"runner.max_steps={steps}",
+        *harness.tiny_overrides(prep_dir, run_dir, steps=steps),
         "runner.eval_before_after=false",
         f"rollout_buffer.max_inflight_groups={inflight}",
         *extra,

@@ -189,3 +189,18 @@ def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, w
         raise SystemExit(f"{what} failed (exit {r.returncode}); logs under {run_dir}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return wall_s, recs
+
+
+def tiny_overrides(prep_dir: Path, run_dir: Path, *, steps: int) -> list[str]:
+    """``configs/tiny.toml`` overrides of a benchmark job: the artefacts prepared under ``prep_dir``, ``run_dir``,
+    a free engine port and ``steps`` steps (callers append their own keys after these)."""
+    return [
+        f'prepare.dir="{prep_dir}"',
+        f'actor.model_path="{prep_dir}/model_sft"',
+        f'data.train_path="{prep_dir}/data/train.jsonl"',
+        f'data.test_path="{prep_dir}/data/test.jsonl"',
+        f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
+        f'logging.run_dir="{run_dir}"',
+        f"rollout.port={free_port()}",
+        f"runner.max_steps={steps}",
+    ]

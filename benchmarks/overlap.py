@@ -93,14 +93,7 @@ def prepare(prep_dir: Path) -> float:
 
 def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> list[str]:
     return [
-        f'prepare.dir="{prep_dir}"',
-        f'actor.model_path="{prep_dir}/model_sft"',
-        f'data.train_path="{prep_dir}/data/train.jsonl"',
-        f'data.test_path="{prep_dir}/data/test.jsonl"',
-        f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
-        f'logging.run_dir="{run_dir}"',
-        f"rollout.port={harness.free_port()}",
-        f"runner.max_steps={steps}",
+        *harness.tiny_overrides(prep_dir, run_dir, steps=steps),
         *WORKLOAD,
         *extra,
         f"runner.async_mode={'true' if async_mode else 'false'}",
