@@ -54,10 +54,8 @@ Example (on every actor rank, after ``dist.init_process_group``)::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import random
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -91,16 +89,14 @@ from asyncrl.actor.model import (
 from asyncrl.actor.pipeline import StageInfo, agree_shape, gather_to_rank0, run_schedule
 from asyncrl.actor.spec import attention_path, model_inputs, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.weights import (
-    is_tied_output_copy,
     iter_hf_buckets,
     iter_hf_tensors,
     load_hf_into_model,
-    local_params,
 )
 from asyncrl.broker.types import Group
 from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
 from asyncrl.config.schema import Config
-from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
+from asyncrl.models.safetensors_io import save_safetensors
 from asyncrl.sync.bucketing import iter_buckets
 
 log = logging.getLogger(__name__)
@@ -566,125 +562,15 @@ class Actor:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | Path, *, step: int | None = None) -> Path:
-        """Model, optimizer, scheduler, RNG, step and weight version (collective)."""
-        d = Path(directory)
-        if self.rank == 0:
-            d.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        if self.dp_rank == 0:
-            shard = {name: p.detach() for name, p in local_params(self.model, self.layer_offset)}
-            save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank, self.pp_rank, self.pp))
-            if not self.cfg.actor.use_distributed_optimizer:
-                _atomic_save(self.optimizer.state_dict(), d / ckpt_io.optim_file(self.tp_rank, self.pp_rank, self.pp))
-        if self.cfg.actor.use_distributed_optimizer:  # each DP rank holds its own shard of the state
-            _atomic_save(self._optimizer_shard_state(), d / ckpt_io.optim_shard_file(self.rank))
-        torch.save(_rng_state(), d / ckpt_io.rng_file(self.rank))
-        if self.cfg.runner.save_hf:
-            self.export_hf(d / "hf_export")
-        if self.rank == 0:
-            (d / "sched.json").write_text(json.dumps(self.scheduler.state_dict()) + "\n")
-            ckpt_io.copy_hf_side_files(self.model_path, d / "hf")
-            ckpt_io.write_meta(
-                d,
-                {
-                    "step": self._step if step is None else int(step),
-                    "weight_version": self._version,
-                    "tp": self.tp,
-                    "pp": self.pp,
-                    "dp": self.dp,
-                    "padded_vocab_size": self.padded_vocab,
-                    "num_skipped_steps": self.num_skipped_steps,
-                    "has_optimizer": True,
-                    "distributed_optimizer": self.cfg.actor.use_distributed_optimizer,
-                    "model_path": str(self.model_path),
-                },
-            )
-        dist.barrier()
-        return d
-
-    def _sub_optimizers(self) -> list[Any]:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
-
-    def _optimizer_shard_state(self) -> list[dict[str, Any]]:
-        """This rank's torch optimizer state and main (fp32) params, per Megatron sub-optimizer."""
-        return [
-            {
-                "inner": o.optimizer.state_dict(),
-                "main": [p.detach().cpu().clone() for g in o.optimizer.param_groups for p in g["params"]],
-            }
-            for o in self._sub_optimizers()
-        ]
-
-    @torch.no_grad()
-    def _load_optimizer_shard_state(self, states: list[dict[str, Any]]) -> None:
-        subs = self._sub_optimizers()
-        if len(states) != len(subs):
-            raise ValueError(f"optimizer checkpoint has {len(states)} sub-optimizers, the actor {len(subs)}")
-        for o, st in zip(subs, states):
-            o.optimizer.load_state_dict(st["inner"])
-            params = [p for g in o.optimizer.param_groups for p in g["params"]]
-            for p, t in zip(params, st["main"], strict=True):
-                p.copy_(t.to(p.device, p.dtype))
+        """Model, optimizer, scheduler, RNG, step and weight version (collective; ``asyncrl.actor.checkpoint``)."""
+        return ckpt_io.save_actor_state(self, directory, step=self._step if step is None else int(step))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote (or the model of a converted checkpoint)."""
-        d = Path(directory)
-        meta = ckpt_io.read_meta(d)
-        if int(meta["tp"]) != self.tp:
-            raise ValueError(
-                f"checkpoint {str(d)!r} has TP={meta['tp']} but actor.tensor_model_parallel_size={self.tp}: "
-                "convert it with `python -m asyncrl.actor.convert_cli actor-to-hf` and start from the HF export"
-            )
-        pp_saved = int(meta.get("pp", 1))
-        if self.pp == 1 and pp_saved == 1:
-            shard = SafetensorsReader(d / ckpt_io.model_file(self.tp_rank)).to_dict()
-        else:  # this stage's tensors, from whichever stage file holds them (any saved PP)
-            names = [n for n, _ in local_params(self.model, self.layer_offset)]
-            shard = ckpt_io.read_model_tensors(d, self.tp_rank, pp_saved, names)
-        with torch.no_grad():
-            for name, p in local_params(self.model, self.layer_offset):
-                if name not in shard and is_tied_output_copy(name, self.spec):
-                    name = "embedding.word_embeddings.weight"  # a checkpoint saved at PP=1
-                if name not in shard:
-                    raise KeyError(f"checkpoint {str(d)!r} lacks {name}")
-                p.copy_(shard[name].to(p.dtype))
-        if meta.get("has_optimizer") and pp_saved != self.pp:
-            raise ValueError(
-                f"checkpoint {str(d)!r} has PP={pp_saved} but actor.pipeline_model_parallel_size={self.pp}: "
-                "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert_cli "
-                "actor-to-hf` and start from the HF export"
-            )
-        if meta.get("has_optimizer"):
-            dopt = bool(meta.get("distributed_optimizer", False))
-            if dopt != self.cfg.actor.use_distributed_optimizer or (dopt and meta.get("dp") != self.dp):
-                raise ValueError(
-                    f"checkpoint {str(d)!r} was saved with distributed_optimizer={dopt}, dp={meta.get('dp')}; "
-                    f"actor.use_distributed_optimizer={self.cfg.actor.use_distributed_optimizer}, dp={self.dp} "
-                    "cannot resume its optimizer state"
-                )
-            if dopt:
-                shard = torch.load(d / ckpt_io.optim_shard_file(self.rank), map_location="cpu", weights_only=False)
-                self._load_optimizer_shard_state(shard)
-            else:
-                state = torch.load(
-                    d / ckpt_io.optim_file(self.tp_rank, self.pp_rank, self.pp), map_location="cpu", weights_only=False
-                )
-                with cuda_as_cpu():
-                    self.optimizer.load_state_dict(state)
-            # Megatron's load_state_dict *adds* the saved step count to the current one
-            self.scheduler.num_steps = 0
-            self.scheduler.load_state_dict(json.loads((d / "sched.json").read_text()))
-            rng = d / ckpt_io.rng_file(self.rank)
-            if rng.is_file() and meta.get("dp") == self.dp:
-                _set_rng_state(torch.load(rng, weights_only=False))
-            else:
-                log.warning(
-                    "checkpoint %s: no RNG state for rank %d (or another DP size): RNG not restored", d, self.rank
-                )
+        """Restore what ``save_checkpoint`` wrote (or the model of a converted checkpoint); its meta (collective)."""
+        meta = ckpt_io.load_actor_state(self, directory)
         self._step = int(meta["step"])
         self._version = int(meta["weight_version"])
         self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
-        dist.barrier()
         return meta
 
 
@@ -696,42 +582,3 @@ class _Item:
         self.extra = extra
         self.prox: torch.Tensor | None = None
         self.ref: torch.Tensor | None = None
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
-
-
-def _rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # numpy is a dependency; keep the checkpoint usable without it
-        pass
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])

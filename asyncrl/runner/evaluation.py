@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from asyncrl.actor.checkpoint import CheckpointManager
 from asyncrl.agent.data.loaders import load_prompts
 from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
 from asyncrl.agent.tasks import get_task
@@ -296,7 +297,7 @@ class PeriodicEval:
         is_leader: bool,
         broker: Any = None,
         engine_evaluator: Optional[EngineEvaluator] = None,
-        ckpt_root: str | Path | None = None,
+        checkpoints: Optional[CheckpointManager] = None,
         bcast: Callable[[Any], Any] = lambda x: x,
         fleet_eval: Optional[Callable[[str, int], dict]] = None,
         leader_phase: Optional[Callable[..., Any]] = None,
@@ -311,7 +312,7 @@ class PeriodicEval:
         self.interval = cfg.eval.eval_interval
         self.datasets = eval_datasets(cfg)
         self.engine_evaluator = engine_evaluator
-        self.ckpt_root = ckpt_root
+        self.checkpoints = checkpoints
         self._bcast = bcast
         self.fn: Optional[CheckpointEvalFn] = None
         self.dispatcher: Optional[EvalDispatcher] = None
@@ -382,7 +383,8 @@ class PeriodicEval:
             m = {"eval/export_time_seconds": time.perf_counter() - t0}
             owned = True
         else:
-            d, m, owned = reused_snapshot(self.ckpt_root, step), {}, False
+            assert self.checkpoints is not None, "reusing the checkpoints' hf_export needs the checkpoint manager"
+            d, m, owned = self.checkpoints.hf_export(step), {}, False
         if self.is_leader:
             disp.submit(step, d, owned=owned)
             return m
@@ -449,23 +451,17 @@ def export_snapshot(actor: Any, root: str | Path, step: int, *, is_leader: bool)
     return d
 
 
-def reused_snapshot(ckpt_root: str | Path, step: int) -> Path:
-    """The periodic checkpoint's HF export (``runner.save_hf``) of ``step``."""
-    return Path(ckpt_root) / f"step_{step:06d}" / "hf_export"
-
-
 def snapshot_version(snapshot: str | Path, step: int) -> Optional[int]:
-    """The weight version a complete snapshot records (``step`` when it records none), or None without its
-    completion marker: a fresh export's ``snapshot.json`` (written last), or for a reused ``hf_export`` its
-    checkpoint's ``meta.json`` (written last)."""
-    d = Path(snapshot)
-    for marker in (d / SNAPSHOT_META, d.parent / "meta.json" if d.name == "hf_export" else None):
-        if marker is not None and marker.is_file():
-            try:
-                return int(json.loads(marker.read_text()).get("weight_version", step))
-            except (ValueError, TypeError, OSError, AttributeError):
-                return None
-    return None
+    """The weight version a complete snapshot records (``step`` when a fresh export records none), or None without
+    its completion marker: a fresh export's ``snapshot.json`` (written last), or for a reused ``hf_export`` its
+    checkpoint's meta (``CheckpointManager.exported_version``)."""
+    marker = Path(snapshot) / SNAPSHOT_META
+    if not marker.is_file():
+        return CheckpointManager.exported_version(snapshot)
+    try:
+        return int(json.loads(marker.read_text()).get("weight_version", step))
+    except (ValueError, TypeError, OSError, AttributeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------- dispatcher

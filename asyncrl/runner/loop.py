@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from asyncrl.actor.checkpoint import CheckpointManager
 from asyncrl.actor.trainer import Actor
 from asyncrl.broker.client import BrokerClient
 from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
@@ -71,6 +72,7 @@ from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, engine_eval
 from asyncrl.runner.guards import PREEMPT_SIGNAL, NonFiniteError, NonFiniteGuard, Preempted, Preemption
 from asyncrl.runner.log_hooks import LogHooks
 from asyncrl.runner.metrics import MetricsWriter
+from asyncrl.runner.resume import establish_identity
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery, SyncAbandoned, sync_weights
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
@@ -411,8 +413,8 @@ class Trainer:
         self.ctx, self.phases, self.engine_urls, self.broker_child = ctx, phases, engine_urls, broker_child
         self.is_leader = actor_rank == 0
         self.actor = Actor(cfg)
-        self.ckpt_root = Path(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
-        plan = _resume_plan(cfg, ctx.run_dir, self.ckpt_root) if self.is_leader else None
+        self.ckpts = CheckpointManager(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
+        plan = _resume_plan(cfg, ctx.run_dir, self.ckpts) if self.is_leader else None
         self.ident, self.latest, purge_step = _bcast_obj(plan)
         self.parts = phases.run(
             "set up the weight sync and the metrics",
@@ -428,13 +430,13 @@ class Trainer:
                 True,
                 self.broker,
                 engine_urls,
-                self.ckpt_root,
+                self.ckpts,
                 eval_engine_urls=eval_engine_urls,
                 phases=phases,
             ),
         )
         if not self.is_leader:
-            built = _make_evaluation(cfg, self.actor, False, None, engine_urls, self.ckpt_root, phases=phases)
+            built = _make_evaluation(cfg, self.actor, False, None, engine_urls, self.ckpts, phases=phases)
         self.periodic, self.evaluator = built
         self.summary: dict = {"staleness_max": 0.0, "drops": 0.0, "steps": []}
         self.nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
@@ -470,11 +472,10 @@ class Trainer:
         its weights (they started from the HF checkpoint); the step to go on from."""
         if not self.latest:
             return 0
-        meta = self.actor.load_checkpoint(self.latest)
+        meta, broker_state = self.ckpts.load(self.actor, self.latest)
         if self.is_leader:
-            broker_state = Path(self.latest) / "broker_state.bin"
-            if broker_state.is_file():
-                self.broker.set_state(broker_state.read_bytes())
+            if broker_state is not None:
+                self.broker.set_state(broker_state)
             log.info(
                 "resumed from %s at step %d (weight version %d)", self.latest, int(meta["step"]), self.actor.version
             )
@@ -514,7 +515,7 @@ class Trainer:
             self._preempted(step)
         r = cfg.runner
         if (r.checkpoint_interval and step % r.checkpoint_interval == 0) or (r.save_at_end and step == r.max_steps):
-            _save(self.actor, self.ckpt_root, step, self.broker, self.ident)
+            self._save(step)
         m.update(self.periodic.after_step(step))  # after the sync and the checkpoint: the snapshot is this step's
         self._log(m, step, t_step)
 
@@ -530,22 +531,24 @@ class Trainer:
         if self.is_leader:
             _log_step(self.cfg, self.parts, self.periodic, self.summary, m, step, t_step, self.actor.version)
 
+    def _save(self, step: int) -> None:
+        """The checkpoint of ``step`` (collective); the leader adds the broker's state and the run identity."""
+        self.ckpts.save(
+            self.actor, step, broker_state=self.broker.get_state if self.is_leader else None, ident=self.ident
+        )
+
     def _preempted(self, step: int) -> None:
-        _preempted(self.actor, self.ckpt_root, step, self.broker, self.ident, self.preempt)
-
-
-def _preempted(actor, root: Path, step: int, broker, ident: dict, preempt) -> None:
-    """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise
-    ``Preempted`` naming the signal (the first actor rank's that got one)."""
-    signame = next((n for n in _gather_obj(preempt.signame) if n), PREEMPT_SIGNAL.name)
-    d = root / f"step_{step:06d}"
-    if step > 0 and not (d / "complete").is_file():
-        log.warning("preemption signal (%s): writing the checkpoint of step %d before exiting", signame, step)
-        t0 = time.perf_counter()
-        _save(actor, root, step, broker, ident)
-        log.warning("checkpoint of step %d written in %.1f s", step, time.perf_counter() - t0)
-    dist.barrier()
-    raise Preempted(step, str(d) if step > 0 else None, signame)
+        """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise
+        ``Preempted`` naming the signal (the first actor rank's that got one)."""
+        signame = next((n for n in _gather_obj(self.preempt.signame) if n), PREEMPT_SIGNAL.name)
+        d = self.ckpts.step_dir(step)
+        if step > 0 and not self.ckpts.is_complete(d):
+            log.warning("preemption signal (%s): writing the checkpoint of step %d before exiting", signame, step)
+            t0 = time.perf_counter()
+            self._save(step)
+            log.warning("checkpoint of step %d written in %.1f s", step, time.perf_counter() - t0)
+        dist.barrier()
+        raise Preempted(step, str(d) if step > 0 else None, signame)
 
 
 def _log_step(
@@ -609,7 +612,7 @@ def _make_evaluation(
     is_leader: bool,
     broker,
     engine_urls: list[str],
-    ckpt_root: Path,
+    checkpoints: CheckpointManager,
     *,
     eval_engine_urls: list[str] | None = None,
     phases=None,
@@ -630,7 +633,7 @@ def _make_evaluation(
         is_leader=is_leader,
         broker=broker,
         engine_evaluator=evaluator,
-        ckpt_root=ckpt_root,
+        checkpoints=checkpoints,
         bcast=_bcast_obj,
         fleet_eval=fleet,
         leader_phase=phases.run if phases is not None else None,
@@ -714,29 +717,15 @@ def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0:
         return batch
 
 
-def _resume_plan(cfg, run_dir: Path, ckpt_root: Path) -> tuple[dict, str | None, int | None]:
-    """Actor rank 0: this run's identity, the checkpoint to resume from (``asyncrl.runner.resume``) and the
-    first step whose old metrics are purged (None when not resuming)."""
-    from asyncrl.actor.checkpoint import read_meta
-    from asyncrl.runner.resume import establish_identity, pick_checkpoint
-
+def _resume_plan(cfg, run_dir: Path, ckpts: CheckpointManager) -> tuple[dict, str | None, int | None]:
+    """Actor rank 0: this run's identity (``asyncrl.runner.resume``), the checkpoint to resume from and the first
+    step whose old metrics are purged (None when not resuming)."""
     ident = establish_identity(cfg, run_dir)
-    ckpt = pick_checkpoint(cfg, ckpt_root, ident)
+    ckpt = ckpts.pick(ident, resume=cfg.runner.resume, resume_from=cfg.runner.resume_from)
     if not (cfg.runner.resume or cfg.runner.resume_from):
         return ident, None, None
-    start = int(read_meta(ckpt)["step"]) if ckpt is not None else 0
+    start = ckpts.step_of(ckpt) if ckpt is not None else 0
     return ident, (str(ckpt) if ckpt is not None else None), start + 1
-
-
-def _save(actor, root: Path, step: int, broker, ident: dict) -> None:
-    from asyncrl.runner.resume import write_identity
-
-    d = root / f"step_{step:06d}"
-    actor.save_checkpoint(d, step=step)
-    if broker is not None:
-        (d / "broker_state.bin").write_bytes(broker.get_state())
-        write_identity(d, ident)
-        (d / "complete").write_text("ok\n")
 
 
 def print_summary(cfg, summary: dict, run_dir: Path) -> None:
