@@ -13,6 +13,9 @@
 - ``memory``: the per-rank memory estimate (pure) that ``--dry-run`` prints and checks.
 - ``model`` / ``convert`` / ``weights``: HF config -> GPTModel, HF <-> Megatron names and TP shards,
   loading and bucketed export; ``python -m asyncrl.actor.convert_cli`` for users.
-- ``checkpoint``: the actor checkpoint format and offline HF <-> actor conversion.
+- ``schedule``: how micro-batches run through the model, one interface for PP = 1 (plain loop) and PP > 1.
+- ``optim``: Megatron's DDP, Adam and the learning-rate schedule.
+- ``checkpoint``: the checkpoint layout and its one owner (``CheckpointManager``), the actor's state in a
+  checkpoint, offline HF <-> actor conversion.
 - ``synthetic``: deterministic synthetic groups and configs for tests and benchmarks.
 """

@@ -159,6 +159,23 @@ class LossOutput:
     are already globally normalised (sum them, do not divide)."""
 
 
+def _old_policy(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    prox_logp: torch.Tensor | None,
+    mask_b: torch.Tensor,
+    off_policy_correction: str,
+    tis_cap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PPO ratio's denominator, the behaviour weights, the tokens kept, and the raw behaviour ratio."""
+    if off_policy_correction == "none":
+        return behav_logp, torch.ones_like(logp), mask_b, torch.exp(logp.detach() - behav_logp)
+    if prox_logp is None:
+        raise ValueError(f"algorithm.off_policy_correction={off_policy_correction!r} needs the recomputed log-prob")
+    iw, keep_iw, raw = behaviour_weights(prox_logp, behav_logp, off_policy_correction, tis_cap)
+    return prox_logp, iw, mask_b & keep_iw, raw
+
+
 def policy_loss(
     logp: torch.Tensor,
     *,
@@ -178,30 +195,17 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: Literal["k1", "k3"] = "k3",
 ) -> LossOutput:
-    """The full per-micro-batch objective; all inputs are flat [T] tensors of response tokens.
-
-    ``mask`` (bool or 0/1) marks trained tokens (tool tokens are 0); ``agg_weight`` is already 0
-    where the mask is 0. ``prox_logp`` is required for ``tis``/``decoupled``.
-    """
+    """The full per-micro-batch objective; all inputs are flat [T] tensors of response tokens. ``mask`` (bool or
+    0/1) marks trained tokens (tool tokens are 0); ``agg_weight`` is already 0 where the mask is 0. ``prox_logp``
+    is required for ``tis``/``decoupled``."""
     mask_b = mask.bool()
     maskf = mask_b.to(logp.dtype)
-    if off_policy_correction == "none":
-        old = behav_logp
-        iw = torch.ones_like(logp)
-        keep = mask_b
-        raw = torch.exp(logp.detach() - behav_logp)
-    else:
-        if prox_logp is None:
-            raise ValueError(f"algorithm.off_policy_correction={off_policy_correction!r} needs the recomputed log-prob")
-        old = prox_logp
-        iw, keep_iw, raw = behaviour_weights(prox_logp, behav_logp, off_policy_correction, tis_cap)
-        keep = mask_b & keep_iw
+    old, iw, keep, raw = _old_policy(logp, behav_logp, prox_logp, mask_b, off_policy_correction, tis_cap)
     pg, ratio, clipped, dual = ppo_clip(
         logp, old, advantages, clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=dual_clip
     )
     w = agg_weight * keep.to(logp.dtype)
-    per_token = pg * iw
-    pg_loss = (w * per_token).sum()
+    pg_loss = (w * (pg * iw)).sum()  # per token: pg * iw
     total = pg_loss
     kl_sum = 0.0
     if ref_logp is not None:
@@ -214,9 +218,46 @@ def policy_loss(
         if entropy_coef:
             total = total - entropy_coef * (w * entropy).sum()
         ent_sum = float((entropy.detach() * maskf).sum())
-    cur = logp.detach()
-    mismatch_ref = prox_logp if prox_logp is not None else cur
-    sums = {
+    sums = _loss_sums(
+        logp,
+        total=total,
+        pg_loss=pg_loss,
+        ratio=ratio,
+        clipped=clipped,
+        dual=dual,
+        raw=raw,
+        keep=keep,
+        mask_b=mask_b,
+        behav_logp=behav_logp,
+        prox_logp=prox_logp,
+        ent_sum=ent_sum,
+        kl_sum=kl_sum,
+        tis_cap=tis_cap if off_policy_correction != "none" else None,
+    )
+    return LossOutput(loss=total, sums=sums)
+
+
+def _loss_sums(
+    logp: torch.Tensor,
+    *,
+    total: torch.Tensor,
+    pg_loss: torch.Tensor,
+    ratio: torch.Tensor,
+    clipped: torch.Tensor,
+    dual: torch.Tensor,
+    raw: torch.Tensor,
+    keep: torch.Tensor,
+    mask_b: torch.Tensor,
+    behav_logp: torch.Tensor,
+    prox_logp: torch.Tensor | None,
+    ent_sum: float,
+    kl_sum: float,
+    tis_cap: float | None,
+) -> dict[str, float]:
+    """``LossOutput.sums`` of one micro-batch (``tis_cap`` None: no off-policy correction, nothing truncated)."""
+    maskf = mask_b.to(logp.dtype)
+    mismatch_ref = prox_logp if prox_logp is not None else logp.detach()
+    return {
         "num_tokens": float(maskf.sum()),
         "loss": float(total.detach()),
         "pg_loss": float(pg_loss.detach()),
@@ -228,9 +269,8 @@ def policy_loss(
         "mismatch_sum": float(((mismatch_ref - behav_logp).abs() * maskf).sum()),
         "behav_ratio_sum": float((raw * maskf).sum()),
         "iw_dropped_sum": float((mask_b & ~keep).sum()),
-        "iw_truncated_sum": float(((raw > tis_cap) & mask_b).sum()) if off_policy_correction != "none" else 0.0,
+        "iw_truncated_sum": float(((raw > tis_cap) & mask_b).sum()) if tis_cap is not None else 0.0,
     }
-    return LossOutput(loss=total, sums=sums)
 
 
 def finalize_metrics(sums: dict[str, float]) -> dict[str, float]:

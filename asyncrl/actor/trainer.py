@@ -25,8 +25,10 @@ Contract
   ``asyncrl.actor.pipeline``) with p2p on gloo; each step's token-budget micro-batches are packed
   to one ``[rows, row_len]`` shape agreed over the pipeline group. The loss is computed on the last
   stage and its sums are broadcast to the other stages; the grad norm (clipping, the finite check)
-  is Megatron's, over the model-parallel (TP x PP) group. PP = 1 keeps the plain per-micro-batch
-  loop. ``compute_logprobs`` results are broadcast from the last stage, so every rank gets them.
+  is Megatron's, over the model-parallel (TP x PP) group. One step and one log-prob path serve every PP:
+  they call the actor's schedule (``asyncrl.actor.schedule``: ``PlainSchedule`` micro-batch by micro-batch at
+  PP = 1, ``PipelineSchedule`` at PP > 1). ``compute_logprobs`` results are broadcast from the last stage, so
+  every rank gets them.
 - Attention and recompute: ``actor.attention_backend`` (``auto``: TransformerEngine on CUDA when
   it imports, else fused SDPA per packed sequence; on CPU too) and ``actor.recompute_*`` are
   resolved by ``asyncrl.actor.spec``; every micro-batch reaches the model in the layout that
@@ -40,9 +42,11 @@ Contract
   export). At PP = 1 every rank receives the same full tensors; at PP > 1 each stage's TP-rank-0 /
   DP-rank-0 sends its stage's full tensors to global rank 0 point to point, stage by stage, and
   the other ranks receive only their own stage's.
-- Checkpoints (``save_checkpoint`` / ``load_checkpoint``, collective): per-TP-rank model and
-  optimizer files, per stage at PP > 1 (``asyncrl.actor.checkpoint``); resuming needs the same
-  TP and PP (and DP with the distributed optimizer); a model-only checkpoint loads at any PP.
+- Checkpoints (``save_checkpoint`` / ``load_checkpoint``, collective): the actor's state in one checkpoint
+  directory, laid out by ``asyncrl.actor.checkpoint`` (per-TP-rank model and optimizer files, per stage at
+  PP > 1); resuming needs the same TP and PP (and DP with the distributed optimizer); a model-only checkpoint
+  loads at any PP. The run's checkpoints (step directories, markers, broker state) are the
+  ``CheckpointManager``'s. The optimizer and its schedule are built by ``asyncrl.actor.optim``.
 
 Example (on every actor rank, after ``dist.init_process_group``)::
 
@@ -54,10 +58,8 @@ Example (on every actor rank, after ``dist.init_process_group``)::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import random
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -75,9 +77,7 @@ from asyncrl.actor.batch import (
     groups_to_samples,
     make_microbatches,
     pack,
-    pack_uniform,
     split_balanced,
-    uniform_shape,
 )
 from asyncrl.actor.logprobs import logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
@@ -88,19 +88,19 @@ from asyncrl.actor.model import (
     layer_offset,
     padded_vocab_size,
 )
-from asyncrl.actor.pipeline import StageInfo, agree_shape, gather_to_rank0, run_schedule
-from asyncrl.actor.spec import attention_path, model_inputs, recompute_settings, resolve_attention, te_available
+from asyncrl.actor.optim import build_optimizer
+from asyncrl.actor.pipeline import StageInfo, gather_to_rank0
+from asyncrl.actor.schedule import MicroBatch, PipelineSchedule, PlainSchedule
+from asyncrl.actor.spec import attention_path, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.weights import (
-    is_tied_output_copy,
     iter_hf_buckets,
     iter_hf_tensors,
     load_hf_into_model,
-    local_params,
 )
 from asyncrl.broker.types import Group
 from asyncrl.cluster.megatron_cpu import apply_cpu_shims, cuda_as_cpu
 from asyncrl.config.schema import Config
-from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
+from asyncrl.models.safetensors_io import save_safetensors
 from asyncrl.sync.bucketing import iter_buckets
 
 log = logging.getLogger(__name__)
@@ -111,15 +111,36 @@ class Actor:
         if not dist.is_initialized():
             raise RuntimeError("Actor needs torch.distributed initialised on the actor ranks (the launcher does it)")
         apply_cpu_shims()
+        self.cfg = cfg
+        self.spec = actor_spec(cfg.actor.model_path)
+        self.model_path = Path(cfg.actor.model_path)
+        self._init_parallel()
+        self._init_compute()
+        self.model = self._build_and_load()
+        self.ddp, self.optimizer, self.scheduler = build_optimizer(cfg, self.model, self.dtype)
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = self._build_and_load()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self.schedule: PlainSchedule | PipelineSchedule = (
+            PlainSchedule(self.device, self.attention)
+            if self.stage is None
+            else PipelineSchedule(self.stage, self.device, self.attention)
+        )
+        self._version = 0
+        self._step = 0
+        self.num_skipped_steps = 0
+
+    def _init_parallel(self) -> None:
+        """Megatron's model parallelism on the actor world (TP x PP, DP = the rest); this rank's coordinates."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
-        self.cfg = cfg
-        acfg = cfg.actor
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.tp = acfg.tensor_model_parallel_size
-        self.pp = acfg.pipeline_model_parallel_size
+        self.tp = self.cfg.actor.tensor_model_parallel_size
+        self.pp = self.cfg.actor.pipeline_model_parallel_size
         if self.world % self.tp:
             raise ValueError(f"actor.tensor_model_parallel_size={self.tp} must divide the {self.world} actor ranks")
         if self.world % (self.tp * self.pp):
@@ -128,9 +149,7 @@ class Actor:
                 f"must divide the {self.world} actor ranks"
             )
         self.dp = self.world // (self.tp * self.pp)
-        self.spec = actor_spec(acfg.model_path)
         check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp)
-        self.model_path = Path(acfg.model_path)
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
         elif (
@@ -138,7 +157,7 @@ class Actor:
             or ps.get_pipeline_model_parallel_world_size() != self.pp
         ):
             raise RuntimeError("Megatron model parallelism is already initialised with other TP/PP sizes")
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.runner.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.runner.seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -148,14 +167,16 @@ class Actor:
         self.stage: StageInfo | None = StageInfo.current() if self.pp > 1 else None
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, self.tp)
         self.vocab_start = self.tp_rank * (self.padded_vocab // self.tp)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
+
+    def _init_compute(self) -> None:
+        """Device, dtype, sampling temperature, attention path and activation recompute."""
+        acfg, cuda = self.cfg.actor, torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         # Log-probs (and entropy) are those of the sampling distribution: logits / temperature, as
         # the engines report them (before top-p/top-k), so the PPO ratio compares like with like.
-        self.temperature = cfg.rollout.sampling.temperature if cfg.rollout.sampling.temperature > 0 else 1.0
-        self.dtype = torch.bfloat16 if (acfg.params_dtype == "bf16" and torch.cuda.is_available()) else torch.float32
-        cuda = torch.cuda.is_available()
+        temperature = self.cfg.rollout.sampling.temperature
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.dtype = torch.bfloat16 if (acfg.params_dtype == "bf16" and cuda) else torch.float32
         self.attention = resolve_attention(acfg.attention_backend, cuda=cuda, te_available=cuda and te_available())
         self.recompute = recompute_settings(
             acfg.recompute_granularity,
@@ -169,53 +190,6 @@ class Actor:
                 attention_path(self.attention, dtype=self.dtype, device=self.device),
                 self.recompute or "none",
             )
-
-        self.model = self._build_and_load()
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=acfg.use_distributed_optimizer
-        )
-        self.ddp = DistributedDataParallel(self.model.config, ddp_cfg, self.model)
-        opt_cfg = OptimizerConfig(
-            optimizer="adam",
-            lr=acfg.lr,
-            min_lr=acfg.min_lr,
-            weight_decay=acfg.weight_decay,
-            adam_beta1=acfg.adam_beta1,
-            adam_beta2=acfg.adam_beta2,
-            adam_eps=acfg.adam_eps,
-            clip_grad=acfg.grad_clip,
-            bf16=self.dtype == torch.bfloat16,
-            params_dtype=self.dtype,
-            use_distributed_optimizer=acfg.use_distributed_optimizer,
-        )
-        with cuda_as_cpu():
-            self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
-        decay_steps = max(cfg.runner.max_steps, acfg.lr_warmup_steps + 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if acfg.lr_warmup_steps else acfg.lr,
-            max_lr=acfg.lr,
-            min_lr=acfg.min_lr,
-            lr_warmup_steps=acfg.lr_warmup_steps,
-            lr_decay_steps=decay_steps,
-            lr_decay_style=acfg.lr_schedule,
-            start_wd=acfg.weight_decay,
-            end_wd=acfg.weight_decay,
-            wd_incr_steps=decay_steps,
-            wd_incr_style="constant",
-        )
-        self.ref_model = None
-        if cfg.algorithm.kl_coef > 0:
-            self.ref_model = self._build_and_load()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
-        self._version = 0
-        self._step = 0
-        self.num_skipped_steps = 0
 
     # ------------------------------------------------------------------ model
     def _build_and_load(self) -> torch.nn.Module:
@@ -250,11 +224,6 @@ class Actor:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-    def _logprobs(self, model, packed: PackedBatch, *, with_entropy: bool):
-        packed = packed.to(self.device)
-        args, kwargs = model_inputs(packed, self.attention)
-        return self._logprobs_of(model(*args, **kwargs), packed, with_entropy=with_entropy)
 
     def _logprobs_of(self, logits: torch.Tensor, packed: PackedBatch, *, with_entropy: bool):
         """Response-token log-probs (and entropies) of a packed micro-batch's logits (vocab-parallel)."""
@@ -324,159 +293,54 @@ class Actor:
         }
         return {k: v.to(self.device) for k, v in extra.items()}
 
-    # ------------------------------------------------------------------ pipeline (PP > 1)
-    def _pack_uniform(self, mbs: list[tuple[list[list[int]], list[int]]]) -> tuple[list[PackedBatch], int, int]:
-        """Micro-batches packed to the one ``[rows, row_len]`` shape the whole pipeline agrees on."""
-        assert self.stage is not None
-        rows, row_len = agree_shape(*uniform_shape([seqs for seqs, _ in mbs]), self.stage, self.device)
-        if not mbs:
-            return [], rows, row_len
-        packed = [p.to(self.device) for p in pack_uniform(mbs, rows=rows, row_len=row_len)]
-        return packed, rows, row_len
-
-    def _pp_logprobs(self, model, packed: list[PackedBatch], rows: int, row_len: int, *, with_entropy: bool):
-        """Forward-only schedule: ``[(logp, ent)]`` per micro-batch on the last stage, ``[]`` elsewhere."""
-
-        def loss_fn(item, logits):
-            return torch.zeros((), device=logits.device), self._logprobs_of(
-                logits, item.packed, with_entropy=with_entropy
-            )
-
-        with torch.no_grad():
-            return run_schedule(
-                model,
-                [_Item(p) for p in packed],
-                loss_fn=loss_fn,
-                rows=rows,
-                row_len=row_len,
-                backend=self.attention,
-                forward_only=True,
-            )
-
-    def _accumulate_grads_pp(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:
-        """Forward/backward of this DP rank's samples through the pipeline (1F1B).
-
-        Returns the loss sums (broadcast from the last stage, so every stage has them), the number
-        of real tokens and of micro-batches.
-        """
-        assert self.stage is not None
-        a = self.cfg.algorithm
+    # ------------------------------------------------------------------ the step (one path for every PP)
+    def _train_items(self, samples: list[Sample]) -> list[MicroBatch]:
+        """This DP rank's micro-batches in the schedule's shape, with their loss inputs where the loss is computed
+        (PP > 1: packed to the pipeline-wide shape; the loss inputs on the last stage only)."""
+        if self.stage is None:
+            return [MicroBatch(p.to(self.device), x) for p, x in self._microbatches(samples)]
         idxs = make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch)
         mbs = [[samples[i] for i in idx] for idx in idxs]
-        packed, rows, row_len = self._pack_uniform([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
-        items = [_Item(p, self._extras(mb) if self.stage.is_last else None) for p, mb in zip(packed, mbs)]
-        if a.off_policy_correction != "none":
-            for it, lp in zip(items, self._pp_logprobs(self.model, packed, rows, row_len, with_entropy=False)):
+        packed = self.schedule.pack([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
+        return [MicroBatch(p, self._extras(mb) if self.stage.is_last else None) for p, mb in zip(packed, mbs)]
+
+    @torch.no_grad()
+    def _old_logprobs(self, items: list[MicroBatch]) -> None:
+        """The recomputed (proximal) log-probs of the current weights and the reference model's, when used."""
+
+        def logp(item: MicroBatch, logits: torch.Tensor):
+            return self._logprobs_of(logits, item.packed, with_entropy=False)
+
+        if self.cfg.algorithm.off_policy_correction != "none":
+            for it, lp in zip(items, self.schedule.forward(self.model, items, logp)):
                 it.prox = lp[0].float()
         if self.ref_model is not None:
-            for it, lp in zip(items, self._pp_logprobs(self.ref_model, packed, rows, row_len, with_entropy=False)):
+            for it, lp in zip(items, self.schedule.forward(self.ref_model, items, logp)):
                 it.ref = lp[0].float()
-        n_mb = len(items)
 
-        def loss_fn(item, logits):
-            logp, ent = self._logprobs_of(logits, item.packed, with_entropy=True)
-            out = self._policy_loss(logp, ent, item.extra, item.prox, item.ref)
-            # As at PP=1 (x DP: DDP averages over DP ranks); x n_mb undoes the schedule's
-            # division of every micro-batch's loss by the number of micro-batches.
-            return out.loss * (self.dp * n_mb), out.sums
+    def _loss(self, item: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, ent = self._logprobs_of(logits, item.packed, with_entropy=True)
+        assert item.extra is not None, "the loss is computed where the loss inputs are"
+        out = self._policy_loss(logp, ent, item.extra, item.prox, item.ref)
+        return out.loss, out.sums
 
+    def _accumulate_grads(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:
+        """Forward/backward of this DP rank's samples through the schedule: the loss sums (every stage has them),
+        the number of real tokens and of micro-batches."""
+        items = self._train_items(samples)
+        self._old_logprobs(items)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        data = run_schedule(
-            self.ddp, items, loss_fn=loss_fn, rows=rows, row_len=row_len, backend=self.attention, forward_only=False
-        )
+        # DDP averages gradients over DP ranks; the aggregation weights are already global: x dp.
+        data = self.schedule.forward_backward(self.ddp, items, self._loss, grad_scale=self.dp)
         sums: dict[str, float] = defaultdict(float)
         for d in data:
             for k, v in d.items():
                 sums[k] += v
-        vec = torch.tensor([sums.get(k, 0.0) for k in SUM_KEYS], dtype=torch.float64, device=self.device)
-        dist.broadcast(vec, src=self.stage.last_rank, group=self.stage.group)
-        return dict(zip(SUM_KEYS, vec.tolist())), sum(p.num_tokens for p in packed), n_mb
+        return self.schedule.gather_sums(sums), sum(it.packed.num_tokens for it in items), len(items)
 
-    # ------------------------------------------------------------------ public
-    @torch.no_grad()
-    def compute_logprobs(
-        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, with_entropy: bool = False
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Log-probs (and entropies) of each sequence's tokens after its prompt, current weights.
-
-        Collective; every rank passes the same inputs and gets the full result (float32, CPU).
-        """
-        lens = [len(s) for s in sequences]
-        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        if self.stage is not None:
-            return self._compute_logprobs_pp(sequences, prompt_lens, with_entropy=with_entropy)
-        for idx in make_microbatches(lens, self.cfg.actor.max_tokens_per_microbatch):
-            packed = pack([sequences[i] for i in idx], [prompt_lens[i] for i in idx])
-            logp, ent = self._logprobs(self.model, packed, with_entropy=with_entropy)
-            for k in range(len(idx)):
-                sel = packed.seq_of_token == k
-                out.append(
-                    (
-                        logp[sel.to(logp.device)].float().cpu(),
-                        None if ent is None else ent[sel.to(ent.device)].float().cpu(),
-                    )
-                )
-        return out
-
-    def _compute_logprobs_pp(
-        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, with_entropy: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        assert self.stage is not None
-        idxs = make_microbatches([len(s) for s in sequences], self.cfg.actor.max_tokens_per_microbatch)
-        packed, rows, row_len = self._pack_uniform(
-            [([list(sequences[i]) for i in idx], [prompt_lens[i] for i in idx]) for idx in idxs]
-        )
-        results = self._pp_logprobs(self.model, packed, rows, row_len, with_entropy=with_entropy)
-        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for idx, p, (logp, ent) in zip(idxs, packed, results):  # empty except on the last stage
-            for k in range(len(idx)):
-                sel = (p.seq_of_token == k).to(logp.device)
-                out.append((logp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu()))
-        payload: list[Any] = [out]
-        dist.broadcast_object_list(payload, src=self.stage.last_rank, group=self.stage.group)
-        return payload[0]
-
-    def _accumulate_grads(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:
-        """Forward/backward of this DP rank's samples, micro-batch by micro-batch (PP = 1)."""
-        a = self.cfg.algorithm
-        mbs = self._microbatches(samples)
-        prox: list[torch.Tensor | None] = [None] * len(mbs)
-        ref: list[torch.Tensor | None] = [None] * len(mbs)
-        with torch.no_grad():
-            for i, (packed, _) in enumerate(mbs):
-                if a.off_policy_correction != "none":
-                    prox[i] = self._logprobs(self.model, packed, with_entropy=False)[0].float()
-                if self.ref_model is not None:
-                    ref[i] = self._logprobs(self.ref_model, packed, with_entropy=False)[0].float()
-
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        sums: dict[str, float] = defaultdict(float)
-        num_seq_tokens = 0
-        for i, (packed, x) in enumerate(mbs):
-            logp, ent = self._logprobs(self.ddp, packed, with_entropy=True)
-            out = self._policy_loss(logp, ent, x, prox[i], ref[i])
-            # DDP averages gradients over DP ranks; the aggregation weights are already global.
-            (out.loss * self.dp).backward()
-            for k, v in out.sums.items():
-                sums[k] += v
-            num_seq_tokens += packed.num_tokens
-        return sums, num_seq_tokens, len(mbs)
-
-    def train_step(self, groups: Sequence[Group] | None, *, step: int | None = None) -> dict[str, float]:
-        """One optimizer step on a batch of groups (see the module contract)."""
-        t0 = time.perf_counter()
-        samples = self._distribute(groups)
-        if self.stage is None:
-            sums, num_seq_tokens, num_mbs = self._accumulate_grads(samples)
-        else:
-            sums, num_seq_tokens, num_mbs = self._accumulate_grads_pp(samples)
-        # DP all-reduce of the grad buffers, plus the TP all-reduce of replicated weights whose
-        # gradient is partial per TP rank (Qwen3's q/k norms), and (PP > 1, tied embeddings) the
-        # embedding-group all-reduce that keeps the last stage's copy of the embeddings in sync.
-        finalize_model_grads([self.ddp])
-
+    def _reduce_sums(self, sums: dict[str, float], num_seq_tokens: int) -> tuple[dict[str, float], float, bool]:
+        """The loss sums and sequence tokens over DP ranks, and whether every actor rank's loss is finite."""
         keys = SUM_KEYS  # fixed order: a rank without samples still joins the all-reduce
         # on the actor's device: NCCL (GPU jobs) only reduces CUDA tensors
         vec = torch.tensor(
@@ -485,18 +349,18 @@ class Actor:
         if self.dp > 1:
             dist.all_reduce(vec, group=self.dp_group)
         total = dict(zip(keys, vec[:-1].tolist()))
-        global_tokens = vec[-1].item()
         loss_ok = torch.tensor([1.0 if all(math.isfinite(v) for v in total.values()) else 0.0], device=self.device)
         dist.all_reduce(loss_ok, op=dist.ReduceOp.MIN)
+        return total, vec[-1].item(), loss_ok.item() == 1.0
 
-        grad_norm = float("nan")
-        applied = False
-        empty = total["num_tokens"] == 0
+    def _update(self, *, empty: bool, loss_ok: bool) -> tuple[float, bool]:
+        """The optimizer step unless the batch is empty or the loss / grad norm is non-finite: (grad norm, applied)."""
         if empty:  # nothing to train on: no update (Adam's momentum would still move the weights)
             log.warning("actor step %d: the batch has no trained token; no update", self._step + 1)
-            grad_norm = 0.0
             self.optimizer.zero_grad()
-        elif loss_ok.item() == 1.0:
+            return 0.0, False
+        grad_norm, applied = float("nan"), False
+        if loss_ok:
             with cuda_as_cpu():
                 self.optimizer.prepare_grads()
                 grad_norm = float(self.optimizer.get_grad_norm())
@@ -507,15 +371,28 @@ class Actor:
                 applied = bool(ok)
                 if gn is not None:
                     grad_norm = float(gn)
-        if not applied and not empty:
+        if not applied:
             self.num_skipped_steps += 1
             self.optimizer.zero_grad()
             log.warning(
                 "actor step %d skipped: non-finite %s (skipped so far: %d)",
                 self._step + 1,
-                "loss" if loss_ok.item() != 1.0 else "gradient norm",
+                "gradient norm" if loss_ok else "loss",
                 self.num_skipped_steps,
             )
+        return grad_norm, applied
+
+    def train_step(self, groups: Sequence[Group] | None, *, step: int | None = None) -> dict[str, float]:
+        """One optimizer step on a batch of groups (see the module contract)."""
+        t0 = time.perf_counter()
+        sums, num_seq_tokens, num_mbs = self._accumulate_grads(self._distribute(groups))
+        # DP all-reduce of the grad buffers, plus the TP all-reduce of replicated weights whose
+        # gradient is partial per TP rank (Qwen3's q/k norms), and (PP > 1, tied embeddings) the
+        # embedding-group all-reduce that keeps the last stage's copy of the embeddings in sync.
+        finalize_model_grads([self.ddp])
+        total, global_tokens, loss_ok = self._reduce_sums(sums, num_seq_tokens)
+        empty = total["num_tokens"] == 0
+        grad_norm, applied = self._update(empty=empty, loss_ok=loss_ok)
         self._step = step if step is not None else self._step + 1
         self._version += 1
         dt = time.perf_counter() - t0
@@ -534,6 +411,31 @@ class Actor:
             }
         )
         return m
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def compute_logprobs(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, with_entropy: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Log-probs (and entropies) of each sequence's tokens after its prompt, current weights.
+
+        Collective; every rank passes the same inputs and gets the full result (float32, CPU).
+        """
+        idxs = make_microbatches([len(s) for s in sequences], self.cfg.actor.max_tokens_per_microbatch)
+        packed = self.schedule.pack(
+            [([list(sequences[i]) for i in idx], [prompt_lens[i] for i in idx]) for idx in idxs]
+        )
+
+        def logp(item: MicroBatch, logits: torch.Tensor):
+            return self._logprobs_of(logits, item.packed, with_entropy=with_entropy)
+
+        results = self.schedule.forward(self.model, [MicroBatch(p) for p in packed], logp)
+        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for idx, p, (lp, ent) in zip(idxs, packed, results):  # empty except where the loss is computed
+            for k in range(len(idx)):
+                sel = (p.seq_of_token == k).to(lp.device)
+                out.append((lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu()))
+        return self.schedule.share(out)
 
     def iter_hf_buckets(
         self, bucket_bytes: int, *, dtype: torch.dtype | None = None
@@ -566,172 +468,13 @@ class Actor:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | Path, *, step: int | None = None) -> Path:
-        """Model, optimizer, scheduler, RNG, step and weight version (collective)."""
-        d = Path(directory)
-        if self.rank == 0:
-            d.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        if self.dp_rank == 0:
-            shard = {name: p.detach() for name, p in local_params(self.model, self.layer_offset)}
-            save_safetensors(shard, d / ckpt_io.model_file(self.tp_rank, self.pp_rank, self.pp))
-            if not self.cfg.actor.use_distributed_optimizer:
-                _atomic_save(self.optimizer.state_dict(), d / ckpt_io.optim_file(self.tp_rank, self.pp_rank, self.pp))
-        if self.cfg.actor.use_distributed_optimizer:  # each DP rank holds its own shard of the state
-            _atomic_save(self._optimizer_shard_state(), d / ckpt_io.optim_shard_file(self.rank))
-        torch.save(_rng_state(), d / ckpt_io.rng_file(self.rank))
-        if self.cfg.runner.save_hf:
-            self.export_hf(d / "hf_export")
-        if self.rank == 0:
-            (d / "sched.json").write_text(json.dumps(self.scheduler.state_dict()) + "\n")
-            ckpt_io.copy_hf_side_files(self.model_path, d / "hf")
-            ckpt_io.write_meta(
-                d,
-                {
-                    "step": self._step if step is None else int(step),
-                    "weight_version": self._version,
-                    "tp": self.tp,
-                    "pp": self.pp,
-                    "dp": self.dp,
-                    "padded_vocab_size": self.padded_vocab,
-                    "num_skipped_steps": self.num_skipped_steps,
-                    "has_optimizer": True,
-                    "distributed_optimizer": self.cfg.actor.use_distributed_optimizer,
-                    "model_path": str(self.model_path),
-                },
-            )
-        dist.barrier()
-        return d
-
-    def _sub_optimizers(self) -> list[Any]:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
-
-    def _optimizer_shard_state(self) -> list[dict[str, Any]]:
-        """This rank's torch optimizer state and main (fp32) params, per Megatron sub-optimizer."""
-        return [
-            {
-                "inner": o.optimizer.state_dict(),
-                "main": [p.detach().cpu().clone() for g in o.optimizer.param_groups for p in g["params"]],
-            }
-            for o in self._sub_optimizers()
-        ]
-
-    @torch.no_grad()
-    def _load_optimizer_shard_state(self, states: list[dict[str, Any]]) -> None:
-        subs = self._sub_optimizers()
-        if len(states) != len(subs):
-            raise ValueError(f"optimizer checkpoint has {len(states)} sub-optimizers, the actor {len(subs)}")
-        for o, st in zip(subs, states):
-            o.optimizer.load_state_dict(st["inner"])
-            params = [p for g in o.optimizer.param_groups for p in g["params"]]
-            for p, t in zip(params, st["main"], strict=True):
-                p.copy_(t.to(p.device, p.dtype))
+        """Model, optimizer, scheduler, RNG, step and weight version (collective; ``asyncrl.actor.checkpoint``)."""
+        return ckpt_io.save_actor_state(self, directory, step=self._step if step is None else int(step))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote (or the model of a converted checkpoint)."""
-        d = Path(directory)
-        meta = ckpt_io.read_meta(d)
-        if int(meta["tp"]) != self.tp:
-            raise ValueError(
-                f"checkpoint {str(d)!r} has TP={meta['tp']} but actor.tensor_model_parallel_size={self.tp}: "
-                "convert it with `python -m asyncrl.actor.convert_cli actor-to-hf` and start from the HF export"
-            )
-        pp_saved = int(meta.get("pp", 1))
-        if self.pp == 1 and pp_saved == 1:
-            shard = SafetensorsReader(d / ckpt_io.model_file(self.tp_rank)).to_dict()
-        else:  # this stage's tensors, from whichever stage file holds them (any saved PP)
-            names = [n for n, _ in local_params(self.model, self.layer_offset)]
-            shard = ckpt_io.read_model_tensors(d, self.tp_rank, pp_saved, names)
-        with torch.no_grad():
-            for name, p in local_params(self.model, self.layer_offset):
-                if name not in shard and is_tied_output_copy(name, self.spec):
-                    name = "embedding.word_embeddings.weight"  # a checkpoint saved at PP=1
-                if name not in shard:
-                    raise KeyError(f"checkpoint {str(d)!r} lacks {name}")
-                p.copy_(shard[name].to(p.dtype))
-        if meta.get("has_optimizer") and pp_saved != self.pp:
-            raise ValueError(
-                f"checkpoint {str(d)!r} has PP={pp_saved} but actor.pipeline_model_parallel_size={self.pp}: "
-                "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert_cli "
-                "actor-to-hf` and start from the HF export"
-            )
-        if meta.get("has_optimizer"):
-            dopt = bool(meta.get("distributed_optimizer", False))
-            if dopt != self.cfg.actor.use_distributed_optimizer or (dopt and meta.get("dp") != self.dp):
-                raise ValueError(
-                    f"checkpoint {str(d)!r} was saved with distributed_optimizer={dopt}, dp={meta.get('dp')}; "
-                    f"actor.use_distributed_optimizer={self.cfg.actor.use_distributed_optimizer}, dp={self.dp} "
-                    "cannot resume its optimizer state"
-                )
-            if dopt:
-                shard = torch.load(d / ckpt_io.optim_shard_file(self.rank), map_location="cpu", weights_only=False)
-                self._load_optimizer_shard_state(shard)
-            else:
-                state = torch.load(
-                    d / ckpt_io.optim_file(self.tp_rank, self.pp_rank, self.pp), map_location="cpu", weights_only=False
-                )
-                with cuda_as_cpu():
-                    self.optimizer.load_state_dict(state)
-            # Megatron's load_state_dict *adds* the saved step count to the current one
-            self.scheduler.num_steps = 0
-            self.scheduler.load_state_dict(json.loads((d / "sched.json").read_text()))
-            rng = d / ckpt_io.rng_file(self.rank)
-            if rng.is_file() and meta.get("dp") == self.dp:
-                _set_rng_state(torch.load(rng, weights_only=False))
-            else:
-                log.warning(
-                    "checkpoint %s: no RNG state for rank %d (or another DP size): RNG not restored", d, self.rank
-                )
+        """Restore what ``save_checkpoint`` wrote (or the model of a converted checkpoint); its meta (collective)."""
+        meta = ckpt_io.load_actor_state(self, directory)
         self._step = int(meta["step"])
         self._version = int(meta["weight_version"])
         self.num_skipped_steps = int(meta.get("num_skipped_steps", 0))
-        dist.barrier()
         return meta
-
-
-class _Item:
-    """One pipeline micro-batch: the packed tokens (every stage) and the loss inputs (last stage)."""
-
-    def __init__(self, packed: PackedBatch, extra: dict[str, torch.Tensor] | None = None):
-        self.packed = packed
-        self.extra = extra
-        self.prox: torch.Tensor | None = None
-        self.ref: torch.Tensor | None = None
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
-
-
-def _rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # numpy is a dependency; keep the checkpoint usable without it
-        pass
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])

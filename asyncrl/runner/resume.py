@@ -5,14 +5,14 @@ Contract
   the keys a resume may change (``RESUMABLE_KEYS``: the step budget, the resume switches, the non-finite
   tolerance, the engine port, the logging and cluster sections). ``establish_identity`` (actor rank 0, before anything is logged) keeps the run id found in
   ``<run_dir>/run.json`` when resuming the same config, and starts a new run id otherwise; it writes
-  ``run.json``. Every checkpoint gets the same ``run.json`` (``write_identity``) before its ``complete``.
-- ``pick_checkpoint``: with ``runner.resume`` (or ``runner.resume_from``), this run's newest complete
-  checkpoint (same run id and config hash; other runs' checkpoints in the directory are skipped and
-  logged); when the run has none yet, ``runner.resume_from`` (any run's checkpoint); else None.
+  ``run.json``. Every checkpoint gets the same ``run.json`` before its ``complete``, and
+  ``asyncrl.actor.checkpoint.CheckpointManager.pick`` resumes only checkpoints with this identity (other runs'
+  in the directory are skipped and logged); when the run has none yet, ``runner.resume_from``; else None.
 - ``purge_jsonl(path, after_step)``: drops the records of steps after the resumed one (they are
   written again), atomically; TensorBoard does the same through ``SummaryWriter(purge_step=...)``.
 
-    ident = establish_identity(cfg, run_dir); ckpt = pick_checkpoint(cfg, ckpt_root, ident)
+    ident = establish_identity(cfg, run_dir)
+    ckpt = CheckpointManager(root).pick(ident, resume=cfg.runner.resume, resume_from=cfg.runner.resume_from)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import logging
 import uuid
 from pathlib import Path
 
+from asyncrl.actor.checkpoint import read_identity, write_identity
 from asyncrl.config.loader import to_dict
 
 log = logging.getLogger("asyncrl.runner")
@@ -38,7 +39,6 @@ RESUMABLE_KEYS = (
 )
 """Keys (or whole sections) a resumed run may change: the step budget, the resume switches, where it runs and
 logs (ports, placement, timeouts)."""
-IDENTITY_FILE = "run.json"
 
 
 def config_hash(cfg) -> str:
@@ -52,15 +52,6 @@ def config_hash(cfg) -> str:
             d[section].pop(name, None)
     blob = json.dumps(d, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def read_identity(directory: Path) -> dict | None:
-    p = Path(directory) / IDENTITY_FILE
-    try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) and "run_id" in d and "config_hash" in d else None
 
 
 def establish_identity(cfg, run_dir: Path) -> dict:
@@ -82,42 +73,6 @@ def establish_identity(cfg, run_dir: Path) -> dict:
     ident = {"run_id": uuid.uuid4().hex[:12], "config_hash": h}
     write_identity(run_dir, ident)
     return ident
-
-
-def write_identity(directory: Path, ident: dict) -> None:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (IDENTITY_FILE + ".tmp")
-    tmp.write_text(json.dumps(ident) + "\n")
-    tmp.replace(directory / IDENTITY_FILE)
-
-
-def own_checkpoints(root: Path, ident: dict) -> list[Path]:
-    """This run's complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.glob("step_*"):
-        if not (p / "complete").is_file() or not p.name.split("_")[1].isdigit():
-            continue
-        if read_identity(p) == ident:
-            out.append(p)
-        else:
-            log.info("checkpoint %s belongs to another run (%s); not resuming from it", p, read_identity(p))
-    return sorted(out, key=lambda p: int(p.name.split("_")[1]))
-
-
-def pick_checkpoint(cfg, root: Path, ident: dict) -> Path | None:
-    """The checkpoint to resume from (see module contract), or None to start at step 0."""
-    if not (cfg.runner.resume or cfg.runner.resume_from):
-        return None
-    own = own_checkpoints(root, ident)
-    if own:
-        return own[-1]
-    if cfg.runner.resume_from:
-        return Path(cfg.runner.resume_from)
-    return None
 
 
 def purge_jsonl(path: Path, after_step: int) -> int:

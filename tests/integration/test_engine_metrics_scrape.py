@@ -1,5 +1,5 @@
 """The step loop's engine metrics are real: while requests run on a live CPU engine, the scraper
-(``asyncrl.runner.loop.EngineScraper``, the one that feeds ``sglang_num_running_reqs`` into
+(``asyncrl.runner.engine_scraper.EngineScraper``, the one that feeds ``sglang_num_running_reqs`` into
 metrics.jsonl) reports them. Before issue 13 it looked up ``sglang:``-prefixed names that the
 Prometheus reader strips, so every figure was 0."""
 
@@ -14,7 +14,7 @@ import pytest
 from asyncrl.engine.client import SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.rollout.testing import running_cpu_engine
-from asyncrl.runner.loop import EngineScraper
+from asyncrl.runner.engine_scraper import EngineScraper
 
 pytestmark = pytest.mark.slow
 

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.runner.eval_dispatch import EvalDispatcher, outcome_metrics
 from asyncrl.runner.evaluation import (
     CheckpointEvalFn,
-    EvalDispatcher,
     EvalInput,
     EvalSkip,
     eval_datasets,
     is_eval_step,
     load_eval_fn,
-    outcome_metrics,
 )
 
 WAIT_S = 10.0  # every wait in these tests is bounded; a healthy run never gets near it

@@ -1,13 +1,14 @@
-"""Exact resume: a run resumes only its own checkpoints (run id + config hash), or an explicit path."""
+"""Exact resume: a run resumes only its own checkpoints (run id + config hash), or an explicit path; the
+checkpoint manager's markers and listing."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
+from asyncrl.actor.checkpoint import CheckpointManager, write_identity, write_meta
 from asyncrl.config import load_config
-from asyncrl.runner.resume import config_hash, establish_identity, pick_checkpoint, write_identity
+from asyncrl.runner.resume import config_hash, establish_identity
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,13 +17,19 @@ def _cfg(*overrides):
     return load_config(ROOT / "configs/tiny.toml", list(overrides))
 
 
-def _ckpt(root: Path, step: int, ident: dict | None) -> Path:
-    d = root / f"step_{step:06d}"
+def pick_checkpoint(cfg, root: Path, ident: dict) -> Path | None:
+    return CheckpointManager(root).pick(ident, resume=cfg.runner.resume, resume_from=cfg.runner.resume_from)
+
+
+def _ckpt(root: Path, step: int, ident: dict | None, *, complete: bool = True) -> Path:
+    """A checkpoint as the manager lays it out (the actor's own files left out: nothing here loads them)."""
+    d = CheckpointManager(root).step_dir(step)
     d.mkdir(parents=True)
-    (d / "meta.json").write_text(json.dumps({"format": "asyncrl-actor-v1", "step": step}) + "\n")
+    write_meta(d, {"step": step, "weight_version": step})
     if ident is not None:
         write_identity(d, ident)
-    (d / "complete").write_text("ok\n")
+    if complete:
+        (d / "complete").write_text("ok\n")
     return d
 
 
@@ -62,3 +69,26 @@ def test_resume_from_is_used_until_the_run_has_its_own(tmp_path):
     own = _ckpt(root, 7, ident)
     assert pick_checkpoint(cfg, root, ident) == own
     assert pick_checkpoint(_cfg(), root, ident) is None  # neither switch: start at step 0
+
+
+def test_the_manager_lists_only_complete_checkpoints_in_step_order(tmp_path):
+    ident = {"run_id": "r", "config_hash": "h"}
+    mgr = CheckpointManager(tmp_path / "checkpoints")
+    assert mgr.complete_checkpoints(ident) == []  # no directory yet
+    for step in (10, 2, 30):
+        _ckpt(mgr.root, step, ident)
+    _ckpt(mgr.root, 40, ident, complete=False)  # interrupted: never resumed
+    (mgr.root / "step_junk").mkdir()
+    assert [p.name for p in mgr.complete_checkpoints(ident)] == ["step_000002", "step_000010", "step_000030"]
+    assert mgr.step_dir(30) == mgr.root / "step_000030" and mgr.step_of(mgr.step_dir(30)) == 30
+    assert mgr.is_complete(mgr.step_dir(30)) and not mgr.is_complete(mgr.step_dir(40))
+
+
+def test_exported_version_reads_the_checkpoint_meta_of_an_hf_export(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    d = _ckpt(tmp_path, 6, None)
+    assert mgr.exported_version(mgr.hf_export(6)) == 6
+    assert mgr.exported_version(mgr.hf_export(7)) is None  # no meta.json: the export's checkpoint is unfinished
+    assert mgr.exported_version(d) is None  # not an hf_export
+    (d / "meta.json").write_text("{not json")
+    assert mgr.exported_version(mgr.hf_export(6)) is None

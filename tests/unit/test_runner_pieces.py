@@ -7,7 +7,9 @@ import types
 import pytest
 
 from asyncrl.broker.types import Group, PromptItem, Trajectory
-from asyncrl.runner.loop import broker_accounting, make_batch_filter, rollout_metrics
+from asyncrl.runner.leader_parts import make_batch_filter
+from asyncrl.runner.loop import rollout_metrics
+from asyncrl.runner.summary import broker_accounting
 
 
 def _group(gid, index, rewards):
@@ -82,7 +84,7 @@ def test_the_batch_wait_is_counted_once_in_the_time_split(async_mode, tmp_path, 
     """The broker's batch metrics carry time/wait_data; in sync mode the wait is time/rollout and only that, so
     the printed split adds up to the step (it added 2.51 s for a 1.62 s step)."""
     from asyncrl.config import load_config
-    from asyncrl.runner.loop import print_summary, wait_split
+    from asyncrl.runner.summary import print_summary, wait_split
 
     m = wait_split({"time/wait_data": 0.9, "rollout/x": 1.0}, 0.9, async_mode=async_mode)
     assert m == {"rollout/x": 1.0, ("time/wait_data" if async_mode else "time/rollout"): 0.9}
@@ -138,14 +140,16 @@ def test_engine_figures_for_the_autotuner_are_the_step_mean_without_retracted_re
     """The autotuner gets the mean of the scrapes since the last report, summed over engines, a queue
     without the requests a retract-mode sync put back (its backlog is no saturation), and wall-clock
     tokens/s from the engines' token counters (gen_throughput is the rate while decoding)."""
-    import asyncrl.runner.loop as loop
+    import asyncrl.runner.engine_scraper as engine_scraper
     from asyncrl.rollout.cpu_engine import prometheus_text
 
     served: dict[str, dict] = {}
     now = [0.0]
-    monkeypatch.setattr(loop, "get_text", lambda url, path, **kw: prometheus_text(served[url], model_name="m"))
+    monkeypatch.setattr(
+        engine_scraper, "get_text", lambda url, path, **kw: prometheus_text(served[url], model_name="m")
+    )
     served["a"] = served["b"] = {"num_running_reqs": 4, "num_queue_reqs": 0, "gen_throughput": 100.0}
-    scraper = loop.EngineScraper(["a", "b"], interval_s=3600, clock=lambda: now[0])
+    scraper = engine_scraper.EngineScraper(["a", "b"], interval_s=3600, clock=lambda: now[0])
     scraper.close()  # the background thread scraped once (or not at all): the test drives the scrapes
     scraper.autotune_figures()
     assert scraper.autotune_figures() is None  # nothing scraped since the last report
