@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.broker.client import BrokerClient  # noqa: E402
-from asyncrl.broker.server import tune_gc  # noqa: E402
+from asyncrl.broker.serve import tune_gc  # noqa: E402
 from asyncrl.broker.types import Trajectory  # noqa: E402
 from asyncrl.runner.broker_process import start_broker  # noqa: E402
 
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rep = harness.Report("broker_bench", argv)
     window = 1.5 if args.quick else 4.0
-    tune_gc()  # the consumer (an actor stand-in), like the broker and the workers: see server.tune_gc
+    tune_gc()  # the consumer (an actor stand-in), like the broker and the workers: see serve.tune_gc
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as d:

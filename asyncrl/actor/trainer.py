@@ -74,9 +74,9 @@ from asyncrl.actor.batch import (
     Sample,
     groups_to_samples,
     make_microbatches,
+    microbatch_extras,
     pack,
     pack_uniform,
-    split_balanced,
     uniform_shape,
 )
 from asyncrl.actor.logprobs import logprobs_from_logits
@@ -89,6 +89,7 @@ from asyncrl.actor.model import (
     padded_vocab_size,
 )
 from asyncrl.actor.pipeline import StageInfo, agree_shape, gather_to_rank0, run_schedule
+from asyncrl.actor.scatter import scatter_samples
 from asyncrl.actor.spec import attention_path, model_inputs, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.weights import (
     is_tied_output_copy,
@@ -293,7 +294,8 @@ class Actor:
 
     # ------------------------------------------------------------------ data
     def _distribute(self, groups: Sequence[Group] | None) -> list[Sample]:
-        payload: list[Any] = [None]
+        """This DP rank's samples: rank 0 builds the batch's and sends each rank its share (``scatter``)."""
+        samples = None
         if self.rank == 0:
             if groups is None:
                 raise ValueError("train_step: actor rank 0 must be given the batch (a list of Group)")
@@ -301,11 +303,7 @@ class Actor:
             samples = groups_to_samples(
                 groups, normalize_adv_by_std=a.normalize_adv_by_std, loss_agg_mode=a.loss_agg_mode
             )
-            parts = split_balanced([s.num_tokens for s in samples], self.dp)
-            payload = [[[samples[i] for i in p] for p in parts]]
-        if self.world > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0][self.dp_rank]
+        return scatter_samples(samples, dp=self.dp, dp_rank=self.dp_rank, device=self.device)
 
     def _microbatches(self, samples: list[Sample]) -> list[tuple[PackedBatch, dict[str, torch.Tensor]]]:
         out = []
@@ -316,13 +314,7 @@ class Actor:
         return out
 
     def _extras(self, mb: list[Sample]) -> dict[str, torch.Tensor]:
-        extra = {
-            "behav": torch.tensor([x for s in mb for x in s.rollout_logprobs], dtype=torch.float32),
-            "mask": torch.tensor([x for s in mb for x in s.loss_mask], dtype=torch.bool),
-            "agg": torch.tensor([x for s in mb for x in s.agg_weight], dtype=torch.float32),
-            "adv": torch.tensor([s.advantage for s in mb for _ in range(s.response_len)], dtype=torch.float32),
-        }
-        return {k: v.to(self.device) for k, v in extra.items()}
+        return {k: v.to(self.device) for k, v in microbatch_extras(mb).items()}
 
     # ------------------------------------------------------------------ pipeline (PP > 1)
     def _pack_uniform(self, mbs: list[tuple[list[list[int]], list[int]]]) -> tuple[list[PackedBatch], int, int]:
