@@ -30,6 +30,7 @@ naming the message type and the column. A non-finite reward decodes (the core co
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -60,6 +61,7 @@ TRAJ_COLUMNS: tuple[tuple[str, type], ...] = (
     ("finish_reason", str),
 )
 _SCALAR_NAMES = tuple(name for name, _ in TRAJ_COLUMNS)
+_SCALARS_GET = operator.itemgetter(*_SCALAR_NAMES)
 
 
 def token_nbytes(n_prompt: int, n_resp: int) -> int:
@@ -75,17 +77,18 @@ def column(table: dict, key: str, typ: type, n: int, where: str) -> list:
     if type(v) is not list or len(v) != n:
         got = f"{len(v)} entries" if type(v) is list else type(v).__name__
         raise ProtocolError(f"{where}: column {key!r} must be a list of {n} values, got {got}")
+    types = set(map(type, v))
     if typ is int:
-        if not all(type(x) is int for x in v) or (v and min(v) < 0):
+        if not types <= {int} or (v and min(v) < 0):
             bad = next(x for x in v if type(x) is not int or x < 0)
             raise ProtocolError(f"{where}: column {key!r} must hold integers >= 0, got {bad!r:.80}")
     elif typ is float:
-        if not all(type(x) is float for x in v):
-            if not all(type(x) in (float, int) for x in v):
+        if not types <= {float}:
+            if not types <= {float, int}:
                 bad = next(x for x in v if type(x) not in (float, int))
                 raise ProtocolError(f"{where}: column {key!r} must hold numbers, got {bad!r:.80}")
             v = [float(x) for x in v]
-    elif not all(type(x) is typ for x in v):
+    elif not types <= {typ}:
         bad = next(x for x in v if type(x) is not typ)
         raise ProtocolError(f"{where}: column {key!r} must hold {typ.__name__} values, got {bad!r:.80}")
     return v
@@ -196,7 +199,7 @@ class _Frames:
                 self._close()
                 self.counts.append(0)
                 self._base, self._lo, self._hi = base, off, off
-            self._hi += token_nbytes(n_p, n_r)
+            self._hi += 4 * n_p + 9 * n_r + (-n_r % 4)
         else:
             if self._base is not None or not self.counts:
                 self._close()
@@ -214,19 +217,21 @@ def pack_table(group_columns: dict[str, list], trajectories: Sequence[Optional[S
     """Group columns (each a list, one value per group) and each group's trajectories (None: none) ->
     ``(table, frames)``. Raises ValueError for a trajectory whose arrays do not align."""
     fr = _Frames()
-    n_p, n_r, sizes = [], [], []
-    cols: list[list] = [[] for _ in TRAJ_COLUMNS]
-    tool_errors = []
+    add = fr.add
+    n_p, n_r, sizes, rows, tool_errors = [], [], [], [], []
     for trajs in trajectories:
         sizes.append(len(trajs) if trajs else 0)
         for t in trajs or ():
-            a, b = fr.add(t)
+            a, b = add(t)
             n_p.append(a)
             n_r.append(b)
-            d = t.__dict__
-            for col, name in zip(cols, _SCALAR_NAMES):
-                col.append(d[name] if name in d else getattr(t, name))
-            tool_errors.append(int(t.extra.get("tool_errors", 0)) if t.extra else 0)
+            try:
+                rows.append(_SCALARS_GET(t.__dict__))
+            except KeyError:  # a field that does not live in __dict__ (a subclass): the slow way
+                rows.append(tuple(getattr(t, k) for k in _SCALAR_NAMES))
+            ex = t.extra
+            tool_errors.append(int(ex.get("tool_errors", 0)) if ex else 0)
+    cols = [list(c) for c in zip(*rows)] if rows else [[] for _ in _SCALAR_NAMES]
     cols[0] = [float(x) for x in cols[0]]
     traj = {"np": n_p, "nr": n_r, **dict(zip(_SCALAR_NAMES, cols)), "tool_errors": tool_errors}
     frames, counts = fr.done()
