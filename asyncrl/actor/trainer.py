@@ -11,7 +11,8 @@ Contract
 - Every public method is collective: **all actor ranks call it, in the same order**.
   ``train_step(groups)``: only global rank 0's ``groups`` are used (others pass ``None``); rank 0
   turns them into samples (GRPO advantages, global aggregation weights), splits them across DP
-  ranks balancing tokens, and broadcasts. Each rank packs its share into micro-batches of at most
+  ranks balancing tokens, and sends each rank only its replica's share (``asyncrl.actor.scatter``).
+  Each rank packs its share into micro-batches of at most
   ``actor.max_tokens_per_microbatch`` tokens, accumulates gradients, and Megatron's DDP all-reduces
   them; one optimizer step (Adam, warmup + constant/cosine, clipping) follows unless the loss or
   the grad norm is non-finite (then the step is skipped with a warning and
