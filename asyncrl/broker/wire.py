@@ -259,27 +259,32 @@ def unpack_table(table: Any, frames: Sequence[Any], where: str) -> tuple[list[in
             f"{where}: field 'frames' says {sum(counts)} trajectories in {len(counts)} frames; "
             f"the table has {n} trajectories and the message {len(frames)} frames"
         )
-    out = _trajectories(frames, counts, n_p, n_r, where)
-    for t, vals, k in zip(out, zip(*cols), tool_errors):
-        d = t.__dict__
-        d.update(zip(_SCALAR_NAMES, vals))
-        d["weight_versions"] = _NO_VERSIONS
-        d["error"] = ""
-        d["timings"] = {}
-        d["extra"] = {"tool_errors": k} if k else {}
-    return sizes, out
+    return sizes, _trajectories(frames, counts, n_p, n_r, zip(*cols, tool_errors), where)
 
 
-def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list, where: str) -> list:
+_NAMES_AND_TOOL_ERRORS = (*_SCALAR_NAMES, "tool_errors")
+
+
+def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list, rows, where: str) -> list:
+    """One WireTrajectory per row (its scalars) over the frames' token data; the frames must be filled exactly."""
     out: list[WireTrajectory] = []
     new = WireTrajectory.__new__
+    names = _NAMES_AND_TOOL_ERRORS
     for f, cnt in zip(frames, counts):
         base = memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")
         off, k = 0, len(out)
-        for i in range(k, k + cnt):
+        for i, row in zip(range(k, k + cnt), rows):
+            a, b = n_p[i], n_r[i]
             t = new(WireTrajectory)
-            t.__dict__["_src"] = (base, off, n_p[i], n_r[i])
-            off += token_nbytes(n_p[i], n_r[i])
+            d = t.__dict__
+            d.update(zip(names, row))
+            k_err = d.pop("tool_errors")
+            d["_src"] = (base, off, a, b)
+            d["weight_versions"] = _NO_VERSIONS
+            d["error"] = ""
+            d["timings"] = {}
+            d["extra"] = {"tool_errors": k_err} if k_err else {}
+            off += 4 * a + 9 * b + (-b % 4)
             out.append(t)
         if off != base.nbytes:
             raise ProtocolError(f"{where}: a frame of {base.nbytes} bytes holds trajectories of {off} bytes")
