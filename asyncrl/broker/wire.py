@@ -173,6 +173,21 @@ def _fresh_pieces(t: Trajectory, pieces: list) -> tuple[int, int]:
     return len(p), n_r
 
 
+class _FreshFrame:
+    """Frames of trajectories that are all packed afresh: ONE frame."""
+
+    def __init__(self):
+        self._pieces: list = []
+        self._n = 0
+
+    def __call__(self, t: Trajectory) -> tuple[int, int]:
+        self._n += 1
+        return _fresh_pieces(t, self._pieces)
+
+    def done(self) -> tuple[list, list[int]]:
+        return ([b"".join(self._pieces)], [self._n]) if self._n else ([], [])
+
+
 class _Frames:
     """Frames being built: runs of forwarded slices (one frame per contiguous run) and of fresh bytes."""
 
@@ -191,7 +206,7 @@ class _Frames:
             self.frames.append(b"".join(self._pieces))
             self._pieces = []
 
-    def add(self, t: Trajectory) -> tuple[int, int]:
+    def __call__(self, t: Trajectory) -> tuple[int, int]:
         src = _forwardable(t)
         if src is not None:
             base, off, n_p, n_r = src
@@ -216,8 +231,11 @@ class _Frames:
 def pack_table(group_columns: dict[str, list], trajectories: Sequence[Optional[Sequence[Trajectory]]]) -> tuple:
     """Group columns (each a list, one value per group) and each group's trajectories (None: none) ->
     ``(table, frames)``. Raises ValueError for a trajectory whose arrays do not align."""
-    fr = _Frames()
-    add = fr.add
+    if not any("_src" in t.__dict__ for trajs in trajectories for t in trajs or ()):
+        add = _FreshFrame()  # nothing to forward (a worker's message): one frame, no run bookkeeping
+    else:
+        add = _Frames()
+    fr = add
     n_p, n_r, sizes, rows, tool_errors = [], [], [], [], []
     for trajs in trajectories:
         sizes.append(len(trajs) if trajs else 0)
