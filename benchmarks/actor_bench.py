@@ -58,19 +58,19 @@ def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
         ids = torch.zeros(len(mb), L, dtype=torch.long)
         att = torch.zeros(len(mb), L, dtype=torch.long)
         for r, s in enumerate(mb):
-            ids[r, : s.num_tokens] = torch.tensor(s.tokens)
+            ids[r, : s.num_tokens] = s.tokens
             att[r, : s.num_tokens] = 1
         logits = model(input_ids=ids, attention_mask=att).logits
         lp, ent, behav, adv, w, m = [], [], [], [], [], []
         for r, s in enumerate(mb):
             rows = torch.log_softmax(logits[r, s.prompt_len - 1 : s.num_tokens - 1].float(), -1)
-            tgt = torch.tensor(s.tokens[s.prompt_len :])
+            tgt = s.tokens[s.prompt_len :]
             lp.append(rows.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
             ent.append(-(rows.exp() * rows).sum(-1))
-            behav.append(torch.tensor(s.rollout_logprobs))
+            behav.append(s.rollout_logprobs)
             adv.append(torch.full((s.response_len,), s.advantage))
-            w.append(torch.tensor(s.agg_weight))
-            m.append(torch.tensor(s.loss_mask, dtype=torch.bool))
+            w.append(s.agg_weight.float())
+            m.append(s.loss_mask)
         out = policy_loss(
             torch.cat(lp),
             behav_logp=torch.cat(behav),

@@ -4,11 +4,11 @@ agent-worker processes, and the runner's own batch fetch.
 Measures over loopback TCP:
   1. groups/s through admission -> worker -> buffer -> hand-off, with small groups, in ``--reps``
      consecutive windows (median and spread). Each worker is ``asyncrl.agent.worker.AgentWorker`` itself
-     (its event loop, one task per group, ``AgentLoop.run_group`` with the prompt's tokenization,
-     ``send_trajectory`` per trajectory and ``send_group`` per group on ``AsyncWorkerConnection``)
-     with only the engine edge stubbed (``run_trajectory`` returns a ready trajectory at once); the
-     consumer fetches each batch with ``asyncrl.runner.loop._wait_batch`` exactly as the actor does
-     (``get_batch(..., as_lists=True)``);
+     (its event loop, one task per group, ``AgentLoop.run_group`` with the prompt's tokenization, one
+     ``send_group`` per finished group with its trajectories on ``AsyncWorkerConnection``, which coalesces
+     the groups finished in one event-loop turn into one ``groups`` message) with only the engine edge
+     stubbed (``run_trajectory`` returns a ready trajectory at once); the consumer fetches each batch with
+     ``asyncrl.runner.loop._wait_batch`` exactly as the actor does (``get_batch``: zero-copy arrays);
   2. the hand-off of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer full) through that
      same fetch, and a raw ZeroMQ round trip of the same number of bytes (DEALER -> ROUTER, one small
      request, one one-frame reply), both in each repetition, the order alternating, under the same
@@ -40,8 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncrl.broker.client import BrokerClient  # noqa: E402
-from asyncrl.broker.server import tune_gc  # noqa: E402
+from asyncrl.broker.serve import tune_gc  # noqa: E402
 from asyncrl.broker.types import Trajectory  # noqa: E402
+from asyncrl.broker.wire import token_nbytes  # noqa: E402
 from asyncrl.runner.broker_process import start_broker  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -69,9 +70,9 @@ class _NoRetriever:
 
 
 def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int, model_dir: str) -> int:
-    """The PRODUCTION agent worker (``asyncrl.agent.worker.AgentWorker``: its event loop, ``run_group``,
-    ``send_trajectory`` per trajectory and ``send_group`` per group on ``AsyncWorkerConnection``) with
-    only the engine edge stubbed: ``run_trajectory`` returns a ready trajectory at once."""
+    """The PRODUCTION agent worker (``asyncrl.agent.worker.AgentWorker``: its event loop, ``run_group``, one
+    ``send_group`` per finished group on ``AsyncWorkerConnection``) with only the engine edge stubbed:
+    ``run_trajectory`` returns a ready trajectory at once."""
     import asyncio
 
     from asyncrl.agent.worker import AgentWorker
@@ -200,7 +201,7 @@ def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
     a full buffer, pauses issuing (a ``drain`` sync: the workers go quiet), then times both, the order
     alternating, then resumes issuing."""
     batch, g, n_prompt, n_resp = 512, 5, 200, 1800
-    nbytes = batch * g * (4 * n_prompt + 9 * n_resp + 4 * n_resp)
+    nbytes = batch * g * token_nbytes(n_prompt, n_resp)
     broker, workers = _start(
         tmp, 2, n_prompt, n_resp, model_dir, batch=batch, group_size=g, inflight=batch, buffered=batch
     )
@@ -213,11 +214,7 @@ def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
         t0 = time.perf_counter()
         b = _fetch(client, step)
         dt = time.perf_counter() - t0
-        got = sum(
-            4 * len(t.prompt_ids) + 9 * len(t.response_ids) + 4 * len(t.weight_versions)
-            for gr in b.groups
-            for t in gr.trajectories
-        )
+        got = sum(token_nbytes(len(t.prompt_ids), len(t.response_ids)) for gr in b.groups for t in gr.trajectories)
         assert len(b.groups) == batch and got == nbytes, (len(b.groups), got, nbytes)
         return dt
 
@@ -275,7 +272,7 @@ def raw_server_main(address_file: str, nbytes: int) -> int:
 def bench_broker_cpu(n_groups: int, *, per_message: int = 64) -> dict:
     """The broker's own work per small group, in process (no sockets), as the server does it: decode the
     workers' ``groups`` messages (``per_message`` groups each), core (finish, buffer, admission), encode the
-    issues (compact rows) and the hand-off (group rows). CPU time (``process_time``), so other jobs on the
+    issues (rows) and the hand-off (the batch's group table). CPU time (``process_time``), so other jobs on the
     machine do not inflate it; the workers' encoding is excluded. 1e6 / us_per_group is the ceiling of one
     broker core on this machine."""
     from asyncrl.broker import protocol as P
@@ -304,7 +301,7 @@ def bench_broker_cpu(n_groups: int, *, per_message: int = 64) -> dict:
         per_worker: dict[str, list] = {}
         for i in issues:
             per_worker.setdefault(i.worker_id, []).append(
-                [i.group_id, i.group_size, i.version, i.epoch, P._item_row(i.item)]
+                [i.group_id, i.group_size, i.version, i.epoch, P.item_row(i.item)]
             )
         for rows in per_worker.values():
             P.encode(P.ISSUE, {"rows": rows})
@@ -313,14 +310,14 @@ def bench_broker_cpu(n_groups: int, *, per_message: int = 64) -> dict:
             t1 = time.process_time()
             frames = P.finished_groups_frames([(i.group_id, trajs, False, "") for i in issues[k : k + per_message]])
             worker_s += time.process_time() - t1
-            reports += [(gid, tr, ab) for gid, tr, ab, _ in P.unpack_finished_groups(P.decode(frames))]
+            reports += [(gid, tr, ab) for gid, tr, ab, _ in P.unpack_finished_groups(P.decode(frames))[1]]
         core.groups_finished(reports)
         done += len(reports)
         core.request_batch(step)
         batch = core.take_batch()
         if batch is not None:
-            blobs: list = []
-            P.encode(P.BATCH, {"rows": P.pack_group_rows(batch.groups, blobs), "metrics": batch.metrics}, blobs)
+            table, frames = P.pack_groups(batch.groups)
+            P.encode(P.BATCH, {"groups": table, "metrics": batch.metrics}, frames)
             step += 1
     us = (time.process_time() - t0 - worker_s) / done * 1e6
     return {"us_per_group": us, "ceiling_groups_per_s": 1e6 / us, "groups_per_message": per_message}
@@ -388,7 +385,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rep = harness.Report("broker_bench", argv)
     window = 1.5 if args.quick else 4.0
-    tune_gc()  # the consumer (an actor stand-in), like the broker and the workers: see server.tune_gc
+    tune_gc()  # the consumer (an actor stand-in), like the broker and the workers: see serve.tune_gc
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as d:

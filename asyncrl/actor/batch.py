@@ -1,8 +1,10 @@
 """From broker Groups to per-rank micro-batches (pure: no torch.distributed, no model).
 
-- ``groups_to_samples``: one ``Sample`` per trajectory, with its GRPO advantage and the per-token
-  aggregation weights of the *global* batch (see ``asyncrl.actor.loss.aggregation_weights``).
+- ``groups_to_samples``: one ``Sample`` per trajectory (tensors, from the broker's arrays: no list round
+  trip), with its GRPO advantage and the per-token aggregation weights of the *global* batch
+  (``global_agg_weights``, the arithmetic of ``asyncrl.actor.loss.aggregation_weights``).
   Aborted groups/trajectories are skipped.
+- ``microbatch_extras``: a micro-batch's loss inputs (behaviour logprobs, mask, weights, advantages).
 - ``split_balanced``: DP split that balances tokens (longest first onto the lightest rank); each
   rank's list keeps the global order of its samples.
 - ``make_microbatches``: consecutive samples packed until the token budget would be exceeded (a
@@ -20,24 +22,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from asyncrl.actor.loss import aggregation_weights, grpo_advantages
+from asyncrl.actor.loss import grpo_advantages
 from asyncrl.broker.types import Group
 
 
 @dataclass
 class Sample:
-    tokens: list[int]
-    """prompt + response token ids."""
+    """One trajectory as the actor trains it; the per-token fields are CPU tensors aligned with the response."""
+
+    tokens: torch.Tensor
+    """prompt + response token ids (int64)."""
     prompt_len: int
-    loss_mask: list[int]
-    """Per response token: 1 = trained."""
-    rollout_logprobs: list[float]
-    """Per response token: the engine's log-prob (the behaviour policy)."""
+    loss_mask: torch.Tensor
+    """Per response token: True = trained (bool)."""
+    rollout_logprobs: torch.Tensor
+    """Per response token: the engine's log-prob (the behaviour policy; float32)."""
     advantage: float
-    agg_weight: list[float]
-    """Per response token: weight in the global aggregation (0 where masked)."""
+    agg_weight: torch.Tensor
+    """Per response token: weight in the global aggregation (0 where masked; float64)."""
     reward: float = 0.0
 
     @property
@@ -50,6 +55,7 @@ class Sample:
 
 
 def groups_to_samples(groups: Sequence[Group], *, normalize_adv_by_std: bool, loss_agg_mode: str) -> list[Sample]:
+    """Token fields are read as arrays (the broker's zero-copy views, or lists): one copy into tensors each."""
     rows: list[tuple] = []
     for g in groups:
         if g.aborted:
@@ -61,22 +67,56 @@ def groups_to_samples(groups: Sequence[Group], *, normalize_adv_by_std: bool, lo
             0
         ]
         for t, a in zip(trajs, adv.tolist()):
-            if not t.response_ids:
-                continue
-            rows.append((t, a))
-    weights = aggregation_weights([t.loss_mask for t, _ in rows], loss_agg_mode)  # type: ignore[arg-type]
+            if len(t.response_ids):
+                rows.append((t, a))
+    masks = [np.asarray(t.loss_mask) != 0 for t, _ in rows]
+    weights = global_agg_weights(masks, loss_agg_mode)
     return [
         Sample(
-            tokens=list(t.prompt_ids) + list(t.response_ids),
+            tokens=torch.from_numpy(
+                np.concatenate([np.asarray(t.prompt_ids), np.asarray(t.response_ids)], dtype=np.int64)
+            ),
             prompt_len=len(t.prompt_ids),
-            loss_mask=[int(x) for x in t.loss_mask],
-            rollout_logprobs=[float(x) for x in t.rollout_logprobs],
+            loss_mask=torch.from_numpy(m),
+            rollout_logprobs=torch.from_numpy(np.array(t.rollout_logprobs, dtype=np.float32)),
             advantage=float(a),
-            agg_weight=w,
+            agg_weight=torch.from_numpy(w),
             reward=float(t.reward),
         )
-        for (t, a), w in zip(rows, weights)
+        for (t, a), m, w in zip(rows, masks, weights)
     ]
+
+
+def global_agg_weights(masks: Sequence[np.ndarray], mode: str) -> list[np.ndarray]:
+    """``asyncrl.actor.loss.aggregation_weights`` on boolean arrays, vectorized per sequence (float64): the
+    per-token weights of the whole batch so that ``sum(w * loss)`` is the ``mode`` mean."""
+    lengths = [int(np.count_nonzero(m)) for m in masks]
+    num_seqs = sum(1 for n in lengths if n > 0)
+    num_tokens = sum(lengths)
+    if mode not in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean"):
+        raise ValueError(
+            f"algorithm.loss_agg_mode={mode!r} is not one of token_mean, seq_mean_token_sum, seq_mean_token_mean"
+        )
+    out = []
+    for m, n in zip(masks, lengths):
+        w = m.astype(np.float64)
+        if n:
+            w /= num_tokens if mode == "token_mean" else num_seqs if mode == "seq_mean_token_sum" else n * num_seqs
+        out.append(w)
+    return out
+
+
+def microbatch_extras(mb: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    """The loss's per-token inputs of one micro-batch, in its samples' order (CPU tensors)."""
+    return {
+        "behav": torch.cat([s.rollout_logprobs for s in mb]).to(torch.float32),
+        "mask": torch.cat([s.loss_mask for s in mb]).to(torch.bool),
+        "agg": torch.cat([s.agg_weight for s in mb]).to(torch.float32),
+        "adv": torch.repeat_interleave(
+            torch.tensor([s.advantage for s in mb], dtype=torch.float32),
+            torch.tensor([s.response_len for s in mb], dtype=torch.long),
+        ),
+    }
 
 
 def split_balanced(token_counts: Sequence[int], num_parts: int) -> list[list[int]]:
@@ -175,7 +215,9 @@ def _rows_first_fit(lengths: Sequence[int], cap: int) -> list[list[int]]:
 
 
 def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: int | None = None) -> PackedBatch:
-    """Pack sequences (first fit, longest first) into rows of ``row_len`` (default: the longest)."""
+    """Pack sequences (tensors, arrays or lists; first fit, longest first) into rows of ``row_len`` (default:
+    the longest)."""
+    seqs = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
     lengths = [len(s) for s in seqs]
     cap = max(max(lengths), row_len or 0)
     rows = _rows_first_fit(lengths, cap)
@@ -184,36 +226,35 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
     pos = torch.zeros(R, cap, dtype=torch.long)
     seg_lens: list[int] = []
     where: dict[int, tuple[int, int]] = {}
+    ramp = torch.arange(cap)
     for r, members in enumerate(rows):
         off = 0
         for i in members:
             n = lengths[i]
-            ids[r, off : off + n] = torch.tensor(seqs[i], dtype=torch.long)
-            pos[r, off : off + n] = torch.arange(n)
+            ids[r, off : off + n] = seqs[i]
+            pos[r, off : off + n] = ramp[:n]
             seg_lens.append(n)
             where[i] = (r, off)
             off += n
         if off < cap:  # padding: its own causal block, so no query row is fully masked
             seg_lens.append(cap - off)
-    pred: list[int] = []
-    labels: list[int] = []
-    seq_idx: list[int] = []
+    pred, labels, seq_idx = [], [], []
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
         if p < 1:
             raise ValueError("every sequence needs at least one prompt token")
         r, off = where[i]
         base = r * cap + off
-        pred.extend(range(base + p - 1, base + len(s) - 1))
-        labels.extend(s[p:])
-        seq_idx.extend([i] * (len(s) - p))
+        pred.append(torch.arange(base + p - 1, base + len(s) - 1))
+        labels.append(s[p:])
+        seq_idx.append(torch.full((len(s) - p,), i, dtype=torch.long))
     return PackedBatch(
         input_ids=ids,
         position_ids=pos,
         cu_seqlens=_cu_seqlens(seg_lens),
         max_seqlen=max(seg_lens),
-        pred_index=torch.tensor(pred, dtype=torch.long),
-        labels=torch.tensor(labels, dtype=torch.long),
-        seq_of_token=torch.tensor(seq_idx, dtype=torch.long),
+        pred_index=torch.cat(pred),
+        labels=torch.cat(labels),
+        seq_of_token=torch.cat(seq_idx),
         num_tokens=sum(lengths),
     )
 

@@ -11,7 +11,8 @@ Contract
 - Every public method is collective: **all actor ranks call it, in the same order**.
   ``train_step(groups)``: only global rank 0's ``groups`` are used (others pass ``None``); rank 0
   turns them into samples (GRPO advantages, global aggregation weights), splits them across DP
-  ranks balancing tokens, and broadcasts. Each rank packs its share into micro-batches of at most
+  ranks balancing tokens, and sends each rank only its replica's share (``asyncrl.actor.scatter``).
+  Each rank packs its share into micro-batches of at most
   ``actor.max_tokens_per_microbatch`` tokens, accumulates gradients, and Megatron's DDP all-reduces
   them; one optimizer step (Adam, warmup + constant/cosine, clipping) follows unless the loss or
   the grad norm is non-finite (then the step is skipped with a warning and
@@ -76,8 +77,8 @@ from asyncrl.actor.batch import (
     Sample,
     groups_to_samples,
     make_microbatches,
+    microbatch_extras,
     pack,
-    split_balanced,
 )
 from asyncrl.actor.logprobs import logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
@@ -90,6 +91,7 @@ from asyncrl.actor.model import (
 )
 from asyncrl.actor.optim import build_optimizer
 from asyncrl.actor.pipeline import StageInfo, gather_to_rank0
+from asyncrl.actor.scatter import scatter_samples
 from asyncrl.actor.schedule import MicroBatch, PipelineSchedule, PlainSchedule
 from asyncrl.actor.spec import attention_path, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.weights import (
@@ -262,7 +264,8 @@ class Actor:
 
     # ------------------------------------------------------------------ data
     def _distribute(self, groups: Sequence[Group] | None) -> list[Sample]:
-        payload: list[Any] = [None]
+        """This DP rank's samples: rank 0 builds the batch's and sends each rank its share (``scatter``)."""
+        samples = None
         if self.rank == 0:
             if groups is None:
                 raise ValueError("train_step: actor rank 0 must be given the batch (a list of Group)")
@@ -270,11 +273,7 @@ class Actor:
             samples = groups_to_samples(
                 groups, normalize_adv_by_std=a.normalize_adv_by_std, loss_agg_mode=a.loss_agg_mode
             )
-            parts = split_balanced([s.num_tokens for s in samples], self.dp)
-            payload = [[[samples[i] for i in p] for p in parts]]
-        if self.world > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0][self.dp_rank]
+        return scatter_samples(samples, dp=self.dp, dp_rank=self.dp_rank, device=self.device)
 
     def _microbatches(self, samples: list[Sample]) -> list[tuple[PackedBatch, dict[str, torch.Tensor]]]:
         out = []
@@ -285,13 +284,7 @@ class Actor:
         return out
 
     def _extras(self, mb: list[Sample]) -> dict[str, torch.Tensor]:
-        extra = {
-            "behav": torch.tensor([x for s in mb for x in s.rollout_logprobs], dtype=torch.float32),
-            "mask": torch.tensor([x for s in mb for x in s.loss_mask], dtype=torch.bool),
-            "agg": torch.tensor([x for s in mb for x in s.agg_weight], dtype=torch.float32),
-            "adv": torch.tensor([s.advantage for s in mb for _ in range(s.response_len)], dtype=torch.float32),
-        }
-        return {k: v.to(self.device) for k, v in extra.items()}
+        return {k: v.to(self.device) for k, v in microbatch_extras(mb).items()}
 
     # ------------------------------------------------------------------ the step (one path for every PP)
     def _train_items(self, samples: list[Sample]) -> list[MicroBatch]:

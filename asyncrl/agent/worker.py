@@ -6,8 +6,10 @@ Contract
   retriever, and an ``AgentLoop`` that runs groups.
 - Who calls whom: the broker issues ``Assignment``s; each becomes an asyncio task that runs the
   group's ``group_size`` trajectories concurrently on the least-loaded engine (all turns of a
-  trajectory on that engine), reports every finished trajectory (``send_trajectory`` with its
-  data) and then the group (``send_group``, aborted when any trajectory is, with the first error).
+  trajectory on that engine) and reports the finished group with its trajectories in one message
+  (``send_group``; aborted when any trajectory is, with the first error and no data; groups finished in
+  the same event-loop turn share a message). Under ``sample`` granularity (``welcome.per_trajectory``)
+  each finished trajectory is also announced at once, data-less (``send_done``), to free its slot.
 - Control: ``Control(hold=True)`` closes the turn gate (no new generate call starts; running ones
   finish) until ``hold=False``; ``Cancel`` cancels those groups (nothing is reported); ``Shutdown``
   cancels everything, says bye and returns.
@@ -307,13 +309,15 @@ class AgentWorker:
         async def report(index, traj):
             self.stats["trajectories_done"] += 1
             self.stats["trajectories_aborted"] += int(traj.aborted)
-            await self.conn.send_trajectory(a.group_id, index, traj)
+            if self.conn.welcome.per_trajectory:  # ``sample`` granularity: the broker frees this slot now
+                self.conn.send_done(a.group_id, index)
 
         group = await self.loop.run_group(group, engine, group_size=a.group_size, on_trajectory=report)
         error = next((t.error for t in group.trajectories if t.aborted), "")
         if group.aborted and self.watch is not None and not await self.watch.healthy():
             await self._hold_for_restart(a.group_id, error)
-        await self.conn.send_group(a.group_id, None, aborted=group.aborted, error=error)
+        trajs = None if group.aborted else group.trajectories  # an aborted group is never trained: no data
+        await self.conn.send_group(a.group_id, trajs, aborted=group.aborted, error=error)
         self.stats["groups_done"] += 1
         self.stats["groups_aborted"] += int(group.aborted)
         log.debug("group %d done in %.2fs (aborted=%s)", a.group_id, time.perf_counter() - t0, group.aborted)

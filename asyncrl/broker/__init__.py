@@ -4,9 +4,10 @@
 - ``core``       the pure decision core (``BrokerCore``; injected clock, no I/O)
 - ``buffer``     the ``DataBuffer`` plug-in interface and ``DefaultDataBuffer``
 - ``dataloader`` epochs, seeded shuffle, resumable position
-- ``protocol``   the wire protocol (msgpack headers + raw token blobs), used by both ends
-- ``server``     the ZeroMQ shell (``run_broker``: given its prompts, serves until shutdown), ``client`` the
-  worker/actor clients. The process entry point, which loads the prompts with the agent's loader, is
+- ``protocol``   the wire protocol: every message (msgpack headers + raw token frames), used by both ends
+- ``wire``       the one wire shape of trajectories (a table of typed columns + token frames, zero-copy)
+- ``server``     the ZeroMQ shell around the core; ``serve`` the process body (``run_broker``: given its
+  prompts, serves until shutdown); ``client`` the worker/actor clients. The process entry point, which loads the prompts with the agent's loader, is
   ``asyncrl.runner.broker_process`` (the broker never imports the agent).
 
 Nothing is imported here, so ``import asyncrl.broker.types`` stays light (no zmq, no numpy).

@@ -10,19 +10,18 @@ Worker side (every call has a timeout; a silent broker raises ``TimeoutError`` f
         elif isinstance(ev, Control): ...             # ev.hold: hold new turns (drain); ev.version
         elif isinstance(ev, Cancel): ...              # stop these group ids (results are ignored)
         elif isinstance(ev, Shutdown): ...
-    conn.send_trajectory(group_id, index, traj)       # optional, per finished trajectory
-    conn.send_group(group_id, trajs, aborted=False)   # the finished group (trajs=None: use the ones sent)
+    conn.send_done(group_id, index)                   # a trajectory finished (only if welcome.per_trajectory)
+    conn.send_group(group_id, trajs, aborted=False)   # the finished group with its trajectories
     conn.send_group(gid, trajs, flush=False); conn.flush()   # several groups in ONE ``groups`` message
 
 ``poll`` must be called at least every ``heartbeat_interval_s``; ``AsyncWorkerConnection`` has the
 same methods as coroutines and heartbeats from a background task. Neither is thread-safe.
 
-Batching: finished groups travel as ``groups`` messages (several groups, one header, one blob), which cost
-the broker far less per group than one ``group`` message each. The blocking connection queues groups sent
-with ``flush=False`` until ``flush()``, ``poll()``, any other send or ``MAX_GROUPS_PER_MESSAGE`` queued; the
-asyncio connection coalesces by itself the groups finished in the same event-loop turn. Order is kept: a
-queued group always leaves before any later message. Workers say ``rows: true`` in their hello and get
-compact issue rows.
+Batching: finished groups (and ``done`` notices) travel as ``groups`` messages (several groups, one header,
+one table, their token frames; ``protocol``). The blocking connection queues what is sent with
+``flush=False`` (and every ``send_done``) until ``flush()``, ``poll()``, any other send or
+``MAX_GROUPS_PER_MESSAGE`` queued; the asyncio connection coalesces by itself what finished in the same
+event-loop turn. Order is kept: what is queued always leaves before any later message.
 
 Actor side:
 
@@ -32,9 +31,9 @@ Actor side:
     blob = client.get_state(); client.set_state(blob) # checkpoint / resume (opaque bytes)
     client.metrics(); client.status(); client.shutdown()
 
-Batches decode zero-copy: token fields of the returned trajectories are numpy arrays
-(``prompt_ids``/``response_ids``/``weight_versions`` int32, ``rollout_logprobs`` float32,
-``loss_mask`` uint8); pass ``as_lists=True`` for plain lists.
+Batches decode zero-copy: token fields of the returned trajectories are read-only numpy views of the
+received frames (``prompt_ids``/``response_ids`` int32, ``rollout_logprobs`` float32, ``loss_mask`` uint8;
+``weight_versions`` is empty: it does not travel, ``asyncrl.broker.wire``).
 """
 
 from __future__ import annotations
@@ -60,6 +59,18 @@ class Welcome:
     group_size: int
     hold: bool
     heartbeat_interval_s: float
+    per_trajectory: bool = False
+    """The broker frees a slot per finished trajectory (``sample`` granularity): send ``send_done``."""
+
+    @classmethod
+    def from_body(cls, b: dict) -> Welcome:
+        return cls(
+            int(b["version"]),
+            int(b["group_size"]),
+            bool(b["hold"]),
+            float(b["heartbeat_interval_s"]),
+            bool(b.get("per_trajectory", False)),
+        )
 
 
 @dataclass
@@ -105,41 +116,20 @@ def _dealer(ctx: zmq.Context, address: str, identity: Optional[str]) -> zmq.Sock
     return sock
 
 
-def _group_frames(group_id: int, trajectories: Optional[Sequence[Trajectory]], aborted: bool, error: str):
-    if not trajectories:
-        return P.encode(P.GROUP, {"group_id": group_id, "aborted": aborted, "error": error, "trajs": []})
-    metas, blob = P.pack_group_blob(trajectories, 0)
-    return P.encode(P.GROUP, {"group_id": group_id, "aborted": aborted, "error": error, "trajs": metas}, [blob])
-
-
 MAX_GROUPS_PER_MESSAGE = 256
 """A connection's queue of finished groups is sent as soon as it holds this many."""
 
 
-def _traj_frames(group_id: int, index: int, trajectory: Optional[Trajectory]):
-    if trajectory is None:
-        return P.encode(P.TRAJ, {"group_id": group_id, "index": index, "traj": None})
-    meta, blob = P.pack_trajectory(trajectory, 0)
-    return P.encode(P.TRAJ, {"group_id": group_id, "index": index, "traj": meta}, [blob])
+def _hello(worker_id: str, capacity: int) -> list:
+    return P.encode(P.HELLO, {"worker_id": worker_id, "capacity": capacity})
 
 
 def _to_events(msg: P.Message) -> list[WorkerEvent]:
     b = msg.body
-    if msg.type == P.ISSUE:
-        if "rows" in b:  # compact: [group_id, group_size, version, epoch, item row]
-            return [
-                Assignment(gid, P._item_from_row(item), epoch, size, version)
-                for gid, size, version, epoch, item in b["rows"]
-            ]
+    if msg.type == P.ISSUE:  # rows: [group_id, group_size, version, epoch, item row]
         return [
-            Assignment(
-                int(g["group_id"]),
-                P.item_from_wire(g["item"]),
-                int(g["epoch"]),
-                int(g["group_size"]),
-                int(g["version"]),
-            )
-            for g in b["groups"]
+            Assignment(gid, P.item_from_row(item, P.ISSUE), epoch, size, version)
+            for gid, size, version, epoch, item in b["rows"]
         ]
     if msg.type == P.CONTROL:
         return [Control(bool(b["hold"]), int(b["version"]))]
@@ -148,6 +138,22 @@ def _to_events(msg: P.Message) -> list[WorkerEvent]:
     if msg.type == P.SHUTDOWN:
         return [Shutdown()]
     return []
+
+
+class _Outbox:
+    """What a worker connection has queued for its next ``groups`` message: ``done`` notices, then groups."""
+
+    def __init__(self):
+        self.done: list[tuple[int, int]] = []
+        self.groups: list[P.FinishedGroup] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.groups or self.done)
+
+    def take(self) -> list:
+        frames = P.finished_groups_frames(self.groups, self.done)
+        self.done, self.groups = [], []
+        return frames
 
 
 class WorkerConnection:
@@ -167,26 +173,24 @@ class WorkerConnection:
         self.sock = _dealer(context or zmq.Context.instance(), address, worker_id)
         self._last_sent = 0.0
         self.welcome: Optional[Welcome] = None
-        self._pending: list[tuple[int, Optional[Sequence[Trajectory]], bool, str]] = []
+        self._out = _Outbox()
+        self._early: list[WorkerEvent] = []
 
-    def _send(self, frames: list, copy: bool = True) -> None:
-        if self._pending:
-            self.flush()
-        self.sock.send_multipart(frames, copy=copy)
+    def _send(self, frames: list) -> None:
+        self.flush()
+        self.sock.send_multipart(frames)
         self._last_sent = time.monotonic()
 
     def flush(self) -> None:
-        """Send the groups queued by ``send_group(..., flush=False)`` as one ``groups`` message."""
-        if self._pending:
-            entries, self._pending = self._pending, []
-            self.sock.send_multipart(P.finished_groups_frames(entries))
+        """Send what is queued (``send_group(..., flush=False)``, ``send_done``) as one ``groups`` message."""
+        if self._out:
+            self.sock.send_multipart(self._out.take(), copy=False)
             self._last_sent = time.monotonic()
 
     def connect(self, *, timeout_s: float = 30.0) -> Welcome:
         """Say hello and wait for the welcome (events that arrive first are kept for ``poll``)."""
-        self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
+        self._send(_hello(self.worker_id, self.capacity))
         deadline = time.monotonic() + timeout_s
-        self._early: list[WorkerEvent] = []
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
@@ -196,10 +200,7 @@ class WorkerConnection:
                 )
             msg = P.decode(self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.WELCOME:
-                b = msg.body
-                self.welcome = Welcome(
-                    int(b["version"]), int(b["group_size"]), bool(b["hold"]), float(b["heartbeat_interval_s"])
-                )
+                self.welcome = Welcome.from_body(msg.body)
                 return self.welcome
             if msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
@@ -210,8 +211,7 @@ class WorkerConnection:
         self.flush()
         if time.monotonic() - self._last_sent >= self.heartbeat_interval_s:
             self.heartbeat()
-        out: list[WorkerEvent] = list(getattr(self, "_early", []))
-        self._early = []
+        out, self._early = self._early, []
         if not out and not self.sock.poll(int(timeout_s * 1000)):
             return out
         while True:
@@ -221,7 +221,7 @@ class WorkerConnection:
                 return out
             msg = P.decode(frames, allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.REHELLO:
-                self._send(P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True}))
+                self._send(_hello(self.worker_id, self.capacity))
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
             else:
@@ -230,10 +230,10 @@ class WorkerConnection:
     def heartbeat(self) -> None:
         self._send(P.encode(P.HEARTBEAT, {"worker_id": self.worker_id}))
 
-    def send_trajectory(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> None:
-        """Trajectory ``index`` of the group finished (frees its slot under ``sample`` granularity). With
-        ``trajectory`` its data travels now and ``send_group(..., None)`` may omit it."""
-        self._send(_traj_frames(group_id, index, trajectory))
+    def send_done(self, group_id: int, index: int) -> None:
+        """Trajectory ``index`` of a running group finished (frees its slot under ``sample`` granularity; send it
+        only when ``welcome.per_trajectory``). Queued: it leaves with the next message."""
+        self._out.done.append((group_id, index))
 
     def send_group(
         self,
@@ -244,23 +244,23 @@ class WorkerConnection:
         error: str = "",
         flush: bool = True,
     ) -> None:
-        """The group finished. ``aborted=True`` (a generate/tool call failed; ``error`` says what) makes the
-        broker apply ``rollout_buffer.unused_groups``; it is never trained. ``flush=False`` queues it: the
-        queued groups travel together in one message at the next ``flush``/``poll``/send (or when
-        ``max_groups_per_message`` are queued). Trajectories must not change until then."""
-        self._pending.append((group_id, trajectories, aborted, error))
-        if flush or len(self._pending) >= MAX_GROUPS_PER_MESSAGE:
+        """The group finished, with its ``trajectories`` (None or [] for an aborted group). ``aborted=True`` (a
+        generate/tool call failed; ``error`` says what) makes the broker apply ``rollout_buffer.unused_groups``;
+        it is never trained. ``flush=False`` queues it: the queued groups travel together in one message at the
+        next ``flush``/``poll``/send (or when ``MAX_GROUPS_PER_MESSAGE`` are queued). Trajectories must not
+        change until then."""
+        self._out.groups.append((group_id, trajectories, aborted, error))
+        if flush or len(self._out.groups) >= MAX_GROUPS_PER_MESSAGE:
             self.flush()
 
     def send_groups(self, groups: Sequence[tuple[int, Optional[Sequence[Trajectory]]]]) -> None:
-        """Several finished (not aborted) groups ``(group_id, trajectories | None)`` in one message."""
+        """Several finished (not aborted) groups ``(group_id, trajectories)`` in one message."""
         for gid, trajs in groups:
             self.send_group(gid, trajs, flush=False)
         self.flush()
 
     def close(self, *, say_bye: bool = True) -> None:
-        if self._pending:
-            self.flush()
+        self.flush()
         if say_bye:
             try:
                 self.sock.send_multipart(P.encode(P.BYE, {"worker_id": self.worker_id}), zmq.NOBLOCK)
@@ -294,13 +294,11 @@ class AsyncWorkerConnection:
         self._hb_task: Optional[asyncio.Task] = None
         self._early: list[WorkerEvent] = []
         self.welcome: Optional[Welcome] = None
-        self._pending: list[tuple[int, Optional[Sequence[Trajectory]], bool, str]] = []
+        self._out = _Outbox()
         self._flush_task: Optional[asyncio.Task] = None
 
     async def connect(self, *, timeout_s: float = 30.0) -> Welcome:
-        await self.sock.send_multipart(
-            P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True})
-        )
+        await self.sock.send_multipart(_hello(self.worker_id, self.capacity))
         deadline = time.monotonic() + timeout_s
         while self.welcome is None:
             left = deadline - time.monotonic()
@@ -311,10 +309,7 @@ class AsyncWorkerConnection:
                 )
             msg = P.decode(await self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.WELCOME:
-                b = msg.body
-                self.welcome = Welcome(
-                    int(b["version"]), int(b["group_size"]), bool(b["hold"]), float(b["heartbeat_interval_s"])
-                )
+                self.welcome = Welcome.from_body(msg.body)
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address} refused worker {self.worker_id!r}: {msg.body['message']}")
             else:
@@ -338,9 +333,7 @@ class AsyncWorkerConnection:
                 return None
             msg = P.decode(await self.sock.recv_multipart(), allowed=P.TO_WORKER_TYPES | {P.ERROR})
             if msg.type == P.REHELLO:
-                await self.sock.send_multipart(
-                    P.encode(P.HELLO, {"worker_id": self.worker_id, "capacity": self.capacity, "rows": True})
-                )
+                await self.sock.send_multipart(_hello(self.worker_id, self.capacity))
             elif msg.type == P.ERROR:
                 raise BrokerError(f"broker at {self.address}: {msg.body.get('message')}")
             else:
@@ -348,9 +341,11 @@ class AsyncWorkerConnection:
                 if self._early:
                     return self._early.pop(0)
 
-    async def send_trajectory(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> None:
-        await self.flush()
-        await self.sock.send_multipart(_traj_frames(group_id, index, trajectory))
+    def send_done(self, group_id: int, index: int) -> None:
+        """Trajectory ``index`` of a running group finished (send only when ``welcome.per_trajectory``): queued,
+        it leaves in this event-loop turn's ``groups`` message."""
+        self._out.done.append((group_id, index))
+        self._schedule_flush()
 
     async def send_group(
         self,
@@ -363,13 +358,16 @@ class AsyncWorkerConnection:
         """Groups finished by several tasks in the same event-loop turn travel together in one ``groups``
         message: the first caller yields once to the loop, then sends what was queued meanwhile (the others
         return at once; their group is in that message). Trajectories must not change after the call."""
-        self._pending.append((group_id, trajectories, aborted, error))
-        if len(self._pending) >= MAX_GROUPS_PER_MESSAGE:
+        self._out.groups.append((group_id, trajectories, aborted, error))
+        if len(self._out.groups) >= MAX_GROUPS_PER_MESSAGE:
             await self.flush()
             return
+        await asyncio.shield(self._schedule_flush())  # a cancelled caller does not stop the others' groups
+
+    def _schedule_flush(self) -> asyncio.Task:
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush_soon())
-        await asyncio.shield(self._flush_task)  # a cancelled caller does not stop the others' groups
+        return self._flush_task
 
     async def _flush_soon(self) -> None:
         await asyncio.sleep(0)
@@ -377,10 +375,9 @@ class AsyncWorkerConnection:
         await self.flush()
 
     async def flush(self) -> None:
-        """Send the queued finished groups now (one message)."""
-        if self._pending:
-            entries, self._pending = self._pending, []
-            await self.sock.send_multipart(P.finished_groups_frames(entries))
+        """Send what is queued now (one message)."""
+        if self._out:
+            await self.sock.send_multipart(self._out.take(), copy=False)
 
     async def close(self, *, say_bye: bool = True) -> None:
         if self._hb_task is not None:
@@ -413,22 +410,16 @@ class BrokerClient:
             raise BrokerError(msg.body.get("message", "broker error"))
         return msg
 
-    def get_batch(
-        self, step: int, *, timeout_s: float, actor_version: Optional[int] = None, as_lists: bool = False
-    ) -> Batch:
+    def get_batch(self, step: int, *, timeout_s: float, actor_version: Optional[int] = None) -> Batch:
         """Block until the oldest ``rollout_batch_size`` groups are ready (``Batch.wait_s`` is time/wait_data).
         Raises TimeoutError after ``timeout_s`` (the request is withdrawn) and BrokerError when the broker
         stopped the run (e.g. ``rollout_buffer.max_dropped_groups_per_step``)."""
-        body = {"step": step, "timeout_s": timeout_s, "actor_version": actor_version, "rows": True}
+        body = {"step": step, "timeout_s": timeout_s, "actor_version": actor_version}
         msg = self._call(P.GET_BATCH, body, timeout_s=timeout_s + self.timeout_s)
         if msg.type == P.TIMEOUT:
             raise TimeoutError(f"no batch for step {step} from the broker at {self.address} within {timeout_s:.1f}s")
         b = msg.body
-        groups = (
-            P.unpack_group_rows(b["rows"], msg.blobs, as_lists=as_lists)
-            if "rows" in b
-            else P.unpack_groups(b["groups"], msg.blobs, as_lists=as_lists)
-        )
+        groups = P.unpack_groups(b["groups"], msg.blobs)
         return Batch(step=int(b["step"]), groups=groups, wait_s=float(b["wait_s"]), metrics=dict(b["metrics"]))
 
     def sync_begin(self, mode: str = "retract") -> None:

@@ -13,8 +13,9 @@ Contract
   (request/reply style), so a late connection loses nothing. A worker the broker does not know
   (e.g. declared dead after missed heartbeats) gets ``rehello`` and re-registers.
 - One thread, a poll loop: every ready message is drained first (up to ``MAX_MESSAGES_PER_ROUND``);
-  finished groups (``group`` / ``groups`` messages) are collected and reach the core in ONE
-  ``groups_finished`` call per round (or before any other message, so the order of events is kept);
+  finished groups (``groups`` messages) are collected and reach the core in ONE ``groups_finished`` call
+  per round (or before any other message, so the order of events is kept; a message's ``done`` notices,
+  trajectories finished in running groups, reach the core first, in order);
   every other message becomes one core call. Then the core's outputs (issues, batched per worker,
   cancellations, a ready batch, control changes) are sent.
   ``core.tick()`` runs every ``tick_s`` (heartbeat expiry, the no-data warning).
@@ -34,11 +35,9 @@ Contract
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from typing import Any, Optional
 import zmq
 
 from asyncrl.broker import protocol as P
-from asyncrl.broker.core import BrokerCore, BrokerError, CoreSettings
+from asyncrl.broker.core import BrokerCore, BrokerError
 from asyncrl.cluster import auth
 
 log = logging.getLogger("asyncrl.broker")
@@ -65,8 +64,6 @@ class _PendingBatch:
     ident: bytes
     step: int
     deadline: float
-    rows: bool = False
-    """The actor asked for compact group rows (``protocol.pack_group_rows``) instead of group maps."""
 
 
 class BrokerServer:
@@ -103,8 +100,7 @@ class BrokerServer:
         self._sigterm_reported = False
         self._last_tick = 0.0
         self._finished: list[tuple[int, Any, bool]] = []  # finished groups received, not yet given to the core
-        self._item_wire: dict[int, tuple[Any, dict, list]] = {}  # prompt index -> (item, wire map, wire row)
-        self._row_workers: set[str] = set()  # workers that asked for compact issue rows in their hello
+        self._item_rows: dict[int, tuple[Any, list]] = {}  # prompt index -> (item, its wire row)
 
     # ----------------------------------------------------------------- loop
     def serve_forever(self) -> None:
@@ -214,32 +210,7 @@ class BrokerServer:
             issues = core.take_issues()
             if not issues:
                 break
-            per_worker: dict[str, list] = {}
-            cache, rows_ok = self._item_wire, self._row_workers
-            for iss in issues:
-                it = iss.item
-                hit = cache.get(it.index)
-                if hit is None or hit[0] is not it:
-                    hit = cache[it.index] = (it, P.item_to_wire(it), P._item_row(it))
-                wid = iss.worker_id
-                lst = per_worker.get(wid)
-                if lst is None:
-                    lst = per_worker[wid] = []
-                if wid in rows_ok:
-                    lst.append([iss.group_id, iss.group_size, iss.version, iss.epoch, hit[2]])
-                else:
-                    lst.append(
-                        {
-                            "group_id": iss.group_id,
-                            "group_size": iss.group_size,
-                            "version": iss.version,
-                            "epoch": iss.epoch,
-                            "item": hit[1],
-                        }
-                    )
-            for wid, groups in per_worker.items():
-                if wid in self._worker_ident:  # else: issued to a worker that just vanished (re-queued)
-                    self._send_worker(wid, P.ISSUE, {"rows" if wid in rows_ok else "groups": groups})
+            self._send_issues(issues)
         drops = core.take_drops()
         for d in drops if log.isEnabledFor(logging.DEBUG) else ():
             log.debug(
@@ -251,6 +222,23 @@ class BrokerServer:
                 " -> retried" if d.retried else "",
             )
         self._flush_batch()
+
+    def _send_issues(self, issues: list) -> None:
+        """One ``issue`` message per worker: ``[group_id, group_size, version, epoch, item row]`` each."""
+        per_worker: dict[str, list] = {}
+        cache = self._item_rows
+        for iss in issues:
+            it = iss.item
+            hit = cache.get(it.index)
+            if hit is None or hit[0] is not it:
+                hit = cache[it.index] = (it, P.item_row(it))
+            lst = per_worker.get(iss.worker_id)
+            if lst is None:
+                lst = per_worker[iss.worker_id] = []
+            lst.append([iss.group_id, iss.group_size, iss.version, iss.epoch, hit[1]])
+        for wid, rows in per_worker.items():
+            if wid in self._worker_ident:  # else: issued to a worker that just vanished (re-queued)
+                self._send_worker(wid, P.ISSUE, {"rows": rows})
 
     def _flush_control(self) -> None:
         control = (self.core.hold_new_turns, self.core.version)
@@ -271,13 +259,9 @@ class BrokerServer:
             return
         if batch is not None:
             self._pending = None
-            blobs: list[bytes] = []
-            body = {"step": batch.step, "wait_s": batch.wait_s, "metrics": batch.metrics}
-            if pend.rows:
-                body["rows"] = P.pack_group_rows(batch.groups, blobs)
-            else:
-                body["groups"] = P.pack_groups(batch.groups, blobs)
-            self._send(pend.ident, P.BATCH, body, blobs)
+            table, frames = P.pack_groups(batch.groups)
+            body = {"step": batch.step, "wait_s": batch.wait_s, "metrics": batch.metrics, "groups": table}
+            self._send(pend.ident, P.BATCH, body, frames)
         elif time.monotonic() >= pend.deadline:
             self._pending = None
             self.core.cancel_request()
@@ -325,77 +309,63 @@ class BrokerServer:
                 self.stats["late_reports"] += late
 
     def _on_worker(self, ident: bytes, msg: P.Message) -> None:
-        b = msg.body
-        wid = P.worker_id_field(b, msg.type) or ident.decode("utf-8", "replace")
+        wid = P.worker_id_field(msg.body, msg.type) or ident.decode("utf-8", "replace")
         self.stats["worker_" + msg.type] += 1
         if msg.type == P.GROUPS and wid in self._worker_ident and self.core.heartbeat(wid):
-            for gid, trajs, aborted, error in P.unpack_finished_groups(msg):
-                if self._foreign(wid, gid):
-                    continue
-                if aborted and error:
-                    log.warning("worker %s aborted group %s: %.200s", wid, gid, error)
-                self._finished.append((gid, trajs, aborted))
+            self._on_groups(wid, msg)
             return
         self._finish_pending()  # every other message sees the groups that arrived before it
         if msg.type == P.HELLO:
-            cap = b.get("capacity")
-            if type(cap) is not int or not 1 <= cap <= MAX_WORKER_CAPACITY:
-                raise P.ProtocolError(
-                    f"hello: field 'capacity' must be an integer in [1, {MAX_WORKER_CAPACITY}], got {cap!r:.80}"
-                )
-            self._worker_ident[wid] = ident
-            if b.get("rows"):
-                self._row_workers.add(wid)
-            else:
-                self._row_workers.discard(wid)
-            self._control_sent[wid] = (self.core.hold_new_turns, self.core.version)
-            self._send(
-                ident,
-                P.WELCOME,
-                {
-                    "version": self.core.version,
-                    "group_size": self.core.s.group_size,
-                    "hold": self.core.hold_new_turns,
-                    "heartbeat_interval_s": self.heartbeat_interval_s,
-                },
-            )
-            self.core.add_worker(wid, capacity=cap)
-            log.info("worker %s joined (capacity %d)", wid, cap)
-            return
-        if wid not in self._worker_ident:
+            self._on_hello(ident, wid, msg.body)
+        elif wid not in self._worker_ident:
             if msg.type != P.BYE:
                 self.stats["unknown_worker"] += 1
                 self._send(ident, P.REHELLO, {})
-            return
-        if msg.type == P.BYE:
+        elif msg.type == P.BYE:
             self._worker_gone(wid, "said bye")
-            return
-        if not self.core.heartbeat(wid):  # the core forgot it (cannot happen while the maps agree)
+        elif not self.core.heartbeat(wid):  # the core forgot it (cannot happen while the maps agree)
             self._worker_ident.pop(wid, None)
             self._send(ident, P.REHELLO, {})
-            return
-        if msg.type == P.TRAJ:
-            gid = P.int_field(b, "group_id", P.TRAJ)
-            index = P.int_field(b, "index", P.TRAJ)
-            if index >= self.core.s.group_size:
-                raise P.ProtocolError(
-                    f"traj: field 'index' must be < group_size = {self.core.s.group_size}, got {index}"
-                )
-            traj = None
-            if b.get("traj") is not None:
-                traj = P.unpack_trajectories([b["traj"]], msg.blobs)[0]
-            if not self._foreign(wid, gid):
-                self._count_known(self.core.trajectory_finished(gid, index, traj))
-        elif msg.type == P.GROUP:
-            gid = P.int_field(b, "group_id", P.GROUP)
-            metas = b.get("trajs") or []
-            if not isinstance(metas, list):
-                raise P.ProtocolError(f"group: field 'trajs' must be a list, got {type(metas).__name__}")
-            trajs = P.unpack_trajectories(metas, msg.blobs) if metas else None
-            if b.get("aborted") and b.get("error"):
-                log.warning("worker %s aborted group %s: %.200s", wid, gid, b.get("error"))
-            if not self._foreign(wid, gid):
-                self._finished.append((gid, trajs, bool(b.get("aborted"))))
+
+    def _on_hello(self, ident: bytes, wid: str, b: dict) -> None:
+        cap = b.get("capacity")
+        if type(cap) is not int or not 1 <= cap <= MAX_WORKER_CAPACITY:
+            raise P.ProtocolError(
+                f"hello: field 'capacity' must be an integer in [1, {MAX_WORKER_CAPACITY}], got {cap!r:.80}"
+            )
+        core = self.core
+        self._worker_ident[wid] = ident
+        self._control_sent[wid] = (core.hold_new_turns, core.version)
+        welcome = {
+            "version": core.version,
+            "group_size": core.s.group_size,
+            "hold": core.hold_new_turns,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "per_trajectory": core.s.submission_granularity == "sample",
+        }
+        self._send(ident, P.WELCOME, welcome)
+        core.add_worker(wid, capacity=cap)
+        log.info("worker %s joined (capacity %d)", wid, cap)
+
+    def _on_groups(self, wid: str, msg: P.Message) -> None:
+        """Trajectories finished in running groups (``done``: frees their slots now), then finished groups
+        (collected: they reach the core in one call per round). Everything is decoded before the core moves."""
+        done, entries = P.unpack_finished_groups(msg)
+        size = self.core.s.group_size
+        bad = next((i for _, i in done if i >= size), None)
+        if bad is not None:
+            raise P.ProtocolError(f"groups: field 'done' holds index {bad}, expected < group_size = {size}")
+        if done:
+            self._finish_pending()
+            for gid, index in done:
+                if not self._foreign(wid, gid) and not self.core.trajectory_finished(gid, index):
+                    self.stats["late_reports"] += 1
+        for gid, trajs, aborted, error in entries:
+            if self._foreign(wid, gid):
+                continue
+            if aborted and error:
+                log.warning("worker %s aborted group %s: %.200s", wid, gid, error)
+            self._finished.append((gid, trajs, aborted))
 
     def _foreign(self, wid: str, gid: int) -> bool:
         """A report for a group in flight on ANOTHER worker: ignored and counted (``foreign_reports``), so a
@@ -407,71 +377,12 @@ class BrokerServer:
         log.warning("worker %s reported group %d, which is in flight on worker %s; ignored", wid, gid, owner)
         return True
 
-    def _count_known(self, known: bool) -> None:
-        if not known:
-            self.stats["late_reports"] += 1
-
     def _on_actor(self, ident: bytes, msg: P.Message) -> None:
-        b, core = msg.body, self.core
         self.stats["actor_" + msg.type] += 1
         try:
-            if msg.type == P.GET_BATCH:
-                if self._pending is not None and self._pending.ident != ident:
-                    raise P.ProtocolError("get_batch: another actor request is already pending")
-                step = P.int_field(b, "step", P.GET_BATCH)
-                timeout_s = P.float_field(b, "timeout_s", P.GET_BATCH, lo=0.0, hi=P.MAX_TIMEOUT_S)
-                actor_version = P.int_field(b, "actor_version", P.GET_BATCH, default=None)
-                self._pending = _PendingBatch(ident, step, time.monotonic() + timeout_s, bool(b.get("rows", False)))
-                core.request_batch(step, actor_version=actor_version)
-                self._flush_batch()
-            elif msg.type == P.SYNC_BEGIN:
-                mode = b.get("mode", "retract")
-                if mode not in SYNC_MODES:
-                    raise P.ProtocolError(
-                        f"sync_begin: field 'mode' must be one of {list(SYNC_MODES)}, got {mode!r:.80}"
-                    )
-                core.sync_begin(mode)
-                self._flush_control()  # the hold is on its way to every worker before the actor hears OK
-                self._send(ident, P.OK)
-            elif msg.type == P.SYNC_END:
-                core.sync_end(P.int_field(b, "version", P.SYNC_END))
-                self._flush_control()
-                self._send(ident, P.OK)
-            elif msg.type == P.HOLD_ISSUING:
-                core.hold_issuing()
-                self._send(ident, P.OK)
-            elif msg.type == P.RELEASE_ISSUING:
-                core.release_issuing()
-                self._send(ident, P.OK)
-            elif msg.type == P.BATCH_FILTERED:
-                core.batch_filtered(
-                    P.int_list_field(b, "group_ids", P.BATCH_FILTERED, max_len=core.s.rollout_batch_size)
-                )
-                self._send(ident, P.OK)
-            elif msg.type == P.ENGINE_FIGURES:
-                figures = {k: float(b[k]) for k in ("running_reqs", "queue_reqs", "gen_tokens_per_s")}
-                bad = [k for k, v in figures.items() if not v >= 0]
-                if bad:
-                    raise ValueError(f"engine_figures: {bad} must be numbers >= 0, got {figures}")
-                core.engine_figures(**figures)
-                self._send(ident, P.OK)
-            elif msg.type == P.METRICS:
-                self._send(
-                    ident,
-                    P.METRICS,
-                    {"metrics": core.last_metrics, "counters": dict(core.counters), "status": self.status()},
-                )
-            elif msg.type == P.STATUS:
-                self._send(ident, P.STATUS, self.status())
-            elif msg.type == P.GET_STATE:
-                body, blobs = P.pack_state(core.state_dict())
-                self._send(ident, P.STATE, {"state": body}, blobs)
-            elif msg.type == P.SET_STATE:
-                core.load_state_dict(P.unpack_state(b["state"], msg.blobs))
-                self._send(ident, P.OK)
-            elif msg.type == P.SHUTDOWN:
-                self._send(ident, P.OK)
-                self._stop = True
+            reply = self._actor_handlers[msg.type](self, ident, msg.body, msg.blobs)
+            if reply is not None:
+                self._send(ident, *reply)
         except (BrokerError, ValueError) as e:
             if isinstance(e, P.ProtocolError):
                 raise
@@ -481,6 +392,74 @@ class BrokerServer:
             self._send(ident, P.ERROR, {"message": str(e), "kind": type(e).__name__})
         except (KeyError, TypeError) as e:
             raise P.ProtocolError(f"{msg.type}: {e!r}") from None
+
+    # One handler per actor request: (server, ident, body, frames) -> the reply (type, body[, frames]) or None.
+    def _get_batch(self, ident: bytes, b: dict, _frames) -> None:
+        if self._pending is not None and self._pending.ident != ident:
+            raise P.ProtocolError("get_batch: another actor request is already pending")
+        step = P.int_field(b, "step", P.GET_BATCH)
+        timeout_s = P.float_field(b, "timeout_s", P.GET_BATCH, lo=0.0, hi=P.MAX_TIMEOUT_S)
+        actor_version = P.int_field(b, "actor_version", P.GET_BATCH, default=None)
+        self._pending = _PendingBatch(ident, step, time.monotonic() + timeout_s)
+        self.core.request_batch(step, actor_version=actor_version)
+        self._flush_batch()
+
+    def _sync_begin(self, _ident, b: dict, _frames) -> tuple:
+        mode = b.get("mode", "retract")
+        if mode not in SYNC_MODES:
+            raise P.ProtocolError(f"sync_begin: field 'mode' must be one of {list(SYNC_MODES)}, got {mode!r:.80}")
+        self.core.sync_begin(mode)
+        self._flush_control()  # the hold is on its way to every worker before the actor hears OK
+        return (P.OK,)
+
+    def _sync_end(self, _ident, b: dict, _frames) -> tuple:
+        self.core.sync_end(P.int_field(b, "version", P.SYNC_END))
+        self._flush_control()
+        return (P.OK,)
+
+    def _batch_filtered(self, _ident, b: dict, _frames) -> tuple:
+        limit = self.core.s.rollout_batch_size
+        self.core.batch_filtered(P.int_list_field(b, "group_ids", P.BATCH_FILTERED, max_len=limit))
+        return (P.OK,)
+
+    def _engine_figures(self, _ident, b: dict, _frames) -> tuple:
+        figures = {k: float(b[k]) for k in ("running_reqs", "queue_reqs", "gen_tokens_per_s")}
+        bad = [k for k, v in figures.items() if not v >= 0]
+        if bad:
+            raise ValueError(f"engine_figures: {bad} must be numbers >= 0, got {figures}")
+        self.core.engine_figures(**figures)
+        return (P.OK,)
+
+    def _metrics(self, _ident, _b, _frames) -> tuple:
+        core = self.core
+        return P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters), "status": self.status()}
+
+    def _get_state(self, _ident, _b, _frames) -> tuple:
+        body, frames = P.pack_state(self.core.state_dict())
+        return P.STATE, {"state": body}, frames
+
+    def _set_state(self, _ident, b: dict, frames) -> tuple:
+        self.core.load_state_dict(P.unpack_state(b["state"], frames))
+        return (P.OK,)
+
+    def _shutdown(self, _ident, _b, _frames) -> tuple:
+        self._stop = True
+        return (P.OK,)
+
+    _actor_handlers = {
+        P.GET_BATCH: _get_batch,
+        P.SYNC_BEGIN: _sync_begin,
+        P.SYNC_END: _sync_end,
+        P.HOLD_ISSUING: lambda self, *_: (self.core.hold_issuing(), (P.OK,))[1],
+        P.RELEASE_ISSUING: lambda self, *_: (self.core.release_issuing(), (P.OK,))[1],
+        P.BATCH_FILTERED: _batch_filtered,
+        P.ENGINE_FIGURES: _engine_figures,
+        P.METRICS: _metrics,
+        P.STATUS: lambda self, *_: (P.STATUS, self.status()),
+        P.GET_STATE: _get_state,
+        P.SET_STATE: _set_state,
+        P.SHUTDOWN: _shutdown,
+    }
 
     def status(self) -> dict:
         c = self.core
@@ -497,53 +476,3 @@ class BrokerServer:
             "counters": dict(c.counters),
             "stats": dict(self.stats),
         }
-
-
-def tune_gc() -> None:
-    """For a process that moves many short-lived, acyclic objects (groups, trajectories, message maps): the
-    objects alive now (modules, prompts) leave the collector's view and young collections run 50x less often
-    (each one walks every tracked young object). Reference counting still frees all acyclic garbage at once."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(35_000, 20, 20)
-
-
-def run_broker(
-    cfg,
-    prompts: list,
-    *,
-    source: str = "",
-    bind: str = "tcp://127.0.0.1:0",
-    address_file: Optional[str] = None,
-    num_skipped_long_prompts: int = 0,
-    parent_pid: Optional[int] = None,
-) -> None:
-    """Build the core from a resolved ``Config`` and the ``prompts`` (``PromptItem``s, loaded by the caller from
-    ``source``; ``num_skipped_long_prompts`` of them were left out by ``data.max_prompt_tokens``), serve until
-    shutdown. Publishes the endpoint. ``parent_pid``: the supervising parent (see ``install_signal_handlers``)."""
-    if parent_pid is not None and os.getppid() != parent_pid:
-        raise RuntimeError(f"broker: its parent (pid {parent_pid}) is already gone")
-    core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
-    core.num_skipped_long_prompts = num_skipped_long_prompts
-    server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
-    server.install_signal_handlers(parent_pid=parent_pid)
-    tune_gc()
-    if address_file:
-        tmp = f"{address_file}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(server.address)
-        os.replace(tmp, address_file)
-    print(f"ASYNCRL_BROKER_ADDRESS={server.address}", flush=True)
-    log.info(
-        "broker: %d prompts from %s, limits inflight=%d buffered=%d batch=%d group_size=%d (%s, %s mode)",
-        len(prompts),
-        source,
-        core.s.max_inflight_groups,
-        core.s.max_buffered_groups,
-        core.s.rollout_batch_size,
-        core.s.group_size,
-        core.s.submission_granularity,
-        "sync" if core.s.sync_mode else "async",
-    )
-    server.serve_forever()
-    sys.stdout.flush()

@@ -1,8 +1,10 @@
 """The data that crosses the seams: agent worker -> broker -> actor. Plain dataclasses, no I/O.
 
-Both ends import these; the wire encoding (msgpack, token ids as arrays) lives in
-``asyncrl.broker.protocol``. Token lists are ``list[int]`` / ``list[float]`` here; encoders may
-pack them as arrays.
+Both ends import these; the one wire encoding of trajectories (typed columns, token fields as raw
+arrays) lives in ``asyncrl.broker.wire``. The agent loop builds token fields as ``list[int]`` /
+``list[float]``; what the broker and the actor decode are read-only numpy arrays (zero-copy views of the
+received frames), and ``weight_versions``, ``timings``, ``error`` and ``extra`` (but ``tool_errors``)
+stay in the worker (see ``wire``).
 
 A trajectory is token-in/token-out: ``prompt_ids + response_ids`` is exactly what the engine saw
 and produced, with the tools' tokens spliced in. ``loss_mask[i]`` is 1 for tokens the engine
@@ -28,7 +30,9 @@ class Trajectory:
     """Engine log-prob of each generated token; 0.0 where loss_mask is 0. len == len(response_ids)."""
     reward: float = 0.0
     weight_versions: list[int] = field(default_factory=list)
-    """Weight version of each generated token's engine step, aligned with response_ids (-1 for tool tokens)."""
+    """Weight version of each generated token's engine step, aligned with response_ids (-1 for tool tokens).
+    Read in the worker's process only (the evaluator); empty after the wire (``min_version``/``max_version``
+    carry what the broker needs)."""
     min_version: int = 0
     """Earliest weight version any generated token came from (for staleness)."""
     max_version: int = 0

@@ -4,7 +4,7 @@
 The broker is a child of actor rank 0 (``asyncrl.runner.roles``). This entry point loads the config exactly as
 the launcher does (``load_config``: defaults -> TOML -> overrides), reads the prompts of ``data.train_path`` (or
 ``--prompts``) with the agent's Search-R1 loader (``asyncrl.agent.data.loaders.load_prompts``) and hands them to
-``asyncrl.broker.server.run_broker``, which binds its ROUTER socket and, once bound, writes the endpoint to
+``asyncrl.broker.serve.run_broker``, which binds its ROUTER socket and, once bound, writes the endpoint to
 ``--address-file`` (atomically) and prints ``ASYNCRL_BROKER_ADDRESS=<endpoint>`` on stdout. Runs until an actor
 sends ``shutdown``, SIGINT or SIGTERM; with ``--parent-pid`` (actor rank 0's child) SIGTERM is deferred while that
 parent lives and the broker stops when it is gone (``BrokerServer.install_signal_handlers``). It lives in the
@@ -31,7 +31,7 @@ from asyncrl.agent.data.loaders import load_prompts
 from asyncrl.agent.tasks import get_task
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.broker.dataloader import drop_long_prompts
-from asyncrl.broker.server import run_broker
+from asyncrl.broker.serve import run_broker
 from asyncrl.config import load_config
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])

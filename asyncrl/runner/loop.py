@@ -59,6 +59,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 
 from asyncrl.actor.checkpoint import CheckpointManager
@@ -93,13 +94,14 @@ def _gather_obj(obj) -> list:
 
 
 def rollout_metrics(groups) -> dict[str, float]:
-    """reward/mean, response length, turns and tool calls per trajectory of the trained batch."""
+    """reward/mean, response length, turns and tool calls per trajectory of the trained batch (token fields
+    are the broker's arrays: counted with numpy, never element by element)."""
     trajs = [t for g in groups for t in g.trajectories]
     if not trajs:
         return {}
     n = len(trajs)
     bad = sum(not math.isfinite(t.reward) for t in trajs)
-    gen_lens = [sum(t.loss_mask) for t in trajs]
+    gen_lens = [int(np.count_nonzero(t.loss_mask)) for t in trajs]
     return {
         "reward/mean": sum(t.reward for t in trajs) / n,
         "rollout/response_length/mean": sum(len(t.response_ids) for t in trajs) / n,
@@ -477,7 +479,7 @@ def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0:
                 f"no batch for step {step} from the broker within {timeout_s:.0f}s (rollout.request_timeout_s x 4)"
             )
         try:
-            batch = broker.get_batch(step, timeout_s=min(_BATCH_SLICE_S, left), actor_version=version, as_lists=True)
+            batch = broker.get_batch(step, timeout_s=min(_BATCH_SLICE_S, left), actor_version=version)
         except TimeoutError:
             continue
         batch.wait_s = time.monotonic() - t0

@@ -87,14 +87,14 @@ def _hf_reference(hf: str, seqs, prompt_lens, groups) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
     total = 0.0
     for s in samples:
-        lp, ent = logprobs(s.tokens, s.prompt_len)
+        lp, ent = logprobs(s.tokens.tolist(), s.prompt_len)
         out = policy_loss(
             lp,
-            behav_logp=torch.tensor(s.rollout_logprobs),
+            behav_logp=s.rollout_logprobs.float(),
             prox_logp=None,
             advantages=torch.full_like(lp, s.advantage),
-            agg_weight=torch.tensor(s.agg_weight),
-            mask=torch.tensor(s.loss_mask, dtype=torch.bool),
+            agg_weight=s.agg_weight.float(),
+            mask=s.loss_mask.bool(),
             clip_ratio_low=a["clip_ratio_low"],
             clip_ratio_high=a["clip_ratio_high"],
             dual_clip=a["dual_clip"],

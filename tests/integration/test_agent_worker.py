@@ -86,7 +86,7 @@ def test_worker_holds_through_a_retriever_outage_then_fails_past_the_budget(tmp_
     thread = threading.Thread(target=worker_body, daemon=True)
     thread.start()
     try:
-        batch = client.get_batch(0, timeout_s=120, as_lists=True)
+        batch = client.get_batch(0, timeout_s=120)
         assert len(batch.groups) == 2 and _check_answered(batch.groups) == 0
 
         retrieval.stop()  # an outage: new turns wait instead of finishing groups that never searched
@@ -99,7 +99,7 @@ def test_worker_holds_through_a_retriever_outage_then_fails_past_the_budget(tmp_
         errors, step = 0, 1
         while errors == 0:  # batches until the groups held through the outage arrive (buffered ones came first)
             assert step < 8, "no trajectory went through the outage"
-            b = client.get_batch(step, timeout_s=120, as_lists=True)
+            b = client.get_batch(step, timeout_s=120)
             errors += _check_answered(b.groups)
             step += 1
         counters = client.metrics()["counters"]

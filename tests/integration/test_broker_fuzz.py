@@ -74,10 +74,8 @@ FIELDS = [
     "worker_id",
     "capacity",
     "group_ids",
-    "trajs",
-    "traj",
+    "done",
     "groups",
-    "rows",
     "mode",
     "state",
     "aborted",
@@ -86,42 +84,28 @@ FIELDS = [
 # every type but ``shutdown`` (a valid one stops the broker, as it should) and ``status`` (it has no fields, and
 # its answer is the probe the checks read)
 TYPES = sorted((P.WORKER_TYPES | P.ACTOR_TYPES) - {P.SHUTDOWN, P.STATUS}) + ["welcome", "nope", ""]
-traj_row = st.lists(st.one_of(nasty, st.integers(0, 8)), min_size=9, max_size=9) | nasty
-group_entry = st.tuples(st.one_of(st.integers(0, 8), nasty), nasty, nasty, st.lists(traj_row, max_size=3) | nasty)
+TABLE_KEYS = ["n", "group_id", "aborted", "error", "frames", "traj"]
+TRAJ_KEYS = ["np", "nr", "reward", "min_version", "max_version", "num_turns", "truncated", "aborted", "tool_errors"]
+column = st.lists(st.one_of(nasty, st.integers(0, 8)), max_size=3) | nasty
+table = st.fixed_dictionaries(
+    {},
+    optional={
+        **{k: column for k in TABLE_KEYS[:-1]},
+        "traj": st.dictionaries(st.sampled_from(TRAJ_KEYS), column, max_size=9) | nasty,
+    },
+)
 blob = st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"\0" * (1 << 20)]))
 
 
 @st.composite
 def random_header(draw) -> tuple[dict, list]:
-    body = {"v": draw(st.sampled_from([1, 1, 1, 2, "1", None, 1.0])), "t": draw(st.sampled_from(TYPES))}
+    v = P.PROTOCOL_VERSION
+    body = {"v": draw(st.sampled_from([v, v, v, v + 1, str(v), None, float(v)])), "t": draw(st.sampled_from(TYPES))}
     for k in draw(st.lists(st.sampled_from(FIELDS), max_size=6, unique=True)):
         if k == "groups":
-            body[k] = draw(st.lists(group_entry.map(list), max_size=3) | nasty)
-        elif k in ("traj", "trajs"):
-            body[k] = draw(
-                st.dictionaries(
-                    st.sampled_from(
-                        [
-                            "b",
-                            "o",
-                            "np",
-                            "nr",
-                            "nw",
-                            "reward",
-                            "min_version",
-                            "max_version",
-                            "num_turns",
-                            "timings",
-                            "error",
-                        ]
-                    ),
-                    nasty,
-                    max_size=8,
-                )
-                | nasty
-            )
-            if k == "trajs":
-                body[k] = [body[k]]
+            body[k] = draw(table | nasty)
+        elif k == "done":
+            body[k] = draw(st.lists(st.lists(st.one_of(st.integers(0, 8), nasty), max_size=3), max_size=3) | nasty)
         else:
             body[k] = draw(nasty)
     return body, []
@@ -143,30 +127,32 @@ def _traj(reward: float) -> Trajectory:
     )
 
 
+V = P.PROTOCOL_VERSION
 VALID = {
-    P.TRAJ: lambda: ({"v": 1, "t": P.TRAJ, "group_id": 0, "index": 0, "traj": None}, []),
-    P.GROUP: lambda: ({"v": 1, "t": P.GROUP, "group_id": 0, "aborted": True, "error": "x", "trajs": []}, []),
+    "done": lambda: ({"v": V, "t": P.GROUPS, "done": [[0, 0]]}, []),
     P.GROUPS: lambda: _valid_groups_body(0),
-    P.GET_BATCH: lambda: ({"v": 1, "t": P.GET_BATCH, "step": 0, "timeout_s": 0.0, "actor_version": None}, []),
-    P.SYNC_END: lambda: ({"v": 1, "t": P.SYNC_END, "version": 0}, []),
-    P.BATCH_FILTERED: lambda: ({"v": 1, "t": P.BATCH_FILTERED, "group_ids": []}, []),
-    P.HELLO: lambda: ({"v": 1, "t": P.HELLO, "worker_id": "fuzz", "capacity": 4}, []),
+    P.GET_BATCH: lambda: ({"v": V, "t": P.GET_BATCH, "step": 0, "timeout_s": 0.0, "actor_version": None}, []),
+    P.SYNC_END: lambda: ({"v": V, "t": P.SYNC_END, "version": 0}, []),
+    P.BATCH_FILTERED: lambda: ({"v": V, "t": P.BATCH_FILTERED, "group_ids": []}, []),
+    P.HELLO: lambda: ({"v": V, "t": P.HELLO, "worker_id": "fuzz", "capacity": 4}, []),
 }
 
 
 @st.composite
 def corrupted_valid(draw) -> tuple[dict, list]:
-    """A valid message of one type with one field (or one nested value of a ``groups`` row) replaced."""
+    """A valid message of one type with one field (or one value of a ``groups`` table's column) replaced."""
     header, blobs = VALID[draw(st.sampled_from(sorted(VALID)))]()
     keys = [k for k in header if k not in ("v", "t")]
     bad = draw(st.sampled_from(NASTY_NUMBERS) | nasty)
-    if header["t"] == P.GROUPS and draw(st.booleans()):
-        g = header["groups"][0]
-        where = draw(st.integers(0, 3 + 9 * len(g[3]) - 1))
-        if where < 3:
-            g[where] = bad
+    if "groups" in header and draw(st.booleans()):
+        t = header["groups"]
+        cols = [(t, k) for k in TABLE_KEYS[:-1]] + [(t["traj"], k) for k in t["traj"]]
+        where, key = draw(st.sampled_from(cols))
+        col = where[key]
+        if col and draw(st.booleans()):
+            col[draw(st.integers(0, len(col) - 1))] = bad
         else:
-            g[3][(where - 3) // 9][(where - 3) % 9] = bad
+            where[key] = bad
     else:
         header[draw(st.sampled_from(keys))] = bad
     return header, blobs
@@ -284,7 +270,7 @@ def train_one_batch(peer: Peer) -> None:
     assert s["workers"] == {} and s["num_inflight_groups"] == 0, s
     replies, s = peer.exchange(P.encode(P.SYNC_END, {"version": s["version"]}), _hello())
     replies += peer.exchange()[0]  # issues are sent at the end of the round, after the status answer
-    gids = [g["group_id"] for m in replies if m.type == P.ISSUE for g in m.body["groups"]]
+    gids = [r[0] for m in replies if m.type == P.ISSUE for r in m.body["rows"]]
     assert len(gids) >= 2, (replies, {k: v for k, v in s.items() if k != "stats"})
     trained = s["counters"].get("trained", 0)
     done = [P.finished_groups_frames([(gid, [_traj(1.0), _traj(0.0)], False, "")]) for gid in gids[:2]]
@@ -330,9 +316,6 @@ def _send(b: InProcessPeer, *messages: list) -> list[P.Message]:
 
 # ---------------------------------------------------------------- one test per defect (in process)
 INT_FIELDS = [
-    (P.TRAJ, "group_id"),
-    (P.TRAJ, "index"),
-    (P.GROUP, "group_id"),
     (P.GET_BATCH, "step"),
     (P.GET_BATCH, "actor_version"),
     (P.SYNC_END, "version"),
@@ -354,27 +337,31 @@ def test_non_integer_in_an_integer_field_is_rejected_naming_it(broker, msg_type,
     assert len(errors) == 1 and f"'{key}'" in errors[0].body["message"] and msg_type in errors[0].body["message"]
 
 
-@pytest.mark.parametrize("where", ["group_id", "group_ids", "min_version", "blob_index"])
+@pytest.mark.parametrize("where", ["group_id", "group_ids", "min_version", "frames", "done"])
 def test_inf_in_nested_integer_fields_is_rejected(broker, where):
+    gid = broker.core.inflight_group_ids()[0]
     if where == "group_ids":
-        header, blobs = {"v": 1, "t": P.BATCH_FILTERED, "group_ids": [math.inf]}, []
+        header, blobs = {"v": V, "t": P.BATCH_FILTERED, "group_ids": [math.inf]}, []
     else:
-        header, blobs = _valid_groups_body(broker.core.inflight_group_ids()[0])
-        if where == "group_id":
-            header["groups"][0][0] = math.inf
+        header, blobs = _valid_groups_body(gid)
+        header["done"] = [[gid, 0]]  # a valid notice: the bad column must stop it too
+        if where in ("group_id", "frames"):
+            header["groups"][where][0] = math.inf
+        elif where == "done":
+            header["done"][0][1] = math.inf
         else:
-            header["groups"][0][3][0][6 if where == "min_version" else 0] = math.inf
+            header["groups"]["traj"][where][0] = math.inf
     counters = dict(broker.core.counters)
-    _send(broker, [msgpack.packb(header), *blobs])
+    errors = [m for m in _send(broker, [msgpack.packb(header), *blobs]) if m.type == P.ERROR]
     assert broker.server.stats["malformed"] == 1 and dict(broker.core.counters) == counters
+    assert broker.core.num_inflight_samples == GROUP_SIZE * broker.core.num_inflight_groups  # no slot freed
+    assert len(errors) == 1 and where in errors[0].body["message"]
 
 
 def test_inf_prompt_index_is_a_protocol_error():
     """What a worker decodes from an issue (and the broker from a checkpoint)."""
     with pytest.raises(P.ProtocolError, match="index"):
-        P._item_from_row([math.inf, "q", [], "", {}])
-    with pytest.raises(P.ProtocolError, match="index"):
-        P.item_from_wire({"index": math.inf, "prompt": "q"})
+        P.item_from_row([math.inf, "q", [], "", {}])
 
 
 @pytest.mark.parametrize("worker_id", [7, 1.5, math.inf, ["w"], {"a": 1}, b"w", True, "", "x" * 1000])
@@ -403,8 +390,8 @@ def test_report_of_another_workers_group_is_ignored(broker):
     counters = dict(broker.core.counters)
     other.exchange(
         *[P.finished_groups_frames([(g, [_traj(1.0), _traj(0.0)], False, "")]) for g in mine],
-        P.encode(P.TRAJ, {"group_id": mine[0], "index": 0, "traj": None}),
-        P.encode(P.GROUP, {"group_id": mine[0], "aborted": True, "error": "x", "trajs": []}),
+        P.finished_groups_frames([], done=[(mine[0], 0)]),
+        P.finished_groups_frames([(mine[0], None, True, "x")]),
     )
     assert broker.server.stats["foreign_reports"] == len(mine) + 2
     assert dict(broker.core.counters) == counters and broker.core.num_buffered_groups == 0
@@ -424,7 +411,7 @@ def test_nonfinite_reward_is_counted_and_never_trained(broker, reward):
 
 def test_string_reward_is_malformed(broker):
     header, blobs = _valid_groups_body(broker.core.inflight_group_ids()[0])
-    header["groups"][0][3][0][5] = "nan"
+    header["groups"]["traj"]["reward"][0] = "nan"
     _send(broker, [msgpack.packb(header), *blobs])
     assert broker.server.stats["malformed"] == 1 and broker.core.num_buffered_groups == 0
 

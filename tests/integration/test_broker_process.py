@@ -48,7 +48,8 @@ def _worker_main(address: str, worker_id: str, mode: str) -> int:
             elif isinstance(ev, Assignment):
                 print(f"GOT {ev.group_id} {ev.item.index} {ev.epoch}", flush=True)
                 if mode == "victim":  # one trajectory done, then it hangs until killed: mid-group
-                    conn.send_trajectory(ev.group_id, 0)
+                    conn.send_done(ev.group_id, 0)
+                    conn.flush()
                     continue
                 trajs = []
                 for i in range(ev.group_size):
@@ -64,9 +65,10 @@ def _worker_main(address: str, worker_id: str, mode: str) -> int:
                         max_version=version,
                         finish_reason="answer",
                     )
-                    conn.send_trajectory(ev.group_id, i, t)
+                    if welcome.per_trajectory:
+                        conn.send_done(ev.group_id, i)
                     trajs.append(t)
-                conn.send_group(ev.group_id, None)  # trajectories already sent one by one
+                conn.send_group(ev.group_id, trajs)
     return 1
 
 

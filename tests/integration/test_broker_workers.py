@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.broker import protocol as P
 from asyncrl.broker.client import (
     Assignment,
     AsyncWorkerConnection,
     BrokerClient,
     Control,
     WorkerConnection,
-    _group_frames,
 )
 from asyncrl.broker.types import Trajectory
 from asyncrl.runner.broker_process import start_broker
@@ -147,7 +147,7 @@ def test_silent_worker_is_declared_dead_and_rejoins_on_rehello(tmp_path):
 @pytest.mark.timeout(120)  # a failure bound, generous for a loaded machine
 def test_finished_groups_travel_together_sync_and_async(tmp_path):
     """``send_group(..., flush=False)`` + ``flush()`` (blocking) and groups finished in one event-loop turn
-    (asyncio) reach the broker as ONE ``groups`` message each, and are trained like single ``group`` messages."""
+    (asyncio) reach the broker as ONE ``groups`` message each, and are trained like groups sent one by one."""
     cfg, prompts = _inputs(tmp_path, "")
     cfg_path = Path(cfg)
     cfg_path.write_text(
@@ -174,18 +174,20 @@ def test_finished_groups_travel_together_sync_and_async(tmp_path):
         assert st["stats"]["worker_groups"] == 1 and st["stats"].get("worker_group", 0) == 0  # one message
         assert st["counters"]["finished"] == 4 and st["counters"]["dropped"] == 1
         assert sorted(g.group_id for g in b0.groups) == sorted(a.group_id for a in got[:2])
-        # the one-group ``group`` message of older workers is still accepted
+        # the per-group ``group`` message of older workers is gone: refused as malformed, nothing finishes
         more: list[Assignment] = []
         deadline = time.monotonic() + 20
         while not more:
             assert time.monotonic() < deadline
             more = [e for e in conn.poll(0.1) if isinstance(e, Assignment)]
-        conn.sock.send_multipart(_group_frames(more[0].group_id, _trajs(0), False, ""))
+        conn.sock.send_multipart(P.encode("group", {"group_id": more[0].group_id, "aborted": False, "trajs": []}))
+        conn.send_group(more[0].group_id, _trajs(0))  # the same group, as workers send it
         deadline = time.monotonic() + 20
         while client.status()["counters"]["finished"] < 5:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert client.status()["stats"]["worker_group"] == 1
+        st = client.status()
+        assert st["stats"]["malformed"] == 1 and st["stats"]["worker_groups"] == 2
         conn.close()
 
         async def serve_async() -> None:
@@ -203,7 +205,7 @@ def test_finished_groups_travel_together_sync_and_async(tmp_path):
         asyncio.run(serve_async())
         b1 = client.get_batch(1, timeout_s=20)
         st = client.status()
-        assert st["stats"]["worker_groups"] == 2  # the three concurrent send_group calls: one message
+        assert st["stats"]["worker_groups"] == 3  # the three concurrent send_group calls: one message
         assert len(b1.groups) == 2 and st["counters"]["trained"] == 4
         client.shutdown()
         assert broker.proc.wait(timeout=20) == 0

@@ -120,3 +120,31 @@ def test_pack_uniform_pads_to_one_shape_without_moving_tokens():
         # no query row is fully masked (padding rows are their own causal blocks)
         assert not p.attention_mask.all(dim=-1).any()
     assert uniform_shape([]) == (0, 0)
+
+
+def test_samples_from_wire_arrays_match_samples_from_lists():
+    """The broker's zero-copy arrays (uint8 masks longer than 255 tokens included) give the same samples."""
+    import numpy as np
+
+    from asyncrl.actor.scatter import flatten, unflatten
+    from asyncrl.broker import protocol as P
+
+    groups = synthetic_groups(seed=3, num_groups=3, group_size=2, vocab_size=500)
+    long = groups[0].trajectories[0]
+    n = 300
+    long.response_ids, long.loss_mask, long.rollout_logprobs = list(range(n)), [1] * n, [-0.1] * n
+    table, frames = P.pack_groups(groups)
+    wired = P.unpack_groups(table, frames)
+    assert isinstance(wired[0].trajectories[0].loss_mask, np.ndarray)
+    for mode in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean"):
+        a = groups_to_samples(groups, normalize_adv_by_std=True, loss_agg_mode=mode)
+        b = groups_to_samples(wired, normalize_adv_by_std=True, loss_agg_mode=mode)
+        if mode != "seq_mean_token_sum":  # that one sums tokens: its weights add up to tokens / sequences
+            assert abs(float(sum(x.agg_weight.sum() for x in b)) - 1.0) < 1e-9
+        for x, y in zip(a, b):
+            assert torch.equal(x.tokens, y.tokens) and torch.equal(x.loss_mask, y.loss_mask)
+            assert torch.equal(x.agg_weight, y.agg_weight) and x.advantage == y.advantage
+    back = unflatten(*flatten(b))  # what a DP rank receives
+    assert [s.tokens.tolist() for s in back] == [s.tokens.tolist() for s in b]
+    assert all(torch.equal(s.agg_weight, t.agg_weight) and s.reward == t.reward for s, t in zip(back, b))
+    assert unflatten(*flatten([])) == []

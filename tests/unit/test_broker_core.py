@@ -5,15 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 
-import msgpack
-import numpy as np
 import pytest
 
 from asyncrl.broker import protocol as P
 from asyncrl.broker.buffer import BufferSettings, DataBuffer, DefaultDataBuffer, make_data_buffer
 from asyncrl.broker.core import BrokerCore, CoreSettings, TooManyDropsError
 from asyncrl.broker.dataloader import Dataloader
-from asyncrl.broker.types import Group, PromptItem, Trajectory
+from asyncrl.broker.types import PromptItem, Trajectory
 from asyncrl.config import load_config
 
 
@@ -358,175 +356,6 @@ def test_settings_from_config():
     assert s.submission_granularity == "sample" and not s.sync_mode
 
 
-def test_protocol_roundtrip_and_malformed():
-    t = Trajectory(
-        [1, 2, 3],
-        [4, 5],
-        [1, 0],
-        [-0.25, 0.0],
-        reward=1.0,
-        weight_versions=[3, -1],
-        min_version=3,
-        max_version=3,
-        finish_reason="answer",
-        timings={"total_s": 1.5},
-    )
-    g = Group(7, PromptItem(2, "q", ["a"]), epoch=1, trajectories=[t, t], issued_version=2, finished_version=3)
-    blobs: list = []
-    maps = P.pack_groups([g], blobs)
-    frames = P.encode(P.BATCH, {"groups": maps}, blobs)
-    msg = P.decode(frames, allowed=P.TO_ACTOR_TYPES)
-    (g2,) = P.unpack_groups(msg.body["groups"], msg.blobs)
-    t2 = g2.trajectories[1]
-    assert isinstance(t2.response_ids, np.ndarray) and t2.response_ids.tolist() == [4, 5]
-    assert t2.loss_mask.tolist() == [1, 0] and t2.rollout_logprobs.tolist() == [-0.25, 0.0]
-    assert t2.weight_versions.tolist() == [3, -1] and t2.finish_reason == "answer" and t2.timings == {"total_s": 1.5}
-    assert (g2.group_id, g2.epoch, g2.item.answers, g2.min_version) == (7, 1, ["a"], 3)
-    assert P.unpack_groups(msg.body["groups"], msg.blobs, as_lists=True)[0].trajectories[0].prompt_ids == [1, 2, 3]
-    for bad in (
-        [b"\xc1"],
-        [msgpack.packb({"v": 99, "t": "hello"})],
-        [msgpack.packb({"v": 1, "t": "nope"})],
-        [msgpack.packb([1, 2])],
-    ):
-        with pytest.raises(P.ProtocolError):
-            P.decode(bad, allowed=P.WORKER_TYPES)
-    with pytest.raises(P.ProtocolError, match="blob"):
-        P.unpack_groups(msg.body["groups"], [b"\x00" * 3])
-
-
-def test_group_blob_is_reused_without_copy_when_forwarded():
-    from asyncrl.broker.client import _group_frames
-
-    trajs = [
-        Trajectory([9, 8], list(range(n)), [1] * n, [-1.0] * n, weight_versions=[2] * n, min_version=2, max_version=2)
-        for n in (3, 5)
-    ]
-    msg = P.decode(_group_frames(4, trajs, False, ""))
-    assert len(msg.blobs) == 1
-    decoded = P.unpack_trajectories(msg.body["trajs"], msg.blobs)
-    g = Group(4, PromptItem(0, "q"), 0, decoded)
-    blobs: list = []
-    maps = P.pack_groups([g, g], blobs)
-    assert len(blobs) == 2 and all(memoryview(b).obj is memoryview(msg.blobs[0]).obj for b in blobs)  # no copy
-    again = P.unpack_groups(maps, [bytes(b) for b in blobs])
-    assert [t.response_ids.tolist() for t in again[1].trajectories] == [[0, 1, 2], [0, 1, 2, 3, 4]]
-    decoded[0].response_ids = np.array([7], np.int32)  # changed: must be packed afresh
-    decoded[0].loss_mask, decoded[0].rollout_logprobs, decoded[0].weight_versions = [1], [0.0], [2]
-    blobs = []
-    maps = P.pack_groups([g], blobs)
-    assert P.unpack_groups(maps, blobs)[0].trajectories[0].response_ids.tolist() == [7]
-
-
-def test_wire_trajectory_is_lazy_and_copies_to_a_plain_trajectory():
-    import copy
-    import pickle
-
-    from asyncrl.broker.client import _group_frames
-
-    msg = P.decode(_group_frames(1, [traj(vmin=4, n=3)], False, ""))
-    (t,) = P.unpack_trajectories(msg.body["trajs"], msg.blobs)
-    assert "response_ids" not in t.__dict__ and t.min_version == 4 and t.reward == 1.0
-    assert t.response_ids.tolist() == [0, 1, 2] and not t.response_ids.flags.writeable
-    for c in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
-        assert type(c) is Trajectory and c.loss_mask.tolist() == [1, 1, 1] and c.min_version == 4
-
-
-def test_groups_message_and_group_rows_roundtrip_forward_zero_copy():
-    """A worker's multi-group ``groups`` message -> broker (decode) -> batch rows (forwarded slices) -> actor."""
-    rich = Trajectory(
-        [1, 2, 3],
-        [4, 5],
-        [1, 0],
-        [-0.25, 0.0],
-        reward=2.0,
-        weight_versions=[3, -1],
-        min_version=3,
-        max_version=4,
-        num_turns=2,
-        finish_reason="answer",
-        timings={"total_s": 1.5},
-        extra={"k": 1},
-    )
-    entries = [
-        (10, [rich, traj(vmin=1, n=3)], False, ""),
-        (11, [traj(vmin=2, n=1), traj(vmin=2, n=2)], False, ""),
-        (12, None, True, "engine http://x down"),
-    ]
-    msg = P.decode(P.finished_groups_frames(entries), allowed=P.WORKER_TYPES)
-    assert msg.type == P.GROUPS and len(msg.blobs) == 1
-    got = P.unpack_finished_groups(msg)
-    assert [(g, a, e) for g, _, a, e in got] == [(10, False, ""), (11, False, ""), (12, True, "engine http://x down")]
-    assert got[2][1] is None
-    t0 = got[0][1][0]
-    assert "response_ids" not in t0.__dict__ and t0.response_ids.tolist() == [4, 5]
-    assert (t0.reward, t0.min_version, t0.max_version, t0.num_turns, t0.finish_reason, t0.timings, t0.extra) == (
-        2.0,
-        3,
-        4,
-        2,
-        "answer",
-        {"total_s": 1.5},
-        {"k": 1},
-    )
-    groups = [
-        Group(gid, PromptItem(gid, f"q{gid}", ["a"]), epoch=1, trajectories=trajs, issued_version=1, finished_version=4)
-        for gid, trajs, _, _ in got[:2]
-    ]
-    blobs: list = []
-    rows = P.pack_group_rows(groups, blobs)
-    # consecutive groups of one received frame travel as ONE zero-copy slice of it
-    assert len(blobs) == 1 and memoryview(blobs[0]).obj is memoryview(msg.blobs[0]).obj
-    back = P.unpack_group_rows(msg_rows(rows, blobs), [bytes(b) for b in blobs])
-    assert [g.group_id for g in back] == [10, 11] and back[0].item.answers == ["a"] and back[0].epoch == 1
-    assert [[t.response_ids.tolist() for t in g.trajectories] for g in back] == [[[4, 5], [0, 1, 2]], [[0], [0, 1]]]
-    b0 = back[0].trajectories[0]
-    assert (b0.weight_versions.tolist(), b0.loss_mask.tolist(), b0.rollout_logprobs.tolist()) == (
-        [3, -1],
-        [1, 0],
-        [-0.25, 0.0],
-    )
-    assert (b0.reward, b0.num_turns, b0.timings, back[0].min_version, back[1].finished_version) == (
-        2.0,
-        2,
-        {"total_s": 1.5},
-        1,
-        4,
-    )
-    assert P.unpack_group_rows(msg_rows(rows, blobs), blobs, as_lists=True)[0].trajectories[0].prompt_ids == [1, 2, 3]
-    # a changed trajectory is packed afresh with its new values (and the others are still forwarded)
-    got[1][1][0].response_ids = np.array([9, 9], np.int32)
-    got[1][1][0].loss_mask, got[1][1][0].rollout_logprobs, got[1][1][0].weight_versions = [1, 1], [0.0, 0.0], []
-    got[0][1][1].reward = -1.0
-    blobs = []
-    back = P.unpack_group_rows(P.pack_group_rows(groups, blobs), blobs)
-    assert len(blobs) == 2 and back[1].trajectories[0].response_ids.tolist() == [9, 9]
-    assert back[0].trajectories[1].reward == -1.0
-
-
-def msg_rows(rows, blobs):
-    """Through msgpack, as the actor receives them."""
-    return P.decode(P.encode(P.BATCH, {"rows": rows}, blobs), allowed=P.TO_ACTOR_TYPES).body["rows"]
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        [[1, False, "", [[0, 0, 4, 3]]]],  # a short trajectory row
-        [[1, False, "", [[0, 0, 4, 3, 3, 1.0, "0", 0, None]]]],  # a version that is not an integer
-        [[1, False, "", [[0, 90, 4, 3, 3, 1.0, 0, 0, None]]]],  # past the end of the blob
-        [[1, False, "", [[5, 0, 4, 3, 3, 1.0, 0, 0, None]]]],  # a missing blob
-        [["x", False, "", []]],  # not a group id
-        [[1, False]],  # a short group
-        "nope",
-    ],
-)
-def test_malformed_groups_message_is_a_protocol_error(bad):
-    msg = P.decode(P.encode(P.GROUPS, {"groups": bad}, [b"\x00" * 67]), allowed=P.WORKER_TYPES)
-    with pytest.raises(P.ProtocolError):
-        P.unpack_finished_groups(msg)
-
-
 def test_groups_finished_batch_matches_one_by_one():
     def run(batched):
         core, _ = make(rollout_batch_size=2, max_inflight_groups=4, max_buffered_groups=6)
@@ -544,25 +373,6 @@ def test_groups_finished_batch_matches_one_by_one():
 
     assert run(True) == run(False)
     assert run(True)[0] == [True, True, True, False]
-
-
-def test_trajectory_versions_are_validated_on_both_formats():
-    """The core computes staleness from them: a non-integer version never reaches it."""
-    m = P.decode(
-        P.encode(
-            P.GROUP, {"group_id": 1, "trajs": [{"b": 0, "np": 1, "nr": 1, "nw": 1, "max_version": "x"}]}, [b"\x00" * 17]
-        ),
-        allowed=P.WORKER_TYPES,
-    )
-    with pytest.raises(P.ProtocolError, match="versions must be integers"):
-        P.unpack_trajectories(m.body["trajs"], m.blobs)
-    rest = {"min_version": "x", "num_turns": 3}  # the rest map cannot override the checked positional fields
-    m = P.decode(
-        P.encode(P.GROUPS, {"groups": [[1, False, "", [[0, 0, 1, 1, 1, 1.0, 2, 2, rest]]]]}, [b"\x00" * 17]),
-        allowed=P.WORKER_TYPES,
-    )
-    ((gid, (t,), aborted, error),) = P.unpack_finished_groups(m)
-    assert (gid, t.min_version, t.num_turns, aborted, error) == (1, 2, 3, False, "")
 
 
 # ---- seed parity (issue 17): Miles' staleness, the stalest trajectory, Miles' DataBuffer interface ----------

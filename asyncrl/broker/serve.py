@@ -1,0 +1,68 @@
+"""The broker process's body: build the core from the config, serve until shutdown (``run_broker``).
+
+run_broker(cfg, prompts, bind="tcp://0.0.0.0:0", address_file="run/broker.addr", parent_pid=os.getppid())
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+from asyncrl.broker.core import BrokerCore, CoreSettings
+from asyncrl.broker.server import BrokerServer
+
+log = logging.getLogger("asyncrl.broker")
+
+
+def tune_gc() -> None:
+    """For a process that moves many short-lived, acyclic objects (groups, trajectories, message maps): the
+    objects alive now (modules, prompts) leave the collector's view and young collections run 50x less often
+    (each one walks every tracked young object). Reference counting still frees all acyclic garbage at once."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(35_000, 20, 20)
+
+
+def run_broker(
+    cfg,
+    prompts: list,
+    *,
+    source: str = "",
+    bind: str = "tcp://127.0.0.1:0",
+    address_file: Optional[str] = None,
+    num_skipped_long_prompts: int = 0,
+    parent_pid: Optional[int] = None,
+) -> None:
+    """Build the core from a resolved ``Config`` and the ``prompts`` (``PromptItem``s, loaded by the caller from
+    ``source``; ``num_skipped_long_prompts`` of them were left out by ``data.max_prompt_tokens``), serve until
+    shutdown. Publishes the endpoint. ``parent_pid``: the supervising parent (see ``install_signal_handlers``)."""
+    if parent_pid is not None and os.getppid() != parent_pid:
+        raise RuntimeError(f"broker: its parent (pid {parent_pid}) is already gone")
+    core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
+    core.num_skipped_long_prompts = num_skipped_long_prompts
+    server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
+    server.install_signal_handlers(parent_pid=parent_pid)
+    tune_gc()
+    if address_file:
+        tmp = f"{address_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(server.address)
+        os.replace(tmp, address_file)
+    print(f"ASYNCRL_BROKER_ADDRESS={server.address}", flush=True)
+    log.info(
+        "broker: %d prompts from %s, limits inflight=%d buffered=%d batch=%d group_size=%d (%s, %s mode)",
+        len(prompts),
+        source,
+        core.s.max_inflight_groups,
+        core.s.max_buffered_groups,
+        core.s.rollout_batch_size,
+        core.s.group_size,
+        core.s.submission_granularity,
+        "sync" if core.s.sync_mode else "async",
+    )
+    server.serve_forever()
+    sys.stdout.flush()
