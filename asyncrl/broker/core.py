@@ -2,7 +2,9 @@
 
 No sockets, no threads: time comes from an injected ``clock`` and every decision is a method call.
 The ZeroMQ server (``server.py``), the simulator (``benchmarks/simulate.py``) and the tests drive
-this same class.
+this same class. Its parts, each pure: ``core_types`` (settings, outputs, errors), ``workers`` (the
+worker pool: load heap, last-seen order, start-up), ``inflight`` (groups in flight), ``step_meter``
+(one step's figures), ``core_handoff`` (the actor's requests and the hand-off), ``core_state`` (checkpoint).
 
 Contract
 - Wires: ``Dataloader`` (prompts) -> admission -> agent workers (``take_issues``) -> finished groups
@@ -68,8 +70,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Optional
 
 from asyncrl.broker.autotune import InflightAutotuner
@@ -81,7 +82,8 @@ from asyncrl.broker.buffer import (
     import_path,
     make_data_buffer,
 )
-from asyncrl.broker.core_state import validate_state
+from asyncrl.broker.core_handoff import ActorSide, BatchRequest
+from asyncrl.broker.core_state import Checkpointing, validate_state
 from asyncrl.broker.core_types import (
     Batch,
     BrokerError,
@@ -92,8 +94,9 @@ from asyncrl.broker.core_types import (
     too_many_drops_message,
 )
 from asyncrl.broker.dataloader import Dataloader
+from asyncrl.broker.inflight import InflightTable, assemble
 from asyncrl.broker.step_meter import StepMeter
-from asyncrl.broker.types import Group, PromptItem, Trajectory
+from asyncrl.broker.types import PromptItem, Trajectory
 from asyncrl.broker.workers import WorkerPool
 
 # the core's public names; settings, outputs and errors live in core_types, the state check in core_state
@@ -102,25 +105,7 @@ __all__ = ["Batch", "BrokerCore", "BrokerError", "CoreSettings", "Drop", "Issue"
 log = logging.getLogger("asyncrl.broker")
 
 
-@dataclass(slots=True)
-class _Inflight:
-    group_id: int
-    item: PromptItem
-    epoch: int
-    worker_id: str
-    issued_version: int
-    outstanding: int
-    trajectories: dict[int, Trajectory] = field(default_factory=dict)
-
-
-@dataclass
-class _Request:
-    step: int
-    actor_version: int
-    t: float
-
-
-class BrokerCore:
+class BrokerCore(ActorSide, Checkpointing):
     def __init__(
         self,
         prompts: list[PromptItem],
@@ -138,15 +123,14 @@ class BrokerCore:
         self.version = 0
         self.num_skipped_long_prompts = 0  # data.max_prompt_tokens (set by the server)
         self.failure: Optional[BrokerError] = None
-        self._inflight: dict[int, _Inflight] = {}
-        self._inflight_samples = 0
         self._pool = WorkerPool(expected_workers=s.expected_workers, join_grace_s=s.worker_join_grace_s)
+        self._inflight = InflightTable(self._pool)
         self._retry: deque[tuple[PromptItem, int]] = deque()
         self._next_group_id = 0
         self._paused = False
         self._issuing_held = False
-        self._request: Optional[_Request] = None
-        self._withdrawn: Optional[_Request] = None
+        self._request: Optional[BatchRequest] = None
+        self._withdrawn: Optional[BatchRequest] = None
         """The last request withdrawn by ``cancel_request``: asking again for the same step continues it."""
         self._batch: Optional[Batch] = None
         self._issues: list[Issue] = []
@@ -177,7 +161,7 @@ class BrokerCore:
 
     @property
     def num_inflight_samples(self) -> int:
-        return self._inflight_samples
+        return self._inflight.samples
 
     @property
     def num_buffered_groups(self) -> int:
@@ -204,20 +188,20 @@ class BrokerCore:
     def held(self) -> list[tuple[int, int]]:
         """(epoch, prompt index) of every prompt issued or queued and not yet trained or dropped."""
         out = [(e, it.index) for it, e in self._retry]
-        out += [(g.epoch, g.item.index) for g in self._inflight.values()]
+        out += [(g.epoch, g.item.index) for g in self._inflight.groups.values()]
         out += [(g.epoch, g.item.index) for g in self.buffer.groups()]
         return out
 
     def inflight_group_ids(self) -> list[int]:
         """O(in-flight): for inspection and tests; per event, ask ``is_inflight``."""
-        return list(self._inflight)
+        return list(self._inflight.groups)
 
     def is_inflight(self, group_id: int) -> bool:
-        return group_id in self._inflight
+        return group_id in self._inflight.groups
 
     def owner(self, group_id: int) -> Optional[str]:
         """The worker an in-flight group was issued to (None when it is not in flight)."""
-        g = self._inflight.get(group_id)
+        g = self._inflight.groups.get(group_id)
         return None if g is None else g.worker_id
 
     # ----------------------------------------------------------------- outputs for the shell
@@ -260,11 +244,9 @@ class BrokerCore:
         w = self._pool.leave(worker_id)
         if w is None:
             return []
-        gone = sorted(w.groups)
-        for gid in reversed(gone):
-            g = self._inflight.pop(gid)
-            self._inflight_samples -= g.outstanding
-            self._retry.appendleft((g.item, g.epoch))
+        groups = self._inflight.take_worker(w)
+        self._retry.extendleft((g.item, g.epoch) for g in reversed(groups))
+        gone = [g.group_id for g in groups]
         self.counters["reissued"] += len(gone)
         self._meter.counts["reissued"] += len(gone)
         if gone:
@@ -275,21 +257,12 @@ class BrokerCore:
     # ----------------------------------------------------------------- worker results
     def trajectory_finished(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> bool:
         """One trajectory of a group finished (frees its slot under ``sample`` granularity)."""
-        g = self._inflight.get(group_id)
+        g = self._inflight.groups.get(group_id)
         if g is None or not (0 <= index < self.s.group_size):
             self.counters["unknown_reports"] += 1
             return False
         self._advance()
-        w = self._pool.workers[g.worker_id]
-        self._pool.seen(g.worker_id, w, self._last_t)
-        if index not in g.trajectories:
-            g.trajectories[index] = trajectory
-            g.outstanding -= 1
-            self._inflight_samples -= 1
-            w.outstanding -= 1
-            self._pool.dirty.add(g.worker_id)
-        elif trajectory is not None:
-            g.trajectories[index] = trajectory
+        self._inflight.trajectory_done(g, index, trajectory, t=self._last_t)
         if len(self._inflight) < self.inflight_limit:  # else the group count binds: no room to admit
             self._admit()
         return True
@@ -298,7 +271,7 @@ class BrokerCore:
         self, group_id: int, trajectories: Optional[list[Trajectory]] = None, *, aborted: bool = False
     ) -> bool:
         """A whole group came back. ``trajectories=None``: use the ones reported one by one."""
-        if group_id not in self._inflight:
+        if group_id not in self._inflight.groups:
             self.counters["unknown_reports"] += 1
             return False
         self._advance()
@@ -314,7 +287,7 @@ class BrokerCore:
         self._advance()
         known = []
         for gid, trajectories, aborted in reports:
-            if gid in self._inflight:
+            if gid in self._inflight.groups:
                 self._finish(gid, trajectories, aborted)
                 known.append(True)
             else:
@@ -329,36 +302,11 @@ class BrokerCore:
         return known
 
     def _finish(self, group_id: int, trajectories: Optional[list[Trajectory]], aborted: bool) -> None:
-        g = self._inflight.pop(group_id)
-        w = self._pool.workers[g.worker_id]
-        self._pool.seen(g.worker_id, w, self._last_t)
-        self._inflight_samples -= g.outstanding
-        w.groups.discard(group_id)
-        if g.outstanding:
-            w.outstanding -= g.outstanding
-            self._pool.dirty.add(g.worker_id)
-        if trajectories is None:
-            trajectories = [g.trajectories[i] for i in sorted(g.trajectories) if g.trajectories[i] is not None]
-        if not aborted and len(trajectories) != self.s.group_size:
-            log.warning(
-                "group %d came back with %d trajectories, expected group_size = %d; treating it as aborted",
-                group_id,
-                len(trajectories),
-                self.s.group_size,
-            )
-            self.counters["malformed_groups"] += 1
-            aborted = True
-        if not aborted and not all(math.isfinite(t.reward) for t in trajectories):
-            log.warning(
-                "group %d came back with a non-finite reward %s; not trained on (dropped as aborted)",
-                group_id,
-                [t.reward for t in trajectories],
-            )
-            self.counters["nonfinite_rewards"] += 1
-            aborted = True
-        group = Group(group_id, g.item, g.epoch, list(trajectories), g.issued_version, 0, aborted)
-        mx = g.issued_version if not trajectories else max([t.max_version for t in trajectories])
-        group.finished_version = self.version if self.version > mx else mx
+        g = self._inflight.pop(group_id, t=self._last_t)
+        group, problem = assemble(g, trajectories, aborted, group_size=self.s.group_size, version=self.version)
+        if problem is not None:
+            self.counters[problem] += 1
+        trajectories = group.trajectories
         self._last_arrival_t = self._last_t
         if self.autotuner is not None:  # generated tokens of the step, when the engines report nothing
             self._meter.arrived_tokens += sum(sum(t.loss_mask) for t in trajectories if t is not None)
@@ -366,27 +314,7 @@ class BrokerCore:
         if rej is not None:
             self._reject(rej)
 
-    # ----------------------------------------------------------------- the actor
-    def request_batch(self, step: int, *, actor_version: Optional[int] = None) -> None:
-        """The actor is ready for step ``step``; the batch appears in ``take_batch`` when complete."""
-        if self.failure is not None:
-            raise self.failure
-        self._advance()
-        v = self.version if actor_version is None else int(actor_version)
-        if v < self.version:
-            raise ValueError(f"request_batch: actor version {v} is behind the engines' version {self.version}")
-        if self._request is None:
-            prev = self._withdrawn if self._withdrawn is not None and self._withdrawn.step == step else None
-            self._request = _Request(step=step, actor_version=v, t=self._last_t if prev is None else prev.t)
-            if prev is None:  # a re-request (the actor waits in slices) keeps the wait time and the warning clock
-                self._last_warning_t = self._last_t
-        self._try_handoff()
-        self._admit()
-
-    def cancel_request(self) -> None:
-        self._advance()
-        self._withdrawn, self._request = self._request, None
-
+    # ----------------------------------------------------------------- the actor (requests: core_handoff)
     def sync_begin(self, mode: str = "retract") -> None:
         """A weight sync starts; ``drain`` stops issuing (workers hold new turns) until ``sync_end``."""
         self._advance()
@@ -411,24 +339,6 @@ class BrokerCore:
         self._advance()
         self._issuing_held = False
         self._admit()
-
-    def batch_filtered(self, group_ids: Sequence[int]) -> None:
-        """The trainer's batch-level sample filter (``rollout_buffer.sample_filter_path``) removed
-        these groups of the last batch: they count as dropped (``sample_filtered``), not trained, so
-        ``issued == trained + dropped + held + reissued`` stays true. Not retried, and not counted
-        against ``max_dropped_groups_per_step`` (the user's filter chose them)."""
-        ids = [int(g) for g in group_ids]
-        removed = set(ids)
-        if len(removed) != len(ids):
-            raise ValueError(f"batch_filtered: repeated group ids {sorted(ids)}")
-        unknown = sorted(removed.difference(self._last_batch_ids))
-        if unknown:
-            raise ValueError(f"batch_filtered: groups {unknown} are not in the last batch handed out")
-        self._last_batch_ids = [g for g in self._last_batch_ids if g not in removed]
-        n = len(ids)
-        self.counters["trained"] -= n
-        self.counters["dropped"] += n
-        self.counters["sample_filtered"] += n
 
     def tick(self) -> list[str]:
         """Periodic: expire silent workers, warn when the actor waits and nothing arrives."""
@@ -475,7 +385,7 @@ class BrokerCore:
         room = self.inflight_limit - len(self._inflight)
         if s.submission_granularity == "sample":
             budget = s.max_inflight_samples or self.inflight_limit * s.group_size
-            room = min(room, (budget - self._inflight_samples) // s.group_size)  # each issue needs gs free slots
+            room = min(room, (budget - self._inflight.samples) // s.group_size)  # each issue needs gs free slots
         return room
 
     def _inflight_used(self) -> float:
@@ -525,22 +435,18 @@ class BrokerCore:
         pool = self._pool
         capped = pool.joining and pool.still_joining(self._last_t)
         retry, nxt = self._retry, self.dataloader.next
-        inflight, issues, version = self._inflight, self._issues, self.version
+        add, issues, version = self._inflight.add, self._issues, self.version
         gid = start = self._next_group_id
         for _ in range(n):
             wid, w = pool.least_loaded()
             if capped and w.outstanding >= w.capacity:  # the least loaded is full: every worker is
                 break
             item, epoch = retry.popleft() if retry else nxt()
-            inflight[gid] = _Inflight(gid, item, epoch, wid, version, gs)
-            w.groups.add(gid)
-            w.outstanding += gs
-            pool.push_load(wid, w)
+            add(gid, item, epoch=epoch, worker_id=wid, worker=w, version=version, group_size=gs)
             issues.append(Issue(wid, gid, item, epoch, gs, version))
             gid += 1
         self._next_group_id = gid
         n = gid - start
-        self._inflight_samples += n * gs
         self.counters["issued"] += n
         self._meter.counts["issued"] += n
 
@@ -560,109 +466,6 @@ class BrokerCore:
             reasons = {k[5:]: v for k, v in step.items() if k.startswith("drop_")}
             self.failure = TooManyDropsError(too_many_drops_message(self.s, step["dropped"], reasons))
             log.error(str(self.failure))
-
-    def _try_handoff(self) -> None:
-        req = self._request
-        if req is None or self.failure is not None or self._batch is not None:
-            return
-        if self.s.max_staleness is None and len(self.buffer) < self.s.rollout_batch_size:
-            return
-        # Miles' staleness (get-time filter, rollout/fully_async/*) is against the engines' current version;
-        # RLinf's rollout/data_staleness/* (_step_metrics) against the actor's
-        groups, rejected = self.buffer.get(self.s.rollout_batch_size, engine_version=self.version)
-        for r in rejected:
-            self._reject(r)
-        if groups is None or self.failure is not None:
-            if groups is not None:  # the limit tripped in this very call: keep the groups out of training
-                self.buffer.restore(groups + self.buffer.groups())
-            return
-        now = self._last_t
-        self._batch = Batch(
-            step=req.step,
-            groups=groups,
-            wait_s=now - req.t,
-            metrics=self._step_metrics(groups, req.actor_version, now - req.t),
-        )
-        self.last_metrics = self._batch.metrics
-        self.counters["trained"] += len(groups)
-        self._last_batch_ids = [g.group_id for g in groups]
-        self._request = None
-        self._meter.reset(now)
-
-    def _step_metrics(self, groups: list[Group], v: int, wait_s: float) -> dict[str, float]:
-        dur = self._last_t - self._meter.start_t
-        m = self._meter.admission_metrics(dur) | self._meter.staleness_metrics(groups, actor_version=v)
-        m |= {
-            "rollout/buffer/num_inflight_groups": float(len(self._inflight)),
-            "rollout/buffer/num_inflight_samples": float(self._inflight_samples),
-            "rollout/buffer/num_buffered_groups": float(len(self.buffer)),
-            "rollout/buffer/num_workers": float(len(self._pool)),
-            "rollout/epoch": float(max(g.epoch for g in groups)),
-            "rollout/weight_version": float(v),
-            "data/skipped_long_prompts": float(self.num_skipped_long_prompts),
-            "time/wait_data": wait_s,
-        }
-        m.update(self.buffer.get_metrics())
-        m.update(self._autotune(dur))
-        return m
-
-    def _autotune(self, dur: float) -> dict[str, float]:
-        """The step's figures for the in-flight autotuner (when on); the limit in force next."""
-        m = {
-            "rollout/buffer/inflight_limit": float(self.inflight_limit),
-            "rollout/buffer/mean_inflight_groups": self._meter.area[0] / dur if dur > 0 else self._inflight_used(),
-        }
-        if self.autotuner is None or dur <= 0:
-            return m
-        change = self.autotuner.observe(self._meter.figures(limit=self.inflight_limit, dur=dur))
-        if change is not None:
-            log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)
-            self.inflight_limit = change.new
-            m["rollout/buffer/inflight_limit_change"] = float(change.new - change.old)
-        return m
-
-    # ----------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
-        """Dataloader position, version, queued prompts, in-flight prompts (re-issued on resume), the
-        buffered groups (``Group`` objects; the protocol encodes them) and the lifetime counters."""
-        return {
-            "counters": {k: int(v) for k, v in self.counters.items()},
-            "version": self.version,
-            "next_group_id": self._next_group_id,
-            "dataloader": self.dataloader.state_dict(),
-            "queued": [(it, e) for it, e in self._retry],
-            "inflight": [(g.item, g.epoch) for g in sorted(self._inflight.values(), key=lambda g: g.group_id)],
-            "buffered": self.buffer.groups(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore after ``validate_state`` (a bad state, dataloader part included, raises ``ValueError`` naming the field
-        and changes nothing); groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
-        prompts are issued first and count as re-issued, so ``issued == trained + dropped + held + reissued``
-        holds across the resume. A state without counters (older checkpoints) starts them from its groups."""
-        validate_state(state, group_size=self.s.group_size)
-        self.dataloader.check_state(state["dataloader"])
-        counters = state.get("counters")
-        if counters is None:
-            counters = {"issued": len(state["inflight"]) + len(state["buffered"])}
-        self._advance()
-        for gid, g in list(self._inflight.items()):
-            self._cancelled.append((g.worker_id, gid))
-            w = self._pool.workers[g.worker_id]
-            w.groups.discard(gid)
-            w.outstanding -= g.outstanding
-            self._pool.push_load(g.worker_id, w)
-        self._inflight.clear()
-        self._inflight_samples = 0
-        self.version = int(state["version"])
-        self._next_group_id = max(self._next_group_id, int(state["next_group_id"]))
-        self.dataloader.load_state_dict(state["dataloader"])
-        self._retry = deque(list(state["inflight"]) + list(state["queued"]))
-        self.buffer.restore(list(state["buffered"]))
-        self.counters = Counter({k: int(v) for k, v in counters.items()})
-        self.counters["reissued"] += len(state["inflight"])
-        self._batch = None
-        self._admit()
 
 
 def _default_buffer(s: CoreSettings) -> DataBuffer:

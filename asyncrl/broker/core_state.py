@@ -1,4 +1,4 @@
-"""Checking a broker state before ``BrokerCore.load_state_dict`` restores it (pure).
+"""The broker core's checkpoint: its state, and checking a state before ``load_state_dict`` restores it (pure).
 
 A checkpoint's broker state (``BrokerCore.state_dict``) is checked whole before anything changes, so a bad
 state raises ``ValueError`` naming the field and leaves the running core as it was.
@@ -7,6 +7,48 @@ state raises ``ValueError`` naming the field and leaves the running core as it w
 """
 
 from __future__ import annotations
+
+from collections import Counter, deque
+
+
+class Checkpointing:
+    """``state_dict`` / ``load_state_dict`` of ``BrokerCore`` (a mixin: the state is the core's)."""
+
+    def state_dict(self) -> dict:
+        """Dataloader position, version, queued prompts, in-flight prompts (re-issued on resume), the
+        buffered groups (``Group`` objects; the protocol encodes them) and the lifetime counters."""
+        return {
+            "counters": {k: int(v) for k, v in self.counters.items()},
+            "version": self.version,
+            "next_group_id": self._next_group_id,
+            "dataloader": self.dataloader.state_dict(),
+            "queued": [(it, e) for it, e in self._retry],
+            "inflight": [(g.item, g.epoch) for g in sorted(self._inflight.groups.values(), key=lambda g: g.group_id)],
+            "buffered": self.buffer.groups(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore after ``validate_state`` (a bad state, dataloader part included, raises ``ValueError`` naming the field
+        and changes nothing); groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
+        prompts are issued first and count as re-issued, so ``issued == trained + dropped + held + reissued``
+        holds across the resume. A state without counters (older checkpoints) starts them from its groups."""
+        validate_state(state, group_size=self.s.group_size)
+        self.dataloader.check_state(state["dataloader"])
+        counters = state.get("counters")
+        if counters is None:
+            counters = {"issued": len(state["inflight"]) + len(state["buffered"])}
+        self._advance()
+        self._cancelled += self._inflight.cancel_all()
+        self.version = int(state["version"])
+        self._next_group_id = max(self._next_group_id, int(state["next_group_id"]))
+        self.dataloader.load_state_dict(state["dataloader"])
+        self._retry = deque(list(state["inflight"]) + list(state["queued"]))
+        self.buffer.restore(list(state["buffered"]))
+        self.counters = Counter({k: int(v) for k, v in counters.items()})
+        self.counters["reissued"] += len(state["inflight"])
+        self._batch = None
+        self._admit()
+
 
 _ACCOUNTED = ("issued", "trained", "dropped", "reissued")
 

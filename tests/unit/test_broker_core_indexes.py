@@ -65,13 +65,13 @@ events = st.lists(
 
 def check_indexes(core: BrokerCore, peak_capacity: dict[str, int]) -> None:
     """Every maintained index equals its brute-force recomputation."""
-    workers, inflight = core._pool.workers, core._inflight
+    workers, inflight = core._pool.workers, core._inflight.groups
     for wid, w in workers.items():
         mine = {gid for gid, g in inflight.items() if g.worker_id == wid}
         assert w.groups == mine
         assert w.outstanding == sum(inflight[gid].outstanding for gid in mine)
     assert all(g.worker_id in workers for g in inflight.values())
-    assert core._inflight_samples == sum(g.outstanding for g in inflight.values())
+    assert core._inflight.samples == sum(g.outstanding for g in inflight.values())
     assert core.num_inflight_samples == sum(core.s.group_size - len(g.trajectories) for g in inflight.values())
     if workers:
         wid, _ = core._pool.least_loaded()
