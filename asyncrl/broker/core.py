@@ -411,14 +411,13 @@ class BrokerCore(ActorSide, Checkpointing):
         dt = now - self._last_t
         if dt <= 0:
             return
-        self._meter.advance(
-            dt,
-            admitting=self._issue_allowance() > 0,
-            inflight_full=not self._inflight_ok(),
-            buffer_full=not self._buffer_ok(),
-            inflight=self._inflight_used(),
-            engines=self._engines,
-        )
+        meter = self._meter
+        if self._issue_allowance() > 0:
+            if not self._inflight_ok():
+                meter.wait_inflight += dt
+            if not self._buffer_ok():
+                meter.wait_buffer += dt
+        meter.advance(dt, self._inflight_used(), self._engines)
         self._last_t = now
 
     def _admit(self) -> None:
@@ -442,7 +441,7 @@ class BrokerCore(ActorSide, Checkpointing):
             if capped and w.outstanding >= w.capacity:  # the least loaded is full: every worker is
                 break
             item, epoch = retry.popleft() if retry else nxt()
-            add(gid, item, epoch=epoch, worker_id=wid, worker=w, version=version, group_size=gs)
+            add(gid, item, epoch, wid, w, version, gs)
             issues.append(Issue(wid, gid, item, epoch, gs, version))
             gid += 1
         self._next_group_id = gid

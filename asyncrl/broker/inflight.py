@@ -6,7 +6,7 @@ each finished trajectory frees its slot). ``assemble`` turns a group that came b
 ``Group``, treating a malformed group or a non-finite reward as aborted (never trained on).
 
     table = InflightTable(pool)
-    table.add(0, item, epoch=0, worker_id="w0", worker=w, version=0, group_size=4)
+    table.add(0, item, 0, "w0", w, 0, 4)   # group 0, epoch 0, worker w0, version 0, 4 trajectories
     table.trajectory_done(table.groups[0], 2, traj, t=1.0)   # True: a slot freed
     g = table.pop(0, t=2.0); group, problem = assemble(g, None, False, group_size=4, version=0)
 """
@@ -47,20 +47,13 @@ class InflightTable:
         return len(self.groups)
 
     def add(
-        self,
-        group_id: int,
-        item: PromptItem,
-        *,
-        epoch: int,
-        worker_id: str,
-        worker: WorkerState,
-        version: int,
-        group_size: int,
+        self, group_id: int, item: PromptItem, epoch: int, worker_id: str, worker: WorkerState, version: int, size: int
     ) -> None:
-        self.groups[group_id] = InflightGroup(group_id, item, epoch, worker_id, version, group_size)
+        """Issue group ``group_id`` of ``size`` trajectories to a worker (positional: once per issued group)."""
+        self.groups[group_id] = InflightGroup(group_id, item, epoch, worker_id, version, size)
         worker.groups.add(group_id)
-        worker.outstanding += group_size
-        self.samples += group_size
+        worker.outstanding += size
+        self.samples += size
         self.pool.push_load(worker_id, worker)
 
     def trajectory_done(self, g: InflightGroup, index: int, trajectory: Optional[Trajectory], *, t: float) -> None:

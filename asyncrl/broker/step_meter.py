@@ -7,7 +7,7 @@ group.min_version; it splits exactly into version_span = finished_version - min_
 queue_steps = actor version - finished_version.
 
     meter = StepMeter(now=0.0)
-    meter.advance(1.5, admitting=True, inflight_full=True, buffer_full=False, inflight=8.0, engines=None)
+    meter.advance(1.5, 8.0, None); meter.wait_inflight += 1.5   # 8 groups in flight for 1.5 s, limit bound
     meter.counts["issued"] += 8
     meter.staleness_metrics(groups, actor_version=3)   # {'rollout/data_staleness/mean': ..., ...}
 """
@@ -38,22 +38,8 @@ class StepMeter:
         self.arrived_tokens = 0
         """Generated tokens of the groups that arrived (the throughput when the engines report nothing)."""
 
-    def advance(
-        self,
-        dt: float,
-        *,
-        admitting: bool,
-        inflight_full: bool,
-        buffer_full: bool,
-        inflight: float,
-        engines: Optional[tuple[float, float, float]],
-    ) -> None:
-        """``dt`` seconds passed in a constant state: integrate the waits and the areas."""
-        if admitting:
-            if inflight_full:
-                self.wait_inflight += dt
-            if buffer_full:
-                self.wait_buffer += dt
+    def advance(self, dt: float, inflight: float, engines: Optional[tuple[float, float, float]]) -> None:
+        """``dt`` seconds passed in a constant state: integrate the areas (the core adds the admission waits)."""
         a = self.area
         a[0] += inflight * dt
         if engines is not None:
