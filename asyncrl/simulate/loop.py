@@ -19,7 +19,8 @@ from asyncrl.broker.core import BrokerCore, CoreSettings
 from asyncrl.broker.types import PromptItem, Trajectory
 from asyncrl.simulate.engine_model import EngineModel
 
-MAX_WORKERS = 64  # broker workers the engines are pooled behind (the core picks a worker by a scan)
+MAX_WORKERS = 64  # broker workers the engines are pooled behind (from when the core chose a worker by a scan; kept: the
+# D figures were measured with it, and the core's choice is O(log workers) now, so it no longer costs)
 
 
 @dataclass(frozen=True)
