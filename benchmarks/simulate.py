@@ -18,7 +18,8 @@ D. ``max_inflight_groups = "auto"`` against fixed limits, three workload shapes 
 and answers "which limit binds" for one setup (``--setup``: pass the knobs, read the verdict).
 
     python benchmarks/simulate.py --quick        # D (max_inflight_groups = "auto"): engines 2, 32, 128
-    python benchmarks/simulate.py                # D with engines 2, 8, 32, 128, 1000 (about 15 minutes)
+    python benchmarks/simulate.py                # D with engines 2, 8, 32, 128, 1000 (about 40 minutes)
+    python benchmarks/simulate.py --quick --engines-list 1000   # D at 1,000 engines: ~8 minutes a shape
     python benchmarks/simulate.py --setup --batch 16 --inflight 40 --buffered 32 --train-s 6
 The last stdout line is one JSON object with the figures.
 """
@@ -397,7 +398,9 @@ def autotune_case(shape: str, engines: int, steps: int) -> dict:
 
 def run_autotune(quick: bool, out_dir: Path, engine_counts: Optional[tuple[int, ...]] = None) -> dict:
     """Auto against the fixed limits: three shapes x engine counts 2..1000; the table, a PNG, the verdict."""
-    engine_counts = engine_counts or ((2, 32, 128) if quick else (2, 8, 32, 128, 1000))  # 1,000: ~1 min a run
+    engine_counts = engine_counts or (
+        (2, 32, 128) if quick else (2, 8, 32, 128, 1000)
+    )  # 1,000: ~1 min a run (load 5-16)
     # measured over steps 30..60: the settling deadline (10) plus the long-tail shape's memory of a limit change
     # (its groups live ~staleness steps: 13.6 at the best fixed limit with the measured engine curve)
     steps = 60

@@ -33,8 +33,11 @@ How it decides (a bracketing search on the measured curve throughput(mean in-fli
   is requests waiting for their prefill) are past saturation: step down at once (the queued share, at most ``/ max_factor``), and no later probe
   goes above the limit that queued (until a retune). The step is a point of the curve too: when the
   lower limit measures less throughput (a bursty queue, e.g. a long tail of tool calls, can leave
-  slots idle between bursts), the search settles back at the limit that queued. Not on a step still
-  draining a lowered limit;
+  slots idle between bursts), the search settles back at the limit that queued. It need not wait for
+  the drain (a long tail drains a lowered limit over several steps, each starving the engines): a
+  draining step already measurably below the point that queued, with throughput down by elasticity
+  ``>= bursty_elasticity`` (saturated engines lose none), settles back at once. Not a queue back-off
+  on a step still draining a lowered limit;
 - the step right after a change is no figure at all: after a raise its burst of admissions queues for
   a moment, not for good, and on real engines the figures lag (SGLang's ``gen_throughput`` is a
   trailing ~10 s window, and the actor reports it once per step, held until the next report), so
@@ -105,6 +108,9 @@ class AutotuneSettings:
     """Settle this far above the knee estimate (fluctuations of the in-flight count)."""
     rise_elasticity: float = 0.5
     """dlnT/dlnx at the largest point above which the curve still rises: probe up."""
+    bursty_elasticity: float = 0.25
+    """dlnT/dlnx above which a queue back-off that loses throughput while it drains goes back: engines that
+    queued because their slots were full lose nothing from fewer groups in flight (0), a bursty queue does."""
     queue_frac: float = 0.15
     """Engines queueing more than this share of what they run are past saturation ..."""
     full_tol: float = 0.1
@@ -158,6 +164,7 @@ class InflightAutotuner:
         self._changed = False  # the last step changed the limit: the next one is not a figure
         self._max_running = 0.0  # the most requests the engines ran on a step so far
         self._queued_at_settle: Optional[bool] = None  # the engines queued at the settled limit
+        self._backed_off: Optional[tuple[_Point, int]] = None  # the point and limit that queued, while it drains
         self.history: list[Change] = []
 
     # ----------------------------------------------------------------- the one entry point
@@ -184,24 +191,26 @@ class InflightAutotuner:
         if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
-            self._add(f, queued=True)  # a point too: if the lower limit then loses throughput, this one was needed
+            point = self._add(f, queued=True)  # a point too: if the lower limit loses throughput, this one was needed
             change = self._move(
                 min(self.limit - 1, math.floor(self.limit * share)),
                 f"engines queue {f.queue_reqs:.0f} requests beyond the {f.running_reqs:.0f} they run: past saturation",
             )
             self._ceiling = f.limit  # no probe back up to the limit that made the engines queue
+            self._backed_off = (point, f.limit) if change is not None else None
             return change
         if self.settled:
             return self._hold(f)
-        if f.mean_inflight > f.limit * (1 + s.merge):
-            return None  # a lowered limit takes effect only as groups finish: measure once it has
+        if draining:  # a lowered limit takes effect only as groups finish: measure once it has, unless ...
+            return self._bursty_queue(f)  # ... a queue back-off already loses throughput on the way down
+        self._backed_off = None
         if f.mean_inflight < f.limit * (1 - s.ramp) and max(f.wait_inflight, f.wait_buffer) < s.binds:
             return None  # neither limit held admission back: in-flight still ramping up, not a point of the curve
         self._add(f)
         return self._search(f)
 
     # ----------------------------------------------------------------- internals
-    def _add(self, f: StepFigures, queued: bool = False) -> None:
+    def _add(self, f: StepFigures, queued: bool = False) -> _Point:
         binds = f.wait_inflight >= self.settings.binds
         for p in self._points:
             if abs(p.x - f.mean_inflight) <= self.settings.merge * max(p.x, f.mean_inflight):
@@ -209,14 +218,38 @@ class InflightAutotuner:
                 p.n += 1
                 p.binds = binds
                 p.queued = p.queued or queued
-                return
+                return p
         self._points.append(_Point(f.mean_inflight, f.tokens_per_s, 1, binds, queued))
+        return self._points[-1]
+
+    def _bursty_queue(self, f: StepFigures) -> Optional[Change]:
+        """A step draining a queue back-off, already measurably below the point that queued: if throughput
+        fell with the in-flight count (elasticity >= ``bursty_elasticity``; saturated engines lose none), the queue
+        was bursty (a long tail of tool calls leaves slots idle between bursts),
+        not saturation: settle back at the limit that queued now, not after the drain (with a long tail the
+        drain takes several steps, each starving the engines)."""
+        if self._backed_off is None:
+            return None
+        q, queued_limit = self._backed_off
+        s = self.settings
+        if f.mean_inflight >= q.x * (1 - s.merge):
+            return None  # not yet a different point
+        e = math.log(q.t / f.tokens_per_s) / math.log(q.x / f.mean_inflight)
+        if e < s.bursty_elasticity:
+            return None  # about flat: the queue meant saturation, the back-off goes on
+        self._backed_off = None
+        why = (
+            f"{f.tokens_per_s:.0f} tok/s at {f.mean_inflight:.1f} in flight while the back-off drains "
+            f"(elasticity {e:.2f}): the queue at {queued_limit} is bursty, not saturation; "
+        )
+        return self._settle(q, self._add(f), queued_limit, why)
 
     def _forget(self) -> None:
         self._points = []
         self.settled = False
         self._off = []
         self._ceiling = self.upper
+        self._backed_off = None
 
     def _knee(self) -> tuple[_Point, Optional[_Point]]:
         best = max(p.t for p in self._points)

@@ -2,7 +2,9 @@
 
 No sockets, no threads: time comes from an injected ``clock`` and every decision is a method call.
 The ZeroMQ server (``server.py``), the simulator (``benchmarks/simulate.py``) and the tests drive
-this same class.
+this same class. Its parts, each pure: ``core_types`` (settings, outputs, errors), ``workers`` (the
+worker pool: load heap, last-seen order, start-up), ``inflight`` (groups in flight), ``step_meter``
+(one step's figures), ``core_handoff`` (the actor's requests and the hand-off), ``core_state`` (checkpoint).
 
 Contract
 - Wires: ``Dataloader`` (prompts) -> admission -> agent workers (``take_issues``) -> finished groups
@@ -65,15 +67,13 @@ Contract
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Optional
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Optional
 
-from asyncrl.broker.autotune import InflightAutotuner, StepFigures
+from asyncrl.broker.autotune import InflightAutotuner
 from asyncrl.broker.buffer import (
     BufferSettings,
     DataBuffer,
@@ -82,133 +82,30 @@ from asyncrl.broker.buffer import (
     import_path,
     make_data_buffer,
 )
+from asyncrl.broker.core_handoff import ActorSide, BatchRequest
+from asyncrl.broker.core_state import Checkpointing, validate_state
+from asyncrl.broker.core_types import (
+    Batch,
+    BrokerError,
+    CoreSettings,
+    Drop,
+    Issue,
+    TooManyDropsError,
+    too_many_drops_message,
+)
 from asyncrl.broker.dataloader import Dataloader
-from asyncrl.broker.types import Group, PromptItem, Trajectory
-from asyncrl.config.derive import inflight_start, num_engines
+from asyncrl.broker.inflight import InflightTable, assemble
+from asyncrl.broker.step_meter import StepMeter
+from asyncrl.broker.types import PromptItem, Trajectory
+from asyncrl.broker.workers import WorkerPool
+
+# the core's public names; settings, outputs and errors live in core_types, the state check in core_state
+__all__ = ["Batch", "BrokerCore", "BrokerError", "CoreSettings", "Drop", "Issue", "TooManyDropsError", "validate_state"]
 
 log = logging.getLogger("asyncrl.broker")
 
 
-class BrokerError(RuntimeError):
-    """A failure of the broker that stops the run (reported to the actor)."""
-
-
-class TooManyDropsError(BrokerError):
-    pass
-
-
-@dataclass(frozen=True)
-class CoreSettings:
-    rollout_batch_size: int
-    group_size: int
-    max_inflight_groups: int
-    max_buffered_groups: int
-    max_dropped_groups_per_step: int
-    submission_granularity: Literal["group", "sample"] = "group"
-    max_inflight_samples: Optional[int] = None
-    """Trajectory budget under ``sample`` (``rollout_buffer.max_concurrent_samples``); None: groups x group_size."""
-    unused_groups: Literal["drop", "retry"] = "drop"
-    max_staleness: Optional[int] = None
-    sync_mode: bool = False
-    seed: int = 0
-    shuffle: bool = True
-    no_data_warning_s: float = 30.0
-    worker_heartbeat_timeout_s: float = 15.0
-    dynamic_sampling_filter_path: Optional[str] = None
-    custom_data_buffer_path: Optional[str] = None
-    inflight_autotune: bool = False
-    expected_workers: int = 0
-    """Workers the run starts (one per engine); until they joined, none is issued past its capacity. 0: unknown."""
-    worker_join_grace_s: float = 60.0
-    """How long after the first join admission waits for ``expected_workers`` before it loads who is there."""
-
-    @classmethod
-    def from_config(cls, cfg) -> CoreSettings:
-        """From a resolved ``asyncrl.config.Config``."""
-        rb = cfg.rollout_buffer
-        return cls(
-            rollout_batch_size=cfg.data.rollout_batch_size,
-            group_size=cfg.algorithm.group_size,
-            max_inflight_groups=inflight_start(cfg),
-            max_buffered_groups=rb.max_buffered_groups,
-            inflight_autotune=rb.max_inflight_groups == "auto",
-            max_dropped_groups_per_step=rb.max_dropped_groups_per_step,
-            submission_granularity=rb.submission_granularity or ("sample" if cfg.runner.async_mode else "group"),
-            max_inflight_samples=rb.max_concurrent_samples,
-            unused_groups=rb.unused_groups,
-            max_staleness=cfg.agentloop.max_actor_accept_staleness,
-            sync_mode=not cfg.runner.async_mode,
-            seed=cfg.runner.seed,
-            shuffle=cfg.data.shuffle,
-            no_data_warning_s=rb.no_data_warning_s,
-            worker_heartbeat_timeout_s=rb.worker_heartbeat_timeout_s,
-            dynamic_sampling_filter_path=rb.dynamic_sampling_filter_path,
-            custom_data_buffer_path=rb.custom_data_buffer_path,
-            expected_workers=num_engines(cfg),
-        )
-
-
-@dataclass(slots=True)
-class Issue:
-    """A group to send to a worker."""
-
-    worker_id: str
-    group_id: int
-    item: PromptItem
-    epoch: int
-    group_size: int
-    version: int
-
-
-@dataclass
-class Batch:
-    """What the actor gets for one step."""
-
-    step: int
-    groups: list[Group]
-    wait_s: float
-    metrics: dict[str, float]
-
-
-@dataclass
-class Drop:
-    group_id: int
-    item: PromptItem
-    epoch: int
-    reason: str
-    retried: bool
-
-
-@dataclass(slots=True)
-class _Inflight:
-    group_id: int
-    item: PromptItem
-    epoch: int
-    worker_id: str
-    issued_version: int
-    outstanding: int
-    trajectories: dict[int, Trajectory] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Worker:
-    capacity: int
-    last_seen: float
-    groups: set[int] = field(default_factory=set)
-    outstanding: int = 0
-    """Trajectories issued to it and not yet reported finished."""
-    stamp: int = 0
-    """Of its current entry in the load heap (older entries are stale)."""
-
-
-@dataclass
-class _Request:
-    step: int
-    actor_version: int
-    t: float
-
-
-class BrokerCore:
+class BrokerCore(ActorSide, Checkpointing):
     def __init__(
         self,
         prompts: list[PromptItem],
@@ -222,37 +119,18 @@ class BrokerCore:
         self.s = settings
         self.clock = clock
         self.dataloader = Dataloader(prompts, seed=s.seed, shuffle=s.shuffle)
-        if data_buffer is None:
-            flt = None
-            if s.dynamic_sampling_filter_path:
-                flt = import_path(s.dynamic_sampling_filter_path, "rollout_buffer.dynamic_sampling_filter_path")
-            bs = BufferSettings(max_staleness=s.max_staleness, dynamic_filter=flt, capacity=s.max_buffered_groups)
-            data_buffer = (
-                make_data_buffer(bs, s.custom_data_buffer_path) if s.custom_data_buffer_path else DefaultDataBuffer(bs)
-            )
-        self.buffer = data_buffer
+        self.buffer = data_buffer if data_buffer is not None else _default_buffer(s)
         self.version = 0
         self.num_skipped_long_prompts = 0  # data.max_prompt_tokens (set by the server)
         self.failure: Optional[BrokerError] = None
-        self._inflight: dict[int, _Inflight] = {}
-        self._inflight_samples = 0
-        self._workers: dict[str, _Worker] = {}
-        self._by_seen: OrderedDict[str, None] = OrderedDict()
-        """Worker ids, least recently seen first (the clock is monotonic): ``tick`` expires from the front."""
-        self._load_heap: list[tuple[float, str, int]] = []
-        """(outstanding / capacity, worker id, stamp); an entry is current iff its stamp is the worker's."""
-        self._stamp = 0
-        self._dirty: set[str] = set()
-        """Workers whose load changed since their heap entry was pushed (pushed before the next choice)."""
-        self._joining = s.expected_workers > 1
-        """Start-up: no worker is issued past its capacity (see the contract); False for good once over."""
-        self._first_join_t: Optional[float] = None
+        self._pool = WorkerPool(expected_workers=s.expected_workers, join_grace_s=s.worker_join_grace_s)
+        self._inflight = InflightTable(self._pool)
         self._retry: deque[tuple[PromptItem, int]] = deque()
         self._next_group_id = 0
         self._paused = False
         self._issuing_held = False
-        self._request: Optional[_Request] = None
-        self._withdrawn: Optional[_Request] = None
+        self._request: Optional[BatchRequest] = None
+        self._withdrawn: Optional[BatchRequest] = None
         """The last request withdrawn by ``cancel_request``: asking again for the same step continues it."""
         self._batch: Optional[Batch] = None
         self._issues: list[Issue] = []
@@ -263,9 +141,9 @@ class BrokerCore:
         self._last_arrival_t = now
         self._last_warning_t = now
         self.counters: Counter[str] = Counter()
+        """Lifetime totals: issued, finished, trained, dropped, retried, reissued, unknown_reports, ..."""
         self._last_batch_ids: list[int] = []
         """Group ids of the last batch handed out (``batch_filtered`` may remove only those)."""
-        """Lifetime totals: issued, finished, trained, dropped, retried, reissued, unknown_reports, ..."""
         self.last_metrics: dict[str, float] = {}
         self.inflight_limit = s.max_inflight_groups
         self.autotuner = (
@@ -274,7 +152,7 @@ class BrokerCore:
             else None
         )
         self._engines: Optional[tuple[float, float, float]] = None
-        self._reset_step(now)
+        self._meter = StepMeter(now=now)
 
     # ----------------------------------------------------------------- read-only state
     @property
@@ -283,7 +161,7 @@ class BrokerCore:
 
     @property
     def num_inflight_samples(self) -> int:
-        return self._inflight_samples
+        return self._inflight.samples
 
     @property
     def num_buffered_groups(self) -> int:
@@ -305,25 +183,25 @@ class BrokerCore:
 
     def workers(self) -> dict[str, int]:
         """worker id -> in-flight groups."""
-        return {w: len(ws.groups) for w, ws in self._workers.items()}
+        return {w: len(ws.groups) for w, ws in self._pool.workers.items()}
 
     def held(self) -> list[tuple[int, int]]:
         """(epoch, prompt index) of every prompt issued or queued and not yet trained or dropped."""
         out = [(e, it.index) for it, e in self._retry]
-        out += [(g.epoch, g.item.index) for g in self._inflight.values()]
+        out += [(g.epoch, g.item.index) for g in self._inflight.groups.values()]
         out += [(g.epoch, g.item.index) for g in self.buffer.groups()]
         return out
 
     def inflight_group_ids(self) -> list[int]:
         """O(in-flight): for inspection and tests; per event, ask ``is_inflight``."""
-        return list(self._inflight)
+        return list(self._inflight.groups)
 
     def is_inflight(self, group_id: int) -> bool:
-        return group_id in self._inflight
+        return group_id in self._inflight.groups
 
     def owner(self, group_id: int) -> Optional[str]:
         """The worker an in-flight group was issued to (None when it is not in flight)."""
-        g = self._inflight.get(group_id)
+        g = self._inflight.groups.get(group_id)
         return None if g is None else g.worker_id
 
     # ----------------------------------------------------------------- outputs for the shell
@@ -349,39 +227,28 @@ class BrokerCore:
     # ----------------------------------------------------------------- workers
     def add_worker(self, worker_id: str, *, capacity: int) -> None:
         self._advance()
-        w = self._workers.get(worker_id)
-        if w is None:
-            w = self._workers[worker_id] = _Worker(capacity=max(1, capacity), last_seen=self._last_t)
-            self._by_seen[worker_id] = None
-        w.capacity = max(1, capacity)
-        self._seen(worker_id, w, self._last_t)
-        self._push_load(worker_id, w)
-        if self._first_join_t is None:
-            self._first_join_t = self._last_t
+        self._pool.join(worker_id, capacity=capacity, t=self._last_t)
         self._admit()
 
     def heartbeat(self, worker_id: str) -> bool:
         """False for a worker the core does not know (it must say hello again)."""
-        w = self._workers.get(worker_id)
+        w = self._pool.workers.get(worker_id)
         if w is None:
             return False
-        self._seen(worker_id, w, self.clock())
+        self._pool.seen(worker_id, w, self.clock())
         return True
 
     def remove_worker(self, worker_id: str) -> list[int]:
         """Forget a worker; its in-flight groups are re-queued first. Returns their old group ids."""
         self._advance()
-        w = self._workers.pop(worker_id, None)
+        w = self._pool.leave(worker_id)
         if w is None:
             return []
-        del self._by_seen[worker_id]  # its load-heap entries are stale now (no such worker)
-        gone = sorted(w.groups)
-        for gid in reversed(gone):
-            g = self._inflight.pop(gid)
-            self._inflight_samples -= g.outstanding
-            self._retry.appendleft((g.item, g.epoch))
+        groups = self._inflight.take_worker(w)
+        self._retry.extendleft((g.item, g.epoch) for g in reversed(groups))
+        gone = [g.group_id for g in groups]
         self.counters["reissued"] += len(gone)
-        self._step["reissued"] += len(gone)
+        self._meter.counts["reissued"] += len(gone)
         if gone:
             log.warning("worker %s left with %d in-flight groups; re-issuing them", worker_id, len(gone))
         self._admit()
@@ -390,21 +257,12 @@ class BrokerCore:
     # ----------------------------------------------------------------- worker results
     def trajectory_finished(self, group_id: int, index: int, trajectory: Optional[Trajectory] = None) -> bool:
         """One trajectory of a group finished (frees its slot under ``sample`` granularity)."""
-        g = self._inflight.get(group_id)
+        g = self._inflight.groups.get(group_id)
         if g is None or not (0 <= index < self.s.group_size):
             self.counters["unknown_reports"] += 1
             return False
         self._advance()
-        w = self._workers[g.worker_id]
-        self._seen(g.worker_id, w, self._last_t)
-        if index not in g.trajectories:
-            g.trajectories[index] = trajectory
-            g.outstanding -= 1
-            self._inflight_samples -= 1
-            w.outstanding -= 1
-            self._dirty.add(g.worker_id)
-        elif trajectory is not None:
-            g.trajectories[index] = trajectory
+        self._inflight.trajectory_done(g, index, trajectory, t=self._last_t)
         if len(self._inflight) < self.inflight_limit:  # else the group count binds: no room to admit
             self._admit()
         return True
@@ -413,7 +271,7 @@ class BrokerCore:
         self, group_id: int, trajectories: Optional[list[Trajectory]] = None, *, aborted: bool = False
     ) -> bool:
         """A whole group came back. ``trajectories=None``: use the ones reported one by one."""
-        if group_id not in self._inflight:
+        if group_id not in self._inflight.groups:
             self.counters["unknown_reports"] += 1
             return False
         self._advance()
@@ -429,7 +287,7 @@ class BrokerCore:
         self._advance()
         known = []
         for gid, trajectories, aborted in reports:
-            if gid in self._inflight:
+            if gid in self._inflight.groups:
                 self._finish(gid, trajectories, aborted)
                 known.append(True)
             else:
@@ -444,64 +302,19 @@ class BrokerCore:
         return known
 
     def _finish(self, group_id: int, trajectories: Optional[list[Trajectory]], aborted: bool) -> None:
-        g = self._inflight.pop(group_id)
-        w = self._workers[g.worker_id]
-        self._seen(g.worker_id, w, self._last_t)
-        self._inflight_samples -= g.outstanding
-        w.groups.discard(group_id)
-        if g.outstanding:
-            w.outstanding -= g.outstanding
-            self._dirty.add(g.worker_id)
-        if trajectories is None:
-            trajectories = [g.trajectories[i] for i in sorted(g.trajectories) if g.trajectories[i] is not None]
-        if not aborted and len(trajectories) != self.s.group_size:
-            log.warning(
-                "group %d came back with %d trajectories, expected group_size = %d; treating it as aborted",
-                group_id,
-                len(trajectories),
-                self.s.group_size,
-            )
-            self.counters["malformed_groups"] += 1
-            aborted = True
-        if not aborted and not all(math.isfinite(t.reward) for t in trajectories):
-            log.warning(
-                "group %d came back with a non-finite reward %s; not trained on (dropped as aborted)",
-                group_id,
-                [t.reward for t in trajectories],
-            )
-            self.counters["nonfinite_rewards"] += 1
-            aborted = True
-        group = Group(group_id, g.item, g.epoch, list(trajectories), g.issued_version, 0, aborted)
-        mx = g.issued_version if not trajectories else max([t.max_version for t in trajectories])
-        group.finished_version = self.version if self.version > mx else mx
+        g = self._inflight.pop(group_id, t=self._last_t)
+        group, problem = assemble(g, trajectories, aborted, group_size=self.s.group_size, version=self.version)
+        if problem is not None:
+            self.counters[problem] += 1
+        trajectories = group.trajectories
         self._last_arrival_t = self._last_t
         if self.autotuner is not None:  # generated tokens of the step, when the engines report nothing
-            self._area[4] += sum(sum(t.loss_mask) for t in trajectories if t is not None)
+            self._meter.arrived_tokens += sum(sum(t.loss_mask) for t in trajectories if t is not None)
         rej = self.buffer.put(group)
         if rej is not None:
             self._reject(rej)
 
-    # ----------------------------------------------------------------- the actor
-    def request_batch(self, step: int, *, actor_version: Optional[int] = None) -> None:
-        """The actor is ready for step ``step``; the batch appears in ``take_batch`` when complete."""
-        if self.failure is not None:
-            raise self.failure
-        self._advance()
-        v = self.version if actor_version is None else int(actor_version)
-        if v < self.version:
-            raise ValueError(f"request_batch: actor version {v} is behind the engines' version {self.version}")
-        if self._request is None:
-            prev = self._withdrawn if self._withdrawn is not None and self._withdrawn.step == step else None
-            self._request = _Request(step=step, actor_version=v, t=self._last_t if prev is None else prev.t)
-            if prev is None:  # a re-request (the actor waits in slices) keeps the wait time and the warning clock
-                self._last_warning_t = self._last_t
-        self._try_handoff()
-        self._admit()
-
-    def cancel_request(self) -> None:
-        self._advance()
-        self._withdrawn, self._request = self._request, None
-
+    # ----------------------------------------------------------------- the actor (requests: core_handoff)
     def sync_begin(self, mode: str = "retract") -> None:
         """A weight sync starts; ``drain`` stops issuing (workers hold new turns) until ``sync_end``."""
         self._advance()
@@ -527,38 +340,15 @@ class BrokerCore:
         self._issuing_held = False
         self._admit()
 
-    def batch_filtered(self, group_ids: Sequence[int]) -> None:
-        """The trainer's batch-level sample filter (``rollout_buffer.sample_filter_path``) removed
-        these groups of the last batch: they count as dropped (``sample_filtered``), not trained, so
-        ``issued == trained + dropped + held + reissued`` stays true. Not retried, and not counted
-        against ``max_dropped_groups_per_step`` (the user's filter chose them)."""
-        ids = [int(g) for g in group_ids]
-        removed = set(ids)
-        if len(removed) != len(ids):
-            raise ValueError(f"batch_filtered: repeated group ids {sorted(ids)}")
-        unknown = sorted(removed.difference(self._last_batch_ids))
-        if unknown:
-            raise ValueError(f"batch_filtered: groups {unknown} are not in the last batch handed out")
-        self._last_batch_ids = [g for g in self._last_batch_ids if g not in removed]
-        n = len(ids)
-        self.counters["trained"] -= n
-        self.counters["dropped"] += n
-        self.counters["sample_filtered"] += n
-
     def tick(self) -> list[str]:
         """Periodic: expire silent workers, warn when the actor waits and nothing arrives."""
         self._advance()
         now = self._last_t
-        expired = []
-        for wid in self._by_seen:  # least recently seen first: stop at the first one still alive
-            if now - self._workers[wid].last_seen <= self.s.worker_heartbeat_timeout_s:
-                break
-            expired.append(wid)
-        for wid in expired:
+        for wid in self._pool.silent(now, self.s.worker_heartbeat_timeout_s):
             log.warning(
                 "worker %s missed heartbeats for %.1fs (rollout_buffer.worker_heartbeat_timeout_s = %.1f)",
                 wid,
-                now - self._workers[wid].last_seen,
+                now - self._pool.workers[wid].last_seen,
                 self.s.worker_heartbeat_timeout_s,
             )
             self.remove_worker(wid)
@@ -569,13 +359,13 @@ class BrokerCore:
                 msg = (
                     f"No completed rollout groups for {self.s.no_data_warning_s:.1f}s (actor waiting for step "
                     f"{self._request.step}: {len(self.buffer)}/{self.s.rollout_batch_size} groups buffered, "
-                    f"{len(self._inflight)} in flight, {len(self._workers)} workers)"
+                    f"{len(self._inflight)} in flight, {len(self._pool)} workers)"
                 )
                 log.warning(msg)
                 out.append(msg)
                 self._last_warning_t = now
                 self.counters["no_data_warnings"] += 1
-        if self._joining:
+        if self._pool.joining:
             self._admit()  # the start-up grace may have ended with no other event
         return out
 
@@ -586,59 +376,6 @@ class BrokerCore:
         self._engines = (float(running_reqs), float(queue_reqs), float(gen_tokens_per_s))
 
     # ----------------------------------------------------------------- internals
-    def _seen(self, worker_id: str, w: _Worker, t: float) -> None:
-        w.last_seen = t
-        self._by_seen.move_to_end(worker_id)
-
-    def _push_load(self, worker_id: str, w: _Worker) -> None:
-        """The worker's load changed: a new current heap entry (the old one goes stale)."""
-        self._stamp += 1
-        w.stamp = self._stamp
-        heap = self._load_heap
-        heapq.heappush(heap, (w.outstanding / w.capacity, worker_id, w.stamp))
-        if len(heap) > 2 * len(self._workers) + 64:  # compact: O(workers) per >= workers + 64 pushes
-            heap[:] = [(x.outstanding / x.capacity, wid, x.stamp) for wid, x in self._workers.items()]
-            heapq.heapify(heap)
-
-    def _least_loaded(self) -> tuple[str, _Worker]:
-        """min over workers of (outstanding / capacity, worker id); stale heap entries are dropped on the way."""
-        heap, workers = self._load_heap, self._workers
-        if self._dirty:
-            for wid in self._dirty:
-                w = workers.get(wid)
-                if w is not None:
-                    self._push_load(wid, w)
-            self._dirty.clear()
-        while True:
-            _, wid, stamp = heap[0]
-            w = workers.get(wid)
-            if w is not None and w.stamp == stamp:
-                return wid, w
-            heapq.heappop(heap)
-
-    def _still_joining(self) -> bool:
-        """The start-up phase (see the contract) ends once ``expected_workers`` joined or the grace ran out."""
-        s = self.s
-        if self._joining and (
-            len(self._workers) >= s.expected_workers
-            or self._first_join_t is not None
-            and self._last_t - self._first_join_t > s.worker_join_grace_s
-        ):
-            self._joining = False
-            log.info(
-                "%d of %d expected workers joined: workers may now be issued past their capacity",
-                len(self._workers),
-                s.expected_workers,
-            )
-        return self._joining
-
-    def _reset_step(self, now: float) -> None:
-        self._step_start = now
-        self._step: Counter[str] = Counter()
-        self._wait_inflight = 0.0
-        self._wait_buffer = 0.0
-        self._area = [0.0, 0.0, 0.0, 0.0, 0]  # in-flight, running, queued, engine tok x seconds; arrived tokens
-
     def _inflight_ok(self) -> bool:
         return self._inflight_room() > 0
 
@@ -648,7 +385,7 @@ class BrokerCore:
         room = self.inflight_limit - len(self._inflight)
         if s.submission_granularity == "sample":
             budget = s.max_inflight_samples or self.inflight_limit * s.group_size
-            room = min(room, (budget - self._inflight_samples) // s.group_size)  # each issue needs gs free slots
+            room = min(room, (budget - self._inflight.samples) // s.group_size)  # each issue needs gs free slots
         return room
 
     def _inflight_used(self) -> float:
@@ -660,7 +397,7 @@ class BrokerCore:
 
     def _issue_allowance(self) -> float:
         """How many groups may be issued regardless of the limits (pause, sync mode, no workers)."""
-        if self.failure is not None or self._paused or self._issuing_held or not self._workers:
+        if self.failure is not None or self._paused or self._issuing_held or not self._pool.workers:
             return 0
         if self.s.sync_mode:
             if self._request is None:
@@ -674,17 +411,13 @@ class BrokerCore:
         dt = now - self._last_t
         if dt <= 0:
             return
+        meter = self._meter
         if self._issue_allowance() > 0:
             if not self._inflight_ok():
-                self._wait_inflight += dt
+                meter.wait_inflight += dt
             if not self._buffer_ok():
-                self._wait_buffer += dt
-        a = self._area
-        a[0] += self._inflight_used() * dt
-        if self._engines is not None:
-            a[1] += self._engines[0] * dt
-            a[2] += self._engines[1] * dt
-            a[3] += self._engines[2] * dt
+                meter.wait_buffer += dt
+        meter.advance(dt, self._inflight_used(), self._engines)
         self._last_t = now
 
     def _admit(self) -> None:
@@ -698,26 +431,23 @@ class BrokerCore:
             return
         if allowance < n:
             n = int(allowance)
-        capped = self._joining and self._still_joining()
+        pool = self._pool
+        capped = pool.joining and pool.still_joining(self._last_t)
         retry, nxt = self._retry, self.dataloader.next
-        inflight, issues, version = self._inflight, self._issues, self.version
+        add, issues, version = self._inflight.add, self._issues, self.version
         gid = start = self._next_group_id
         for _ in range(n):
-            wid, w = self._least_loaded()
+            wid, w = pool.least_loaded()
             if capped and w.outstanding >= w.capacity:  # the least loaded is full: every worker is
                 break
             item, epoch = retry.popleft() if retry else nxt()
-            inflight[gid] = _Inflight(gid, item, epoch, wid, version, gs)
-            w.groups.add(gid)
-            w.outstanding += gs
-            self._push_load(wid, w)
+            add(gid, item, epoch, wid, w, version, gs)
             issues.append(Issue(wid, gid, item, epoch, gs, version))
             gid += 1
         self._next_group_id = gid
         n = gid - start
-        self._inflight_samples += n * gs
         self.counters["issued"] += n
-        self._step["issued"] += n
+        self._meter.counts["issued"] += n
 
     def _reject(self, rej: Rejection) -> None:
         g = rej.group
@@ -727,211 +457,20 @@ class BrokerCore:
         self._drops.append(Drop(g.group_id, g.item, g.epoch, rej.reason, retried))
         self.counters["dropped"] += 1
         self.counters["retried"] += int(retried)
-        self._step["dropped"] += 1
-        self._step["retried"] += int(retried)
-        self._step["drop_" + rej.reason] += 1
-        if self._step["dropped"] > self.s.max_dropped_groups_per_step and self.failure is None:
-            self.failure = TooManyDropsError(self._too_many_drops_message())
+        step = self._meter.counts
+        step["dropped"] += 1
+        step["retried"] += int(retried)
+        step["drop_" + rej.reason] += 1
+        if step["dropped"] > self.s.max_dropped_groups_per_step and self.failure is None:
+            reasons = {k[5:]: v for k, v in step.items() if k.startswith("drop_")}
+            self.failure = TooManyDropsError(too_many_drops_message(self.s, step["dropped"], reasons))
             log.error(str(self.failure))
 
-    def _too_many_drops_message(self) -> str:
-        reasons = {k[5:]: v for k, v in self._step.items() if k.startswith("drop_")}
-        fixes = []
-        if reasons.get("stale"):
-            fixes.append(
-                f"raise agentloop.max_actor_accept_staleness (now {self.s.max_staleness}) above "
-                f"max_buffered_groups / rollout_batch_size = "
-                f"{self.s.max_buffered_groups / self.s.rollout_batch_size:g}, or lower "
-                f"rollout_buffer.max_buffered_groups"
-            )
-        if reasons.get("aborted"):
-            fixes.append("fix what aborts the groups (engine or retriever failures: see the agent worker logs)")
-        others = [r for r in reasons if r not in ("stale", "aborted")]
-        if others:
-            fixes.append(
-                f"loosen the dynamic-sampling filter (rollout_buffer.dynamic_sampling_filter_path) "
-                f"rejecting for {others}"
-            )
-        return (
-            f"rollout_buffer.max_dropped_groups_per_step: {self._step['dropped']} groups were dropped since the "
-            f"last batch (limit {self.s.max_dropped_groups_per_step}; by reason {reasons}): groups are dropped "
-            f"faster than training uses them. To fix: {'; '.join(fixes)}; or raise "
-            f"rollout_buffer.max_dropped_groups_per_step."
-        )
 
-    def _try_handoff(self) -> None:
-        req = self._request
-        if req is None or self.failure is not None or self._batch is not None:
-            return
-        if self.s.max_staleness is None and len(self.buffer) < self.s.rollout_batch_size:
-            return
-        # Miles' staleness (get-time filter, rollout/fully_async/*) is against the engines' current version;
-        # RLinf's rollout/data_staleness/* (_step_metrics) against the actor's
-        groups, rejected = self.buffer.get(self.s.rollout_batch_size, engine_version=self.version)
-        for r in rejected:
-            self._reject(r)
-        if groups is None or self.failure is not None:
-            if groups is not None:  # the limit tripped in this very call: keep the groups out of training
-                self.buffer.restore(groups + self.buffer.groups())
-            return
-        now = self._last_t
-        self._batch = Batch(
-            step=req.step,
-            groups=groups,
-            wait_s=now - req.t,
-            metrics=self._step_metrics(groups, req.actor_version, now - req.t),
-        )
-        self.last_metrics = self._batch.metrics
-        self.counters["trained"] += len(groups)
-        self._last_batch_ids = [g.group_id for g in groups]
-        self._request = None
-        self._reset_step(now)
-
-    def _step_metrics(self, groups: list[Group], v: int, wait_s: float) -> dict[str, float]:
-        now = self._last_t
-        dur = now - self._step_start
-        mins = [
-            min([t.min_version for t in g.trajectories]) if g.trajectories else g.issued_version for g in groups
-        ]  # Group.min_version, computed once per group
-        st = [v - m for m in mins]
-        span = [g.finished_version - m for g, m in zip(groups, mins)]
-        queue = [v - g.finished_version for g in groups]
-        n = len(groups)
-        m = {
-            "rollout/buffer/admission_wait_inflight_limit": self._wait_inflight / dur if dur > 0 else 0.0,
-            "rollout/buffer/admission_wait_buffer_full": self._wait_buffer / dur if dur > 0 else 0.0,
-            "rollout/data_staleness/mean": sum(st) / n,
-            "rollout/data_staleness/max": float(max(st)),
-            "rollout/version_span/mean": sum(span) / n,
-            "rollout/queue_steps/mean": sum(queue) / n,
-            "rollout/buffer/num_inflight_groups": float(len(self._inflight)),
-            "rollout/buffer/num_inflight_samples": float(self._inflight_samples),
-            "rollout/buffer/num_buffered_groups": float(len(self.buffer)),
-            "rollout/buffer/num_workers": float(len(self._workers)),
-            "rollout/buffer/issued_groups": float(self._step["issued"]),
-            "rollout/buffer/dropped_groups": float(self._step["dropped"]),
-            "rollout/buffer/retried_groups": float(self._step["retried"]),
-            "rollout/buffer/reissued_groups": float(self._step["reissued"]),
-            "rollout/buffer/step_duration_s": dur,
-            "rollout/epoch": float(max(g.epoch for g in groups)),
-            "rollout/weight_version": float(v),
-            "data/skipped_long_prompts": float(self.num_skipped_long_prompts),
-            "time/wait_data": wait_s,
-        }
-        for k, c in sorted(Counter(st).items()):
-            m[f"rollout/data_staleness/ratio_{k}"] = c / n
-        m.update(self.buffer.get_metrics())
-        m.update(self._autotune(dur))
-        return m
-
-    def _autotune(self, dur: float) -> dict[str, float]:
-        """The step's figures for the in-flight autotuner (when on); the limit in force next."""
-        a = self._area
-        m = {
-            "rollout/buffer/inflight_limit": float(self.inflight_limit),
-            "rollout/buffer/mean_inflight_groups": a[0] / dur if dur > 0 else self._inflight_used(),
-        }
-        if self.autotuner is None or dur <= 0:
-            return m
-        eng = self._engines is not None and a[3] > 0
-        change = self.autotuner.observe(
-            StepFigures(
-                limit=self.inflight_limit,
-                mean_inflight=a[0] / dur,
-                tokens_per_s=(a[3] if eng else a[4]) / dur,
-                wait_inflight=self._wait_inflight / dur,
-                wait_buffer=self._wait_buffer / dur,
-                running_reqs=a[1] / dur if eng else None,
-                queue_reqs=a[2] / dur if eng else None,
-            )
-        )
-        if change is not None:
-            log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)
-            self.inflight_limit = change.new
-            m["rollout/buffer/inflight_limit_change"] = float(change.new - change.old)
-        return m
-
-    # ----------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
-        """Dataloader position, version, queued prompts, in-flight prompts (re-issued on resume), the
-        buffered groups (``Group`` objects; the protocol encodes them) and the lifetime counters."""
-        return {
-            "counters": {k: int(v) for k, v in self.counters.items()},
-            "version": self.version,
-            "next_group_id": self._next_group_id,
-            "dataloader": self.dataloader.state_dict(),
-            "queued": [(it, e) for it, e in self._retry],
-            "inflight": [(g.item, g.epoch) for g in sorted(self._inflight.values(), key=lambda g: g.group_id)],
-            "buffered": self.buffer.groups(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore after ``validate_state`` (a bad state, dataloader part included, raises ``ValueError`` naming the field
-        and changes nothing); groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
-        prompts are issued first and count as re-issued, so ``issued == trained + dropped + held + reissued``
-        holds across the resume. A state without counters (older checkpoints) starts them from its groups."""
-        validate_state(state, group_size=self.s.group_size)
-        self.dataloader.check_state(state["dataloader"])
-        counters = state.get("counters")
-        if counters is None:
-            counters = {"issued": len(state["inflight"]) + len(state["buffered"])}
-        self._advance()
-        for gid, g in list(self._inflight.items()):
-            self._cancelled.append((g.worker_id, gid))
-            w = self._workers[g.worker_id]
-            w.groups.discard(gid)
-            w.outstanding -= g.outstanding
-            self._push_load(g.worker_id, w)
-        self._inflight.clear()
-        self._inflight_samples = 0
-        self.version = int(state["version"])
-        self._next_group_id = max(self._next_group_id, int(state["next_group_id"]))
-        self.dataloader.load_state_dict(state["dataloader"])
-        self._retry = deque(list(state["inflight"]) + list(state["queued"]))
-        self.buffer.restore(list(state["buffered"]))
-        self.counters = Counter({k: int(v) for k, v in counters.items()})
-        self.counters["reissued"] += len(state["inflight"])
-        self._batch = None
-        self._admit()
-
-
-_ACCOUNTED = ("issued", "trained", "dropped", "reissued")
-
-
-def validate_state(state: dict, *, group_size: int) -> None:
-    """Check a broker state before anything is restored: ``ValueError`` naming the field when the version,
-    the group ids, the buffered groups or the counters are out of range, or when the counters break
-    ``issued == trained + dropped + held + reissued`` (held = the state's in-flight + buffered groups)."""
-    for key in ("version", "next_group_id"):
-        v = state.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"broker state: {key} must be an integer >= 0, got {v!r}")
-    buffered = state["buffered"]
-    ids = [g.group_id for g in buffered]
-    if len(set(ids)) != len(ids):
-        raise ValueError("broker state: buffered group ids are not unique")
-    for g in buffered:
-        if not 0 <= g.group_id < state["next_group_id"]:
-            raise ValueError(
-                f"broker state: buffered group {g.group_id} is not below next_group_id {state['next_group_id']}"
-            )
-        if len(g.trajectories) != group_size:
-            raise ValueError(
-                f"broker state: buffered group {g.group_id} has {len(g.trajectories)} trajectories, "
-                f"expected rollout.n_samples_per_prompt = {group_size}"
-            )
-    counters = state.get("counters")
-    if counters is None:
-        return
-    if not isinstance(counters, dict):
-        raise ValueError(f"broker state: counters must be a map, got {type(counters).__name__}")
-    for k, v in counters.items():
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"broker state: counters.{k} must be an integer >= 0, got {v!r}")
-    issued, trained, dropped, reissued = (counters.get(k, 0) for k in _ACCOUNTED)
-    held = len(state["inflight"]) + len(buffered)
-    if issued != trained + dropped + held + reissued:
-        raise ValueError(
-            f"broker state: counters break issued == trained + dropped + held + reissued "
-            f"({issued} != {trained} + {dropped} + {held} + {reissued})"
-        )
+def _default_buffer(s: CoreSettings) -> DataBuffer:
+    """The buffer the settings name: the default one (with the dynamic-sampling filter), or the user's class."""
+    flt = None
+    if s.dynamic_sampling_filter_path:
+        flt = import_path(s.dynamic_sampling_filter_path, "rollout_buffer.dynamic_sampling_filter_path")
+    bs = BufferSettings(max_staleness=s.max_staleness, dynamic_filter=flt, capacity=s.max_buffered_groups)
+    return make_data_buffer(bs, s.custom_data_buffer_path) if s.custom_data_buffer_path else DefaultDataBuffer(bs)

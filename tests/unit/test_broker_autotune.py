@@ -322,3 +322,50 @@ def test_a_queue_while_the_engines_run_fewer_than_before_is_not_saturation():
             )
         )
     assert tuner.limit >= 4 and not any("queue" in c.reason for c in tuner.history if c.old < 8), tuner.history
+
+
+def _tail_step(limit: int, mean: float, tok_s: float, *, queued: float = 0.0) -> StepFigures:
+    """A step of the multi-turn long-tail shape at 32 engines (24 slots each: 768 running when full)."""
+    return StepFigures(
+        limit=limit,
+        mean_inflight=mean,
+        tokens_per_s=tok_s,
+        wait_inflight=1.0,
+        wait_buffer=0.0,
+        running_reqs=768.0 if queued else 0.8 * mean * 4,
+        queue_reqs=queued,
+    )
+
+
+def test_a_bursty_queue_back_off_comes_back_while_it_drains():
+    """The long-tail shape (benchmarks/simulate.py D, 32 engines, seed 1): at the buffer bound 462 the engines
+    queue in bursts and the back-off to 303 drains over five steps (groups with slow tool calls finish late);
+    the first draining step already loses throughput on a rising slope (elasticity 0.51), so it goes back to
+    462 there (settled by step 7), not once the drain is over (step 11 with the old rule: past the 10 steps)."""
+    tuner = InflightAutotuner(start=231, upper=462)
+    for _ in range(3):  # two warm-up steps, then the limit binds with no queue: probe up
+        change = tuner.observe(_tail_step(231, 231.0, 52000.0))
+    assert change.new == 462 and change.reason.startswith("probe up")
+    assert tuner.observe(_tail_step(462, 462.0, 74000.0, queued=500.0)) is None  # the raise's burst: no figure
+    back_off = tuner.observe(_tail_step(462, 462.0, 75216.0, queued=400.0))
+    assert back_off.new == 303 and "queue" in back_off.reason
+    assert tuner.observe(_tail_step(303, 446.1, 74000.0)) is None  # right after a change: no figure
+    back = tuner.observe(_tail_step(303, 412.3, 70951.0))  # still draining, throughput down by elasticity 0.51
+    assert back is not None and back.new == 462 and "bursty" in back.reason, tuner.history
+    assert tuner.settled
+    for _ in range(6):  # it holds there, the bursty queue included (it queued when it settled)
+        assert tuner.observe(_tail_step(462, 462.0, 75000.0, queued=400.0)) is None
+    assert tuner.limit == 462
+
+
+def test_a_saturated_queue_back_off_drains_on():
+    """The same back-off when the engines' slots were full for good: the draining steps lose no throughput
+    (the queue, not the slots, shrinks), so it keeps the lowered limit and measures it once drained."""
+    tuner = InflightAutotuner(start=231, upper=462)
+    for _ in range(3):
+        tuner.observe(_tail_step(231, 231.0, 52000.0))
+    tuner.observe(_tail_step(462, 462.0, 75000.0, queued=500.0))
+    assert tuner.observe(_tail_step(462, 462.0, 75216.0, queued=400.0)).new == 303
+    tuner.observe(_tail_step(303, 446.1, 75200.0))
+    for mean in (412.3, 383.7, 350.1):
+        assert tuner.observe(_tail_step(303, mean, 75100.0)) is None and tuner.limit == 303

@@ -65,20 +65,20 @@ events = st.lists(
 
 def check_indexes(core: BrokerCore, peak_capacity: dict[str, int]) -> None:
     """Every maintained index equals its brute-force recomputation."""
-    workers, inflight = core._workers, core._inflight
+    workers, inflight = core._pool.workers, core._inflight.groups
     for wid, w in workers.items():
         mine = {gid for gid, g in inflight.items() if g.worker_id == wid}
         assert w.groups == mine
         assert w.outstanding == sum(inflight[gid].outstanding for gid in mine)
     assert all(g.worker_id in workers for g in inflight.values())
-    assert core._inflight_samples == sum(g.outstanding for g in inflight.values())
+    assert core._inflight.samples == sum(g.outstanding for g in inflight.values())
     assert core.num_inflight_samples == sum(core.s.group_size - len(g.trajectories) for g in inflight.values())
     if workers:
-        wid, _ = core._least_loaded()
+        wid, _ = core._pool.least_loaded()
         assert wid == min(workers, key=lambda k: (workers[k].outstanding / workers[k].capacity, k))
-    assert len(core._load_heap) <= 2 * len(workers) + 64 + len(workers)  # compacted (+ the last flush)
+    assert len(core._pool.load_heap) <= 2 * len(workers) + 64 + len(workers)  # compacted (+ the last flush)
     # last-seen order: the same workers, last_seen non-decreasing from the front
-    order = list(core._by_seen)
+    order = list(core._pool.by_seen)
     assert sorted(order) == sorted(workers)
     seen = [workers[w].last_seen for w in order]
     assert seen == sorted(seen)
@@ -90,13 +90,13 @@ def check_indexes(core: BrokerCore, peak_capacity: dict[str, int]) -> None:
         assert buf._oldest_version() == min(mv.values())
     # start-up: while joining, a worker is issued nothing once at capacity (so at most capacity + G - 1, with the
     # highest capacity it announced: a hello again may lower it below what it already holds)
-    if core._joining:
+    if core._pool.joining:
         for wid, w in workers.items():
             assert w.outstanding <= peak_capacity[wid] + core.s.group_size - 1
     # admission was re-checked: nothing issuable left, unless every worker is full during start-up
     room = core._issue_allowance() > 0 and core._inflight_ok() and core._buffer_ok()
     if room:
-        assert core._joining and all(w.outstanding >= w.capacity for w in workers.values())
+        assert core._pool.joining and all(w.outstanding >= w.capacity for w in workers.values())
 
 
 def trajs(core, vmin):
@@ -142,10 +142,10 @@ def test_indexes_match_brute_force_after_every_event(s, evs):
             core.sync_begin("retract")
             core.sync_end(core.version + 1)
         elif kind == "tick":
-            expired = {w for w, x in core._workers.items() if now[0] - x.last_seen > s.worker_heartbeat_timeout_s}
-            before = set(core._workers)
+            expired = {w for w, x in core._pool.workers.items() if now[0] - x.last_seen > s.worker_heartbeat_timeout_s}
+            before = set(core._pool.workers)
             core.tick()
-            assert set(core._workers) == before - expired
+            assert set(core._pool.workers) == before - expired
             for w in expired:
                 peak.pop(w)
         core.take_issues()
@@ -190,7 +190,7 @@ def test_first_worker_does_not_take_the_whole_first_burst():
     counts = per_worker(issues)
     counts["w0"] += 2
     assert sum(counts.values()) == 40 and max(counts.values()) - min(counts.values()) <= 1  # the last join fills
-    assert not core._joining
+    assert not core._pool.joining
 
 
 def test_expected_workers_zero_keeps_the_old_behaviour():

@@ -409,25 +409,6 @@ def test_a_miles_flag_inside_a_section_is_answered_not_guessed(tmp_path):
     assert "did you mean 'rollout_buffer.submission_granularity'?" in msg
 
 
-def test_every_schema_field_is_used_outside_the_config_package():
-    """Every config key is used or removed: each field name is read somewhere in the package (outside
-    asyncrl/config, which only loads, derives and validates), or is a section."""
-    import dataclasses
-    import re
-
-    from asyncrl.config import schema
-
-    sources = "\n".join(p.read_text() for p in (ROOT / "asyncrl").rglob("*.py") if "config" not in p.parts)
-    sources += (ROOT / "asyncrl/config/derive.py").read_text()  # derived-only keys (they set other keys)
-    unused = []
-    for cls in vars(schema).values():
-        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls is not schema.Config:
-            for f in dataclasses.fields(cls):
-                if not re.search(rf"\.{f.name}\b|[\"']{f.name}[\"']", sources):
-                    unused.append(f"{cls.__name__}.{f.name}")
-    assert unused == [] or unused == ["SGLangConfig.backend_type"], unused  # backend_type: validated, one value
-
-
 def test_sglang_engine_backend_is_rejected_in_sync_mode_too(tmp_path):
     check(
         tmp_path,
