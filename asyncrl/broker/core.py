@@ -73,6 +73,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Optional
 
+import numpy as np
+
 from asyncrl.broker.autotune import InflightAutotuner
 from asyncrl.broker.buffer import (
     BufferSettings,
@@ -309,7 +311,7 @@ class BrokerCore(ActorSide, Checkpointing):
         trajectories = group.trajectories
         self._last_arrival_t = self._last_t
         if self.autotuner is not None:  # generated tokens of the step, when the engines report nothing
-            self._meter.arrived_tokens += sum(sum(t.loss_mask) for t in trajectories if t is not None)
+            self._meter.arrived_tokens += sum(int(np.count_nonzero(t.loss_mask)) for t in trajectories if t is not None)
         rej = self.buffer.put(group)
         if rej is not None:
             self._reject(rej)

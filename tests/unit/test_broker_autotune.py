@@ -13,6 +13,8 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
+
 from asyncrl.broker.autotune import InflightAutotuner, StepFigures
 from asyncrl.broker.core import BrokerCore, CoreSettings
 from asyncrl.broker.types import PromptItem, Trajectory
@@ -369,3 +371,26 @@ def test_a_saturated_queue_back_off_drains_on():
     tuner.observe(_tail_step(303, 446.1, 75200.0))
     for mean in (412.3, 383.7, 350.1):
         assert tuner.observe(_tail_step(303, mean, 75100.0)) is None and tuner.limit == 303
+
+
+def test_arrived_tokens_count_a_long_uint8_mask_without_overflow():
+    """The wire decodes ``loss_mask`` as uint8 arrays: the autotuner's fallback token count (engines that report
+    nothing) must count 300 generated tokens as 300 (a plain ``sum`` over uint8 wraps to 44)."""
+    core = BrokerCore(
+        [PromptItem(i, f"q{i}") for i in range(8)],
+        clock=lambda: 0.0,
+        settings=CoreSettings(
+            rollout_batch_size=2,
+            group_size=1,
+            max_inflight_groups=2,
+            max_buffered_groups=4,
+            max_dropped_groups_per_step=8,
+            inflight_autotune=True,
+        ),
+    )
+    core.add_worker("w", capacity=8)
+    n = 300
+    mask = np.ones(n, np.uint8)
+    traj = Trajectory(np.zeros(3, np.int32), np.ones(n, np.int32), mask, np.zeros(n, np.float32))
+    core.group_finished(core.inflight_group_ids()[0], [traj])
+    assert core._meter.arrived_tokens == n
