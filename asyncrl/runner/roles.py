@@ -26,10 +26,12 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -84,9 +86,23 @@ def _base_cmd(ctx) -> list[str]:
     return [ctx.config_path, *ctx.overrides]
 
 
+TRAINER_MODULE = "asyncrl.runner.loop"
+"""The step loop; importing it imports megatron-core (measured 8-15 CPU-seconds on the embedded default)."""
+
+
+def _import_in_background(module: str) -> threading.Thread:
+    """Start importing ``module`` on a thread, so that its import overlaps the start-up waits (the broker's
+    bind, the engines' start) instead of following them. An import that fails there fails again, with its
+    own traceback, where the module is imported for use (``sys.modules`` keeps no half-imported module)."""
+    t = threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True)
+    t.start()
+    return t
+
+
 def run_actor(ctx, disc: Discovery) -> int:
     # lazy: torch and (through runner.loop) megatron-core take seconds to import and only actor ranks use
     # them; rollout, eval and idle ranks and --dry-run never do
+    preload = _import_in_background(TRAINER_MODULE)
     import torch.distributed as dist
 
     cfg = ctx.cfg
@@ -110,7 +126,11 @@ def run_actor(ctx, disc: Discovery) -> int:
         # leader-only: the others wait on the store, not in a collective (engines may take long to start)
         started = phases.run("start the broker and wait for the engines", lambda: _leader_startup(ctx, disc))
         broker, address, engine_urls, eval_urls = started if actor_rank == 0 else (None, None, [], [])
-        from asyncrl.runner.loop import run_training
+        t0 = time.time()
+        preload.join()
+        from asyncrl.runner.loop import run_training  # lazy: see above; imported by now (_import_in_background)
+
+        log.info("step loop imported (%.1fs waited for it after start-up)", time.time() - t0)
 
         return run_training(
             ctx,
