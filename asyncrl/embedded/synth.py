@@ -227,27 +227,10 @@ def make_sft_demos(
     demos = []
     for _ in range(num_demos):
         row = rows[rng.randrange(len(rows))]
-        u = rng.random()
-        kind = (
-            "correct"
-            if u < correct_fraction
-            else "wrong_copy"
-            if u < correct_fraction + wrong_copy_fraction
-            else "guess"
-        )
-        hops = row["extra_info"]["hops"]
+        kind = _demo_kind(rng.random(), correct_fraction=correct_fraction, wrong_copy_fraction=wrong_copy_fraction)
         answers = list(row["golden_answers"])
-        segments: list[dict] = []
-        final = answers[0]
-        if kind != "guess":
-            for hop in hops:
-                segments.append({"text": f"<search> {hop['query']} </search>", "generated": True})
-                docs = search([hop["query"]], topk)[0]
-                segments.append({"text": searchr1.format_observation(docs), "generated": False})
-            if kind == "wrong_copy":
-                final = _wrong_answer(rng, answers, answer_pool)
-        else:
-            final = _wrong_answer(rng, answers, answer_pool)
+        segments = _search_segments(row["extra_info"]["hops"], search, topk) if kind != "guess" else []
+        final = answers[0] if kind == "correct" else _wrong_answer(rng, answers, answer_pool)
         segments.append({"text": f"<answer> {final} </answer>", "generated": True})
         generated = "".join(s["text"] for s in segments if s["generated"])
         demos.append(
@@ -261,6 +244,23 @@ def make_sft_demos(
             }
         )
     return demos
+
+
+def _demo_kind(u: float, *, correct_fraction: float, wrong_copy_fraction: float) -> str:
+    """The kind of demonstration a uniform draw ``u`` in [0, 1) picks."""
+    if u < correct_fraction:
+        return "correct"
+    return "wrong_copy" if u < correct_fraction + wrong_copy_fraction else "guess"
+
+
+def _search_segments(hops: Sequence[dict], search: SearchFn, topk: int) -> list[dict]:
+    """One search turn (generated) and its information block (not generated) per hop."""
+    segments: list[dict] = []
+    for hop in hops:
+        segments.append({"text": f"<search> {hop['query']} </search>", "generated": True})
+        docs = search([hop["query"]], topk)[0]
+        segments.append({"text": searchr1.format_observation(docs), "generated": False})
+    return segments
 
 
 def _wrong_answer(rng: random.Random, answers: list[str], pool: list[str]) -> str:

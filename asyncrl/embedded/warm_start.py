@@ -194,6 +194,63 @@ def _weighted_nll(
     return ((nll * w).sum() + w_prefix * nll_prefix.sum()) / (w.sum() + w_prefix * nll_prefix.numel())
 
 
+def _lr_at(step: int, *, lr: float, num_steps: int) -> float:
+    """Linear warm-up over 20 steps, then a linear decay to a tenth of ``lr`` at the last step."""
+    return lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, num_steps)))
+
+
+def _batch_loss(
+    model, batch: list[tuple[list[int], list[int]]], prefix_P: torch.Tensor, *, pad: int, context_weight: float
+):
+    """The warm-start loss of one batch (``_weighted_nll``), its rows packed after the shared prefix ``prefix_P``."""
+    rows_BS, gen_BS, valid_BS, seg_BS = _pack_rows(batch, prefix_P.shape[0], pad)
+    h_prefix, h_rows = model.hidden_states_shared_prefix(prefix_P, rows_BS, seg_BS)
+    # position t predicts token t+1: the prefix's last position predicts each sequence's first token
+    R = rows_BS.shape[0]
+    pred_BSH = torch.cat((h_prefix[:, -1:].expand(R, -1, -1), h_rows[:, :-1]), dim=1)
+    starts_BS = torch.ones_like(seg_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = seg_BS[:, 1:] != seg_BS[:, :-1]
+    pred_BSH = torch.where(starts_BS[..., None], h_prefix[:, -1:], pred_BSH)
+    return _weighted_nll(
+        model,
+        pred_BSH,
+        rows_BS,
+        gen_BS,
+        valid_BS,
+        h_prefix[0, :-1],
+        prefix_P[1:],
+        rows=len(batch),
+        context_weight=context_weight,
+    )
+
+
+def _train(model, examples: list, prefix_P: torch.Tensor, p, *, pad: int) -> list[float]:
+    """``p.sft_steps`` AdamW steps on length-grouped batches of ``examples``; the loss of each step."""
+    # fused: one kernel per parameter instead of ~10 small ops each (same update)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=0.0, fused=True)
+    rng = random.Random(p.seed)
+    losses: list[float] = []
+    batches: list[list[tuple[list[int], list[int]]]] = []
+    t0 = time.time()
+    for step in range(p.sft_steps):
+        if not batches:
+            batches = _length_grouped_batches(examples, p.sft_batch_size, rng)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, lr=p.sft_lr, num_steps=p.sft_steps)
+        loss = _batch_loss(model, batches.pop(), prefix_P, pad=pad, context_weight=p.sft_context_loss_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == p.sft_steps - 1:
+            s_per_step = (time.time() - t0) / (step + 1)
+            log.info(
+                "prepare: warm start step %d/%d loss %.3f (%.2f s/step)", step + 1, p.sft_steps, losses[-1], s_per_step
+            )
+    return losses
+
+
 def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     """Supervised warm start (plain PyTorch, one process): next-token loss on generated tokens."""
     p = cfg.prepare
@@ -206,16 +263,11 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     examples = build_demo_examples(cfg, data_dir=data_dir, tokenizer=tok, num_demos=num_demos)
     log.info("prepare: %d demonstrations built in %.1fs", len(examples), time.time() - t_build)
     model = TorchDecoder.from_pretrained(base_dir)
-    # fused: one kernel per parameter instead of ~10 small ops each (same update)
-    opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=0.0, fused=True)
-    rng = random.Random(p.seed)
-    losses = []
-    pad = tok.eos_token_ids[0]
     # Every demo starts with the same prompt template: its tokens are run once per batch, not per
     # row (hidden_states_shared_prefix), which halves the cost of a step. Same loss as running rows
     # whole: the prefix's next-token terms count once per row.
     P = min(_common_prefix_len([ids for ids, _ in examples]), min(len(ids) for ids, _ in examples) - 1)
-    prefix = torch.tensor(examples[0][0][:P], dtype=torch.long)
+    prefix_P = torch.tensor(examples[0][0][:P], dtype=torch.long)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(p.num_threads or len(os.sched_getaffinity(0)))
     log.info(
@@ -225,49 +277,8 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
         P,
         torch.get_num_threads(),
     )
-    t0 = time.time()
     try:
-        batches: list[list[tuple[list[int], list[int]]]] = []
-        for step in range(p.sft_steps):
-            if not batches:
-                batches = _length_grouped_batches(examples, p.sft_batch_size, rng)
-            batch = batches.pop()
-            B = len(batch)
-            rows_BS, gen_BS, valid_BS, seg_BS = _pack_rows(batch, P, pad)
-            lr = p.sft_lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, p.sft_steps)))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows_BS, seg_BS)
-            # position t predicts token t+1: the prefix's last position predicts each sequence's first token
-            R = rows_BS.shape[0]
-            pred_BSH = torch.cat((h_prefix[:, -1:].expand(R, -1, -1), h_rows[:, :-1]), dim=1)
-            starts_BS = torch.ones_like(seg_BS, dtype=torch.bool)
-            starts_BS[:, 1:] = seg_BS[:, 1:] != seg_BS[:, :-1]
-            pred_BSH = torch.where(starts_BS[..., None], h_prefix[:, -1:], pred_BSH)
-            loss = _weighted_nll(
-                model,
-                pred_BSH,
-                rows_BS,
-                gen_BS,
-                valid_BS,
-                h_prefix[0, :-1],
-                prefix[1:],
-                rows=B,
-                context_weight=p.sft_context_loss_weight,
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            if step % 50 == 0 or step == p.sft_steps - 1:
-                log.info(
-                    "prepare: warm start step %d/%d loss %.3f (%.2f s/step)",
-                    step + 1,
-                    p.sft_steps,
-                    loss.item(),
-                    (time.time() - t0) / (step + 1),
-                )
+        losses = _train(model, examples, prefix_P, p, pad=tok.eos_token_ids[0])
     finally:
         torch.set_num_threads(threads_before)
     model.save_pretrained(out_dir, copy_from=base_dir)

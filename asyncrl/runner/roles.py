@@ -26,10 +26,12 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +52,11 @@ from asyncrl.runner.prepare import prepare_if_needed
 
 log = logging.getLogger("asyncrl.roles")
 
+PREPARE_WAIT_S = 3 * 3600.0
+"""How long the other ranks wait for global rank 0's preparation. Measured: 700 warm-start steps took over
+30 min single-threaded on 2 cores shared with four other jobs (~3 min at 0.25 s a step on 2 idle cores); a rank 0 that
+dies fails the job through torchrun anyway, so this bounds only a hung preparation."""
+
 
 def local_address() -> str:
     """This host's address for the other ranks to connect to: 127.0.0.1 when every rank is on this host,
@@ -69,7 +76,7 @@ def run_role(ctx) -> int:
         (ctx.run_dir / "config.resolved.toml").write_text(render_config(cfg))
         disc.publish("prepared", "1")
     else:
-        disc.lookup("prepared", timeout_s=max(cfg.cluster.store_timeout_s, 1800.0))
+        disc.lookup("prepared", timeout_s=max(cfg.cluster.store_timeout_s, PREPARE_WAIT_S))
     role = ctx.role
     if role == "actor":
         return run_actor(ctx, disc)
@@ -84,9 +91,23 @@ def _base_cmd(ctx) -> list[str]:
     return [ctx.config_path, *ctx.overrides]
 
 
+TRAINER_MODULE = "asyncrl.runner.loop"
+"""The step loop; importing it imports megatron-core (measured 8-15 CPU-seconds on the embedded default)."""
+
+
+def _import_in_background(module: str) -> threading.Thread:
+    """Start importing ``module`` on a thread, so that its import overlaps the start-up waits (the broker's
+    bind, the engines' start) instead of following them. An import that fails there fails again, with its
+    own traceback, where the module is imported for use (``sys.modules`` keeps no half-imported module)."""
+    t = threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True)
+    t.start()
+    return t
+
+
 def run_actor(ctx, disc: Discovery) -> int:
     # lazy: torch and (through runner.loop) megatron-core take seconds to import and only actor ranks use
     # them; rollout, eval and idle ranks and --dry-run never do
+    preload = _import_in_background(TRAINER_MODULE)
     import torch.distributed as dist
 
     cfg = ctx.cfg
@@ -110,7 +131,11 @@ def run_actor(ctx, disc: Discovery) -> int:
         # leader-only: the others wait on the store, not in a collective (engines may take long to start)
         started = phases.run("start the broker and wait for the engines", lambda: _leader_startup(ctx, disc))
         broker, address, engine_urls, eval_urls = started if actor_rank == 0 else (None, None, [], [])
-        from asyncrl.runner.loop import run_training
+        t0 = time.time()
+        preload.join()
+        from asyncrl.runner.loop import run_training  # lazy: see above; imported by now (_import_in_background)
+
+        log.info("step loop imported (%.1fs waited for it after start-up)", time.time() - t0)
 
         return run_training(
             ctx,
