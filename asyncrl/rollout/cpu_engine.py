@@ -81,6 +81,9 @@ class CpuEngine:
         self.weights = WeightUpdates(self.model, call=self._call, timeout_s=args.weight_sync_timeout_s)
         """The weight-update group, the receiver and the loads from disk (``weight_updates``)."""
         self.num_disconnect_aborts = 0
+        self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
+        """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
+        self._watcher: Optional[asyncio.Task] = None
         """Requests aborted because their HTTP client disconnected before the answer."""
         self.unauthorized = 0
         """Requests refused for a missing or wrong API key."""
@@ -200,29 +203,40 @@ class CpuEngine:
 
     async def _wait_or_abort(self, request: web.Request, reqs: list[Request], futs: list) -> Optional[list]:
         """Wait for every request's output. When the HTTP client disconnects (its timeout fired, it was killed)
-        the requests are aborted at once -- as SGLang does on disconnect -- instead of generating for nobody."""
+        the requests are aborted at once -- as SGLang does on disconnect -- instead of generating for nobody
+        (``_watch_disconnects`` notices; None is returned)."""
         gathered = asyncio.gather(*futs)
+        gone = asyncio.get_running_loop().create_future()
+        self._waiting[id(gone)] = (request, reqs, gone)
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch_disconnects())
         try:
-            while True:
-                done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return gathered.result()
-                transport = request.transport
-                if transport is None or transport.is_closing():
-                    log.info(
-                        "client of %d request(s) disconnected (rid %s...): aborting them",
-                        len(reqs),
-                        reqs[0].rid if reqs else "?",
-                    )
-                    self._abort(reqs)
-                    self.num_disconnect_aborts += len(reqs)
-                    return None
+            await asyncio.wait({gathered, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return None if gone.done() else gathered.result()
         except asyncio.CancelledError:  # the server cancelled the handler (shutdown): abort its requests
             self._abort(reqs)
             raise
         finally:
+            self._waiting.pop(id(gone), None)
             if not gathered.done():
                 gathered.cancel()
+
+    async def _watch_disconnects(self) -> None:
+        """One task for every waiting ``/generate`` (not one timer per request): every ``DISCONNECT_POLL_S``, the
+        requests of clients that went away are aborted and their handlers woken. Ends when none waits."""
+        try:
+            while self._waiting:
+                await asyncio.sleep(DISCONNECT_POLL_S)
+                for request, reqs, gone in list(self._waiting.values()):
+                    transport = request.transport
+                    if (transport is None or transport.is_closing()) and not gone.done():
+                        rid = reqs[0].rid if reqs else "?"
+                        log.info("client of %d request(s) disconnected (rid %s...): aborting them", len(reqs), rid)
+                        self._abort(reqs)
+                        self.num_disconnect_aborts += len(reqs)
+                        gone.set_result(None)
+        finally:
+            self._watcher = None
 
     async def health(self, request: web.Request) -> web.Response:
         if self.scheduler.paused is not None:  # a paused scheduler runs no request: ask it a control call instead

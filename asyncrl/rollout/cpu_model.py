@@ -33,10 +33,14 @@ from asyncrl.models.safetensors_io import SafetensorsReader
 from asyncrl.models.spec import CPU_ENGINE, ModelSpec, require
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` [..., d] (HF's rotate-half convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:].neg(), x[..., :half]), dim=-1).mul_(sin).add_(x * cos)
+def _rotate_half_matrix(d: int) -> torch.Tensor:
+    """R [d, d] with ``x @ R == cat(-x[d/2:], x[:d/2])`` exactly (one +-1 per column): HF's rotate-half as one
+    matmul instead of two slices, a negation and a concatenation."""
+    half = d // 2
+    r = torch.zeros(d, d)
+    r[torch.arange(half) + half, torch.arange(half)] = -1.0
+    r[torch.arange(half), torch.arange(half) + half] = 1.0
+    return r
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ class _Plan:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    """[B, N, 1, head_dim] each."""
+    """[B, N, q + k + v heads, head_dim] each: the rotary tables of q heads (times the attention scale, so scores
+    need no scaling) and k heads; 1 and 0 for v heads (left as they are)."""
     b_idx: torch.Tensor
     j_idx: torch.Tensor
     """(row in the batch, position in the feed) of each real (unpadded) token."""
@@ -55,7 +60,6 @@ class _Plan:
     """[B, 1, 1, N, Lmax] bool: True where a key is hidden from a query."""
     row0: int
     Lmax: int
-    scale: float
 
 
 class KVPool:
@@ -140,6 +144,7 @@ class CausalLM:
             self.params["lm_head.weight"] = self.lm_head
             self.groups["lm_head"] = ("lm_head.weight",)
         self.inv_freq = rope_inv_freq(spec)
+        self.rot = _rotate_half_matrix(s.head_dim)
         self.group_of = {n: g for g, names in self.groups.items() for n in names}
 
     def _add_layer(self, i: int) -> dict[str, torch.Tensor]:
@@ -252,23 +257,28 @@ class CausalLM:
         j_N = torch.arange(N)
         Lmax = int((past_len_B + new_len_B).max())
         kv.ensure_capacity(Lmax)
-        # rope tables for these positions: [B, N, 1, d] (broadcast over heads, in [B, N, heads, d] layout)
+        # rope tables for these positions, one row per head of the fused qkv ([B, N, heads, d] layout)
         freqs = (past_len_B[:, None] + j_N[None, :]).to(torch.float32)[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+        nh, nkv, scale = s.num_attention_heads, s.num_query_groups, 1.0 / math.sqrt(s.head_dim)
+        cos, sin = emb.cos(), emb.sin()
+        v_one = torch.ones(B, N, nkv, s.head_dim)
+        cos = torch.cat((cos.mul(scale).expand(-1, -1, nh, -1), cos.expand(-1, -1, nkv, -1), v_one), dim=2)
+        sin = torch.cat((sin.mul(scale).expand(-1, -1, nh, -1), sin.expand(-1, -1, nkv, -1), v_one * 0), dim=2)
         # which (row, j) are real tokens, and where their KV goes: flat index of (row, kv head, position) in a
         # layer's cache viewed as [max_rows * kv_heads * capacity, d], for each real token's kv heads
         if N == 1:
             b_idx, j_idx = torch.arange(B), torch.zeros(B, dtype=torch.long)
         else:
             b_idx, j_idx = (j_N[None, :] < new_len_B[:, None]).nonzero(as_tuple=True)
-        nkv, cap = s.num_query_groups, kv.capacity
+        cap = kv.capacity
         slot_T = ((b_idx + row0) * nkv)[:, None] + torch.arange(nkv)[None, :]
         kv_index = (slot_T * cap + (past_len_B[b_idx] + j_idx)[:, None]).reshape(-1)
         # attention mask: query j of row b sees keys <= past_b + min(j, n_b - 1)
         last_B = (new_len_B - 1).clamp(min=0)
         qpos_BN = past_len_B[:, None] + torch.minimum(j_N[None, :], last_B[:, None])
         hidden = (torch.arange(Lmax)[None, None, :] > qpos_BN[:, :, None])[:, None, None]
-        return _Plan(emb.cos(), emb.sin(), b_idx, j_idx, kv_index, hidden, row0, Lmax, 1.0 / math.sqrt(s.head_dim))
+        return _Plan(cos, sin, b_idx, j_idx, kv_index, hidden, row0, Lmax)
 
     def _attention(self, x: torch.Tensor, L: dict, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """x + self-attention of one layer (writes the new tokens' K and V into this layer's cache rows)."""
@@ -278,12 +288,12 @@ class CausalLM:
         hdn = F.rms_norm(x, (s.hidden_size,), L["ln1"], s.rms_norm_eps)
         qkv = F.linear(hdn, L["qkv_w"], L["qkv_b"]).view(B, N, nh + 2 * nkv, d)
         if s.qk_norm:
-            q = _rope(F.rms_norm(qkv[:, :, :nh], (d,), L["q_norm"], s.rms_norm_eps), plan.cos, plan.sin)
-            k = _rope(F.rms_norm(qkv[:, :, nh : nh + nkv], (d,), L["k_norm"], s.rms_norm_eps), plan.cos, plan.sin)
-        else:  # one rope for q and k together
-            qk = _rope(qkv[:, :, : nh + nkv], plan.cos, plan.sin)
-            q, k = qk[:, :, :nh], qk[:, :, nh:]
-        v = qkv[:, :, nh + nkv :]
+            q = F.rms_norm(qkv[:, :, :nh], (d,), L["q_norm"], s.rms_norm_eps)
+            k = F.rms_norm(qkv[:, :, nh : nh + nkv], (d,), L["k_norm"], s.rms_norm_eps)
+            qkv = torch.cat((q, k, qkv[:, :, nh + nkv :]), dim=2)
+        # rope on q and k (v's tables are 1 and 0), q scaled for the scores: three ops for every head at once
+        qkv = torch.addcmul(qkv * plan.cos, torch.matmul(qkv, self.rot), plan.sin)
+        q, k, v = qkv[:, :, :nh], qkv[:, :, nh : nh + nkv], qkv[:, :, nh + nkv :]
         if N == 1:
             k_new, v_new = k.reshape(B * nkv, d), v.reshape(B * nkv, d)
         else:
@@ -295,7 +305,7 @@ class CausalLM:
         keys, vals = kc[r0 : r0 + B, :, :Lmax], vc[r0 : r0 + B, :, :Lmax]
         # grouped-query attention without repeating K/V: query head h reads kv head h // grp
         q = q.transpose(1, 2).reshape(B, nkv, grp * N, d)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(plan.scale)
+        scores = torch.matmul(q, keys.transpose(-1, -2))
         scores = scores.view(B, nkv, grp, N, Lmax).masked_fill_(plan.hidden, float("-inf"))
         att = torch.matmul(torch.softmax(scores.view(B, nkv, grp * N, Lmax), dim=-1), vals).view(B, nh, N, d)
         return x + F.linear(att.transpose(1, 2).reshape(B, N, nh * d), L["o_w"], L["o_b"])
