@@ -120,14 +120,17 @@ class Scheduler:
 
     # ---- engine thread ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self._drain()
-            if self.paused is None and (self.running or self.waiting):
-                self.step()
-                continue
-            with self._cond:
-                if not self._inbox and not self._calls:
-                    self._cond.wait(timeout=0.2)
+        # inference mode for the whole engine thread (steps and calls alike): less per-op bookkeeping than
+        # no_grad, and every tensor the thread makes (KV rows, the standby bank) is only ever written on it
+        with torch.inference_mode():
+            while not stop.is_set():
+                self._drain()
+                if self.paused is None and (self.running or self.waiting):
+                    self.step()
+                    continue
+                with self._cond:
+                    if not self._inbox and not self._calls:
+                        self._cond.wait(timeout=0.2)
 
     def _drain(self) -> None:
         with self._cond:
