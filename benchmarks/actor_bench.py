@@ -22,7 +22,6 @@ JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -101,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.actor.batch import groups_to_samples, make_microbatches
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
     from asyncrl.actor.trainer import Actor
+    from asyncrl.models.spec import load_hf_config
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     num_groups = 8 if args.quick else 32
     budgets = (1024, 4096)
     tmp = tempfile.mkdtemp(prefix="actor_bench_")
     hf = make_tiny_checkpoint(Path(tmp) / "hf")
-    hf_cfg = json.loads((hf / "config.json").read_text())
+    hf_cfg = load_hf_config(hf)
     groups = synthetic_groups(
         seed=0,
         num_groups=num_groups,

@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
     from asyncrl.actor.trainer import Actor
+    from asyncrl.models.spec import ModelSpec
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="attention_bench_")) / "hf")
-    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    vocab = ModelSpec.from_pretrained(hf).vocab_size
     dist.init_process_group("gloo")
     result: dict = {
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "

@@ -83,6 +83,7 @@ async def _level(url: str, c: int, *, rng: random.Random, prompt_tokens: int, ou
 
 
 def measure(*, levels: tuple[int, ...], rounds: int, prompt_tokens: int, output_tokens: int, threads: int) -> dict:
+    from asyncrl.models.spec import ModelSpec
     from asyncrl.models.tiny import make_tiny_checkpoint
     from asyncrl.rollout.testing import running_cpu_engine
 
@@ -90,7 +91,7 @@ def measure(*, levels: tuple[int, ...], rounds: int, prompt_tokens: int, output_
     samples: dict[int, list[dict]] = {c: [] for c in levels}
     with tempfile.TemporaryDirectory() as d:
         model = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # 4 layers, hidden 128
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        vocab = ModelSpec.from_pretrained(model).vocab_size
         with running_cpu_engine(
             model, log_dir=Path(d) / "logs", max_running_requests=max(levels), extra=["--num-threads", str(threads)]
         ) as sup:

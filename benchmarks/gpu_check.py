@@ -77,12 +77,13 @@ def make_model(out: Path, *, smoke: bool) -> Path:
     """A random Qwen2 checkpoint: tiny (smoke) or the 0.5B shape with a full-size vocabulary."""
     from safetensors.torch import load_file, save_file
 
+    from asyncrl.models.spec import load_hf_config
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     d = make_tiny_checkpoint(out, arch="qwen2", seed=0, **(SMOKE_MODEL if smoke else GPU_MODEL))
     if smoke:
         return d
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = load_hf_config(d)
     weights = load_file(str(d / "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -148,6 +149,7 @@ def check_train(hf: Path, *, smoke: bool, device_type: str) -> dict:
     """Train steps in bf16 (fp32 on CPU): time, tokens/s, peak memory next to the estimate."""
     from asyncrl.actor.memory import ModelShape, estimate_actor_memory
     from asyncrl.actor.spec import attention_path
+    from asyncrl.models.spec import load_hf_config
 
     budget = 1024 if smoke else 16384
     actor, _ = build_actor(hf, dtype="bf16", budget=budget)
@@ -162,7 +164,7 @@ def check_train(hf: Path, *, smoke: bool, device_type: str) -> dict:
         times.append(m["time/training"])
     step_s = statistics.median(times)
     est = estimate_actor_memory(
-        ModelShape.from_hf_config(json.loads((hf / "config.json").read_text())),
+        ModelShape.from_hf_config(load_hf_config(hf)),
         tp=1,
         pp=1,
         dp=1,
@@ -192,9 +194,10 @@ def check_train(hf: Path, *, smoke: bool, device_type: str) -> dict:
 def check_logprobs(hf: Path, *, smoke: bool, device_type: str) -> dict:
     """The actor's log-probs (fp32, and bf16 on CUDA) against the CPU engine's fp32 model on CPU."""
     from asyncrl.actor import spec as attn_spec
+    from asyncrl.models.spec import ModelSpec
 
     gen = torch.Generator().manual_seed(2)
-    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    vocab = ModelSpec.from_pretrained(hf).vocab_size
     lens = [(6, 40), (10, 90), (4, 20), (12, 60)] if smoke else [(64, 320), (100, 500), (32, 180), (80, 260)]
     seqs = [torch.randint(3, vocab, (p + r,), generator=gen).tolist() for p, r in lens]
     prompt_lens = [p for p, _ in lens]
@@ -223,11 +226,12 @@ def check_logprobs(hf: Path, *, smoke: bool, device_type: str) -> dict:
 
 def check_cpu_engine_model(hf: Path, *, device_type: str) -> dict:
     """The CPU engine's model on ``device_type`` against itself on CPU; batched decode tokens/s."""
+    from asyncrl.models.spec import ModelSpec
     from asyncrl.rollout.cpu_model import KVPool, load_model
 
     gen = torch.Generator().manual_seed(3)
     B, N, steps = 8, 64, 32
-    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    vocab = ModelSpec.from_pretrained(hf).vocab_size
     tokens = torch.randint(3, vocab, (B, N), generator=gen)
     cpu = load_model(hf)
     kv = KVPool(cpu.spec, max_rows=B, capacity=N)

@@ -35,139 +35,24 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import aiohttp
-
+from asyncrl.agent.engine_handle import EngineHandle
 from asyncrl.agent.tasks import Task
 from asyncrl.agent.tools import Retriever, RetrieverError, RetrieverOutageError
 from asyncrl.broker.types import Group, PromptItem, Trajectory
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig
-from asyncrl.engine.client import EngineError, GenerateResult
-from asyncrl.engine.client import parse_generate_response as parse_reply
+from asyncrl.engine.client import EngineError
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AgentLoop", "EngineError", "EngineHandle", "TrajectoryBuilder", "TurnGate", "summarize_eval"]
 
 # Consecutive engine-side aborts of one turn that returned no new token before the trajectory
 # gives up (an engine stuck aborting would otherwise spin forever).
 MAX_ABORTS_WITHOUT_PROGRESS = 3
-
-
-# ---------------------------------------------------------------- one generate call, parsed
-
-
-@dataclass
-class GenOutput:
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    """Weight version of each output token."""
-    finish_type: str
-    """``stop``, ``length`` or ``abort``."""
-    finish_matched: Any = None
-    """For ``stop``: the stop string (str) or token id (int, e.g. EOS)."""
-    num_retractions: int = 0
-    cached_tokens: int = 0
-
-
-def parse_version(value: Any, url: str) -> int:
-    """SGLang weight versions are strings; ours are integers (``default`` = 0)."""
-    if isinstance(value, int):
-        return value
-    if value is None or value == "default":
-        return 0
-    try:
-        return int(str(value))
-    except ValueError:
-        raise EngineError(
-            url, "/generate", f"weight version {value!r} is not an integer; launch engines with --weight-version 0"
-        ) from None
-
-
-def token_versions(meta: dict, num_tokens: int, url: str) -> list[int]:
-    """Per-output-token versions from ``weight_versions`` spans, else ``weight_version``.
-
-    A span ``{"version", "start", "end"}`` covers output tokens ``start <= j < end``; tokens no
-    span covers get ``weight_version``.
-    """
-    default = parse_version(meta.get("weight_version"), url)
-    versions = [default] * num_tokens
-    for span in meta.get("weight_versions") or ():
-        v = parse_version(span.get("version"), url)
-        start, end = max(0, int(span.get("start", 0))), min(num_tokens, int(span.get("end", num_tokens)))
-        for j in range(start, end):
-            versions[j] = v
-    return versions
-
-
-def gen_output(result: GenerateResult, url: str) -> GenOutput:
-    """The engine client's typed answer as the loop uses it: log-probs required (``return_logprob``), the
-    weight version of each output token as an integer."""
-    if result.output_logprobs is None:
-        raise EngineError(url, "/generate", "/generate reply has no output_token_logprobs (return_logprob)")
-    finish = result.finish_reason
-    return GenOutput(
-        output_ids=result.output_ids,
-        logprobs=result.output_logprobs,
-        versions=token_versions(result.meta_info, len(result.output_ids), url),
-        finish_type=str(finish.get("type", "")),
-        finish_matched=finish.get("matched"),
-        num_retractions=result.num_retractions,
-        cached_tokens=result.cached_tokens,
-    )
-
-
-def parse_generate_response(resp: dict, url: str) -> GenOutput:
-    """A raw ``/generate`` reply (``EngineHandle``'s ``generate_raw``) through the engine client's parser."""
-    return gen_output(parse_reply(resp, url), url)
-
-
-class EngineHandle:
-    """One engine as the loop sees it: ``generate`` with at most ``max_in_flight`` calls at once.
-
-    ``client`` is the engine's ``asyncrl.engine.client.SGLangClient`` (its typed answer is used as is);
-    ``generate_raw`` (tests, other transports) replaces its ``generate`` by a coroutine ``(input_ids,
-    sampling_params, rid) -> raw /generate JSON``, parsed by the same client parser. Any failure (client error,
-    timeout, HTTP status, malformed reply) is ``asyncrl.engine.client.EngineError`` naming the URL.
-    """
-
-    def __init__(
-        self,
-        client: Any,
-        *,
-        max_in_flight: int,
-        url: Optional[str] = None,
-        generate_raw: Optional[Callable[..., Awaitable[dict]]] = None,
-    ):
-        self.client = client
-        self.url = url or getattr(client, "url", None) or getattr(client, "base_url", "?")
-        self.max_in_flight = max_in_flight
-        self._sem = asyncio.Semaphore(max_in_flight)
-        self._generate_raw = generate_raw
-        self.in_flight = 0
-        """Generate calls in flight now."""
-        self.load = 0
-        """Trajectories assigned now (for least-loaded placement of groups)."""
-
-    async def _call(self, input_ids, sampling_params, rid) -> GenerateResult:
-        if self._generate_raw is not None:
-            return parse_reply(await self._generate_raw(input_ids, sampling_params, rid), self.url)
-        return await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
-
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str) -> GenOutput:
-        async with self._sem:
-            self.in_flight += 1
-            try:
-                result = await self._call(input_ids, sampling_params, rid)
-            except EngineError:
-                raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, RuntimeError) as exc:
-                raise EngineError(self.url, "/generate", f"generate failed: {type(exc).__name__}: {exc}") from exc
-            finally:
-                self.in_flight -= 1
-        return gen_output(result, self.url)
 
 
 # ---------------------------------------------------------------- gate (drain)
@@ -256,6 +141,24 @@ class TrajectoryBuilder:
 # ---------------------------------------------------------------- the loop
 
 
+@dataclass
+class _Run:
+    """One trajectory's running state (``AgentLoop.run_trajectory``)."""
+
+    b: TrajectoryBuilder
+    t_start: float = field(default_factory=time.perf_counter)
+    stats: dict = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0})
+    tool: dict = field(default_factory=dict)
+    """Failed retrieval attempts of this trajectory (``tool/errors``)."""
+    turn_finishes: list[str] = field(default_factory=list)
+    gen_texts: list[str] = field(default_factory=list)
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_retractions: int = 0
+    finish_reason: str = ""
+    truncated: bool = False
+
+
 class AgentLoop:
     def __init__(
         self,
@@ -322,79 +225,82 @@ class AgentLoop:
         greedy: bool = False,
         rid: str = "t",
     ) -> Trajectory:
-        t_start = time.perf_counter()
-        b = TrajectoryBuilder(
-            list(prompt_ids if prompt_ids is not None else self.prompt_ids(item)), self.cfg.max_total_tokens
+        run = _Run(
+            TrajectoryBuilder(
+                list(prompt_ids if prompt_ids is not None else self.prompt_ids(item)), self.cfg.max_total_tokens
+            )
         )
-        stats = {"generate_s": 0.0, "tool_s": 0.0}
-        tool: dict = {}  # failed retrieval attempts of this trajectory (``tool/errors``)
-        turn_finishes: list[str] = []
-        gen_texts: list[str] = []
-        num_turns = num_tool_calls = num_retractions = 0
-        finish_reason, truncated = "", False
         try:
-            for turn in range(self.cfg.max_turns):
-                if b.room <= 0:
-                    finish_reason, truncated = "length", True
-                    break
-                max_new = min(self.cfg.max_tokens_per_turn, b.room)
-                ids, finish_type, matched, retractions = await self._generate_turn(
-                    b, engine, max_new, greedy=greedy, rid=f"{rid}-t{turn}", stats=stats
-                )
-                num_turns += 1
-                num_retractions += retractions
-                turn_finishes.append(finish_type)
-                text = self.tokenizer.decode(ids)
-                gen_texts.append(text)
-                action = self.task.parse_action(text)
-                if action.kind == "answer":
-                    finish_reason = "answer"
-                    break
-                if finish_type == "stop" and isinstance(matched, int) and (matched in self._eos or not self._eos):
-                    finish_reason = "eos"
-                    break
-                if finish_type == "length" and max_new < self.cfg.max_tokens_per_turn:
-                    finish_reason, truncated = "length", True  # the total limit, not the per-turn one
-                    break
-                if turn == self.cfg.max_turns - 1:
-                    finish_reason = "max_turns"
-                    break
-                if action.kind == "search":
-                    t0 = time.perf_counter()
-                    docs = (await self.retriever.retrieve([action.content], self.cfg.tool.topk, stats=tool))[0]
-                    stats["tool_s"] += time.perf_counter() - t0
-                    num_tool_calls += 1
-                    obs = self.observation_ids(docs)
-                else:
-                    obs = self._invalid_ids
-                if len(obs) + 1 > b.room:
-                    finish_reason, truncated = "length", True
-                    break
-                b.add_tool(obs)
+            await self._turns(run, engine, greedy=greedy, rid=rid)
         except EngineError as exc:
-            return self._aborted(b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes)
+            return self._aborted(run, str(exc))
         except RetrieverOutageError:  # fatal: the worker stops and the run fails naming the URL
             raise
         except RetrieverError as exc:  # marked: an eval must fail on it, not count it as a wrong answer
-            return self._aborted(
-                b, str(exc), stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes, kind="tool"
-            )
-        reward = float(self.task.reward("".join(gen_texts), item.answers))
-        stats["total_s"] = time.perf_counter() - t_start
-        return b.build(
-            reward=reward,
-            num_turns=num_turns,
-            num_tool_calls=num_tool_calls,
-            num_retractions=num_retractions,
-            finish_reason=finish_reason,
-            truncated=truncated,
-            timings=stats,
+            return self._aborted(run, str(exc), kind="tool")
+        run.stats["total_s"] = time.perf_counter() - run.t_start
+        return run.b.build(
+            reward=float(self.task.reward("".join(run.gen_texts), item.answers)),
+            num_turns=run.num_turns,
+            num_tool_calls=run.num_tool_calls,
+            num_retractions=run.num_retractions,
+            finish_reason=run.finish_reason,
+            truncated=run.truncated,
+            timings=run.stats,
             extra={
-                "turn_finish_reasons": turn_finishes,
+                "turn_finish_reasons": run.turn_finishes,
                 "engine": engine.url,
-                "tool_errors": tool.get("tool_errors", 0),
+                "tool_errors": run.tool.get("tool_errors", 0),
             },
         )
+
+    async def _turns(self, run: _Run, engine: EngineHandle, *, greedy: bool, rid: str) -> None:
+        """Generate, parse, call the tool, append its observation, until a finish (set on ``run``)."""
+        b = run.b
+        for turn in range(self.cfg.max_turns):
+            if b.room <= 0:
+                run.finish_reason, run.truncated = "length", True
+                return
+            max_new = min(self.cfg.max_tokens_per_turn, b.room)
+            ids, finish_type, matched, retractions = await self._generate_turn(
+                b, engine, max_new, greedy=greedy, rid=f"{rid}-t{turn}", stats=run.stats
+            )
+            run.num_turns += 1
+            run.num_retractions += retractions
+            run.turn_finishes.append(finish_type)
+            text = self.tokenizer.decode(ids)
+            run.gen_texts.append(text)
+            action = self.task.parse_action(text)
+            finish = self._turn_finish(action.kind, finish_type, matched, max_new, last=turn == self.cfg.max_turns - 1)
+            if finish is not None:
+                run.finish_reason, run.truncated = finish
+                return
+            if action.kind == "search":
+                t0 = time.perf_counter()
+                docs = (await self.retriever.retrieve([action.content], self.cfg.tool.topk, stats=run.tool))[0]
+                run.stats["tool_s"] += time.perf_counter() - t0
+                run.num_tool_calls += 1
+                obs = self.observation_ids(docs)
+            else:
+                obs = self._invalid_ids
+            if len(obs) + 1 > b.room:
+                run.finish_reason, run.truncated = "length", True
+                return
+            b.add_tool(obs)
+
+    def _turn_finish(
+        self, action_kind: str, finish_type: str, matched: Any, max_new: int, *, last: bool
+    ) -> Optional[tuple[str, bool]]:
+        """(finish reason, truncated) when the trajectory ends after this turn, else None (a tool turn follows)."""
+        if action_kind == "answer":
+            return "answer", False
+        if finish_type == "stop" and isinstance(matched, int) and (matched in self._eos or not self._eos):
+            return "eos", False
+        if finish_type == "length" and max_new < self.cfg.max_tokens_per_turn:
+            return "length", True  # the total limit, not the per-turn one
+        if last:
+            return "max_turns", False
+        return None
 
     async def _generate_turn(
         self, b: TrajectoryBuilder, engine: EngineHandle, max_new: int, *, greedy: bool, rid: str, stats: dict
@@ -434,22 +340,20 @@ class AgentLoop:
                 len(turn_ids),
             )
 
-    def _aborted(
-        self, b, error, stats, t_start, num_turns, num_tool_calls, num_retractions, turn_finishes, kind: str = "engine"
-    ):
+    def _aborted(self, run: _Run, error: str, kind: str = "engine") -> Trajectory:
         """An aborted trajectory; ``extra["error_kind"]`` says whether the ``engine`` or the ``tool`` failed."""
-        stats["total_s"] = time.perf_counter() - t_start
+        run.stats["total_s"] = time.perf_counter() - run.t_start
         log.warning("trajectory aborted: %s", error)
-        return b.build(
+        return run.b.build(
             reward=0.0,
-            num_turns=num_turns,
-            num_tool_calls=num_tool_calls,
-            num_retractions=num_retractions,
+            num_turns=run.num_turns,
+            num_tool_calls=run.num_tool_calls,
+            num_retractions=run.num_retractions,
             finish_reason="abort",
             aborted=True,
             error=error,
-            timings=stats,
-            extra={"turn_finish_reasons": turn_finishes, "error_kind": kind},
+            timings=run.stats,
+            extra={"turn_finish_reasons": run.turn_finishes, "error_kind": kind},
         )
 
     # -- groups

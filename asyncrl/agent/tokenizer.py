@@ -11,12 +11,13 @@ special-token strings in the context).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from asyncrl.models.spec import read_eos_token_ids, read_json
 
 
 class AgentTokenizer:
@@ -44,15 +45,11 @@ class AgentTokenizer:
         if not tok_file.is_file():
             raise ValueError(f"tokenizer path {str(root)!r}: no tokenizer.json there")
         tokenizer = Tokenizer.from_file(str(tok_file))
-        tcfg = _read_json(root / "tokenizer_config.json")
+        tcfg_path = root / "tokenizer_config.json"
+        tcfg = read_json(tcfg_path) if tcfg_path.is_file() else {}
         special = {k: _token_str(tcfg.get(k)) for k in ("eos_token", "bos_token", "pad_token", "unk_token")}
         special = {k: v for k, v in special.items() if v}
-        eos: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            value = _read_json(root / name).get("eos_token_id")
-            if value is not None:
-                eos = [value] if isinstance(value, int) else list(value)
-                break
+        eos = list(read_eos_token_ids(root))
         if not eos and "eos_token" in special:
             tid = tokenizer.token_to_id(special["eos_token"])
             eos = [] if tid is None else [tid]
@@ -97,12 +94,6 @@ class AgentTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
         return self.encode(text) if tokenize else text
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
 
 
 def _token_str(value: Any) -> str | None:

@@ -3,9 +3,12 @@
 Contract
 - One ``SGLangClient`` per engine URL; it owns one pooled ``aiohttp.ClientSession`` (created
   lazily inside the running loop; ``close()`` or ``async with`` releases it).
+- Its calls are the ones production makes from asyncio code: ``generate`` (the agent worker, the evaluator,
+  the eval fleet's probe), ``update_weights_from_disk`` and ``model_info`` / ``weight_version`` (the eval
+  fleet). The weight sync, the metrics scraper and the launcher's probes call from threads, through
+  ``asyncrl.engine.blocking``; tests that drive the rest of the protocol make their own raw calls.
 - Every call has a timeout: ``request_timeout_s`` for ``/generate``, ``control_timeout_s`` for
-  everything else (both overridable per call). A weight-sync call that blocks on the trainer
-  (``init_weights_update_group``, ``update_weights_from_distributed``) takes ``timeout_s``.
+  everything else (both overridable per call, ``timeout_s``).
 - Every failure raises ``EngineError`` carrying ``url``, ``endpoint``, ``status`` (None for
   connection errors and timeouts) and the server's ``message``; an SGLang ``{"success": false}``
   answer is a failure too.
@@ -15,7 +18,7 @@ Contract
     async with SGLangClient("http://127.0.0.1:30000") as c:
         r = await c.generate([1, 2, 3], {"max_new_tokens": 16, "temperature": 1.0})
         r.output_ids, r.output_logprobs, r.finish_reason["type"], r.weight_versions
-        await c.pause_generation("retract"); ...; await c.continue_generation()
+        await c.update_weights_from_disk("runs/x/snapshot", weight_version="3"); await c.weight_version()
 """
 
 from __future__ import annotations
@@ -85,18 +88,6 @@ class GenerateResult:
             if w["version"] not in out:
                 out.append(w["version"])
         return out or [self.weight_version]
-
-
-@dataclass(frozen=True)
-class EngineMetrics:
-    """What ``/metrics`` says about load; values summed over label sets (e.g. TP ranks: max)."""
-
-    num_running_reqs: float
-    num_queue_reqs: float
-    cache_hit_rate: float
-    generation_tokens_total: float
-    raw: dict[str, float] = field(repr=False)
-    """Every ``sglang:*`` sample by series name (without the prefix)."""
 
 
 def parse_generate_response(data: Any, url: str = "") -> GenerateResult:
@@ -270,83 +261,7 @@ class SGLangClient:
             data = data[0]
         return parse_generate_response(data, self.url)
 
-    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
-        """POST /abort_request (SGLang matches ``rid`` by prefix)."""
-        await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, want="none")
-
-    async def pause_generation(self, mode: PauseMode = "abort") -> dict:
-        return await self._request("POST", "/pause_generation", {"mode": mode})
-
-    async def continue_generation(self, *, torch_empty_cache: bool = False) -> dict:
-        return await self._request("POST", "/continue_generation", {"torch_empty_cache": torch_empty_cache})
-
-    async def flush_cache(self) -> None:
-        """POST /flush_cache; raises EngineError (400) while requests are running."""
-        await self._request("POST", "/flush_cache", None, want="text")
-
-    # ---- weight sync ---------------------------------------------------------------------
-    async def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-        timeout_s: Optional[float] = None,
-    ) -> dict:
-        """Blocks until every rank joined: run it as a task, then join the group on the trainer."""
-        return await self._control(
-            "/init_weights_update_group",
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            },
-            timeout_s=timeout_s,
-        )
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        return await self._control("/destroy_weights_update_group", {"group_name": group_name})
-
-    async def begin_weight_update(self, selector: str = "all") -> dict:
-        return await self._control("/begin_weight_update", {"selector": selector})
-
-    async def end_weight_update(self) -> dict:
-        return await self._control("/end_weight_update", {})
-
-    async def update_weights_from_distributed(
-        self,
-        *,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: Optional[str] = None,
-        load_format: Optional[str] = None,
-        timeout_s: Optional[float] = None,
-    ) -> dict:
-        """Send while the trainer broadcasts the tensors from group rank 0 in ``names`` order
-        (``load_format="flattened_bucket"``: one uint8 tensor, each tensor's bytes back to back)."""
-        return await self._control(
-            "/update_weights_from_distributed",
-            {
-                "names": list(names),
-                "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-                "shapes": [list(s) for s in shapes],
-                "group_name": group_name,
-                "flush_cache": flush_cache,
-                "weight_version": weight_version,
-                "load_format": load_format,
-            },
-            timeout_s=timeout_s,
-        )
-
+    # ---- weights and info --------------------------------------------------------------
     async def update_weights_from_disk(
         self,
         model_path: str,
@@ -369,13 +284,6 @@ class SGLangClient:
             body["weight_version"] = str(weight_version)
         return await self._control("/update_weights_from_disk", body, timeout_s=timeout_s)
 
-    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
-        """Note: our default is False; SGLang's server default (if the key is omitted) is True."""
-        return await self._control(
-            "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
-        )
-
-    # ---- info ----------------------------------------------------------------------------
     async def model_info(self, *, timeout_s: Optional[float] = None) -> dict:
         """GET /model_info (falls back to /get_model_info on older SGLang)."""
         try:
@@ -385,27 +293,8 @@ class SGLangClient:
                 raise
             return await self._request("GET", "/get_model_info", timeout_s=timeout_s)
 
-    async def server_info(self) -> dict:
-        try:
-            return await self._request("GET", "/server_info")
-        except EngineError as e:
-            if e.status != 404:
-                raise
-            return await self._request("GET", "/get_server_info")
-
     async def weight_version(self) -> str:
         return str((await self.model_info())["weight_version"])
-
-    async def metrics(self) -> EngineMetrics:
-        """Scrape GET /metrics (needs ``--enable-metrics`` on SGLang)."""
-        raw = parse_prometheus(await self._request("GET", "/metrics", want="text"))
-        return EngineMetrics(
-            num_running_reqs=raw.get("num_running_reqs", 0.0),
-            num_queue_reqs=raw.get("num_queue_reqs", 0.0),
-            cache_hit_rate=raw.get("cache_hit_rate", 0.0),
-            generation_tokens_total=raw.get("generation_tokens_total", 0.0),
-            raw=raw,
-        )
 
 
 def _server_message(text: str) -> str:

@@ -86,6 +86,16 @@ class ModelSpec:
         )
 
 
+def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
+    """The EOS ids of a HF directory as ``ModelSpec.eos_token_ids`` has them (``config.json`` then
+    ``generation_config.json``, in order, no repeats), for readers that need no decoder (a tokenizer directory may
+    lack ``config.json``); files that are absent count as empty."""
+    p = Path(path)
+    return _eos_ids(
+        *(read_json(p / n) if (p / n).is_file() else None for n in ("config.json", "generation_config.json"))
+    )
+
+
 def read_json(path: Path) -> dict:
     try:
         out = json.loads(path.read_text())

@@ -236,6 +236,42 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _config(arch: str, tokenizer_vocab: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a tiny ``arch`` model: the family's base, the tokenizer's vocabulary, the overrides."""
+    cfg = _base_config(arch)
+    cfg["vocab_size"] = tokenizer_vocab
+    cfg.update(overrides)
+    if arch in ("qwen2", "qwen3") and "num_hidden_layers" in overrides and "max_window_layers" not in overrides:
+        cfg["max_window_layers"] = cfg["num_hidden_layers"]
+    if cfg["vocab_size"] < tokenizer_vocab:
+        raise ValueError(f"vocab_size={cfg['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab} tokens")
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    cfg["transformers_version"] = "4.45.0"
+    return cfg
+
+
+def _write_tokenizer_files(out: Path, tok: Any, cfg: dict[str, Any]) -> None:
+    """tokenizer_config.json, special_tokens_map.json and generation_config.json beside the weights."""
+    tcfg = _tokenizer_config(tok, cfg["max_position_embeddings"])
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
+    special_map = {
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+    }
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    gen_cfg = {
+        "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")],
+        "pad_token_id": cfg["pad_token_id"],
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+
+
 def make_tiny_checkpoint(
     out_dir: str | Path,
     *,
@@ -265,39 +301,12 @@ def make_tiny_checkpoint(
     tok = _train_tokenizer(text, vocab_size)
     tok.save(str(out / "tokenizer.json"))
 
-    cfg = _base_config(arch)
-    cfg["vocab_size"] = tok.get_vocab_size()
-    cfg.update(overrides)
-    if arch in ("qwen2", "qwen3") and "num_hidden_layers" in overrides and "max_window_layers" not in overrides:
-        cfg["max_window_layers"] = cfg["num_hidden_layers"]
-    if cfg["vocab_size"] < tok.get_vocab_size():
-        raise ValueError(
-            f"vocab_size={cfg['vocab_size']} is smaller than the tokenizer's {tok.get_vocab_size()} tokens"
-        )
-    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
-        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-    cfg["transformers_version"] = "4.45.0"
+    cfg = _config(arch, tok.get_vocab_size(), overrides)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     save_safetensors(_random_weights(cfg, seed), out / "model.safetensors")
 
-    tcfg = _tokenizer_config(tok, cfg["max_position_embeddings"])
-    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
-    special_map = {
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-    }
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
-    gen_cfg = {
-        "bos_token_id": cfg["bos_token_id"],
-        "eos_token_id": [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")],
-        "pad_token_id": cfg["pad_token_id"],
-        "do_sample": True,
-        "temperature": 1.0,
-        "top_p": 1.0,
-    }
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    _write_tokenizer_files(out, tok, cfg)
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +31,35 @@ import torch.nn.functional as F
 from asyncrl.models.rope import rope_inv_freq
 from asyncrl.models.safetensors_io import SafetensorsReader
 from asyncrl.models.spec import CPU_ENGINE, ModelSpec, require
+
+
+def _rotate_half_matrix(d: int) -> torch.Tensor:
+    """R [d, d] with ``x @ R == cat(-x[d/2:], x[:d/2])`` exactly (one +-1 per column): HF's rotate-half as one
+    matmul instead of two slices, a negation and a concatenation."""
+    half = d // 2
+    r = torch.zeros(d, d)
+    r[torch.arange(half) + half, torch.arange(half)] = -1.0
+    r[torch.arange(half), torch.arange(half) + half] = 1.0
+    return r
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One forward's shared tables (``CausalLM._plan``)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """[B, N, q + k + v heads, head_dim] each: the rotary tables of q heads (times the attention scale, so scores
+    need no scaling) and k heads; 1 and 0 for v heads (left as they are)."""
+    b_idx: torch.Tensor
+    j_idx: torch.Tensor
+    """(row in the batch, position in the feed) of each real (unpadded) token."""
+    kv_index: torch.Tensor
+    """Flat index of each real token's kv heads in a layer's cache viewed as [rows * kv_heads * capacity, d]."""
+    hidden: torch.Tensor
+    """[B, 1, 1, N, Lmax] bool: True where a key is hidden from a query."""
+    row0: int
+    Lmax: int
 
 
 class KVPool:
@@ -94,7 +124,7 @@ class CausalLM:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         s = spec
-        h, d, nh, nkv, ffn = s.hidden_size, s.head_dim, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
+        h = s.hidden_size
         self.params: dict[str, torch.Tensor] = {}
         # buffer -> the HF names that are views of it ("layers.3.qkv_w" -> q/k/v_proj.weight): the
         # unit ``swap_groups`` exchanges between two models of the same spec
@@ -104,55 +134,7 @@ class CausalLM:
         }
         self.embed = torch.zeros(s.vocab_size, h)
         self.params["model.embed_tokens.weight"] = self.embed
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for i in range(s.num_layers):
-            p = f"model.layers.{i}."
-            L = {
-                "ln1": torch.ones(h),
-                "qkv_w": torch.zeros((nh + 2 * nkv) * d, h),
-                "qkv_b": torch.zeros((nh + 2 * nkv) * d) if s.qkv_bias else None,
-                "o_w": torch.zeros(h, nh * d),
-                "o_b": torch.zeros(h) if s.o_bias else None,
-                "ln2": torch.ones(h),
-                "gu_w": torch.zeros(2 * ffn, h),
-                "down_w": torch.zeros(h, ffn),
-                "q_norm": torch.ones(d) if s.qk_norm else None,
-                "k_norm": torch.ones(d) if s.qk_norm else None,
-            }
-            self.layers.append(L)
-            q_end, k_end = nh * d, (nh + nkv) * d
-            for k, names in (
-                ("ln1", ["input_layernorm.weight"]),
-                ("qkv_w", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-                ("qkv_b", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
-                ("o_w", ["self_attn.o_proj.weight"]),
-                ("o_b", ["self_attn.o_proj.bias"]),
-                ("ln2", ["post_attention_layernorm.weight"]),
-                ("gu_w", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-                ("down_w", ["mlp.down_proj.weight"]),
-                ("q_norm", ["self_attn.q_norm.weight"]),
-                ("k_norm", ["self_attn.k_norm.weight"]),
-            ):
-                if L[k] is not None:
-                    self.groups[f"layers.{i}.{k}"] = tuple(p + n for n in names)
-            self.params[p + "input_layernorm.weight"] = L["ln1"]
-            self.params[p + "self_attn.q_proj.weight"] = L["qkv_w"][:q_end]
-            self.params[p + "self_attn.k_proj.weight"] = L["qkv_w"][q_end:k_end]
-            self.params[p + "self_attn.v_proj.weight"] = L["qkv_w"][k_end:]
-            if s.qkv_bias:
-                self.params[p + "self_attn.q_proj.bias"] = L["qkv_b"][:q_end]
-                self.params[p + "self_attn.k_proj.bias"] = L["qkv_b"][q_end:k_end]
-                self.params[p + "self_attn.v_proj.bias"] = L["qkv_b"][k_end:]
-            if s.qk_norm:
-                self.params[p + "self_attn.q_norm.weight"] = L["q_norm"]
-                self.params[p + "self_attn.k_norm.weight"] = L["k_norm"]
-            self.params[p + "self_attn.o_proj.weight"] = L["o_w"]
-            if s.o_bias:
-                self.params[p + "self_attn.o_proj.bias"] = L["o_b"]
-            self.params[p + "post_attention_layernorm.weight"] = L["ln2"]
-            self.params[p + "mlp.gate_proj.weight"] = L["gu_w"][:ffn]
-            self.params[p + "mlp.up_proj.weight"] = L["gu_w"][ffn:]
-            self.params[p + "mlp.down_proj.weight"] = L["down_w"]
+        self.layers: list[dict[str, torch.Tensor]] = [self._add_layer(i) for i in range(s.num_layers)]
         self.norm = torch.ones(h)
         self.params["model.norm.weight"] = self.norm
         if s.tie_word_embeddings:
@@ -162,7 +144,60 @@ class CausalLM:
             self.params["lm_head.weight"] = self.lm_head
             self.groups["lm_head"] = ("lm_head.weight",)
         self.inv_freq = rope_inv_freq(spec)
+        self.rot = _rotate_half_matrix(s.head_dim)
         self.group_of = {n: g for g, names in self.groups.items() for n in names}
+
+    def _add_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s fused buffers, with their HF-named views registered in ``params`` and ``groups``."""
+        s = self.spec
+        h, d, nh, nkv, ffn = s.hidden_size, s.head_dim, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
+        p = f"model.layers.{i}."
+        L = {
+            "ln1": torch.ones(h),
+            "qkv_w": torch.zeros((nh + 2 * nkv) * d, h),
+            "qkv_b": torch.zeros((nh + 2 * nkv) * d) if s.qkv_bias else None,
+            "o_w": torch.zeros(h, nh * d),
+            "o_b": torch.zeros(h) if s.o_bias else None,
+            "ln2": torch.ones(h),
+            "gu_w": torch.zeros(2 * ffn, h),
+            "down_w": torch.zeros(h, ffn),
+            "q_norm": torch.ones(d) if s.qk_norm else None,
+            "k_norm": torch.ones(d) if s.qk_norm else None,
+        }
+        q_end, k_end = nh * d, (nh + nkv) * d
+        for k, names in (
+            ("ln1", ["input_layernorm.weight"]),
+            ("qkv_w", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+            ("qkv_b", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]),
+            ("o_w", ["self_attn.o_proj.weight"]),
+            ("o_b", ["self_attn.o_proj.bias"]),
+            ("ln2", ["post_attention_layernorm.weight"]),
+            ("gu_w", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+            ("down_w", ["mlp.down_proj.weight"]),
+            ("q_norm", ["self_attn.q_norm.weight"]),
+            ("k_norm", ["self_attn.k_norm.weight"]),
+        ):
+            if L[k] is not None:
+                self.groups[f"layers.{i}.{k}"] = tuple(p + n for n in names)
+        self.params[p + "input_layernorm.weight"] = L["ln1"]
+        self.params[p + "self_attn.q_proj.weight"] = L["qkv_w"][:q_end]
+        self.params[p + "self_attn.k_proj.weight"] = L["qkv_w"][q_end:k_end]
+        self.params[p + "self_attn.v_proj.weight"] = L["qkv_w"][k_end:]
+        if s.qkv_bias:
+            self.params[p + "self_attn.q_proj.bias"] = L["qkv_b"][:q_end]
+            self.params[p + "self_attn.k_proj.bias"] = L["qkv_b"][q_end:k_end]
+            self.params[p + "self_attn.v_proj.bias"] = L["qkv_b"][k_end:]
+        if s.qk_norm:
+            self.params[p + "self_attn.q_norm.weight"] = L["q_norm"]
+            self.params[p + "self_attn.k_norm.weight"] = L["k_norm"]
+        self.params[p + "self_attn.o_proj.weight"] = L["o_w"]
+        if s.o_bias:
+            self.params[p + "self_attn.o_proj.bias"] = L["o_b"]
+        self.params[p + "post_attention_layernorm.weight"] = L["ln2"]
+        self.params[p + "mlp.gate_proj.weight"] = L["gu_w"][:ffn]
+        self.params[p + "mlp.up_proj.weight"] = L["gu_w"][ffn:]
+        self.params[p + "mlp.down_proj.weight"] = L["down_w"]
+        return L
 
     def _buffer(self, group: str) -> torch.Tensor:
         if group.startswith("layers."):
@@ -215,74 +250,82 @@ class CausalLM:
         return sorted(set(self.params) - names)
 
     # ---- forward -------------------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def _plan(self, past_len_B: torch.Tensor, new_len_B: torch.Tensor, N: int, kv: KVPool, row0: int) -> _Plan:
+        """What every layer of one forward shares: rope tables, the attention mask, where the new KV goes."""
+        s = self.spec
+        B = past_len_B.shape[0]
+        j_N = torch.arange(N)
+        Lmax = int((past_len_B + new_len_B).max())
+        kv.ensure_capacity(Lmax)
+        # rope tables for these positions, one row per head of the fused qkv ([B, N, heads, d] layout)
+        freqs = (past_len_B[:, None] + j_N[None, :]).to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+        nh, nkv, scale = s.num_attention_heads, s.num_query_groups, 1.0 / math.sqrt(s.head_dim)
+        cos, sin = emb.cos(), emb.sin()
+        v_one = torch.ones(B, N, nkv, s.head_dim)
+        cos = torch.cat((cos.mul(scale).expand(-1, -1, nh, -1), cos.expand(-1, -1, nkv, -1), v_one), dim=2)
+        sin = torch.cat((sin.mul(scale).expand(-1, -1, nh, -1), sin.expand(-1, -1, nkv, -1), v_one * 0), dim=2)
+        # which (row, j) are real tokens, and where their KV goes: flat index of (row, kv head, position) in a
+        # layer's cache viewed as [max_rows * kv_heads * capacity, d], for each real token's kv heads
+        if N == 1:
+            b_idx, j_idx = torch.arange(B), torch.zeros(B, dtype=torch.long)
+        else:
+            b_idx, j_idx = (j_N[None, :] < new_len_B[:, None]).nonzero(as_tuple=True)
+        cap = kv.capacity
+        slot_T = ((b_idx + row0) * nkv)[:, None] + torch.arange(nkv)[None, :]
+        kv_index = (slot_T * cap + (past_len_B[b_idx] + j_idx)[:, None]).reshape(-1)
+        # attention mask: query j of row b sees keys <= past_b + min(j, n_b - 1)
+        last_B = (new_len_B - 1).clamp(min=0)
+        qpos_BN = past_len_B[:, None] + torch.minimum(j_N[None, :], last_B[:, None])
+        hidden = (torch.arange(Lmax)[None, None, :] > qpos_BN[:, :, None])[:, None, None]
+        return _Plan(cos, sin, b_idx, j_idx, kv_index, hidden, row0, Lmax)
+
+    def _attention(self, x: torch.Tensor, L: dict, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """x + self-attention of one layer (writes the new tokens' K and V into this layer's cache rows)."""
+        s = self.spec
+        B, N, _ = x.shape
+        d, nh, nkv = s.head_dim, s.num_attention_heads, s.num_query_groups
+        hdn = F.rms_norm(x, (s.hidden_size,), L["ln1"], s.rms_norm_eps)
+        qkv = F.linear(hdn, L["qkv_w"], L["qkv_b"]).view(B, N, nh + 2 * nkv, d)
+        if s.qk_norm:
+            q = F.rms_norm(qkv[:, :, :nh], (d,), L["q_norm"], s.rms_norm_eps)
+            k = F.rms_norm(qkv[:, :, nh : nh + nkv], (d,), L["k_norm"], s.rms_norm_eps)
+            qkv = torch.cat((q, k, qkv[:, :, nh + nkv :]), dim=2)
+        # rope on q and k (v's tables are 1 and 0), q scaled for the scores: three ops for every head at once
+        qkv = torch.addcmul(qkv * plan.cos, torch.matmul(qkv, self.rot), plan.sin)
+        q, k, v = qkv[:, :, :nh], qkv[:, :, nh : nh + nkv], qkv[:, :, nh + nkv :]
+        if N == 1:
+            k_new, v_new = k.reshape(B * nkv, d), v.reshape(B * nkv, d)
+        else:
+            k_new = k[plan.b_idx, plan.j_idx].reshape(-1, d)
+            v_new = v[plan.b_idx, plan.j_idx].reshape(-1, d)
+        kc.view(-1, d).index_copy_(0, plan.kv_index, k_new)
+        vc.view(-1, d).index_copy_(0, plan.kv_index, v_new)
+        r0, Lmax, grp = plan.row0, plan.Lmax, nh // nkv
+        keys, vals = kc[r0 : r0 + B, :, :Lmax], vc[r0 : r0 + B, :, :Lmax]
+        # grouped-query attention without repeating K/V: query head h reads kv head h // grp
+        q = q.transpose(1, 2).reshape(B, nkv, grp * N, d)
+        scores = torch.matmul(q, keys.transpose(-1, -2))
+        scores = scores.view(B, nkv, grp, N, Lmax).masked_fill_(plan.hidden, float("-inf"))
+        att = torch.matmul(torch.softmax(scores.view(B, nkv, grp * N, Lmax), dim=-1), vals).view(B, nh, N, d)
+        return x + F.linear(att.transpose(1, 2).reshape(B, N, nh * d), L["o_w"], L["o_b"])
+
+    def _mlp(self, x: torch.Tensor, L: dict) -> torch.Tensor:
+        s = self.spec
+        hdn = F.rms_norm(x, (s.hidden_size,), L["ln2"], s.rms_norm_eps)
+        g, u = F.linear(hdn, L["gu_w"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(g).mul_(u), L["down_w"])
 
     @torch.no_grad()
     def forward(
         self, tokens_BN: torch.Tensor, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int
     ) -> torch.Tensor:
-        s = self.spec
-        B, N = tokens_BN.shape
-        d, nh, nkv = s.head_dim, s.num_attention_heads, s.num_query_groups
-        j_N = torch.arange(N)
-        pos_BN = past_len_B[:, None] + j_N[None, :]
-        total_B = past_len_B + new_len_B
-        Lmax = int(total_B.max())
-        kv.ensure_capacity(Lmax)
-        # rope tables for these positions: [B, 1, N, d]
-        freqs = pos_BN.to(torch.float32)[..., None] * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        cos, sin = emb.cos(), emb.sin()
-        # which (row, j) are real tokens, and where their KV goes
-        if N == 1:
-            b_idx = torch.arange(B)
-            j_idx = torch.zeros(B, dtype=torch.long)
-        else:
-            valid_BN = j_N[None, :] < new_len_B[:, None]
-            b_idx, j_idx = valid_BN.nonzero(as_tuple=True)
-        rows = b_idx + row0
-        kpos = past_len_B[b_idx] + j_idx
-        # attention mask [B, 1, N, Lmax]: query j of row b sees keys <= past_b + min(j, n_b - 1)
-        last_B = (new_len_B - 1).clamp(min=0)
-        qpos_BN = past_len_B[:, None] + torch.minimum(j_N[None, :], last_B[:, None])
-        mask = torch.arange(Lmax)[None, None, :] <= qpos_BN[:, :, None]
-        neg_mask = ~mask[:, None, None]  # [B, 1, 1, N, Lmax]: True where a key is hidden
-        grp = nh // nkv
-        scale = 1.0 / math.sqrt(d)
-
+        """Hidden states [B, N, H] of a batch whose KV lives in rows ``row0 .. row0+B-1`` (module contract)."""
+        plan = self._plan(past_len_B, new_len_B, tokens_BN.shape[1], kv, row0)
         x = F.embedding(tokens_BN, self.embed)
         for layer, L in enumerate(self.layers):
-            hdn = F.rms_norm(x, (s.hidden_size,), L["ln1"], s.rms_norm_eps)
-            qkv = F.linear(hdn, L["qkv_w"], L["qkv_b"])
-            q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
-            q = q.view(B, N, nh, d).transpose(1, 2)
-            k = k.view(B, N, nkv, d).transpose(1, 2)
-            v = v.view(B, N, nkv, d).transpose(1, 2)
-            if s.qk_norm:
-                q = F.rms_norm(q, (d,), L["q_norm"], s.rms_norm_eps)
-                k = F.rms_norm(k, (d,), L["k_norm"], s.rms_norm_eps)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            kc, vc = kv.k[layer], kv.v[layer]
-            kc[rows, :, kpos] = k.transpose(1, 2)[b_idx, j_idx]
-            vc[rows, :, kpos] = v.transpose(1, 2)[b_idx, j_idx]
-            keys = kc[row0 : row0 + B, :, :Lmax]
-            vals = vc[row0 : row0 + B, :, :Lmax]
-            # grouped-query attention without repeating K/V: query head h reads kv head h // grp
-            scores = torch.matmul(q.reshape(B, nkv, grp * N, d), keys.transpose(-1, -2)).mul_(scale)
-            scores = scores.view(B, nkv, grp, N, Lmax).masked_fill_(neg_mask, float("-inf"))
-            probs = torch.softmax(scores.view(B, nkv, grp * N, Lmax), dim=-1)
-            att = torch.matmul(probs, vals).view(B, nh, N, d)
-            att = att.transpose(1, 2).reshape(B, N, nh * d)
-            x = x + F.linear(att, L["o_w"], L["o_b"])
-            hdn = F.rms_norm(x, (s.hidden_size,), L["ln2"], s.rms_norm_eps)
-            gu = F.linear(hdn, L["gu_w"])
-            g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, L["down_w"])
-        return F.rms_norm(x, (s.hidden_size,), self.norm, s.rms_norm_eps)
+            x = self._mlp(self._attention(x, L, kv.k[layer], kv.v[layer], plan), L)
+        return F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,6 @@ import collections
 import concurrent.futures as cf
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -39,245 +38,14 @@ import torch
 
 from asyncrl.engine.client import ENGINE_PAUSE_MODES as PAUSE_MODES
 from asyncrl.rollout.cpu_model import CausalLM, KVPool
+from asyncrl.rollout.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
+from asyncrl.rollout.request import Request, response
+from asyncrl.rollout.sampler import sample
+from asyncrl.rollout.sampling_params import RequestError
 
 # Padded prefill tokens per forward (rows x longest feed): bounds the padding waste and the
 # attention-mask memory of one prefill batch.
 PREFILL_TOKEN_BUDGET = 2048
-# A finished request's KV goes to the prefix cache only when it has at least this many tokens.
-MIN_PREFIX_TOKENS = 4
-MAX_PREFIX_ENTRIES = 512  # linear-scan lookup: keep it short
-# Request bounds (a 400 beyond them, before anything reaches the engine thread):
-MAX_TOKENS = 1 << 30  # max_new_tokens / min_new_tokens; generation stops at the context length anyway
-MAX_TEMPERATURE = 1e6  # far past where sampling is uniform; larger values are typos or overflow probes
-MAX_TOP_K = 1 << 30  # SGLang's own stand-in for "no top-k"; a larger k is clamped (same meaning)
-MAX_N = 64  # parallel samples of one prompt in one request (each is a running request)
-
-
-class RequestError(ValueError):
-    """A request the engine rejects (HTTP 400); the message names the field at fault."""
-
-
-# Every key SGLang's SamplingParams accepts (0.5.x). Unknown keys are a 400, as in SGLang.
-_SGLANG_SAMPLING_KEYS = {
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "custom_params",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-}
-# Known to SGLang but not implemented here: accepted only at their neutral value.
-_NEUTRAL = {
-    "stop_regex": (None, [], ""),
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
-    "structural_tag": (None,),
-    "logit_bias": (None, {}),
-    "custom_params": (None, {}),
-}
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    min_new_tokens: int = 0
-    n: int = 1
-    sampling_seed: Optional[int] = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.top_k == 1
-
-
-def _is_int(v: Any) -> bool:
-    return type(v) is int  # a JSON integer; never a bool or a float such as 1.0 or 1e400 (= inf)
-
-
-def check_int(v: Any, key: str, *, lo: int, hi: int) -> int:
-    """``v`` as an integer in ``[lo, hi]``; ``RequestError`` naming ``key`` otherwise."""
-    if not _is_int(v) or not lo <= v <= hi:
-        raise RequestError(f"{key} must be an integer in [{lo}, {hi}], got {v!r:.80}")
-    return v
-
-
-def check_number(v: Any, key: str, *, lo: float, hi: float) -> float:
-    """``v`` as a finite number in ``[lo, hi]`` (NaN and inf fail; so do bools and strings)."""
-    if type(v) not in (int, float) or not lo <= v <= hi:
-        raise RequestError(f"{key} must be a finite number in [{lo:g}, {hi:g}], got {v!r:.80}")
-    return float(v)
-
-
-def check_bool(v: Any, key: str) -> bool:
-    """A JSON ``true``/``false``: the string ``"false"`` is an error, not ``True``."""
-    if type(v) is not bool:
-        raise RequestError(f"{key} must be true or false, got {v!r:.80}")
-    return v
-
-
-def parse_sampling_params(raw: Any) -> SamplingParams:
-    """SGLang's ``sampling_params`` dict -> ``SamplingParams``; ``RequestError`` names the bad key.
-    Every value is type- and range-checked here, so nothing a client sends can fail later on the engine
-    thread (``top_k`` above the vocabulary means no top-k cut, as in SGLang, and is clamped)."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _SGLANG_SAMPLING_KEYS, key=str)
-    if unknown:
-        raise RequestError(f"sampling_params: unexpected keyword argument(s) {unknown}")
-    for key, neutral in _NEUTRAL.items():
-        if key in raw and not any(type(raw[key]) is type(x) and raw[key] == x for x in neutral):
-            raise RequestError(f"sampling_params.{key}={raw[key]!r:.80} is not supported by the CPU engine")
-    kw: dict[str, Any] = {}
-    get = {k: v for k, v in raw.items() if v is not None}.get
-    sp = "sampling_params."
-    if get("max_new_tokens") is not None:
-        kw["max_new_tokens"] = check_int(get("max_new_tokens"), sp + "max_new_tokens", lo=0, hi=MAX_TOKENS)
-    if get("temperature") is not None:
-        kw["temperature"] = check_number(get("temperature"), sp + "temperature", lo=0.0, hi=MAX_TEMPERATURE)
-    if get("top_p") is not None:
-        kw["top_p"] = check_number(get("top_p"), sp + "top_p", lo=0.0, hi=1.0)
-        if kw["top_p"] == 0.0:
-            raise RequestError("sampling_params.top_p must be in (0, 1], got 0")
-    if get("min_p") is not None:
-        kw["min_p"] = check_number(get("min_p"), sp + "min_p", lo=0.0, hi=1.0)
-    if get("top_k") is not None:
-        k = get("top_k")
-        if not _is_int(k) or not (k == -1 or k >= 1):
-            raise RequestError(f"sampling_params.top_k must be -1 or an integer >= 1, got {k!r:.80}")
-        kw["top_k"] = min(k, MAX_TOP_K)  # any k >= the vocabulary keeps every token
-    if get("min_new_tokens") is not None:
-        kw["min_new_tokens"] = check_int(get("min_new_tokens"), sp + "min_new_tokens", lo=0, hi=MAX_TOKENS)
-    if get("n") is not None:
-        kw["n"] = check_int(get("n"), sp + "n", lo=1, hi=MAX_N)
-    if get("sampling_seed") is not None:
-        kw["sampling_seed"] = check_int(get("sampling_seed"), sp + "sampling_seed", lo=0, hi=2**64 - 1)
-    stop = get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
-            raise RequestError(f"sampling_params.stop must be a non-empty string or a list of them, got {stop!r:.80}")
-        kw["stop"] = tuple(stops)
-    ids = get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < 2**63 for t in ids):
-            raise RequestError(f"sampling_params.stop_token_ids must be a list of token ids, got {ids!r:.80}")
-        kw["stop_token_ids"] = tuple(ids)
-    for k in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
-        if get(k) is not None:
-            v = check_bool(get(k), sp + k)
-            if k != "spaces_between_special_tokens":
-                kw[k] = v
-    if get("stream_interval") is not None:
-        check_int(get("stream_interval"), sp + "stream_interval", lo=1, hi=MAX_TOKENS)
-    return SamplingParams(**kw)
-
-
-@dataclass(eq=False)
-class Request:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    deliver: Callable[[dict], None]
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    input_logprobs: Optional[list[Optional[float]]] = None
-    weight_versions: list[dict] = field(default_factory=list)
-    num_retractions: int = 0
-    retracted: bool = False
-    cached_tokens: int = 0
-    kv_len: int = 0
-    row: int = -1
-    created_s: float = field(default_factory=time.monotonic)
-    generator: Optional[torch.Generator] = None
-    finish_reason: Optional[dict] = None
-    stop_text: Optional[str] = None
-
-    def tokens(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-    def feed(self) -> list[int]:
-        """``tokens()[kv_len:]`` without building the whole list (decode: the last token)."""
-        n_in = len(self.input_ids)
-        if self.kv_len >= n_in:
-            return self.output_ids[self.kv_len - n_in :]
-        return self.input_ids[self.kv_len :] + self.output_ids
-
-
-class PrefixCache:
-    """Finished requests' KV keyed by their token sequence, LRU-bounded in tokens."""
-
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
-        self.entries: collections.OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = (
-            collections.OrderedDict()
-        )
-        self.tokens = 0
-
-    def insert(self, key: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.max_tokens <= 0 or len(key) > self.max_tokens or key in self.entries:
-            return
-        self.entries[key] = (k, v)
-        self.tokens += len(key)
-        while self.tokens > self.max_tokens or len(self.entries) > MAX_PREFIX_ENTRIES:
-            old, _ = self.entries.popitem(last=False)
-            self.tokens -= len(old)
-
-    def lookup(self, tokens: list[int], limit: int) -> tuple[int, Optional[tuple[torch.Tensor, torch.Tensor]]]:
-        """Longest common prefix (capped at ``limit``) with any entry, and that entry's KV."""
-        best, best_kv, best_key = 0, None, None
-        if not self.entries or limit <= 0:
-            return 0, None
-        x = torch.tensor(tokens[:limit])
-        for key, kv in self.entries.items():
-            if key[0] != tokens[0]:
-                continue
-            m = min(len(key), limit)
-            neq = (torch.tensor(key[:m]) != x[:m]).nonzero()
-            lcp = int(neq[0]) if len(neq) else m
-            if lcp > best:
-                best, best_kv, best_key = lcp, kv, key
-        if best_key is not None:
-            self.entries.move_to_end(best_key)
-        return best, best_kv
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.tokens = 0
 
 
 @dataclass
@@ -352,14 +120,17 @@ class Scheduler:
 
     # ---- engine thread ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self._drain()
-            if self.paused is None and (self.running or self.waiting):
-                self.step()
-                continue
-            with self._cond:
-                if not self._inbox and not self._calls:
-                    self._cond.wait(timeout=0.2)
+        # inference mode for the whole engine thread (steps and calls alike): less per-op bookkeeping than
+        # no_grad, and every tensor the thread makes (KV rows, the standby bank) is only ever written on it
+        with torch.inference_mode():
+            while not stop.is_set():
+                self._drain()
+                if self.paused is None and (self.running or self.waiting):
+                    self.step()
+                    continue
+                with self._cond:
+                    if not self._inbox and not self._calls:
+                        self._cond.wait(timeout=0.2)
 
     def _drain(self) -> None:
         with self._cond:
@@ -442,7 +213,9 @@ class Scheduler:
                 self._finish(r, {"type": "length", "length": 0})
         if not live:
             return
-        tokens, logprobs = self._sample(logits[live], [batch[b] for b in live])
+        tokens, logprobs = sample(
+            logits[live], [batch[b] for b in live], generator=self.generator, eos_ids=self.eos_ids
+        )
         self.counters.generation_tokens += len(live)
         self.counters.recent.append((now, len(live)))
         for b, tok, lp in zip(live, tokens, logprobs):
@@ -457,47 +230,6 @@ class Scheduler:
         vals = lp[:-1].gather(1, ids[1:, None])[:, 0].tolist()
         full: list[Optional[float]] = [None] + vals
         r.input_logprobs = full[r.logprob_start_len :]
-
-    def _sample(self, logits_BV: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float]]:
-        B, V = logits_BV.shape
-        logits_BV = logits_BV.float().clone()
-        for b, r in enumerate(reqs):  # min_new_tokens: eos and stop tokens are banned until then
-            if len(r.output_ids) < r.params.min_new_tokens:
-                ban = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
-                ban = [t for t in ban if 0 <= t < V]
-                if ban:
-                    logits_BV[b, ban] = float("-inf")
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
-        scaled = logits_BV / temps[:, None]
-        logp = torch.log_softmax(scaled, dim=-1)
-        greedy = torch.tensor([r.params.greedy for r in reqs])
-        out = scaled.argmax(dim=-1)
-        if not bool(greedy.all()):
-            probs = logp.exp()
-            if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs):
-                probs, order = probs.sort(dim=-1, descending=True)
-                top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else V for r in reqs])
-                top_p = torch.tensor([r.params.top_p for r in reqs])
-                min_p = torch.tensor([r.params.min_p for r in reqs])
-                rank = torch.arange(V)[None, :]
-                cum = probs.cumsum(dim=-1)
-                drop = (rank >= top_k[:, None]) | ((cum - probs) > top_p[:, None])
-                drop |= probs < (min_p[:, None] * probs[:, :1])
-                drop[:, 0] = False
-                probs = probs.masked_fill(drop, 0.0)
-            else:
-                order = None
-            u = torch.rand(B, generator=self.generator)
-            for b, r in enumerate(reqs):
-                if r.generator is not None:  # sampling_seed: a per-request stream
-                    u[b] = torch.rand((), generator=r.generator)
-            cdf = probs.cumsum(dim=-1)
-            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=V - 1)[:, 0]
-            # never pick a zero-probability token (float edge at the top of the cdf)
-            sampled = order.gather(1, pick[:, None])[:, 0] if order is not None else pick
-            out = torch.where(greedy, out, sampled)
-        lps = logp.gather(1, out[:, None])[:, 0]
-        return out.tolist(), lps.tolist()
 
     def _append(self, r: Request, tok: int, lp: float) -> None:
         idx = len(r.output_ids)
@@ -563,35 +295,8 @@ class Scheduler:
         assert [r.row for r in self.running] == list(range(n))
 
     def response(self, r: Request) -> dict:
-        p = r.params
-        reason = r.finish_reason or {"type": "abort", "message": "Aborted"}
-        ids = r.output_ids
-        if not p.no_stop_trim and reason["type"] == "stop" and isinstance(reason.get("matched"), int):
-            text = self.decode(ids[:-1], p.skip_special_tokens)
-        else:
-            text = self.decode(ids, p.skip_special_tokens)
-            if not p.no_stop_trim and r.stop_text is not None and r.stop_text in text:
-                text = text[: text.index(r.stop_text)]
-        meta: dict[str, Any] = {
-            "id": r.rid,
-            "finish_reason": reason,
-            "prompt_tokens": len(r.input_ids),
-            "completion_tokens": len(ids),
-            "cached_tokens": r.cached_tokens,
-            "num_retractions": r.num_retractions,
-            "e2e_latency": time.monotonic() - r.created_s,
-            "weight_version": self.weight_version,
-            "weight_versions": [dict(w) for w in r.weight_versions],
-        }
-        if r.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, ids)]
-            start = r.logprob_start_len
-            meta["input_token_logprobs"] = (
-                [[lp, t, None] for lp, t in zip(r.input_logprobs or [], r.input_ids[start:])] if start >= 0 else []
-            )
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+        return response(r, decode=self.decode, weight_version=self.weight_version)
 
-    # ---- control (engine thread, through ``call``) -------------------------------------
     def abort(self, rid: Optional[str] = None, *, abort_all: bool = False) -> int:
         """Abort matching requests (rid prefix match, as SGLang); returns how many."""
 
@@ -667,7 +372,3 @@ class Scheduler:
             "num_aborted_requests_total": c.aborted_requests,
             "num_retractions_total": c.retractions,
         }
-
-
-def new_rid() -> str:
-    return uuid.uuid4().hex

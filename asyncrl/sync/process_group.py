@@ -65,14 +65,26 @@ def init_weight_update_group(
             "destroy it (destroy_weight_update_group) before joining again"
         )
     timeout = _dt.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{int(master_port)}"
+    pg = _rendezvous(master_address, int(master_port), rank, world_size, group_name, backend=backend, timeout=timeout)
+    # Identity map group rank -> "global" rank, as SGLang registers it: lets src=<group rank> work.
+    _c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    if collective_timeout_s is not None and collective_timeout_s != timeout_s:
+        _c10d._set_pg_timeout(_dt.timedelta(seconds=collective_timeout_s), pg)
+    return pg
+
+
+def _rendezvous(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, *, backend: str, timeout
+) -> dist.ProcessGroup:
+    """The group's TCP store and process group; a failure is a ``RuntimeError`` naming the address."""
+    url = f"tcp://{master_address}:{master_port}"
     try:
         # A TCPStore built directly, not ``dist.rendezvous(url)``: under torchrun
         # (TORCHELASTIC_USE_AGENT_STORE=True) the rendezvous handler would make every rank, rank 0
         # included, a client of a store nobody hosts. On the wire this is the same TCP rendezvous.
         store = dist.TCPStore(
             master_address,
-            int(master_port),
+            master_port,
             world_size,
             is_master=rank == 0,
             timeout=timeout,
@@ -94,10 +106,6 @@ def init_weight_update_group(
         raise RuntimeError(
             f"weight-update group {group_name!r} at {url} (rank {rank}/{world_size}, {backend}): rendezvous failed: {e}"
         ) from e
-    # Identity map group rank -> "global" rank, as SGLang registers it: lets src=<group rank> work.
-    _c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    if collective_timeout_s is not None and collective_timeout_s != timeout_s:
-        _c10d._set_pg_timeout(_dt.timedelta(seconds=collective_timeout_s), pg)
     return pg
 
 

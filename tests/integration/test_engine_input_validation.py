@@ -18,6 +18,7 @@ import time
 import aiohttp
 import pytest
 import torch.distributed as dist
+from engine_raw import RawEngine  # tests/integration/engine_raw.py
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -205,10 +206,9 @@ def test_n_is_bounded_and_served(engine):
 def _metric(url: str, name: str) -> float:
     async def go():
         async with SGLangClient(url, request_timeout_s=30) as c:
-            return await c.metrics()
+            return await RawEngine(c.url).metrics()
 
-    m = asyncio.run(go())
-    return getattr(m, name)
+    return asyncio.run(go())[name]
 
 
 def _series(url: str) -> dict[str, float]:
@@ -257,19 +257,22 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
             before = (await c.generate(PROMPT, GREEDY, return_logprob=True)).output_logprobs
             port = free_port()
             join = asyncio.create_task(
-                c.init_weights_update_group(
-                    master_address="127.0.0.1",
-                    master_port=port,
-                    rank_offset=1,
-                    world_size=2,
-                    group_name="val",
-                    backend="gloo",
+                RawEngine(c.url).post(
+                    "/init_weights_update_group",
+                    {
+                        "master_address": "127.0.0.1",
+                        "master_port": port,
+                        "rank_offset": 1,
+                        "world_size": 2,
+                        "group_name": "val",
+                        "backend": "gloo",
+                    },
                     timeout_s=60,
                 )
             )
             pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, "val", timeout_s=60)
             assert (await join)["success"] is True
-            await c.begin_weight_update()
+            await RawEngine(c.url).post("/begin_weight_update")
             good = {
                 "names": names,
                 "dtypes": ["float32"] * 2,
@@ -296,16 +299,22 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
             after = (await c.generate(PROMPT, GREEDY, return_logprob=True)).output_logprobs
             assert after == before  # nothing was written
             call = asyncio.create_task(
-                c.update_weights_from_distributed(
-                    names=names, dtypes=["float32"] * 2, shapes=[list(new[n].shape) for n in names], group_name="val"
+                RawEngine(c.url).post(
+                    "/update_weights_from_distributed",
+                    {
+                        "names": names,
+                        "dtypes": ["float32"] * 2,
+                        "shapes": [list(new[n].shape) for n in names],
+                        "group_name": "val",
+                    },
                 )
             )
             await asyncio.to_thread(lambda: [dist.broadcast(new[n].contiguous(), group_src=0, group=pg) for n in names])
             assert (await call)["success"] is True
-            await c.end_weight_update()
+            await RawEngine(c.url).post("/end_weight_update")
             changed = (await c.generate(PROMPT, GREEDY, return_logprob=True)).output_logprobs
             assert changed != before
-            await c._control("/destroy_weights_update_group", {"group_name": "val"})
+            await RawEngine(c.url).post("/destroy_weights_update_group", {"group_name": "val"})
         dist.destroy_process_group(pg)
 
     asyncio.run(go())

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from engine_raw import RawEngine  # tests/integration/engine_raw.py
 
 from asyncrl.engine.client import SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
@@ -61,4 +62,4 @@ def test_scraper_sees_running_requests_on_a_real_engine(tmp_path):
 
 async def _abort_all(url: str) -> None:
     async with SGLangClient(url) as c:
-        await c.abort_request(abort_all=True)
+        await RawEngine(c.url).post("/abort_request", {"abort_all": True})

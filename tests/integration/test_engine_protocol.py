@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 import pytest
+from engine_raw import RawEngine  # tests/integration/engine_raw.py
 
 from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
@@ -89,7 +90,7 @@ def test_generate_shapes_and_errors(engine):
             with pytest.raises(EngineError) as ei:
                 await c.generate([3, 4], {"max_new_tokens": 2}, rid="dup")
             assert ei.value.status == 400 and "dup" in ei.value.message
-            await c.abort_request("du")  # prefix match
+            await RawEngine(c.url).post("/abort_request", {"rid": "du"})  # prefix match
             res = await long
             assert res.aborted and res.finish_reason["message"] == "Aborted" and 0 < len(res.output_ids) < 400
             # batch input
@@ -126,12 +127,12 @@ def test_prompt_plus_max_new_tokens_over_the_context_is_rejected_like_sglang(eng
 
 
 async def _in_flight(c, n=1):
-    m = await c.metrics()
-    return m.num_running_reqs >= n
+    m = await RawEngine(c.url).metrics()
+    return m["num_running_reqs"] >= n
 
 
 async def _queued(c, n):
-    return (await c.metrics()).num_queue_reqs >= n
+    return (await RawEngine(c.url).metrics())["num_queue_reqs"] >= n
 
 
 async def _engine_loop_turns(c, turns=5):
@@ -139,7 +140,7 @@ async def _engine_loop_turns(c, turns=5):
     loop between two steps, and an unpaused loop with requests steps again before it answers the next one. So a
     paused engine that still generated would show it here, with no time window to guess."""
     for _ in range(turns):
-        m = await c.metrics()
+        m = await RawEngine(c.url).metrics()
     return m
 
 
@@ -148,20 +149,20 @@ def test_info_metrics_flush_and_prefix_reuse(engine):
         async with SGLangClient(engine.url) as c:
             info = await c.model_info()
             assert info["weight_version"] == "0" and info["model_path"].endswith("model")
-            si = await c.server_info()
+            si = await RawEngine(c.url).get("/server_info")
             assert si["max_running_requests"] == 8 and si["internal_states"][0]["num_running_reqs"] == 0
-            before = await c.metrics()
+            before = await RawEngine(c.url).metrics()
             prompt = list(range(10, 40))
             first = await c.generate(prompt, {"max_new_tokens": 5, "temperature": 0})
             turn2 = prompt + first.output_ids + [50, 51, 52]
             second = await c.generate(turn2, {"max_new_tokens": 5, "temperature": 0})
             assert second.cached_tokens >= len(prompt)  # multi-turn continuation reuses the prefix KV
-            after = await c.metrics()
-            assert after.generation_tokens_total - before.generation_tokens_total == 10
-            assert after.cache_hit_rate > 0
+            after = await RawEngine(c.url).metrics()
+            assert after["generation_tokens_total"] - before["generation_tokens_total"] == 10
+            assert after["cache_hit_rate"] > 0
             status, text = await _raw(engine.url, "GET", "/metrics")
             assert "# TYPE sglang:num_running_reqs gauge" in text and "sglang:generation_tokens_total{" in text
-            await c.flush_cache()
+            await RawEngine(c.url).post("/flush_cache")
             third = await c.generate(turn2, {"max_new_tokens": 5, "temperature": 0})
             assert third.cached_tokens == 0 and third.output_ids == second.output_ids  # same result without cache
             status, _ = await _raw(engine.url, "GET", "/health")
@@ -174,12 +175,20 @@ def test_info_metrics_flush_and_prefix_reuse(engine):
             )
             assert status == 400 and "begin_weight_update" in json.loads(text)["message"]
             with pytest.raises(EngineError, match="begin_weight_update"):
-                await c.end_weight_update()
+                await RawEngine(c.url).post("/end_weight_update")
             with pytest.raises(EngineError, match="does not exist"):
-                await c.destroy_weights_update_group("nope")
+                await RawEngine(c.url).post("/destroy_weights_update_group", {"group_name": "nope"})
             with pytest.raises(EngineError, match="gloo"):
-                await c.init_weights_update_group(
-                    master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, backend="nccl"
+                await RawEngine(c.url).post(
+                    "/init_weights_update_group",
+                    {
+                        "master_address": "127.0.0.1",
+                        "master_port": 1,
+                        "rank_offset": 1,
+                        "world_size": 2,
+                        "backend": "nccl",
+                        "group_name": "weight_update_group",
+                    },
                 )
             status, text = await _raw(engine.url, "POST", "/pause_generation", {"mode": "drain"})
             assert status == 400 and "drain" in text
@@ -194,16 +203,16 @@ def test_pause_abort_then_requests_wait_for_continue(engine):
         async with SGLangClient(engine.url, request_timeout_s=60) as c:
             tasks = [asyncio.create_task(c.generate([20 + i, 21], LONG)) for i in range(3)]
             await _wait(lambda: _in_flight(c, 3))
-            assert (await c.pause_generation("abort"))["status"] == "ok"
+            assert (await RawEngine(c.url).post("/pause_generation", {"mode": "abort"}))["status"] == "ok"
             done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
             assert all(r.aborted and len(r.output_ids) < 400 for r in done)
-            before = (await c.metrics()).generation_tokens_total
+            before = (await RawEngine(c.url).metrics())["generation_tokens_total"]
             late = asyncio.create_task(c.generate([30, 31], {"max_new_tokens": 4, "temperature": 0}))
             await _wait(lambda: _queued(c, 1))  # accepted ...
             m = await _engine_loop_turns(c)
             assert not late.done()  # ... but waits for continue
-            assert m.num_queue_reqs == 1 and m.num_running_reqs == 0 and m.generation_tokens_total == before
-            await c.continue_generation()
+            assert m["num_queue_reqs"] == 1 and m["num_running_reqs"] == 0 and m["generation_tokens_total"] == before
+            await RawEngine(c.url).post("/continue_generation")
             r = await asyncio.wait_for(late, 30)
             assert r.finish_reason["type"] == "length" and len(r.output_ids) == 4
 
@@ -215,13 +224,13 @@ def test_pause_retract_resumes_under_new_version(engine):
         async with SGLangClient(engine.url, request_timeout_s=60) as c:
             tasks = [asyncio.create_task(c.generate([40 + i, 41], LONG)) for i in range(3)]
             await _wait(lambda: _in_flight(c, 3))
-            await c.pause_generation("retract")
-            m = await c.metrics()
-            assert m.num_running_reqs == 0 and m.num_queue_reqs == 3 and m.raw["num_retracted_reqs"] == 3
-            await c.flush_cache()  # nothing holds KV after a retract
-            await c.update_weight_version("1", abort_all_requests=False)
+            await RawEngine(c.url).post("/pause_generation", {"mode": "retract"})
+            m = await RawEngine(c.url).metrics()
+            assert m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 3 and m["num_retracted_reqs"] == 3
+            await RawEngine(c.url).post("/flush_cache")  # nothing holds KV after a retract
+            await RawEngine(c.url).post("/update_weight_version", {"new_version": "1", "abort_all_requests": False})
             assert not any(t.done() for t in tasks)
-            await c.continue_generation()
+            await RawEngine(c.url).post("/continue_generation")
             done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             for r in done:
                 assert r.finish_reason == {"type": "length", "length": 400} and len(r.output_ids) == 400
@@ -229,7 +238,7 @@ def test_pause_retract_resumes_under_new_version(engine):
                 (a, b) = r.weight_versions
                 assert a["version"] == "0" and b["version"] == "1"
                 assert a["start"] == 0 and a["end"] == b["start"] and b["end"] == 400 and 0 < a["end"] < 400
-            await c.update_weight_version("0", abort_all_requests=False)
+            await RawEngine(c.url).post("/update_weight_version", {"new_version": "0", "abort_all_requests": False})
 
     run(go())
 
@@ -239,15 +248,15 @@ def test_pause_in_place_keeps_kv(engine):
         async with SGLangClient(engine.url, request_timeout_s=60) as c:
             tasks = [asyncio.create_task(c.generate([60 + i, 61], LONG)) for i in range(2)]
             await _wait(lambda: _in_flight(c, 2))
-            await c.pause_generation("in_place")
-            m1 = await c.metrics()
+            await RawEngine(c.url).post("/pause_generation", {"mode": "in_place"})
+            m1 = await RawEngine(c.url).metrics()
             m2 = await _engine_loop_turns(c)
-            assert m1.num_running_reqs == 2 and m1.raw["num_paused_reqs"] == 2
-            assert m2.generation_tokens_total == m1.generation_tokens_total  # no stepping while paused
+            assert m1["num_running_reqs"] == 2 and m1["num_paused_reqs"] == 2
+            assert m2["generation_tokens_total"] == m1["generation_tokens_total"]  # no stepping while paused
             with pytest.raises(EngineError) as ei:
-                await c.flush_cache()  # refused: requests hold KV
+                await RawEngine(c.url).post("/flush_cache")  # refused: requests hold KV
             assert ei.value.status == 400
-            await c.continue_generation()
+            await RawEngine(c.url).post("/continue_generation")
             done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert all(len(r.output_ids) == 400 and r.num_retractions == 0 for r in done)
 
@@ -268,6 +277,6 @@ def test_update_weight_version_aborts_by_default(engine):
             r = await asyncio.wait_for(t, 30)
             assert r.aborted
             assert (await c.model_info())["weight_version"] == "5"
-            await c.update_weight_version("0")
+            await RawEngine(c.url).post("/update_weight_version", {"new_version": "0", "abort_all_requests": False})
 
     run(go())

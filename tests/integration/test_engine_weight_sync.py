@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 import torch.distributed as dist
+from engine_raw import RawEngine  # tests/integration/engine_raw.py
 
 from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
@@ -47,36 +48,43 @@ def test_trainer_pushes_weights_and_version(tmp_path):
         async with SGLangClient(url, request_timeout_s=60, control_timeout_s=60) as c:
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
             with pytest.raises(EngineError, match="does not exist"):
-                await c.begin_weight_update()
-                await c.update_weights_from_distributed(
-                    names=names[:1], dtypes=["float32"], shapes=[[1]], group_name="wsync"
+                await RawEngine(c.url).post("/begin_weight_update")
+                await RawEngine(c.url).post(
+                    "/update_weights_from_distributed",
+                    {"names": names[:1], "dtypes": ["float32"], "shapes": [[1]], "group_name": "wsync"},
                 )
-            await c.end_weight_update()
+            await RawEngine(c.url).post("/end_weight_update")
             port = free_port()
             join = asyncio.create_task(
-                c.init_weights_update_group(
-                    master_address="127.0.0.1",
-                    master_port=port,
-                    rank_offset=1,
-                    world_size=2,
-                    group_name="wsync",
-                    backend="gloo",
+                RawEngine(c.url).post(
+                    "/init_weights_update_group",
+                    {
+                        "master_address": "127.0.0.1",
+                        "master_port": port,
+                        "rank_offset": 1,
+                        "world_size": 2,
+                        "group_name": "wsync",
+                        "backend": "gloo",
+                    },
                     timeout_s=60,
                 )
             )
             pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, "wsync", timeout_s=60)
             assert (await join)["success"] is True
-            await c.begin_weight_update()
+            await RawEngine(c.url).post("/begin_weight_update")
             for bucket, fmt in buckets:
                 tensors = [new[n] for n in bucket]
                 call = asyncio.create_task(
-                    c.update_weights_from_distributed(
-                        names=bucket,
-                        dtypes=[str(t.dtype) for t in tensors],
-                        shapes=[list(t.shape) for t in tensors],
-                        group_name="wsync",
-                        flush_cache=True,
-                        load_format=fmt,
+                    RawEngine(c.url).post(
+                        "/update_weights_from_distributed",
+                        {
+                            "names": bucket,
+                            "dtypes": [str(t.dtype) for t in tensors],
+                            "shapes": [list(t.shape) for t in tensors],
+                            "group_name": "wsync",
+                            "flush_cache": True,
+                            "load_format": fmt,
+                        },
                     )
                 )
 
@@ -90,12 +98,12 @@ def test_trainer_pushes_weights_and_version(tmp_path):
 
                 await asyncio.to_thread(send)
                 assert (await call)["success"] is True
-            await c.end_weight_update()
-            await c.update_weight_version("1", abort_all_requests=False)
+            await RawEngine(c.url).post("/end_weight_update")
+            await RawEngine(c.url).post("/update_weight_version", {"new_version": "1", "abort_all_requests": False})
             r = await c.generate(PROMPT, greedy)
             assert r.output_ids == ref_b and r.weight_version == "1"
             assert (await c.model_info())["weight_version"] == "1"
-            await c.destroy_weights_update_group("wsync")
+            await RawEngine(c.url).post("/destroy_weights_update_group", {"group_name": "wsync"})
             destroy_weight_update_group(pg)
 
     with running_cpu_engine(a, log_dir=tmp_path / "logs", max_running_requests=4) as sup:
@@ -117,13 +125,16 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
     async def join(c, group):
         port = free_port()
         task = asyncio.create_task(
-            c.init_weights_update_group(
-                master_address="127.0.0.1",
-                master_port=port,
-                rank_offset=1,
-                world_size=2,
-                group_name=group,
-                backend="gloo",
+            RawEngine(c.url).post(
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": group,
+                    "backend": "gloo",
+                },
                 timeout_s=60,
             )
         )
@@ -135,8 +146,14 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
         for bucket in calls:
             ts = [weights[n].contiguous() for n in bucket]
             call = asyncio.create_task(
-                c.update_weights_from_distributed(
-                    names=bucket, dtypes=["float32"] * len(ts), shapes=[list(t.shape) for t in ts], group_name=group
+                RawEngine(c.url).post(
+                    "/update_weights_from_distributed",
+                    {
+                        "names": bucket,
+                        "dtypes": ["float32"] * len(ts),
+                        "shapes": [list(t.shape) for t in ts],
+                        "group_name": group,
+                    },
                 )
             )
             await asyncio.to_thread(lambda ts=ts: [dist.broadcast(t, group_src=0, group=pg) for t in ts])
@@ -144,7 +161,7 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
 
     async def go(url):
         async with SGLangClient(url, request_timeout_s=60, control_timeout_s=60) as c:
-            await c.begin_weight_update()
+            await RawEngine(c.url).post("/begin_weight_update")
             pg = await join(c, "g1")
             await push(c, pg, "g1", wb, [names])  # whole: every buffer swapped (the bank now holds a)
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_b
@@ -155,11 +172,14 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
             # a receive that fails after the first tensor: the trainer leaves the group
             call = asyncio.create_task(
-                c.update_weights_from_distributed(
-                    names=names,
-                    dtypes=["float32"] * len(names),
-                    shapes=[list(wb[n].shape) for n in names],
-                    group_name="g1",
+                RawEngine(c.url).post(
+                    "/update_weights_from_distributed",
+                    {
+                        "names": names,
+                        "dtypes": ["float32"] * len(names),
+                        "shapes": [list(wb[n].shape) for n in names],
+                        "group_name": "g1",
+                    },
                 )
             )
             await asyncio.to_thread(dist.broadcast, wb[names[0]].contiguous(), group_src=0, group=pg)
@@ -167,12 +187,12 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
             with pytest.raises(EngineError, match="no weight changed"):
                 await call
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
-            await c.destroy_weights_update_group("g1")
+            await RawEngine(c.url).post("/destroy_weights_update_group", {"group_name": "g1"})
             pg = await join(c, "g2")
             await push(c, pg, "g2", wb, [names[: len(names) // 2], names[len(names) // 2 :]])
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_b
-            await c.end_weight_update()
-            await c.destroy_weights_update_group("g2")
+            await RawEngine(c.url).post("/end_weight_update")
+            await RawEngine(c.url).post("/destroy_weights_update_group", {"group_name": "g2"})
             destroy_weight_update_group(pg)
 
     with running_cpu_engine(

@@ -12,13 +12,15 @@ import time
 
 import pytest
 
-from asyncrl.agent.loop import AgentLoop, EngineError, EngineHandle, parse_generate_response, token_versions
+from asyncrl.agent.engine_handle import gen_output, token_versions
+from asyncrl.agent.loop import AgentLoop, EngineError, EngineHandle
 from asyncrl.agent.tasks import get_task, searchr1
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import RetrieverError
 from asyncrl.agent.tools.bm25 import BM25Retriever
 from asyncrl.broker.types import Group, PromptItem
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig, ToolConfig
+from asyncrl.engine.client import parse_generate_response
 
 DOCS = [
     {"id": "0", "contents": "Zorvania\nThe capital of Zorvania is Quelport."},
@@ -299,6 +301,9 @@ def test_evaluate_is_greedy_and_reports_accuracy(tok):
 
 
 def test_generate_reply_parsing_errors_name_the_engine():
+    def parse(resp, url):  # the loop's path: the engine package's parser, then the loop's view of it
+        return gen_output(parse_generate_response(resp, url), url)
+
     ok = {
         "output_ids": [5, 6],
         "meta_info": {
@@ -307,14 +312,14 @@ def test_generate_reply_parsing_errors_name_the_engine():
             "weight_version": "4",
         },
     }
-    out = parse_generate_response(ok, "http://e")
+    out = parse(ok, "http://e")
     assert out.logprobs == [-1.0, -2.0] and out.versions == [4, 4] and out.finish_matched == 0
     bad = json.loads(json.dumps(ok))
     bad["meta_info"]["output_token_logprobs"][1][1] = 9
     with pytest.raises(EngineError, match="http://e"):
-        parse_generate_response(bad, "http://e")
+        parse(bad, "http://e")
     with pytest.raises(EngineError, match="no output_token_logprobs"):
-        parse_generate_response({"output_ids": [1], "meta_info": {}}, "http://e")
+        parse({"output_ids": [1], "meta_info": {}}, "http://e")
     assert token_versions(
         {"weight_version": "5", "weight_versions": [{"version": "4", "start": 0, "end": 1}]}, 3, "u"
     ) == [4, 5, 5]

@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.config.schema import Config, RolloutConfig, SGLangConfig
 from asyncrl.engine.client import EngineError, _server_message, parse_generate_response, parse_prometheus
-from asyncrl.rollout.cpu_scheduler import RequestError, parse_sampling_params
+from asyncrl.rollout.sampling_params import RequestError, parse_sampling_params
 from asyncrl.rollout.sglang_launcher import cpu_engine_command, engine_command, engine_port, sglang_command
 
 LOGPROB_REL = 1e-5  # float32 log-prob parity, relative to the largest |log-prob| (see the parity test)

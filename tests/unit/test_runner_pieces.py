@@ -141,7 +141,7 @@ def test_engine_figures_for_the_autotuner_are_the_step_mean_without_retracted_re
     without the requests a retract-mode sync put back (its backlog is no saturation), and wall-clock
     tokens/s from the engines' token counters (gen_throughput is the rate while decoding)."""
     import asyncrl.runner.engine_scraper as engine_scraper
-    from asyncrl.rollout.cpu_engine import prometheus_text
+    from asyncrl.rollout.engine_metrics import prometheus_text
 
     served: dict[str, dict] = {}
     now = [0.0]

@@ -1,0 +1,109 @@
+"""The CPU engine's start-up: its flags (SGLang's names), its arguments, and its own torch.distributed world.
+
+    args = parse_args(["--model-path", "runs/tiny/model", "--port", "30000"])
+    init_engine_world(args)  # as SGLang: a one-process gloo world before the model loads
+
+Start-up as SGLang's (0.5.23 ``srt/distributed/bootstrap.py``): before loading the model the engine creates its
+own one-process torch.distributed world, ``init_process_group("gloo", init_method="tcp://<host>:<nccl_port>",
+rank=0, world_size=1)`` (SGLang does this even at TP=1, with a free ``nccl_port`` unless ``--nccl-port``). So an
+engine started with a torchrun rank's environment (``TORCHELASTIC_USE_AGENT_STORE=True``) fails here exactly as
+SGLang would (it waits for a store nobody hosts, then exits after ``--dist-timeout``): CI sees a launcher that
+leaks that environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from asyncrl.cluster import auth
+
+log = logging.getLogger("asyncrl.cpu_engine")
+
+PROG = "python -m asyncrl.rollout.cpu_engine"
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    max_running_requests: int = 64
+    weight_version: str = "default"
+    seed: int = 0
+    prefix_cache_tokens: int = 32768
+    """Tokens of finished requests' KV kept for prefix reuse (0 disables)."""
+    context_length: Optional[int] = None
+    """Defaults to the model's max_position_embeddings."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads (default: torch's choice)."""
+    weight_sync_timeout_s: float = 600.0
+    """Timeout of the weight-update group (join and each broadcast)."""
+    nccl_port: Optional[int] = None
+    """Port of the engine's own one-process torch.distributed world (SGLang ``--nccl-port``; default: free)."""
+    dist_timeout_s: float = 120.0
+    """Timeout of creating that world (SGLang ``--dist-timeout``)."""
+    api_key: Optional[str] = None
+    """SGLang's ``--api-key``: every request but OPTIONS and paths starting with ``/health``, ``/ready`` or
+    ``/metrics`` needs ``Authorization: Bearer <key>`` (else 401 ``{"error": "Unauthorized"}``); defaults to
+    ``ASYNCRL_API_KEY``. Matches sglang 0.5.23 exactly (``asyncrl.cluster.auth`` says which files)."""
+
+
+def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
+    ap = argparse.ArgumentParser(prog=PROG, description="The CPU engine: an HTTP server that speaks SGLang's API.")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
+    ap.add_argument("--prefix-cache-tokens", type=int, default=32768)
+    ap.add_argument("--context-length", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
+    ap.add_argument("--nccl-port", type=int, default=None)
+    ap.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=120.0)
+    ap.add_argument("--api-key", default=None, help="like SGLang's --api-key (default: $ASYNCRL_API_KEY)")
+    a = ap.parse_args(argv)
+    if a.max_running_requests < 1:
+        ap.error("--max-running-requests must be >= 1")
+    return EngineArgs(
+        model_path=a.model_path,
+        port=a.port,
+        host=a.host,
+        max_running_requests=a.max_running_requests,
+        weight_version=a.weight_version,
+        seed=a.seed,
+        prefix_cache_tokens=a.prefix_cache_tokens,
+        context_length=a.context_length,
+        num_threads=a.num_threads,
+        weight_sync_timeout_s=a.weight_sync_timeout_s,
+        nccl_port=a.nccl_port,
+        dist_timeout_s=a.dist_timeout_s,
+        api_key=a.api_key or auth.current(),
+    )
+
+
+def init_engine_world(args: EngineArgs) -> str:
+    """The engine's own one-process torch.distributed world, created the way SGLang creates its TP world
+    (see module contract); returns the ``tcp://`` init method used."""
+    host = args.host or "127.0.0.1"
+    port = args.nccl_port
+    if port is None:
+        with socket.socket() as s:  # SGLang also picks a free port for its nccl_port
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    init_method = f"tcp://{host}:{port}"
+    t0 = time.monotonic()
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=0, world_size=1, timeout=_dt.timedelta(seconds=args.dist_timeout_s)
+    )
+    log.info("own torch.distributed world at %s (gloo, 1 rank) in %.2fs", init_method, time.monotonic() - t0)
+    return init_method

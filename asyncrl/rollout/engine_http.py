@@ -1,0 +1,190 @@
+"""The CPU engine's HTTP side that needs no engine state: SGLang's answer shapes, the JSON body, and the
+checks that turn a ``/generate`` body into requests.
+
+    reqs, futs, batch = build_generate_requests(body, encode=tok_ids, vocab_size=V, context_length=C, loop=loop)
+    # a bad body raises RequestError naming the field (the engine's middleware answers 400 with it)
+
+Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control calls answer
+``{"success", "message"}`` with 200/400. Every field is type- and range-checked here (the message names it:
+``sampling_params.top_p``, ``rid``, ``input_ids[3]``, ...), so no request can fail later on the engine thread.
+Context length as SGLang: a prompt of ``context_length`` tokens or more, or an explicit ``max_new_tokens`` that
+with the prompt reaches it, is rejected (400, the message names the lengths), never capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any, Optional
+
+from aiohttp import web
+
+from asyncrl.rollout.request import Request, new_rid
+from asyncrl.rollout.sampling_params import MAX_TOKENS, RequestError, check_bool, check_int, parse_sampling_params
+
+MAX_REQUESTS_PER_CALL = 1024  # prompts x n of one /generate call (each is a running request)
+MAX_RID_CHARS = 512
+
+
+def json_error(msg: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": msg}}, status=status)
+
+
+def result(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+async def read_body(request: web.Request, *, required: bool = True) -> dict:
+    raw = await request.read()
+    if not raw:
+        if required:
+            raise RequestError("a JSON body is required (send {} for the defaults)")
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting too deep
+        raise RequestError(f"invalid JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError("the JSON body must be an object")
+    return data
+
+
+def weight_version_field(v: Any, key: str) -> Optional[str]:
+    """A weight version as SGLang keeps it: a string (an int is accepted and stringified), or None."""
+    if v is None or isinstance(v, str):
+        return v
+    if type(v) is int:
+        return str(v)
+    raise RequestError(f"{key} must be a string, got {v!r:.80}")
+
+
+def deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[dict], None]:
+    """A request's ``deliver`` callback (called on the engine thread): sets ``fut`` on ``loop``."""
+
+    def deliver(out: dict) -> None:
+        def _set() -> None:
+            if not fut.done():
+                fut.set_result(out)
+
+        loop.call_soon_threadsafe(_set)
+
+    return deliver
+
+
+def parse_prompts(body: dict, *, encode: Callable[[str], list[int]], vocab_size: int) -> tuple[list[list[int]], bool]:
+    """The request's prompts as token-id lists (``input_ids``, or ``text`` tokenized), and whether it is a
+    batch. Every id must be an int inside the vocabulary."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if ids is None and text is not None:
+        if isinstance(text, str):
+            ids = encode(text)
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            ids = [encode(t) for t in text]
+        else:
+            raise RequestError("text must be a string or a non-empty list of strings")
+    if ids is None:
+        raise RequestError("input_ids (or text) is required")
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+    batch = isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    if len(prompts) > MAX_REQUESTS_PER_CALL:
+        raise RequestError(f"input_ids: {len(prompts)} prompts in one request, at most {MAX_REQUESTS_PER_CALL}")
+    for i, prompt in enumerate(prompts):
+        where = f"input_ids[{i}]" if batch else "input_ids"
+        if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
+            raise RequestError(f"{where} must be a non-empty list of integer token ids")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return prompts, batch
+
+
+def check_context(n_prompt: int, max_new: int, *, asked: bool, context_length: int) -> None:
+    """As SGLang: a prompt that fills the context, or an explicit max_new_tokens that with the prompt reaches
+    it, is a 400 naming the lengths (never a silently shorter output)."""
+    ctx = context_length
+    if n_prompt >= ctx:
+        raise RequestError(f"the prompt has {n_prompt} tokens; the model's context length is {ctx} tokens")
+    if asked and n_prompt + max_new >= ctx:
+        raise RequestError(
+            f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) = {n_prompt + max_new} tokens reaches the "
+            f"model's context length ({ctx} tokens); shorten the prompt or lower max_new_tokens"
+        )
+
+
+def _rids(body: dict, *, batch: bool, n_prompts: int) -> list[Optional[str]]:
+    """One rid (or None: a fresh one) per prompt."""
+    rids = body.get("rid")
+    if batch and rids is not None and (not isinstance(rids, list) or len(rids) != n_prompts):
+        raise RequestError("rid: a batch needs a list of rids, one per prompt")
+    rid_list = (rids if rids is not None else [None] * n_prompts) if batch else [rids]
+    for r in rid_list:
+        if r is not None and (not isinstance(r, str) or not 0 < len(r) <= MAX_RID_CHARS):
+            raise RequestError(f"rid must be a non-empty string of at most {MAX_RID_CHARS} characters, got {r!r:.80}")
+    return rid_list
+
+
+def _per_prompt(body: dict, key: str, default: Any, *, batch: bool, n_prompts: int) -> list[Any]:
+    """A field given once for every prompt, or (in a batch) as a list with one value per prompt."""
+    v = body.get(key, default)
+    if batch and isinstance(v, list) and key != "stop":
+        if len(v) != n_prompts:
+            raise RequestError(f"{key}: {len(v)} values for {n_prompts} prompts")
+        return v
+    return [v] * n_prompts
+
+
+def build_generate_requests(
+    body: dict,
+    *,
+    encode: Callable[[str], list[int]],
+    vocab_size: int,
+    context_length: int,
+    loop: asyncio.AbstractEventLoop,
+) -> tuple[list[Request], list[asyncio.Future], bool]:
+    """``/generate``'s body -> requests (one per prompt and sample), their futures, and whether it is a batch.
+    Every field is checked here (type, range), so a bad body is a 400 naming the field and nothing reaches
+    the engine thread."""
+    if "stream" in body and check_bool(body["stream"], "stream"):
+        raise RequestError("stream=true is not supported by the CPU engine")
+    prompts, batch = parse_prompts(body, encode=encode, vocab_size=vocab_size)
+    n = len(prompts)
+    rid_list = _rids(body, batch=batch, n_prompts=n)
+    raw_params = _per_prompt(body, "sampling_params", {}, batch=batch, n_prompts=n)
+    params_list = [parse_sampling_params(p) for p in raw_params]
+    if sum(p.n for p in params_list) > MAX_REQUESTS_PER_CALL:
+        raise RequestError(
+            f"sampling_params.n: {sum(p.n for p in params_list)} samples in one request, "
+            f"at most {MAX_REQUESTS_PER_CALL}"
+        )
+    rlp = [
+        check_bool(v, "return_logprob") for v in _per_prompt(body, "return_logprob", False, batch=batch, n_prompts=n)
+    ]
+    lsl = [
+        -1 if v is None else check_int(v, "logprob_start_len", lo=-1, hi=MAX_TOKENS)
+        for v in _per_prompt(body, "logprob_start_len", -1, batch=batch, n_prompts=n)
+    ]
+    reqs, futs = [], []
+    for i, prompt in enumerate(prompts):
+        p = params_list[i]
+        asked = isinstance(raw_params[i], dict) and raw_params[i].get("max_new_tokens") is not None
+        check_context(len(prompt), p.max_new_tokens, asked=asked, context_length=context_length)
+        for k in range(p.n):
+            base = rid_list[i] if rid_list[i] is not None else new_rid()
+            fut = loop.create_future()
+            rid = base if p.n == 1 else f"{base}_{k}"
+            deliver = deliverer(loop, fut)
+            reqs.append(
+                Request(
+                    rid=rid,
+                    input_ids=list(prompt),
+                    params=p,
+                    return_logprob=rlp[i],
+                    logprob_start_len=lsl[i],
+                    deliver=deliver,
+                )
+            )
+            futs.append(fut)
+    return reqs, futs, batch

@@ -1,0 +1,385 @@
+"""The CPU engine's weight updates: the weight-update group, the receiver of broadcast buckets, and loads
+from disk, as SGLang's HTTP calls.
+
+    updates = WeightUpdates(model, call=engine_call, timeout_s=600.0)
+    updates.add_routes(app.router)  # /init_weights_update_group, /update_weights_from_distributed, ...
+
+Contract
+- ``/init_weights_update_group`` blocks a worker thread (not the scheduler) until the trainer joins.
+- ``/update_weights_from_distributed`` fails (400) unless ``/begin_weight_update`` was called and not yet
+  ended; tensors are received by ``broadcast`` from group rank 0 in the order of ``names``
+  (``load_format="flattened_bucket"``: ONE uint8 broadcast holding each tensor's raw bytes back to back, in
+  that order, as SGLang's FlattenedTensorBucket), on the engine thread (through ``call``), so a weight load
+  never overlaps a forward. ``/update_weights_from_disk`` reads a HF safetensors directory on a worker thread
+  and copies it in on the engine thread the same way.
+- Atomic: names, dtypes and shapes are checked against the running model before the collective (a mismatch
+  is a 400, never a gloo size mismatch), tensors are received off the running weights (into a standby bank of
+  the same shapes, made on the first update and kept) and put in only when all arrived: a weight buffer that
+  arrived whole is swapped with the bank's (no copy), the rest copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from aiohttp import web
+
+from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors
+from asyncrl.rollout.cpu_scheduler import Scheduler
+from asyncrl.rollout.engine_http import read_body, result, weight_version_field
+from asyncrl.rollout.sampling_params import RequestError, check_bool, check_int
+from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
+
+log = logging.getLogger("asyncrl.cpu_engine")
+
+MAX_TENSORS_PER_UPDATE = 100_000  # names in one /update_weights_from_distributed call
+
+
+def torch_dtype(name: Any) -> torch.dtype:
+    if not isinstance(name, str):
+        raise RequestError(f"dtypes: a dtype is a string such as 'bfloat16', got {name!r:.80}")
+    n = name.removeprefix("torch.")
+    dt = getattr(torch, n, None)
+    if not isinstance(dt, torch.dtype):
+        raise RequestError(f"unknown dtype {name!r}")
+    return dt
+
+
+class WeightUpdates:
+    """The weight-update state of one engine (its groups, the open update, the standby bank) and its handlers.
+    ``call(fn)`` runs ``fn(scheduler)`` on the engine thread between two model steps."""
+
+    def __init__(
+        self, model: CausalLM, *, call: Callable[[Callable[[Scheduler], Any]], Awaitable[Any]], timeout_s: float
+    ):
+        self.model = model
+        self._call = call
+        self.timeout_s = timeout_s
+        """Timeout of the weight-update group (join and each broadcast)."""
+        self.groups: dict[str, Any] = {}
+        self.update_open = False
+        self._standby: Optional[CausalLM] = None
+        """Weight-update standby bank (``_receive``): a second copy of the weights, made on first use."""
+        self._flat_staging: Optional[torch.Tensor] = None
+        """Reused receive buffer of the flattened format (grown to the largest bucket)."""
+
+    def add_routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        try:
+            addr, name, backend = (
+                body.get("master_address"),
+                body.get("group_name", "weight_update_group"),
+                body.get("backend", "nccl"),
+            )
+            for key, v in (("master_address", addr), ("group_name", name), ("backend", backend)):
+                if not isinstance(v, str) or not v:
+                    raise RequestError(f"{key} must be a non-empty string, got {v!r:.80}")
+            port = check_int(body.get("master_port"), "master_port", lo=1, hi=65535)
+            world = check_int(body.get("world_size"), "world_size", lo=2, hi=1 << 20)
+            rank = check_int(body.get("rank_offset"), "rank_offset", lo=1, hi=world - 1)  # the CPU engine: one rank
+        except RequestError as e:
+            return result(False, f"init_weights_update_group: {e}")
+        if backend != "gloo":
+            return result(False, f"backend={backend!r} is not available on the CPU engine; use 'gloo'")
+        if name in self.groups:
+            return result(False, f"group {name!r} already exists; destroy it first")
+        try:
+            pg = await asyncio.to_thread(
+                init_weight_update_group,
+                addr,
+                port,
+                rank,
+                world,
+                name,
+                backend=backend,
+                timeout_s=self.timeout_s,
+            )
+        except (RuntimeError, ValueError) as e:
+            log.error("init_weights_update_group failed: %s", e)
+            return result(False, f"Failed to initialize custom process group: {e}")
+        self.groups[name] = pg
+        log.info("joined weight-update group %s at %s:%d as rank %d/%d", name, addr, port, rank, world)
+        return result(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            return result(False, f"group_name must be a string, got {name!r:.80}")
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            return result(False, f"group {name!r} does not exist")
+        await self._call(lambda s: destroy_weight_update_group(pg))
+        return result(True, "Succeeded to destroy custom process group.")
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        body = await read_body(request, required=False)
+        selector = body.get("selector", "all")
+        if selector != "all":
+            return result(False, f"selector={selector!r} is not supported (only 'all')")
+        self.update_open = True
+        return result(True, "Weight update begun.")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await read_body(request, required=False)
+        if not self.update_open:
+            return result(False, "no weight update in progress: call /begin_weight_update first")
+        self.update_open = False
+        return result(True, "Weight update ended.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str):
+            return result(False, f"group_name must be a string, got {name!r:.80}")
+        if not self.update_open:
+            return result(
+                False, "weight update not begun: call /begin_weight_update before /update_weights_from_distributed"
+            )
+        pg = self.groups.get(name)
+        if pg is None:
+            return result(False, f"group {name!r} does not exist: call /init_weights_update_group first")
+        try:  # all of it before the collective: a bad bucket is a 400, never a broadcast of mismatched sizes
+            names, dts, shapes = self.check_update(body)
+            flush = check_bool(body.get("flush_cache", True), "flush_cache")
+            version = weight_version_field(body.get("weight_version"), "weight_version")
+            abort_all = check_bool(body.get("abort_all_requests", False), "abort_all_requests")
+            fmt = body.get("load_format")
+            if fmt not in (None, "flattened_bucket"):
+                raise RequestError(f"load_format={fmt!r:.80} is not supported (null or 'flattened_bucket')")
+        except RequestError as e:
+            return result(False, str(e))
+        if abort_all:
+            await self._call(lambda s: s.abort(abort_all=True))
+        fn = lambda s: self._receive(s, pg, names, dts, shapes, fmt, flush, version)  # noqa: E731
+        ok, msg = await self._call(fn)
+        return result(ok, msg)
+
+    def check_update(self, body: dict) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
+        """Validate an update's metadata against the running model BEFORE the collective: every name known
+        (or one SGLang skips: a tied ``lm_head.weight``, ``rotary_emb.inv_freq``), no name twice, a float dtype,
+        and the model's own shape. The broadcast sizes follow from these shapes, so a metadata mistake is a 400
+        here instead of a size mismatch inside gloo (which aborts the process)."""
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (
+            isinstance(names, list)
+            and isinstance(dtypes, list)
+            and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)
+            and names
+        ):
+            raise RequestError("names, dtypes and shapes must be non-empty lists of the same length")
+        if len(names) > MAX_TENSORS_PER_UPDATE:
+            raise RequestError(f"names: {len(names)} tensors in one update, at most {MAX_TENSORS_PER_UPDATE}")
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise RequestError("names must be distinct strings")
+        dts = [torch_dtype(d) for d in dtypes]
+        for n, d in zip(names, dts):
+            if not d.is_floating_point:
+                raise RequestError(f"dtypes: {n!r} has dtype {d}; weights are floating point")
+        m = self.model
+        out = []
+        for n, shape in zip(names, shapes):
+            if not isinstance(shape, list) or not all(type(x) is int and 0 <= x < 2**31 for x in shape):
+                raise RequestError(f"shapes: {n!r} has shape {shape!r:.80}; expected a list of sizes")
+            dst = m.params.get(n)
+            if dst is not None:
+                expected = tuple(dst.shape)
+            elif n == "lm_head.weight" and m.spec.tie_word_embeddings:
+                expected = tuple(m.params["model.embed_tokens.weight"].shape)
+            elif n.endswith("rotary_emb.inv_freq"):
+                expected = (m.spec.head_dim // 2,)
+            else:
+                raise RequestError(f"names: unknown parameter {n!r} for the running {m.spec.model_type}")
+            if tuple(shape) != expected:
+                raise RequestError(
+                    f"shapes: parameter {n!r} has shape {tuple(shape)}, the running model's is {expected}"
+                )
+            out.append(expected)
+        return names, dts, out
+
+    def _standby_bank(self) -> CausalLM:
+        """The standby copy of the weights that broadcasts land in (made on the first update, kept)."""
+        if self._standby is None:
+            self._standby = CausalLM(self.model.spec)
+        return self._standby
+
+    def _receive_staged(self, pg, names, dts, shapes, fmt) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+        """Engine thread: receive one update without touching the running weights. fp32 tensors land
+        straight in the standby bank's views (preallocated, no copy); others (another dtype, a skipped
+        name, the flattened format) in a reused staging buffer. Returns the tensors to copy in and the
+        names received into the standby bank."""
+        if fmt == "flattened_bucket":
+            sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dts)]
+            total = sum(sizes)
+            if self._flat_staging is None or self._flat_staging.numel() < total:
+                self._flat_staging = torch.empty(total, dtype=torch.uint8)
+            buf = self._flat_staging[:total]
+            dist.broadcast(buf, group_src=0, group=pg)
+            named, off = [], 0
+            for name, size, s, d in zip(names, sizes, shapes, dts):
+                named.append((name, buf[off : off + size].view(d).reshape(s)))
+                off += size
+            return named, []
+        bank = self._standby_bank()
+        named, banked, works = [], [], []
+        # every receive is queued at once (as the trainer queues its sends): the collectives run back to
+        # back inside gloo instead of one Python call and thread wake-up per tensor
+        for name, s, d in zip(names, shapes, dts):
+            dst = bank.params.get(name)
+            if d == torch.float32 and dst is not None and dst.is_contiguous():
+                banked.append(name)
+            else:
+                dst = torch.empty(s, dtype=d)
+                named.append((name, dst))
+            works.append(dist.broadcast(dst, group_src=0, group=pg, async_op=True))
+        first_error = None
+        for w in works:  # wait for all (none left writing into the bank), then raise the first failure
+            try:
+                w.wait()
+            except (RuntimeError, dist.DistError) as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return named, banked
+
+    def _receive(self, sched: Scheduler, pg, names, dts, shapes, fmt, flush, version) -> tuple[bool, str]:
+        """Engine thread: receive the whole broadcast off the running weights, then put it in. Atomic: a
+        failed receive leaves every weight as it was (the metadata was checked in ``check_update``).
+        Putting it in: a weight buffer whose every view arrived (q, k and v of a fused qkv) is swapped
+        with the standby bank's (no copy; the bank then holds the old values, overwritten by the next
+        update); a buffer that arrived in part, and anything staged elsewhere, is copied in."""
+        t0 = time.monotonic()
+        try:
+            named, banked = self._receive_staged(pg, names, dts, shapes, fmt)
+        except (RuntimeError, dist.DistError) as e:
+            return False, f"Failed to receive weights by broadcast (no weight changed): {e}"
+        t1 = time.monotonic()
+        if banked:
+            m, got = self.model, set(banked)
+            whole = {m.group_of[n] for n in banked}
+            whole = [g for g in whole if got.issuperset(m.groups[g])]
+            m.swap_groups(self._standby, whole)
+            swapped = {n for g in whole for n in m.groups[g]}
+            named += [(n, self._standby.params[n]) for n in banked if n not in swapped]
+        self.model.load_weights(named)  # names and shapes were checked: cannot fail half-way
+        msg = "Succeeded to update parameter online."
+        if flush and not sched.flush_cache():
+            log.info("update_weights: flush_cache skipped (requests are running)")
+        if version is not None:
+            sched.weight_version = version
+            msg += f" Weight version updated to {version}."
+        log.info(
+            "received %d tensors in %.3fs, put in in %.3fs (%s)",
+            len(names),
+            t1 - t0,
+            time.monotonic() - t1,
+            fmt or "per-tensor",
+        )
+        return True, msg
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weights_from_disk``: ``{model_path, load_format?, weight_version?,
+        abort_all_requests?, flush_cache?}`` -> ``{success, message, num_paused_requests}``. The files are
+        read on a worker thread; the copy into the model runs on the engine thread, between two model
+        steps (never mid-forward). Every tensor's name and shape are checked before any is copied, so a
+        failed load leaves the running weights untouched. ``weight_version`` (when given) is set."""
+        body = await read_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            return result(False, "update_weights_from_disk: model_path is required")
+        try:
+            flush = check_bool(body.get("flush_cache", True), "flush_cache")
+            version = weight_version_field(body.get("weight_version"), "weight_version")
+            check_bool(body.get("abort_all_requests", False), "abort_all_requests")
+        except RequestError as e:
+            return result(False, f"update_weights_from_disk: {e}")
+        fmt = body.get("load_format")
+        if fmt not in (None, "auto", "safetensors"):
+            return result(
+                False, f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or 'safetensors')"
+            )
+        t0 = time.monotonic()
+        try:
+            named = await asyncio.to_thread(self._read_checkpoint, Path(path))
+        except (FileNotFoundError, KeyError, ValueError, OSError) as e:
+            return result(False, f"Failed to load weights from {path!r}: {e}")
+        if body.get("abort_all_requests"):
+            await self._call(lambda s: s.abort(abort_all=True))
+
+        def apply(s: Scheduler) -> str:
+            self.model.load_weights(named)  # names and shapes checked in _read_checkpoint
+            if flush and not s.flush_cache():
+                log.info("update_weights_from_disk: flush_cache skipped (requests are running)")
+            if version is not None:
+                s.weight_version = version
+            return s.weight_version
+
+        v = await self._call(apply)
+        log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
+        return result(
+            True, f"Succeeded to update model weights from {path}. Weight version {v}.", num_paused_requests=0
+        )
+
+    def _read_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
+        """Read a HF safetensors checkpoint directory and check it against the running model (same names and
+        shapes, no parameter missing). Errors name the directory."""
+        if not d.is_dir():
+            raise FileNotFoundError(f"{str(d)!r} is not a directory")
+        m = self.model
+        named, seen = [], set()
+        for name, t in iter_safetensors(d):
+            dst = m.params.get(name)
+            if dst is None:
+                if name == "lm_head.weight" and m.spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise KeyError(f"{str(d)!r}: unknown parameter {name!r} for the running {m.spec.model_type}")
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"{str(d)!r}: parameter {name!r} has shape {tuple(t.shape)}, the running model's "
+                    f"is {tuple(dst.shape)}"
+                )
+            named.append((name, t))
+            seen.add(name)
+        missing = m.missing_after(seen)
+        if missing:
+            raise ValueError(f"{str(d)!r}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        return named
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        if "new_version" not in body:
+            return result(False, "new_version is required")
+        try:
+            v = weight_version_field(body["new_version"], "new_version")
+            abort_all = check_bool(body.get("abort_all_requests", True), "abort_all_requests")  # SGLang: True
+        except RequestError as e:
+            return result(False, str(e))
+        if v is None:
+            return result(False, "new_version must be a string, got None")
+
+        def apply(s: Scheduler) -> None:
+            if abort_all:
+                s.abort(abort_all=True)
+            s.weight_version = v
+
+        await self._call(apply)
+        return result(True, f"Weight version updated to {v}", new_version=v)
+
+    # ---- info / metrics ------------------------------------------------------------------
