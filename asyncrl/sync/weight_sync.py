@@ -166,14 +166,20 @@ class CallPool:
     def _work(self) -> None:
         while True:
             fut, fn, args, kwargs = self._jobs.get()
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # noqa: BLE001 - handed to the waiter, never swallowed
-                    fut.set_exception(e)
-            del fut, fn, args, kwargs  # hold nothing while idle
-            with self._lock:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            result = error = None
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, never swallowed
+                error = e
+            with self._lock:  # idle again BEFORE the waiter wakes: its next call finds this thread
                 self._idle += 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+            del fut, fn, args, kwargs, result, error  # hold nothing while idle
 
 
 def _find_key(obj: Any, keys: tuple[str, ...]) -> Optional[float]:
