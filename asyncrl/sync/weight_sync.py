@@ -229,6 +229,41 @@ def _check_works(works: list) -> None:
             w.wait()
 
 
+def send_bucket(
+    group: WeightSyncGroup,
+    bucket: Bucket,
+    body: dict,
+    *,
+    index: int,
+    flattened: bool,
+    calls: CallPool,
+    step_timeout_s: float,
+) -> None:
+    """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) on the pool while this
+    thread broadcasts the bucket's tensors (or its one flat tensor) from group rank 0; returns once every
+    engine answered success and every broadcast completed. ``index`` (the bucket's place in the sync) names it
+    in a failure."""
+    step = "update_weights_from_distributed"
+    futures = {
+        calls.submit(
+            post_json, e.url, "/update_weights_from_distributed", body, timeout_s=step_timeout_s, step=step
+        ): e.url
+        for e in group.engines
+    }
+    tensors = [flatten_bucket(bucket)] if flattened else [t.detach().contiguous() for _, t in bucket]
+    try:
+        works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
+        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
+        for w in works:
+            w.wait()  # all engines answered success: they have every tensor
+    except EngineStepError:
+        raise
+    except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
+        raise EngineStepError(
+            group.urls, step, f"broadcast of bucket {index} ({len(bucket)} tensors) failed: {type(e).__name__}: {e}"
+        ) from e
+
+
 def push_buckets(
     group: WeightSyncGroup,
     buckets: Iterable[Bucket],
@@ -239,15 +274,14 @@ def push_buckets(
     weight_version: Optional[str] = None,
     calls: Optional[CallPool] = None,
 ) -> PushStats:
-    """Send every bucket: engines' update calls on threads, the trainer's broadcast from rank 0. With
-    ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines (a pipeline stage's push
-    passes none: its last bucket is not the model's)."""
+    """Send every bucket (``send_bucket``), timing the wait on the bucket iterator (gather) apart from the
+    sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines
+    (a pipeline stage's push passes none: its last bucket is not the model's)."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
     calls = calls or CallPool()
     num_bytes = num_buckets = num_tensors = 0
     gather_s = transfer_s = 0.0
-    step = "update_weights_from_distributed"
     it = iter(buckets)
     version_sent = False
     while True:
@@ -259,37 +293,16 @@ def push_buckets(
             break
         assert not version_sent, "the bucket producer yielded a bucket after its LastBucket"
         version_sent = weight_version is not None and isinstance(bucket, LastBucket)
-        meta = bucket_meta(bucket)
         body = update_request(
-            meta,
+            bucket_meta(bucket),
             group_name=group.group_name,
             flush_cache=flush_cache,
             flattened=flattened,
             weight_version=weight_version if version_sent else None,
         )
-        futures = {
-            calls.submit(
-                post_json, e.url, "/update_weights_from_distributed", body, timeout_s=step_timeout_s, step=step
-            ): e.url
-            for e in group.engines
-        }
-        if flattened:
-            tensors = [flatten_bucket(bucket)]
-        else:
-            tensors = [t.detach().contiguous() for _, t in bucket]
-        try:
-            works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
-            wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
-            for w in works:
-                w.wait()  # all engines answered success: they have every tensor
-        except EngineStepError:
-            raise
-        except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
-            raise EngineStepError(
-                group.urls,
-                step,
-                f"broadcast of bucket {num_buckets} ({len(bucket)} tensors) failed: {type(e).__name__}: {e}",
-            ) from e
+        send_bucket(
+            group, bucket, body, index=num_buckets, flattened=flattened, calls=calls, step_timeout_s=step_timeout_s
+        )
         transfer_s += time.perf_counter() - t1
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
