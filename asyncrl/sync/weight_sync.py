@@ -8,7 +8,7 @@ Contract
 - The sequence of ``WeightSyncer.sync(buckets, version)``, every HTTP step sent to all engines at
   once, each call bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
   the engine(s) and the step. Steps 2-3 run per engine in order on one thread; step 6's three
-  calls go to every engine at once. The calls run on the syncer's ``CallPool`` (threads kept between
+  calls go to every engine at once. The calls run on the syncer's ``call_pool.CallPool`` (threads kept between
   syncs: the control calls and their thread hand-offs are the fixed cost of a sync);
   ``/continue_generation`` goes out only once every engine passed the version check:
     1. ``hooks.sync_begin(mode)``
@@ -52,13 +52,10 @@ Pipeline parallelism: each stage has its own group (``stage_group_name``); the c
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,6 +65,7 @@ from asyncrl.config.schema import PAUSE_MODES, SyncConfig
 from asyncrl.engine.blocking import EngineStepError, get_json, get_text, post_json, wait_all
 from asyncrl.engine.client import parse_engine_load
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
+from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
 
 log = logging.getLogger(__name__)
@@ -131,55 +129,6 @@ class SyncResult:
             "sync/num_bytes": float(self.num_bytes),
             "sync/num_buckets": float(self.num_buckets),
         }
-
-
-class CallPool:
-    """Daemon threads, kept from one sync to the next, that run the sync's blocking HTTP calls.
-
-    ``submit`` hands a call to an idle thread through a queue, without waiting: starting a fresh
-    thread per call (``blocking.spawn``) makes the caller wait until the new thread runs, and on a
-    loaded host each such hand-off was a visible share of the sync's fixed cost. Every call gets a
-    thread of its own at once (one is started when none is idle), so a call still blocked on a dead
-    engine (until its own timeout) never delays a later one. Daemon threads, as ``blocking`` says why.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a job and not yet promised one
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> cf.Future:
-        fut: cf.Future = cf.Future()
-        with self._lock:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1
-        self._jobs.put((fut, fn, args, kwargs))
-        if start:
-            threading.Thread(target=self._work, name="sync-call", daemon=True).start()
-        return fut
-
-    def fan_out(self, urls: Sequence[str], call: Callable[[str], Any], *, timeout_s: float, step: str) -> list[Any]:
-        """``blocking.fan_out`` on this pool: ``call(url)`` for every engine at once, answers in order."""
-        return wait_all({self.submit(call, u): u for u in urls}, timeout_s=timeout_s, step=step)
-
-    def _work(self) -> None:
-        while True:
-            fut, fn, args, kwargs = self._jobs.get()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            result = error = None
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter, never swallowed
-                error = e
-            with self._lock:  # idle again BEFORE the waiter wakes: its next call finds this thread
-                self._idle += 1
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-            del fut, fn, args, kwargs, result, error  # hold nothing while idle
 
 
 def _find_key(obj: Any, keys: tuple[str, ...]) -> Optional[float]:
@@ -276,7 +225,8 @@ def push_buckets(
 ) -> PushStats:
     """Send every bucket (``send_bucket``), timing the wait on the bucket iterator (gather) apart from the
     sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines
-    (a pipeline stage's push passes none: its last bucket is not the model's)."""
+    (a pipeline stage's push passes none: its last bucket is not the model's). ``calls``: the pool of the
+    update calls (pass one kept across syncs; without it, a fresh one)."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
     calls = calls or CallPool()

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from asyncrl.engine.blocking import EngineStepError
-from asyncrl.sync.weight_sync import CallPool
+from asyncrl.sync.call_pool import CallPool
 
 WAIT_S = 10.0  # a generous bound for a wait that should end at once; never reached when the pool works
 
@@ -59,3 +59,12 @@ def test_fan_out_names_the_engine_that_did_not_answer():
         assert ei.value.urls == ["b"]
     finally:
         release.set()
+
+
+def test_an_idle_thread_ends_and_the_pool_still_works():
+    pool = CallPool(idle_exit_s=0.05)
+    first = pool.submit(threading.current_thread).result(timeout=WAIT_S)
+    first.join(timeout=WAIT_S)  # ends once idle for idle_exit_s
+    assert not first.is_alive()
+    again = pool.submit(threading.current_thread).result(timeout=WAIT_S)
+    assert again is not first and pool.submit(lambda: 7).result(timeout=WAIT_S) == 7
