@@ -3,7 +3,10 @@
 Contract
 - ``iter_buckets(named, bucket_bytes)`` groups ``(hf_name, tensor)`` pairs, in order, into lists
   whose total size stays within ``bucket_bytes``; a tensor larger than the limit travels alone.
-  Order is preserved: the engine receives tensors in exactly the order of ``names``.
+  Order is preserved: the engine receives tensors in exactly the order of ``names``. The final
+  bucket is a ``LastBucket`` (a plain list that also says no bucket follows), known for free: it is
+  yielded once the input ran out. The sender lets that bucket's update call carry the new weight
+  version (SGLang's ``weight_version`` field), which saves the sync one HTTP round trip per engine.
 - ``BucketMeta`` is what ``/update_weights_from_distributed`` needs (``names``, ``dtypes`` as
   SGLang spells them, e.g. ``"bfloat16"``, ``shapes``) and ``update_request`` builds that body.
 - Flattened-bucket option (``load_format = "flattened_bucket"``, as SGLang's engine reads it):
@@ -27,6 +30,11 @@ from typing import Optional
 import torch
 
 Bucket = list[tuple[str, torch.Tensor]]
+
+
+class LastBucket(list):
+    """The final bucket of an ``iter_buckets`` stream (no bucket follows it); otherwise a plain bucket."""
+
 
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format value for one-flat-tensor buckets
 
@@ -71,7 +79,8 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Greedy, order-preserving grouping of ``(name, tensor)`` pairs into <= ``bucket_bytes`` lists.
 
-    A tensor bigger than ``bucket_bytes`` forms a bucket of its own. Empty input yields nothing.
+    A tensor bigger than ``bucket_bytes`` forms a bucket of its own. Empty input yields nothing; the
+    final bucket is a ``LastBucket``.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"sync.bucket_bytes must be > 0, got {bucket_bytes!r}")
@@ -85,7 +94,7 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -
         bucket.append((name, t))
         size += n
     if bucket:
-        yield bucket
+        yield LastBucket(bucket)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ Contract
   ``sync_end(version)``; absent in tests).
 - The sequence of ``WeightSyncer.sync(buckets, version)``, every HTTP step sent to all engines at
   once, each call bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
-  the engine(s) and the step. Steps 2-3 run per engine in order on one thread, and so do steps 5-6
-  up to the flush (fewer thread hand-offs and barriers: the control calls are the fixed cost of a
-  sync); ``/continue_generation`` goes out only once every engine passed the version check:
+  the engine(s) and the step. Steps 2-3 run per engine in order on one thread; step 6's three
+  calls go to every engine at once. The calls run on the syncer's ``call_pool.CallPool`` (threads kept between
+  syncs: the control calls and their thread hand-offs are the fixed cost of a sync);
+  ``/continue_generation`` goes out only once every engine passed the version check:
     1. ``hooks.sync_begin(mode)``
     2. pause: ``retract`` / ``in_place`` / ``abort`` -> ``POST /pause_generation {mode}``;
        ``drain`` -> wait until every engine reports no running and no queued request (the broker
@@ -21,7 +22,11 @@ Contract
        ``load_format = "flattened_bucket"`` with ``sync.flattened_bucket``) on threads while the
        trainer broadcasts the bucket's tensors from group rank 0 in ``names`` order (or one flat
        uint8 tensor); an engine that fails its call fails the sync at once, not at the group timeout.
-    5. ``POST /update_weight_version {new_version, abort_all_requests: false}``.
+       The final bucket (``bucketing.LastBucket``, which ``iter_buckets`` yields) carries
+       ``weight_version = str(version)``: SGLang's own field, which the engine applies only once that
+       update succeeded, i.e. after every bucket is in.
+    5. only when no bucket carried it (a producer that does not mark its last bucket, or no bucket):
+       ``POST /update_weight_version {new_version, abort_all_requests: false}``.
     6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place and the check
        that every engine's ``/model_info.weight_version`` equals the new version; then
        ``POST /continue_generation``.
@@ -57,9 +62,10 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from asyncrl.config.schema import PAUSE_MODES, SyncConfig
-from asyncrl.engine.blocking import EngineStepError, fan_out, get_json, get_text, post_json, spawn, wait_all
+from asyncrl.engine.blocking import EngineStepError, get_json, get_text, post_json, wait_all
 from asyncrl.engine.client import parse_engine_load
-from asyncrl.sync.bucketing import Bucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
+from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
+from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
 
 log = logging.getLogger(__name__)
@@ -90,6 +96,8 @@ class PushStats:
     """seconds waiting on the bucket iterator (the actor's gather and conversion)"""
     transfer_s: float
     """seconds of the broadcasts and the engines' update calls"""
+    version_sent: bool = False
+    """the last bucket's update call carried the new weight version (and every engine applied it)"""
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,41 @@ def _check_works(works: list) -> None:
             w.wait()
 
 
+def send_bucket(
+    group: WeightSyncGroup,
+    bucket: Bucket,
+    body: dict,
+    *,
+    index: int,
+    flattened: bool,
+    calls: CallPool,
+    step_timeout_s: float,
+) -> None:
+    """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) on the pool while this
+    thread broadcasts the bucket's tensors (or its one flat tensor) from group rank 0; returns once every
+    engine answered success and every broadcast completed. ``index`` (the bucket's place in the sync) names it
+    in a failure."""
+    step = "update_weights_from_distributed"
+    futures = {
+        calls.submit(
+            post_json, e.url, "/update_weights_from_distributed", body, timeout_s=step_timeout_s, step=step
+        ): e.url
+        for e in group.engines
+    }
+    tensors = [flatten_bucket(bucket)] if flattened else [t.detach().contiguous() for _, t in bucket]
+    try:
+        works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
+        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
+        for w in works:
+            w.wait()  # all engines answered success: they have every tensor
+    except EngineStepError:
+        raise
+    except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
+        raise EngineStepError(
+            group.urls, step, f"broadcast of bucket {index} ({len(bucket)} tensors) failed: {type(e).__name__}: {e}"
+        ) from e
+
+
 def push_buckets(
     group: WeightSyncGroup,
     buckets: Iterable[Bucket],
@@ -177,14 +220,20 @@ def push_buckets(
     flush_cache: bool,
     flattened: bool,
     step_timeout_s: float,
+    weight_version: Optional[str] = None,
+    calls: Optional[CallPool] = None,
 ) -> PushStats:
-    """Send every bucket: engines' update calls on threads, the trainer's broadcast from rank 0."""
+    """Send every bucket (``send_bucket``), timing the wait on the bucket iterator (gather) apart from the
+    sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines
+    (a pipeline stage's push passes none: its last bucket is not the model's). ``calls``: the pool of the
+    update calls (pass one kept across syncs; without it, a fresh one)."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
+    calls = calls or CallPool()
     num_bytes = num_buckets = num_tensors = 0
     gather_s = transfer_s = 0.0
-    step = "update_weights_from_distributed"
     it = iter(buckets)
+    version_sent = False
     while True:
         t0 = time.perf_counter()
         bucket = next(it, None)  # the actor gathers and converts the next bucket here
@@ -192,42 +241,23 @@ def push_buckets(
         gather_s += t1 - t0
         if bucket is None:
             break
-        meta = bucket_meta(bucket)
-        body = update_request(meta, group_name=group.group_name, flush_cache=flush_cache, flattened=flattened)
-        futures = {
-            spawn(
-                post_json,
-                e.url,
-                "/update_weights_from_distributed",
-                body,
-                timeout_s=step_timeout_s,
-                step=step,
-                name="sync-update",
-            ): e.url
-            for e in group.engines
-        }
-        if flattened:
-            tensors = [flatten_bucket(bucket)]
-        else:
-            tensors = [t.detach().contiguous() for _, t in bucket]
-        try:
-            works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
-            wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
-            for w in works:
-                w.wait()  # all engines answered success: they have every tensor
-        except EngineStepError:
-            raise
-        except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
-            raise EngineStepError(
-                group.urls,
-                step,
-                f"broadcast of bucket {num_buckets} ({len(bucket)} tensors) failed: {type(e).__name__}: {e}",
-            ) from e
+        assert not version_sent, "the bucket producer yielded a bucket after its LastBucket"
+        version_sent = weight_version is not None and isinstance(bucket, LastBucket)
+        body = update_request(
+            bucket_meta(bucket),
+            group_name=group.group_name,
+            flush_cache=flush_cache,
+            flattened=flattened,
+            weight_version=weight_version if version_sent else None,
+        )
+        send_bucket(
+            group, bucket, body, index=num_buckets, flattened=flattened, calls=calls, step_timeout_s=step_timeout_s
+        )
         transfer_s += time.perf_counter() - t1
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
         num_tensors += len(bucket)
-    return PushStats(num_bytes, num_buckets, num_tensors, gather_s, transfer_s)
+    return PushStats(num_bytes, num_buckets, num_tensors, gather_s, transfer_s, version_sent)
 
 
 class WeightSyncer:
@@ -247,6 +277,7 @@ class WeightSyncer:
         self.pause_mode = pause_mode
         self.cfg = sync_cfg
         self.hooks = hooks or SyncHooks()
+        self.calls = CallPool()
 
     @property
     def urls(self) -> list[str]:
@@ -254,7 +285,7 @@ class WeightSyncer:
 
     def _all(self, path: str, body: Any, step: str, *, check_success: bool = True) -> list[Any]:
         t = self.cfg.step_timeout_s
-        return fan_out(
+        return self.calls.fan_out(
             self.urls,
             lambda u: post_json(u, path, body, timeout_s=t, step=step, check_success=check_success),
             timeout_s=t + 1,
@@ -276,7 +307,7 @@ class WeightSyncer:
 
     def _loads(self) -> list[float]:
         t = self.cfg.step_timeout_s
-        return fan_out(self.urls, lambda u: engine_load(u, timeout_s=t), timeout_s=t + 1, step="drain")
+        return self.calls.fan_out(self.urls, lambda u: engine_load(u, timeout_s=t), timeout_s=t + 1, step="drain")
 
     def _drain(self) -> None:
         """Wait idle, pause (retract) as a guard, re-read the load: a request that was already on
@@ -310,54 +341,49 @@ class WeightSyncer:
         )
         if self.pause_mode == "drain":
             self._drain()
-            fan_out(self.urls, lambda u: begin(u), timeout_s=t + 1, step="begin_weight_update")
+            self.calls.fan_out(self.urls, lambda u: begin(u), timeout_s=t + 1, step="begin_weight_update")
             return
 
         def pause_and_begin(u: str) -> None:
             post_json(u, "/pause_generation", {"mode": self.pause_mode}, timeout_s=t, step="pause_generation")
             begin(u)
 
-        fan_out(self.urls, pause_and_begin, timeout_s=2 * t + 1, step="pause_generation")
+        self.calls.fan_out(self.urls, pause_and_begin, timeout_s=2 * t + 1, step="pause_generation")
 
-    def push(self, buckets: Iterable[Bucket]) -> PushStats:
-        """Step 4 on this syncer's group."""
+    def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
+        """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given)."""
         return push_buckets(
             self.group,
             buckets,
             flush_cache=self.pause_mode != "in_place",
             flattened=self.cfg.flattened_bucket,
             step_timeout_s=self.cfg.step_timeout_s,
+            weight_version=weight_version,
+            calls=self.calls,
         )
 
-    def finish(self, version: Any) -> None:
-        """Steps 5-7: version bump, then end the update, check the version and flush at once, then - once
-        every engine passed the check - resume, and tell the broker. Each engine runs its calls on its own
-        thread (no barrier across engines until the resume)."""
+    def finish(self, version: Any, *, version_sent: bool = False) -> None:
+        """Steps 5-7: the version bump unless the last bucket carried it (``version_sent``), then every
+        engine's end of the update, its flush and its version check all at once (the engines are paused and
+        every bucket is in: their order does not matter), then - once every engine passed the check -
+        resume, and tell the broker."""
         v = str(version)
         t = self.cfg.step_timeout_s
-
-        def finish_one(u: str) -> Any:
-            post_json(
-                u,
-                "/update_weight_version",
-                {"new_version": v, "abort_all_requests": False},
-                timeout_s=t,
-                step="update_weight_version",
+        if not version_sent:
+            self._all(
+                "/update_weight_version", {"new_version": v, "abort_all_requests": False}, "update_weight_version"
             )
-            # The version check and the flush ride along with /end_weight_update: up to three calls at once
-            # per engine (the engine is paused and every bucket is in: their order does not matter).
-            info = spawn(get_json, u, "/model_info", timeout_s=t, step="model_info", name="sync-check")
-            flush = (
-                spawn(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache", name="sync-flush")
-                if self.pause_mode != "in_place"
-                else None
+        submit = self.calls.submit
+        checks = {submit(get_json, u, "/model_info", timeout_s=t, step="model_info"): u for u in self.urls}
+        ends = {
+            submit(post_json, u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update"): u for u in self.urls
+        }
+        if self.pause_mode != "in_place":
+            ends.update(
+                {submit(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache"): u for u in self.urls}
             )
-            post_json(u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update")
-            if flush is not None:
-                flush.result(timeout=t)
-            return info.result(timeout=t)
-
-        infos = fan_out(self.urls, finish_one, timeout_s=3 * t + 1, step="end_weight_update")
+        wait_all({**ends, **checks}, timeout_s=t + 1, step="end_weight_update")
+        infos = [f.result() for f in checks]
         wrong = [u for u, i in zip(self.urls, infos) if str(i.get("weight_version")) != v]
         if wrong:
             got = [repr(i.get("weight_version")) for u, i in zip(self.urls, infos) if u in wrong]
@@ -376,9 +402,9 @@ class WeightSyncer:
         try:
             self.pause()
             t1 = time.perf_counter()
-            pushed = self.push(buckets)
+            pushed = self.push(buckets, weight_version=str(version))
             t2 = time.perf_counter()
-            self.finish(version)
+            self.finish(version, version_sent=pushed.version_sent)
         except EngineStepError as e:  # name the training step too (the version being pushed)
             raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
         t3 = time.perf_counter()

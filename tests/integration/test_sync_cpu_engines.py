@@ -255,6 +255,39 @@ def test_engine_restart_then_recreate_group(env: Env):
     _assert_engines_match_trainer(env)
 
 
+@pytest.mark.parametrize("marked", [True, False], ids=["last-bucket-carries-version", "separate-version-call"])
+def test_version_rides_on_the_last_bucket(env: Env, monkeypatch, marked: bool):
+    """``iter_buckets`` marks its final bucket: that update call carries the new version (SGLang's
+    ``weight_version``) and no ``/update_weight_version`` goes out; buckets from a producer that does not
+    mark them (plain lists) get the separate call. Either way every engine serves the new weights and
+    version (the sync checks ``/model_info``). The real calls are recorded on their way out."""
+    from asyncrl.sync import weight_sync
+
+    sent: list[tuple[str, dict]] = []
+
+    def recording_post_json(url, path, body, **kw):
+        sent.append((path, body))
+        return post_json(url, path, body, **kw)
+
+    monkeypatch.setattr(weight_sync, "post_json", recording_post_json)
+    _train_step(env.trainer, seed=500 + env.version)
+    buckets = list(iter_buckets(env.trainer.state_dict().items(), env.sync_cfg.bucket_bytes))
+    if not marked:
+        buckets = [list(b) for b in buckets]
+    env.version += 1
+    WeightSyncer(env.group, pause_mode="retract", sync_cfg=env.sync_cfg).sync(iter(buckets), version=env.version)
+    updates = [b for p, b in sent if p == "/update_weights_from_distributed"]
+    assert len(updates) == len(buckets) * len(env.urls) and len(buckets) > 1
+    carried = [b["weight_version"] for b in updates]
+    if marked:
+        assert carried == [None] * (len(updates) - len(env.urls)) + [str(env.version)] * len(env.urls)
+        assert "/update_weight_version" not in [p for p, _ in sent]
+    else:
+        assert carried == [None] * len(updates)
+        assert [p for p, _ in sent].count("/update_weight_version") == len(env.urls)
+    _assert_engines_match_trainer(env)
+
+
 def test_failed_update_names_engine_and_step(env: Env):
     """An engine that rejects a bucket (unknown tensor name) fails the sync at once, naming the
     engine and the step, instead of waiting for the broadcast to time out."""

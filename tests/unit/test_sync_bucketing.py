@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from asyncrl.sync.bucketing import (
     FLATTENED_BUCKET,
+    LastBucket,
     bucket_meta,
     byte_ranges,
     dtype_from_name,
@@ -50,6 +51,8 @@ def test_buckets_keep_order_and_respect_limit(sizes, bucket_bytes):
     # greedy: a bucket could not have taken the next bucket's first tensor
     for a, b in zip(buckets, buckets[1:]):
         assert sum(tensor_nbytes(t) for _, t in a) + tensor_nbytes(b[0][1]) > bucket_bytes
+    # the final bucket, and only it, says so (its update call carries the new weight version)
+    assert [isinstance(b, LastBucket) for b in buckets] == [False] * (len(buckets) - 1) + [True] * bool(buckets)
 
 
 def test_bucket_bytes_must_be_positive():
