@@ -257,15 +257,17 @@ class FusedCoreAttention(torch.nn.Module):
         gqa = query.shape[1] != key.shape[1]
         lens = _segment_lengths(params)
         outs = []
+        # [1, heads, s, d], not [heads, s, d]: torch's CPU flash kernel takes 4-D inputs only (3-D ones,
+        # or 4-D ones with GQA on an older torch, fall back to the math kernel, ~1.5x slower with its backward).
         for q, k, v in zip(*(torch.split(x, lens) for x in (query, key, value))):
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),  # [heads, s, d]
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
                 dropout_p=p,
                 is_causal=True,
                 scale=self.softmax_scale,
                 enable_gqa=gqa,
             )
-            outs.append(o.transpose(0, 1).reshape(q.shape[0], -1))
+            outs.append(o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1))
         return torch.cat(outs, dim=0)
