@@ -33,6 +33,11 @@ What is patched (process-wide, CPU only), and why:
    name (Megatron asserts ``grad.type() == "torch.cuda.FloatTensor"``); ``Tensor.is_cuda`` is
    True (so the optimizer's offload/reload helpers leave CPU tensors alone).
 
+6. RoPE on packed ``thd`` sequences (context parallelism 1): ``rope_utils._apply_rotary_pos_emb_thd``
+   gathers the frequencies of all segments at once (``freqs_of_packed_positions``) instead of slicing
+   them per segment in Python, then applies them as Megatron does (``_apply_rotary_pos_emb_bshd``):
+   the same values, one gather instead of a slice per segment for each layer, q and k.
+
 Not supported on CPU: ``sequence_parallel=True`` (needs TE/apex LayerNorm), the TE layer spec,
 fp16/bf16 mixed precision in the optimizer.
 
@@ -143,8 +148,47 @@ def apply_cpu_shims() -> bool:
 
     schedules.torch = _TorchWithCpuFactories()
 
+    # 5. RoPE on packed (thd) sequences without a Python loop over the segments.
+    _patch_packed_rope()
+
     _APPLIED = True
     return True
+
+
+def _patch_packed_rope() -> None:
+    """Megatron's unfused thd RoPE slices the frequencies segment by segment (one ``.item()`` or slice and a
+    ``cat`` per sequence, per layer, for q and for k); this builds the same packed frequencies with one gather.
+    Context parallelism (cp > 1) keeps Megatron's own function."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    megatron_thd = rope_utils._apply_rotary_pos_emb_thd
+
+    def packed_thd(
+        t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
+    ):
+        if cp_group is None or cp_group.size() != 1:
+            return megatron_thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+        packed = freqs_of_packed_positions(cu_seqlens, freqs)
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1),
+            packed,
+            rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention,
+            mscale=mscale,
+        ).squeeze(1)
+
+    rope_utils._apply_rotary_pos_emb_thd = packed_thd
+
+
+def freqs_of_packed_positions(cu_seqlens: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The RoPE frequencies of each packed token: ``freqs[j]`` for the j-th token of its segment, or, when
+    ``freqs`` has one row per packed token (megatron-core's "exact mapping"), ``freqs`` itself."""
+    total = int(cu_seqlens[-1])
+    if freqs.size(0) == total:
+        return freqs
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    pos = torch.arange(total, device=freqs.device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lens.long())
+    return freqs.index_select(0, pos)
 
 
 def _cpuify_device(dev: Any) -> Any:

@@ -21,3 +21,22 @@ def test_schedule_torch_proxy_puts_cuda_factories_on_cpu():
     assert t.device.type == "cpu" and t.dtype == torch.int and t.item() == 0
     assert proxy.empty(2, 3, device=torch.device("cuda", 0)).shape == (2, 3)
     assert proxy.Tensor is torch.Tensor and proxy.cat is torch.cat  # everything else is torch itself
+
+
+@pytest.mark.parametrize("exact_mapping", [False, True])
+def test_packed_rope_frequencies_are_megatrons_per_segment_slices(exact_mapping):
+    """Shim 6: one gather gives the frequencies Megatron's thd RoPE slices segment by segment (cp = 1)."""
+    import torch
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    freqs = torch.randn(16 if exact_mapping else 9, 1, 1, 8)
+    t = torch.zeros(16, 2, 8)
+    want = torch.cat(
+        [
+            _get_thd_freqs_on_this_cp_rank(0, 1, x, freqs, int(cu[i]) if exact_mapping else 0)
+            for i, x in enumerate(torch.split(t, (cu[1:] - cu[:-1]).tolist()))
+        ]
+    )
+    got = megatron_cpu.freqs_of_packed_positions(cu, freqs)
+    assert got.shape == want.shape and torch.equal(got, want)
