@@ -40,3 +40,24 @@ def test_packed_rope_frequencies_are_megatrons_per_segment_slices(exact_mapping)
     )
     got = megatron_cpu.freqs_of_packed_positions(cu, freqs)
     assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_packed_rope_is_megatrons_thd_rope_bit_for_bit_with_its_gradient():
+    """Shim 6 against megatron-core's own unfused thd RoPE: same output and input gradient, bit for bit,
+    also on the cached second call (the next layer) and after the packed batch changes."""
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = getattr(rope_utils._apply_rotary_pos_emb_thd, "megatron", rope_utils._apply_rotary_pos_emb_thd)
+    ours = megatron_cpu.packed_rope_thd(original)
+    group = type("OneRankGroup", (), {"size": lambda self: 1, "rank": lambda self: 0})()
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.randn(9, 1, 1, 8, generator=g)
+    for cu in (torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32), torch.tensor([0, 9, 12], dtype=torch.int32)):
+        for _ in range(2):
+            t = torch.randn(int(cu[-1]), 3, 8, generator=g, requires_grad=True)
+            w = torch.randn(t.shape, generator=g)
+            want = original(t, cu, freqs, cp_group=group)
+            got = ours(t, cu, freqs, cp_group=group)
+            assert torch.equal(got, want)
+            assert torch.equal(torch.autograd.grad((got * w).sum(), t)[0], torch.autograd.grad((want * w).sum(), t)[0])
