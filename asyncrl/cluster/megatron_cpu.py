@@ -33,6 +33,11 @@ What is patched (process-wide, CPU only), and why:
    name (Megatron asserts ``grad.type() == "torch.cuda.FloatTensor"``); ``Tensor.is_cuda`` is
    True (so the optimizer's offload/reload helpers leave CPU tensors alone).
 
+6. RoPE on packed ``thd`` sequences (context parallelism 1): ``rope_utils._apply_rotary_pos_emb_thd``
+   gathers the frequencies of all segments at once (``freqs_of_packed_positions``) instead of slicing
+   them per segment in Python, computes their ``cos``/``sin`` once per packed batch (not per layer, q
+   and k), and applies them with Megatron's formula: the same values, bit for bit.
+
 Not supported on CPU: ``sequence_parallel=True`` (needs TE/apex LayerNorm), the TE layer spec,
 fp16/bf16 mixed precision in the optimizer.
 
@@ -99,6 +104,34 @@ def apply_cpu_shims() -> bool:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
 
     # 2. RNG: the "CUDA" generator is the CPU default generator.
+    _patch_rng()
+
+    # 3. The default causal mask (attention_mask=None) on CPU.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache(maxsize=32)
+    def _causal_mask_cpu(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    tutils.get_default_causal_mask = _causal_mask_cpu
+    fused_softmax.get_default_causal_mask = _causal_mask_cpu
+
+    # 4. The pipeline schedules' `device="cuda"` token counter.
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchWithCpuFactories()
+
+    # 6. RoPE on packed (thd) sequences without a Python loop over the segments (5 is cuda_as_cpu).
+    _patch_packed_rope()
+
+    _APPLIED = True
+    return True
+
+
+def _patch_rng() -> None:
+    """Shim 2: ``torch.cuda``'s and Megatron's "CUDA" RNG state calls use the CPU default generator."""
+
     def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
         return torch.get_rng_state()
 
@@ -127,24 +160,59 @@ def apply_cpu_shims() -> bool:
     mrandom._get_cuda_rng_state = _mg_get_cuda_rng_state
     mrandom._set_cuda_rng_state = _mg_set_cuda_rng_state
 
-    # 3. The default causal mask (attention_mask=None) on CPU.
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.transformer import utils as tutils
 
-    @functools.lru_cache(maxsize=32)
-    def _causal_mask_cpu(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+def _patch_packed_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
 
-    tutils.get_default_causal_mask = _causal_mask_cpu
-    fused_softmax.get_default_causal_mask = _causal_mask_cpu
+    rope_utils._apply_rotary_pos_emb_thd = packed_rope_thd(rope_utils._apply_rotary_pos_emb_thd)
 
-    # 4. The pipeline schedules' `device="cuda"` token counter.
-    from megatron.core.pipeline_parallel import schedules
 
-    schedules.torch = _TorchWithCpuFactories()
+def packed_rope_thd(megatron_thd):
+    """A drop-in for megatron-core's unfused ``_apply_rotary_pos_emb_thd`` (``megatron_thd``, kept as
+    ``.megatron``). Megatron slices the frequencies segment by segment (a slice per sequence and a ``cat``,
+    then ``cos``/``sin``, for every layer, for q and for k); this gathers them once per packed batch
+    (``freqs_of_packed_positions``), keeps their ``cos``/``sin`` for the calls that follow with the same
+    ``cu_seqlens`` and ``freqs``, and applies them with Megatron's formula. Context parallelism (cp > 1),
+    interleaved RoPE, MLA and partial rotary dimensions go to Megatron's function."""
+    last: dict[str, Any] = {}
 
-    _APPLIED = True
-    return True
+    def cos_sin(cu_seqlens, freqs, mscale, dtype):
+        meta = (cu_seqlens._version, freqs._version, mscale, dtype)
+        if not (last and last["cu"] is cu_seqlens and last["freqs"] is freqs and last["meta"] == meta):
+            packed = freqs_of_packed_positions(cu_seqlens, freqs)  # [t, 1, 1, d]
+            cs = ((torch.cos(packed) * mscale).to(dtype), (torch.sin(packed) * mscale).to(dtype))
+            last.update(cu=cu_seqlens, freqs=freqs, meta=meta, value=cs)
+        return last["value"]
+
+    def packed_thd(
+        t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
+    ):
+        if (
+            cp_group is None
+            or cp_group.size() != 1
+            or rotary_interleaved
+            or multi_latent_attention
+            or freqs.shape[-1] != t.shape[-1]
+        ):
+            return megatron_thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+        cos_, sin_ = cos_sin(cu_seqlens, freqs, mscale, t.dtype)
+        x = t.unsqueeze(1)  # [t, 1, heads, d], as Megatron applies it
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return ((x * cos_) + (torch.cat((-x2, x1), dim=-1) * sin_)).squeeze(1)
+
+    packed_thd.megatron = megatron_thd
+    return packed_thd
+
+
+def freqs_of_packed_positions(cu_seqlens: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The RoPE frequencies of each packed token: ``freqs[j]`` for the j-th token of its segment, or, when
+    ``freqs`` has one row per packed token (megatron-core's "exact mapping"), ``freqs`` itself."""
+    total = int(cu_seqlens[-1])
+    if freqs.size(0) == total:
+        return freqs
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    pos = torch.arange(total, device=freqs.device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lens.long())
+    return freqs.index_select(0, pos)
 
 
 def _cpuify_device(dev: Any) -> Any:
