@@ -8,7 +8,7 @@ On the GPU it builds a Qwen2.5-0.5B-shaped checkpoint with random weights locall
 embeddings, the vocabulary widened to 151936; no hub, no network), then:
 
 1. ``attention``: the attention path the actor resolves (``te`` / ``varlen-flash`` /
-   ``sdpa-flash`` / ``sdpa-efficient`` / ``sdpa-math``), torch, CUDA, megatron-core and
+   ``sdpa-flash`` / ``sdpa-efficient`` / ``sdpa-flash-cpu``), torch, CUDA, megatron-core and
    TransformerEngine versions;
 2. ``train``: ``Actor.train_step`` in bf16 (Megatron DDP, Adam, a synthetic GRPO batch of Search-R1-like
    lengths in 16384-token micro-batches): median step time, tokens/s, peak CUDA memory, next to the

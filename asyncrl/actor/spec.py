@@ -29,7 +29,7 @@ Contract
 - ``recompute_settings(granularity, method, num_layers, layers_per_stage=)`` (pure): the
   ``actor.recompute_*`` keys as megatron-core ``TransformerConfig`` keywords.
 - ``attention_path(backend, dtype=, device=)``: a label of the kernel in use, for reports
-  (``te``, ``varlen-flash``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-math``, ``unfused``).
+  (``te``, ``varlen-flash``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-flash-cpu``, ``unfused``).
 
 Example::
 
@@ -149,7 +149,7 @@ def attention_path(backend: str, *, dtype: torch.dtype, device: torch.device | s
         return backend
     dev = torch.device(device)
     if dev.type != "cuda":
-        return "sdpa-math"
+        return "sdpa-flash-cpu"  # 4-D inputs: torch's CPU flash kernel (tests/unit/test_actor_spec.py checks it runs)
     if _varlen_fn() is not None and dtype in (torch.float16, torch.bfloat16):
         return "varlen-flash"
     if dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.flash_sdp_enabled():

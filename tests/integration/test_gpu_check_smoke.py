@@ -26,6 +26,6 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])  # JSON is the last line
     assert r == json.loads(out.read_text())
-    assert r["ok"] and r["mode"] == "cpu-smoke" and r["attention_path"] == "sdpa-math"
+    assert r["ok"] and r["mode"] == "cpu-smoke" and r["attention_path"] == "sdpa-flash-cpu"
     assert r["logprob_parity"]["fp32_max_abs_diff"] < 1e-4
     assert r["train"]["tokens_per_s"] > 0 and r["cpu_engine_model"]["decode_tokens_per_s"] > 0

@@ -26,7 +26,7 @@ def test_resolve_attention():
         resolve_attention("te", cuda=False, te_available=True)
     with pytest.raises(ValueError, match="actor.attention_backend"):
         resolve_attention("flash", cuda=True, te_available=True)
-    assert attention_path("sdpa", dtype=torch.float32, device="cpu") == "sdpa-math"
+    assert attention_path("sdpa", dtype=torch.float32, device="cpu") == "sdpa-flash-cpu"
     assert attention_path("te", dtype=torch.bfloat16, device="cpu") == "te"
 
 
