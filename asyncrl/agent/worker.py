@@ -33,6 +33,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -144,6 +145,9 @@ class AgentWorker:
         self.watch = watch
         self._watch_task: Optional[asyncio.Task] = None
         self.tasks: dict[int, asyncio.Task] = {}
+        """The running group tasks by group id (a task leaves this map when it ends: ``_group_ended``)."""
+        self._failures: list[tuple[int, BaseException]] = []
+        """Group tasks that ended with an exception, not yet raised (``_raise_task_failures``)."""
         self.stats = {
             "groups_done": 0,
             "groups_aborted": 0,
@@ -274,15 +278,20 @@ class AgentWorker:
         else:
             self.gate.release()
 
+    def _group_ended(self, gid: int, t: asyncio.Task) -> None:
+        """A group task's done callback: it leaves ``tasks``; its exception, if any, waits to be raised."""
+        if self.tasks.get(gid) is t:
+            del self.tasks[gid]
+        if not t.cancelled() and t.exception() is not None:
+            self._failures.append((gid, t.exception()))
+
     def _raise_task_failures(self) -> None:
-        for gid, t in list(self.tasks.items()):
-            if t.done():
-                del self.tasks[gid]
-                if not t.cancelled() and t.exception() is not None:
-                    exc = t.exception()
-                    if isinstance(exc, RetrieverOutageError):  # the run fails naming the retriever
-                        raise exc
-                    raise RuntimeError(f"agent worker {self.worker_id}: group {gid} failed") from exc
+        """Raise the first group task failure (O(1) per event: the done callbacks collect them)."""
+        if self._failures:
+            gid, exc = self._failures[0]
+            if isinstance(exc, RetrieverOutageError):  # the run fails naming the retriever
+                raise exc
+            raise RuntimeError(f"agent worker {self.worker_id}: group {gid} failed") from exc
 
     async def _cancel_all(self) -> None:
         for t in self.tasks.values():
@@ -296,7 +305,9 @@ class AgentWorker:
         if a.group_id in self.tasks:
             log.warning("worker %s: group %d issued twice; ignoring the second", self.worker_id, a.group_id)
             return
-        self.tasks[a.group_id] = asyncio.create_task(self._run_group(a), name=f"group-{a.group_id}")
+        t = asyncio.create_task(self._run_group(a), name=f"group-{a.group_id}")
+        self.tasks[a.group_id] = t
+        t.add_done_callback(functools.partial(self._group_ended, a.group_id))
 
     def pick_engine(self) -> EngineHandle:
         return min(self.engines, key=lambda e: e.load / e.max_in_flight)
