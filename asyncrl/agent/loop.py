@@ -182,11 +182,23 @@ class AgentLoop:
         self._invalid_ids = tokenizer.encode(task.invalid_action_message)
         self._obs_tail_ids = tokenizer.encode(getattr(task, "observation_tail", ""))
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._encode_prompt = tokenizer.prefix_encoder(self._template_head())
+
+    def _template_head(self) -> str:
+        """The text every prompt of this task starts with (the template before the question): the common start
+        of two prompts built from different questions."""
+        a, b = (self._prompt_text(q) for q in ("a", "b"))
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return a[:n]
+
+    def _prompt_text(self, question: str) -> str:
+        return self.task.build_prompt(question, chat_template=self.cfg.chat_template, tokenizer=self.tokenizer)
 
     # -- pieces
     def prompt_ids(self, item: PromptItem) -> list[int]:
-        text = self.task.build_prompt(item.prompt, chat_template=self.cfg.chat_template, tokenizer=self.tokenizer)
-        return self.tokenizer.encode(text)
+        """``tokenizer.encode`` of the prompt text; the template's fixed head is tokenized once
+        (``AgentTokenizer.prefix_encoder``: the same ids)."""
+        return self._encode_prompt(self._prompt_text(item.prompt))
 
     def sampling_params(self, max_new_tokens: int, *, greedy: bool = False) -> dict:
         params: dict[str, Any] = {

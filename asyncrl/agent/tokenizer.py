@@ -11,7 +11,8 @@ special-token strings in the context).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,61 @@ class AgentTokenizer:
         """Token ids of ``text``; no BOS/EOS added."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def prefix_encoder(self, prefix: str) -> Callable[[str], list[int]]:
+        """A function equal to ``encode`` that tokenizes texts starting with ``prefix`` (a prompt template's fixed
+        head) faster: ``prefix`` is cut after its last added token that splits the text whatever follows
+        (``split_point``); the head's ids are computed once and only the rest is tokenized per call. Texts that
+        do not start with ``prefix`` (or a tokenizer with no such cut) take ``encode`` itself."""
+        k = self.split_point(prefix)
+        if k == 0:
+            return self.encode
+        head, head_ids, encode = prefix[:k], tuple(self.encode(prefix[:k])), self.tokenizer.encode
+
+        def encode_prompt(text: str) -> list[int]:
+            if not text.startswith(head):
+                return self.encode(text)
+            ids = list(head_ids)
+            ids += encode(text[k:], add_special_tokens=False).ids
+            return ids
+
+        return encode_prompt
+
+    def split_point(self, text: str) -> int:
+        """The end of the last added token in ``text`` after which the tokenization splits: for any ``rest``,
+        ``encode(text[:k] + rest) == encode(text[:k]) + encode(rest)``; 0 when there is none.
+
+        ``tokenizers`` cuts the input at added tokens before it normalizes and pre-tokenizes the pieces between
+        them, each piece on its own. That holds at an added token that is matched whatever follows it and does not
+        reach into the next piece: not ``single_word`` (its match depends on the next character), not ``rstrip``
+        (it swallows the whitespace after it), not ``normalized`` (matched after normalization, inside a piece),
+        no other added token able to start before the cut and end after it, and no step that depends on a
+        piece's position in the input (``Metaspace`` with ``prepend_scheme = "first"``) or on its length
+        (truncation, padding). A few probe texts confirm the cut; any mismatch means 0."""
+        tok = self.tokenizer
+        if tok.truncation is not None or tok.padding is not None or _position_dependent(tok):
+            return 0
+        added = [a.content for a in tok.get_added_tokens_decoder().values() if a.content]
+        safe = [
+            a.content
+            for a in tok.get_added_tokens_decoder().values()
+            if a.content and not (a.single_word or a.rstrip or a.normalized)
+        ]
+        best = 0
+        for c in safe:
+            i = text.rfind(c)
+            if i < 0 or i + len(c) <= best:
+                continue
+            k = i + len(c)
+            head = text[:k]
+            if any(head.endswith(o[:j]) for o in added for j in range(1, len(o))):
+                continue  # another added token could match across the cut
+            best = k
+        if best and any(
+            self.encode(text[:best] + rest) != self.encode(text[:best]) + self.encode(rest) for rest in _PROBES
+        ):
+            return 0
+        return best
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
@@ -94,6 +150,25 @@ class AgentTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
         return self.encode(text) if tokenize else text
+
+
+_PROBES = ("", " ", "x", " x y", "\n\nQuestion: who?\n", ". Question: q0?", "  é 12,3!", "<think>")
+
+
+def _position_dependent(tok: Any) -> bool:
+    """A pre-tokenizer that treats the input's first piece differently (``Metaspace``, ``prepend_scheme =
+    "first"``)."""
+    spec = json.loads(tok.to_str()).get("pre_tokenizer")
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _token_str(value: Any) -> str | None:
