@@ -18,6 +18,8 @@ Contract
   sequence, each padding run): attention never crosses a segment and no ``S x S`` tensor exists.
   ``unfused`` gets the ``[R, C]`` rows and the dense block-diagonal mask. Either way the logits
   flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds.
+  ``pack_microbatch(seqs, prompt_lens, backend)``: one micro-batch packed for the backend at PP = 1: fused
+  backends one row of every sequence, no padding (``[1, T]``); ``unfused`` rows of the longest sequence.
   ``p2p_shape(rows, row_len, backend)``: the matching ``(seq_length, micro_batch_size)`` of the
   activations the pipeline schedule sends between stages.
 - ``FusedCoreAttention``: a drop-in for megatron-core 0.16.1's ``DotProductAttention``
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.actor.batch import PackedBatch
+from asyncrl.actor.batch import PackedBatch, pack
 
 # Lazy imports here: megatron-core (and transformer_engine, an optional GPU package) is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
@@ -97,6 +99,16 @@ def layer_spec(backend: str, *, qk_norm: bool):
     else:
         assert backend == "unfused", backend
     return spec
+
+
+def pack_microbatch(seqs, prompt_lens, backend: str) -> PackedBatch:
+    """One micro-batch packed for ``backend`` (PP = 1; see the contract): fused backends get every sequence in
+    one row, without padding (``thd`` attends segment by segment, so rows would only add padding tokens that
+    every linear layer, norm and the output layer compute); ``unfused`` gets rows of the longest sequence
+    (its dense mask is ``[R, 1, C, C]``)."""
+    if backend in FUSED:
+        return pack(seqs, prompt_lens, row_len=sum(len(s) for s in seqs))
+    return pack(seqs, prompt_lens)
 
 
 def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, Any]]:
