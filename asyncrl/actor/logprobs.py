@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actor.batch import PackedBatch
-from asyncrl.actor.spec import model_inputs
+from asyncrl.actor.spec import response_logits
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
@@ -86,10 +86,8 @@ def forward_logprobs(
     """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch.
 
     ``attention_backend``: the one the model was built with (``asyncrl.actor.spec``)."""
-    args, kwargs = model_inputs(packed, attention_backend)
-    logits = model(*args, **kwargs)  # [R, C, V_local] or [1, R*C, V_local]
     return logprobs_from_logits(
-        logits,
+        response_logits(model, packed, attention_backend),
         packed,
         vocab_start=vocab_start,
         true_vocab=true_vocab,
@@ -111,10 +109,10 @@ def logprobs_from_logits(
     with_entropy: bool = True,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``logits``: [R, C, V_local] (or [1, R*C, V_local]) of a packed micro-batch -> log-probs [T] (and entropies)."""
-    sel = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.pred_index)
+    """``logits``: [T, V_local], those of the positions predicting ``packed``'s response tokens
+    (``spec.response_logits``, the last pipeline stage's output) -> log-probs [T] (and entropies)."""
     return vocab_parallel_logprobs(
-        sel,
+        logits,
         packed.labels,
         vocab_start=vocab_start,
         true_vocab=true_vocab,
