@@ -9,10 +9,10 @@ Contract
   ``get_forward_backward_func()`` (1F1B; forward-only for log-probs) over ``items`` (each has a
   ``.packed`` ``PackedBatch`` of exactly ``[rows, row_len]``). Every stage of one pipeline calls it
   with the same number of items and the same shape (they hold the same data); the model is called
-  as ``asyncrl.actor.spec.model_inputs`` says for the attention ``backend``, and activations travel
+  through ``asyncrl.actor.spec.response_logits`` for the attention ``backend``, and activations travel
   between stages as ``[row_len, rows, hidden]`` tensors (``[rows * row_len, 1, hidden]`` in the
-  fused backends' thd layout) over gloo p2p. ``loss_fn(item, logits)``
-  runs on the last stage only and returns ``(loss, data)``: the loss is backpropagated as given
+  fused backends' thd layout) over gloo p2p. ``loss_fn(item, logits)`` (the ``[T, V_local]`` logits of the
+  positions predicting response tokens) runs on the last stage only and returns ``(loss, data)``: the loss is backpropagated as given
   (the schedule's division by the number of micro-batches is undone by the caller, see
   ``Actor``); the returned list holds each micro-batch's ``data`` on the last stage and is empty
   elsewhere. Gradients accumulate in the DDP buffers; nothing is all-reduced here.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.actor.spec import model_inputs, p2p_shape
+from asyncrl.actor.spec import p2p_shape, response_logits
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
@@ -101,8 +101,7 @@ def run_schedule(
     def forward_step(data_iterator, m):
         item = next(data_iterator)
         # first stage: embeds input_ids; later stages: the received activations (set by the schedule)
-        args, kwargs = model_inputs(item.packed, backend)
-        return m(*args, **kwargs), functools.partial(loss_fn, item)
+        return response_logits(m, item.packed, backend), functools.partial(loss_fn, item)
 
     seq_length, micro_batch_size = p2p_shape(rows, row_len, backend)
     fb = get_forward_backward_func()

@@ -6,10 +6,11 @@ Contract
   where the loss is computed (``schedule.computes_loss``: every rank at PP = 1, the last stage at PP > 1), the
   loss inputs ``extra`` and the recomputed ``prox`` / reference ``ref`` log-probs.
 - ``pack(mbs)``: ``[(sequences, prompt_lens)]`` -> one ``PackedBatch`` per micro-batch on the device. Plain:
-  each packed at its own longest sequence. Pipeline: every micro-batch padded to the one ``[rows, row_len]``
+  each packed for the attention backend (``spec.pack_microbatch``: no padding with fused attention). Pipeline: every micro-batch padded to the one ``[rows, row_len]``
   shape agreed over the pipeline group (collective over it, even with no micro-batch), because activations
   travel between stages as fixed-shape tensors.
-- ``forward(model, items, fn)``: ``fn(item, logits)`` of every item in order, on the ranks that compute the loss
+- ``forward(model, items, fn)``: ``fn(item, logits)`` of every item in order (``logits``: ``[T, V_local]``, the
+  positions predicting the response tokens, ``spec.response_logits``), on the ranks that compute the loss
   (``[]`` on the other stages). The caller chooses the grad mode (log-probs run under ``torch.no_grad``).
 - ``forward_backward(model, items, loss_fn, grad_scale=)``: ``loss_fn(item, logits) -> (loss, data)``; the
   gradient of ``loss * grad_scale`` of every item accumulates in the model's (DDP) grad buffers; returns each
@@ -31,10 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.actor.batch import PackedBatch, pack, pack_uniform, uniform_shape
+from asyncrl.actor.batch import PackedBatch, pack_uniform, uniform_shape
 from asyncrl.actor.loss import SUM_KEYS
 from asyncrl.actor.pipeline import StageInfo, agree_shape, run_schedule
-from asyncrl.actor.spec import model_inputs
+from asyncrl.actor.spec import pack_microbatch, response_logits
 
 LossFn = Callable[["MicroBatch", torch.Tensor], tuple[torch.Tensor, Any]]
 MicroBatchSeqs = tuple[Sequence[Sequence[int]], Sequence[int]]
@@ -60,11 +61,10 @@ class PlainSchedule:
         self.device, self.backend = device, backend
 
     def pack(self, mbs: Sequence[MicroBatchSeqs]) -> list[PackedBatch]:
-        return [pack(seqs, prompt_lens).to(self.device) for seqs, prompt_lens in mbs]
+        return [pack_microbatch(seqs, prompt_lens, self.backend).to(self.device) for seqs, prompt_lens in mbs]
 
     def _logits(self, model: torch.nn.Module, item: MicroBatch) -> torch.Tensor:
-        args, kwargs = model_inputs(item.packed, self.backend)
-        return model(*args, **kwargs)
+        return response_logits(model, item.packed, self.backend)
 
     def forward(self, model: torch.nn.Module, items: Sequence[MicroBatch], fn: Callable) -> list[Any]:
         return [fn(it, self._logits(model, it)) for it in items]

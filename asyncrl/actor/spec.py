@@ -18,6 +18,10 @@ Contract
   sequence, each padding run): attention never crosses a segment and no ``S x S`` tensor exists.
   ``unfused`` gets the ``[R, C]`` rows and the dense block-diagonal mask. Either way the logits
   flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds.
+  ``response_logits(model, packed, backend)``: that call with the output layer fed only the positions that predict
+  response tokens: ``[T, V_local]`` logits in ``pred_index`` order (the other positions' logits are never computed).
+  ``pack_microbatch(seqs, prompt_lens, backend)``: one micro-batch packed for the backend at PP = 1: fused
+  backends one row of every sequence, no padding (``[1, T]``); ``unfused`` rows of the longest sequence.
   ``p2p_shape(rows, row_len, backend)``: the matching ``(seq_length, micro_batch_size)`` of the
   activations the pipeline schedule sends between stages.
 - ``FusedCoreAttention``: a drop-in for megatron-core 0.16.1's ``DotProductAttention``
@@ -36,8 +40,7 @@ Example::
     backend = resolve_attention(cfg.actor.attention_backend, cuda=torch.cuda.is_available(),
                                 te_available=te_available())
     model = build_gpt_model(spec, tp=1, attention_backend=backend)  # asyncrl.actor.model
-    args, kwargs = model_inputs(packed, backend)
-    logits = model(*args, **kwargs)  # [R, C, V] or [1, R*C, V]
+    logits = response_logits(model, packed, backend)  # [T, V]: the positions predicting response tokens
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.actor.batch import PackedBatch
+from asyncrl.actor.batch import PackedBatch, pack
 
 # Lazy imports here: megatron-core (and transformer_engine, an optional GPU package) is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
@@ -99,6 +102,16 @@ def layer_spec(backend: str, *, qk_norm: bool):
     return spec
 
 
+def pack_microbatch(seqs, prompt_lens, backend: str) -> PackedBatch:
+    """One micro-batch packed for ``backend`` (PP = 1; see the contract): fused backends get every sequence in
+    one row, without padding (``thd`` attends segment by segment, so rows would only add padding tokens that
+    every linear layer, norm and the output layer compute); ``unfused`` gets rows of the longest sequence
+    (its dense mask is ``[R, 1, C, C]``)."""
+    if backend in FUSED:
+        return pack(seqs, prompt_lens, row_len=sum(len(s) for s in seqs))
+    return pack(seqs, prompt_lens)
+
+
 def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, Any]]:
     """``(args, kwargs)`` of the GPTModel call for one packed micro-batch (see the contract)."""
     if backend not in FUSED:
@@ -115,6 +128,33 @@ def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, An
     )
     args = (packed.input_ids.reshape(1, -1), packed.position_ids.reshape(1, -1), None)
     return args, {"packed_seq_params": params}
+
+
+def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str) -> torch.Tensor:
+    """The model called on ``packed`` (``model_inputs``), its output layer fed only the hidden states of the
+    positions that predict the response tokens: ``[T, V_local]`` logits in ``packed.pred_index`` order. A model
+    without an output layer (a pipeline stage before the last) returns its activations unchanged. ``model``
+    may be wrapped (Megatron's DDP: ``.module``)."""
+    args, kwargs = model_inputs(packed, backend)
+    inner = model
+    while not hasattr(inner, "output_layer") and hasattr(inner, "module"):
+        inner = inner.module
+    head = getattr(inner, "output_layer", None)
+    if head is None:
+        return model(*args, **kwargs)
+    index = packed.pred_index
+
+    def select(_module, inputs):
+        hidden = inputs[0]  # [s, b, h]; flattened as [b, s] so that pred_index addresses it
+        picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1]).index_select(0, index)
+        return (picked.unsqueeze(1), *inputs[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        logits = model(*args, **kwargs)  # [1, T, V_local]
+    finally:
+        handle.remove()
+    return logits.reshape(-1, logits.shape[-1])
 
 
 def p2p_shape(rows: int, row_len: int, backend: str) -> tuple[int, int]:

@@ -78,7 +78,6 @@ from asyncrl.actor.batch import (
     groups_to_samples,
     make_microbatches,
     microbatch_extras,
-    pack,
 )
 from asyncrl.actor.logprobs import logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
@@ -275,27 +274,17 @@ class Actor:
             )
         return scatter_samples(samples, dp=self.dp, dp_rank=self.dp_rank, device=self.device)
 
-    def _microbatches(self, samples: list[Sample]) -> list[tuple[PackedBatch, dict[str, torch.Tensor]]]:
-        out = []
-        for idx in make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch):
-            mb = [samples[i] for i in idx]
-            packed = pack([s.tokens for s in mb], [s.prompt_len for s in mb])
-            out.append((packed, self._extras(mb)))
-        return out
-
     def _extras(self, mb: list[Sample]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in microbatch_extras(mb).items()}
 
     # ------------------------------------------------------------------ the step (one path for every PP)
     def _train_items(self, samples: list[Sample]) -> list[MicroBatch]:
-        """This DP rank's micro-batches in the schedule's shape, with their loss inputs where the loss is computed
-        (PP > 1: packed to the pipeline-wide shape; the loss inputs on the last stage only)."""
-        if self.stage is None:
-            return [MicroBatch(p.to(self.device), x) for p, x in self._microbatches(samples)]
+        """This DP rank's micro-batches in the schedule's shape (``schedule.pack``), with their loss inputs where the
+        loss is computed (PP > 1: packed to the pipeline-wide shape; the loss inputs on the last stage only)."""
         idxs = make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch)
         mbs = [[samples[i] for i in idx] for idx in idxs]
         packed = self.schedule.pack([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
-        return [MicroBatch(p, self._extras(mb) if self.stage.is_last else None) for p, mb in zip(packed, mbs)]
+        return [MicroBatch(p, self._extras(mb) if self.schedule.computes_loss else None) for p, mb in zip(packed, mbs)]
 
     @torch.no_grad()
     def _old_logprobs(self, items: list[MicroBatch]) -> None:

@@ -41,11 +41,10 @@ def _batches(vocab: int):
 
 def _logprobs_and_grads(model, packed, backend, vocab):
     from asyncrl.actor.logprobs import logprobs_from_logits
-    from asyncrl.actor.spec import model_inputs
+    from asyncrl.actor.spec import response_logits
 
     model.zero_grad(set_to_none=True)
-    args, kwargs = model_inputs(packed, backend)
-    logits = model(*args, **kwargs)
+    logits = response_logits(model, packed, backend)
     logp, _ = logprobs_from_logits(logits, packed, vocab_start=0, true_vocab=vocab, with_entropy=False)
     logp.sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -55,7 +54,7 @@ def _logprobs_and_grads(model, packed, backend, vocab):
 def saved_bytes(model, packed, backend, vocab) -> tuple[int, int]:
     """Bytes autograd keeps for backward (parameters excluded): the model's forward, then the log-probs."""
     from asyncrl.actor.logprobs import logprobs_from_logits
-    from asyncrl.actor.spec import model_inputs
+    from asyncrl.actor.spec import response_logits
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -66,9 +65,8 @@ def saved_bytes(model, packed, backend, vocab) -> tuple[int, int]:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    args, kwargs = model_inputs(packed, backend)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        logits = model(*args, **kwargs)
+        logits = response_logits(model, packed, backend)
         in_model = sum(seen.values())
         seen.clear()
         logprobs_from_logits(logits, packed, vocab_start=0, true_vocab=vocab, with_entropy=True)

@@ -27,3 +27,26 @@ def test_gradient_matches_autograd_reference():
     ref = torch.log_softmax(z, -1)
     (ref.gather(-1, labels[:, None]).sum() + 0.1 * (-(ref.exp() * ref).sum())).backward()
     torch.testing.assert_close(g1, z.grad)
+
+
+def test_gradient_with_padding_temperature_and_without_entropy():
+    g = torch.Generator().manual_seed(1)
+    z0 = torch.randn(6, 10, generator=g) * 3
+    labels = torch.tensor([0, 9, 4, 4, 2, 7])
+    w_lp, w_ent = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    padded = torch.cat([z0, torch.full((6, 6), 5.0)], dim=-1)
+    for with_entropy in (True, False):
+        z = padded.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(
+            z, labels, vocab_start=0, true_vocab=10, temperature=0.8, with_entropy=with_entropy
+        )
+        assert (ent is None) == (not with_entropy)
+        ((lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0.0)).backward()
+        zr = z0.clone().requires_grad_(True)
+        ref = torch.log_softmax(zr / 0.8, -1)
+        ref_lp = ref.gather(-1, labels[:, None])[:, 0]
+        ref_ent = -(ref.exp() * ref).sum(-1)
+        torch.testing.assert_close(lp, ref_lp)
+        ((ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if with_entropy else 0.0)).backward()
+        torch.testing.assert_close(z.grad[:, :10], zr.grad)
+        assert torch.all(z.grad[:, 10:] == 0)  # padded vocabulary columns get no gradient
