@@ -12,7 +12,8 @@ Contract
   (T = sum of new_len_B, no padding). Decode rows (one new token) and prefills or continuations after a
   prefix hit (several) mix in one call, as SGLang's mixed batches: every linear layer runs once over the
   T tokens; attention takes the leading one-token rows as one batched query each and the rest as a
-  padded block. Returns hidden states [T, H]; ``model.logits`` maps them to the vocabulary.
+  padded block. Returns hidden states [T, H] (``last_only=True``: [B, H], each request's last token, the last
+  layer run for those alone); ``model.logits`` maps them to the vocabulary.
 
     model = load_model("runs/tiny/model")
     kv = KVPool(model.spec, max_rows=8)
@@ -77,6 +78,9 @@ class _Plan:
     """[num_decode, 1, 1, dec_L] bool: True where a key is hidden from a decode row's query."""
     pad: Optional[_Padded]
     """The other rows (None when every row decodes)."""
+    last: Optional[tuple[torch.Tensor, int, torch.Tensor]]
+    """``last_only`` with a multi-token row: (index of each row's last token [B], the longest row L, [B, 1, 1, L]
+    bool hidden keys of those queries); the last layer attends and runs its MLP for these B tokens only."""
 
 
 class KVPool:
@@ -267,7 +271,7 @@ class CausalLM:
         return sorted(set(self.params) - names)
 
     # ---- forward -------------------------------------------------------------------------
-    def _plan(self, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int) -> _Plan:
+    def _plan(self, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int, last_only: bool) -> _Plan:
         """What every layer of one forward shares: rope tables, the attention masks, where the new KV goes."""
         s = self.spec
         B = past_len_B.shape[0]
@@ -306,10 +310,32 @@ class CausalLM:
             seen = (torch.arange(L)[None, None, :] <= qpos_BN[:, :, None])[:, None]  # [Bp, 1, N, L]
             seen = seen.repeat(1, 1, nh // nkv, 1)  # [Bp, 1, grp * N, L]: the grp query heads of a kv head
             pad = _Padded(b_T[num_decode:] - num_decode, j_T[num_decode:], seen, N, L)
-        return _Plan(cos, sin, kv_index, row0, num_decode, dec_L, dec_hidden, pad)
+        last = None
+        if last_only and num_decode < B:
+            L = int(end_B.max())
+            last = (torch.cumsum(new_len_B, 0) - 1, L, (torch.arange(L)[None, :] >= end_B[:, None])[:, None, None])
+        return _Plan(cos, sin, kv_index, row0, num_decode, dec_L, dec_hidden, pad, last)
 
-    def _attention(self, x: torch.Tensor, L: dict, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """x + self-attention of one layer (writes the new tokens' K and V into this layer's cache rows)."""
+    def _one_query(
+        self, q_RHd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, r0: int, L: int, hidden_R11L: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one query per row (rows r0 .. r0+R-1 of the cache, their first L keys) -> [R, heads * d].
+        Grouped-query without repeating K/V: query head h reads kv head h // grp; [rows * kv heads] small
+        matrix products in one bmm over 3-d views of the cache."""
+        s = self.spec
+        R, d, nh, nkv = q_RHd.shape[0], s.head_dim, s.num_attention_heads, s.num_query_groups
+        grp = nh // nkv
+        keys = kc[r0 : r0 + R, :, :L].reshape(R * nkv, L, d)
+        vals = vc[r0 : r0 + R, :, :L].reshape(R * nkv, L, d)
+        scores = torch.bmm(q_RHd.reshape(R * nkv, grp, d), keys.transpose(1, 2))
+        scores.view(R, nkv, grp, L).masked_fill_(hidden_R11L, float("-inf"))
+        return torch.bmm(torch.softmax(scores, dim=-1), vals).view(R, nh * d)
+
+    def _attention(
+        self, x: torch.Tensor, L: dict, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan, *, last: bool = False
+    ) -> torch.Tensor:
+        """x + self-attention of one layer (writes the new tokens' K and V into this layer's cache rows). With
+        ``last`` (and ``plan.last``): only each row's last token attends; returns [B, H] for those tokens."""
         s = self.spec
         T = x.shape[0]
         d, nh, nkv = s.head_dim, s.num_attention_heads, s.num_query_groups
@@ -324,17 +350,14 @@ class CausalLM:
         kc.view(-1, d).index_copy_(0, plan.kv_index, qkv[:, nh : nh + nkv].reshape(-1, d))
         vc.view(-1, d).index_copy_(0, plan.kv_index, qkv[:, nh + nkv :].reshape(-1, d))
         q = qkv[:, :nh]
+        if last and plan.last is not None:
+            last_B, Lk, hidden = plan.last
+            att = self._one_query(q[last_B], kc, vc, plan.row0, Lk, hidden)
+            return x[last_B] + F.linear(att, L["o_w"], L["o_b"])
         nd, grp = plan.num_decode, nh // nkv
         parts = []
         if nd:
-            # one query per row, grouped-query attention without repeating K/V: query head h reads kv head
-            # h // grp; [rows * kv heads] small matrix products in one bmm over 3-d views of the cache
-            r0, Ld = plan.row0, plan.dec_L
-            keys = kc[r0 : r0 + nd, :, :Ld].reshape(nd * nkv, Ld, d)
-            vals = vc[r0 : r0 + nd, :, :Ld].reshape(nd * nkv, Ld, d)
-            scores = torch.bmm(q[:nd].reshape(nd * nkv, grp, d), keys.transpose(1, 2))
-            scores.view(nd, nkv, grp, Ld).masked_fill_(plan.dec_hidden, float("-inf"))
-            parts.append(torch.bmm(torch.softmax(scores, dim=-1), vals).view(nd, nh * d))
+            parts.append(self._one_query(q[:nd], kc, vc, plan.row0, plan.dec_L, plan.dec_hidden))
         if plan.pad is not None:
             p = plan.pad
             Bp, N = p.seen.shape[0], p.N
@@ -359,13 +382,23 @@ class CausalLM:
 
     @torch.no_grad()
     def forward(
-        self, tokens_T: torch.Tensor, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int
+        self,
+        tokens_T: torch.Tensor,
+        past_len_B: torch.Tensor,
+        new_len_B: torch.Tensor,
+        kv: KVPool,
+        row0: int,
+        *,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Hidden states [T, H] of a packed batch whose KV lives in rows ``row0 .. row0+B-1`` (module contract)."""
-        plan = self._plan(past_len_B, new_len_B, kv, row0)
+        """Hidden states [T, H] of a packed batch whose KV lives in rows ``row0 .. row0+B-1`` (module contract);
+        ``last_only``: [B, H], each row's last token only (every token's KV is still written; the last layer
+        attends and runs its MLP for those B tokens alone)."""
+        plan = self._plan(past_len_B, new_len_B, kv, row0, last_only)
         x = F.embedding(tokens_T, self.embed)
+        n = len(self.layers)
         for layer, L in enumerate(self.layers):
-            x = self._mlp(self._attention(x, L, kv.k[layer], kv.v[layer], plan), L)
+            x = self._mlp(self._attention(x, L, kv.k[layer], kv.v[layer], plan, last=layer == n - 1), L)
         return F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
 
     @torch.no_grad()

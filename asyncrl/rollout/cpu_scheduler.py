@@ -200,9 +200,13 @@ class Scheduler:
         toks = torch.tensor(list(itertools.chain.from_iterable(feeds)), dtype=torch.long)
         n_B = torch.tensor(n_list)
         past_B = torch.tensor([r.kv_len for r in batch])
-        hidden = self.model.forward(toks, past_B, n_B, self.kv, row0)
-        end_B = torch.cumsum(n_B, 0)
-        logits = self.model.logits(hidden if len(toks) == len(batch) else hidden[end_B - 1])
+        # every position's hidden state only for a request that wants its prompt's log-probs
+        need_all = any(r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in batch)
+        hidden = self.model.forward(toks, past_B, n_B, self.kv, row0, last_only=not need_all)
+        if need_all and len(toks) > len(batch):
+            logits = self.model.logits(hidden[torch.cumsum(n_B, 0) - 1])
+        else:
+            logits = self.model.logits(hidden)
         off = 0
         for r, n in zip(batch, n_list):
             if r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None:

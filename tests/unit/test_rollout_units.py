@@ -142,3 +142,8 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
         ref_other = torch.log_softmax(hf(other).logits[0].float(), -1)
     other_tol = LOGPROB_REL * ref_other.abs().max().item()
     assert (torch.log_softmax(model.logits(h[15:]), -1) - ref_other).abs().max().item() < other_tol
+    # last_only (the engine's sampling path): the same batch again (it rewrites the same KV) gives each row's last
+    # token alone, equal to the full forward's
+    h_last = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, 0, last_only=True)
+    assert h_last.shape == (3, 64)
+    assert torch.allclose(h_last, h[[0, 14, 20]], atol=1e-5)
