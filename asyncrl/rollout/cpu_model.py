@@ -6,16 +6,19 @@ Contract
   (``model.layers.3.self_attn.q_proj.weight``) so the weight sync can address them directly.
 - Parameters live in fused buffers (qkv, gate_up) and the HF-named tensors are *views* into them,
   so ``model.load_weights([(name, tensor)])`` copies straight into what the forward uses.
-- ``model.forward(tokens_BN, past_len_B, new_len_B, kv, row0)`` runs a batch of requests whose
+- ``model.forward(tokens_T, past_len_B, new_len_B, kv, row0)`` runs a packed batch of requests whose
   KV lives in rows ``row0 .. row0+B-1`` of a ``KVPool``: request b has ``past_len_B[b]`` cached
-  tokens and ``new_len_B[b]`` new ones (right-padded to N). Decode is the case N = 1; a prefill
-  or a continuation after a prefix hit is the same call with N > 1. Returns hidden states [B, N, H];
-  ``model.logits`` maps them to the vocabulary.
+  tokens and ``new_len_B[b]`` new ones, and ``tokens_T`` holds every request's new tokens back to back
+  (T = sum of new_len_B, no padding). Decode rows (one new token) and prefills or continuations after a
+  prefix hit (several) mix in one call, as SGLang's mixed batches: every linear layer runs once over the
+  T tokens; attention takes the leading one-token rows as one batched query each and the rest as a
+  padded block. Returns hidden states [T, H] (``last_only=True``: [B, H], each request's last token, the last
+  layer run for those alone); ``model.logits`` maps them to the vocabulary.
 
     model = load_model("runs/tiny/model")
     kv = KVPool(model.spec, max_rows=8)
-    h = model.forward(torch.tensor([[5, 6, 7]]), torch.tensor([0]), torch.tensor([3]), kv, row0=0)
-    logits_V = model.logits(h[0, -1])
+    h = model.forward(torch.tensor([5, 6, 7]), torch.tensor([0]), torch.tensor([3]), kv, row0=0)
+    logits_V = model.logits(h[-1])
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,22 +48,39 @@ def _rotate_half_matrix(d: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class _Padded:
+    """The rows after the decode rows, attended as a padded [rows, longest feed] block."""
+
+    b_idx: torch.Tensor
+    j_idx: torch.Tensor
+    """(row among these rows, position in its feed) of each of their tokens, in packed order."""
+    seen: torch.Tensor
+    """[rows, 1, grp * N, L] bool: True where a query (grp query heads of a kv head, then N positions) sees a key."""
+    N: int
+    L: int
+
+
+@dataclass(frozen=True)
 class _Plan:
     """One forward's shared tables (``CausalLM._plan``)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    """[B, N, q + k + v heads, head_dim] each: the rotary tables of q heads (times the attention scale, so scores
+    """[T, q + k + v heads, head_dim] each: the rotary tables of q heads (times the attention scale, so scores
     need no scaling) and k heads; 1 and 0 for v heads (left as they are)."""
-    b_idx: torch.Tensor
-    j_idx: torch.Tensor
-    """(row in the batch, position in the feed) of each real (unpadded) token."""
     kv_index: torch.Tensor
-    """Flat index of each real token's kv heads in a layer's cache viewed as [rows * kv_heads * capacity, d]."""
-    hidden: torch.Tensor
-    """[B, 1, 1, N, Lmax] bool: True where a key is hidden from a query."""
+    """Flat index of each token's kv heads in a layer's cache viewed as [rows * kv_heads * capacity, d]."""
     row0: int
-    Lmax: int
+    num_decode: int
+    """The leading rows with one new token each (tokens 0 .. num_decode-1): batched one-query attention."""
+    dec_L: int
+    dec_hidden: torch.Tensor
+    """[num_decode, 1, 1, dec_L] bool: True where a key is hidden from a decode row's query."""
+    pad: Optional[_Padded]
+    """The other rows (None when every row decodes)."""
+    last: Optional[tuple[torch.Tensor, int, torch.Tensor]]
+    """``last_only`` with a multi-token row: (index of each row's last token [B], the longest row L, [B, 1, 1, L]
+    bool hidden keys of those queries); the last layer attends and runs its MLP for these B tokens only."""
 
 
 class KVPool:
@@ -250,65 +271,108 @@ class CausalLM:
         return sorted(set(self.params) - names)
 
     # ---- forward -------------------------------------------------------------------------
-    def _plan(self, past_len_B: torch.Tensor, new_len_B: torch.Tensor, N: int, kv: KVPool, row0: int) -> _Plan:
-        """What every layer of one forward shares: rope tables, the attention mask, where the new KV goes."""
+    def _plan(self, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int, last_only: bool) -> _Plan:
+        """What every layer of one forward shares: rope tables, the attention masks, where the new KV goes."""
         s = self.spec
         B = past_len_B.shape[0]
-        j_N = torch.arange(N)
-        Lmax = int((past_len_B + new_len_B).max())
-        kv.ensure_capacity(Lmax)
-        # rope tables for these positions, one row per head of the fused qkv ([B, N, heads, d] layout)
-        freqs = (past_len_B[:, None] + j_N[None, :]).to(torch.float32)[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
-        nh, nkv, scale = s.num_attention_heads, s.num_query_groups, 1.0 / math.sqrt(s.head_dim)
-        cos, sin = emb.cos(), emb.sin()
-        v_one = torch.ones(B, N, nkv, s.head_dim)
-        cos = torch.cat((cos.mul(scale).expand(-1, -1, nh, -1), cos.expand(-1, -1, nkv, -1), v_one), dim=2)
-        sin = torch.cat((sin.mul(scale).expand(-1, -1, nh, -1), sin.expand(-1, -1, nkv, -1), v_one * 0), dim=2)
-        # which (row, j) are real tokens, and where their KV goes: flat index of (row, kv head, position) in a
-        # layer's cache viewed as [max_rows * kv_heads * capacity, d], for each real token's kv heads
-        if N == 1:
-            b_idx, j_idx = torch.arange(B), torch.zeros(B, dtype=torch.long)
+        nh, nkv, d, scale = s.num_attention_heads, s.num_query_groups, s.head_dim, 1.0 / math.sqrt(s.head_dim)
+        end_B = past_len_B + new_len_B
+        kv.ensure_capacity(int(end_B.max()))
+        # the leading rows with one new token (decode) take the batched one-query path
+        num_decode = int((new_len_B == 1).cumprod(0).sum())
+        if num_decode == B:  # decode only: token t is row t
+            b_T, j_T = torch.arange(B), torch.zeros(B, dtype=torch.long)
         else:
-            b_idx, j_idx = (j_N[None, :] < new_len_B[:, None]).nonzero(as_tuple=True)
-        cap = kv.capacity
-        slot_T = ((b_idx + row0) * nkv)[:, None] + torch.arange(nkv)[None, :]
-        kv_index = (slot_T * cap + (past_len_B[b_idx] + j_idx)[:, None]).reshape(-1)
-        # attention mask: query j of row b sees keys <= past_b + min(j, n_b - 1)
-        last_B = (new_len_B - 1).clamp(min=0)
-        qpos_BN = past_len_B[:, None] + torch.minimum(j_N[None, :], last_B[:, None])
-        hidden = (torch.arange(Lmax)[None, None, :] > qpos_BN[:, :, None])[:, None, None]
-        return _Plan(cos, sin, b_idx, j_idx, kv_index, hidden, row0, Lmax)
+            b_T = torch.repeat_interleave(torch.arange(B), new_len_B)
+            start_B = torch.cumsum(new_len_B, 0) - new_len_B
+            j_T = torch.arange(b_T.shape[0]) - start_B[b_T]
+        pos_T = past_len_B[b_T] + j_T
+        # rope tables for these positions, one row per head of the fused qkv ([T, heads, d] layout)
+        freqs = pos_T.to(torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        cos, sin = emb.cos(), emb.sin()
+        T = pos_T.shape[0]
+        v_one = torch.ones(T, nkv, d)
+        cos = torch.cat((cos.mul(scale).expand(-1, nh, -1), cos.expand(-1, nkv, -1), v_one), dim=1)
+        sin = torch.cat((sin.mul(scale).expand(-1, nh, -1), sin.expand(-1, nkv, -1), v_one * 0), dim=1)
+        # flat index of (row, kv head, position) in a layer's cache viewed as [max_rows * kv_heads * capacity, d]
+        slot_T = ((b_T + row0) * nkv)[:, None] + torch.arange(nkv)[None, :]
+        kv_index = (slot_T * kv.capacity + pos_T[:, None]).reshape(-1)
+        dec_L = int(past_len_B[:num_decode].max()) + 1 if num_decode else 0
+        dec_hidden = (torch.arange(dec_L)[None, :] > past_len_B[:num_decode, None])[:, None, None]
+        pad = None
+        if num_decode < B:
+            # the other rows, padded to their longest feed: query j of row b sees keys <= past_b + min(j, n_b - 1)
+            p_B, n_B = past_len_B[num_decode:], new_len_B[num_decode:]
+            N, L = int(n_B.max()), int(end_B[num_decode:].max())
+            j_N = torch.arange(N)
+            qpos_BN = p_B[:, None] + torch.minimum(j_N[None, :], (n_B - 1)[:, None])
+            seen = (torch.arange(L)[None, None, :] <= qpos_BN[:, :, None])[:, None]  # [Bp, 1, N, L]
+            seen = seen.repeat(1, 1, nh // nkv, 1)  # [Bp, 1, grp * N, L]: the grp query heads of a kv head
+            pad = _Padded(b_T[num_decode:] - num_decode, j_T[num_decode:], seen, N, L)
+        last = None
+        if last_only and num_decode < B:
+            L = int(end_B.max())
+            last = (torch.cumsum(new_len_B, 0) - 1, L, (torch.arange(L)[None, :] >= end_B[:, None])[:, None, None])
+        return _Plan(cos, sin, kv_index, row0, num_decode, dec_L, dec_hidden, pad, last)
 
-    def _attention(self, x: torch.Tensor, L: dict, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """x + self-attention of one layer (writes the new tokens' K and V into this layer's cache rows)."""
+    def _one_query(
+        self, q_RHd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, r0: int, L: int, hidden_R11L: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one query per row (rows r0 .. r0+R-1 of the cache, their first L keys) -> [R, heads * d].
+        Grouped-query without repeating K/V: query head h reads kv head h // grp; [rows * kv heads] small
+        matrix products in one bmm over 3-d views of the cache."""
         s = self.spec
-        B, N, _ = x.shape
+        R, d, nh, nkv = q_RHd.shape[0], s.head_dim, s.num_attention_heads, s.num_query_groups
+        grp = nh // nkv
+        keys = kc[r0 : r0 + R, :, :L].reshape(R * nkv, L, d)
+        vals = vc[r0 : r0 + R, :, :L].reshape(R * nkv, L, d)
+        scores = torch.bmm(q_RHd.reshape(R * nkv, grp, d), keys.transpose(1, 2))
+        scores.view(R, nkv, grp, L).masked_fill_(hidden_R11L, float("-inf"))
+        return torch.bmm(torch.softmax(scores, dim=-1), vals).view(R, nh * d)
+
+    def _attention(
+        self, x: torch.Tensor, L: dict, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan, *, last: bool = False
+    ) -> torch.Tensor:
+        """x + self-attention of one layer (writes the new tokens' K and V into this layer's cache rows). With
+        ``last`` (and ``plan.last``): only each row's last token attends; returns [B, H] for those tokens."""
+        s = self.spec
+        T = x.shape[0]
         d, nh, nkv = s.head_dim, s.num_attention_heads, s.num_query_groups
         hdn = F.rms_norm(x, (s.hidden_size,), L["ln1"], s.rms_norm_eps)
-        qkv = F.linear(hdn, L["qkv_w"], L["qkv_b"]).view(B, N, nh + 2 * nkv, d)
+        qkv = F.linear(hdn, L["qkv_w"], L["qkv_b"]).view(T, nh + 2 * nkv, d)
         if s.qk_norm:
-            q = F.rms_norm(qkv[:, :, :nh], (d,), L["q_norm"], s.rms_norm_eps)
-            k = F.rms_norm(qkv[:, :, nh : nh + nkv], (d,), L["k_norm"], s.rms_norm_eps)
-            qkv = torch.cat((q, k, qkv[:, :, nh + nkv :]), dim=2)
+            q = F.rms_norm(qkv[:, :nh], (d,), L["q_norm"], s.rms_norm_eps)
+            k = F.rms_norm(qkv[:, nh : nh + nkv], (d,), L["k_norm"], s.rms_norm_eps)
+            qkv = torch.cat((q, k, qkv[:, nh + nkv :]), dim=1)
         # rope on q and k (v's tables are 1 and 0), q scaled for the scores: three ops for every head at once
         qkv = torch.addcmul(qkv * plan.cos, torch.matmul(qkv, self.rot), plan.sin)
-        q, k, v = qkv[:, :, :nh], qkv[:, :, nh : nh + nkv], qkv[:, :, nh + nkv :]
-        if N == 1:
-            k_new, v_new = k.reshape(B * nkv, d), v.reshape(B * nkv, d)
-        else:
-            k_new = k[plan.b_idx, plan.j_idx].reshape(-1, d)
-            v_new = v[plan.b_idx, plan.j_idx].reshape(-1, d)
-        kc.view(-1, d).index_copy_(0, plan.kv_index, k_new)
-        vc.view(-1, d).index_copy_(0, plan.kv_index, v_new)
-        r0, Lmax, grp = plan.row0, plan.Lmax, nh // nkv
-        keys, vals = kc[r0 : r0 + B, :, :Lmax], vc[r0 : r0 + B, :, :Lmax]
-        # grouped-query attention without repeating K/V: query head h reads kv head h // grp
-        q = q.transpose(1, 2).reshape(B, nkv, grp * N, d)
-        scores = torch.matmul(q, keys.transpose(-1, -2))
-        scores = scores.view(B, nkv, grp, N, Lmax).masked_fill_(plan.hidden, float("-inf"))
-        att = torch.matmul(torch.softmax(scores.view(B, nkv, grp * N, Lmax), dim=-1), vals).view(B, nh, N, d)
-        return x + F.linear(att.transpose(1, 2).reshape(B, N, nh * d), L["o_w"], L["o_b"])
+        kc.view(-1, d).index_copy_(0, plan.kv_index, qkv[:, nh : nh + nkv].reshape(-1, d))
+        vc.view(-1, d).index_copy_(0, plan.kv_index, qkv[:, nh + nkv :].reshape(-1, d))
+        q = qkv[:, :nh]
+        if last and plan.last is not None:
+            last_B, Lk, hidden = plan.last
+            att = self._one_query(q[last_B], kc, vc, plan.row0, Lk, hidden)
+            return x[last_B] + F.linear(att, L["o_w"], L["o_b"])
+        nd, grp = plan.num_decode, nh // nkv
+        parts = []
+        if nd:
+            parts.append(self._one_query(q[:nd], kc, vc, plan.row0, plan.dec_L, plan.dec_hidden))
+        if plan.pad is not None:
+            p = plan.pad
+            Bp, N = p.seen.shape[0], p.N
+            r0 = plan.row0 + nd
+            q_pad = q.new_zeros(Bp, N, nh, d)
+            q_pad[p.b_idx, p.j_idx] = q[nd:]
+            # [Bp, kv heads, grp * N, d]: the grp query heads of a kv head stacked along the queries
+            q_pad = q_pad.view(Bp, N, nkv, grp, d).permute(0, 2, 3, 1, 4).reshape(Bp, nkv, grp * N, d)
+            att = F.scaled_dot_product_attention(
+                q_pad, kc[r0 : r0 + Bp, :, : p.L], vc[r0 : r0 + Bp, :, : p.L], attn_mask=p.seen, scale=1.0
+            )
+            att = att.view(Bp, nkv, grp, N, d).permute(0, 3, 1, 2, 4)[p.b_idx, p.j_idx]
+            parts.append(att.reshape(-1, nh * d))
+        att = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return x + F.linear(att, L["o_w"], L["o_b"])
 
     def _mlp(self, x: torch.Tensor, L: dict) -> torch.Tensor:
         s = self.spec
@@ -318,13 +382,23 @@ class CausalLM:
 
     @torch.no_grad()
     def forward(
-        self, tokens_BN: torch.Tensor, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int
+        self,
+        tokens_T: torch.Tensor,
+        past_len_B: torch.Tensor,
+        new_len_B: torch.Tensor,
+        kv: KVPool,
+        row0: int,
+        *,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Hidden states [B, N, H] of a batch whose KV lives in rows ``row0 .. row0+B-1`` (module contract)."""
-        plan = self._plan(past_len_B, new_len_B, tokens_BN.shape[1], kv, row0)
-        x = F.embedding(tokens_BN, self.embed)
+        """Hidden states [T, H] of a packed batch whose KV lives in rows ``row0 .. row0+B-1`` (module contract);
+        ``last_only``: [B, H], each row's last token only (every token's KV is still written; the last layer
+        attends and runs its MLP for those B tokens alone)."""
+        plan = self._plan(past_len_B, new_len_B, kv, row0, last_only)
+        x = F.embedding(tokens_T, self.embed)
+        n = len(self.layers)
         for layer, L in enumerate(self.layers):
-            x = self._mlp(self._attention(x, L, kv.k[layer], kv.v[layer], plan), L)
+            x = self._mlp(self._attention(x, L, kv.k[layer], kv.v[layer], plan, last=layer == n - 1), L)
         return F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
 
     @torch.no_grad()

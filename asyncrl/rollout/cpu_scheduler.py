@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -146,17 +147,22 @@ class Scheduler:
                 fut.set_exception(e)
 
     def step(self) -> None:
-        """One scheduling step: a decode batch for the running requests, then admit and prefill."""
-        if self.running:
-            self._extend(self.running, row0=0)
+        """One scheduling step: ONE forward for the running requests' decode and the first chunk of admitted
+        requests' prefill (a mixed batch, as SGLang's mixed chunked prefill), then any further prefill chunks."""
         admit: list[Request] = []
         while self.waiting and len(self.running) + len(admit) < self.max_running:
             admit.append(self.waiting.popleft())
-        if admit:
-            self._admit(admit)
+        chunks = self._admit(admit) if admit else []
+        first = self.running[: len(self.running) - len(admit)] + (chunks[0] if chunks else [])
+        if first:
+            self._extend(first, row0=0)
+        for chunk in chunks[1:]:
+            self._extend(chunk, row0=chunk[0].row)
         self._compact()
 
-    def _admit(self, reqs: list[Request]) -> None:
+    def _admit(self, reqs: list[Request]) -> list[list[Request]]:
+        """Give the admitted requests rows after the running ones (KV of a prefix hit written in) and cut them
+        into prefill chunks of contiguous rows under the padded-token budget, shortest feeds first."""
         hits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for r in reqs:
             toks = r.tokens()
@@ -178,34 +184,35 @@ class Scheduler:
             if r.kv_len:
                 k, v = hits[id(r)]
                 self.kv.write_row(r.row, k, v, r.kv_len)
-        # prefill in chunks of contiguous rows under the padded-token budget
-        i = 0
+        chunks, i = [], 0
         while i < len(reqs):
             j = i + 1
             while j < len(reqs) and (j + 1 - i) * (len(reqs[j].tokens()) - reqs[j].kv_len) <= PREFILL_TOKEN_BUDGET:
                 j += 1
-            self._extend(reqs[i:j], row0=start + i)
+            chunks.append(reqs[i:j])
             i = j
+        return chunks
 
     def _extend(self, batch: list[Request], *, row0: int) -> None:
-        """Feed every request its tokens[kv_len:], sample one token each, apply stop rules."""
+        """Feed every request its tokens[kv_len:] (one packed forward), sample one token each, apply stop rules."""
         feeds = [r.feed() for r in batch]
-        n_B = torch.tensor([len(f) for f in feeds])
-        N = int(n_B.max())
-        if N == 1:
-            toks = torch.tensor(feeds, dtype=torch.long)
-        else:
-            toks = torch.zeros(len(batch), N, dtype=torch.long)
-            for b, f in enumerate(feeds):
-                toks[b, : len(f)] = torch.tensor(f)
+        n_list = [len(f) for f in feeds]
+        toks = torch.tensor(list(itertools.chain.from_iterable(feeds)), dtype=torch.long)
+        n_B = torch.tensor(n_list)
         past_B = torch.tensor([r.kv_len for r in batch])
-        hidden = self.model.forward(toks, past_B, n_B, self.kv, row0)
-        last_h = hidden[torch.arange(len(batch)), n_B - 1]
-        logits = self.model.logits(last_h)
-        for b, r in enumerate(batch):
+        # every position's hidden state only for a request that wants its prompt's log-probs
+        need_all = any(r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in batch)
+        hidden = self.model.forward(toks, past_B, n_B, self.kv, row0, last_only=not need_all)
+        if need_all and len(toks) > len(batch):
+            logits = self.model.logits(hidden[torch.cumsum(n_B, 0) - 1])
+        else:
+            logits = self.model.logits(hidden)
+        off = 0
+        for r, n in zip(batch, n_list):
             if r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None:
-                self._input_logprobs(r, hidden[b, : len(r.input_ids)])
-            r.kv_len += len(feeds[b])
+                self._input_logprobs(r, hidden[off : off + len(r.input_ids)])
+            r.kv_len += n
+            off += n
         now = time.monotonic()
         live = [b for b, r in enumerate(batch) if len(r.output_ids) < r.params.max_new_tokens]
         for r in batch:
@@ -213,9 +220,9 @@ class Scheduler:
                 self._finish(r, {"type": "length", "length": 0})
         if not live:
             return
-        tokens, logprobs = sample(
-            logits[live], [batch[b] for b in live], generator=self.generator, eos_ids=self.eos_ids
-        )
+        if len(live) < len(batch):
+            logits = logits[live]
+        tokens, logprobs = sample(logits, [batch[b] for b in live], generator=self.generator, eos_ids=self.eos_ids)
         self.counters.generation_tokens += len(live)
         self.counters.recent.append((now, len(live)))
         for b, tok, lp in zip(live, tokens, logprobs):

@@ -16,15 +16,20 @@ import torch
 from asyncrl.rollout.request import Request
 
 
-def _ban_stop_tokens(logits_BV: torch.Tensor, reqs: Sequence[Request], eos_ids: set[int]) -> None:
-    """min_new_tokens: eos and stop tokens get -inf until the request has that many tokens (in place)."""
+def _ban_stop_tokens(logits_BV: torch.Tensor, reqs: Sequence[Request], eos_ids: set[int]) -> torch.Tensor:
+    """min_new_tokens: eos and stop tokens get -inf until the request has that many tokens (a copy of the logits
+    when any is banned, else the logits themselves)."""
     V = logits_BV.shape[1]
+    out = logits_BV
     for b, r in enumerate(reqs):
         if len(r.output_ids) < r.params.min_new_tokens:
             ban = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else eos_ids)
             ban = [t for t in ban if 0 <= t < V]
             if ban:
-                logits_BV[b, ban] = float("-inf")
+                if out is logits_BV:
+                    out = logits_BV.clone()
+                out[b, ban] = float("-inf")
+    return out
 
 
 def _truncate(probs_BV: torch.Tensor, reqs: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,14 +53,14 @@ def sample(
 ) -> tuple[list[int], list[float]]:
     """One token and its log-prob per row of ``logits_BV`` (row b is ``reqs[b]``)."""
     B, V = logits_BV.shape
-    logits_BV = logits_BV.float().clone()
-    _ban_stop_tokens(logits_BV, reqs, eos_ids)
-    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
-    scaled = logits_BV / temps[:, None]
+    logits_BV = _ban_stop_tokens(logits_BV.float(), reqs, eos_ids)
+    temps = [1.0 if r.params.greedy else r.params.temperature for r in reqs]
+    scaled = logits_BV if all(t == 1.0 for t in temps) else logits_BV / torch.tensor(temps)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
-    greedy = torch.tensor([r.params.greedy for r in reqs])
-    out = scaled.argmax(dim=-1)
-    if not bool(greedy.all()):
+    greedy_list = [r.params.greedy for r in reqs]
+    greedy = torch.tensor(greedy_list)
+    out = scaled.argmax(dim=-1) if any(greedy_list) else None
+    if not all(greedy_list):
         probs = logp.exp()
         order = None
         if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs):
@@ -68,6 +73,6 @@ def sample(
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=V - 1)[:, 0]
         # never pick a zero-probability token (float edge at the top of the cdf)
         sampled = order.gather(1, pick[:, None])[:, 0] if order is not None else pick
-        out = torch.where(greedy, out, sampled)
+        out = sampled if out is None else torch.where(greedy, out, sampled)
     lps = logp.gather(1, out[:, None])[:, 0]
     return out.tolist(), lps.tolist()

@@ -312,7 +312,7 @@ def _probe_logprob(model_dir: Path) -> float:
     from asyncrl.runner.eval_fleet import PROBE_IDS
 
     m = load_model(model_dir)
-    ids = torch.tensor([PROBE_IDS])
+    ids = torch.tensor(PROBE_IDS)
     h = m.forward(ids, torch.tensor([0]), torch.tensor([len(PROBE_IDS)]), KVPool(m.spec, 1), 0)
-    lp = torch.log_softmax(m.logits(h[0]).double(), dim=-1)
+    lp = torch.log_softmax(m.logits(h).double(), dim=-1)
     return float(sum(lp[i, PROBE_IDS[i + 1]] for i in range(len(PROBE_IDS) - 1)))

@@ -91,7 +91,8 @@ def test_prometheus_and_generate_parsers():
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_cpu_model_matches_transformers(tmp_path, arch):
-    """Prompt log-probs, a cached continuation and a padded batch match HF within 1e-5 of the log-probs' scale."""
+    """Prompt log-probs, and a mixed batch (a decode row, a cached continuation, a shorter fresh request), match HF
+    within 1e-5 of the log-probs' scale."""
     transformers = pytest.importorskip("transformers")
     from asyncrl.rollout.cpu_model import KVPool, load_model
 
@@ -122,19 +123,27 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
     kv = KVPool(model.spec, max_rows=3)
-    full = torch.log_softmax(model.logits(model.forward(ids, torch.tensor([0]), torch.tensor([24]), kv, 0)[0]), -1)
+    full = torch.log_softmax(model.logits(model.forward(ids[0], torch.tensor([0]), torch.tensor([24]), kv, 0)), -1)
     # log-probs reach about -20 here; float32 rounding grows with that scale and differs between processors and
     # kernels: allow LOGPROB_REL x max|ref| (measured worst |diff| 1.2e-5 = 6e-7 of the scale, default and avx2)
     tol = LOGPROB_REL * ref.abs().max().item()
     assert (full - ref).abs().max().item() < tol
-    # prefix of 10 in row 1, then the remaining 14 batched with a shorter, padded request in row 2
-    model.forward(ids[:, :10], torch.tensor([0]), torch.tensor([10]), kv, 1)
+    # one mixed batch (decode rows lead): row 0 decodes token 17 after 17 cached, row 1 continues with 14 tokens
+    # after a prefix of 10, row 2 is a shorter fresh request (rows 1 and 2 attend as a padded block)
+    model.forward(ids[0, :17], torch.tensor([0]), torch.tensor([17]), kv, 0)
+    model.forward(ids[0, :10], torch.tensor([0]), torch.tensor([10]), kv, 1)
     other = ids[:, 3:9]
-    toks = torch.zeros(2, 14, dtype=torch.long)
-    toks[0], toks[1, :6] = ids[0, 10:], other[0]
-    h = model.forward(toks, torch.tensor([10, 0]), torch.tensor([14, 6]), kv, 1)
-    assert (torch.log_softmax(model.logits(h[0]), -1) - ref[10:]).abs().max().item() < tol
+    toks = torch.cat((ids[0, 17:18], ids[0, 10:], other[0]))
+    h = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, 0)
+    assert h.shape == (21, 64)
+    assert (torch.log_softmax(model.logits(h[0]), -1) - ref[17]).abs().max().item() < tol
+    assert (torch.log_softmax(model.logits(h[1:15]), -1) - ref[10:]).abs().max().item() < tol
     with torch.no_grad():
         ref_other = torch.log_softmax(hf(other).logits[0].float(), -1)
     other_tol = LOGPROB_REL * ref_other.abs().max().item()
-    assert (torch.log_softmax(model.logits(h[1, :6]), -1) - ref_other).abs().max().item() < other_tol
+    assert (torch.log_softmax(model.logits(h[15:]), -1) - ref_other).abs().max().item() < other_tol
+    # last_only (the engine's sampling path): the same batch again (it rewrites the same KV) gives each row's last
+    # token alone, equal to the full forward's
+    h_last = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, 0, last_only=True)
+    assert h_last.shape == (3, 64)
+    assert torch.allclose(h_last, h[[0, 14, 20]], atol=1e-5)
