@@ -10,8 +10,8 @@ Measures over loopback TCP:
      stubbed (``run_trajectory`` returns a ready trajectory at once); the consumer fetches each batch with
      ``asyncrl.runner.loop._wait_batch`` exactly as the actor does (``get_batch``: zero-copy arrays);
   2. the hand-off of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer full) through that
-     same fetch (under the actor's GC settings, the interpreter's defaults), and a raw ZeroMQ round trip of the same number of bytes (DEALER -> ROUTER, one small
-     request, one one-frame reply), both in each repetition, the order alternating, under the same
+     same fetch (under the actor's GC settings, the interpreter's defaults), and a raw ZeroMQ round trip
+     of the same number of bytes (DEALER -> ROUTER, one small request, one one-frame reply), both in each repetition, the order alternating, under the same
      load: issuing is paused (a ``drain`` sync) while both run, and resumed after.
 Targets (issue 16): >= 20,000 small groups/s (median); hand-off <= 1.5x the raw round trip.
 Also printed: the CPU each process spent per group during the throughput run, and the broker's CPU per
