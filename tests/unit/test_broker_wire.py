@@ -150,6 +150,16 @@ def test_forwarded_columns_follow_changes_and_reads_of_extra():
         [(8, 1), (3, 2)],
         [(2, 3), (1, 3), (3, 2)],
     ]
+    # a decoded table of several frames (a checkpoint's buffer) is re-sent as one zero-copy slice per frame
+    table, frames = P.pack_groups(back)
+    again = P.unpack_groups(table, frames)
+    table2, frames2 = P.pack_groups(again)
+    assert len(frames2) == len(frames) > 1 and [memoryview(f).obj for f in frames2] == [
+        memoryview(f).obj for f in frames
+    ]
+    assert [
+        [(t.min_version, t.response_ids.tolist()) for t in g.trajectories] for g in P.unpack_groups(table2, frames2)
+    ] == [[(t.min_version, t.response_ids.tolist()) for t in g.trajectories] for g in back]
 
 
 def test_wire_trajectory_is_lazy_and_copies_to_a_plain_trajectory():
