@@ -149,9 +149,13 @@ class _Field:
             for f, a in zip(_TOKEN_FIELDS, views):
                 d.setdefault(f, a)
             return d[name]
-        if name in _SCALAR_SET:
-            v = s.cols[name][i]
-        elif name == "extra":
+        if name in _SCALAR_SET:  # all of them at once: a reader reads several (one call here, not one each)
+            cols = s.cols
+            for f in _SCALAR_NAMES:
+                if f not in d:  # a field assigned before keeps its new value
+                    d[f] = cols[f][i]
+            return d[name]
+        if name == "extra":
             k_err = s.cols["tool_errors"][i]
             v = {"tool_errors": k_err} if k_err else {}
         else:
