@@ -13,9 +13,12 @@ checkpoint) holds ONE table, ``pack_table``'s output, and its frames:
 A frame holds its trajectories' token data back to back, each one laid out
 ``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] | loss_mask uint8[nr]``
 (little-endian) and zero-padded to a multiple of 4 bytes, so every int32/float32 view is aligned; the sizes
-must fill each frame exactly. Decoding is zero-copy: token fields are read-only ``np.frombuffer`` views of the
-received frame, made on first access (a broker that only forwards a trajectory never builds them), and an
-unchanged decoded trajectory is re-sent as a slice of the frame it came in (consecutive ones as ONE slice).
+must fill each frame exactly. Decoding is columnar and lazy: a decoded trajectory holds only its table and
+its row; each field is read from the table's columns on first access (token fields: read-only
+``np.frombuffer`` views of the received frame), so a broker that only forwards a trajectory never builds
+them. Consecutive unchanged decoded trajectories of one table are re-sent as slices of its columns and of the
+frame they came in (one slice per run); one with an assigned field, or whose ``extra`` was read, is packed
+field by field (its token data still forwarded when unchanged).
 
 What travels is what is read after the worker: the token fields, the reward and versions (buffer, staleness),
 ``aborted`` (buffer), and the per-step rollout metrics' fields (turns, tool calls, retractions, truncation,
@@ -30,7 +33,6 @@ naming the message type and the column. A non-finite reward decodes (the core co
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -61,7 +63,7 @@ TRAJ_COLUMNS: tuple[tuple[str, type], ...] = (
     ("finish_reason", str),
 )
 _SCALAR_NAMES = tuple(name for name, _ in TRAJ_COLUMNS)
-_SCALARS_GET = operator.itemgetter(*_SCALAR_NAMES)
+_COL_NAMES = (*_SCALAR_NAMES, "tool_errors")  # the trajectory columns besides the lengths, as they travel
 
 
 def token_nbytes(n_prompt: int, n_resp: int) -> int:
@@ -113,19 +115,69 @@ def item_from_row(r: Any, where: str = "prompt item") -> PromptItem:
 
 
 # ---------------------------------------------------------------- decoded trajectories
-class WireTrajectory(Trajectory):
-    """A ``Trajectory`` decoded from the wire. Its token fields are read-only numpy views of the received
-    frame, made on first access. Pickling or ``copy.deepcopy`` gives a plain ``Trajectory`` with copies."""
+class _Source:
+    """One received table's trajectory columns and token frames, shared by the trajectories decoded from it
+    (each holds only ``(source, index)``; a field is read from here on first access)."""
 
-    def __getattr__(self, name: str):
-        d = self.__dict__
-        if name in _TOKEN_FIELDS and "_src" in d:
-            views = _views(d["_src"])
+    __slots__ = ("cols", "bases", "frame", "frame_end", "offs", "n_p", "n_r")
+
+    def __init__(self, cols: dict, bases: list, frame: list, frame_end: list, offs: list, n_p: list, n_r: list):
+        self.cols = cols  # column name -> one value per trajectory (``_COL_NAMES``)
+        self.bases = bases  # the received frames (byte memoryviews)
+        self.frame = frame  # trajectory -> its frame's index in ``bases``
+        self.frame_end = frame_end  # frame -> one past its last trajectory
+        self.offs = offs  # trajectory -> the byte offset of its token data in its frame
+        self.n_p, self.n_r = n_p, n_r
+
+
+class _Field:
+    """A field of a ``WireTrajectory``, read from its source on first access and kept in the instance's
+    ``__dict__`` (which wins over this non-data descriptor from then on)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, t, owner=None):
+        if t is None:
+            return self
+        d = t.__dict__
+        s, i = d["_s"], d["_i"]
+        name = self.name
+        if name in _TOKEN_FIELDS:
+            views = _views(s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i])
             d["_views"] = views
             for f, a in zip(_TOKEN_FIELDS, views):
-                d.setdefault(f, a)  # a field assigned before first access keeps its new value
+                d.setdefault(f, a)
             return d[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name in _SCALAR_SET:  # all of them at once: a reader reads several (one call here, not one each)
+            cols = s.cols
+            for f in _SCALAR_NAMES:
+                if f not in d:  # a field assigned before keeps its new value
+                    d[f] = cols[f][i]
+            return d[name]
+        if name == "extra":
+            k_err = s.cols["tool_errors"][i]
+            v = {"tool_errors": k_err} if k_err else {}
+        else:
+            v = _STAY[name]()
+        d[name] = v
+        return v
+
+
+_SCALAR_SET = frozenset(_SCALAR_NAMES)
+_STAY = {"weight_versions": lambda: _NO_VERSIONS, "error": str, "timings": dict}
+
+
+class WireTrajectory(Trajectory):
+    """A ``Trajectory`` decoded from the wire: its fields are read from the received table on first access
+    (token fields: read-only numpy views of the received frame). Assigning a field marks it changed (the
+    hand-off then packs it afresh; an unchanged one travels as slices of the columns and frames it came in).
+    Pickling or ``copy.deepcopy`` gives a plain ``Trajectory`` with copies."""
+
+    def __setattr__(self, name: str, value) -> None:
+        d = self.__dict__
+        d[name] = value
+        d["_dirty"] = True
 
     def __reduce_ex__(self, protocol):
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(Trajectory)}
@@ -134,8 +186,11 @@ class WireTrajectory(Trajectory):
         return Trajectory, tuple(kw[f.name] for f in dataclasses.fields(Trajectory))
 
 
-def _views(src: tuple) -> tuple[np.ndarray, ...]:
-    base, off, n_p, n_r = src
+for _f in dataclasses.fields(Trajectory):
+    setattr(WireTrajectory, _f.name, _Field(_f.name))
+
+
+def _views(base, off: int, n_p: int, n_r: int) -> tuple[np.ndarray, ...]:
     o_r = off + 4 * n_p
     o_lp = o_r + 4 * n_r
     return (
@@ -146,16 +201,20 @@ def _views(src: tuple) -> tuple[np.ndarray, ...]:
     )
 
 
-def _forwardable(t: Trajectory) -> Optional[tuple]:
-    """``(base, offset, np, nr)`` when ``t`` is a decoded trajectory whose token fields are unchanged."""
-    d = t.__dict__
-    src = d.get("_src")
-    if src is None:
+def _forwardable(d: dict) -> Optional[tuple]:
+    """``(base, offset, np, nr)`` when ``d`` is a decoded trajectory's ``__dict__`` whose token fields are
+    unchanged."""
+    s = d.get("_s")
+    if s is None:
         return None
     views = d.get("_views")
     if views is None:
-        return src if d.keys().isdisjoint(_TOKEN_FIELDS) else None
-    return src if all(d.get(f) is v for f, v in zip(_TOKEN_FIELDS, views)) else None
+        if not d.keys().isdisjoint(_TOKEN_FIELDS):
+            return None
+    elif not all(d.get(f) is v for f, v in zip(_TOKEN_FIELDS, views)):
+        return None
+    i = d["_i"]
+    return s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i]
 
 
 # ---------------------------------------------------------------- encoding
@@ -173,23 +232,9 @@ def _fresh_pieces(t: Trajectory, pieces: list) -> tuple[int, int]:
     return len(p), n_r
 
 
-class _FreshFrame:
-    """Frames of trajectories that are all packed afresh: ONE frame."""
-
-    def __init__(self):
-        self._pieces: list = []
-        self._n = 0
-
-    def __call__(self, t: Trajectory) -> tuple[int, int]:
-        self._n += 1
-        return _fresh_pieces(t, self._pieces)
-
-    def done(self) -> tuple[list, list[int]]:
-        return ([b"".join(self._pieces)], [self._n]) if self._n else ([], [])
-
-
 class _Frames:
-    """Frames being built: runs of forwarded slices (one frame per contiguous run) and of fresh bytes."""
+    """Frames being built: runs of forwarded slices (one frame per contiguous run of one received frame) and
+    of fresh bytes (one frame per run)."""
 
     def __init__(self):
         self.frames: list[Any] = []
@@ -206,54 +251,101 @@ class _Frames:
             self.frames.append(b"".join(self._pieces))
             self._pieces = []
 
-    def __call__(self, t: Trajectory) -> tuple[int, int]:
-        src = _forwardable(t)
-        if src is not None:
-            base, off, n_p, n_r = src
-            if self._base is not base or self._hi != off:
-                self._close()
-                self.counts.append(0)
-                self._base, self._lo, self._hi = base, off, off
-            self._hi += 4 * n_p + 9 * n_r + (-n_r % 4)
-        else:
-            if self._base is not None or not self.counts:
-                self._close()
-                self.counts.append(0)
-            n_p, n_r = _fresh_pieces(t, self._pieces)
+    def slice(self, base, lo: int, hi: int, count: int) -> None:
+        """``count`` trajectories whose token data is ``base[lo:hi]``."""
+        if self._base is not base or self._hi != lo:
+            self._close()
+            self.counts.append(0)
+            self._base, self._lo = base, lo
+        self._hi = hi
+        self.counts[-1] += count
+
+    def fresh(self, t: Trajectory) -> tuple[int, int]:
+        if self._base is not None or not self.counts:
+            self._close()
+            self.counts.append(0)
         self.counts[-1] += 1
-        return n_p, n_r
+        return _fresh_pieces(t, self._pieces)
 
     def done(self) -> tuple[list, list[int]]:
         self._close()
         return self.frames, self.counts
 
 
+class _Table:
+    """The trajectory columns and frames of a table being packed."""
+
+    def __init__(self):
+        self.np: list[int] = []
+        self.nr: list[int] = []
+        self.cols: dict[str, list] = {name: [] for name in _COL_NAMES}
+        self.frames = _Frames()
+
+    def run(self, s: _Source, lo: int, hi: int) -> None:
+        """Trajectories ``lo:hi`` of a received table, unchanged: slices of its columns and frames."""
+        for name, col in self.cols.items():
+            col += s.cols[name][lo:hi]
+        n_p, n_r, offs, frame = s.n_p, s.n_r, s.offs, s.frame
+        self.np += n_p[lo:hi]
+        self.nr += n_r[lo:hi]
+        i = lo
+        while i < hi:  # one slice per received frame the run spans
+            k = frame[i]
+            j = min(hi, s.frame_end[k])
+            end = offs[j - 1] + token_nbytes(n_p[j - 1], n_r[j - 1])
+            self.frames.slice(s.bases[k], offs[i], end, j - i)
+            i = j
+
+    def one(self, t: Trajectory) -> None:
+        """A changed, accessed or fresh trajectory: its columns read one by one."""
+        src = _forwardable(t.__dict__)
+        if src is not None:
+            base, off, a, b = src
+            self.frames.slice(base, off, off + token_nbytes(a, b), 1)
+        else:
+            a, b = self.frames.fresh(t)
+        self.np.append(a)
+        self.nr.append(b)
+        d = t.__dict__
+        cols = self.cols
+        for name in _SCALAR_NAMES:
+            cols[name].append(d[name] if name in d else getattr(t, name))
+        ex = t.extra
+        cols["tool_errors"].append(int(ex.get("tool_errors", 0)) if ex else 0)
+
+
 def pack_table(group_columns: dict[str, list], trajectories: Sequence[Optional[Sequence[Trajectory]]]) -> tuple:
     """Group columns (each a list, one value per group) and each group's trajectories (None: none) ->
-    ``(table, frames)``. Raises ValueError for a trajectory whose arrays do not align."""
-    if not any("_src" in t.__dict__ for trajs in trajectories for t in trajs or ()):
-        add = _FreshFrame()  # nothing to forward (a worker's message): one frame, no run bookkeeping
-    else:
-        add = _Frames()
-    fr = add
-    n_p, n_r, sizes, rows, tool_errors = [], [], [], [], []
+    ``(table, frames)``. Consecutive unchanged decoded trajectories of one received table travel as slices
+    of its columns and frames (no per-trajectory work). Raises ValueError for a trajectory whose arrays do
+    not align."""
+    tb = _Table()
+    sizes = []
+    run_s, lo, hi = None, 0, 0
     for trajs in trajectories:
         sizes.append(len(trajs) if trajs else 0)
         for t in trajs or ():
-            a, b = add(t)
-            n_p.append(a)
-            n_r.append(b)
-            try:
-                rows.append(_SCALARS_GET(t.__dict__))
-            except KeyError:  # a field that does not live in __dict__ (a subclass): the slow way
-                rows.append(tuple(getattr(t, k) for k in _SCALAR_NAMES))
-            ex = t.extra
-            tool_errors.append(int(ex.get("tool_errors", 0)) if ex else 0)
-    cols = [list(c) for c in zip(*rows)] if rows else [[] for _ in _SCALAR_NAMES]
-    cols[0] = [float(x) for x in cols[0]]
-    traj = {"np": n_p, "nr": n_r, **dict(zip(_SCALAR_NAMES, cols)), "tool_errors": tool_errors}
-    frames, counts = fr.done()
-    return {"n": sizes, **group_columns, "traj": traj, "frames": counts}, frames
+            d = t.__dict__
+            s = d.get("_s")
+            if s is not None and "_dirty" not in d and "extra" not in d:
+                i = d["_i"]
+                if s is run_s and i == hi:
+                    hi += 1
+                    continue
+                if run_s is not None:
+                    tb.run(run_s, lo, hi)
+                run_s, lo, hi = s, i, i + 1
+                continue
+            if run_s is not None:
+                tb.run(run_s, lo, hi)
+                run_s = None
+            tb.one(t)
+    if run_s is not None:
+        tb.run(run_s, lo, hi)
+    cols = tb.cols
+    cols["reward"] = [float(x) for x in cols["reward"]]
+    frames, counts = tb.frames.done()
+    return {"n": sizes, **group_columns, "traj": {"np": tb.np, "nr": tb.nr, **cols}, "frames": counts}, frames
 
 
 # ---------------------------------------------------------------- decoding
@@ -269,43 +361,48 @@ def unpack_table(table: Any, frames: Sequence[Any], where: str) -> tuple[list[in
     n = sum(sizes)
     n_p = column(tc, "np", int, n, where)
     n_r = column(tc, "nr", int, n, where)
-    cols = [column(tc, name, typ, n, where) for name, typ in TRAJ_COLUMNS]
-    tool_errors = column(tc, "tool_errors", int, n, where)
+    cols = {name: column(tc, name, typ, n, where) for name, typ in TRAJ_COLUMNS}
+    cols["tool_errors"] = column(tc, "tool_errors", int, n, where)
     counts = column(table, "frames", int, _len(table.get("frames")), where)
     if sum(counts) != n or len(counts) != len(frames):
         raise ProtocolError(
             f"{where}: field 'frames' says {sum(counts)} trajectories in {len(counts)} frames; "
             f"the table has {n} trajectories and the message {len(frames)} frames"
         )
-    return sizes, _trajectories(frames, counts, n_p, n_r, zip(*cols, tool_errors), where)
+    return sizes, _trajectories(frames, counts, n_p, n_r, cols, where)
 
 
-_NAMES_AND_TOOL_ERRORS = (*_SCALAR_NAMES, "tool_errors")
+_MAX_LEN = 1 << 31  # tokens in one trajectory's field (a frame holds far less): the offsets' int64 cannot overflow
 
 
-def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list, rows, where: str) -> list:
-    """One WireTrajectory per row (its scalars) over the frames' token data; the frames must be filled exactly."""
+def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list, cols: dict, where: str) -> list:
+    """One WireTrajectory per row over the frames' token data; the frames must be filled exactly."""
+    bases = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in frames]
+    n = len(n_p)
+    for key, v in (("np", n_p), ("nr", n_r)):
+        if n and max(v) > _MAX_LEN:
+            raise ProtocolError(f"{where}: column {key!r} holds a length over {_MAX_LEN}: {max(v)}")
+    r = np.array(n_r, np.int64)
+    size = 4 * np.array(n_p, np.int64) + 9 * r + (-r % 4)
+    end = np.cumsum(size)  # each trajectory's end in the frames laid back to back
+    frame_end = np.cumsum(counts, dtype=np.int64)  # frame -> one past its last trajectory
+    frame_hi = end[frame_end - 1] if n else np.zeros(len(counts), np.int64)  # empty frames end where the last one did
+    frame_hi[frame_end == 0] = 0
+    frame_lo = np.concatenate(([0], frame_hi[:-1]))
+    for base, lo, hi in zip(bases, frame_lo.tolist(), frame_hi.tolist()):
+        if hi - lo != base.nbytes:
+            raise ProtocolError(f"{where}: a frame of {base.nbytes} bytes holds trajectories of {hi - lo} bytes")
+    frame = np.repeat(np.arange(len(counts)), counts)
+    offs = (end - size - frame_lo[frame]).tolist()
+    s = _Source(cols, bases, frame.tolist(), frame_end.tolist(), offs, n_p, n_r)
     out: list[WireTrajectory] = []
     new = WireTrajectory.__new__
-    names = _NAMES_AND_TOOL_ERRORS
-    for f, cnt in zip(frames, counts):
-        base = memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B")
-        off, k = 0, len(out)
-        for i, row in zip(range(k, k + cnt), rows):
-            a, b = n_p[i], n_r[i]
-            t = new(WireTrajectory)
-            d = t.__dict__
-            d.update(zip(names, row))
-            k_err = d.pop("tool_errors")
-            d["_src"] = (base, off, a, b)
-            d["weight_versions"] = _NO_VERSIONS
-            d["error"] = ""
-            d["timings"] = {}
-            d["extra"] = {"tool_errors": k_err} if k_err else {}
-            off += 4 * a + 9 * b + (-b % 4)
-            out.append(t)
-        if off != base.nbytes:
-            raise ProtocolError(f"{where}: a frame of {base.nbytes} bytes holds trajectories of {off} bytes")
+    for i in range(n):
+        t = new(WireTrajectory)
+        d = t.__dict__
+        d["_s"] = s
+        d["_i"] = i
+        out.append(t)
     return out
 
 

@@ -130,6 +130,38 @@ def test_forwarded_groups_are_slices_of_the_received_frame():
     assert back[0].trajectories[1].reward == -1.0 and back[1].trajectories[1].response_ids.tolist() == [0, 1]
 
 
+def test_forwarded_columns_follow_changes_and_reads_of_extra():
+    """Unchanged decoded trajectories travel as slices of the columns they came in; one whose field was
+    assigned, or whose ``extra`` was read (and may have been changed in place), is read field by field."""
+    _, ((_, ts, _, _),) = P.unpack_finished_groups(
+        worker_message([(1, [rich(), traj(vmin=1), traj(vmin=2)], False, "")])
+    )
+    ts[1].num_turns = 7
+    ts[2].extra["tool_errors"] = 5
+    (g,) = P.unpack_groups(*P.pack_groups([Group(1, PromptItem(1, "q"), 0, ts)]))
+    got = [(t.num_turns, t.min_version, t.extra, t.response_ids.tolist()) for t in g.trajectories]
+    assert got == [(2, 3, {"tool_errors": 2}, [4, 5]), (7, 1, {}, [0, 1, 2]), (0, 2, {"tool_errors": 5}, [0, 1, 2])]
+    # groups taken out of order, and from two received tables, keep each trajectory's own data
+    _, ((_, us, _, _),) = P.unpack_finished_groups(worker_message([(2, [traj(vmin=8, n=1)], False, "")]))
+    back = P.unpack_groups(
+        *P.pack_groups([Group(2, PromptItem(2, "q"), 0, [us[0], ts[0]]), Group(1, PromptItem(1, "q"), 0, ts[::-1])])
+    )
+    assert [[(t.min_version, len(t.response_ids)) for t in b.trajectories] for b in back] == [
+        [(8, 1), (3, 2)],
+        [(2, 3), (1, 3), (3, 2)],
+    ]
+    # a decoded table of several frames (a checkpoint's buffer) is re-sent as one zero-copy slice per frame
+    table, frames = P.pack_groups(back)
+    again = P.unpack_groups(table, frames)
+    table2, frames2 = P.pack_groups(again)
+    assert len(frames2) == len(frames) > 1 and [memoryview(f).obj for f in frames2] == [
+        memoryview(f).obj for f in frames
+    ]
+    assert [
+        [(t.min_version, t.response_ids.tolist()) for t in g.trajectories] for g in P.unpack_groups(table2, frames2)
+    ] == [[(t.min_version, t.response_ids.tolist()) for t in g.trajectories] for g in back]
+
+
 def test_wire_trajectory_is_lazy_and_copies_to_a_plain_trajectory():
     _, ((_, (t,), _, _),) = P.unpack_finished_groups(worker_message([(1, [traj(vmin=4)], False, "")]))
     assert "response_ids" not in t.__dict__ and t.min_version == 4 and t.reward == 1.0
@@ -185,6 +217,8 @@ def _worker_table():
         (("groups", "traj", "reward"), ["1", 0.0], "reward"),
         (("groups", "traj", "nr"), [30, 2], "frame"),  # past the end of the frame
         (("groups", "traj", "np"), None, "np"),
+        (("groups", "traj", "np"), [2**63, 4], "np"),  # a length past int64: refused before any offset is computed
+        (("groups", "frames"), [0, 2], "frames"),  # an empty frame that is not there
         (("groups", "traj"), "nope", "traj"),
         (("groups",), "nope", "map"),
         (("done",), [[1]], "done"),
