@@ -134,8 +134,8 @@ def reference_logprobs(hf: Path, seqs: list[list[int]], prompt_lens: list[int]) 
     out = []
     for s, p in zip(seqs, prompt_lens):
         kv = KVPool(model.spec, max_rows=1, capacity=len(s))
-        h = model.forward(torch.tensor([s]), torch.tensor([0]), torch.tensor([len(s)]), kv, row0=0)
-        logz = torch.log_softmax(model.logits(h[0, p - 1 : len(s) - 1]), dim=-1)
+        h = model.forward(torch.tensor(s), torch.tensor([0]), torch.tensor([len(s)]), kv, row0=0)  # [T, H]
+        logz = torch.log_softmax(model.logits(h[p - 1 : len(s) - 1]), dim=-1)
         out.append(logz.gather(-1, torch.tensor(s[p:])[:, None])[:, 0])
     return out
 
@@ -235,22 +235,27 @@ def check_cpu_engine_model(hf: Path, *, device_type: str) -> dict:
     tokens = torch.randint(3, vocab, (B, N), generator=gen)
     cpu = load_model(hf)
     kv = KVPool(cpu.spec, max_rows=B, capacity=N)
-    ref = cpu.logits(cpu.forward(tokens, torch.zeros(B, dtype=torch.long), torch.full((B,), N), kv, row0=0)[:, -1])
+    # the engine's forward takes the rows' tokens packed ([T]); last_only: each row's last hidden state [B, H]
+    ref = cpu.logits(
+        cpu.forward(
+            tokens.reshape(-1), torch.zeros(B, dtype=torch.long), torch.full((B,), N), kv, row0=0, last_only=True
+        )
+    )
     del cpu, kv
     with torch.device(device_type):
         model = load_model(hf)
         kv = KVPool(model.spec, max_rows=B, capacity=N + steps)
         past = torch.zeros(B, dtype=torch.long)
-        h = model.forward(tokens.to(device_type), past, torch.full((B,), N), kv, row0=0)
-        logits = model.logits(h[:, -1])
+        h = model.forward(tokens.reshape(-1).to(device_type), past, torch.full((B,), N), kv, row0=0, last_only=True)
+        logits = model.logits(h)
         out = {"device": device_type, "prefill_max_abs_logit_diff": (logits.cpu() - ref).abs().max().item()}
         nxt = logits.argmax(-1, keepdim=True)
         past = past + N
         _sync(device_type)
         t0 = time.perf_counter()
         for _ in range(steps):
-            h = model.forward(nxt, past, torch.ones(B, dtype=torch.long), kv, row0=0)
-            nxt = model.logits(h[:, -1]).argmax(-1, keepdim=True)
+            h = model.forward(nxt.reshape(-1), past, torch.ones(B, dtype=torch.long), kv, row0=0, last_only=True)
+            nxt = model.logits(h).argmax(-1, keepdim=True)
             past = past + 1
         _sync(device_type)
         out["decode_tokens_per_s"] = round(B * steps / (time.perf_counter() - t0), 1)
