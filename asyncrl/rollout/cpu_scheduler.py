@@ -61,6 +61,11 @@ class Counters:
     """(monotonic time, tokens generated in that step), for the generation throughput gauge."""
 
 
+def _wants_prompt_logprobs(r: Request) -> bool:
+    """The request asked for its prompt's log-probs and has not had them yet (its feed needs every position)."""
+    return r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None
+
+
 class Scheduler:
     def __init__(
         self,
@@ -201,7 +206,7 @@ class Scheduler:
         n_B = torch.tensor(n_list)
         past_B = torch.tensor([r.kv_len for r in batch])
         # every position's hidden state only for a request that wants its prompt's log-probs
-        need_all = any(r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in batch)
+        need_all = any(_wants_prompt_logprobs(r) for r in batch)
         hidden = self.model.forward(toks, past_B, n_B, self.kv, row0, last_only=not need_all)
         if need_all and len(toks) > len(batch):
             logits = self.model.logits(hidden[torch.cumsum(n_B, 0) - 1])
@@ -209,7 +214,7 @@ class Scheduler:
             logits = self.model.logits(hidden)
         off = 0
         for r, n in zip(batch, n_list):
-            if r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None:
+            if _wants_prompt_logprobs(r):
                 self._input_logprobs(r, hidden[off : off + len(r.input_ids)])
             r.kv_len += n
             off += n
