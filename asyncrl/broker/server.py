@@ -17,7 +17,10 @@ Contract
   per round (or before any other message, so the order of events is kept; a message's ``done`` notices,
   trajectories finished in running groups, reach the core first, in order);
   every other message becomes one core call. Then the core's outputs (issues, batched per worker,
-  cancellations, a ready batch, control changes) are sent.
+  cancellations, a ready batch, control changes) are sent. A ``status`` request is a barrier: those outputs
+  are sent before its answer, so a peer that reads up to that answer on one connection has received every
+  output of the messages it sent before it (else a ``status`` handled in the same round as a ``hello``
+  would be answered before that worker's ``issue``).
   ``core.tick()`` runs every ``tick_s`` (heartbeat expiry, the no-data warning).
 - A malformed, unknown or other-version message is logged and counted
   (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal. Every field is
@@ -434,6 +437,10 @@ class BrokerServer:
         core = self.core
         return P.METRICS, {"metrics": core.last_metrics, "counters": dict(core.counters), "status": self.status()}
 
+    def _status(self, _ident, _b, _frames) -> tuple:
+        self._flush()  # a barrier: what the messages before it caused is sent before its answer
+        return P.STATUS, self.status()
+
     def _get_state(self, _ident, _b, _frames) -> tuple:
         body, frames = P.pack_state(self.core.state_dict())
         return P.STATE, {"state": body}, frames
@@ -455,7 +462,7 @@ class BrokerServer:
         P.BATCH_FILTERED: _batch_filtered,
         P.ENGINE_FIGURES: _engine_figures,
         P.METRICS: _metrics,
-        P.STATUS: lambda self, *_: (P.STATUS, self.status()),
+        P.STATUS: _status,
         P.GET_STATE: _get_state,
         P.SET_STATE: _set_state,
         P.SHUTDOWN: _shutdown,
