@@ -399,8 +399,18 @@ class AgentLoop:
                     await res
             return traj
 
-        trajs = await asyncio.gather(*(one(i) for i in range(group_size)))
-        group.trajectories = list(trajs)
+        # Trajectory 0 runs in the caller's task; the others in one task each (all concurrent: the tasks start
+        # at the caller's first await). One task fewer per group than a gather of all, and no gather future.
+        others = [asyncio.ensure_future(one(i)) for i in range(1, group_size)]
+        try:
+            trajs = [await one(0)] if group_size > 0 else []
+            for t in others:
+                trajs.append(await t)
+        except BaseException:  # an error or a cancellation: the group's other trajectories stop with it
+            for t in others:
+                t.cancel()
+            raise
+        group.trajectories = trajs
         group.aborted = any(t.aborted for t in trajs)
         return group
 

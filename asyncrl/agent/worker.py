@@ -317,7 +317,7 @@ class AgentWorker:
         engine = self.pick_engine()
         group = Group(group_id=a.group_id, item=a.item, epoch=a.epoch, issued_version=a.version)
 
-        async def report(index, traj):
+        def report(index, traj):
             self.stats["trajectories_done"] += 1
             self.stats["trajectories_aborted"] += int(traj.aborted)
             if self.conn.welcome.per_trajectory:  # ``sample`` granularity: the broker frees this slot now

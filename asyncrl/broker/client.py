@@ -296,6 +296,8 @@ class AsyncWorkerConnection:
         self.welcome: Optional[Welcome] = None
         self._out = _Outbox()
         self._flush_task: Optional[asyncio.Task] = None
+        self._flush_waited = False
+        """A ``send_group`` caller waits on ``_flush_task`` (later callers of the same turn return at once)."""
 
     async def connect(self, *, timeout_s: float = 30.0) -> Welcome:
         await self.sock.send_multipart(_hello(self.worker_id, self.capacity))
@@ -357,11 +359,15 @@ class AsyncWorkerConnection:
     ) -> None:
         """Groups finished by several tasks in the same event-loop turn travel together in one ``groups``
         message: the first caller yields once to the loop, then sends what was queued meanwhile (the others
-        return at once; their group is in that message). Trajectories must not change after the call."""
+        return at once; their group is in that message, and a failed send raises in that first caller).
+        Trajectories must not change after the call."""
         self._out.groups.append((group_id, trajectories, aborted, error))
         if len(self._out.groups) >= MAX_GROUPS_PER_MESSAGE:
             await self.flush()
             return
+        if self._flush_waited:  # this turn's flush is on its way, a caller waits on it: it takes this group too
+            return
+        self._flush_waited = True
         await asyncio.shield(self._schedule_flush())  # a cancelled caller does not stop the others' groups
 
     def _schedule_flush(self) -> asyncio.Task:
@@ -371,7 +377,7 @@ class AsyncWorkerConnection:
 
     async def _flush_soon(self) -> None:
         await asyncio.sleep(0)
-        self._flush_task = None
+        self._flush_task, self._flush_waited = None, False
         await self.flush()
 
     async def flush(self) -> None:
