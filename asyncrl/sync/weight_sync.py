@@ -24,12 +24,16 @@ Contract
        uint8 tensor); an engine that fails its call fails the sync at once, not at the group timeout.
        The final bucket (``bucketing.LastBucket``, which ``iter_buckets`` yields) carries
        ``weight_version = str(version)``: SGLang's own field, which the engine applies only once that
-       update succeeded, i.e. after every bucket is in.
+       update succeeded, i.e. after every bucket is in; its success answer then says so (SGLang appends
+       " Weight version updated to V." to the message: ``engine.client.confirms_weight_version``).
+       Each update with ``flush_cache = true`` flushes the engine's cache once it succeeded (SGLang
+       asserts that flush; the engines are paused, so nothing runs on the old KV).
     5. only when no bucket carried it (a producer that does not mark its last bucket, or no bucket):
        ``POST /update_weight_version {new_version, abort_all_requests: false}``.
-    6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place and the check
-       that every engine's ``/model_info.weight_version`` equals the new version; then
-       ``POST /continue_generation``.
+    6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place or the updates
+       already flushed (step 4), and the check that ``/model_info.weight_version`` equals the new
+       version on every engine whose update answer did not confirm it (all of them after step 5);
+       then ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
   On an error the engines are left paused and the error propagates (the run fails).
@@ -63,7 +67,7 @@ import torch.distributed as dist
 
 from asyncrl.config.schema import PAUSE_MODES, SyncConfig
 from asyncrl.engine.blocking import EngineStepError, get_json, get_text, post_json, wait_all
-from asyncrl.engine.client import parse_engine_load
+from asyncrl.engine.client import confirms_weight_version, parse_engine_load
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
@@ -97,7 +101,13 @@ class PushStats:
     transfer_s: float
     """seconds of the broadcasts and the engines' update calls"""
     version_sent: bool = False
-    """the last bucket's update call carried the new weight version (and every engine applied it)"""
+    """the last bucket's update call carried the new weight version (and every engine answered success)"""
+    flushed: bool = False
+    """every update call carried ``flush_cache = true`` and succeeded: SGLang flushed the cache after it (it
+    asserts that flush), so no separate ``/flush_cache`` is needed"""
+    version_unconfirmed: tuple[str, ...] = ()
+    """engines whose answer to the version-carrying update did not confirm the version
+    (``confirms_weight_version``): the finish reads their ``/model_info``"""
 
 
 @dataclass(frozen=True)
@@ -187,11 +197,11 @@ def send_bucket(
     flattened: bool,
     calls: CallPool,
     step_timeout_s: float,
-) -> None:
+) -> list[Any]:
     """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) on the pool while this
-    thread broadcasts the bucket's tensors (or its one flat tensor) from group rank 0; returns once every
-    engine answered success and every broadcast completed. ``index`` (the bucket's place in the sync) names it
-    in a failure."""
+    thread broadcasts the bucket's tensors (or its one flat tensor) from group rank 0; returns the engines'
+    answers (in engine order) once every engine answered success and every broadcast completed. ``index``
+    (the bucket's place in the sync) names it in a failure."""
     step = "update_weights_from_distributed"
     futures = {
         calls.submit(
@@ -202,9 +212,10 @@ def send_bucket(
     tensors = [flatten_bucket(bucket)] if flattened else [t.detach().contiguous() for _, t in bucket]
     try:
         works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
-        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
+        answers = wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
         for w in works:
             w.wait()  # all engines answered success: they have every tensor
+        return answers
     except EngineStepError:
         raise
     except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
@@ -234,6 +245,7 @@ def push_buckets(
     gather_s = transfer_s = 0.0
     it = iter(buckets)
     version_sent = False
+    unconfirmed: tuple[str, ...] = ()
     while True:
         t0 = time.perf_counter()
         bucket = next(it, None)  # the actor gathers and converts the next bucket here
@@ -250,14 +262,27 @@ def push_buckets(
             flattened=flattened,
             weight_version=weight_version if version_sent else None,
         )
-        send_bucket(
+        answers = send_bucket(
             group, bucket, body, index=num_buckets, flattened=flattened, calls=calls, step_timeout_s=step_timeout_s
         )
+        if version_sent:
+            unconfirmed = tuple(
+                u for u, a in zip(group.urls, answers) if not confirms_weight_version(a, str(weight_version))
+            )
         transfer_s += time.perf_counter() - t1
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
         num_tensors += len(bucket)
-    return PushStats(num_bytes, num_buckets, num_tensors, gather_s, transfer_s, version_sent)
+    return PushStats(
+        num_bytes,
+        num_buckets,
+        num_tensors,
+        gather_s,
+        transfer_s,
+        version_sent,
+        flushed=flush_cache and num_buckets > 0,
+        version_unconfirmed=unconfirmed,
+    )
 
 
 class WeightSyncer:
@@ -362,31 +387,41 @@ class WeightSyncer:
             calls=self.calls,
         )
 
-    def finish(self, version: Any, *, version_sent: bool = False) -> None:
+    def finish(
+        self,
+        version: Any,
+        *,
+        version_sent: bool = False,
+        flushed: bool = False,
+        unconfirmed: Optional[Iterable[str]] = None,
+    ) -> None:
         """Steps 5-7: the version bump unless the last bucket carried it (``version_sent``), then every
-        engine's end of the update, its flush and its version check all at once (the engines are paused and
-        every bucket is in: their order does not matter), then - once every engine passed the check -
-        resume, and tell the broker."""
+        engine's end of the update, alongside it (the engines are paused and every bucket is in: their order
+        does not matter) the flush unless the updates already flushed (``flushed``) and the version check of
+        every engine whose update answer did not confirm the version (``unconfirmed``; default: every
+        engine), then - once every engine passed the check - resume, and tell the broker."""
         v = str(version)
         t = self.cfg.step_timeout_s
         if not version_sent:
             self._all(
                 "/update_weight_version", {"new_version": v, "abort_all_requests": False}, "update_weight_version"
             )
+            unconfirmed = None  # the version call's answer is not read as a confirmation: check every engine
+        check_urls = self.urls if unconfirmed is None else [u for u in self.urls if u in set(unconfirmed)]
         submit = self.calls.submit
-        checks = {submit(get_json, u, "/model_info", timeout_s=t, step="model_info"): u for u in self.urls}
+        checks = {submit(get_json, u, "/model_info", timeout_s=t, step="model_info"): u for u in check_urls}
         ends = {
             submit(post_json, u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update"): u for u in self.urls
         }
-        if self.pause_mode != "in_place":
+        if self.pause_mode != "in_place" and not flushed:
             ends.update(
                 {submit(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache"): u for u in self.urls}
             )
         wait_all({**ends, **checks}, timeout_s=t + 1, step="end_weight_update")
         infos = [f.result() for f in checks]
-        wrong = [u for u, i in zip(self.urls, infos) if str(i.get("weight_version")) != v]
+        wrong = [u for u, i in zip(check_urls, infos) if str(i.get("weight_version")) != v]
         if wrong:
-            got = [repr(i.get("weight_version")) for u, i in zip(self.urls, infos) if u in wrong]
+            got = [repr(i.get("weight_version")) for u, i in zip(check_urls, infos) if u in wrong]
             raise EngineStepError(
                 wrong,
                 "update_weight_version",
@@ -404,7 +439,12 @@ class WeightSyncer:
             t1 = time.perf_counter()
             pushed = self.push(buckets, weight_version=str(version))
             t2 = time.perf_counter()
-            self.finish(version, version_sent=pushed.version_sent)
+            self.finish(
+                version,
+                version_sent=pushed.version_sent,
+                flushed=pushed.flushed,
+                unconfirmed=pushed.version_unconfirmed,
+            )
         except EngineStepError as e:  # name the training step too (the version being pushed)
             raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
         t3 = time.perf_counter()
