@@ -7,9 +7,11 @@ Contract
   ``sync_end(version)``; absent in tests).
 - The sequence of ``WeightSyncer.sync(buckets, version)``, every HTTP step sent to all engines at
   once, each call bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
-  the engine(s) and the step. Steps 2-3 run per engine in order on one thread; step 6's three
-  calls go to every engine at once. The calls run on the syncer's ``call_pool.CallPool`` (threads kept between
-  syncs: the control calls and their thread hand-offs are the fixed cost of a sync);
+  the engine(s) and the step. Steps 2-3 run per engine in order (an engine's begin goes out when its
+  own pause answered); step 6's calls go to every engine at once. The calls are made from the sync's
+  own thread (``blocking.Exchange``: requests written at once, answers read as they come), with no
+  thread hand-off on the critical path: the control calls are the fixed cost of a sync (only the
+  drain's load polling runs on the syncer's ``call_pool.CallPool``);
   ``/continue_generation`` goes out only once every engine passed the version check:
     1. ``hooks.sync_begin(mode)``
     2. pause: ``retract`` / ``in_place`` / ``abort`` -> ``POST /pause_generation {mode}``;
@@ -66,7 +68,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from asyncrl.config.schema import PAUSE_MODES, SyncConfig
-from asyncrl.engine.blocking import EngineStepError, get_json, get_text, post_json, wait_all
+from asyncrl.engine.blocking import Call, EngineStepError, Exchange, get_json, get_text
 from asyncrl.engine.client import confirms_weight_version, parse_engine_load
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
@@ -195,27 +197,22 @@ def send_bucket(
     *,
     index: int,
     flattened: bool,
-    calls: CallPool,
     step_timeout_s: float,
 ) -> list[Any]:
-    """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) on the pool while this
-    thread broadcasts the bucket's tensors (or its one flat tensor) from group rank 0; returns the engines'
-    answers (in engine order) once every engine answered success and every broadcast completed. ``index``
-    (the bucket's place in the sync) names it in a failure."""
+    """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) written first (an
+    ``Exchange``), then this thread queues the bucket's broadcasts (or its one flat tensor's) from group rank 0
+    and reads the answers; returns them (in engine order) once every engine answered success and every
+    broadcast completed. ``index`` (the bucket's place in the sync) names it in a failure."""
     step = "update_weights_from_distributed"
-    futures = {
-        calls.submit(
-            post_json, e.url, "/update_weights_from_distributed", body, timeout_s=step_timeout_s, step=step
-        ): e.url
-        for e in group.engines
-    }
+    call = Call("/update_weights_from_distributed", body, step)
+    ex = Exchange([(u, [call]) for u in group.urls], timeout_s=step_timeout_s).start()
     tensors = [flatten_bucket(bucket)] if flattened else [t.detach().contiguous() for _, t in bucket]
     try:
         works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
-        answers = wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
+        answers = ex.wait(poll=functools.partial(_check_works, works))
         for w in works:
             w.wait()  # all engines answered success: they have every tensor
-        return answers
+        return [a[0] for a in answers]
     except EngineStepError:
         raise
     except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
@@ -232,15 +229,12 @@ def push_buckets(
     flattened: bool,
     step_timeout_s: float,
     weight_version: Optional[str] = None,
-    calls: Optional[CallPool] = None,
 ) -> PushStats:
     """Send every bucket (``send_bucket``), timing the wait on the bucket iterator (gather) apart from the
     sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines
-    (a pipeline stage's push passes none: its last bucket is not the model's). ``calls``: the pool of the
-    update calls (pass one kept across syncs; without it, a fresh one)."""
+    (a pipeline stage's push passes none: its last bucket is not the model's)."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
-    calls = calls or CallPool()
     num_bytes = num_buckets = num_tensors = 0
     gather_s = transfer_s = 0.0
     it = iter(buckets)
@@ -263,7 +257,7 @@ def push_buckets(
             weight_version=weight_version if version_sent else None,
         )
         answers = send_bucket(
-            group, bucket, body, index=num_buckets, flattened=flattened, calls=calls, step_timeout_s=step_timeout_s
+            group, bucket, body, index=num_buckets, flattened=flattened, step_timeout_s=step_timeout_s
         )
         if version_sent:
             unconfirmed = tuple(
@@ -308,14 +302,10 @@ class WeightSyncer:
     def urls(self) -> list[str]:
         return self.group.urls
 
-    def _all(self, path: str, body: Any, step: str, *, check_success: bool = True) -> list[Any]:
-        t = self.cfg.step_timeout_s
-        return self.calls.fan_out(
-            self.urls,
-            lambda u: post_json(u, path, body, timeout_s=t, step=step, check_success=check_success),
-            timeout_s=t + 1,
-            step=step,
-        )
+    def _all(self, path: str, body: Any, step: str) -> list[Any]:
+        """``POST path body`` to every engine at once; their answers, in engine order."""
+        chains = [(u, [Call(path, body, step)]) for u in self.urls]
+        return [a[0] for a in Exchange(chains, timeout_s=self.cfg.step_timeout_s).run()]
 
     def wait_idle(self) -> None:
         """Poll every engine until none has running or queued requests (``drain``)."""
@@ -360,20 +350,13 @@ class WeightSyncer:
         the two: an engine's begin only needs its own pause)."""
         if self.hooks.sync_begin is not None:
             self.hooks.sync_begin(self.pause_mode)
-        t = self.cfg.step_timeout_s
-        begin = functools.partial(
-            post_json, path="/begin_weight_update", body={"selector": "all"}, timeout_s=t, step="begin_weight_update"
-        )
+        begin = Call("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
         if self.pause_mode == "drain":
             self._drain()
-            self.calls.fan_out(self.urls, lambda u: begin(u), timeout_s=t + 1, step="begin_weight_update")
+            self._all(begin.path, begin.body, begin.step)
             return
-
-        def pause_and_begin(u: str) -> None:
-            post_json(u, "/pause_generation", {"mode": self.pause_mode}, timeout_s=t, step="pause_generation")
-            begin(u)
-
-        self.calls.fan_out(self.urls, pause_and_begin, timeout_s=2 * t + 1, step="pause_generation")
+        pause = Call("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
+        Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).run()
 
     def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
         """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given)."""
@@ -384,7 +367,6 @@ class WeightSyncer:
             flattened=self.cfg.flattened_bucket,
             step_timeout_s=self.cfg.step_timeout_s,
             weight_version=weight_version,
-            calls=self.calls,
         )
 
     def finish(
@@ -408,17 +390,12 @@ class WeightSyncer:
             )
             unconfirmed = None  # the version call's answer is not read as a confirmation: check every engine
         check_urls = self.urls if unconfirmed is None else [u for u in self.urls if u in set(unconfirmed)]
-        submit = self.calls.submit
-        checks = {submit(get_json, u, "/model_info", timeout_s=t, step="model_info"): u for u in check_urls}
-        ends = {
-            submit(post_json, u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update"): u for u in self.urls
-        }
+        chains = [(u, [Call("/end_weight_update", {}, "end_weight_update")]) for u in self.urls]
         if self.pause_mode != "in_place" and not flushed:
-            ends.update(
-                {submit(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache"): u for u in self.urls}
-            )
-        wait_all({**ends, **checks}, timeout_s=t + 1, step="end_weight_update")
-        infos = [f.result() for f in checks]
+            chains += [(u, [Call("/flush_cache", {}, "flush_cache")]) for u in self.urls]
+        chains += [(u, [Call("/model_info", None, "model_info", method="GET")]) for u in check_urls]
+        answers = Exchange(chains, timeout_s=t).run()
+        infos = [a[0] for a in answers[len(chains) - len(check_urls) :]]
         wrong = [u for u, i in zip(check_urls, infos) if str(i.get("weight_version")) != v]
         if wrong:
             got = [repr(i.get("weight_version")) for u, i in zip(check_urls, infos) if u in wrong]
