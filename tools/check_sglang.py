@@ -180,12 +180,20 @@ def _sync_bodies() -> list[tuple[str, Any]]:
 
     calls: list[tuple[str, Any]] = []
 
-    def post_json(url, path, body, *, timeout_s, step, check_success=True):
-        calls.append((path, body))
-        return {"success": True}
+    class RecordingExchange(weight_sync.Exchange):
+        """Records each call's body and answers it at once (success; ``/model_info``: version 7), no engine."""
 
-    weight_sync.post_json = post_json
-    weight_sync.get_json = lambda url, path, *, timeout_s, step: {"weight_version": "7"}
+        def start(self):
+            return self
+
+        def wait(self, **kw):
+            for _, cs in self.chains:
+                for c in cs:
+                    if c.method == "POST":
+                        calls.append((c.path, c.body))
+            return [[{"weight_version": "7", "success": True} for _ in cs] for _, cs in self.chains]
+
+    weight_sync.Exchange = RecordingExchange
     group = WeightSyncGroup([EngineEndpoint("http://e0:30000")], SyncConfig())
     for mode in ("retract", "in_place", "abort"):
         syncer = weight_sync.WeightSyncer(group, pause_mode=mode, sync_cfg=SyncConfig())

@@ -10,6 +10,10 @@ Contract
 - Daemon threads (not asyncio) on purpose: the trainer thread must be free to run the blocking
   ``torch.distributed.broadcast`` while the engines' HTTP calls are open, and a call still blocked
   on a dead engine when the run fails must not keep the process alive at exit.
+- ``Exchange``: the same calls with the same failure rules, to several engines from the calling thread
+  and no thread at all (requests written at once, answers read as they come, each engine's calls in
+  order); the weight sync's steps use it, the trainer queueing its broadcasts between ``start`` and
+  ``wait`` (async collectives), so no thread hand-off sits on the sync's critical path.
 
     fan_out(urls, lambda u: post_json(u, "/flush_cache", {}, timeout_s=60, step="flush_cache"),
             timeout_s=60, step="flush_cache")
@@ -20,10 +24,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import http.client
 import json
+import selectors
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.cluster.auth import auth_headers
@@ -75,40 +81,84 @@ def _give(key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
     conn.close()
 
 
+class _Req:
+    """One JSON-over-HTTP request on a kept-alive connection, sent (``send``) and answered (``read``) apart, so
+    one thread can have requests to several engines on the wire at once (``Exchange``)."""
+
+    def __init__(self, url: str, path: str, *, method: str, body: Any, step: str):
+        self.url, self.path, self.method, self.step = url, path, method, step
+        self.data = None if body is None else json.dumps(body).encode()
+        self.headers = {**auth_headers(), **({"Content-Type": "application/json"} if self.data is not None else {})}
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise EngineStepError(url, step, f"{method} {path}: not an http(s) URL")
+        self.key = (u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80))
+        self.target = u.path.rstrip("/") + path
+        self.conn: http.client.HTTPConnection | None = None
+        self.reused = False
+
+    def _fail(self, e: BaseException, timeout_s: float) -> EngineStepError:
+        m, p = self.method, self.path
+        if isinstance(e, TimeoutError):
+            return EngineStepError(self.url, self.step, f"{m} {p} timed out after {timeout_s:g} s")
+        if isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+            return EngineStepError(self.url, self.step, f"{m} {p} connection error: {e}")
+        return EngineStepError(self.url, self.step, f"{m} {p} unreachable: {e}")  # refused, no route, malformed
+
+    def send(self, timeout_s: float, *, fresh: bool = False) -> None:
+        """Write the request on an idle kept-alive connection (a new one with ``fresh``); a reused connection
+        the engine had closed is replaced once."""
+        for attempt in (0, 1):
+            if fresh or attempt:
+                cls = http.client.HTTPSConnection if self.key[0] == "https" else http.client.HTTPConnection
+                self.conn, self.reused = cls(self.key[1], self.key[2], timeout=timeout_s), False
+            else:
+                self.conn, self.reused = _take(self.key, timeout_s)
+            try:
+                self.conn.request(self.method, self.target, body=self.data, headers=self.headers)
+                return
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                self.conn.close()
+                if not (self.reused and attempt == 0):
+                    raise self._fail(e, timeout_s) from e
+            except (OSError, http.client.HTTPException) as e:
+                self.conn.close()
+                raise self._fail(e, timeout_s) from e
+
+    def read(self, timeout_s: float) -> bytes:
+        """Read the answer of the request ``send`` wrote (blocks until it is complete, at most ``timeout_s``);
+        an HTTP error status raises. The request is sent again, once, when the engine had closed the reused
+        connection before reading it."""
+        assert self.conn is not None, "send() first"
+        while True:
+            conn = self.conn
+            try:
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                conn.close()
+                if self.reused:  # the engine closed an idle keep-alive connection: the request never reached it
+                    self.send(timeout_s, fresh=True)
+                    continue
+                raise self._fail(e, timeout_s) from e
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                raise self._fail(e, timeout_s) from e
+            if resp.will_close:
+                conn.close()
+            else:
+                _give(self.key, conn)
+            self.conn = None
+            if resp.status >= 400:
+                text = raw.decode(errors="replace")[:2000]
+                raise EngineStepError(self.url, self.step, f"HTTP {resp.status} from {self.method} {self.path}: {text}")
+            return raw
+
+
 def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {**auth_headers(), **({"Content-Type": "application/json"} if data is not None else {})}
-    u = urllib.parse.urlsplit(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise EngineStepError(url, step, f"{method} {path}: not an http(s) URL")
-    key = (u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80))
-    target = u.path.rstrip("/") + path
-    for attempt in (0, 1):
-        conn, reused = _take(key, timeout_s)
-        try:
-            conn.request(method, target, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
-            conn.close()
-            if reused and attempt == 0:
-                continue  # the engine closed an idle keep-alive connection: the request never reached it
-            raise EngineStepError(url, step, f"{method} {path} connection error: {e}") from e
-        except TimeoutError as e:
-            conn.close()
-            raise EngineStepError(url, step, f"{method} {path} timed out after {timeout_s:g} s") from e
-        except (OSError, http.client.HTTPException) as e:  # refused, no route, a malformed answer
-            conn.close()
-            raise EngineStepError(url, step, f"{method} {path} unreachable: {e}") from e
-        if resp.will_close:
-            conn.close()
-        else:
-            _give(key, conn)
-        if resp.status >= 400:
-            text = raw.decode(errors="replace")[:2000]
-            raise EngineStepError(url, step, f"HTTP {resp.status} from {method} {path}: {text}")
-        return raw
-    raise AssertionError("unreachable: the loop returns or raises")
+    req = _Req(url, path, method=method, body=body, step=step)
+    req.send(timeout_s)
+    return req.read(timeout_s)
 
 
 def _decode(raw: bytes, url: str, path: str, step: str) -> Any:
@@ -119,12 +169,17 @@ def _decode(raw: bytes, url: str, path: str, step: str) -> Any:
         return {"text": raw.decode(errors="replace")}
 
 
+def _checked(out: Any, url: str, path: str, step: str) -> Any:
+    """``out``, unless it is SGLang's ``{"success": false, "message"}`` (raised, naming the engine and step)."""
+    if isinstance(out, dict) and out.get("success") is False:
+        raise EngineStepError(url, step, f"{path} answered success=false: {out.get('message', '')}")
+    return out
+
+
 def post_json(url: str, path: str, body: Any, *, timeout_s: float, step: str, check_success: bool = True) -> dict:
     """POST ``body`` as JSON; with ``check_success``, a ``{"success": false}`` answer raises."""
     out = _decode(_request(url, path, method="POST", body=body, timeout_s=timeout_s, step=step), url, path, step)
-    if check_success and isinstance(out, dict) and out.get("success") is False:
-        raise EngineStepError(url, step, f"{path} answered success=false: {out.get('message', '')}")
-    return out
+    return _checked(out, url, path, step) if check_success else out
 
 
 def get_json(url: str, path: str, *, timeout_s: float, step: str) -> Any:
@@ -133,6 +188,85 @@ def get_json(url: str, path: str, *, timeout_s: float, step: str) -> Any:
 
 def get_text(url: str, path: str, *, timeout_s: float, step: str) -> str:
     return _request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step).decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of an ``Exchange``: ``GET`` (``body`` None) or ``POST`` JSON; ``check_success``: a
+    ``{"success": false}`` answer raises."""
+
+    path: str
+    body: Any
+    step: str
+    method: str = "POST"
+    check_success: bool = True
+
+
+class Exchange:
+    """Calls to several engines made from the calling thread, with no thread per call. Each chain (an engine's
+    URL and its calls) runs in order: its next call goes out when the previous one answered; the chains run
+    side by side (two chains may name the same engine: each has its own connection). ``start`` writes every
+    chain's first request on a kept-alive connection and returns at once (the caller may then queue its
+    broadcasts); ``wait`` reads the answers as their sockets turn readable, sends the next calls, and returns
+    every chain's answers, in chain and call order. As ``wait_all``: the first failure raises (it does not wait
+    for the slow engines), the deadline (``timeout_s`` from ``start``) names every engine not done, and
+    ``poll`` (called every ~50 ms while waiting) may raise to abort. On the trainer's critical path this saves
+    the two thread hand-offs per call of a thread fan-out (hand the call to a thread, wake the waiter).
+
+        ex = Exchange([(u, [Call("/pause_generation", {"mode": "retract"}, "pause_generation"),
+                            Call("/begin_weight_update", {"selector": "all"}, "begin_weight_update")]) for u in urls],
+                      timeout_s=60)
+        answers = ex.run()   # [[pause answer, begin answer] for each engine]
+    """
+
+    def __init__(self, chains: Sequence[tuple[str, Sequence[Call]]], *, timeout_s: float):
+        self.chains = [(u, list(cs)) for u, cs in chains]
+        self.timeout_s = timeout_s
+        self.answers: list[list[Any]] = [[] for _ in self.chains]
+        self._live: dict[int, _Req] = {}
+        self._deadline = 0.0
+
+    def _send(self, i: int) -> None:
+        url, calls = self.chains[i]
+        c = calls[len(self.answers[i])]
+        req = _Req(url, c.path, method=c.method, body=c.body, step=c.step)
+        req.send(self.timeout_s)
+        self._live[i] = req
+
+    def start(self) -> Exchange:
+        self._deadline = time.monotonic() + self.timeout_s
+        for i, (_, calls) in enumerate(self.chains):
+            if calls:
+                self._send(i)
+        return self
+
+    def wait(self, *, poll: Callable[[], Any] | None = None) -> list[list[Any]]:
+        with selectors.DefaultSelector() as sel:
+            for i, req in self._live.items():
+                sel.register(req.conn.sock, selectors.EVENT_READ, i)
+            while self._live:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    late = list(dict.fromkeys(r.url for r in self._live.values()))
+                    step = next(iter(self._live.values())).step
+                    raise EngineStepError(late, step, f"no answer within {self.timeout_s:g} s")
+                for key, _ in sel.select(timeout=min(left, 0.05) if poll else left):
+                    i = key.data
+                    sel.unregister(key.fileobj)
+                    req = self._live.pop(i)
+                    url, calls = self.chains[i]
+                    c = calls[len(self.answers[i])]
+                    out = _decode(req.read(self.timeout_s), url, c.path, c.step)
+                    self.answers[i].append(_checked(out, url, c.path, c.step) if c.check_success else out)
+                    if len(self.answers[i]) < len(calls):
+                        self._send(i)
+                        sel.register(self._live[i].conn.sock, selectors.EVENT_READ, i)
+                if poll is not None:
+                    poll()
+        return self.answers
+
+    def run(self) -> list[list[Any]]:
+        return self.start().wait()
 
 
 def spawn(fn: Callable[..., Any], *args: Any, name: str = "sync-http", **kwargs: Any) -> cf.Future:

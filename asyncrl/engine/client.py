@@ -144,6 +144,23 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def weight_version_note(version: str) -> str:
+    """What SGLang appends to the message of a successful weight update that carried ``weight_version``
+    (``update_weights_from_distributed`` / ``_from_disk``: the version is set only once the update succeeded);
+    the CPU engine appends the same."""
+    return f" Weight version updated to {version}."
+
+
+def confirms_weight_version(answer: Any, version: str) -> bool:
+    """Whether an update's answer says it succeeded AND set ``version`` (``weight_version_note``). An engine
+    that ignores the field (an SGLang older than it) answers success without the note: not confirmed."""
+    return (
+        isinstance(answer, dict)
+        and answer.get("success") is True
+        and weight_version_note(version) in str(answer.get("message", ""))
+    )
+
+
 def parse_engine_load(metrics_text: str) -> Optional[float]:
     """Running + queued requests from a Prometheus ``/metrics`` page (None if it reports neither)."""
     vals = parse_prometheus(metrics_text)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from asyncrl.engine.client import weight_version_note
 from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors
 from asyncrl.rollout.cpu_scheduler import Scheduler
 from asyncrl.rollout.engine_http import read_body, result, weight_version_field
@@ -284,7 +285,7 @@ class WeightUpdates:
             log.info("update_weights: flush_cache skipped (requests are running)")
         if version is not None:
             sched.weight_version = version
-            msg += f" Weight version updated to {version}."
+            msg += weight_version_note(version)
         log.info(
             "received %d tensors in %.3fs, put in in %.3fs (%s)",
             len(names),

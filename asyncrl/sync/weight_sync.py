@@ -7,9 +7,11 @@ Contract
   ``sync_end(version)``; absent in tests).
 - The sequence of ``WeightSyncer.sync(buckets, version)``, every HTTP step sent to all engines at
   once, each call bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
-  the engine(s) and the step. Steps 2-3 run per engine in order on one thread; step 6's three
-  calls go to every engine at once. The calls run on the syncer's ``call_pool.CallPool`` (threads kept between
-  syncs: the control calls and their thread hand-offs are the fixed cost of a sync);
+  the engine(s) and the step. Steps 2-3 run per engine in order (an engine's begin goes out when its
+  own pause answered); step 6's calls go to every engine at once. The calls are made from the sync's
+  own thread (``blocking.Exchange``: requests written at once, answers read as they come), with no
+  thread hand-off on the critical path: the control calls are the fixed cost of a sync (only the
+  drain's load polling runs on the syncer's ``call_pool.CallPool``);
   ``/continue_generation`` goes out only once every engine passed the version check:
     1. ``hooks.sync_begin(mode)``
     2. pause: ``retract`` / ``in_place`` / ``abort`` -> ``POST /pause_generation {mode}``;
@@ -24,12 +26,16 @@ Contract
        uint8 tensor); an engine that fails its call fails the sync at once, not at the group timeout.
        The final bucket (``bucketing.LastBucket``, which ``iter_buckets`` yields) carries
        ``weight_version = str(version)``: SGLang's own field, which the engine applies only once that
-       update succeeded, i.e. after every bucket is in.
+       update succeeded, i.e. after every bucket is in; its success answer then says so (SGLang appends
+       " Weight version updated to V." to the message: ``engine.client.confirms_weight_version``).
+       Each update with ``flush_cache = true`` flushes the engine's cache once it succeeded (SGLang
+       asserts that flush; the engines are paused, so nothing runs on the old KV).
     5. only when no bucket carried it (a producer that does not mark its last bucket, or no bucket):
        ``POST /update_weight_version {new_version, abort_all_requests: false}``.
-    6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place and the check
-       that every engine's ``/model_info.weight_version`` equals the new version; then
-       ``POST /continue_generation``.
+    6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place or the updates
+       already flushed (step 4), and the check that ``/model_info.weight_version`` equals the new
+       version on every engine whose update answer did not confirm it (all of them after step 5);
+       then ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
   On an error the engines are left paused and the error propagates (the run fails).
@@ -62,8 +68,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from asyncrl.config.schema import PAUSE_MODES, SyncConfig
-from asyncrl.engine.blocking import EngineStepError, get_json, get_text, post_json, wait_all
-from asyncrl.engine.client import parse_engine_load
+from asyncrl.engine.blocking import Call, EngineStepError, Exchange, get_json, get_text
+from asyncrl.engine.client import confirms_weight_version, parse_engine_load
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
@@ -97,7 +103,13 @@ class PushStats:
     transfer_s: float
     """seconds of the broadcasts and the engines' update calls"""
     version_sent: bool = False
-    """the last bucket's update call carried the new weight version (and every engine applied it)"""
+    """the last bucket's update call carried the new weight version (and every engine answered success)"""
+    flushed: bool = False
+    """every update call carried ``flush_cache = true`` and succeeded: SGLang flushed the cache after it (it
+    asserts that flush), so no separate ``/flush_cache`` is needed"""
+    version_unconfirmed: tuple[str, ...] = ()
+    """engines whose answer to the version-carrying update did not confirm the version
+    (``confirms_weight_version``): the finish reads their ``/model_info``"""
 
 
 @dataclass(frozen=True)
@@ -185,26 +197,22 @@ def send_bucket(
     *,
     index: int,
     flattened: bool,
-    calls: CallPool,
     step_timeout_s: float,
-) -> None:
-    """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) on the pool while this
-    thread broadcasts the bucket's tensors (or its one flat tensor) from group rank 0; returns once every
-    engine answered success and every broadcast completed. ``index`` (the bucket's place in the sync) names it
-    in a failure."""
+) -> list[Any]:
+    """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) written first (an
+    ``Exchange``), then this thread queues the bucket's broadcasts (or its one flat tensor's) from group rank 0
+    and reads the answers; returns them (in engine order) once every engine answered success and every
+    broadcast completed. ``index`` (the bucket's place in the sync) names it in a failure."""
     step = "update_weights_from_distributed"
-    futures = {
-        calls.submit(
-            post_json, e.url, "/update_weights_from_distributed", body, timeout_s=step_timeout_s, step=step
-        ): e.url
-        for e in group.engines
-    }
+    call = Call("/update_weights_from_distributed", body, step)
+    ex = Exchange([(u, [call]) for u in group.urls], timeout_s=step_timeout_s).start()
     tensors = [flatten_bucket(bucket)] if flattened else [t.detach().contiguous() for _, t in bucket]
     try:
         works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
-        wait_all(futures, timeout_s=step_timeout_s, step=step, poll=functools.partial(_check_works, works))
+        answers = ex.wait(poll=functools.partial(_check_works, works))
         for w in works:
             w.wait()  # all engines answered success: they have every tensor
+        return [a[0] for a in answers]
     except EngineStepError:
         raise
     except (RuntimeError, dist.DistError) as e:  # our broadcast failed or hit sync.broadcast_timeout_s
@@ -221,19 +229,17 @@ def push_buckets(
     flattened: bool,
     step_timeout_s: float,
     weight_version: Optional[str] = None,
-    calls: Optional[CallPool] = None,
 ) -> PushStats:
     """Send every bucket (``send_bucket``), timing the wait on the bucket iterator (gather) apart from the
     sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines
-    (a pipeline stage's push passes none: its last bucket is not the model's). ``calls``: the pool of the
-    update calls (pass one kept across syncs; without it, a fresh one)."""
+    (a pipeline stage's push passes none: its last bucket is not the model's)."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
-    calls = calls or CallPool()
     num_bytes = num_buckets = num_tensors = 0
     gather_s = transfer_s = 0.0
     it = iter(buckets)
     version_sent = False
+    unconfirmed: tuple[str, ...] = ()
     while True:
         t0 = time.perf_counter()
         bucket = next(it, None)  # the actor gathers and converts the next bucket here
@@ -250,14 +256,27 @@ def push_buckets(
             flattened=flattened,
             weight_version=weight_version if version_sent else None,
         )
-        send_bucket(
-            group, bucket, body, index=num_buckets, flattened=flattened, calls=calls, step_timeout_s=step_timeout_s
+        answers = send_bucket(
+            group, bucket, body, index=num_buckets, flattened=flattened, step_timeout_s=step_timeout_s
         )
+        if version_sent:
+            unconfirmed = tuple(
+                u for u, a in zip(group.urls, answers) if not confirms_weight_version(a, str(weight_version))
+            )
         transfer_s += time.perf_counter() - t1
         num_bytes += sum(tensor_nbytes(t) for _, t in bucket)
         num_buckets += 1
         num_tensors += len(bucket)
-    return PushStats(num_bytes, num_buckets, num_tensors, gather_s, transfer_s, version_sent)
+    return PushStats(
+        num_bytes,
+        num_buckets,
+        num_tensors,
+        gather_s,
+        transfer_s,
+        version_sent,
+        flushed=flush_cache and num_buckets > 0,
+        version_unconfirmed=unconfirmed,
+    )
 
 
 class WeightSyncer:
@@ -283,14 +302,10 @@ class WeightSyncer:
     def urls(self) -> list[str]:
         return self.group.urls
 
-    def _all(self, path: str, body: Any, step: str, *, check_success: bool = True) -> list[Any]:
-        t = self.cfg.step_timeout_s
-        return self.calls.fan_out(
-            self.urls,
-            lambda u: post_json(u, path, body, timeout_s=t, step=step, check_success=check_success),
-            timeout_s=t + 1,
-            step=step,
-        )
+    def _all(self, path: str, body: Any, step: str) -> list[Any]:
+        """``POST path body`` to every engine at once; their answers, in engine order."""
+        chains = [(u, [Call(path, body, step)]) for u in self.urls]
+        return [a[0] for a in Exchange(chains, timeout_s=self.cfg.step_timeout_s).run()]
 
     def wait_idle(self) -> None:
         """Poll every engine until none has running or queued requests (``drain``)."""
@@ -335,20 +350,13 @@ class WeightSyncer:
         the two: an engine's begin only needs its own pause)."""
         if self.hooks.sync_begin is not None:
             self.hooks.sync_begin(self.pause_mode)
-        t = self.cfg.step_timeout_s
-        begin = functools.partial(
-            post_json, path="/begin_weight_update", body={"selector": "all"}, timeout_s=t, step="begin_weight_update"
-        )
+        begin = Call("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
         if self.pause_mode == "drain":
             self._drain()
-            self.calls.fan_out(self.urls, lambda u: begin(u), timeout_s=t + 1, step="begin_weight_update")
+            self._all(begin.path, begin.body, begin.step)
             return
-
-        def pause_and_begin(u: str) -> None:
-            post_json(u, "/pause_generation", {"mode": self.pause_mode}, timeout_s=t, step="pause_generation")
-            begin(u)
-
-        self.calls.fan_out(self.urls, pause_and_begin, timeout_s=2 * t + 1, step="pause_generation")
+        pause = Call("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
+        Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).run()
 
     def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
         """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given)."""
@@ -359,34 +367,38 @@ class WeightSyncer:
             flattened=self.cfg.flattened_bucket,
             step_timeout_s=self.cfg.step_timeout_s,
             weight_version=weight_version,
-            calls=self.calls,
         )
 
-    def finish(self, version: Any, *, version_sent: bool = False) -> None:
+    def finish(
+        self,
+        version: Any,
+        *,
+        version_sent: bool = False,
+        flushed: bool = False,
+        unconfirmed: Optional[Iterable[str]] = None,
+    ) -> None:
         """Steps 5-7: the version bump unless the last bucket carried it (``version_sent``), then every
-        engine's end of the update, its flush and its version check all at once (the engines are paused and
-        every bucket is in: their order does not matter), then - once every engine passed the check -
-        resume, and tell the broker."""
+        engine's end of the update, alongside it (the engines are paused and every bucket is in: their order
+        does not matter) the flush unless the updates already flushed (``flushed``) and the version check of
+        every engine whose update answer did not confirm the version (``unconfirmed``; default: every
+        engine), then - once every engine passed the check - resume, and tell the broker."""
         v = str(version)
         t = self.cfg.step_timeout_s
         if not version_sent:
             self._all(
                 "/update_weight_version", {"new_version": v, "abort_all_requests": False}, "update_weight_version"
             )
-        submit = self.calls.submit
-        checks = {submit(get_json, u, "/model_info", timeout_s=t, step="model_info"): u for u in self.urls}
-        ends = {
-            submit(post_json, u, "/end_weight_update", {}, timeout_s=t, step="end_weight_update"): u for u in self.urls
-        }
-        if self.pause_mode != "in_place":
-            ends.update(
-                {submit(post_json, u, "/flush_cache", {}, timeout_s=t, step="flush_cache"): u for u in self.urls}
-            )
-        wait_all({**ends, **checks}, timeout_s=t + 1, step="end_weight_update")
-        infos = [f.result() for f in checks]
-        wrong = [u for u, i in zip(self.urls, infos) if str(i.get("weight_version")) != v]
+            unconfirmed = None  # the version call's answer is not read as a confirmation: check every engine
+        check_urls = self.urls if unconfirmed is None else [u for u in self.urls if u in set(unconfirmed)]
+        chains = [(u, [Call("/end_weight_update", {}, "end_weight_update")]) for u in self.urls]
+        if self.pause_mode != "in_place" and not flushed:
+            chains += [(u, [Call("/flush_cache", {}, "flush_cache")]) for u in self.urls]
+        chains += [(u, [Call("/model_info", None, "model_info", method="GET")]) for u in check_urls]
+        answers = Exchange(chains, timeout_s=t).run()
+        infos = [a[0] for a in answers[len(chains) - len(check_urls) :]]
+        wrong = [u for u, i in zip(check_urls, infos) if str(i.get("weight_version")) != v]
         if wrong:
-            got = [repr(i.get("weight_version")) for u, i in zip(self.urls, infos) if u in wrong]
+            got = [repr(i.get("weight_version")) for u, i in zip(check_urls, infos) if u in wrong]
             raise EngineStepError(
                 wrong,
                 "update_weight_version",
@@ -404,7 +416,12 @@ class WeightSyncer:
             t1 = time.perf_counter()
             pushed = self.push(buckets, weight_version=str(version))
             t2 = time.perf_counter()
-            self.finish(version, version_sent=pushed.version_sent)
+            self.finish(
+                version,
+                version_sent=pushed.version_sent,
+                flushed=pushed.flushed,
+                unconfirmed=pushed.version_unconfirmed,
+            )
         except EngineStepError as e:  # name the training step too (the version being pushed)
             raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
         t3 = time.perf_counter()

@@ -255,36 +255,61 @@ def test_engine_restart_then_recreate_group(env: Env):
     _assert_engines_match_trainer(env)
 
 
-@pytest.mark.parametrize("marked", [True, False], ids=["last-bucket-carries-version", "separate-version-call"])
-def test_version_rides_on_the_last_bucket(env: Env, monkeypatch, marked: bool):
+@pytest.mark.parametrize(
+    "case", ["last-bucket-carries-version", "separate-version-call", "answer-without-version-note"]
+)
+def test_version_rides_on_the_last_bucket(env: Env, monkeypatch, case: str):
     """``iter_buckets`` marks its final bucket: that update call carries the new version (SGLang's
     ``weight_version``) and no ``/update_weight_version`` goes out; buckets from a producer that does not
-    mark them (plain lists) get the separate call. Either way every engine serves the new weights and
-    version (the sync checks ``/model_info``). The real calls are recorded on their way out."""
+    mark them (plain lists) get the separate call. The update calls flush (``flush_cache``), so no separate
+    ``/flush_cache`` goes out. ``/model_info`` is read only from an engine whose update answer did not
+    confirm the version: every engine after the separate call, and the one engine whose answer lacks
+    SGLang's " Weight version updated to V." note (as an SGLang that ignores the field would answer; the
+    note is cut from its real answer here). Either way every engine serves the new weights and version.
+    The real calls are recorded on their way out."""
     from asyncrl.sync import weight_sync
 
-    sent: list[tuple[str, dict]] = []
+    sent: list[tuple[str, str, dict]] = []
 
-    def recording_post_json(url, path, body, **kw):
-        sent.append((path, body))
-        return post_json(url, path, body, **kw)
+    class RecordingExchange(weight_sync.Exchange):
+        """The real exchange; its calls recorded on their way out (and one answer's note cut)."""
 
-    monkeypatch.setattr(weight_sync, "post_json", recording_post_json)
+        def _send(self, i):
+            url, calls = self.chains[i]
+            c = calls[len(self.answers[i])]
+            sent.append((url, c.path, c.body or {}))
+            super()._send(i)
+
+        def wait(self, **kw):
+            answers = super().wait(**kw)
+            for (url, calls), outs in zip(self.chains, answers):
+                for j, (c, out) in enumerate(zip(calls, outs)):
+                    cut = case == "answer-without-version-note" and url == env.urls[1]
+                    if cut and c.path == "/update_weights_from_distributed" and c.body.get("weight_version"):
+                        outs[j] = {**out, "message": out["message"].split(" Weight version")[0]}
+            return answers
+
+    monkeypatch.setattr(weight_sync, "Exchange", RecordingExchange)
     _train_step(env.trainer, seed=500 + env.version)
     buckets = list(iter_buckets(env.trainer.state_dict().items(), env.sync_cfg.bucket_bytes))
-    if not marked:
+    if case == "separate-version-call":
         buckets = [list(b) for b in buckets]
     env.version += 1
     WeightSyncer(env.group, pause_mode="retract", sync_cfg=env.sync_cfg).sync(iter(buckets), version=env.version)
-    updates = [b for p, b in sent if p == "/update_weights_from_distributed"]
+    paths = [p for _, p, _ in sent]
+    updates = [b for _, p, b in sent if p == "/update_weights_from_distributed"]
     assert len(updates) == len(buckets) * len(env.urls) and len(buckets) > 1
+    assert all(b["flush_cache"] is True for b in updates) and "/flush_cache" not in paths
     carried = [b["weight_version"] for b in updates]
-    if marked:
-        assert carried == [None] * (len(updates) - len(env.urls)) + [str(env.version)] * len(env.urls)
-        assert "/update_weight_version" not in [p for p, _ in sent]
-    else:
+    checked = [u for u, p, _ in sent if p == "/model_info"]
+    if case == "separate-version-call":
         assert carried == [None] * len(updates)
-        assert [p for p, _ in sent].count("/update_weight_version") == len(env.urls)
+        assert paths.count("/update_weight_version") == len(env.urls)
+        assert sorted(checked) == sorted(env.urls)
+    else:
+        assert carried == [None] * (len(updates) - len(env.urls)) + [str(env.version)] * len(env.urls)
+        assert "/update_weight_version" not in paths
+        assert checked == ([env.urls[1]] if case == "answer-without-version-note" else [])
     _assert_engines_match_trainer(env)
 
 

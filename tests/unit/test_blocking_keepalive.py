@@ -9,16 +9,22 @@ import threading
 import pytest
 
 from asyncrl.engine import blocking
-from asyncrl.engine.blocking import EngineStepError, post_json
+from asyncrl.engine.blocking import Call, EngineStepError, Exchange, post_json
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass  # a client that went away (the exchange raised before reading a slow answer) is not a failure here
 
 
 class _Server:
     """A keep-alive HTTP/1.1 server counting the TCP connections it accepted; ``close_after_reply`` makes it
     drop each connection after answering, without saying so (as an engine whose idle timeout passed)."""
 
-    def __init__(self, *, close_after_reply: bool = False, status: int = 200):
+    def __init__(self, *, close_after_reply: bool = False, status: int = 200, gate: threading.Event | None = None):
         outer = self
         self.connections = 0
+        self.paths: list[str] = []
         self.lock = threading.Lock()
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -31,7 +37,11 @@ class _Server:
 
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
-                body = json.dumps({"success": status < 400, "message": "ok"}).encode()
+                with outer.lock:
+                    outer.paths.append(self.path)
+                if gate is not None:
+                    gate.wait(30)
+                body = json.dumps({"success": status < 400, "message": self.path}).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -44,7 +54,7 @@ class _Server:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -92,3 +102,68 @@ def test_refused_is_unreachable():
         url = s.url
     with pytest.raises(EngineStepError, match="unreachable"):
         post_json(url, "/continue_generation", {}, timeout_s=5, step="continue")
+
+
+def test_exchange_runs_each_chain_in_order_and_the_chains_side_by_side():
+    """Two engines, two calls each, from this one thread: answers in chain and call order, an engine's second
+    call only after its first answered, one kept-alive connection per engine across exchanges."""
+    with _Server() as a, _Server() as b:
+        for _ in range(2):
+            chains = [
+                (s.url, [Call("/pause_generation", {}, "pause"), Call("/begin_weight_update", {}, "begin")])
+                for s in (a, b)
+            ]
+            answers = Exchange(chains, timeout_s=10).run()
+            assert [[x["message"] for x in ans] for ans in answers] == [
+                ["/pause_generation", "/begin_weight_update"]
+            ] * 2
+        assert a.paths == b.paths == ["/pause_generation", "/begin_weight_update"] * 2
+        assert a.connections == b.connections == 1
+
+
+def test_exchange_raises_the_first_failure_without_waiting_for_a_slow_engine():
+    gate = threading.Event()
+    try:
+        with _Server(gate=gate) as slow, _Server(status=400) as bad:
+            ex = Exchange(
+                [
+                    (slow.url, [Call("/end_weight_update", {}, "end")]),
+                    (bad.url, [Call("/end_weight_update", {}, "end")]),
+                ],
+                timeout_s=30,
+            )
+            with pytest.raises(EngineStepError) as ei:
+                ex.run()
+            assert ei.value.urls == [bad.url] and ei.value.step == "end" and "HTTP 400" in str(ei.value)
+            assert not gate.is_set()  # the slow engine had not answered
+    finally:
+        gate.set()
+
+
+def test_exchange_names_the_engines_past_its_deadline_and_polls_while_waiting():
+    gate = threading.Event()
+    polls = []
+    try:
+        with _Server(gate=gate) as slow, _Server() as fast:
+            ex = Exchange(
+                [
+                    (slow.url, [Call("/continue_generation", {}, "continue")]),
+                    (fast.url, [Call("/continue_generation", {}, "continue")]),
+                ],
+                timeout_s=0.3,
+            )
+            with pytest.raises(EngineStepError) as ei:
+                ex.start().wait(poll=lambda: polls.append(1))
+            assert ei.value.urls == [slow.url] and "no answer within 0.3 s" in str(ei.value) and polls
+    finally:
+        gate.set()
+
+
+def test_exchange_replaces_a_connection_the_engine_closed():
+    with _Server(close_after_reply=True) as s:
+        for _ in range(3):
+            assert (
+                Exchange([(s.url, [Call("/flush_cache", {}, "flush_cache")])], timeout_s=10).run()[0][0]["success"]
+                is True
+            )
+        assert s.connections == 3

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from asyncrl.config.schema import Config, RolloutConfig, SGLangConfig
-from asyncrl.engine.client import EngineError, _server_message, parse_generate_response, parse_prometheus
+from asyncrl.engine.client import (
+    EngineError,
+    _server_message,
+    confirms_weight_version,
+    parse_generate_response,
+    parse_prometheus,
+)
 from asyncrl.rollout.sampling_params import RequestError, parse_sampling_params
 from asyncrl.rollout.sglang_launcher import cpu_engine_command, engine_command, engine_port, sglang_command
 
@@ -87,6 +93,18 @@ def test_prometheus_and_generate_parsers():
     assert _server_message('{"success": false, "message": "nope"}') == "nope"
     e = EngineError("http://h:1", "/generate", "boom", 400)
     assert "http://h:1/generate" in str(e) and "400" in str(e) and e.message == "boom"
+
+
+def test_update_answer_confirms_the_weight_version():
+    """SGLang's answer to an update that set ``weight_version`` (its message), and what must not count."""
+    ok = {"success": True, "message": "Succeeded to update parameter online. Weight version updated to 7."}
+    assert confirms_weight_version(ok, "7")
+    assert not confirms_weight_version(ok, "17") and not confirms_weight_version(ok, "8")
+    assert not confirms_weight_version({**ok, "success": False}, "7")
+    assert not confirms_weight_version({"success": True, "message": "Succeeded to update parameter online."}, "7")
+    assert not confirms_weight_version({"text": "Weight version updated to 7."}, "7") and not confirms_weight_version(
+        None, "7"
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
