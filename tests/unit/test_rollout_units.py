@@ -147,3 +147,39 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
     h_last = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, 0, last_only=True)
     assert h_last.shape == (3, 64)
     assert torch.allclose(h_last, h[[0, 14, 20]], atol=1e-5)
+
+
+def test_decode_attention_matches_a_per_row_reference(tmp_path):
+    """The batched one-query attention (rows of different lengths, grouped-query heads, the additive -inf bias of
+    ``_plan``) equals softmax(q k^T) v computed row by row over each row's own keys; the cache beyond a row's length
+    holds garbage (a previous occupant's KV), which must not leak in."""
+    transformers = pytest.importorskip("transformers")
+    from asyncrl.rollout.cpu_model import KVPool, load_model
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    s = model.spec
+    nh, nkv, d = s.num_attention_heads, s.num_query_groups, s.head_dim
+    g = torch.Generator().manual_seed(0)
+    kv = KVPool(s, max_rows=6)
+    kc, vc = kv.k[0], kv.v[0]
+    kc.copy_(torch.randn(kc.shape, generator=g) * 3)
+    vc.copy_(torch.randn(vc.shape, generator=g))
+    past_B = torch.tensor([7, 0, 12, 3, 9])  # rows 1..5 of the pool (row0 = 1), each decoding one token
+    R = past_B.shape[0]
+    plan = model._plan(past_B, torch.ones(R, dtype=torch.long), kv, 1, False)
+    assert plan.num_decode == R and plan.dec_L == 13
+    q_RHd = torch.randn(R, nh, d, generator=g)
+    got = model._one_query(q_RHd, kc, vc, 1, plan.dec_L, plan.dec_bias)
+    want = torch.empty(R, nh, d)
+    for b in range(R):
+        n = int(past_B[b]) + 1  # the cached keys and the new token's own
+        for h in range(nh):
+            keys, vals = kc[1 + b, h // (nh // nkv), :n], vc[1 + b, h // (nh // nkv), :n]
+            want[b, h] = torch.softmax(q_RHd[b, h] @ keys.T, dim=-1) @ vals
+    assert got.shape == (R, nh * d)
+    assert torch.allclose(got, want.view(R, nh * d), atol=1e-5, rtol=1e-5)
