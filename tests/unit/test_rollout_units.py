@@ -183,3 +183,55 @@ def test_decode_attention_matches_a_per_row_reference(tmp_path):
             want[b, h] = torch.softmax(q_RHd[b, h] @ keys.T, dim=-1) @ vals
     assert got.shape == (R, nh * d)
     assert torch.allclose(got, want.view(R, nh * d), atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_cache_matches_a_brute_force_lru():
+    """The head-indexed prefix cache gives what a scan of every entry gives: the longest common prefix (of at
+    least MIN_PREFIX_TOKENS tokens, capped at the limit), the least recently used of equal ones, the same LRU
+    evictions (by tokens and by entries), across inserts, hits, evictions and a clear."""
+    import collections
+    import random
+
+    from asyncrl.rollout.prefix_cache import MAX_PREFIX_ENTRIES, MIN_PREFIX_TOKENS, PrefixCache, common_prefix_len
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = tuple(rng.randrange(3) for _ in range(rng.randrange(12)))
+        b = tuple(rng.randrange(3) for _ in range(rng.randrange(12)))
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == want
+    cache, ref = PrefixCache(max_tokens=3000), collections.OrderedDict()
+    heads = [tuple(rng.randrange(50) for _ in range(MIN_PREFIX_TOKENS)) for _ in range(3)]
+    for step in range(3000):
+        toks = list(rng.choice(heads)) + [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        if rng.random() < 0.3:
+            toks[rng.randrange(len(toks))] = 99  # sometimes the head itself differs
+        if step == 2000:
+            cache.clear()
+            ref.clear()
+        if rng.random() < 0.5:
+            key = tuple(toks)
+            marker = torch.tensor([step])
+            cache.insert(key, marker, marker)
+            if MIN_PREFIX_TOKENS <= len(key) and key not in ref:
+                ref[key] = marker
+                while sum(map(len, ref)) > 3000 or len(ref) > MAX_PREFIX_ENTRIES:
+                    ref.popitem(last=False)
+        else:
+            limit = rng.randrange(len(toks) + 1)
+            best, best_key = 0, None
+            for key in ref:
+                lcp = common_prefix_len(key, tuple(toks[:limit]))
+                if lcp > best:
+                    best, best_key = lcp, key
+            if best < MIN_PREFIX_TOKENS:
+                best, best_key = 0, None
+            hit, kv = cache.lookup(toks, limit)
+            assert hit == best
+            if best_key is None:
+                assert kv is None
+            else:
+                assert kv[0] is ref[best_key]
+                ref.move_to_end(best_key)
+        assert list(cache.entries) == list(ref)
+        assert cache.tokens == sum(map(len, ref))
