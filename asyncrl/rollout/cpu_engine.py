@@ -45,7 +45,7 @@ from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.rollout.cpu_model import load_model
 from asyncrl.rollout.cpu_scheduler import PAUSE_MODES, Scheduler
 from asyncrl.rollout.engine_args import EngineArgs, init_engine_world, parse_args
-from asyncrl.rollout.engine_http import build_generate_requests, deliverer, json_error, read_body
+from asyncrl.rollout.engine_http import Outbox, build_generate_requests, json_error, read_body
 from asyncrl.rollout.engine_metrics import DISCONNECT_SERIES, prometheus_text
 from asyncrl.rollout.request import Request
 from asyncrl.rollout.sampling_params import RequestError, check_bool, parse_sampling_params
@@ -86,7 +86,10 @@ class CpuEngine:
             weight_version=args.weight_version,
             prefix_cache_tokens=args.prefix_cache_tokens,
             context_length=args.context_length,
+            after_step=self._flush_outbox,
         )
+        self._outbox: Optional[Outbox] = None
+        """Finished requests' answers to the event loop, one wake-up per step (made when the loop starts)."""
         self.weights = WeightUpdates(self.model, call=self._call, timeout_s=args.weight_sync_timeout_s)
         """The weight-update group, the receiver and the loads from disk (``weight_updates``)."""
         self.num_disconnect_aborts = 0
@@ -124,6 +127,13 @@ class CpuEngine:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def _flush_outbox(self) -> None:
+        if self._outbox is not None:
+            self._outbox.flush()
+
+    async def _open_outbox(self, app: web.Application) -> None:
+        self._outbox = Outbox(asyncio.get_running_loop())
+
     async def _call(self, fn):
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
@@ -148,6 +158,7 @@ class CpuEngine:
         for path in ("/weight_version", "/get_weight_version"):
             r.add_get(path, self.weight_version)
         r.add_get("/metrics", self.metrics)
+        app.on_startup.append(self._open_outbox)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
@@ -183,13 +194,12 @@ class CpuEngine:
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         body = await read_body(request)
-        loop = asyncio.get_running_loop()
         reqs, futs, batch = build_generate_requests(
             body,
             encode=lambda t: self.tokenizer.encode(t).ids,
             vocab_size=self.model.spec.vocab_size,
             context_length=self.scheduler.context_length,
-            loop=loop,
+            outbox=self._outbox,
         )
         submitted: list[Request] = []
         try:
@@ -254,13 +264,12 @@ class CpuEngine:
             except asyncio.TimeoutError:
                 return web.Response(status=503)
             return web.Response(status=200)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = self._outbox.loop.create_future()
         req = Request(
             rid=f"HEALTH_CHECK_{time.time()}",
             input_ids=[0],
             params=parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}),
-            deliver=deliverer(loop, fut),
+            deliver=self._outbox.deliverer(fut),
         )
         self.scheduler.submit(req)
         try:
