@@ -47,6 +47,11 @@ def _rotate_half_matrix(d: int) -> torch.Tensor:
     return r
 
 
+def _hidden_bias(hidden: torch.Tensor) -> torch.Tensor:
+    """An additive attention mask: -inf where ``hidden`` (bool), 0 elsewhere."""
+    return torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+
+
 @dataclass(frozen=True)
 class _Padded:
     """The rows after the decode rows, attended as a padded [rows, longest feed] block."""
@@ -54,8 +59,9 @@ class _Padded:
     b_idx: torch.Tensor
     j_idx: torch.Tensor
     """(row among these rows, position in its feed) of each of their tokens, in packed order."""
-    seen: torch.Tensor
-    """[rows, 1, grp * N, L] bool: True where a query (grp query heads of a kv head, then N positions) sees a key."""
+    bias: torch.Tensor
+    """[rows, 1, grp * N, L] float: 0 where a query (grp query heads of a kv head, then N positions) sees a key,
+    -inf where it does not (SDPA's additive mask, built once per forward: a bool mask is converted every layer)."""
     N: int
     L: int
 
@@ -74,13 +80,15 @@ class _Plan:
     num_decode: int
     """The leading rows with one new token each (tokens 0 .. num_decode-1): batched one-query attention."""
     dec_L: int
-    dec_hidden: torch.Tensor
-    """[num_decode, 1, 1, dec_L] bool: True where a key is hidden from a decode row's query."""
+    dec_bias: torch.Tensor
+    """[num_decode, 1, 1, dec_L] float: -inf where a key is hidden from a decode row's query, else 0 (added to the
+    scores: a broadcast add costs a seventh of a masked fill with a broadcast bool mask)."""
     pad: Optional[_Padded]
     """The other rows (None when every row decodes)."""
     last: Optional[tuple[torch.Tensor, int, torch.Tensor]]
     """``last_only`` with a multi-token row: (index of each row's last token [B], the longest row L, [B, 1, 1, L]
-    bool hidden keys of those queries); the last layer attends and runs its MLP for these B tokens only."""
+    float bias of those queries: -inf on hidden keys); the last layer attends and runs its MLP for these B tokens
+    only."""
 
 
 class KVPool:
@@ -122,11 +130,8 @@ class KVPool:
                 t[dst, :, :length].copy_(t[src, :, :length])
 
     def read_row(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one row's first ``length`` positions: ([L, kvh, length, d], same)."""
-        return (
-            torch.stack([t[row, :, :length] for t in self.k]).clone(),
-            torch.stack([t[row, :, :length] for t in self.v]).clone(),
-        )
+        """Copies of one row's first ``length`` positions: ([L, kvh, length, d], same) (``stack`` copies)."""
+        return torch.stack([t[row, :, :length] for t in self.k]), torch.stack([t[row, :, :length] for t in self.v])
 
     def write_row(self, row: int, k_L: torch.Tensor, v_L: torch.Tensor, length: int) -> None:
         self.ensure_capacity(length)
@@ -299,7 +304,7 @@ class CausalLM:
         slot_T = ((b_T + row0) * nkv)[:, None] + torch.arange(nkv)[None, :]
         kv_index = (slot_T * kv.capacity + pos_T[:, None]).reshape(-1)
         dec_L = int(past_len_B[:num_decode].max()) + 1 if num_decode else 0
-        dec_hidden = (torch.arange(dec_L)[None, :] > past_len_B[:num_decode, None])[:, None, None]
+        dec_bias = _hidden_bias(torch.arange(dec_L)[None, :] > past_len_B[:num_decode, None])[:, None, None]
         pad = None
         if num_decode < B:
             # the other rows, padded to their longest feed: query j of row b sees keys <= past_b + min(j, n_b - 1)
@@ -309,15 +314,19 @@ class CausalLM:
             qpos_BN = p_B[:, None] + torch.minimum(j_N[None, :], (n_B - 1)[:, None])
             seen = (torch.arange(L)[None, None, :] <= qpos_BN[:, :, None])[:, None]  # [Bp, 1, N, L]
             seen = seen.repeat(1, 1, nh // nkv, 1)  # [Bp, 1, grp * N, L]: the grp query heads of a kv head
-            pad = _Padded(b_T[num_decode:] - num_decode, j_T[num_decode:], seen, N, L)
+            pad = _Padded(b_T[num_decode:] - num_decode, j_T[num_decode:], _hidden_bias(~seen), N, L)
         last = None
         if last_only and num_decode < B:
             L = int(end_B.max())
-            last = (torch.cumsum(new_len_B, 0) - 1, L, (torch.arange(L)[None, :] >= end_B[:, None])[:, None, None])
-        return _Plan(cos, sin, kv_index, row0, num_decode, dec_L, dec_hidden, pad, last)
+            last = (
+                torch.cumsum(new_len_B, 0) - 1,
+                L,
+                _hidden_bias(torch.arange(L)[None, :] >= end_B[:, None])[:, None, None],
+            )
+        return _Plan(cos, sin, kv_index, row0, num_decode, dec_L, dec_bias, pad, last)
 
     def _one_query(
-        self, q_RHd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, r0: int, L: int, hidden_R11L: torch.Tensor
+        self, q_RHd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, r0: int, L: int, bias_R11L: torch.Tensor
     ) -> torch.Tensor:
         """Attention of one query per row (rows r0 .. r0+R-1 of the cache, their first L keys) -> [R, heads * d].
         Grouped-query without repeating K/V: query head h reads kv head h // grp; [rows * kv heads] small
@@ -328,7 +337,7 @@ class CausalLM:
         keys = kc[r0 : r0 + R, :, :L].reshape(R * nkv, L, d)
         vals = vc[r0 : r0 + R, :, :L].reshape(R * nkv, L, d)
         scores = torch.bmm(q_RHd.reshape(R * nkv, grp, d), keys.transpose(1, 2))
-        scores.view(R, nkv, grp, L).masked_fill_(hidden_R11L, float("-inf"))
+        scores.view(R, nkv, grp, L).add_(bias_R11L)
         return torch.bmm(torch.softmax(scores, dim=-1), vals).view(R, nh * d)
 
     def _attention(
@@ -351,23 +360,23 @@ class CausalLM:
         vc.view(-1, d).index_copy_(0, plan.kv_index, qkv[:, nh + nkv :].reshape(-1, d))
         q = qkv[:, :nh]
         if last and plan.last is not None:
-            last_B, Lk, hidden = plan.last
-            att = self._one_query(q[last_B], kc, vc, plan.row0, Lk, hidden)
+            last_B, Lk, bias = plan.last
+            att = self._one_query(q[last_B], kc, vc, plan.row0, Lk, bias)
             return x[last_B] + F.linear(att, L["o_w"], L["o_b"])
         nd, grp = plan.num_decode, nh // nkv
         parts = []
         if nd:
-            parts.append(self._one_query(q[:nd], kc, vc, plan.row0, plan.dec_L, plan.dec_hidden))
+            parts.append(self._one_query(q[:nd], kc, vc, plan.row0, plan.dec_L, plan.dec_bias))
         if plan.pad is not None:
             p = plan.pad
-            Bp, N = p.seen.shape[0], p.N
+            Bp, N = p.bias.shape[0], p.N
             r0 = plan.row0 + nd
             q_pad = q.new_zeros(Bp, N, nh, d)
             q_pad[p.b_idx, p.j_idx] = q[nd:]
             # [Bp, kv heads, grp * N, d]: the grp query heads of a kv head stacked along the queries
             q_pad = q_pad.view(Bp, N, nkv, grp, d).permute(0, 2, 3, 1, 4).reshape(Bp, nkv, grp * N, d)
             att = F.scaled_dot_product_attention(
-                q_pad, kc[r0 : r0 + Bp, :, : p.L], vc[r0 : r0 + Bp, :, : p.L], attn_mask=p.seen, scale=1.0
+                q_pad, kc[r0 : r0 + Bp, :, : p.L], vc[r0 : r0 + Bp, :, : p.L], attn_mask=p.bias, scale=1.0
             )
             att = att.view(Bp, nkv, grp, N, d).permute(0, 3, 1, 2, 4)[p.b_idx, p.j_idx]
             parts.append(att.reshape(-1, nh * d))

@@ -17,7 +17,8 @@ Contract
 - ``weight_versions`` of a request: runs ``{"version", "start", "end"}`` over output token indices,
   split whenever ``weight_version`` changed between two of its tokens.
 - Each finished request is delivered once, as SGLang's ``/generate`` JSON, through its
-  ``deliver`` callback (called on the engine thread).
+  ``deliver`` callback (called on the engine thread); ``after_step``, when given, runs on the engine thread
+  after each step (the engine hands that step's answers to its event loop in one wake-up).
 
     sched = Scheduler(model, decode_fn, max_running_requests=8, seed=0, weight_version="default")
     threading.Thread(target=sched.run, args=(stop_event,), daemon=True).start()
@@ -77,6 +78,7 @@ class Scheduler:
         weight_version: str = "default",
         prefix_cache_tokens: int = 32768,
         context_length: Optional[int] = None,
+        after_step: Optional[Callable[[], None]] = None,
     ):
         self.model = model
         self.decode = decode
@@ -95,6 +97,9 @@ class Scheduler:
         self._inbox: list[Request] = []
         self._calls: list[tuple[Callable[[Scheduler], Any], cf.Future]] = []
         self._live: set[str] = set()  # rids submitted and not yet delivered (guarded by _cond)
+        self.after_step = after_step
+        """Called on the engine thread after each step (and each round of control calls): the engine hands the
+        answers its requests' ``deliver`` callbacks queued to its event loop at once."""
 
     # ---- thread-safe entry points ------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -131,8 +136,12 @@ class Scheduler:
         with torch.inference_mode():
             while not stop.is_set():
                 self._drain()
-                if self.paused is None and (self.running or self.waiting):
+                busy = self.paused is None and bool(self.running or self.waiting)
+                if busy:
                     self.step()
+                if self.after_step is not None:
+                    self.after_step()
+                if busy:
                     continue
                 with self._cond:
                     if not self._inbox and not self._calls:

@@ -1,7 +1,7 @@
 """The CPU engine's HTTP side that needs no engine state: SGLang's answer shapes, the JSON body, and the
 checks that turn a ``/generate`` body into requests.
 
-    reqs, futs, batch = build_generate_requests(body, encode=tok_ids, vocab_size=V, context_length=C, loop=loop)
+    reqs, futs, batch = build_generate_requests(body, encode=tok_ids, vocab_size=V, context_length=C, outbox=outbox)
     # a bad body raises RequestError naming the field (the engine's middleware answers 400 with it)
 
 Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control calls answer
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -59,17 +60,40 @@ def weight_version_field(v: Any, key: str) -> Optional[str]:
     raise RequestError(f"{key} must be a string, got {v!r:.80}")
 
 
-def deliverer(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[dict], None]:
-    """A request's ``deliver`` callback (called on the engine thread): sets ``fut`` on ``loop``."""
+class Outbox:
+    """Answers from the engine thread to the event loop. ``deliverer(fut)`` is a request's ``deliver`` callback
+    (called on the engine thread): it queues the answer; ``flush()`` (the engine thread, after each scheduler step)
+    hands every queued answer to the loop in ONE wake-up, which sets the futures. A wake-up is a self-pipe write
+    during which the HTTP thread takes the GIL and the engine thread waits for it back: one per step instead of one
+    per finished request.
 
-    def deliver(out: dict) -> None:
-        def _set() -> None:
-            if not fut.done():
-                fut.set_result(out)
+        outbox = Outbox(asyncio.get_running_loop())
+        req.deliver = outbox.deliverer(fut)   # ... the engine thread: req.deliver(answer); outbox.flush()
+    """
 
-        loop.call_soon_threadsafe(_set)
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Future, dict]] = []
 
-    return deliver
+    def deliverer(self, fut: asyncio.Future) -> Callable[[dict], None]:
+        def deliver(out: dict) -> None:
+            with self._lock:
+                self._items.append((fut, out))
+
+        return deliver
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        if items:
+            self.loop.call_soon_threadsafe(_set_results, items)
+
+
+def _set_results(items: list[tuple[asyncio.Future, dict]]) -> None:
+    for fut, out in items:
+        if not fut.done():
+            fut.set_result(out)
 
 
 def parse_prompts(body: dict, *, encode: Callable[[str], list[int]], vocab_size: int) -> tuple[list[list[int]], bool]:
@@ -142,7 +166,7 @@ def build_generate_requests(
     encode: Callable[[str], list[int]],
     vocab_size: int,
     context_length: int,
-    loop: asyncio.AbstractEventLoop,
+    outbox: Outbox,
 ) -> tuple[list[Request], list[asyncio.Future], bool]:
     """``/generate``'s body -> requests (one per prompt and sample), their futures, and whether it is a batch.
     Every field is checked here (type, range), so a bad body is a 400 naming the field and nothing reaches
@@ -173,9 +197,9 @@ def build_generate_requests(
         check_context(len(prompt), p.max_new_tokens, asked=asked, context_length=context_length)
         for k in range(p.n):
             base = rid_list[i] if rid_list[i] is not None else new_rid()
-            fut = loop.create_future()
+            fut = outbox.loop.create_future()
             rid = base if p.n == 1 else f"{base}_{k}"
-            deliver = deliverer(loop, fut)
+            deliver = outbox.deliverer(fut)
             reqs.append(
                 Request(
                     rid=rid,

@@ -165,3 +165,124 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
     h_last = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, 0, last_only=True)
     assert h_last.shape == (3, 64)
     assert torch.allclose(h_last, h[[0, 14, 20]], atol=1e-5)
+
+
+def test_decode_attention_matches_a_per_row_reference(tmp_path):
+    """The batched one-query attention (rows of different lengths, grouped-query heads, the additive -inf bias of
+    ``_plan``) equals softmax(q k^T) v computed row by row over each row's own keys; the cache beyond a row's length
+    holds garbage (a previous occupant's KV), which must not leak in."""
+    transformers = pytest.importorskip("transformers")
+    from asyncrl.rollout.cpu_model import KVPool, load_model
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    s = model.spec
+    nh, nkv, d = s.num_attention_heads, s.num_query_groups, s.head_dim
+    g = torch.Generator().manual_seed(0)
+    kv = KVPool(s, max_rows=6)
+    kc, vc = kv.k[0], kv.v[0]
+    kc.copy_(torch.randn(kc.shape, generator=g) * 3)
+    vc.copy_(torch.randn(vc.shape, generator=g))
+    past_B = torch.tensor([7, 0, 12, 3, 9])  # rows 1..5 of the pool (row0 = 1), each decoding one token
+    R = past_B.shape[0]
+    plan = model._plan(past_B, torch.ones(R, dtype=torch.long), kv, 1, False)
+    assert plan.num_decode == R and plan.dec_L == 13
+    q_RHd = torch.randn(R, nh, d, generator=g)
+    got = model._one_query(q_RHd, kc, vc, 1, plan.dec_L, plan.dec_bias)
+    want = torch.empty(R, nh, d)
+    for b in range(R):
+        n = int(past_B[b]) + 1  # the cached keys and the new token's own
+        for h in range(nh):
+            keys, vals = kc[1 + b, h // (nh // nkv), :n], vc[1 + b, h // (nh // nkv), :n]
+            want[b, h] = torch.softmax(q_RHd[b, h] @ keys.T, dim=-1) @ vals
+    assert got.shape == (R, nh * d)
+    assert torch.allclose(got, want.view(R, nh * d), atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_cache_matches_a_brute_force_lru():
+    """The head-indexed prefix cache gives what a scan of every entry gives: the longest common prefix (of at
+    least MIN_PREFIX_TOKENS tokens, capped at the limit), the least recently used of equal ones, the same LRU
+    evictions (by tokens and by entries), across inserts, hits, evictions and a clear."""
+    import collections
+    import random
+
+    from asyncrl.rollout.prefix_cache import MAX_PREFIX_ENTRIES, MIN_PREFIX_TOKENS, PrefixCache, common_prefix_len
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = tuple(rng.randrange(3) for _ in range(rng.randrange(12)))
+        b = tuple(rng.randrange(3) for _ in range(rng.randrange(12)))
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == want
+    cache, ref = PrefixCache(max_tokens=3000), collections.OrderedDict()
+    heads = [tuple(rng.randrange(50) for _ in range(MIN_PREFIX_TOKENS)) for _ in range(3)]
+    for step in range(3000):
+        toks = list(rng.choice(heads)) + [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        if rng.random() < 0.3:
+            toks[rng.randrange(len(toks))] = 99  # sometimes the head itself differs
+        if step == 2000:
+            cache.clear()
+            ref.clear()
+        if rng.random() < 0.5:
+            key = tuple(toks)
+            marker = torch.tensor([step])
+            cache.insert(key, marker, marker)
+            if MIN_PREFIX_TOKENS <= len(key) and key not in ref:
+                ref[key] = marker
+                while sum(map(len, ref)) > 3000 or len(ref) > MAX_PREFIX_ENTRIES:
+                    ref.popitem(last=False)
+        else:
+            limit = rng.randrange(len(toks) + 1)
+            best, best_key = 0, None
+            for key in ref:
+                lcp = common_prefix_len(key, tuple(toks[:limit]))
+                if lcp > best:
+                    best, best_key = lcp, key
+            if best < MIN_PREFIX_TOKENS:
+                best, best_key = 0, None
+            hit, kv = cache.lookup(toks, limit)
+            assert hit == best
+            if best_key is None:
+                assert kv is None
+            else:
+                assert kv[0] is ref[best_key]
+                ref.move_to_end(best_key)
+        assert list(cache.entries) == list(ref)
+        assert cache.tokens == sum(map(len, ref))
+
+
+def test_outbox_hands_a_steps_answers_over_in_one_wake_up():
+    """Answers delivered on another thread (the engine's) reach their futures only at ``flush``, all of them in one
+    ``call_soon_threadsafe`` (one wake-up of the loop), and a future already done (cancelled) is left alone."""
+    import asyncio
+    import threading
+
+    from asyncrl.rollout.engine_http import Outbox
+
+    loop = asyncio.new_event_loop()
+    try:
+        outbox = Outbox(loop)
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
+        futs = [loop.create_future() for _ in range(4)]
+        futs[3].cancel()
+        delivers = [outbox.deliverer(f) for f in futs]
+        t = threading.Thread(target=lambda: [d({"i": i}) for i, d in enumerate(delivers)])
+        t.start()
+        t.join()
+        assert not any(f.done() for f in futs[:3]) and wakeups == []
+        t = threading.Thread(target=outbox.flush)
+        t.start()
+        t.join()
+        got = loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futs[:3]), timeout=10))
+        assert got == [{"i": 0}, {"i": 1}, {"i": 2}] and futs[3].cancelled()
+        assert len(wakeups) == 1
+        outbox.flush()  # nothing queued: no wake-up
+        assert len(wakeups) == 1
+    finally:
+        loop.close()
