@@ -296,8 +296,7 @@ class AsyncWorkerConnection:
         self.welcome: Optional[Welcome] = None
         self._out = _Outbox()
         self._flush_task: Optional[asyncio.Task] = None
-        self._flush_waited = False
-        """A ``send_group`` caller waits on ``_flush_task`` (later callers of the same turn return at once)."""
+        self._flush_waited = False  # a send_group caller waits on _flush_task; later callers of the turn don't
 
     async def connect(self, *, timeout_s: float = 30.0) -> Welcome:
         await self.sock.send_multipart(_hello(self.worker_id, self.capacity))
@@ -447,14 +446,8 @@ class BrokerClient:
 
     def engine_figures(self, *, running_reqs: float, queue_reqs: float, gen_tokens_per_s: float) -> None:
         """The engines' latest ``/metrics`` summed over engines (``max_inflight_groups = "auto"`` uses them)."""
-        self._call(
-            P.ENGINE_FIGURES,
-            {
-                "running_reqs": float(running_reqs),
-                "queue_reqs": float(queue_reqs),
-                "gen_tokens_per_s": float(gen_tokens_per_s),
-            },
-        )
+        body = {"running_reqs": running_reqs, "queue_reqs": queue_reqs, "gen_tokens_per_s": gen_tokens_per_s}
+        self._call(P.ENGINE_FIGURES, {k: float(v) for k, v in body.items()})
 
     def batch_filtered(self, group_ids: list[int]) -> None:
         """The sample filter removed these groups of the last batch: the broker counts them as
