@@ -156,9 +156,15 @@ class Scheduler:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn(self))
+                out, err = fn(self), None
             except BaseException as e:  # handed to the caller, which reports it
-                fut.set_exception(e)
+                out, err = None, e
+            if self.after_step is not None:  # the answers of requests the call finished go out before its own
+                self.after_step()
+            if err is None:
+                fut.set_result(out)
+            else:
+                fut.set_exception(err)
 
     def step(self) -> None:
         """One scheduling step: ONE forward for the running requests' decode and the first chunk of admitted

@@ -389,7 +389,8 @@ class WeightSyncer:
                 "/update_weight_version", {"new_version": v, "abort_all_requests": False}, "update_weight_version"
             )
             unconfirmed = None  # the version call's answer is not read as a confirmation: check every engine
-        check_urls = self.urls if unconfirmed is None else [u for u in self.urls if u in set(unconfirmed)]
+        unconfirmed = None if unconfirmed is None else set(unconfirmed)
+        check_urls = self.urls if unconfirmed is None else [u for u in self.urls if u in unconfirmed]
         chains = [(u, [Call("/end_weight_update", {}, "end_weight_update")]) for u in self.urls]
         if self.pause_mode != "in_place" and not flushed:
             chains += [(u, [Call("/flush_cache", {}, "flush_cache")]) for u in self.urls]
