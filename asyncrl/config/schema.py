@@ -270,6 +270,9 @@ class LoggingConfig:
     """Miles ``--custom-eval-rollout-log-function-path``."""
 
 
+SFT_MATMUL_DTYPES = ("auto", "float32", "bfloat16")
+
+
 @dataclass(frozen=True)
 class PrepareConfig:
     """The embedded default's artefacts, made on first use and cached (``runs/tiny/...``)."""
@@ -302,9 +305,19 @@ class PrepareConfig:
     num_threads: int = 0
     """CPU threads of the warm start (0 = every core this process may use: the other ranks only
     wait for it)."""
+    sft_matmul_dtype: str = "auto"
+    """Precision of the warm start's matrix products: "float32", "bfloat16" (weights, optimizer,
+    attention, norms and the loss stay float32; products take bfloat16 inputs and accumulate in float32),
+    or "auto": bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16; measured
+    1.3-1.5x a step on an AMD EPYC, same losses to 0.01), else float32 (emulated bfloat16 is slower)."""
 
     def __post_init__(self):
         require(0 <= self.seed <= MAX_SEED, "prepare.seed", f"must be in [0, {MAX_SEED}], got {self.seed!r}")
+        require(
+            self.sft_matmul_dtype in SFT_MATMUL_DTYPES,
+            "prepare.sft_matmul_dtype",
+            f"must be one of {SFT_MATMUL_DTYPES}, got {self.sft_matmul_dtype!r}",
+        )
         non_negative(self.sft_steps, "prepare.sft_steps")
         non_negative(self.num_threads, "prepare.num_threads")
         positive(self.sft_lr, "prepare.sft_lr")

@@ -199,12 +199,36 @@ def _lr_at(step: int, *, lr: float, num_steps: int) -> float:
     return lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, num_steps)))
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16); elsewhere oneDNN emulates it,
+    slower than float32."""
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def matmul_dtype(setting: str) -> torch.dtype:
+    """``prepare.sft_matmul_dtype`` resolved: the dtype of the warm start's matrix products."""
+    if setting == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+
+
 def _batch_loss(
-    model, batch: list[tuple[list[int], list[int]]], prefix_P: torch.Tensor, *, pad: int, context_weight: float
+    model,
+    batch: list[tuple[list[int], list[int]]],
+    prefix_P: torch.Tensor,
+    *,
+    pad: int,
+    context_weight: float,
+    dtype: torch.dtype = torch.float32,
 ):
-    """The warm-start loss of one batch (``_weighted_nll``), its rows packed after the shared prefix ``prefix_P``."""
+    """The warm-start loss of one batch (``_weighted_nll``), its rows packed after the shared prefix ``prefix_P``.
+    ``dtype`` bfloat16: the decoder's linear layers take bfloat16 inputs (CPU autocast; attention, norms,
+    residuals, the LM head and the loss stay float32, as do the weights and the optimizer)."""
     rows_BS, gen_BS, valid_BS, seg_BS = _pack_rows(batch, prefix_P.shape[0], pad)
-    h_prefix, h_rows = model.hidden_states_shared_prefix(prefix_P, rows_BS, seg_BS)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        h_prefix, h_rows = model.hidden_states_shared_prefix(prefix_P, rows_BS, seg_BS)
+    h_prefix, h_rows = h_prefix.float(), h_rows.float()
     # position t predicts token t+1: the prefix's last position predicts each sequence's first token
     R = rows_BS.shape[0]
     pred_BSH = torch.cat((h_prefix[:, -1:].expand(R, -1, -1), h_rows[:, :-1]), dim=1)
@@ -224,7 +248,7 @@ def _batch_loss(
     )
 
 
-def _train(model, examples: list, prefix_P: torch.Tensor, p, *, pad: int) -> list[float]:
+def _train(model, examples: list, prefix_P: torch.Tensor, p, *, pad: int, dtype: torch.dtype) -> list[float]:
     """``p.sft_steps`` AdamW steps on length-grouped batches of ``examples``; the loss of each step."""
     # fused: one kernel per parameter instead of ~10 small ops each (same update)
     opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=0.0, fused=True)
@@ -237,7 +261,9 @@ def _train(model, examples: list, prefix_P: torch.Tensor, p, *, pad: int) -> lis
             batches = _length_grouped_batches(examples, p.sft_batch_size, rng)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, lr=p.sft_lr, num_steps=p.sft_steps)
-        loss = _batch_loss(model, batches.pop(), prefix_P, pad=pad, context_weight=p.sft_context_loss_weight)
+        loss = _batch_loss(
+            model, batches.pop(), prefix_P, pad=pad, context_weight=p.sft_context_loss_weight, dtype=dtype
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -270,20 +296,23 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     prefix_P = torch.tensor(examples[0][0][:P], dtype=torch.long)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(p.num_threads or len(os.sched_getaffinity(0)))
+    dtype = matmul_dtype(p.sft_matmul_dtype)
     log.info(
-        "prepare: warm start of %d steps on %d demos (shared prefix %d tokens, %d threads)",
+        "prepare: warm start of %d steps on %d demos (shared prefix %d tokens, %d threads, %s products)",
         p.sft_steps,
         len(examples),
         P,
         torch.get_num_threads(),
+        str(dtype).removeprefix("torch."),
     )
     try:
-        losses = _train(model, examples, prefix_P, p, pad=tok.eos_token_ids[0])
+        losses = _train(model, examples, prefix_P, p, pad=tok.eos_token_ids[0], dtype=dtype)
     finally:
         torch.set_num_threads(threads_before)
     model.save_pretrained(out_dir, copy_from=base_dir)
     stats = {
         "steps": p.sft_steps,
+        "matmul_dtype": str(dtype).removeprefix("torch."),
         "first_loss": losses[0] if losses else None,
         "last_loss": sum(losses[-10:]) / max(1, len(losses[-10:])) if losses else None,
     }
