@@ -27,6 +27,7 @@ TINY = ROOT / "configs" / "tiny.toml"
         ("actor.min_lr=1.0", "actor.min_lr"),
         ("runner.seed=-1", "runner.seed"),
         ("prepare.seed=-5", "prepare.seed"),
+        ('prepare.sft_matmul_dtype="float16"', "prepare.sft_matmul_dtype"),
         ("rollout.sampling.temperature=nan", "rollout.sampling.temperature"),
         ("rollout.sampling.temperature=inf", "rollout.sampling.temperature"),
         ("rollout.sampling.temperature=-0.5", "rollout.sampling.temperature"),
