@@ -382,12 +382,12 @@ def _finish(ctx, parts: LeaderParts, periodic, summary: dict, evaluator, engine_
     summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
     print_summary(cfg, summary, ctx.run_dir)
     parts.scraper.close()
+    parts.group.destroy()  # while the engines are up: the broker's shutdown stops the workers and their engines
     if broker_child is not None:
         broker_child.stopping = True  # its exit from here on is asked for (see fail_fast_on_exit)
     parts.broker.shutdown()
     parts.broker.close()
     parts.writer.close()
-    parts.group.destroy()
 
 
 def _make_evaluation(

@@ -89,6 +89,8 @@ def assert_eval_points_measured_their_step(tb: dict, steps: list[int]) -> None:
 
 def _assert_clean_exit(r, run_dir: Path):
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
+    # the weight-sync group is dropped on live engines (it was once destroyed after the shutdown had stopped them)
+    assert "destroy_weights_update_group" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
     assert_nothing_left(run_dir, within_s=60)  # a failure bound: children exit at once, a loaded machine is slow
 
 
