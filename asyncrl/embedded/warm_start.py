@@ -210,17 +210,8 @@ def _lr_at(step: int, *, lr: float, num_steps: int) -> float:
     return lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, num_steps)))
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16); elsewhere oneDNN emulates it,
-    slower than float32."""
-    caps = getattr(torch.cpu, "get_capabilities", dict)()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
-
-
 def matmul_dtype(setting: str) -> torch.dtype:
     """``prepare.sft_matmul_dtype`` resolved: the dtype of the warm start's matrix products."""
-    if setting == "auto":
-        return torch.bfloat16 if native_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
 
 

@@ -54,8 +54,8 @@ class _Attention(nn.Module):
     def forward(self, x, cos, sin, prefix_kv=None, kv_out=None, mask=None):
         """Causal self-attention; with ``prefix_kv`` (keys/values ``[1, nkv, P, d]`` of a prefix
         shared by every row) the rows also attend to that prefix. ``kv_out`` collects this call's
-        keys/values (for use as the next call's prefix). ``mask`` (``[B, 1, T, P + T]``, True =
-        attend) replaces the causal mask (packed rows: see ``hidden_states_shared_prefix``)."""
+        keys/values (for use as the next call's prefix). ``mask`` (``[B, 1, T, P + T]``, True or 0.0 =
+        attend, False or -inf = not) replaces the causal mask (packed rows: see ``hidden_states_shared_prefix``)."""
         B, T, _ = x.shape
         # one matmul for q, k and v (the HF parameters stay separate: same values, fewer passes over x)
         projs = (self.q_proj, self.k_proj, self.v_proj)
@@ -180,7 +180,10 @@ class TorchDecoder(nn.Module):
         run_BS = torch.cumsum(start_BS, dim=1)
         same_BSS = run_BS[:, :, None] == run_BS[:, None, :]
         own_BSS = same_BSS & torch.ones(S, S, dtype=torch.bool).tril()
-        mask = torch.cat((torch.ones(B, S, P, dtype=torch.bool), own_BSS), dim=2)[:, None]
+        allowed = torch.cat((torch.ones(B, S, P, dtype=torch.bool), own_BSS), dim=2)[:, None]
+        # as an additive float mask, built once for every layer: CPU SDPA turns a bool mask into one per call,
+        # and runs ~8% slower with it (measured, forward and backward); no row is all -inf (the prefix is open)
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         return h_prefix, self._run(ids_BS, offset=P, prefix_kvs=kvs, positions_BT=positions_BS, mask=mask)
 
     def _run(

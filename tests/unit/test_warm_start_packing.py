@@ -82,4 +82,3 @@ def test_bfloat16_products_match_float32(tmp_path):
         assert a.dtype == torch.float32
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
     assert ws.matmul_dtype("float32") == torch.float32 and ws.matmul_dtype("bfloat16") == torch.bfloat16
-    assert ws.matmul_dtype("auto") == (torch.bfloat16 if ws.native_bf16() else torch.float32)
