@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from asyncrl.actor.checkpoint import CheckpointManager
 from asyncrl.actor.trainer import Actor
+from asyncrl.broker.serve import freeze_setup_objects
 from asyncrl.runner.eval_fleet import FleetEval
 from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, engine_eval_metrics, select_backend
 from asyncrl.runner.guards import PREEMPT_SIGNAL, NonFiniteError, NonFiniteGuard, Preempted, Preemption
@@ -257,6 +258,7 @@ class Trainer:
         self.preempt.install()
         if self.recovery is not None:  # a sync that fails once a preemption signal arrived is abandoned
             self.recovery.abandon = lambda: self.preempt.requested
+        freeze_setup_objects()  # full collections then skip the set-up heap (torch, Megatron, the model)
         try:
             for step in range(start_step + 1, cfg.runner.max_steps + 1):
                 self._step(step)
