@@ -1,0 +1,102 @@
+"""The embedded default's first run, end to end: the README's first command (install excluded) on a fresh clone.
+
+Clones this repository's committed HEAD into a temporary directory (so nothing is cached: the synthetic data,
+the tokenizer, the tiny checkpoint and the 1200-step warm start are all made), runs the torchrun part of the
+README's first command there, and reports from the run's ``summary.json``:
+  * the wall time of the command (target <= 300 s on 2 idle cores, issue 16) and how much of it was preparing;
+  * the reward gain over the 60 RL steps (first 5 steps -> last 5, target >= +0.3) and the held-out accuracy
+    after training (target >= 0.45): the first run must still learn as much.
+Each figure is a ``*_ratio`` against its target (``wall_over_target_ratio``: wall / 300 s, <= 1). One run takes
+5-6 minutes on 2 cores and uses both, so ``--reps`` defaults to 1 (it is not part of the 2-minute ``--quick``
+set); run it alone on an idle machine.
+
+    python benchmarks/first_run.py --save          # ~6 min
+The last stdout line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import harness  # noqa: E402
+
+WALL_TARGET_S = 300.0
+REWARD_GAIN_TARGET = 0.3
+HELDOUT_TARGET = 0.45
+RUN_TIMEOUT_S = 3600.0
+
+
+def readme_command() -> str:
+    """The torchrun part of the README's first set-up command (the install before ``&&`` is left out)."""
+    for line in (REPO / "README.md").read_text().splitlines():
+        m = re.match(r"^pip install [^&]*&&\s*(torchrun .*)$", line)
+        if m:
+            return m.group(1).strip()
+    raise SystemExit("README.md: no 'pip install ... && torchrun ...' line (the first set-up command)")
+
+
+def one_run(cmd: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="first_run_") as d:
+        clone = Path(d) / "clone"
+        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=300)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        load_before = harness.loadavg()
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, shell=True, cwd=clone, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        wall = time.perf_counter() - t0
+        if r.returncode != 0:
+            sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
+            raise SystemExit(f"first run failed (exit {r.returncode})")
+        s = json.loads((clone / "runs/tiny/summary.json").read_text())
+        print(f"first run at {head}: {wall:.0f} s in all, {s['prepare_s']:.0f} s preparing", flush=True)
+        return {"commit": head, "wall_s": wall, "load_before": load_before, "load_after": harness.loadavg(), **s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=1, help="runs (each ~6 min on 2 cores; default 1)")
+    ap.add_argument("--save", action="store_true", help="also write benchmarks/baselines/first_run.json")
+    a = ap.parse_args(argv)
+    rep = harness.Report("first_run", argv)
+    cmd = readme_command()
+    runs = [one_run(cmd) for _ in range(a.reps)]
+    rep.ratio(
+        "wall_over_target_ratio",
+        [r["wall_s"] for r in runs],
+        [WALL_TARGET_S] * len(runs),
+        target=1.0,
+        at_least=False,
+        note=f"the README's first command's wall time / {WALL_TARGET_S:.0f} s (install excluded, fresh clone)",
+    )
+    rep.ratio(
+        "reward_gain_over_target_ratio",
+        [r["reward_gain"] for r in runs],
+        [REWARD_GAIN_TARGET] * len(runs),
+        target=1.0,
+        note=f"reward of the last 5 RL steps minus the first 5 / {REWARD_GAIN_TARGET}",
+    )
+    rep.ratio(
+        "heldout_over_target_ratio",
+        [r["test_accuracy_after"] for r in runs],
+        [HELDOUT_TARGET] * len(runs),
+        target=1.0,
+        note=f"held-out accuracy after training / {HELDOUT_TARGET}",
+    )
+    rep.emit({"readme_command": cmd, "first_runs": runs}, save=a.save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
