@@ -34,6 +34,11 @@ WALL_TARGET_S = 300.0
 REWARD_GAIN_TARGET = 0.3
 HELDOUT_TARGET = 0.45
 RUN_TIMEOUT_S = 3600.0
+CHECKS = (  # (ratio key, summary field, target, at least?, note): each figure / its target
+    ("wall_over_target_ratio", "wall_s", WALL_TARGET_S, False, "the README's first command's wall time / 300 s"),
+    ("reward_gain_over_target_ratio", "reward_gain", REWARD_GAIN_TARGET, True, "last 5 RL steps' reward - first 5's"),
+    ("heldout_over_target_ratio", "test_accuracy_after", HELDOUT_TARGET, True, "held-out accuracy after training"),
+)
 
 
 def readme_command() -> str:
@@ -72,28 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = harness.Report("first_run", argv)
     cmd = readme_command()
     runs = [one_run(cmd) for _ in range(a.reps)]
-    rep.ratio(
-        "wall_over_target_ratio",
-        [r["wall_s"] for r in runs],
-        [WALL_TARGET_S] * len(runs),
-        target=1.0,
-        at_least=False,
-        note=f"the README's first command's wall time / {WALL_TARGET_S:.0f} s (install excluded, fresh clone)",
-    )
-    rep.ratio(
-        "reward_gain_over_target_ratio",
-        [r["reward_gain"] for r in runs],
-        [REWARD_GAIN_TARGET] * len(runs),
-        target=1.0,
-        note=f"reward of the last 5 RL steps minus the first 5 / {REWARD_GAIN_TARGET}",
-    )
-    rep.ratio(
-        "heldout_over_target_ratio",
-        [r["test_accuracy_after"] for r in runs],
-        [HELDOUT_TARGET] * len(runs),
-        target=1.0,
-        note=f"held-out accuracy after training / {HELDOUT_TARGET}",
-    )
+    for key, field, target, at_least, note in CHECKS:
+        got = [r[field] for r in runs]
+        rep.ratio(key, got, [target] * len(runs), target=1.0, at_least=at_least, note=note)
     rep.emit({"readme_command": cmd, "first_runs": runs}, save=a.save)
     return 0
 
