@@ -121,14 +121,18 @@ def _assert_engines_match_trainer(env: Env) -> None:
 @dataclass
 class Traffic:
     """Client threads keeping requests in flight; ``turns`` sequential requests per thread, each
-    turn waiting while ``released`` is clear (workers holding new turns under drain)."""
+    turn waiting while ``released`` is clear (workers holding new turns under drain). A turn after the
+    first also waits for ``sync_started``: a new turn is one the workers hold once the sync began (without
+    it a fast engine could finish every first turn, and run the second, before the test's sync began)."""
 
     urls: list[str]
     per_engine: int
     turns: int = 1
     released: threading.Event = field(default_factory=threading.Event)
+    sync_started: threading.Event = field(default_factory=threading.Event)
     results: list = field(default_factory=list)
     errors: list = field(default_factory=list)
+    first_done: list = field(default_factory=list)
 
     def start(self) -> None:
         self.released.set()
@@ -143,6 +147,8 @@ class Traffic:
     def _run(self, url: str, i: int) -> None:
         try:
             for turn in range(self.turns):
+                if turn > 0:
+                    assert self.sync_started.wait(TIMEOUT_S), "the sync never started"
                 assert self.released.wait(TIMEOUT_S), "held too long"
                 out = post_json(
                     url,
@@ -157,12 +163,16 @@ class Traffic:
                     check_success=False,
                 )
                 self.results.append(out["meta_info"])
+                if turn == 0:
+                    self.first_done.append(i)
         except BaseException as e:  # noqa: BLE001 - re-raised by join()
             self.errors.append(e)
 
     def wait_running(self) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while min(engine_load(u, timeout_s=10) for u in self.urls) < 1:
+            if len(self.first_done) == len(self.threads):  # every first turn already ran (a fast engine)
+                return
             assert time.monotonic() < deadline, "traffic never reached the engines"
             time.sleep(0.01)
 
@@ -191,6 +201,7 @@ def test_sync_with_requests_in_flight(env: Env, mode: str):
         events.append(("begin", m))
         if m == "drain":
             traffic.released.clear()  # workers hold new turns
+        traffic.sync_started.set()  # after the hold: a second turn waits for both
 
     def end(v):
         events.append(("end", v))
