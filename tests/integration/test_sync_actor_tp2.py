@@ -54,11 +54,7 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
         if rank == 0:
             traffic = Traffic(urls, per_engine=3, turns=2 if mode == "drain" else 1)
 
-            def begin(m, traffic=traffic):
-                if m == "drain":
-                    traffic.released.clear()
-
-            hooks = SyncHooks(sync_begin=begin, sync_end=lambda v, traffic=traffic: traffic.released.set())
+            hooks = SyncHooks(sync_begin=traffic.on_sync_begin, sync_end=lambda v, t=traffic: t.released.set())
             syncer = WeightSyncer(group, pause_mode=mode, sync_cfg=sync_cfg, hooks=hooks)
             traffic.start()
             traffic.wait_running()

@@ -168,6 +168,13 @@ class Traffic:
         except BaseException as e:  # noqa: BLE001 - re-raised by join()
             self.errors.append(e)
 
+    def on_sync_begin(self, mode: str) -> None:
+        """The sync's ``sync_begin`` hook: under drain, hold new turns (a worker's hold); then let the turns
+        after the first go on to wait for ``released``."""
+        if mode == "drain":
+            self.released.clear()
+        self.sync_started.set()  # after the hold: a second turn waits for both
+
     def wait_running(self) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while min(engine_load(u, timeout_s=10) for u in self.urls) < 1:
@@ -199,9 +206,7 @@ def test_sync_with_requests_in_flight(env: Env, mode: str):
 
     def begin(m):
         events.append(("begin", m))
-        if m == "drain":
-            traffic.released.clear()  # workers hold new turns
-        traffic.sync_started.set()  # after the hold: a second turn waits for both
+        traffic.on_sync_begin(m)  # under drain, workers hold new turns
 
     def end(v):
         events.append(("end", v))
