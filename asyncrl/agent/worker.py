@@ -44,8 +44,8 @@ from asyncrl.agent.loop import AgentLoop, EngineHandle, TurnGate
 from asyncrl.agent.tasks import get_task
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import Retriever, RetrieverOutageError, make_retriever
-from asyncrl.broker.client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.broker.types import Group
+from asyncrl.broker.worker_client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.config.schema import Config
 from asyncrl.engine.client import SGLangClient
 from asyncrl.rollout.sglang_launcher import EngineSupervisor, HealthTracker

@@ -1,6 +1,6 @@
 """The broker's wire protocol: every message between the broker, the agent workers and the actor.
 
-Both ends import this module (the clients in ``client.py`` use it; so does ``server.py``).
+Both ends import this module (the clients in ``client.py`` and ``worker_client.py`` use it; so does ``server.py``).
 
 Framing: one ZeroMQ multipart message = ``[header, *frames]``. ``header`` is a msgpack map with ``"v"``
 (``PROTOCOL_VERSION``) and ``"t"`` (the type, below) plus the type's fields, and ``"k"``, the run secret

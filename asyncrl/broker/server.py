@@ -3,8 +3,8 @@
 Contract
 - Socket: the broker **binds** one ROUTER socket (``bind``, default ``tcp://127.0.0.1:0``: the OS
   picks the port; ``address`` is the resolved endpoint, published by ``__main__`` in an address file).
-  Agent workers and the actor **connect** DEALER sockets (``client.py``); workers set their ZMQ
-  identity to their worker id, so a reconnecting worker keeps its identity.
+  Agent workers and the actor **connect** DEALER sockets (``worker_client.py``, ``client.py``); workers set
+  their ZMQ identity to their worker id, so a reconnecting worker keeps its identity.
 - High-water marks are 0 (unlimited) on the ROUTER: what can queue is bounded by the admission
   limits (issues <= in-flight groups, at most one batch per actor request), so nothing is ever
   dropped by ZeroMQ. ``ROUTER_MANDATORY`` is on: a send to a peer that vanished raises, and that
@@ -81,6 +81,7 @@ class BrokerServer:
     ):
         self.core = core
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.shutdown_grace_s = max(2.0, 2 * heartbeat_interval_s)  # the shutdown's wait for byes (``_close``)
         self.tick_s = tick_s
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -173,8 +174,19 @@ class BrokerServer:
             )
 
     def _close(self) -> None:
-        for wid in list(self._worker_ident):
+        """Tell every worker to shut down; wait (``shutdown_grace_s``) for their byes, the proof it arrived: a message
+        still queued in ZeroMQ's thread when the process exits is lost, and the worker would keep its rank alive."""
+        told = list(self._worker_ident)
+        for wid in told:
             self._send_worker(wid, P.SHUTDOWN, {})
+        deadline = time.monotonic() + self.shutdown_grace_s
+        while any(w in self._worker_ident for w in told):  # a bye removes its worker (``_worker_gone``)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                break
+            self._handle(self.sock.recv_multipart(copy=False))
+        silent = ", ".join(w for w in told if w in self._worker_ident)
+        (log.warning if silent else log.info)("broker: shut down: %d workers told, no bye from [%s]", len(told), silent)
         self.sock.close(linger=1000)
 
     # ----------------------------------------------------------------- sending
@@ -324,6 +336,8 @@ class BrokerServer:
             if msg.type != P.BYE:
                 self.stats["unknown_worker"] += 1
                 self._send(ident, P.REHELLO, {})
+        elif msg.type == P.BYE and self._stop:  # the answer to the shutdown (``_close``): the core is done
+            self._worker_ident.pop(wid, None)
         elif msg.type == P.BYE:
             self._worker_gone(wid, "said bye")
         elif not self.core.heartbeat(wid):  # the core forgot it (cannot happen while the maps agree)

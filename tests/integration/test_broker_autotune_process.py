@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.broker.client import Assignment, BrokerClient, WorkerConnection
+from asyncrl.broker.client import BrokerClient
 from asyncrl.broker.types import Trajectory
+from asyncrl.broker.worker_client import Assignment, WorkerConnection
 from asyncrl.runner.broker_process import start_broker
 
 

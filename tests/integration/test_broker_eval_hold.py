@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.broker.client import Assignment, BrokerClient, Control, WorkerConnection
+from asyncrl.broker.client import BrokerClient
 from asyncrl.broker.types import Trajectory
+from asyncrl.broker.worker_client import Assignment, Control, WorkerConnection
 from asyncrl.runner.broker_process import start_broker
 
 

@@ -25,8 +25,9 @@ REPO = str(Path(__file__).resolve().parents[2])
 sys.path.insert(0, REPO)
 
 from asyncrl.broker import protocol as P  # noqa: E402
-from asyncrl.broker.client import Assignment, BrokerClient, Cancel, Control, Shutdown, WorkerConnection  # noqa: E402
+from asyncrl.broker.client import BrokerClient  # noqa: E402
 from asyncrl.broker.types import Trajectory  # noqa: E402
+from asyncrl.broker.worker_client import Assignment, Cancel, Control, Shutdown, WorkerConnection  # noqa: E402
 from asyncrl.runner.broker_process import start_broker  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def _worker_main(address: str, worker_id: str, mode: str) -> int:
     while time.monotonic() < deadline:
         for ev in conn.poll(0.05):
             if isinstance(ev, Shutdown):
-                conn.close(say_bye=False)
+                conn.close()  # its bye tells the broker the shutdown arrived (the broker waits for it)
                 return 0
             if isinstance(ev, Control):
                 version = ev.version

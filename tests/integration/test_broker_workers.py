@@ -1,10 +1,13 @@
 """Worker-side clients against the real broker process: the asyncio connection (drain hold, version),
-and a worker that goes silent, is declared dead, re-registers on ``rehello`` and gets new groups."""
+a worker that goes silent, is declared dead, re-registers on ``rehello`` and gets new groups, the shutdown's
+wait for the workers' byes, and a worker whose broker process is killed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -12,14 +15,16 @@ from pathlib import Path
 import pytest
 
 from asyncrl.broker import protocol as P
-from asyncrl.broker.client import (
+from asyncrl.broker.client import BrokerClient
+from asyncrl.broker.types import Trajectory
+from asyncrl.broker.worker_client import (
     Assignment,
     AsyncWorkerConnection,
-    BrokerClient,
+    BrokerLost,
     Control,
+    Shutdown,
     WorkerConnection,
 )
-from asyncrl.broker.types import Trajectory
 from asyncrl.runner.broker_process import start_broker
 
 
@@ -211,4 +216,85 @@ def test_finished_groups_travel_together_sync_and_async(tmp_path):
         assert broker.proc.wait(timeout=20) == 0
     finally:
         client.close()
+        broker.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)  # a failure bound, generous for a loaded machine
+def test_broker_shutdown_waits_for_the_workers_byes_and_names_a_silent_one(tmp_path):
+    """The broker stops only once each worker it told to shut down said bye (the proof the message arrived: one
+    still queued in ZeroMQ's thread when the process exits is lost, and that worker's rank never ends); a worker
+    that never answers is named, and the broker still stops, after ``shutdown_grace_s``."""
+    cfg, prompts = _inputs(tmp_path, "")
+    log_path = tmp_path / "broker.log"
+    broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(log_path))
+    client = BrokerClient(broker.address, timeout_s=20)
+    mute = WorkerConnection(broker.address, worker_id="mute", capacity=2, heartbeat_interval_s=1.0)
+    joined = threading.Event()
+
+    async def polite() -> bool:
+        conn = AsyncWorkerConnection(broker.address, worker_id="polite", capacity=2, heartbeat_interval_s=1.0)
+        await conn.connect(timeout_s=20)
+        joined.set()
+        deadline = time.monotonic() + 60
+        while not isinstance(await conn.recv(timeout_s=0.1), Shutdown):
+            assert time.monotonic() < deadline, "the shutdown never reached the worker"
+        alive = broker.proc.poll() is None  # the broker waits for this worker's bye (and the mute one's)
+        await conn.close()  # says bye
+        return alive
+
+    try:
+        mute.connect(timeout_s=20)  # then never reads again: it cannot answer the shutdown
+        result: list[bool] = []
+        worker = threading.Thread(target=lambda: result.append(asyncio.run(polite())), daemon=True)
+        worker.start()
+        assert joined.wait(30), "the polite worker did not connect"
+        deadline = time.monotonic() + 20
+        while len(client.status()["workers"]) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client.shutdown()
+        worker.join(timeout=60)
+        assert result, "the polite worker failed (see the log above)"
+        alive = result[0]
+        assert alive, "the broker exited before the worker it told to shut down said bye"
+        assert broker.proc.wait(timeout=30) == 0
+        text = log_path.read_text()
+        assert "shut down: 2 workers told, no bye from [mute]" in text, text[-2000:]
+        assert "left with" not in text and "gone (said bye)" not in text, text[-2000:]  # a bye here is no loss
+    finally:
+        mute.close(say_bye=False)
+        client.close()
+        broker.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)  # a failure bound, generous for a loaded machine
+def test_async_worker_stops_naming_the_broker_once_its_process_is_killed(tmp_path):
+    """A broker that dies (SIGKILL: no ``shutdown`` ever comes) ends the worker's wait: once its connection has
+    stayed closed ``broker_lost_after_s``, ``recv`` raises ``BrokerLost`` naming the broker and the worker."""
+    cfg, prompts = _inputs(tmp_path, "")
+    broker = start_broker(cfg, [], prompts_path=prompts, log_path=str(tmp_path / "broker.log"))
+
+    async def serve() -> tuple[str, float]:
+        conn = AsyncWorkerConnection(broker.address, worker_id="orphan", capacity=2, heartbeat_interval_s=0.2)
+        await conn.connect(timeout_s=20)
+        for _ in range(5):  # alive and talking: no BrokerLost
+            await conn.recv(timeout_s=0.1)
+        os.kill(broker.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            while time.monotonic() - killed < 60:
+                await conn.recv(timeout_s=0.2)
+        except BrokerLost as e:
+            return str(e), time.monotonic() - killed
+        finally:
+            await conn.close(say_bye=False)
+        raise AssertionError("the worker never noticed its broker was killed")
+
+    try:
+        message, after_s = asyncio.run(serve())
+        assert broker.address in message and "'orphan'" in message, message
+        assert after_s >= 5.0, after_s  # not before broker_lost_after_s (a reconnect may still come)
+    finally:
         broker.stop()
