@@ -215,11 +215,20 @@ _FAIL_FAST_GRACE_S = 3.0
 
 
 def _fail_fast(message: str, grace_s: float, code: int = 1) -> None:
-    sys.stderr.write(f"asyncrl: {message}\n")
-    sys.stderr.flush()
-    log.error(message)
-    stop_all(min(grace_s, _FAIL_FAST_GRACE_S))
-    os._exit(code)
+    """Stop the children and exit, whatever happens on the way: the console may have died with the parent (a
+    write to its closed pipe raises ``BrokenPipeError``, which once killed the watchdog thread and left the rank
+    and its engine running as orphans)."""
+    try:
+        sys.stderr.write(f"asyncrl: {message}\n")
+        sys.stderr.flush()
+        log.error(message)
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            stop_all(min(grace_s, _FAIL_FAST_GRACE_S))
+        finally:
+            os._exit(code)
 
 
 def fail_fast_on_exit(

@@ -88,6 +88,16 @@ _PARENT_DIES = textwrap.dedent("""
     time.sleep(600)
 """)
 
+_PARENT_DIES_WITH_THE_PIPES = textwrap.dedent("""
+    import subprocess, sys, time
+    rank = subprocess.Popen(
+        [sys.executable, "-c", sys.argv[2], sys.argv[1]], start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # only this process reads the rank's console
+    )
+    print(rank.pid, flush=True)
+    time.sleep(600)
+""")
+
 _RANK = textwrap.dedent("""
     import sys, time
     from asyncrl.cluster import process
@@ -111,11 +121,13 @@ def test_vital_child_death_fails_the_parent_fast(tmp_path):
     assert time.monotonic() - t0 < 30  # not the 60 s sleep
 
 
-def test_sigkilled_parent_takes_the_rank_and_its_children(tmp_path):
+@pytest.mark.parametrize("agent", [_PARENT_DIES, _PARENT_DIES_WITH_THE_PIPES], ids=["console", "piped"])
+def test_sigkilled_parent_takes_the_rank_and_its_children(tmp_path, agent):
     """The shape of torchrun: the agent starts a rank in its own session; SIGKILL the agent and the rank (which
-    watches its parent) stops its child and exits."""
+    watches its parent) stops its child and exits. ``piped``: the rank's stdout/stderr are pipes only the agent
+    read, so the rank's last words hit a closed pipe (once that killed the watchdog thread: the rank lived on)."""
     agent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT_DIES, str(tmp_path), _RANK], env=_env(), stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", agent, str(tmp_path), _RANK], env=_env(), stdout=subprocess.PIPE, text=True
     )
     try:
         rank = int(agent.stdout.readline())
