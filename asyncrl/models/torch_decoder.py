@@ -51,23 +51,51 @@ class _Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None, mask=None):
-        """Causal self-attention; with ``prefix_kv`` (keys/values ``[1, nkv, P, d]`` of a prefix
-        shared by every row) the rows also attend to that prefix. ``kv_out`` collects this call's
-        keys/values (for use as the next call's prefix). ``mask`` (``[B, 1, T, P + T]``, True or 0.0 =
-        attend, False or -inf = not) replaces the causal mask (packed rows: see ``hidden_states_shared_prefix``)."""
-        B, T, _ = x.shape
+    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
+        """Causal self-attention of ``x`` ``[B, T, H]`` (``cos``/``sin`` ``[1, T, 1, d]``); with ``prefix_kv``
+        (keys/values ``[1, nkv, P, d]`` of a prefix shared by every row) the rows also attend to that prefix.
+        ``kv_out`` collects this call's keys/values (for use as the next call's prefix)."""
+        q, k, v = self._rotated(x, cos, sin)
+        return self.o_proj(self._attend(q, k, v, prefix_kv, kv_out))
+
+    def forward_buckets(self, x_NH, buckets, prefix_kv):
+        """Attention of rows laid out flat: ``x_NH`` is the buckets' ``[B, S]`` rows back to back (``_Buckets``:
+        their rotary angles ``[N, 1, d]`` and masks); each bucket attends on its own."""
+        q, k, v = self._rotated(x_NH, buckets.cos, buckets.sin)
+        outs = [
+            self._attend(
+                q_b.view(B, S, self.nh, self.d),
+                k_b.view(B, S, self.nkv, self.d),
+                v_b.view(B, S, self.nkv, self.d),
+                prefix_kv,
+                None,
+                mask,
+            ).view(B * S, -1)
+            for (B, S), mask, q_b, k_b, v_b in zip(
+                buckets.shapes, buckets.masks, q.split(buckets.sizes), k.split(buckets.sizes), v.split(buckets.sizes)
+            )
+        ]
+        return self.o_proj(torch.cat(outs))
+
+    def _rotated(self, x, cos, sin):
+        """``x`` ``[..., H]`` -> q ``[..., nh, d]``, k and v ``[..., nkv, d]``, q and k normed (Qwen3) and rotated."""
         # one matmul for q, k and v (the HF parameters stay separate: same values, fewer passes over x)
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = torch.cat([m.bias for m in projs]) if self.q_proj.bias is not None else None
         qkv = F.linear(x, torch.cat([m.weight for m in projs]), bias)
-        q, k, v = qkv.split((self.nh * self.d, self.nkv * self.d, self.nkv * self.d), dim=-1)
-        q = q.view(B, T, self.nh, self.d).transpose(1, 2)
-        k = k.view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = v.view(B, T, self.nkv, self.d).transpose(1, 2)
+        qk, v = qkv.split(((self.nh + self.nkv) * self.d, self.nkv * self.d), dim=-1)
+        qk = qk.unflatten(-1, (self.nh + self.nkv, self.d))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = qk.split((self.nh, self.nkv), dim=-2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
+        q, k = _rope(qk, cos, sin).split((self.nh, self.nkv), dim=-2)  # q and k rotated in one pass
+        return q, k, v.unflatten(-1, (self.nkv, self.d))
+
+    def _attend(self, q, k, v, prefix_kv, kv_out, mask=None):
+        """``q`` ``[B, T, nh, d]``, ``k``/``v`` ``[B, T, nkv, d]`` -> attention output ``[B, T, nh d]``. ``mask``
+        (``[T, P + T]``, 0.0 = attend, -inf = not) replaces the prefix's causal mask."""
+        B, T = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_out is not None:
             kv_out.append((k, v))
         gqa = self.nh != self.nkv
@@ -80,7 +108,7 @@ class _Attention(nn.Module):
             v = torch.cat((pv.expand(B, -1, -1, -1), v), dim=2)
             allowed = torch.ones(T, P + T, dtype=torch.bool).tril(P) if mask is None else mask
             out = _attention_fp32(q, k, v, attn_mask=allowed, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
+        return out.transpose(1, 2).reshape(B, T, self.nh * self.d)
 
 
 def _attention_fp32(q, k, v, **kw):
@@ -94,6 +122,30 @@ def _attention_fp32(q, k, v, **kw):
 def _rope(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin ``[*positions.shape, 1, d]`` (broadcast over heads) of integer ``positions``."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos()[..., None, :], emb.sin()[..., None, :]
+
+
+class _Buckets:
+    """The per-bucket inputs of ``TorchDecoder.hidden_states_buckets``, made once for every layer: each bucket's
+    shape ``(B, S)`` and token count, the rotary angles of every token (``[N, 1, d]``, positions ``P .. P + S - 1``
+    in each row) and each bucket's additive mask ``[S, P + S]``
+    (the prefix open, causal after it; float, because CPU SDPA turns a bool mask into one per call and runs
+    ~8% slower with it, measured)."""
+
+    def __init__(self, inv_freq: torch.Tensor, P: int, shapes: list[tuple[int, int]]):
+        self.shapes = shapes
+        self.sizes = [B * S for B, S in shapes]
+        self.cos, self.sin = _angles(inv_freq, torch.cat([torch.arange(P, P + S).repeat(B) for B, S in shapes]))
+        self.masks = []
+        for _, S in shapes:
+            allowed = torch.ones(S, P + S, dtype=torch.bool).tril(P)
+            self.masks.append(torch.zeros(S, P + S).masked_fill_(~allowed, float("-inf")))
 
 
 class _MLP(nn.Module):
@@ -117,9 +169,13 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = _MLP(s)
 
-    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, prefix_kv, kv_out, mask)
+    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, prefix_kv, kv_out)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_buckets(self, x_NH, buckets, prefix_kv):
+        x_NH = x_NH + self.self_attn.forward_buckets(self.input_layernorm(x_NH), buckets, prefix_kv)
+        return x_NH + self.mlp(self.post_attention_layernorm(x_NH))
 
 
 class _Body(nn.Module):
@@ -155,36 +211,31 @@ class TorchDecoder(nn.Module):
         return self._run(ids_BT, offset=0)
 
     def hidden_states_shared_prefix(
-        self, prefix_P: torch.Tensor, ids_BS: torch.Tensor, segments_BS: torch.Tensor | None = None
+        self, prefix_P: torch.Tensor, ids_BS: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of rows ``prefix + ids_BS[b]`` with the common prefix computed once:
         ``([1, P, H] of the prefix, [B, S, H] of the rows' own tokens)``. Equal to
-        ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once.
+        ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once."""
+        kvs: list = []
+        h_prefix = self._run(prefix_P[None], offset=0, kv_out=kvs)
+        return h_prefix, self._run(ids_BS, offset=prefix_P.shape[0], prefix_kvs=kvs)
 
-        ``segments_BS`` (int, ``>= 0``) packs several sequences per row: each maximal run of one
-        segment id is a sequence ``prefix + run`` of its own (positions restart after the prefix,
-        attention stays inside the run and the prefix), so short sequences share a row instead of
-        being padded to the longest. Equal to running each sequence alone."""
+    def hidden_states_buckets(
+        self, prefix_P: torch.Tensor, buckets_BS: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden_states_shared_prefix`` of several buckets of rows at once: ``([1, P, H] of the prefix,
+        [N, H])``, ``N`` the buckets' tokens back to back (bucket by bucket, each ``[B, S]`` row-major). The
+        linear layers, norms and MLPs run once over all ``N`` tokens; attention runs per bucket, so rows of
+        different lengths each pay only for their bucket's width. Rows are right-padded: a row's real tokens
+        never see its padding (causal), so each row equals running ``prefix + row`` alone."""
         kvs: list = []
         P = prefix_P.shape[0]
         h_prefix = self._run(prefix_P[None], offset=0, kv_out=kvs)
-        if segments_BS is None:
-            return h_prefix, self._run(ids_BS, offset=P, prefix_kvs=kvs)
-        B, S = ids_BS.shape
-        start_BS = torch.ones(B, S, dtype=torch.bool)
-        start_BS[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
-        idx_S = torch.arange(S)
-        # position of each token inside its run: its index minus the index of its run's first token
-        first_BS = torch.cummax(torch.where(start_BS, idx_S, 0), dim=1).values
-        positions_BS = P + idx_S - first_BS
-        run_BS = torch.cumsum(start_BS, dim=1)
-        same_BSS = run_BS[:, :, None] == run_BS[:, None, :]
-        own_BSS = same_BSS & torch.ones(S, S, dtype=torch.bool).tril()
-        allowed = torch.cat((torch.ones(B, S, P, dtype=torch.bool), own_BSS), dim=2)[:, None]
-        # as an additive float mask, built once for every layer: CPU SDPA turns a bool mask into one per call,
-        # and runs ~8% slower with it (measured, forward and backward); no row is all -inf (the prefix is open)
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        return h_prefix, self._run(ids_BS, offset=P, prefix_kvs=kvs, positions_BT=positions_BS, mask=mask)
+        buckets = _Buckets(self.inv_freq, P, [tuple(b.shape) for b in buckets_BS])
+        x = self.model.embed_tokens(torch.cat([b.reshape(-1) for b in buckets_BS]))
+        for layer, kv in zip(self.model.layers, kvs):
+            x = layer.forward_buckets(x, buckets, kv)
+        return h_prefix, self.model.norm(x)
 
     def _run(
         self,
@@ -193,21 +244,11 @@ class TorchDecoder(nn.Module):
         offset: int,
         kv_out: list | None = None,
         prefix_kvs: list | None = None,
-        positions_BT: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        T = ids_BT.shape[1]
-        if positions_BT is None:
-            freqs = torch.arange(offset, offset + T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        else:
-            freqs = positions_BT.to(torch.float32)[..., None] * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        cos, sin = _angles(self.inv_freq, torch.arange(offset, offset + ids_BT.shape[1]))
         x = self.model.embed_tokens(ids_BT)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, prefix_kvs[i] if prefix_kvs is not None else None, kv_out, mask)
+            x = layer(x, cos, sin, prefix_kvs[i] if prefix_kvs is not None else None, kv_out)
         return self.model.norm(x)
 
     @classmethod

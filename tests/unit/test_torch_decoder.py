@@ -76,19 +76,38 @@ def test_shared_prefix_equals_full_rows_values_and_gradients(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_packed_rows_equal_each_sequence_alone(tmp_path, arch):
-    """Sequences packed into one row (``segments_BS``) see only the prefix and themselves, with
-    positions restarting after the prefix: their hidden states equal running each alone."""
+def test_buckets_equal_each_sequence_alone(tmp_path, arch):
+    """Buckets of right-padded rows (``hidden_states_buckets``: linear layers over all tokens at once,
+    attention per bucket) give each sequence the hidden states and gradients of running ``prefix + sequence``
+    alone: positions follow the prefix, padding is never seen by a real token."""
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5, num_hidden_layers=2)
     model = TorchDecoder.from_pretrained(path)
     V = model.config["vocab_size"]
     torch.manual_seed(1)
-    prefix, a, b, c = (torch.randint(0, V, (n,)) for n in (6, 4, 3, 5))
-    packed = torch.stack(
-        (torch.cat((a, b, torch.zeros(2, dtype=torch.long))), torch.cat((c, torch.zeros(4, dtype=torch.long))))
-    )
-    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2], [3, 3, 3, 3, 3, 4, 4, 4, 4]])
-    _, h_packed = model.hidden_states_shared_prefix(prefix, packed, segments)
-    for row, lo, seq in ((0, 0, a), (0, 4, b), (1, 0, c)):
-        h_alone = model.hidden_states(torch.cat((prefix, seq))[None])[0, 6:]
-        assert_close_to_scale(h_packed[row, lo : lo + len(seq)], h_alone, rel=HIDDEN_REL)
+    prefix = torch.randint(0, V, (6,))
+    seqs = [torch.randint(1, V, (n,)) for n in (4, 3, 9, 7, 5)]
+    layout = [[0, 1], [2, 3, 4]]  # bucket -> its sequences; rows padded to the bucket's longest with token 0
+    buckets = []
+    for members in layout:
+        S = max(len(seqs[i]) for i in members)
+        rows = torch.zeros(len(members), S, dtype=torch.long)
+        for r, i in enumerate(members):
+            rows[r, : len(seqs[i])] = seqs[i]
+        buckets.append(rows)
+    h_prefix, h_NH = model.hidden_states_buckets(prefix, buckets)
+    assert h_NH.shape == (sum(b.numel() for b in buckets), h_prefix.shape[-1])
+    at, picked, alone = 0, [], []
+    for members, rows in zip(layout, buckets):
+        S = rows.shape[1]
+        for r, i in enumerate(members):
+            picked.append(h_NH[at + r * S : at + r * S + len(seqs[i])])
+            alone.append(model.hidden_states(torch.cat((prefix, seqs[i]))[None])[0, 6:])
+        at += rows.numel()
+    assert_close_to_scale(h_prefix[0], model.hidden_states(prefix[None])[0], rel=HIDDEN_REL)
+    for a, b in zip(picked, alone, strict=True):
+        assert_close_to_scale(a, b, rel=HIDDEN_REL)
+    params = list(model.model.parameters())
+    g_buckets = torch.autograd.grad(sum((h**3).sum() for h in picked), params)
+    g_alone = torch.autograd.grad(sum((h**3).sum() for h in alone), params)
+    for a, b in zip(g_buckets, g_alone, strict=True):
+        assert_close_to_scale(a, b, rel=GRAD_REL)

@@ -1,5 +1,5 @@
-"""The warm start's packed batches give the loss and gradients of the padded layout; its bfloat16 products
-give the float32 loss and gradients to bfloat16's precision."""
+"""The warm start's bucketed batches give the loss and gradients of one padded row per sequence; its bfloat16
+products give the float32 loss and gradients to bfloat16's precision."""
 
 import random
 
@@ -10,24 +10,18 @@ from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
 
 
-def _loss_and_grads(model, batch, prefix, P, *, packed, grid=(1, 1)):
-    if packed:
-        rows, gen, valid, seg = ws._pack_rows(batch, P, 0, grid=grid)
-    else:
-        (rows, gen, valid), seg = ws._pad_rows(batch, P, 0), None
-    h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows, seg)
+def _padded_loss_and_grads(model, batch, prefix, P):
+    """The reference: every sequence in its own row of one padded batch, run whole."""
+    rows, gen, valid = ws._pad_rows(batch, P, 0)
+    h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows)
     pred = torch.cat((h_prefix[:, -1:].expand(rows.shape[0], -1, -1), h_rows[:, :-1]), dim=1)
-    if packed:
-        starts = torch.ones_like(seg, dtype=torch.bool)
-        starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
-        pred = torch.where(starts[..., None], h_prefix[:, -1:], pred)
     loss = ws._weighted_nll(
-        model, pred, rows, gen, valid, h_prefix[0, :-1], prefix[1:], rows=len(batch), context_weight=0.3
+        model, pred[valid], rows[valid], gen[valid], h_prefix[0, :-1], prefix[1:], rows=len(batch), context_weight=0.3
     )
     return loss, torch.autograd.grad(loss, list(model.parameters()))
 
 
-def test_packed_rows_equal_padded_rows(tmp_path):
+def test_bucketed_rows_equal_padded_rows(tmp_path):
     model = TorchDecoder.from_pretrained(
         make_tiny_checkpoint(tmp_path / "m", arch="qwen2", seed=2, num_hidden_layers=2)
     )
@@ -35,29 +29,31 @@ def test_packed_rows_equal_padded_rows(tmp_path):
     P, V = 9, model.config["vocab_size"]
     prefix_ids = [rng.randrange(1, V) for _ in range(P)]
     batch = []
-    for _ in range(12):
+    for _ in range(ws.ROWS_PER_BUCKET + 5):  # two buckets, the second not full
         n = rng.choice((3, 5, 8, 20))
         batch.append(
             (prefix_ids + [rng.randrange(1, V) for _ in range(n)], [0] * P + [rng.randrange(2) for _ in range(n)])
         )
-    ids, _, valid, _ = ws._pack_rows(batch, P, 0)
-    assert ids.shape[0] < len(batch) and int(valid.sum()) == sum(len(i) - P for i, _ in batch)
     prefix = torch.tensor(prefix_ids)
-    loss_pad, g_pad = _loss_and_grads(model, batch, prefix, P, packed=False)
-    for grid in ((1, 1), (4, 32)):  # on the bfloat16 shape grid too (empty rows, more padding)
-        if grid != (1, 1):
-            ids, _, valid, _ = ws._pack_rows(batch, P, 0, grid=grid)
-            assert ids.shape[0] % 4 == 0 and ids.shape[1] % 32 == 0
-            assert int(valid.sum()) == sum(len(i) - P for i, _ in batch)
-        loss_pack, g_pack = _loss_and_grads(model, batch, prefix, P, packed=True, grid=grid)
-        assert abs(loss_pad.item() - loss_pack.item()) <= 1e-5 * abs(loss_pad.item())
-        for a, b in zip(g_pack, g_pad, strict=True):
-            assert (a - b).abs().max() <= 2e-5 * b.abs().max()
+    loss_pad, g_pad = _padded_loss_and_grads(model, batch, prefix, P)
+    useful = sum(len(i) - P for i, _ in batch)
+    for grid in ((1, 1), ws.SHAPE_GRID):  # the bfloat16 shape grid adds empty rows and padding, no token
+        buckets, gen, valid, start = ws._bucket_rows(batch, P, 0, grid=grid)
+        assert len(buckets) == 2 and int(valid.sum()) == useful
+        assert int(start.sum()) == sum(b.shape[0] for b in buckets)
+        assert all(b.shape[0] % grid[0] == 0 and b.shape[1] % grid[1] == 0 for b in buckets)
+    # sorted by length: the first bucket holds the shortest sequences, padded only to their own longest
+    assert ws._bucket_rows(batch, P, 0)[0][0].shape[1] == sorted(len(i) - P for i, _ in batch)[ws.ROWS_PER_BUCKET - 1]
+    loss = ws._batch_loss(model, batch, prefix, pad=0, context_weight=0.3)
+    g = torch.autograd.grad(loss, list(model.parameters()))
+    assert abs(loss_pad.item() - loss.item()) <= 1e-5 * abs(loss_pad.item())
+    for a, b in zip(g, g_pad, strict=True):
+        assert (a - b).abs().max() <= 2e-5 * b.abs().max()
 
 
 def test_bfloat16_products_match_float32(tmp_path):
     """``prepare.sft_matmul_dtype = "bfloat16"``: the same loss to 1% and gradients pointing the same way
-    (cosine > 0.99 per parameter) as float32 on a batch of the packed layout; the weights stay float32."""
+    (cosine > 0.99 per parameter) as float32 on a bucketed batch; the weights stay float32."""
     model = TorchDecoder.from_pretrained(
         make_tiny_checkpoint(tmp_path / "m", arch="qwen2", seed=3, num_hidden_layers=2)
     )
