@@ -3,7 +3,9 @@
 Clones this repository's committed HEAD into a temporary directory (so nothing is cached: the synthetic data,
 the tokenizer, the tiny checkpoint and the 1200-step warm start are all made), runs the torchrun part of the
 README's first command there, and reports from the run's ``summary.json``:
-  * the wall time of the command (target <= 300 s on 2 idle cores, issue 16) and how much of it was preparing;
+  * the wall time of the command (target <= 300 s on 2 idle cores, issue 16), how much of it was preparing, and
+    the warm start's seconds per step (the machine's speed: on the same 2-core VM it ranged 0.22-0.29 s/step
+    within one afternoon, 2026-12-03, which moves the wall time by over a minute);
   * the reward gain over the 60 RL steps (first 5 steps -> last 5, target >= +0.3) and the held-out accuracy
     after training (target >= 0.45): the first run must still learn as much.
 Each figure is a ``*_ratio`` against its target (``wall_over_target_ratio``: wall / 300 s, <= 1). One run takes
@@ -65,8 +67,20 @@ def one_run(cmd: str) -> dict:
             sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
             raise SystemExit(f"first run failed (exit {r.returncode})")
         s = json.loads((clone / "runs/tiny/summary.json").read_text())
-        print(f"first run at {head}: {wall:.0f} s in all, {s['prepare_s']:.0f} s preparing", flush=True)
-        return {"commit": head, "wall_s": wall, "load_before": load_before, "load_after": harness.loadavg(), **s}
+        ws = json.loads((clone / "runs/tiny/model_sft/warm_start.json").read_text())
+        print(
+            f"first run at {head}: {wall:.0f} s in all, {s['prepare_s']:.0f} s preparing "
+            f"(warm start {ws['steps']} steps at {ws['s_per_step']:.3f} s/step)",
+            flush=True,
+        )
+        return {
+            "commit": head,
+            "wall_s": wall,
+            "load_before": load_before,
+            "load_after": harness.loadavg(),
+            **s,
+            "warm_start": ws,
+        }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -266,7 +266,7 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     log.info("prepare: %d demonstrations built in %.1fs", len(examples), time.time() - t_build)
     model = TorchDecoder.from_pretrained(base_dir)
     # Every demo starts with the same prompt template: its tokens are run once per batch, not per
-    # row (hidden_states_shared_prefix), which halves the cost of a step. Same loss as running rows
+    # row (hidden_states_buckets), which halves the cost of a step. Same loss as running rows
     # whole: the prefix's next-token terms count once per row.
     P = min(_common_prefix_len([ids for ids, _ in examples]), min(len(ids) for ids, _ in examples) - 1)
     prefix_P = torch.tensor(examples[0][0][:P], dtype=torch.long)
@@ -281,13 +281,16 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
         torch.get_num_threads(),
         str(dtype).removeprefix("torch."),
     )
+    t_train = time.perf_counter()
     try:
         losses = _train(model, examples, prefix_P, p, pad=tok.eos_token_ids[0], dtype=dtype)
     finally:
         torch.set_num_threads(threads_before)
+    t_train = time.perf_counter() - t_train
     model.save_pretrained(out_dir, copy_from=base_dir)
     stats = {
         "steps": p.sft_steps,
+        "s_per_step": round(t_train / max(1, p.sft_steps), 4),  # the machine's speed: first-run figures vary with it
         "matmul_dtype": str(dtype).removeprefix("torch."),
         "first_loss": losses[0] if losses else None,
         "last_loss": sum(losses[-10:]) / max(1, len(losses[-10:])) if losses else None,
