@@ -1,7 +1,8 @@
 """A trainable plain-PyTorch decoder with HF parameter names (Qwen2 / Qwen3 / Llama).
 
 Used for the embedded default's supervised warm start (one process, before the Megatron world
-exists) and as the "plain PyTorch" baseline of ``benchmarks/actor_bench.py``. Its
+exists: ``hidden_states_buckets`` runs a batch's rows after their shared prompt prefix, in buckets of similar
+lengths), by ``benchmarks/weight_sync_bench.py`` and by tests as a trainer with HF names. Its
 ``state_dict()`` keys are exactly the HF checkpoint's, so ``load_hf``/``save_hf`` round-trip
 ``model.safetensors`` and the CPU engine and the actor load the result unchanged. The architecture is
 ``asyncrl.models.spec.ModelSpec`` (refused as ``TORCH_DECODER`` refuses it), RoPE ``asyncrl.models.rope``
@@ -52,7 +53,7 @@ class _Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
-        """Causal self-attention of ``x`` ``[B, T, H]`` (``cos``/``sin`` ``[1, T, 1, d]``); with ``prefix_kv``
+        """Causal self-attention of ``x`` ``[B, T, H]`` (``cos``/``sin`` ``[T, 1, d]``); with ``prefix_kv``
         (keys/values ``[1, nkv, P, d]`` of a prefix shared by every row) the rows also attend to that prefix.
         ``kv_out`` collects this call's keys/values (for use as the next call's prefix)."""
         q, k, v = self._rotated(x, cos, sin)
