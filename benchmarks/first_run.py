@@ -1,7 +1,7 @@
 """The embedded default's first run, end to end: the README's first command (install excluded) on a fresh clone.
 
 Clones this repository's committed HEAD into a temporary directory (so nothing is cached: the synthetic data,
-the tokenizer, the tiny checkpoint and the 1200-step warm start are all made), runs the torchrun part of the
+the tokenizer, the tiny checkpoint and the warm start are all made), runs the torchrun part of the
 README's first command there, and reports from the run's ``summary.json``:
   * the wall time of the command (target <= 300 s on 2 idle cores, issue 16), how much of it was preparing, and
     the warm start's seconds per step (the machine's speed: on the same 2-core VM it ranged 0.22-0.29 s/step
@@ -9,10 +9,10 @@ README's first command there, and reports from the run's ``summary.json``:
   * the reward gain over the 60 RL steps (first 5 steps -> last 5, target >= +0.3) and the held-out accuracy
     after training (target >= 0.45): the first run must still learn as much.
 Each figure is a ``*_ratio`` against its target (``wall_over_target_ratio``: wall / 300 s, <= 1). One run takes
-5-6 minutes on 2 cores and uses both, so ``--reps`` defaults to 1 (it is not part of the 2-minute ``--quick``
+5 minutes on 2 cores and uses both, so ``--reps`` defaults to 1 (it is not part of the 2-minute ``--quick``
 set); run it alone on an idle machine.
 
-    python benchmarks/first_run.py --save          # ~6 min
+    python benchmarks/first_run.py --save          # ~5 min
 The last stdout line is one JSON object with the figures.
 """
 
@@ -82,7 +82,7 @@ def one_run(cmd: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=1, help="runs (each ~6 min on 2 cores; default 1)")
+    ap.add_argument("--reps", type=int, default=1, help="runs (each ~5 min on 2 cores; default 1)")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/baselines/first_run.json")
     a = ap.parse_args(argv)
     rep = harness.Report("first_run", argv)

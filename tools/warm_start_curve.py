@@ -9,7 +9,7 @@ teacher-forced; ``exact`` is the fraction whose whole ``<answer> NAME </answer>`
 token by token (argmax), ``token`` the fraction of those tokens. It needs no engine and takes ~2 s, so a
 recipe can be judged in the minutes of its warm start instead of a full run.
 
-Measured 2026-12-03 (2 EPYC cores; README first run, ``benchmarks/first_run.py``): the default recipe (1200
+Measured 2026-12-03 (2 EPYC cores; README first run, ``benchmarks/first_run.py``): the 4-layer recipe (1200
 steps at 2e-3) reaches exact 0.013 / 0.18 / 0.46 / 0.58 / 0.67 / 0.65 at steps 300 / 600 / 800 / 900 / 1000 /
 1200 (copying appears late, around step 800); its RL runs end at held-out accuracy 0.46-0.57. A bfloat16 warm
 start (``prepare.sft_matmul_dtype="bfloat16"``) probed 0.52-0.58 and its RL runs ended at 0.36-0.45. 850-step
