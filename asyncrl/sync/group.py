@@ -24,6 +24,7 @@ Contract
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import logging
 import socket
@@ -48,6 +49,22 @@ _JOIN_HTTP_GRACE_S = 10.0
 # Preflight /model_info probe: an engine that cannot answer this in a few seconds is not going to
 # join; keeps "unreachable" failures fast even with a long join_timeout_s.
 _PREFLIGHT_TIMEOUT_S = 10.0
+
+# Our own rendezvous threads still blocked in torch.distributed after a failed join (an engine refused at once, the
+# trainer's side waits out sync.join_timeout_s): future -> its deadline. Such a thread cannot be interrupted, and a
+# process that exits under it aborts ("terminate called without an active exception", exit 134) when its timeout
+# fires during interpreter teardown (seen at the end of a test session). At exit they are waited out first.
+_ABANDONED: dict[cf.Future, float] = {}
+
+
+@atexit.register
+def _wait_abandoned_rendezvous() -> None:
+    left = [f for f in _ABANDONED if not f.done()]
+    if not left:
+        return
+    wait_s = max(0.0, max(_ABANDONED[f] for f in left) - time.monotonic())
+    log.warning("exit: waiting up to %.0f s for %d abandoned weight-sync rendezvous to time out", wait_s, len(left))
+    cf.wait(left, timeout=wait_s)
 
 
 class GroupJoinError(RuntimeError):
@@ -204,7 +221,12 @@ class WeightSyncGroup:
             collective_timeout_s=self.cfg.broadcast_timeout_s,
             name="sync-join-trainer",
         )
-        self._wait_joined(http, trainer, timeout_s + _JOIN_HTTP_GRACE_S)
+        try:
+            self._wait_joined(http, trainer, timeout_s + _JOIN_HTTP_GRACE_S)
+        except GroupJoinError:
+            if not trainer.done():
+                _ABANDONED[trainer] = t0 + timeout_s + _JOIN_HTTP_GRACE_S
+            raise
         self.master_port = port
         log.info(
             "weight-sync group %r formed: %d ranks at %s:%d in %.2f s (%s)",

@@ -111,7 +111,7 @@ def test_refusing_engine_named_fast(engines):
     bad = engines("refuse")
     hang = engines("hang")  # a second engine stuck waiting must not delay the error
     with pytest.raises(GroupJoinError) as ei:
-        _group([hang.url, bad.url], join_timeout_s=60.0).init()
+        _group([hang.url, bad.url], join_timeout_s=20.0).init()  # the process waits this out at its exit
     assert ei.value.urls == [bad.url]
     assert "refused to join" in str(ei.value) and "gloo not supported" in str(ei.value)
 
@@ -126,3 +126,39 @@ def test_engine_that_never_joins_times_out_with_url(engines):
     assert "did not join within sync.join_timeout_s=2" in str(ei.value)
     assert time.monotonic() - t0 < 30
     assert g.pg is None
+
+
+_EXIT_AFTER_REFUSAL = """
+import logging, sys, time
+sys.path.insert(0, {here!r})
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from test_sync_group_failures import _Engine, _group
+from asyncrl.sync.group import GroupJoinError
+refuse, hang = _Engine("refuse"), _Engine("hang")
+try:
+    _group([hang.url, refuse.url], join_timeout_s={timeout}).init()
+except GroupJoinError:
+    print(f"REFUSED {{time.monotonic():.3f}}", flush=True)
+"""
+
+
+def test_process_exiting_after_a_refused_join_waits_out_its_rendezvous_and_exits_clean(tmp_path):
+    """One engine refuses at once, so ``init`` fails fast while the trainer's own rendezvous thread still waits (in
+    torch.distributed, uninterruptible) for the engine that never joins. A process exiting right then must not die
+    under that thread (it aborted with "terminate called without an active exception", exit 134, at the end of a
+    test session): it waits the rendezvous out at exit, says so, and exits 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    timeout = 3.0
+    script = _EXIT_AFTER_REFUSAL.format(here=str(Path(__file__).parent), timeout=timeout)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    ended = time.monotonic()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "REFUSED" in r.stdout, r.stdout + r.stderr[-3000:]
+    refused_at = float(r.stdout.split("REFUSED")[1].split()[0])
+    assert "terminate called" not in r.stderr
+    assert "exit: waiting up to" in r.stderr and "abandoned weight-sync rendezvous" in r.stderr, r.stderr[-3000:]
+    # the refusal came fast; the exit waited for the rendezvous' own timeout (monotonic clocks are system-wide)
+    assert ended - refused_at >= timeout - 1.0, (ended, refused_at)
