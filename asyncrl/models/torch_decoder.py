@@ -52,12 +52,11 @@ class _Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
-        """Causal self-attention of ``x`` ``[B, T, H]`` (``cos``/``sin`` ``[T, 1, d]``); with ``prefix_kv``
-        (keys/values ``[1, nkv, P, d]`` of a prefix shared by every row) the rows also attend to that prefix.
-        ``kv_out`` collects this call's keys/values (for use as the next call's prefix)."""
+    def forward(self, x, cos, sin, kv_out=None):
+        """Causal self-attention of ``x`` ``[B, T, H]`` (``cos``/``sin`` ``[T, 1, d]``). ``kv_out`` collects this
+        call's keys/values (``[1, nkv, T, d]`` of a shared prefix: ``forward_buckets``' ``prefix_kv``)."""
         q, k, v = self._rotated(x, cos, sin)
-        return self.o_proj(self._attend(q, k, v, prefix_kv, kv_out))
+        return self.o_proj(self._attend(q, k, v, None, kv_out))
 
     def forward_buckets(self, x_NH, buckets, prefix_kv):
         """Attention of rows laid out flat: ``x_NH`` is the buckets' ``[B, S]`` rows back to back (``_Buckets``:
@@ -93,8 +92,9 @@ class _Attention(nn.Module):
         return q, k, v.unflatten(-1, (self.nkv, self.d))
 
     def _attend(self, q, k, v, prefix_kv, kv_out, mask=None):
-        """``q`` ``[B, T, nh, d]``, ``k``/``v`` ``[B, T, nkv, d]`` -> attention output ``[B, T, nh d]``. ``mask``
-        (``[T, P + T]``, 0.0 = attend, -inf = not) replaces the prefix's causal mask."""
+        """``q`` ``[B, T, nh, d]``, ``k``/``v`` ``[B, T, nkv, d]`` -> attention output ``[B, T, nh d]``: causal, or
+        with ``prefix_kv`` (keys/values ``[1, nkv, P, d]`` shared by every row) under ``mask`` (``[T, P + T]``,
+        0.0 = attend, -inf = not)."""
         B, T = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_out is not None:
@@ -104,11 +104,9 @@ class _Attention(nn.Module):
             out = _attention_fp32(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             pk, pv = prefix_kv
-            P = pk.shape[2]
             k = torch.cat((pk.expand(B, -1, -1, -1), k), dim=2)
             v = torch.cat((pv.expand(B, -1, -1, -1), v), dim=2)
-            allowed = torch.ones(T, P + T, dtype=torch.bool).tril(P) if mask is None else mask
-            out = _attention_fp32(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+            out = _attention_fp32(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(B, T, self.nh * self.d)
 
 
@@ -170,8 +168,8 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = _MLP(s)
 
-    def forward(self, x, cos, sin, prefix_kv=None, kv_out=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, prefix_kv, kv_out)
+    def forward(self, x, cos, sin, kv_out=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_buckets(self, x_NH, buckets, prefix_kv):
@@ -216,10 +214,10 @@ class TorchDecoder(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of rows ``prefix + ids_BS[b]`` with the common prefix computed once:
         ``([1, P, H] of the prefix, [B, S, H] of the rows' own tokens)``. Equal to
-        ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once."""
-        kvs: list = []
-        h_prefix = self._run(prefix_P[None], offset=0, kv_out=kvs)
-        return h_prefix, self._run(ids_BS, offset=prefix_P.shape[0], prefix_kvs=kvs)
+        ``hidden_states(cat(prefix, row))`` split at P; gradients flow through the prefix once. One bucket of
+        ``hidden_states_buckets``."""
+        h_prefix, h_NH = self.hidden_states_buckets(prefix_P, [ids_BS])
+        return h_prefix, h_NH.view(*ids_BS.shape, -1)
 
     def hidden_states_buckets(
         self, prefix_P: torch.Tensor, buckets_BS: list[torch.Tensor]
@@ -244,12 +242,11 @@ class TorchDecoder(nn.Module):
         *,
         offset: int,
         kv_out: list | None = None,
-        prefix_kvs: list | None = None,
     ) -> torch.Tensor:
         cos, sin = _angles(self.inv_freq, torch.arange(offset, offset + ids_BT.shape[1]))
         x = self.model.embed_tokens(ids_BT)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, prefix_kvs[i] if prefix_kvs is not None else None, kv_out)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_out)
         return self.model.norm(x)
 
     @classmethod
