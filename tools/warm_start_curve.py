@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -102,32 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     model = TorchDecoder.from_pretrained(root / "model")
     P = min(ws._common_prefix_len([i for i, _ in examples]), min(len(i) for i, _ in examples) - 1)
     prefix = torch.tensor(examples[0][0][:P], dtype=torch.long)
-    torch.set_num_threads(p.num_threads or len(os.sched_getaffinity(0)))
-    opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=0.0, fused=True)
-    rng, batches, points, t0 = random.Random(p.seed), [], [], time.time()
-    dtype = ws.matmul_dtype(p.sft_matmul_dtype)
-    for step in range(p.sft_steps):  # the loop of warm_start._train, probed on the way
-        if not batches:
-            batches = ws._length_grouped_batches(examples, p.sft_batch_size, rng)
-        for g in opt.param_groups:
-            g["lr"] = ws._lr_at(step, lr=p.sft_lr, num_steps=p.sft_steps)
-        loss = ws._batch_loss(
-            model,
-            batches.pop(),
-            prefix,
-            pad=tok.eos_token_ids[0],
-            context_weight=p.sft_context_loss_weight,
-            dtype=dtype,
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step + 1 in at:
+    points, t0 = [], time.time()
+
+    def probe_at(step: int, model) -> None:  # the warm start's own loop, probed on the way
+        if step in at:
             model.eval()
-            points.append({"step": step + 1, **probe(model, held_out), "s": round(time.time() - t0, 1)})
+            points.append({"step": step, **probe(model, held_out), "s": round(time.time() - t0, 1)})
             model.train()
-            print(f"step {step + 1}: exact {points[-1]['exact']:.3f} token {points[-1]['token']:.3f}", flush=True)
+            print(f"step {step}: exact {points[-1]['exact']:.3f} token {points[-1]['token']:.3f}", flush=True)
+
+    torch.set_num_threads(p.num_threads or len(os.sched_getaffinity(0)))
+    ws._train(
+        model,
+        examples,
+        prefix,
+        p,
+        pad=tok.eos_token_ids[0],
+        dtype=ws.matmul_dtype(p.sft_matmul_dtype),
+        on_step=probe_at,
+    )
     print(json.dumps({"overrides": a.overrides, "steps": p.sft_steps, "points": points}))
     return 0
 

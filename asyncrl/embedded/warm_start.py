@@ -22,7 +22,9 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -224,8 +226,18 @@ def _batch_loss(
     )
 
 
-def _train(model, examples: list, prefix_P: torch.Tensor, p, *, pad: int, dtype: torch.dtype) -> list[float]:
-    """``p.sft_steps`` AdamW steps on length-grouped batches of ``examples``; the loss of each step."""
+def _train(
+    model,
+    examples: list,
+    prefix_P: torch.Tensor,
+    p,
+    *,
+    pad: int,
+    dtype: torch.dtype,
+    on_step: Optional[Callable[[int, torch.nn.Module], None]] = None,
+) -> list[float]:
+    """``p.sft_steps`` AdamW steps on length-grouped batches of ``examples``; the loss of each step.
+    ``on_step(step, model)`` after each step (1-based; ``tools/warm_start_curve.py`` probes there)."""
     # fused: one kernel per parameter instead of ~10 small ops each (same update)
     opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=0.0, fused=True)
     rng = random.Random(p.seed)
@@ -245,6 +257,8 @@ def _train(model, examples: list, prefix_P: torch.Tensor, p, *, pad: int, dtype:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1, model)
         if step % 50 == 0 or step == p.sft_steps - 1:
             s_per_step = (time.time() - t0) / (step + 1)
             log.info(
