@@ -9,6 +9,7 @@ Actor side:
     client.sync_begin("retract"); client.sync_end(new_version)
     blob = client.get_state(); client.set_state(blob) # checkpoint / resume (opaque bytes)
     client.metrics(); client.status(); client.shutdown()
+    ping = BrokerPing(address); ping(timeout_s=1.0)    # -> True when the broker answered (process.fail_fast_on_hang)
 
 Batches decode zero-copy: token fields of the returned trajectories are read-only numpy views of the
 received frames (``prompt_ids``/``response_ids`` int32, ``rollout_logprobs`` float32, ``loss_mask`` uint8;
@@ -128,3 +129,24 @@ def broker_handshake(address: str, *, timeout_s: float, who: str) -> dict[str, A
         ) from None
     finally:
         client.close()
+
+
+class BrokerPing:
+    """A liveness probe of the broker on its own connection (actor rank 0's watcher thread; ``P.PING``). At most one
+    ping is outstanding: ``__call__(timeout_s)`` sends one unless one is still unanswered, and returns True when an
+    answer arrived within ``timeout_s``. Its own ZeroMQ context, so that it never holds up another's teardown."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.sock = dealer(zmq.Context(), address, f"actor-ping-{os.getpid()}-{id(self):x}")
+        self._outstanding = False
+
+    def __call__(self, timeout_s: float) -> bool:
+        if not self._outstanding:
+            self.sock.send_multipart(P.encode(P.PING, {}))
+            self._outstanding = True
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return False
+        P.decode(self.sock.recv_multipart(), allowed=P.TO_ACTOR_TYPES)
+        self._outstanding = False
+        return True

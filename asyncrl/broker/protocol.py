@@ -39,6 +39,7 @@ Actor -> broker (DEALER)                                 Broker -> actor (one re
   get_state  {}                                           state {state} +frames
   set_state  {state} +frames                              ok {}
   shutdown   {}                                           ok {}
+  ping       {}                                           ok {}   (liveness: ``process.fail_fast_on_hang``)
 A message that fails to decode, has another version or an unknown type raises ``ProtocolError``; the broker
 logs and counts it and goes on. Fields are typed at this edge (``int_field``, ``float_field``,
 ``worker_id_field``, ``wire.column``): an integer field takes a msgpack integer only (a float, ``inf``, ``NaN``
@@ -86,6 +87,8 @@ HOLD_ISSUING, RELEASE_ISSUING = "hold_issuing", "release_issuing"
 BATCH_FILTERED = "batch_filtered"
 # actor -> broker: the engines' latest /metrics, summed (the in-flight autotuner's inputs)
 ENGINE_FIGURES = "engine_figures"
+# actor -> broker: liveness (actor rank 0's broker watch, on its own connection); answered ok {}, nothing else
+PING = "ping"
 
 WORKER_TYPES = frozenset({HELLO, HEARTBEAT, GROUPS, BYE})
 ACTOR_TYPES = frozenset(
@@ -102,6 +105,7 @@ ACTOR_TYPES = frozenset(
         RELEASE_ISSUING,
         BATCH_FILTERED,
         ENGINE_FIGURES,
+        PING,
     }
 )
 TO_WORKER_TYPES = frozenset({WELCOME, ISSUE, CONTROL, CANCEL, REHELLO, SHUTDOWN})

@@ -480,6 +480,7 @@ class BrokerServer:
         P.GET_STATE: _get_state,
         P.SET_STATE: _set_state,
         P.SHUTDOWN: _shutdown,
+        P.PING: lambda self, *_: (P.OK,),
     }
 
     def status(self) -> dict:

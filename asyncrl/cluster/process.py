@@ -18,6 +18,9 @@ Contract
   (the broker) exits without ``stop_child`` having been asked to, prints an error naming it (exit
   code, log tail), stops the other children and exits the rank with status 1 within about a
   second, so torchrun tears the job down (or restarts it under ``--max-restarts``).
+- ``fail_fast_on_hang(child, probe=, hung_after_s=)``: a watcher thread that probes a child the rank cannot live
+  without (the broker: ``broker.client.BrokerPing``) every second; when it is alive but answered nothing for
+  ``hung_after_s``, fails the rank the same way, naming it as hung.
 - ``start_parent_watchdog()``: torchrun starts every rank in its own session, so a SIGKILLed
   torchrun takes no rank with it; each rank watches its parent pid and, once it changed (the
   agent is gone), stops its children and exits. Children in turn die with their rank
@@ -249,6 +252,48 @@ def fail_fast_on_exit(
             time.sleep(interval_s)
 
     t = threading.Thread(target=watch, name=f"watch-{child.name}", daemon=True)
+    t.start()
+    return t
+
+
+def fail_fast_on_hang(
+    child: Child,
+    *,
+    what: str,
+    probe: Callable[[float], bool],
+    hung_after_s: float,
+    grace_s: float = 10.0,
+    interval_s: float = 1.0,
+) -> threading.Thread:
+    """Probe ``child`` on a daemon thread (``probe(timeout_s)`` -> it answered; an exception counts as no answer);
+    if it is alive but answered nothing for ``hung_after_s`` (stopped, deadlocked, starved), fail this rank at once,
+    naming it. Its death is ``fail_fast_on_exit``'s."""
+
+    def answered() -> bool:
+        try:
+            return probe(interval_s)
+        except Exception as e:  # noqa: BLE001 - a failing probe is a missing answer; the hang check decides
+            log.debug("probe of %s failed: %r", what, e)
+            time.sleep(interval_s)
+            return False
+
+    def watch() -> None:
+        last = time.monotonic()
+        while not child.stopping:
+            t0 = time.monotonic()
+            if answered():
+                last = time.monotonic()
+                time.sleep(max(0.0, interval_s - (last - t0)))
+            elif child.alive() and not child.stopping and time.monotonic() - last > hung_after_s:
+                _fail_fast(
+                    f"{what} (pid {child.pid}) is alive but answered no heartbeat for {time.monotonic() - last:.0f} s "
+                    f"(> {hung_after_s:.0f} s): hung (stopped, deadlocked or starved); failing this rank so that "
+                    f"torchrun stops the job (with --max-restarts it restarts it and runner.resume=true resumes "
+                    f"from the last complete checkpoint). Last lines of {child.log_path}:\n{child.tail()}",
+                    grace_s,
+                )
+
+    t = threading.Thread(target=watch, name=f"hang-watch-{child.name}", daemon=True)
     t.start()
     return t
 

@@ -88,6 +88,11 @@ class ClusterConfig:
     all interfaces and a routable address of node 0 on several."""
     broker_handshake_timeout_s: float = 60.0
     """Each rollout rank's start-up round trip to the broker must answer within this (the error names the address)."""
+    broker_unhealthy_after_s: float = 15.0
+    """Actor rank 0 pings the broker every second on its own connection; a broker that is alive but answered none
+    for this long (stopped, deadlocked, starved) fails the rank at once, naming it as hung (a dead broker fails it
+    at once). The actor's own requests would notice a hang only at their deadline: up to
+    ``rollout.control_timeout_s``, or a whole batch wait."""
     device_memory_gb: float = 80.0
     """Memory of one GPU in GiB: a GPU plan whose actor memory estimate exceeds it is refused (H100/A100 80, H200 141)."""
 
@@ -98,6 +103,11 @@ class ClusterConfig:
         positive(self.store_timeout_s, "cluster.store_timeout_s")
         positive(self.actor_collective_timeout_s, "cluster.actor_collective_timeout_s")
         positive(self.broker_handshake_timeout_s, "cluster.broker_handshake_timeout_s")
+        require(
+            self.broker_unhealthy_after_s >= 2.0,
+            "cluster.broker_unhealthy_after_s",
+            f"must be >= 2 (s; the broker is pinged every second), got {self.broker_unhealthy_after_s!r}",
+        )
         if self.broker_host is not None:
             require(
                 bool(self.broker_host.strip()) and self.broker_host not in ("0.0.0.0", "*", "::"),

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from asyncrl.agent.tools import check_retriever
 from asyncrl.agent.worker import EngineWatch, run_worker
+from asyncrl.broker.client import BrokerPing
 from asyncrl.broker.client import broker_handshake as round_trip
 from asyncrl.cluster import process
 from asyncrl.cluster.addresses import host_endpoint, num_nodes_from_env
@@ -208,6 +209,13 @@ def _spawn_broker(ctx, disc: Discovery):
     process.fail_fast_on_exit(broker, what="the broker", grace_s=cfg.cluster.shutdown_grace_s)
     port = addr_file.read_text().strip().rsplit(":", 1)[1]
     address = f"tcp://{ep.advertise_host}:{port}"
+    process.fail_fast_on_hang(
+        broker,
+        what="the broker",
+        probe=BrokerPing(address),
+        hung_after_s=cfg.cluster.broker_unhealthy_after_s,
+        grace_s=cfg.cluster.shutdown_grace_s,
+    )
     disc.publish("broker/address", address)
     return broker, address
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from proc_helpers import TinyJob, cmdline, pids_mentioning
+from proc_helpers import TinyJob, assert_nothing_left, cmdline, pids_mentioning
 
 
 def _port_bound(port: int) -> bool:
@@ -147,6 +147,31 @@ def test_broker_sigkill_fails_fast_and_resumes_under_max_restarts(prepared, tmp_
     assert recs[-1]["step"] == 7 and recs[-1]["actor/weight_version"] == 7
     assert (run_dir / "checkpoints" / "step_000006" / "complete").is_file()
     assert "resumed from" in out
+
+
+@pytest.mark.slow
+def test_hung_broker_fails_the_job_within_seconds_naming_it(prepared, tmp_path):
+    """SIGSTOP the broker after step 2: it is alive but answers nothing, so no request of the actor's fails before
+    its own deadline (60 s and more); actor rank 0's ping watch names it as hung after
+    ``cluster.broker_unhealthy_after_s`` (5 s here) and fails the job, which leaves no process behind."""
+    run_dir = tmp_path / "run"
+    job = TinyJob(prepared, run_dir, "runner.max_steps=50", "cluster.broker_unhealthy_after_s=5")
+    try:
+        job.wait_step(2, timeout_s=240)
+        broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.runner.broker_process" in cmdline(p))
+        os.kill(broker, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        rc = job.finish(timeout_s=120)
+        took = time.monotonic() - t_stop
+    except BaseException:
+        job.kill_all()
+        raise
+    out = job.output()
+    assert rc != 0, out[-6000:]
+    assert f"the broker (pid {broker}) is alive but answered no heartbeat" in out, out[-6000:]
+    assert took < 5 + 20, f"a hung broker must end the job within seconds, took {took:.0f} s"
+    assert job.records()[-1]["step"] < 50
+    assert_nothing_left(run_dir, within_s=10)
 
 
 @pytest.mark.slow
