@@ -59,7 +59,7 @@ def one_run(cmd: str) -> dict:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True, check=True
         ).stdout.strip()
-        load_before = harness.loadavg()
+        load_before, speed_before = harness.loadavg(), harness.speed()
         t0 = time.perf_counter()
         r = subprocess.run(cmd, shell=True, cwd=clone, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         wall = time.perf_counter() - t0
@@ -77,6 +77,7 @@ def one_run(cmd: str) -> dict:
         # has a wall_s of its own (from its first line of Python), kept here as run_wall_s
         run = {**s, "run_wall_s": s.get("wall_s")}
         run.update(commit=head, wall_s=wall, load_before=load_before, load_after=harness.loadavg(), warm_start=ws)
+        run.update(speed_before=speed_before, speed_after=harness.speed())
         return run
 
 

@@ -6,7 +6,8 @@ machine shared with other jobs the load changes from second to second, so:
     alternating from one repetition to the next, so neither side always runs first;
   * a ratio is taken per repetition (the two sides of one repetition saw the same load) and reported as
     the median over repetitions with its spread (``ratio``);
-  * ``/proc/loadavg`` is read at the start and the end (``Report``);
+  * ``/proc/loadavg`` is read at the start and the end (``Report``), and the machine's speed measured
+    (``speed``: a fixed matrix product and a Python loop), since the same load can run at different speeds;
   * the last stdout line is one JSON object: the figures, every ratio under a key ending ``_ratio`` with
     its target beside it, the command, the date and the load; ``--save`` also writes it to
     ``benchmarks/baselines/<name>.json`` (the last few runs are kept).
@@ -44,6 +45,37 @@ def loadavg() -> dict[str, Any]:
     except (OSError, IndexError, ValueError):
         one, five, fifteen = os.getloadavg()
         return {"1m": one, "5m": five, "15m": fifteen, "cpus": os.cpu_count()}
+
+
+CALIBRATION_S = 0.25  # each of the two probes of ``speed``
+
+
+def speed() -> dict[str, float]:
+    """The machine's speed right now, next to its load: the same VM's step times moved by 25% within hours at the
+    same load, so a figure is read against this. ``matmul_gflops_1t``: float32 256x256 matrix products on one
+    thread; ``python_mops``: a pure-Python loop's iterations per microsecond (the interpreter-bound share of
+    every benchmark). Each probe runs ``CALIBRATION_S``; higher is faster."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < CALIBRATION_S:
+            for _ in range(20):
+                torch.mm(a, b)
+            n += 20
+        gflops = n * 2 * 256**3 / (time.perf_counter() - t0) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < CALIBRATION_S:
+        x = 0
+        for i in range(10_000):
+            x += i
+        n += 10_000
+    return {"matmul_gflops_1t": round(gflops, 2), "python_mops": round(n / (time.perf_counter() - t0) / 1e6, 2)}
 
 
 def summary(xs: Sequence[float]) -> dict[str, Any]:
@@ -99,6 +131,7 @@ class Report:
         self.t0 = time.perf_counter()
         self.date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.load_start = loadavg()
+        self.speed_start = speed()
         self.ratios: dict[str, dict[str, Any]] = {}
 
     def ratio(
@@ -136,6 +169,8 @@ class Report:
             "date": self.date,
             "load_start": self.load_start,
             "load_end": loadavg(),
+            "speed_start": self.speed_start,
+            "speed_end": speed(),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
             "wall_s": time.perf_counter() - self.t0,
             **{k: v for k, v in self.ratios.items()},

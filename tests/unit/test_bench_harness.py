@@ -18,6 +18,7 @@ def harness(tmp_path, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setattr(mod, "BASELINES", tmp_path)
+    monkeypatch.setattr(mod, "CALIBRATION_S", 0.01)
     return mod
 
 
@@ -50,7 +51,17 @@ def test_emit_prints_json_last_and_keeps_the_last_runs(harness, capsys, tmp_path
         last = capsys.readouterr().out.strip().splitlines()[-1]
         doc = json.loads(last)
         assert doc["speed_ratio"]["median"] == 2.0 and doc["i"] == i and doc["targets_missed"] == []
-        assert {"command", "date", "load_start", "load_end"} <= set(doc)
+        assert {"command", "date", "load_start", "load_end", "speed_start", "speed_end"} <= set(doc)
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert [r["i"] for r in saved["runs"]] == list(range(2, harness.KEEP_RUNS + 2))
     assert saved["latest"]["i"] == harness.KEEP_RUNS + 1
+
+
+def test_speed_measures_both_probes_and_leaves_the_thread_count(harness):
+    import torch
+
+    threads = torch.get_num_threads()
+    s = harness.speed()
+    assert set(s) == {"matmul_gflops_1t", "python_mops"}
+    assert s["matmul_gflops_1t"] > 0.1 and s["python_mops"] > 0.1  # any CPU of this century does more
+    assert torch.get_num_threads() == threads
