@@ -172,15 +172,24 @@ def tiny_cmd(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, torchrun_ar
 def run_job(
     prep: Path, run_dir: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None, timeout_s: float = 300
 ) -> subprocess.CompletedProcess:
-    """A job of the embedded default run to its end (``extra``: overrides); its exit status and output."""
-    return subprocess.run(
-        tiny_cmd(prep, run_dir, *extra, nproc=nproc),
-        cwd=REPO,
-        env=env or tiny_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    """A job of the embedded default run to its end (``extra``: overrides); its exit status and output. A job still
+    running after ``timeout_s`` is killed (its ranks follow their agent: the parent watchdog) and the error carries
+    the last lines it printed, so a hang in CI shows where it hung."""
+    try:
+        return subprocess.run(
+            tiny_cmd(prep, run_dir, *extra, nproc=nproc),
+            cwd=REPO,
+            env=env or tiny_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as e:
+        tails = []
+        for name, data in (("stdout", e.stdout), ("stderr", e.stderr)):
+            text = data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+            tails.append(f"--- last lines of its {name}:\n" + "\n".join(text.splitlines()[-40:]))
+        raise TimeoutError(f"job in {run_dir} did not finish within {timeout_s:g} s\n" + "\n".join(tails)) from None
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
