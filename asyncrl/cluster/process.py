@@ -234,6 +234,16 @@ def _fail_fast(message: str, grace_s: float, code: int = 1) -> None:
             os._exit(code)
 
 
+def _fail_vital(child: Child, what_happened: str, grace_s: float) -> None:
+    """``_fail_fast`` for a child the rank cannot live without (dead or hung): the same message tail for both."""
+    _fail_fast(
+        f"{what_happened}; failing this rank so that torchrun stops the job (with --max-restarts it restarts it "
+        f"and runner.resume=true resumes from the last complete checkpoint). Last lines of "
+        f"{child.log_path}:\n{child.tail()}",
+        grace_s,
+    )
+
+
 def fail_fast_on_exit(
     child: Child, *, what: str, grace_s: float = 10.0, interval_s: float = WATCH_INTERVAL_S
 ) -> threading.Thread:
@@ -242,13 +252,7 @@ def fail_fast_on_exit(
     def watch() -> None:
         while not child.stopping:
             if not child.alive() and not child.stopping:
-                _fail_fast(
-                    f"{what} (pid {child.pid}) exited with code {child.popen.returncode}; failing this "
-                    f"rank so that torchrun stops the job (with --max-restarts it restarts it and "
-                    f"runner.resume=true resumes from the last complete checkpoint). Last lines of "
-                    f"{child.log_path}:\n{child.tail()}",
-                    grace_s,
-                )
+                _fail_vital(child, f"{what} (pid {child.pid}) exited with code {child.popen.returncode}", grace_s)
             time.sleep(interval_s)
 
     t = threading.Thread(target=watch, name=f"watch-{child.name}", daemon=True)
@@ -285,11 +289,10 @@ def fail_fast_on_hang(
                 last = time.monotonic()
                 time.sleep(max(0.0, interval_s - (last - t0)))
             elif child.alive() and not child.stopping and time.monotonic() - last > hung_after_s:
-                _fail_fast(
+                _fail_vital(
+                    child,
                     f"{what} (pid {child.pid}) is alive but answered no heartbeat for {time.monotonic() - last:.0f} s "
-                    f"(> {hung_after_s:.0f} s): hung (stopped, deadlocked or starved); failing this rank so that "
-                    f"torchrun stops the job (with --max-restarts it restarts it and runner.resume=true resumes "
-                    f"from the last complete checkpoint). Last lines of {child.log_path}:\n{child.tail()}",
+                    f"(> {hung_after_s:.0f} s): hung (stopped, deadlocked or starved)",
                     grace_s,
                 )
 
