@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from asyncrl.rollout.sglang_launcher import EngineSupervisor
+from asyncrl.rollout.sglang_launcher import EngineLaunchError, EngineSupervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,19 +24,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running_cpu_engine(
-    model_path: str | Path,
-    *,
-    log_dir: str | Path,
-    max_running_requests: int = 8,
-    weight_version: str = "0",
-    seed: int = 0,
-    extra: list[str] | None = None,
-    start_timeout_s: float = 120.0,
-) -> Iterator[EngineSupervisor]:
-    port = free_port()
-    cmd = [
+PORT_ATTEMPTS = 3
+"""``running_cpu_engine`` asks the OS for a free port and the engine binds it a second later: another process may
+take it in between (seen once in CI: ``address already in use``). Then it starts again on a new port."""
+
+
+def _engine_cmd(model_path, port: int, max_running_requests: int, weight_version: str, seed: int, extra) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "asyncrl.rollout.cpu_engine",
@@ -54,17 +48,38 @@ def running_cpu_engine(
         str(seed),
         *(extra or []),
     ]
-    sup = EngineSupervisor(
-        cmd,
-        url=f"http://127.0.0.1:{port}",
-        name=f"cpu_engine_{port}",
-        log_dir=log_dir,
-        start_timeout_s=start_timeout_s,
-        max_restarts=0,
-        shutdown_grace_s=5.0,
-        env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
-    )
-    sup.start()
+
+
+@contextlib.contextmanager
+def running_cpu_engine(
+    model_path: str | Path,
+    *,
+    log_dir: str | Path,
+    max_running_requests: int = 8,
+    weight_version: str = "0",
+    seed: int = 0,
+    extra: list[str] | None = None,
+    start_timeout_s: float = 120.0,
+) -> Iterator[EngineSupervisor]:
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        sup = EngineSupervisor(
+            _engine_cmd(model_path, port, max_running_requests, weight_version, seed, extra),
+            url=f"http://127.0.0.1:{port}",
+            name=f"cpu_engine_{port}",
+            log_dir=log_dir,
+            start_timeout_s=start_timeout_s,
+            max_restarts=0,
+            shutdown_grace_s=5.0,
+            env={"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+        )
+        try:
+            sup.start()
+            break
+        except EngineLaunchError as e:
+            # the port was free when asked for, and taken by another process before the engine bound it
+            if "address already in use" not in str(e) or attempt == PORT_ATTEMPTS:
+                raise
     try:
         yield sup
     finally:

@@ -163,3 +163,27 @@ def _running(pid: int) -> bool:
     except (OSError, StopIteration):
         return False
     return "zombie" not in state
+
+
+def test_engine_helper_starts_again_when_its_port_was_taken_before_the_engine_bound_it(tmp_path, monkeypatch):
+    """The port the OS handed out is taken (a real listening socket) before the engine binds it: the engine exits
+    with 'address already in use', and ``running_cpu_engine`` starts it again on a fresh port."""
+    import socket
+
+    from asyncrl.rollout import testing
+
+    model = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real = testing.free_port
+        monkeypatch.setattr(testing, "free_port", lambda: next(ports, None) or real())
+        with running_cpu_engine(model, log_dir=tmp_path / "logs", max_running_requests=2) as sup:
+            assert sup.url != f"http://127.0.0.1:{taken}"
+            with urllib.request.urlopen(sup.url + "/model_info", timeout=30) as r:
+                assert r.status == 200
+    assert "address already in use" in (tmp_path / "logs" / f"cpu_engine_{taken}.log").read_text()
