@@ -42,6 +42,7 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from asyncrl.cluster.auth import bearer_matches, open_path
+from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.rollout.cpu_model import load_model
 from asyncrl.rollout.cpu_scheduler import PAUSE_MODES, Scheduler
 from asyncrl.rollout.engine_args import EngineArgs, init_engine_world, parse_args
@@ -362,6 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s cpu_engine: %(message)s"
     )
     args = parse_args(argv)
+    retain_freed_memory()  # each decode step's activations reuse the last one's memory (cluster/malloc.py)
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     init_engine_world(args)
     engine = CpuEngine(args)
