@@ -102,7 +102,9 @@ def _hf_run(hf, prompts, lengths, concurrency: int, pad_id: int) -> tuple[float,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_args(ap)
+    # 11 by default: with 5, the c64 median moved between 1.29 and 1.77 across five --quick runs within one hour
+    # (2026-12-03 evening, 2 cores): one repetition of each side is ~0.5 s and the machine's speed swings
+    harness.add_args(ap, reps=11)
     ap.add_argument(
         "--threads",
         type=int,
