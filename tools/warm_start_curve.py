@@ -15,15 +15,16 @@ steps at 2e-3) reaches exact 0.013 / 0.18 / 0.46 / 0.58 / 0.67 / 0.65 at steps 3
 start (``prepare.sft_matmul_dtype="bfloat16"``) probed 0.52-0.58 and its RL runs ended at 0.36-0.45. 850-step
 recipes ended at 0.55 (lr 2e-3), 0.44 (3e-3), 0.43 (context loss weight 0.6), 0.54 (0.15) and 0.37
 (``sft_correct_fraction=0.5``). Data and the random checkpoint are prepared under ``--dir`` (cached); the
-warm start itself is not written anywhere.
+warm start is written to a temporary directory and discarded. A point's ``s``: seconds since the warm start
+began (its demonstrations built).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +39,6 @@ from asyncrl.agent.tools.bm25 import BM25Retriever, read_corpus  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.embedded import warm_start as ws  # noqa: E402
 from asyncrl.embedded.synth import make_sft_demos  # noqa: E402
-from asyncrl.models.torch_decoder import TorchDecoder  # noqa: E402
 from asyncrl.runner.prepare import prepare_if_needed  # noqa: E402
 
 PROBE_DEMOS = 300
@@ -93,14 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     prep = load_config(a.config, [*a.overrides, f'prepare.dir="{root}"', "prepare.sft_steps=0"])
     prepare_if_needed(prep)  # data + the random checkpoint (the 0-step "warm start" it also writes is not used)
     at = {int(x) for x in a.at.split(",") if x} or {*range(200, p.sft_steps, 200), p.sft_steps}
-    tok = AgentTokenizer.from_pretrained(root / "model")
-    n = min(ws.MAX_DEMOS, max(512, p.sft_steps * p.sft_batch_size))
-    examples = ws.build_demo_examples(cfg, data_dir=root / "data", tokenizer=tok, num_demos=n)
-    held_out = probe_examples(cfg, root / "data", tok)
-    torch.manual_seed(p.seed)
-    model = TorchDecoder.from_pretrained(root / "model")
-    P = min(ws._common_prefix_len([i for i, _ in examples]), min(len(i) for i, _ in examples) - 1)
-    prefix = torch.tensor(examples[0][0][:P], dtype=torch.long)
+    held_out = probe_examples(cfg, root / "data", AgentTokenizer.from_pretrained(root / "model"))
     points, t0 = [], time.time()
 
     def probe_at(step: int, model) -> None:  # the warm start's own loop, probed on the way
@@ -110,16 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             model.train()
             print(f"step {step}: exact {points[-1]['exact']:.3f} token {points[-1]['token']:.3f}", flush=True)
 
-    torch.set_num_threads(p.num_threads or len(os.sched_getaffinity(0)))
-    ws._train(
-        model,
-        examples,
-        prefix,
-        p,
-        pad=tok.eos_token_ids[0],
-        dtype=ws.matmul_dtype(p.sft_matmul_dtype),
-        on_step=probe_at,
-    )
+    with tempfile.TemporaryDirectory() as out:  # the checkpoint it writes is not kept
+        ws.warm_start(cfg, data_dir=root / "data", base_dir=root / "model", out_dir=Path(out), on_step=probe_at)
     print(json.dumps({"overrides": a.overrides, "steps": p.sft_steps, "points": points}))
     return 0
 

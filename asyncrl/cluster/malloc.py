@@ -57,6 +57,9 @@ def retain_freed_memory() -> dict[str, int]:
     libc = _glibc()
     if libc is None:
         return {}
-    settings = {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD, "top_pad": TOP_PAD}
-    params = {"mmap_threshold": _M_MMAP_THRESHOLD, "trim_threshold": _M_TRIM_THRESHOLD, "top_pad": _M_TOP_PAD}
-    return {name: value for name, value in settings.items() if libc.mallopt(params[name], value) == 1}
+    settings = (
+        ("mmap_threshold", _M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        ("trim_threshold", _M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        ("top_pad", _M_TOP_PAD, TOP_PAD),
+    )
+    return {name: value for name, param, value in settings if libc.mallopt(param, value) == 1}

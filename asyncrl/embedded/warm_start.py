@@ -267,8 +267,16 @@ def _train(
     return losses
 
 
-def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
-    """Supervised warm start (plain PyTorch, one process): next-token loss on generated tokens."""
+def warm_start(
+    cfg,
+    *,
+    data_dir: Path,
+    base_dir: Path,
+    out_dir: Path,
+    on_step: Optional[Callable[[int, torch.nn.Module], None]] = None,
+) -> dict:
+    """Supervised warm start (plain PyTorch, one process): next-token loss on generated tokens. ``on_step``: see
+    ``_train`` (``tools/warm_start_curve.py`` probes there)."""
     p = cfg.prepare
     torch.manual_seed(p.seed)
     tok = AgentTokenizer.from_pretrained(base_dir)
@@ -301,7 +309,7 @@ def warm_start(cfg, *, data_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     )
     t_train = time.perf_counter()
     try:
-        losses = _train(model, examples, prefix_P, p, pad=tok.eos_token_ids[0], dtype=dtype)
+        losses = _train(model, examples, prefix_P, p, pad=tok.eos_token_ids[0], dtype=dtype, on_step=on_step)
     finally:
         torch.set_num_threads(threads_before)
     t_train = time.perf_counter() - t_train
