@@ -57,7 +57,7 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
             hooks = SyncHooks(sync_begin=traffic.on_sync_begin, sync_end=lambda v, t=traffic: t.released.set())
             syncer = WeightSyncer(group, pause_mode=mode, sync_cfg=sync_cfg, hooks=hooks)
             traffic.start()
-            traffic.wait_running()
+            traffic.wait_running(in_flight=mode != "drain")
             res = syncer.sync(buckets, version=actor.version)
             metas = traffic.join()
             if mode == "in_place":  # stale prefix KV of the fixed prompt survives an in_place sync

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from asyncrl.config.schema import SyncConfig
-from asyncrl.engine.blocking import get_json, post_json
+from asyncrl.engine.blocking import get_json, get_text, post_json
+from asyncrl.engine.client import parse_prometheus
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
 from asyncrl.rollout.testing import running_cpu_engine
 from asyncrl.sync.bucketing import iter_buckets
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
-from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer, engine_load
+from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 
 pytestmark = pytest.mark.slow
 
@@ -175,10 +176,14 @@ class Traffic:
             self.released.clear()
         self.sync_started.set()  # after the hold: a second turn waits for both
 
-    def wait_running(self) -> None:
+    def wait_running(self, *, in_flight: bool = True) -> None:
+        """Until every engine reports a running request (``num_running_reqs``: admitted and prefilled, so it
+        has decoded a token; a queued one is not retracted by a pause). With ``in_flight`` the traffic must
+        still be running when this returns; without it (drain), traffic that already finished will do."""
         deadline = time.monotonic() + TIMEOUT_S
-        while min(engine_load(u, timeout_s=10) for u in self.urls) < 1:
+        while min(_running(u) for u in self.urls) < 1:
             if len(self.first_done) == len(self.threads):  # every first turn already ran (a fast engine)
+                assert not in_flight, "every request finished before the sync began; nothing was in flight"
                 return
             assert time.monotonic() < deadline, "traffic never reached the engines"
             time.sleep(0.01)
@@ -190,6 +195,10 @@ class Traffic:
         if self.errors:
             raise self.errors[0]
         return self.results
+
+
+def _running(url: str) -> float:
+    return parse_prometheus(get_text(url, "/metrics", timeout_s=10, step="metrics")).get("num_running_reqs", 0.0)
 
 
 def _versions(meta: dict) -> list[str]:
@@ -216,7 +225,7 @@ def test_sync_with_requests_in_flight(env: Env, mode: str):
         env.group, pause_mode=mode, sync_cfg=env.sync_cfg, hooks=SyncHooks(sync_begin=begin, sync_end=end)
     )
     traffic.start()
-    traffic.wait_running()
+    traffic.wait_running(in_flight=mode != "drain")
     buckets = iter_buckets(env.trainer.state_dict().items(), env.sync_cfg.bucket_bytes)
     result = syncer.sync(buckets, version=new_version)
     env.version = new_version
