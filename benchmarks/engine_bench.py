@@ -15,6 +15,12 @@ the tokens HF actually computes (padded rows: batch size x the batch's longest) 
 with their ratio to the credited ones. The two sides run interleaved, ``--reps`` times each
 (``benchmarks/harness.py``); the ratio is HF seconds / engine seconds per repetition = the engine's
 speed-up per generated token. Targets (issue 16): >= 1.5 at concurrency 64, >= 1.0 at 1.
+
+Where the engine's time goes: a third side, interleaved with the two, drives the engine's own ``Scheduler`` (same
+model, same ``max_running_requests``, same threads, the real tokenizer for the answers' text) in this process with
+no HTTP: a finished request's replacement is handed in at once, from its ``deliver`` callback. ``direct_s`` and
+``http_path_share`` (1 - direct / engine, medians) say how much of the engine's time is its HTTP path (client
+and server, the two threads of the engine process, a replacement's round trip) rather than the model.
 Prints ONE JSON object on the last line.
 """
 
@@ -53,6 +59,69 @@ async def _engine_run(url: str, prompts, lengths, concurrency: int) -> tuple[flo
         t0 = time.perf_counter()
         toks = sum(await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths))))
         return time.perf_counter() - t0, toks
+
+
+class _Direct:
+    """The engine's ``Scheduler`` on a thread of this process (module doc): ``run`` keeps ``concurrency`` requests
+    in flight, handing in the next one from a finished one's ``deliver``, and returns the seconds for all."""
+
+    def __init__(self, model_dir: Path, max_running: int):
+        import threading
+
+        from tokenizers import Tokenizer
+
+        from asyncrl.rollout.cpu_model import load_model
+        from asyncrl.rollout.cpu_scheduler import Scheduler
+
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.sched = Scheduler(
+            load_model(model_dir),
+            lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
+            max_running_requests=max_running,
+            seed=0,
+            weight_version="0",
+        )
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.sched.run, args=(self.stop,), name="direct-scheduler", daemon=True)
+        self.thread.start()
+        self.runs = 0
+
+    def run(self, prompts, lengths, concurrency: int) -> float:
+        import threading
+
+        from asyncrl.rollout.request import Request
+        from asyncrl.rollout.sampling_params import parse_sampling_params
+
+        self.runs += 1
+        todo = iter(range(len(prompts)))
+        left, done, lock = [len(prompts)], threading.Event(), threading.Lock()
+
+        def submit_next() -> None:
+            with lock:
+                i = next(todo, None)
+            if i is not None:
+                params = parse_sampling_params({"max_new_tokens": lengths[i], "temperature": 1.0, "ignore_eos": True})
+                r = Request(f"d{self.runs}-{i}", list(prompts[i]), params, finished, return_logprob=True)
+                self.sched.submit(r)
+
+        def finished(out: dict) -> None:
+            assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+            submit_next()
+
+        t0 = time.perf_counter()
+        for _ in range(concurrency):
+            submit_next()
+        if not done.wait(600):
+            raise TimeoutError("the direct scheduler did not finish its requests in 600 s")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
 
 
 def _by_length(prompts, lengths):
@@ -131,6 +200,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         model = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # 4 layers, hidden 128
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        direct = _Direct(Path(model), max_running=64)
         with running_cpu_engine(
             model, log_dir=Path(d) / "logs", max_running_requests=64, extra=["--num-threads", str(a.threads)]
         ) as sup:
@@ -142,6 +212,7 @@ def main(argv=None) -> int:
                     {
                         "engine": lambda p=prompts, n=lengths, c=c: asyncio.run(_engine_run(sup.url, p, n, c))[0],
                         "hf": lambda p=prompts, n=lengths, c=c: _hf_run(hf, p, n, c, pad_id=0)[0],
+                        "direct": lambda p=prompts, n=lengths, c=c: direct.run(p, n, c),
                     },
                     reps=a.reps,
                     warmup=1,
@@ -162,11 +233,14 @@ def main(argv=None) -> int:
                     "hf_computed_over_generated": computed / gen,
                     "engine_s": harness.summary(t["engine"]),
                     "hf_s": harness.summary(t["hf"]),
+                    "direct_s": harness.summary(t["direct"]),
+                    "http_path_share": 1 - statistics.median(t["direct"]) / statistics.median(t["engine"]),
                     "engine_generated_tok_s": gen / statistics.median(t["engine"]),
                     "hf_generated_tok_s": gen / statistics.median(t["hf"]),
                     "hf_computed_tok_s": computed / statistics.median(t["hf"]),
                 }
                 print(f"concurrency {c}: {levels[str(c)]}", file=sys.stderr)
+        direct.close()
     rep.emit(
         {
             "model": "tiny qwen2 (4 layers, hidden 128, vocab ~1k), fp32",
