@@ -47,7 +47,8 @@ log = logging.getLogger("asyncrl.process")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """Runs in a child (between fork and exec, or first thing after a bare fork): SIGKILL when the parent dies."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the job's preemption notice is for actor rank 0 alone
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -122,7 +123,7 @@ def spawn_child(
         env=full_env,
         cwd=cwd,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     out.close()
     child = Child(name=name, popen=popen, log_path=log_path, stop_signal=stop_signal)

@@ -67,6 +67,18 @@ def _wants_prompt_logprobs(r: Request) -> bool:
     return r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None
 
 
+def check_submittable(req: Request, context_length: int) -> None:
+    """What a request must be for ``Scheduler.submit`` (besides a rid not in flight): ``RequestError`` if not."""
+    if not req.input_ids:
+        raise RequestError("input_ids is empty")
+    if len(req.input_ids) >= context_length:
+        raise RequestError(f"input_ids has {len(req.input_ids)} tokens; the context length is {context_length}")
+
+
+def duplicate_rid(rid: str) -> RequestError:
+    return RequestError(f"Duplicate request ID detected: rid={rid!r} is already in flight")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -103,17 +115,12 @@ class Scheduler:
 
     # ---- thread-safe entry points ------------------------------------------------------
     def submit(self, req: Request) -> None:
-        if not req.input_ids:
-            raise RequestError("input_ids is empty")
-        if len(req.input_ids) >= self.context_length:
-            raise RequestError(
-                f"input_ids has {len(req.input_ids)} tokens; the context length is {self.context_length}"
-            )
+        check_submittable(req, self.context_length)
         if req.params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
         with self._cond:
             if req.rid in self._live:
-                raise RequestError(f"Duplicate request ID detected: rid={req.rid!r} is already in flight")
+                raise duplicate_rid(req.rid)
             self._live.add(req.rid)
             self._inbox.append(req)
             self._cond.notify()

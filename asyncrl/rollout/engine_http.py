@@ -1,7 +1,7 @@
 """The CPU engine's HTTP side that needs no engine state: SGLang's answer shapes, the JSON body, and the
 checks that turn a ``/generate`` body into requests.
 
-    reqs, futs, batch = build_generate_requests(body, encode=tok_ids, vocab_size=V, context_length=C, outbox=outbox)
+    reqs, futs, batch = build_generate_requests(body, encode=tok_ids, vocab_size=V, context_length=C, loop=loop)
     # a bad body raises RequestError naming the field (the engine's middleware answers 400 with it)
 
 Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control calls answer
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -60,40 +59,14 @@ def weight_version_field(v: Any, key: str) -> Optional[str]:
     raise RequestError(f"{key} must be a string, got {v!r:.80}")
 
 
-class Outbox:
-    """Answers from the engine thread to the event loop. ``deliverer(fut)`` is a request's ``deliver`` callback
-    (called on the engine thread): it queues the answer; ``flush()`` (the engine thread, after each scheduler step)
-    hands every queued answer to the loop in ONE wake-up, which sets the futures. A wake-up is a self-pipe write
-    during which the HTTP thread takes the GIL and the engine thread waits for it back: one per step instead of one
-    per finished request.
+def setter(fut: asyncio.Future) -> Callable[[dict], None]:
+    """A request's ``deliver`` on the event loop: sets its future (unless its handler already gave up on it)."""
 
-        outbox = Outbox(asyncio.get_running_loop())
-        req.deliver = outbox.deliverer(fut)   # ... the engine thread: req.deliver(answer); outbox.flush()
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Future, dict]] = []
-
-    def deliverer(self, fut: asyncio.Future) -> Callable[[dict], None]:
-        def deliver(out: dict) -> None:
-            with self._lock:
-                self._items.append((fut, out))
-
-        return deliver
-
-    def flush(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        if items:
-            self.loop.call_soon_threadsafe(_set_results, items)
-
-
-def _set_results(items: list[tuple[asyncio.Future, dict]]) -> None:
-    for fut, out in items:
+    def deliver(out: dict) -> None:
         if not fut.done():
             fut.set_result(out)
+
+    return deliver
 
 
 def parse_prompts(body: dict, *, encode: Callable[[str], list[int]], vocab_size: int) -> tuple[list[list[int]], bool]:
@@ -166,7 +139,7 @@ def build_generate_requests(
     encode: Callable[[str], list[int]],
     vocab_size: int,
     context_length: int,
-    outbox: Outbox,
+    loop: asyncio.AbstractEventLoop,
 ) -> tuple[list[Request], list[asyncio.Future], bool]:
     """``/generate``'s body -> requests (one per prompt and sample), their futures, and whether it is a batch.
     Every field is checked here (type, range), so a bad body is a 400 naming the field and nothing reaches
@@ -197,9 +170,9 @@ def build_generate_requests(
         check_context(len(prompt), p.max_new_tokens, asked=asked, context_length=context_length)
         for k in range(p.n):
             base = rid_list[i] if rid_list[i] is not None else new_rid()
-            fut = outbox.loop.create_future()
+            fut = loop.create_future()
             rid = base if p.n == 1 else f"{base}_{k}"
-            deliver = outbox.deliverer(fut)
+            deliver = setter(fut)
             reqs.append(
                 Request(
                     rid=rid,

@@ -1,11 +1,15 @@
 """The CPU engine's weight updates: the weight-update group, the receiver of broadcast buckets, and loads
 from disk, as SGLang's HTTP calls.
 
-    updates = WeightUpdates(model, call=engine_call, timeout_s=600.0)
-    updates.add_routes(app.router)  # /init_weights_update_group, /update_weights_from_distributed, ...
+    # the scheduler process (engine_backend): call(fn) runs fn(scheduler) on the engine thread and waits
+    updates = WeightUpdates(model, call=run_on_engine_thread, timeout_s=600.0)
+    ok, message, extra = updates.update_weights_from_distributed(body)  # WEIGHT_ROUTES: path -> method
 
 Contract
-- ``/init_weights_update_group`` blocks a worker thread (not the scheduler) until the trainer joins.
+- Each op takes the call's JSON body and returns ``(success, message, extra fields)``, SGLang's answer; the HTTP
+  process reads the body and answers (``WEIGHT_ROUTES``), the scheduler process runs the op on a thread of its
+  own (``engine_backend``).
+- ``/init_weights_update_group`` blocks its thread (not the scheduler) until the trainer joins.
 - ``/update_weights_from_distributed`` fails (400) unless ``/begin_weight_update`` was called and not yet
   ended; tensors are received by ``broadcast`` from group rank 0 in the order of ``names``
   (``load_format="flattened_bucket"``: ONE uint8 broadcast holding each tensor's raw bytes back to back, in
@@ -20,27 +24,44 @@ Contract
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from aiohttp import web
 
 from asyncrl.engine.client import weight_version_note
 from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors
 from asyncrl.rollout.cpu_scheduler import Scheduler
-from asyncrl.rollout.engine_http import read_body, result, weight_version_field
+from asyncrl.rollout.engine_http import weight_version_field
 from asyncrl.rollout.sampling_params import RequestError, check_bool, check_int
 from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
 
 log = logging.getLogger("asyncrl.cpu_engine")
 
 MAX_TENSORS_PER_UPDATE = 100_000  # names in one /update_weights_from_distributed call
+
+WEIGHT_ROUTES = {
+    "/init_weights_update_group": ("init_weights_update_group", True),
+    "/destroy_weights_update_group": ("destroy_weights_update_group", True),
+    "/begin_weight_update": ("begin_weight_update", False),
+    "/end_weight_update": ("end_weight_update", False),
+    "/update_weights_from_distributed": ("update_weights_from_distributed", True),
+    "/update_weight_version": ("update_weight_version", True),
+    "/update_weights_from_disk": ("update_weights_from_disk", True),
+}
+"""POST path -> (the ``WeightUpdates`` op, whether the call needs a JSON body)."""
+WEIGHT_OPS = frozenset(op for op, _ in WEIGHT_ROUTES.values())
+
+Answer = tuple[bool, str, dict]
+"""(success, message, extra fields): SGLang's answer of a weight call."""
+
+
+def result(ok: bool, message: str, **extra) -> Answer:
+    return ok, message, extra
 
 
 def torch_dtype(name: Any) -> torch.dtype:
@@ -55,11 +76,9 @@ def torch_dtype(name: Any) -> torch.dtype:
 
 class WeightUpdates:
     """The weight-update state of one engine (its groups, the open update, the standby bank) and its handlers.
-    ``call(fn)`` runs ``fn(scheduler)`` on the engine thread between two model steps."""
+    ``call(fn)`` runs ``fn(scheduler)`` on the engine thread between two model steps and returns its result."""
 
-    def __init__(
-        self, model: CausalLM, *, call: Callable[[Callable[[Scheduler], Any]], Awaitable[Any]], timeout_s: float
-    ):
+    def __init__(self, model: CausalLM, *, call: Callable[[Callable[[Scheduler], Any]], Any], timeout_s: float):
         self.model = model
         self._call = call
         self.timeout_s = timeout_s
@@ -71,17 +90,7 @@ class WeightUpdates:
         self._flat_staging: Optional[torch.Tensor] = None
         """Reused receive buffer of the flattened format (grown to the largest bucket)."""
 
-    def add_routes(self, r: web.UrlDispatcher) -> None:
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_post("/begin_weight_update", self.begin_weight_update)
-        r.add_post("/end_weight_update", self.end_weight_update)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/update_weight_version", self.update_weight_version)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await read_body(request)
+    def init_weights_update_group(self, body: dict) -> Answer:
         try:
             addr, name, backend = (
                 body.get("master_address"),
@@ -101,8 +110,7 @@ class WeightUpdates:
         if name in self.groups:
             return result(False, f"group {name!r} already exists; destroy it first")
         try:
-            pg = await asyncio.to_thread(
-                init_weight_update_group,
+            pg = init_weight_update_group(
                 addr,
                 port,
                 rank,
@@ -118,34 +126,30 @@ class WeightUpdates:
         log.info("joined weight-update group %s at %s:%d as rank %d/%d", name, addr, port, rank, world)
         return result(True, "Succeeded to initialize custom process group.")
 
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await read_body(request)
+    def destroy_weights_update_group(self, body: dict) -> Answer:
         name = body.get("group_name", "weight_update_group")
         if not isinstance(name, str):
             return result(False, f"group_name must be a string, got {name!r:.80}")
         pg = self.groups.pop(name, None)
         if pg is None:
             return result(False, f"group {name!r} does not exist")
-        await self._call(lambda s: destroy_weight_update_group(pg))
+        self._call(lambda s: destroy_weight_update_group(pg))
         return result(True, "Succeeded to destroy custom process group.")
 
-    async def begin_weight_update(self, request: web.Request) -> web.Response:
-        body = await read_body(request, required=False)
+    def begin_weight_update(self, body: dict) -> Answer:
         selector = body.get("selector", "all")
         if selector != "all":
             return result(False, f"selector={selector!r} is not supported (only 'all')")
         self.update_open = True
         return result(True, "Weight update begun.")
 
-    async def end_weight_update(self, request: web.Request) -> web.Response:
-        await read_body(request, required=False)
+    def end_weight_update(self, body: dict) -> Answer:
         if not self.update_open:
             return result(False, "no weight update in progress: call /begin_weight_update first")
         self.update_open = False
         return result(True, "Weight update ended.")
 
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await read_body(request)
+    def update_weights_from_distributed(self, body: dict) -> Answer:
         name = body.get("group_name", "weight_update_group")
         if not isinstance(name, str):
             return result(False, f"group_name must be a string, got {name!r:.80}")
@@ -167,9 +171,9 @@ class WeightUpdates:
         except RequestError as e:
             return result(False, str(e))
         if abort_all:
-            await self._call(lambda s: s.abort(abort_all=True))
+            self._call(lambda s: s.abort(abort_all=True))
         fn = lambda s: self._receive(s, pg, names, dts, shapes, fmt, flush, version)  # noqa: E731
-        ok, msg = await self._call(fn)
+        ok, msg = self._call(fn)
         return result(ok, msg)
 
     def check_update(self, body: dict) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
@@ -295,13 +299,12 @@ class WeightUpdates:
         )
         return True, msg
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+    def update_weights_from_disk(self, body: dict) -> Answer:
         """SGLang's ``/update_weights_from_disk``: ``{model_path, load_format?, weight_version?,
         abort_all_requests?, flush_cache?}`` -> ``{success, message, num_paused_requests}``. The files are
         read on a worker thread; the copy into the model runs on the engine thread, between two model
         steps (never mid-forward). Every tensor's name and shape are checked before any is copied, so a
         failed load leaves the running weights untouched. ``weight_version`` (when given) is set."""
-        body = await read_body(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             return result(False, "update_weights_from_disk: model_path is required")
@@ -318,11 +321,11 @@ class WeightUpdates:
             )
         t0 = time.monotonic()
         try:
-            named = await asyncio.to_thread(self._read_checkpoint, Path(path))
+            named = self._read_checkpoint(Path(path))
         except (FileNotFoundError, KeyError, ValueError, OSError) as e:
             return result(False, f"Failed to load weights from {path!r}: {e}")
         if body.get("abort_all_requests"):
-            await self._call(lambda s: s.abort(abort_all=True))
+            self._call(lambda s: s.abort(abort_all=True))
 
         def apply(s: Scheduler) -> str:
             self.model.load_weights(named)  # names and shapes checked in _read_checkpoint
@@ -332,7 +335,7 @@ class WeightUpdates:
                 s.weight_version = version
             return s.weight_version
 
-        v = await self._call(apply)
+        v = self._call(apply)
         log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
         return result(
             True, f"Succeeded to update model weights from {path}. Weight version {v}.", num_paused_requests=0
@@ -363,8 +366,7 @@ class WeightUpdates:
             raise ValueError(f"{str(d)!r}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
         return named
 
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await read_body(request)
+    def update_weight_version(self, body: dict) -> Answer:
         if "new_version" not in body:
             return result(False, "new_version is required")
         try:
@@ -380,7 +382,7 @@ class WeightUpdates:
                 s.abort(abort_all=True)
             s.weight_version = v
 
-        await self._call(apply)
+        self._call(apply)
         return result(True, f"Weight version updated to {v}", new_version=v)
 
     # ---- info / metrics ------------------------------------------------------------------

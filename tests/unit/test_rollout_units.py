@@ -253,36 +253,3 @@ def test_prefix_cache_matches_a_brute_force_lru():
                 ref.move_to_end(best_key)
         assert list(cache.entries) == list(ref)
         assert cache.tokens == sum(map(len, ref))
-
-
-def test_outbox_hands_a_steps_answers_over_in_one_wake_up():
-    """Answers delivered on another thread (the engine's) reach their futures only at ``flush``, all of them in one
-    ``call_soon_threadsafe`` (one wake-up of the loop), and a future already done (cancelled) is left alone."""
-    import asyncio
-    import threading
-
-    from asyncrl.rollout.engine_http import Outbox
-
-    loop = asyncio.new_event_loop()
-    try:
-        outbox = Outbox(loop)
-        wakeups = []
-        real = loop.call_soon_threadsafe
-        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
-        futs = [loop.create_future() for _ in range(4)]
-        futs[3].cancel()
-        delivers = [outbox.deliverer(f) for f in futs]
-        t = threading.Thread(target=lambda: [d({"i": i}) for i, d in enumerate(delivers)])
-        t.start()
-        t.join()
-        assert not any(f.done() for f in futs[:3]) and wakeups == []
-        t = threading.Thread(target=outbox.flush)
-        t.start()
-        t.join()
-        got = loop.run_until_complete(asyncio.wait_for(asyncio.gather(*futs[:3]), timeout=10))
-        assert got == [{"i": 0}, {"i": 1}, {"i": 2}] and futs[3].cancelled()
-        assert len(wakeups) == 1
-        outbox.flush()  # nothing queued: no wake-up
-        assert len(wakeups) == 1
-    finally:
-        loop.close()

@@ -1,0 +1,273 @@
+"""The CPU engine's scheduler process: the model, the ``Scheduler`` and the weight updates, behind a ZeroMQ pair
+to the engine's HTTP process. The split SGLang makes: its HTTP process (TokenizerManager) parses and tokenizes,
+its Scheduler runs in a process of its own, and the two exchange pickled objects over ZeroMQ ipc.
+
+    # the HTTP process (engine_link.SchedulerLink.start) binds both ends, then forks this process:
+    serve(args, to_backend="ipc://.../in", from_backend="ipc://.../out", parent_pid=os.getppid())  # never returns
+
+Why a process of its own: in one process the HTTP thread's Python and the engine thread's Python share one GIL
+and run in series while the second core idles (concurrency 64 of ``benchmarks/engine_bench.py`` on 2 cores:
+engine thread 0.45 s + HTTP thread 0.09 s of CPU in a 0.55 s run).
+
+Messages (pickled tuples, one ZeroMQ message each)
+- HTTP -> here: ``("submit", [RequestSpec, ...])``; ``("call", cid, op, args)``; ``("stop",)``.
+- here -> HTTP: ``("ready", info)`` once the model is loaded and the torch.distributed world is up, or
+  ``("failed", message)`` and exit status 1; ``("out", [(rid, answer), ...], state)`` after a step or a round of
+  control calls that finished requests; ``("reply", cid, ok, value, state)``. ``state`` is ``(paused,
+  weight_version)`` taken under the send lock: the HTTP side mirrors the two fields it answers without a call.
+- ``op``: an engine-thread op (``ENGINE_OPS``: runs between two model steps through ``Scheduler.call``) or a
+  weight-update op (``WEIGHT_OPS``: ``WeightUpdates`` methods, each on a thread of its own, since joining a
+  group blocks until the trainer joins).
+
+Lifetime: this process dies with its parent (``PR_SET_PDEATHSIG``) and ignores SIGTERM/SIGINT (the parent, which
+receives them with it as one process group, stops it with ``("stop",)``). A crash of the engine thread exits it
+with status 1; the parent notices and exits with status 1 too (``engine_link``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+from tokenizers import Tokenizer
+
+from asyncrl.cluster.process import die_with_parent
+from asyncrl.rollout.cpu_model import load_model
+from asyncrl.rollout.cpu_scheduler import Scheduler
+from asyncrl.rollout.engine_args import EngineArgs, init_engine_world
+from asyncrl.rollout.request import Request
+from asyncrl.rollout.sampling_params import RequestError, SamplingParams
+from asyncrl.rollout.weight_updates import WEIGHT_OPS, WeightUpdates
+
+log = logging.getLogger("asyncrl.cpu_engine")
+
+# The interpreter's GIL switch interval in the scheduler process (CPython's default is 5 ms). The engine thread
+# drops the GIL in every torch op; when the receiver thread takes it then (a new request, a control call) it keeps
+# it for its whole burst, up to the interval, while the engine thread waits to re-enter Python. At 0.2 ms the
+# engine thread gets it back within 0.2 ms.
+SWITCH_INTERVAL_S = 0.0002
+
+
+@dataclass
+class RequestSpec:
+    """A checked request as the HTTP process hands it over (``Request`` without its callback and run state)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    created_s: float
+
+
+def _server_info(s: Scheduler) -> dict:
+    return {**s.metrics(), "paused": s.paused}
+
+
+ENGINE_OPS = {
+    "ping": lambda s: True,
+    "abort": lambda s, rid="", abort_all=False: s.abort(rid, abort_all=abort_all),
+    "pause": lambda s, mode: s.pause(mode),
+    "resume": lambda s: s.resume(),
+    "flush_cache": lambda s: s.flush_cache(),
+    "metrics": lambda s: s.metrics(),
+    "server_info": _server_info,
+}
+"""Ops run on the engine thread between two model steps: name -> fn(scheduler, *args)."""
+
+
+class Backend:
+    """The scheduler process's state: the model, its scheduler and weight updates, the answers of the current
+    step, and the socket back to the HTTP process (shared by the engine thread and the weight-op threads)."""
+
+    def __init__(self, args: EngineArgs, push: zmq.Socket):
+        self.args = args
+        self._push = push
+        self._send_lock = threading.Lock()
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        t0 = time.monotonic()
+        self.model = load_model(args.model_path)
+        self.tokenizer = Tokenizer.from_file(str(Path(args.model_path) / "tokenizer.json"))
+        self.scheduler = Scheduler(
+            self.model,
+            lambda ids, skip: self.tokenizer.decode(ids, skip_special_tokens=skip),
+            max_running_requests=args.max_running_requests,
+            seed=args.seed,
+            weight_version=args.weight_version,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+            context_length=args.context_length,
+            after_step=self._flush,
+        )
+        self.weights = WeightUpdates(self.model, call=self._on_engine, timeout_s=args.weight_sync_timeout_s)
+        self._answers: list[tuple[str, dict]] = []
+        self._answers_lock = threading.Lock()
+        self._stop = threading.Event()
+        log.info(
+            "loaded %s (%s, %d layers) in %.1fs",
+            args.model_path,
+            self.model.spec.model_type,
+            self.model.spec.num_layers,
+            time.monotonic() - t0,
+        )
+
+    def info(self) -> dict:
+        s = self.scheduler
+        return {
+            "vocab_size": self.model.spec.vocab_size,
+            "model_type": self.model.spec.model_type,
+            "context_length": s.context_length,
+            "max_total_num_tokens": s.kv.max_rows * s.context_length,
+        }
+
+    # ---- sending (any thread) ---------------------------------------------------------------
+    def _send(self, kind: str, *fields: Any) -> None:
+        """One message to the HTTP process, with the scheduler's (paused, weight_version) as of now."""
+        with self._send_lock:
+            state = (self.scheduler.paused, self.scheduler.weight_version)
+            self._push.send(pickle.dumps((kind, *fields, state), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def announce(self) -> None:
+        self._push.send(pickle.dumps(("ready", self.info())))
+
+    def _deliverer(self, rid: str):
+        def deliver(out: dict) -> None:
+            with self._answers_lock:
+                self._answers.append((rid, out))
+
+        return deliver
+
+    def _flush(self) -> None:
+        """Engine thread, after each step and each round of control calls: that step's answers in one message."""
+        with self._answers_lock:
+            items, self._answers = self._answers, []
+        if items:
+            self._send("out", items)
+
+    def _reply(self, cid: int, ok: bool, value: Any) -> None:
+        try:
+            self._send("reply", cid, ok, value)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # an exception that does not pickle
+            self._send("reply", cid, False, RuntimeError(f"{type(value).__name__}: {value} ({e})"))
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def run_engine(self) -> None:
+        try:
+            self.scheduler.run(self._stop)
+        except BaseException:
+            log.error("engine thread crashed:\n%s", traceback.format_exc())
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _on_engine(self, fn):
+        """Run ``fn(scheduler)`` on the engine thread between two steps and wait for it (weight-op threads)."""
+        return self.scheduler.call(fn).result()
+
+    # ---- the receiver (this process's main thread) ------------------------------------------------
+    def handle(self, msg: tuple) -> bool:
+        """One message from the HTTP process; False once it asked to stop."""
+        kind = msg[0]
+        if kind == "submit":
+            for spec in msg[1]:
+                self._submit(spec)
+        elif kind == "call":
+            _, cid, op, args = msg
+            self._call(cid, op, args)
+        elif kind == "stop":
+            return False
+        else:
+            log.error("unknown message %r from the HTTP process: ignored", kind)
+        return True
+
+    def _submit(self, spec: RequestSpec) -> None:
+        req = Request(
+            rid=spec.rid,
+            input_ids=spec.input_ids,
+            params=spec.params,
+            return_logprob=spec.return_logprob,
+            logprob_start_len=spec.logprob_start_len,
+            created_s=spec.created_s,
+            deliver=self._deliverer(spec.rid),
+        )
+        try:
+            self.scheduler.submit(req)
+        except RequestError as e:  # the HTTP process checked it: answer it aborted rather than lose it
+            req.finish_reason = {"type": "abort", "message": str(e)}
+            self.scheduler.call(lambda s: req.deliver(s.response(req)))
+
+    def _call(self, cid: int, op: str, args: tuple) -> None:
+        fn = ENGINE_OPS.get(op)
+        if fn is not None:
+            fut = self.scheduler.call(lambda s: fn(s, *args))
+            fut.add_done_callback(lambda f: self._reply(cid, f.exception() is None, f.exception() or f.result()))
+            return
+        if op not in WEIGHT_OPS:
+            self._reply(cid, False, RequestError(f"unknown engine op {op!r}"))
+            return
+
+        def run_weight_op() -> None:
+            try:
+                value = getattr(self.weights, op)(*args)
+            except BaseException as e:  # handed to the HTTP process, which answers with it
+                log.error("%s failed:\n%s", op, traceback.format_exc())
+                self._reply(cid, False, e)
+            else:
+                self._reply(cid, True, value)
+
+        threading.Thread(target=run_weight_op, name=f"weights-{op}", daemon=True).start()
+
+    def stop(self, engine: threading.Thread) -> None:
+        self._stop.set()
+        engine.join(timeout=10)
+
+
+def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: int) -> None:
+    """The scheduler process's whole life (forked from the HTTP process; exits, never returns)."""
+    die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        os._exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for s in (pull, push):
+        s.setsockopt(zmq.LINGER, 2000)
+    push.setsockopt(zmq.SNDHWM, 0)
+    pull.connect(to_backend)
+    push.connect(from_backend)
+    try:
+        init_engine_world(args)
+        backend = Backend(args, push)
+    except BaseException as e:
+        log.error("the scheduler process failed to start:\n%s", traceback.format_exc())
+        push.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
+        push.close()
+        os._exit(1)
+    engine = threading.Thread(target=backend.run_engine, name="cpu-engine", daemon=True)
+    engine.start()
+    backend.announce()
+    code = 0
+    try:
+        while backend.handle(pickle.loads(pull.recv())):
+            pass
+    except BaseException:
+        log.error("the scheduler process's receiver crashed:\n%s", traceback.format_exc())
+        code = 1
+    backend.stop(engine)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["ENGINE_OPS", "RequestSpec", "serve"]
