@@ -46,7 +46,7 @@ from asyncrl.rollout.engine_link import SchedulerFailed, SchedulerLink
 from asyncrl.rollout.engine_metrics import DISCONNECT_SERIES, prometheus_text
 from asyncrl.rollout.request import Request
 from asyncrl.rollout.sampling_params import RequestError, check_bool, parse_sampling_params
-from asyncrl.rollout.weight_updates import WEIGHT_ROUTES
+from asyncrl.rollout.weight_updates import WEIGHT_ROUTES, UpdateWindow
 
 __all__ = ["CpuEngine", "EngineArgs", "main", "parse_args"]
 
@@ -64,6 +64,8 @@ class CpuEngine:
         self.args = args
         self.link = link
         self.tokenizer = tokenizer
+        self.window = UpdateWindow()
+        """Whether a weight update is open (begin .. end): answered here, not in the scheduler process."""
         self.num_disconnect_aborts = 0
         self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
         """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
@@ -99,6 +101,8 @@ class CpuEngine:
         r.add_post("/continue_generation", self.continue_generation)
         for path, (op, required) in WEIGHT_ROUTES.items():
             r.add_post(path, self._weight_op(op, required))
+        r.add_post("/begin_weight_update", self._window_op(self.window.begin))
+        r.add_post("/end_weight_update", self._window_op(self.window.end))
         r.add_route("*", "/flush_cache", self.flush_cache)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
@@ -119,7 +123,14 @@ class CpuEngine:
 
         async def handler(request: web.Request) -> web.Response:
             body = await read_body(request, required=required)
-            ok, message, extra = await self._call(op, body)
+            ok, message, extra = self.window.refusal(op) or await self._call(op, body)
+            return result(ok, message, **extra)
+
+        return handler
+
+    def _window_op(self, op):
+        async def handler(request: web.Request) -> web.Response:
+            ok, message, extra = op(await read_body(request, required=False))
             return result(ok, message, **extra)
 
         return handler

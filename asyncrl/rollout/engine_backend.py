@@ -15,9 +15,10 @@ Messages (pickled tuples, one ZeroMQ message each)
   ``("failed", message)`` and exit status 1; ``("out", [(rid, answer), ...], state)`` after a step or a round of
   control calls that finished requests; ``("reply", cid, ok, value, state)``. ``state`` is ``(paused,
   weight_version)`` taken under the send lock: the HTTP side mirrors the two fields it answers without a call.
-- ``op``: an engine-thread op (``ENGINE_OPS``: runs between two model steps through ``Scheduler.call``) or a
-  weight-update op (``WEIGHT_OPS``: ``WeightUpdates`` methods, each on a thread of its own, since joining a
-  group blocks until the trainer joins).
+- ``op``: an engine-thread op (``ENGINE_OPS``) or a weight-update op (``WEIGHT_OPS``: ``WeightUpdates`` methods),
+  run between two model steps on the engine thread through ``Scheduler.call``; the weight ops that wait on
+  something else (``WAITING_OPS``: joining a group waits for the trainer, a load from disk reads files) run on a
+  thread of their own.
 
 Lifetime: this process dies with its parent (``PR_SET_PDEATHSIG``) and ignores SIGTERM/SIGINT (the parent, which
 receives them with it as one process group, stops it with ``("stop",)``). A crash of the engine thread exits it
@@ -48,7 +49,7 @@ from asyncrl.rollout.cpu_scheduler import Scheduler
 from asyncrl.rollout.engine_args import EngineArgs, init_engine_world
 from asyncrl.rollout.request import Request
 from asyncrl.rollout.sampling_params import RequestError, SamplingParams
-from asyncrl.rollout.weight_updates import WEIGHT_OPS, WeightUpdates
+from asyncrl.rollout.weight_updates import WAITING_OPS, WEIGHT_OPS, WeightUpdates
 
 log = logging.getLogger("asyncrl.cpu_engine")
 
@@ -114,6 +115,7 @@ class Backend:
         self._answers: list[tuple[str, dict]] = []
         self._answers_lock = threading.Lock()
         self._stop = threading.Event()
+        self._engine_thread = threading.Thread(target=self.run_engine, name="cpu-engine", daemon=True)
         log.info(
             "loaded %s (%s, %d layers) in %.1fs",
             args.model_path,
@@ -171,7 +173,9 @@ class Backend:
             os._exit(1)
 
     def _on_engine(self, fn):
-        """Run ``fn(scheduler)`` on the engine thread between two steps and wait for it (weight-op threads)."""
+        """Run ``fn(scheduler)`` on the engine thread between two steps and wait for it (at once when called there)."""
+        if threading.current_thread() is self._engine_thread:
+            return fn(self.scheduler)
         return self.scheduler.call(fn).result()
 
     # ---- the receiver (this process's main thread) ------------------------------------------------
@@ -208,6 +212,9 @@ class Backend:
 
     def _call(self, cid: int, op: str, args: tuple) -> None:
         fn = ENGINE_OPS.get(op)
+        if fn is None and op in WEIGHT_OPS and op not in WAITING_OPS:
+            fn = getattr(self.weights, op)
+            fn = lambda s, *a, _op=fn: _op(*a)  # noqa: E731  (on the engine thread: its calls run at once)
         if fn is not None:
             fut = self.scheduler.call(lambda s: fn(s, *args))
             fut.add_done_callback(lambda f: self._reply(cid, f.exception() is None, f.exception() or f.result()))
@@ -227,9 +234,12 @@ class Backend:
 
         threading.Thread(target=run_weight_op, name=f"weights-{op}", daemon=True).start()
 
-    def stop(self, engine: threading.Thread) -> None:
+    def start(self) -> None:
+        self._engine_thread.start()
+
+    def stop(self) -> None:
         self._stop.set()
-        engine.join(timeout=10)
+        self._engine_thread.join(timeout=10)
 
 
 def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: int) -> None:
@@ -255,8 +265,7 @@ def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: i
         push.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
         push.close()
         os._exit(1)
-    engine = threading.Thread(target=backend.run_engine, name="cpu-engine", daemon=True)
-    engine.start()
+    backend.start()
     backend.announce()
     code = 0
     try:
@@ -265,7 +274,7 @@ def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: i
     except BaseException:
         log.error("the scheduler process's receiver crashed:\n%s", traceback.format_exc())
         code = 1
-    backend.stop(engine)
+    backend.stop()
     sys.stderr.flush()
     os._exit(code)
 
