@@ -20,7 +20,10 @@ Where the engine's time goes: a third side, interleaved with the two, drives the
 model, same ``max_running_requests``, same threads, the real tokenizer for the answers' text) in this process with
 no HTTP: a finished request's replacement is handed in at once, from its ``deliver`` callback. ``direct_s`` and
 ``http_path_share`` (1 - direct / engine, medians) say how much of the engine's time is its HTTP path (client
-and server, the two threads of the engine process, a replacement's round trip) rather than the model.
+and server, the hop between the engine's HTTP process and its scheduler process, a replacement's round trip)
+rather than the model. Cores: the model runs on one torch thread on every side; the engine, as SGLang, answers
+HTTP in a process of its own beside its scheduler (the HF side has no HTTP to answer), so ``direct_s`` against
+``hf_s`` is the model-and-scheduler comparison with no second process at all.
 Prints ONE JSON object on the last line.
 """
 
