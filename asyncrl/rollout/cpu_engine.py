@@ -123,7 +123,7 @@ class CpuEngine:
 
         async def handler(request: web.Request) -> web.Response:
             body = await read_body(request, required=required)
-            ok, message, extra = self.window.refusal(op) or await self._call(op, body)
+            ok, message, extra = self.window.refusal(op, body) or await self._call(op, body)
             return result(ok, message, **extra)
 
         return handler

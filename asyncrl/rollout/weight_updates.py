@@ -97,9 +97,11 @@ class UpdateWindow:
         self.open = False
         return result(True, "Weight update ended.")
 
-    def refusal(self, op: str) -> Optional[Answer]:
-        """The answer to ``op`` when it must not run now (an update while no update is open), else None."""
-        if op == "update_weights_from_distributed" and not self.open:
+    def refusal(self, op: str, body: dict) -> Optional[Answer]:
+        """The answer to ``op`` when it must not run now (an update while no update is open), else None. A body
+        whose ``group_name`` is not a string goes on: the op's own check names that field first."""
+        named = isinstance(body.get("group_name", "weight_update_group"), str)
+        if op == "update_weights_from_distributed" and not self.open and named:
             return result(
                 False, "weight update not begun: call /begin_weight_update before /update_weights_from_distributed"
             )

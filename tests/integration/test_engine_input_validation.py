@@ -169,6 +169,22 @@ def test_bad_control_field_is_400_naming_it(engine, path, body, field):
     assert field in message and out.get("success", False) is False, out
 
 
+def test_weight_update_outside_begin_end_is_refused_in_order(engine):
+    """The HTTP process keeps the update window (begin .. end): an update or an end outside it is a 400 saying so;
+    inside it an update reaches the scheduler process, which names the group it lacks."""
+    status, out = _post(engine.url, "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []})
+    assert status == 400 and "/begin_weight_update" in out["message"], out
+    status, out = _post(engine.url, "/end_weight_update", {})
+    assert status == 400 and "no weight update in progress" in out["message"], out
+    assert _post(engine.url, "/begin_weight_update", {"selector": "some"})[0] == 400
+    try:
+        assert _post(engine.url, "/begin_weight_update", {})[0] == 200
+        status, out = _post(engine.url, "/update_weights_from_distributed", {"group_name": "nope"})
+        assert status == 400 and "group 'nope' does not exist" in out["message"], out
+    finally:
+        assert _post(engine.url, "/end_weight_update", {})[0] == 200
+
+
 def test_abort_all_string_false_aborts_nothing(engine):
     async def go():
         async with aiohttp.ClientSession() as s:
