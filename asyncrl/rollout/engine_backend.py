@@ -179,6 +179,15 @@ class Backend:
         return self.scheduler.call(fn).result()
 
     # ---- the receiver (this process's main thread) ------------------------------------------------
+    def receive(self, raw: bytes) -> bool:
+        """One message from the HTTP process; False once it asked to stop. One that cannot be read or handled is
+        logged and skipped (the receiver never dies: the engine would stop taking requests)."""
+        try:
+            return self.handle(pickle.loads(raw))
+        except Exception:
+            log.exception("a message from the HTTP process (%d bytes) could not be handled: skipped", len(raw))
+            return True
+
     def handle(self, msg: tuple) -> bool:
         """One message from the HTTP process; False once it asked to stop."""
         kind = msg[0]
@@ -267,16 +276,11 @@ def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: i
         os._exit(1)
     backend.start()
     backend.announce()
-    code = 0
-    try:
-        while backend.handle(pickle.loads(pull.recv())):
-            pass
-    except BaseException:
-        log.error("the scheduler process's receiver crashed:\n%s", traceback.format_exc())
-        code = 1
+    while backend.receive(pull.recv()):
+        pass
     backend.stop()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)
 
 
 __all__ = ["ENGINE_OPS", "RequestSpec", "serve"]

@@ -144,25 +144,34 @@ class SchedulerLink:
         self._reader = asyncio.create_task(self._read(zmq.asyncio.Socket.from_socket(self._pull)))
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        """Every message of the scheduler process, in order; one that cannot be read is logged and skipped (the
+        reader never dies: every later answer would be lost with it)."""
         while True:
-            msg = pickle.loads(await sock.recv())
-            kind, state = msg[0], msg[-1]
+            raw = await sock.recv()
+            try:
+                self._handle(pickle.loads(raw))
+            except Exception:
+                log.exception("a message from the scheduler process (%d bytes) could not be handled: skipped", len(raw))
+
+    def _handle(self, msg: tuple) -> None:
+        kind, state = msg[0], msg[-1]
+        if kind in ("out", "reply"):
             self.paused, self.weight_version = state
-            if kind == "out":
-                for rid, answer in msg[1]:
-                    deliver = self._live.pop(rid, None)
-                    if deliver is not None:
-                        deliver(answer)
-            elif kind == "reply":
-                _, cid, ok, value, _ = msg
-                fut = self._calls.pop(cid, None)
-                if fut is not None and not fut.done():
-                    if ok:
-                        fut.set_result(value)
-                    else:
-                        fut.set_exception(value if isinstance(value, BaseException) else RuntimeError(str(value)))
-            else:
-                log.error("unknown message %r from the scheduler process: ignored", kind)
+        if kind == "out":
+            for rid, answer in msg[1]:
+                deliver = self._live.pop(rid, None)
+                if deliver is not None:
+                    deliver(answer)
+        elif kind == "reply":
+            _, cid, ok, value, _ = msg
+            fut = self._calls.pop(cid, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value if isinstance(value, BaseException) else RuntimeError(str(value)))
+        else:
+            log.error("unknown message %r from the scheduler process: ignored", kind)
 
     def submit(self, reqs: list[Request]) -> None:
         """Hand checked requests to the scheduler (all or nothing: ``RequestError`` before any is sent)."""

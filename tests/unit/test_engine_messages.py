@@ -1,0 +1,88 @@
+"""The CPU engine's two processes skip a message they cannot read instead of dying (real ZeroMQ sockets, a real
+tiny model): the scheduler process's receiver after garbage and a malformed call still serves a request, and the
+HTTP process's reader after garbage still resolves a call's future."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+
+import pytest
+import zmq
+
+from asyncrl.models.tiny import make_tiny_checkpoint
+from asyncrl.rollout.engine_args import parse_args
+from asyncrl.rollout.engine_backend import Backend, RequestSpec
+from asyncrl.rollout.engine_link import SchedulerLink
+from asyncrl.rollout.sampling_params import parse_sampling_params
+
+
+@pytest.fixture
+def args(tmp_path):
+    model = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64
+    )
+    return parse_args(["--model-path", str(model), "--port", "1", "--weight-version", "7"])
+
+
+def test_scheduler_process_receiver_skips_unreadable_messages_and_keeps_serving(args, tmp_path):
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    addr = f"ipc://{tmp_path}/out"
+    pull.bind(addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(addr)
+    backend = Backend(args, push)
+    backend.start()
+    try:
+        assert backend.receive(b"not a pickle") is True
+        assert backend.receive(pickle.dumps(("call", 1))) is True  # a call without its fields
+        assert backend.receive(pickle.dumps(("nonsense",))) is True
+        assert backend.receive(pickle.dumps(("call", 2, "no_such_op", ()))) is True
+        kind, cid, ok, value, state = pickle.loads(pull.recv())
+        assert (kind, cid, ok) == ("reply", 2, False) and "no_such_op" in str(value) and state == (None, "7")
+        spec = RequestSpec("r1", [1, 2, 3], parse_sampling_params({"max_new_tokens": 3}), False, -1, 0.0)
+        assert backend.receive(pickle.dumps(("submit", [spec]))) is True
+        assert pull.poll(30_000), "the request after the bad messages was never answered"
+        kind, items, state = pickle.loads(pull.recv())
+        assert kind == "out" and [rid for rid, _ in items] == ["r1"]
+        assert items[0][1]["meta_info"]["completion_tokens"] == 3 and state == (None, "7")
+        assert backend.receive(pickle.dumps(("stop",))) is False
+    finally:
+        backend.stop()
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+
+
+def test_http_process_reader_skips_unreadable_messages_and_still_resolves_calls(args):
+    link = SchedulerLink(args)  # sockets bound, no scheduler process forked: this test plays it
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(link.from_backend)
+    pull = ctx.socket(zmq.PULL)  # the calls' end (a PUSH with no peer would hold them)
+    pull.connect(link.to_backend)
+    got = {}
+
+    async def go():
+        await link.open()
+        fut = link.call("ping")
+        push.send(b"garbage")
+        push.send(pickle.dumps(("reply",)))  # too short to be a reply
+        push.send(pickle.dumps(("reply", 0, True, "pong", ("retract", "9"))))
+        got["value"] = await asyncio.wait_for(fut, 30)
+        got["sent"] = pickle.loads(pull.recv())
+        link._reader.cancel()
+
+    try:
+        t = threading.Thread(target=lambda: asyncio.run(go()))
+        t.start()
+        t.join(60)
+        assert got.get("value") == "pong" and got["sent"] == ("call", 0, "ping", ())
+        assert (link.paused, link.weight_version) == ("retract", "9")
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+        link.stop()
