@@ -97,11 +97,32 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def _ppid(pid: int) -> int:
+def wait_for(pred, what: str, timeout_s: float = 30.0):
+    """``pred()``'s first truthy value, polled every 50 ms; the test fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def ppid(pid: int) -> int:
+    """``pid``'s parent (-1 once it is gone)."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return False
+    return "zombie" not in state
 
 
 def cmdline(pid: int) -> str:
@@ -252,7 +273,7 @@ class TinyJob:
     def engine_pid(self) -> int | None:
         """The CPU engine: the child of one of this job's ranks."""
         ranks = set(pids_mentioning(str(self.run_dir)))
-        pids = [p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if _ppid(p) in ranks]
+        pids = [p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if ppid(p) in ranks]
         return pids[0] if len(pids) == 1 else None
 
     def engine_port(self) -> int:
@@ -279,4 +300,4 @@ class TinyJob:
     def leftovers(self) -> list[int]:
         """The job's processes: torchrun, ranks and broker name the run directory; engines are children of ranks."""
         mine = set(pids_mentioning(str(self.run_dir)))
-        return sorted(mine | {p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if _ppid(p) in mine})
+        return sorted(mine | {p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if ppid(p) in mine})

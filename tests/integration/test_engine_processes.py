@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from proc_helpers import free_port
+from proc_helpers import alive, free_port, ppid, wait_for
 
 from asyncrl.models.tiny import make_tiny_checkpoint
 
@@ -22,33 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
-    except (OSError, StopIteration):
-        return False
-    return "zombie" not in state
-
-
 def _children(pid: int) -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid]
-
-
-def _wait(pred, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and ppid(int(p)) == pid]
 
 
 def _healthy(url: str) -> bool:
@@ -77,7 +52,7 @@ def engine(tmp_path):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(lambda: _healthy(url) or p.poll() is not None, "the engine to answer /health")
+        wait_for(lambda: _healthy(url) or p.poll() is not None, "the engine to answer /health", timeout_s=120)
         assert p.poll() is None, log.read_text()[-2000:]
         yield p, url, log
     finally:
@@ -101,7 +76,7 @@ def test_sigkilled_engine_takes_its_scheduler_process_along(engine):
     (sched,) = _children(p.pid)
     os.kill(p.pid, signal.SIGKILL)  # the engine alone, not its process group
     p.wait(timeout=30)
-    _wait(lambda: not _alive(sched), "the scheduler process to die with the engine", timeout_s=10)
+    wait_for(lambda: not alive(sched), "the scheduler process to die with the engine", timeout_s=10)
 
 
 def test_sigterm_stops_both_processes_with_status_0(engine):
@@ -109,7 +84,7 @@ def test_sigterm_stops_both_processes_with_status_0(engine):
     (sched,) = _children(p.pid)
     os.killpg(p.pid, signal.SIGTERM)  # as the launcher stops an engine: its whole process group
     assert p.wait(timeout=30) == 0, log.read_text()[-2000:]
-    _wait(lambda: not _alive(sched), "the scheduler process to stop", timeout_s=10)
+    wait_for(lambda: not alive(sched), "the scheduler process to stop", timeout_s=10)
 
 
 def test_model_that_fails_to_load_exits_1_naming_why_before_the_port_answers(tmp_path):

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from proc_helpers import pids_mentioning
+from proc_helpers import alive, pids_mentioning, ppid, wait_for
 
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.rollout.sglang_launcher import EngineLaunchError, HealthTracker
@@ -27,16 +27,6 @@ def _post(url: str, path: str, body: bytes = b"{}") -> int:
     req = urllib.request.Request(url + path, data=body, method="POST", headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return r.status
-
-
-def _wait(pred, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def test_stopped_engine_is_called_hung_and_relaunched(tmp_path):
@@ -64,7 +54,7 @@ def test_stopped_engine_is_called_hung_and_relaunched(tmp_path):
         assert sup.pid != first and sup.restarts == 1 and sup.probe(timeout_s=5)
         assert not Path(f"/proc/{first}").exists() or "zombie" in Path(f"/proc/{first}/status").read_text()
         os.kill(sup.pid, signal.SIGKILL)
-        _wait(lambda: not sup.alive(), "the killed engine to be seen dead")
+        wait_for(lambda: not sup.alive(), "the killed engine to be seen dead")
         with pytest.raises(
             EngineLaunchError,
             match=r"cpu_engine_\d+ at http.* after 1 restart\(s\) "
@@ -131,38 +121,16 @@ def test_sigkilled_parent_takes_the_rank_and_its_children(tmp_path, agent):
     )
     try:
         rank = int(agent.stdout.readline())
-        engine = _wait(
-            lambda: next((p for p in pids_mentioning("time.sleep(600)") if _ppid(p) == rank), None), "the rank's child"
+        engine = wait_for(
+            lambda: next((p for p in pids_mentioning("time.sleep(600)") if ppid(p) == rank), None), "the rank's child"
         )
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)
-        _wait(lambda: not _running(rank) and not _running(engine), "the rank and its child to exit", timeout_s=10)
+        wait_for(lambda: not alive(rank) and not alive(engine), "the rank and its child to exit", timeout_s=10)
     finally:
         for p in pids_mentioning(str(tmp_path)):
             os.kill(p, signal.SIGKILL)
         agent.kill()
-
-
-def _cmd(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
-    except (OSError, StopIteration):
-        return False
-    return "zombie" not in state
 
 
 def test_engine_helper_starts_again_when_its_port_was_taken_before_the_engine_bound_it(tmp_path, monkeypatch):
