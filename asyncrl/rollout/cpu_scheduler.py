@@ -48,6 +48,7 @@ from asyncrl.rollout.sampling_params import RequestError
 # Padded prefill tokens per forward (rows x longest feed): bounds the padding waste and the
 # attention-mask memory of one prefill batch.
 PREFILL_TOKEN_BUDGET = 2048
+IDLE_WAIT_S = 0.2  # the longest an idle engine thread waits before it looks at its stop event again
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Scheduler:
         prefix_cache_tokens: int = 32768,
         context_length: Optional[int] = None,
         after_step: Optional[Callable[[], None]] = None,
+        poll_inbox: Optional[Callable[[float], None]] = None,
     ):
         self.model = model
         self.decode = decode
@@ -110,6 +112,11 @@ class Scheduler:
         self._calls: list[tuple[Callable[[Scheduler], Any], cf.Future]] = []
         self._live: set[str] = set()  # rids submitted and not yet delivered (guarded by _cond)
         self.after_step = after_step
+        self.poll_inbox = poll_inbox
+        """When given, the engine thread's own receive (``engine_backend``: its ZeroMQ socket, read between two
+        steps as SGLang's scheduler does): ``poll_inbox(0)`` before each step takes what arrived (through
+        ``submit`` and ``call``) and ``poll_inbox(timeout_s)`` replaces the idle wait; whoever calls ``submit``
+        or ``call`` from another thread then wakes that poll itself."""
         """Called on the engine thread after each step (and each round of control calls): the engine hands the
         answers its requests' ``deliver`` callbacks queued to its event loop at once."""
 
@@ -142,6 +149,8 @@ class Scheduler:
         # no_grad, and every tensor the thread makes (KV rows, the standby bank) is only ever written on it
         with torch.inference_mode():
             while not stop.is_set():
+                if self.poll_inbox is not None:
+                    self.poll_inbox(0.0)
                 self._drain()
                 busy = self.paused is None and bool(self.running or self.waiting)
                 if busy:
@@ -150,9 +159,12 @@ class Scheduler:
                     self.after_step()
                 if busy:
                     continue
+                if self.poll_inbox is not None:
+                    self.poll_inbox(IDLE_WAIT_S)
+                    continue
                 with self._cond:
                     if not self._inbox and not self._calls:
-                        self._cond.wait(timeout=0.2)
+                        self._cond.wait(timeout=IDLE_WAIT_S)
 
     def _drain(self) -> None:
         with self._cond:

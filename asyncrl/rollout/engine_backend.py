@@ -7,7 +7,9 @@ its Scheduler runs in a process of its own, and the two exchange pickled objects
 
 Why a process of its own: in one process the HTTP thread's Python and the engine thread's Python share one GIL
 and run in series while the second core idles (concurrency 64 of ``benchmarks/engine_bench.py`` on 2 cores:
-engine thread 0.45 s + HTTP thread 0.09 s of CPU in a 0.55 s run).
+engine thread 0.45 s + HTTP thread 0.09 s of CPU in a 0.55 s run). Here the engine thread itself reads the socket
+between two model steps, as SGLang's scheduler does (``Scheduler.poll_inbox``), and waits on it when idle: no
+receiver thread takes the GIL from the model.
 
 Messages (pickled tuples, one ZeroMQ message each)
 - HTTP -> here: ``("submit", [RequestSpec, ...])``; ``("call", cid, op, args)``; ``("stop",)``.
@@ -37,7 +39,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import zmq
@@ -52,12 +54,6 @@ from asyncrl.rollout.sampling_params import RequestError, SamplingParams
 from asyncrl.rollout.weight_updates import WAITING_OPS, WEIGHT_OPS, WeightUpdates
 
 log = logging.getLogger("asyncrl.cpu_engine")
-
-# The interpreter's GIL switch interval in the scheduler process (CPython's default is 5 ms). The engine thread
-# drops the GIL in every torch op; when the receiver thread takes it then (a new request, a control call) it keeps
-# it for its whole burst, up to the interval, while the engine thread waits to re-enter Python. At 0.2 ms the
-# engine thread gets it back within 0.2 ms.
-SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass
@@ -92,9 +88,9 @@ class Backend:
     """The scheduler process's state: the model, its scheduler and weight updates, the answers of the current
     step, and the socket back to the HTTP process (shared by the engine thread and the weight-op threads)."""
 
-    def __init__(self, args: EngineArgs, push: zmq.Socket):
+    def __init__(self, args: EngineArgs, *, pull: zmq.Socket, push: zmq.Socket):
         self.args = args
-        self._push = push
+        self._pull, self._push = pull, push
         self._send_lock = threading.Lock()
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -110,12 +106,19 @@ class Backend:
             prefix_cache_tokens=args.prefix_cache_tokens,
             context_length=args.context_length,
             after_step=self._flush,
+            poll_inbox=self._poll,
         )
         self.weights = WeightUpdates(self.model, call=self._on_engine, timeout_s=args.weight_sync_timeout_s)
         self._answers: list[tuple[str, dict]] = []
         self._answers_lock = threading.Lock()
         self._stop = threading.Event()
-        self._engine_thread = threading.Thread(target=self.run_engine, name="cpu-engine", daemon=True)
+        self._engine_thread: Optional[threading.Thread] = None
+        self._wake_r, self._wake_w = os.pipe()  # another thread's control call wakes the engine thread's poll
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         log.info(
             "loaded %s (%s, %d layers) in %.1fs",
             args.model_path,
@@ -163,8 +166,10 @@ class Backend:
         except (pickle.PicklingError, TypeError, AttributeError) as e:  # an exception that does not pickle
             self._send("reply", cid, False, RuntimeError(f"{type(value).__name__}: {value} ({e})"))
 
-    # ---- the engine thread ------------------------------------------------------------------------
-    def run_engine(self) -> None:
+    # ---- the engine thread: model steps, and between them every message -----------------------------
+    def run(self) -> None:
+        """The engine loop on this thread until the HTTP process says stop; a crash exits with status 1."""
+        self._engine_thread = threading.current_thread()
         try:
             self.scheduler.run(self._stop)
         except BaseException:
@@ -172,13 +177,38 @@ class Backend:
             sys.stderr.flush()
             os._exit(1)
 
+    def _poll(self, timeout_s: float) -> None:
+        """``Scheduler.poll_inbox``: hand every message waiting on the socket to the scheduler; when ``timeout_s``
+        > 0 (idle), first wait up to that long for one (or for another thread's wake-up). As SGLang's scheduler
+        reads its socket between steps: no receiver thread contends with the model for the GIL."""
+        if timeout_s > 0 and dict(self._poller.poll(timeout_s * 1000)).get(self._wake_r):
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        while not self._stop.is_set():
+            try:
+                raw = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not self.receive(raw):
+                self._stop.set()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the engine thread has wake-ups enough
+            pass
+
     def _on_engine(self, fn):
         """Run ``fn(scheduler)`` on the engine thread between two steps and wait for it (at once when called there)."""
         if threading.current_thread() is self._engine_thread:
             return fn(self.scheduler)
-        return self.scheduler.call(fn).result()
+        fut = self.scheduler.call(fn)
+        self._wake()
+        return fut.result()
 
-    # ---- the receiver (this process's main thread) ------------------------------------------------
+    # ---- messages from the HTTP process (read on the engine thread) ---------------------------------
     def receive(self, raw: bytes) -> bool:
         """One message from the HTTP process; False once it asked to stop. One that cannot be read or handled is
         logged and skipped (the receiver never dies: the engine would stop taking requests)."""
@@ -243,12 +273,10 @@ class Backend:
 
         threading.Thread(target=run_weight_op, name=f"weights-{op}", daemon=True).start()
 
-    def start(self) -> None:
-        self._engine_thread.start()
-
     def stop(self) -> None:
+        """Ask the engine loop to end (from another thread)."""
         self._stop.set()
-        self._engine_thread.join(timeout=10)
+        self._wake()
 
 
 def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: int) -> None:
@@ -258,7 +286,6 @@ def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: i
         os._exit(1)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for s in (pull, push):
@@ -268,17 +295,14 @@ def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: i
     push.connect(from_backend)
     try:
         init_engine_world(args)
-        backend = Backend(args, push)
+        backend = Backend(args, pull=pull, push=push)
     except BaseException as e:
         log.error("the scheduler process failed to start:\n%s", traceback.format_exc())
         push.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
         push.close()
         os._exit(1)
-    backend.start()
     backend.announce()
-    while backend.receive(pull.recv()):
-        pass
-    backend.stop()
+    backend.run()  # until ("stop",)
     sys.stderr.flush()
     os._exit(0)
 

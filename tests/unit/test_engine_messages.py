@@ -26,33 +26,40 @@ def args(tmp_path):
     return parse_args(["--model-path", str(model), "--port", "1", "--weight-version", "7"])
 
 
-def test_scheduler_process_receiver_skips_unreadable_messages_and_keeps_serving(args, tmp_path):
+def test_scheduler_process_skips_unreadable_messages_and_keeps_serving(args, tmp_path):
+    """The engine loop reads its socket between steps: garbage, a call without its fields and an unknown kind are
+    logged and skipped; an unknown op is answered as a failure; the next request is served; ``stop`` ends it."""
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    addr = f"ipc://{tmp_path}/out"
-    pull.bind(addr)
-    push = ctx.socket(zmq.PUSH)
-    push.connect(addr)
-    backend = Backend(args, push)
-    backend.start()
+    to_http, to_backend = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    to_http.bind(f"ipc://{tmp_path}/out")
+    to_backend.bind(f"ipc://{tmp_path}/in")
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(f"ipc://{tmp_path}/in")
+    push.connect(f"ipc://{tmp_path}/out")
+    backend = Backend(args, pull=pull, push=push)
+    engine = threading.Thread(target=backend.run)
+    engine.start()
     try:
-        assert backend.receive(b"not a pickle") is True
-        assert backend.receive(pickle.dumps(("call", 1))) is True  # a call without its fields
-        assert backend.receive(pickle.dumps(("nonsense",))) is True
-        assert backend.receive(pickle.dumps(("call", 2, "no_such_op", ()))) is True
-        kind, cid, ok, value, state = pickle.loads(pull.recv())
+        for raw in (b"not a pickle", pickle.dumps(("call", 1)), pickle.dumps(("nonsense",))):
+            to_backend.send(raw)
+        to_backend.send(pickle.dumps(("call", 2, "no_such_op", ())))
+        assert to_http.poll(30_000), "the call after the bad messages was never answered"
+        kind, cid, ok, value, state = pickle.loads(to_http.recv())
         assert (kind, cid, ok) == ("reply", 2, False) and "no_such_op" in str(value) and state == (None, "7")
         spec = RequestSpec("r1", [1, 2, 3], parse_sampling_params({"max_new_tokens": 3}), False, -1, 0.0)
-        assert backend.receive(pickle.dumps(("submit", [spec]))) is True
-        assert pull.poll(30_000), "the request after the bad messages was never answered"
-        kind, items, state = pickle.loads(pull.recv())
+        to_backend.send(pickle.dumps(("submit", [spec])))
+        assert to_http.poll(30_000), "the request after the bad messages was never answered"
+        kind, items, state = pickle.loads(to_http.recv())
         assert kind == "out" and [rid for rid, _ in items] == ["r1"]
         assert items[0][1]["meta_info"]["completion_tokens"] == 3 and state == (None, "7")
-        assert backend.receive(pickle.dumps(("stop",))) is False
+        to_backend.send(pickle.dumps(("stop",)))
+        engine.join(30)
+        assert not engine.is_alive(), "the engine loop did not end on stop"
     finally:
         backend.stop()
-        push.close(0)
-        pull.close(0)
+        engine.join(10)
+        for sock in (to_http, to_backend, pull, push):
+            sock.close(0)
         ctx.term()
 
 
