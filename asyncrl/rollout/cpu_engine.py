@@ -99,8 +99,8 @@ class CpuEngine:
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        for path, (op, required) in WEIGHT_ROUTES.items():
-            r.add_post(path, self._weight_op(op, required))
+        for path, op in WEIGHT_ROUTES.items():
+            r.add_post(path, self._weight_op(op))
         r.add_post("/begin_weight_update", self._window_op(self.window.begin))
         r.add_post("/end_weight_update", self._window_op(self.window.end))
         r.add_route("*", "/flush_cache", self.flush_cache)
@@ -118,11 +118,11 @@ class CpuEngine:
     async def _on_cleanup(self, app: web.Application) -> None:
         self.link.stop()
 
-    def _weight_op(self, op: str, required: bool):
+    def _weight_op(self, op: str):
         """The handler of one weight call: its body to the scheduler process's op, SGLang's answer back."""
 
         async def handler(request: web.Request) -> web.Response:
-            body = await read_body(request, required=required)
+            body = await read_body(request)
             ok, message, extra = self.window.refusal(op, body) or await self._call(op, body)
             return result(ok, message, **extra)
 

@@ -112,13 +112,13 @@ class Scheduler:
         self._calls: list[tuple[Callable[[Scheduler], Any], cf.Future]] = []
         self._live: set[str] = set()  # rids submitted and not yet delivered (guarded by _cond)
         self.after_step = after_step
+        """Called on the engine thread after each step (and each round of control calls): the engine hands the
+        answers its requests' ``deliver`` callbacks queued to its HTTP process at once."""
         self.poll_inbox = poll_inbox
         """When given, the engine thread's own receive (``engine_backend``: its ZeroMQ socket, read between two
         steps as SGLang's scheduler does): ``poll_inbox(0)`` before each step takes what arrived (through
         ``submit`` and ``call``) and ``poll_inbox(timeout_s)`` replaces the idle wait; whoever calls ``submit``
         or ``call`` from another thread then wakes that poll itself."""
-        """Called on the engine thread after each step (and each round of control calls): the engine hands the
-        answers its requests' ``deliver`` callbacks queued to its event loop at once."""
 
     # ---- thread-safe entry points ------------------------------------------------------
     def submit(self, req: Request) -> None:

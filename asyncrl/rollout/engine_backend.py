@@ -110,7 +110,7 @@ class Backend:
         )
         self.weights = WeightUpdates(self.model, call=self._on_engine, timeout_s=args.weight_sync_timeout_s)
         self._answers: list[tuple[str, dict]] = []
-        self._answers_lock = threading.Lock()
+        """This step's answers (``deliver`` and ``_flush`` both run on the engine thread)."""
         self._stop = threading.Event()
         self._engine_thread: Optional[threading.Thread] = None
         self._wake_r, self._wake_w = os.pipe()  # another thread's control call wakes the engine thread's poll
@@ -148,15 +148,13 @@ class Backend:
 
     def _deliverer(self, rid: str):
         def deliver(out: dict) -> None:
-            with self._answers_lock:
-                self._answers.append((rid, out))
+            self._answers.append((rid, out))
 
         return deliver
 
     def _flush(self) -> None:
         """Engine thread, after each step and each round of control calls: that step's answers in one message."""
-        with self._answers_lock:
-            items, self._answers = self._answers, []
+        items, self._answers = self._answers, []
         if items:
             self._send("out", items)
 
@@ -250,28 +248,31 @@ class Backend:
             self.scheduler.call(lambda s: req.deliver(s.response(req)))
 
     def _call(self, cid: int, op: str, args: tuple) -> None:
-        fn = ENGINE_OPS.get(op)
-        if fn is None and op in WEIGHT_OPS and op not in WAITING_OPS:
-            fn = getattr(self.weights, op)
-            fn = lambda s, *a, _op=fn: _op(*a)  # noqa: E731  (on the engine thread: its calls run at once)
-        if fn is not None:
+        if op in ENGINE_OPS:
+            fn = ENGINE_OPS[op]
             fut = self.scheduler.call(lambda s: fn(s, *args))
-            fut.add_done_callback(lambda f: self._reply(cid, f.exception() is None, f.exception() or f.result()))
-            return
-        if op not in WEIGHT_OPS:
+        elif op in WEIGHT_OPS and op not in WAITING_OPS:  # on the engine thread: its own calls run at once
+            method = getattr(self.weights, op)
+            fut = self.scheduler.call(lambda s: method(*args))
+        elif op not in WEIGHT_OPS:
             self._reply(cid, False, RequestError(f"unknown engine op {op!r}"))
             return
+        else:
+            threading.Thread(
+                target=self._run_waiting_op, args=(cid, op, args), name=f"weights-{op}", daemon=True
+            ).start()
+            return
+        fut.add_done_callback(lambda f: self._reply(cid, f.exception() is None, f.exception() or f.result()))
 
-        def run_weight_op() -> None:
-            try:
-                value = getattr(self.weights, op)(*args)
-            except BaseException as e:  # handed to the HTTP process, which answers with it
-                log.error("%s failed:\n%s", op, traceback.format_exc())
-                self._reply(cid, False, e)
-            else:
-                self._reply(cid, True, value)
-
-        threading.Thread(target=run_weight_op, name=f"weights-{op}", daemon=True).start()
+    def _run_waiting_op(self, cid: int, op: str, args: tuple) -> None:
+        """A ``WAITING_OPS`` op on its own thread, its answer (or its exception) sent back."""
+        try:
+            value = getattr(self.weights, op)(*args)
+        except BaseException as e:  # handed to the HTTP process, which answers with it
+            log.error("%s failed:\n%s", op, traceback.format_exc())
+            self._reply(cid, False, e)
+        else:
+            self._reply(cid, True, value)
 
     def stop(self) -> None:
         """Ask the engine loop to end (from another thread)."""

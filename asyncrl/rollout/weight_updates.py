@@ -7,11 +7,11 @@ from disk, as SGLang's HTTP calls.
 
 Contract
 - Each op takes the call's JSON body and returns ``(success, message, extra fields)``, SGLang's answer; the HTTP
-  process reads the body and answers (``WEIGHT_ROUTES``), the scheduler process runs the op on a thread of its
-  own (``engine_backend``).
+  process reads the body and answers (``WEIGHT_ROUTES``), the scheduler process runs the op (``engine_backend``:
+  on the engine thread, or on a thread of its own for ``WAITING_OPS``).
 - ``/init_weights_update_group`` blocks its thread (not the scheduler) until the trainer joins.
 - ``/update_weights_from_distributed`` fails (400) unless ``/begin_weight_update`` was called and not yet
-  ended; tensors are received by ``broadcast`` from group rank 0 in the order of ``names``
+  ended (``UpdateWindow``, kept by the HTTP process); tensors are received by ``broadcast`` from group rank 0 in the order of ``names``
   (``load_format="flattened_bucket"``: ONE uint8 broadcast holding each tensor's raw bytes back to back, in
   that order, as SGLang's FlattenedTensorBucket), on the engine thread (through ``call``), so a weight load
   never overlaps a forward. ``/update_weights_from_disk`` reads a HF safetensors directory on a worker thread
@@ -45,16 +45,16 @@ log = logging.getLogger("asyncrl.cpu_engine")
 MAX_TENSORS_PER_UPDATE = 100_000  # names in one /update_weights_from_distributed call
 
 WEIGHT_ROUTES = {
-    "/init_weights_update_group": ("init_weights_update_group", True),
-    "/destroy_weights_update_group": ("destroy_weights_update_group", True),
-    "/update_weights_from_distributed": ("update_weights_from_distributed", True),
-    "/update_weight_version": ("update_weight_version", True),
-    "/update_weights_from_disk": ("update_weights_from_disk", True),
+    "/init_weights_update_group": "init_weights_update_group",
+    "/destroy_weights_update_group": "destroy_weights_update_group",
+    "/update_weights_from_distributed": "update_weights_from_distributed",
+    "/update_weight_version": "update_weight_version",
+    "/update_weights_from_disk": "update_weights_from_disk",
 }
-"""POST path -> (the ``WeightUpdates`` op, whether the call needs a JSON body). ``/begin_weight_update`` and
+"""POST path (a JSON body required) -> the ``WeightUpdates`` op. ``/begin_weight_update`` and
 ``/end_weight_update`` only open and close the window updates may come in: the HTTP process answers them itself
 (``UpdateWindow``), one hop fewer on the fixed cost of every sync."""
-WEIGHT_OPS = frozenset(op for op, _ in WEIGHT_ROUTES.values())
+WEIGHT_OPS = frozenset(WEIGHT_ROUTES.values())
 WAITING_OPS = frozenset({"init_weights_update_group", "update_weights_from_disk"})
 """Ops that wait on something besides the engine (the trainer joining, the disk): each runs on a thread of its own.
 The others run on the engine thread itself, between two model steps (no thread hand-off on a sync's path)."""
@@ -63,7 +63,7 @@ Answer = tuple[bool, str, dict]
 """(success, message, extra fields): SGLang's answer of a weight call."""
 
 
-def result(ok: bool, message: str, **extra) -> Answer:
+def answer(ok: bool, message: str, **extra) -> Answer:
     return ok, message, extra
 
 
@@ -87,22 +87,22 @@ class UpdateWindow:
     def begin(self, body: dict) -> Answer:
         selector = body.get("selector", "all")
         if selector != "all":
-            return result(False, f"selector={selector!r} is not supported (only 'all')")
+            return answer(False, f"selector={selector!r} is not supported (only 'all')")
         self.open = True
-        return result(True, "Weight update begun.")
+        return answer(True, "Weight update begun.")
 
     def end(self, body: dict) -> Answer:
         if not self.open:
-            return result(False, "no weight update in progress: call /begin_weight_update first")
+            return answer(False, "no weight update in progress: call /begin_weight_update first")
         self.open = False
-        return result(True, "Weight update ended.")
+        return answer(True, "Weight update ended.")
 
     def refusal(self, op: str, body: dict) -> Optional[Answer]:
         """The answer to ``op`` when it must not run now (an update while no update is open), else None. A body
         whose ``group_name`` is not a string goes on: the op's own check names that field first."""
         named = isinstance(body.get("group_name", "weight_update_group"), str)
         if op == "update_weights_from_distributed" and not self.open and named:
-            return result(
+            return answer(
                 False, "weight update not begun: call /begin_weight_update before /update_weights_from_distributed"
             )
         return None
@@ -137,11 +137,11 @@ class WeightUpdates:
             world = check_int(body.get("world_size"), "world_size", lo=2, hi=1 << 20)
             rank = check_int(body.get("rank_offset"), "rank_offset", lo=1, hi=world - 1)  # the CPU engine: one rank
         except RequestError as e:
-            return result(False, f"init_weights_update_group: {e}")
+            return answer(False, f"init_weights_update_group: {e}")
         if backend != "gloo":
-            return result(False, f"backend={backend!r} is not available on the CPU engine; use 'gloo'")
+            return answer(False, f"backend={backend!r} is not available on the CPU engine; use 'gloo'")
         if name in self.groups:
-            return result(False, f"group {name!r} already exists; destroy it first")
+            return answer(False, f"group {name!r} already exists; destroy it first")
         try:
             pg = init_weight_update_group(
                 addr,
@@ -154,28 +154,28 @@ class WeightUpdates:
             )
         except (RuntimeError, ValueError) as e:
             log.error("init_weights_update_group failed: %s", e)
-            return result(False, f"Failed to initialize custom process group: {e}")
+            return answer(False, f"Failed to initialize custom process group: {e}")
         self.groups[name] = pg
         log.info("joined weight-update group %s at %s:%d as rank %d/%d", name, addr, port, rank, world)
-        return result(True, "Succeeded to initialize custom process group.")
+        return answer(True, "Succeeded to initialize custom process group.")
 
     def destroy_weights_update_group(self, body: dict) -> Answer:
         name = body.get("group_name", "weight_update_group")
         if not isinstance(name, str):
-            return result(False, f"group_name must be a string, got {name!r:.80}")
+            return answer(False, f"group_name must be a string, got {name!r:.80}")
         pg = self.groups.pop(name, None)
         if pg is None:
-            return result(False, f"group {name!r} does not exist")
+            return answer(False, f"group {name!r} does not exist")
         self._call(lambda s: destroy_weight_update_group(pg))
-        return result(True, "Succeeded to destroy custom process group.")
+        return answer(True, "Succeeded to destroy custom process group.")
 
     def update_weights_from_distributed(self, body: dict) -> Answer:
         name = body.get("group_name", "weight_update_group")
         if not isinstance(name, str):
-            return result(False, f"group_name must be a string, got {name!r:.80}")
+            return answer(False, f"group_name must be a string, got {name!r:.80}")
         pg = self.groups.get(name)
         if pg is None:
-            return result(False, f"group {name!r} does not exist: call /init_weights_update_group first")
+            return answer(False, f"group {name!r} does not exist: call /init_weights_update_group first")
         try:  # all of it before the collective: a bad bucket is a 400, never a broadcast of mismatched sizes
             names, dts, shapes = self.check_update(body)
             flush = check_bool(body.get("flush_cache", True), "flush_cache")
@@ -185,12 +185,12 @@ class WeightUpdates:
             if fmt not in (None, "flattened_bucket"):
                 raise RequestError(f"load_format={fmt!r:.80} is not supported (null or 'flattened_bucket')")
         except RequestError as e:
-            return result(False, str(e))
+            return answer(False, str(e))
         if abort_all:
             self._call(lambda s: s.abort(abort_all=True))
         fn = lambda s: self._receive(s, pg, names, dts, shapes, fmt, flush, version)  # noqa: E731
         ok, msg = self._call(fn)
-        return result(ok, msg)
+        return answer(ok, msg)
 
     def check_update(self, body: dict) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
         """Validate an update's metadata against the running model BEFORE the collective: every name known
@@ -323,23 +323,23 @@ class WeightUpdates:
         failed load leaves the running weights untouched. ``weight_version`` (when given) is set."""
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
-            return result(False, "update_weights_from_disk: model_path is required")
+            return answer(False, "update_weights_from_disk: model_path is required")
         try:
             flush = check_bool(body.get("flush_cache", True), "flush_cache")
             version = weight_version_field(body.get("weight_version"), "weight_version")
             check_bool(body.get("abort_all_requests", False), "abort_all_requests")
         except RequestError as e:
-            return result(False, f"update_weights_from_disk: {e}")
+            return answer(False, f"update_weights_from_disk: {e}")
         fmt = body.get("load_format")
         if fmt not in (None, "auto", "safetensors"):
-            return result(
+            return answer(
                 False, f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or 'safetensors')"
             )
         t0 = time.monotonic()
         try:
             named = self._read_checkpoint(Path(path))
         except (FileNotFoundError, KeyError, ValueError, OSError) as e:
-            return result(False, f"Failed to load weights from {path!r}: {e}")
+            return answer(False, f"Failed to load weights from {path!r}: {e}")
         if body.get("abort_all_requests"):
             self._call(lambda s: s.abort(abort_all=True))
 
@@ -353,7 +353,7 @@ class WeightUpdates:
 
         v = self._call(apply)
         log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
-        return result(
+        return answer(
             True, f"Succeeded to update model weights from {path}. Weight version {v}.", num_paused_requests=0
         )
 
@@ -384,14 +384,14 @@ class WeightUpdates:
 
     def update_weight_version(self, body: dict) -> Answer:
         if "new_version" not in body:
-            return result(False, "new_version is required")
+            return answer(False, "new_version is required")
         try:
             v = weight_version_field(body["new_version"], "new_version")
             abort_all = check_bool(body.get("abort_all_requests", True), "abort_all_requests")  # SGLang: True
         except RequestError as e:
-            return result(False, str(e))
+            return answer(False, str(e))
         if v is None:
-            return result(False, "new_version must be a string, got None")
+            return answer(False, "new_version must be a string, got None")
 
         def apply(s: Scheduler) -> None:
             if abort_all:
@@ -399,6 +399,6 @@ class WeightUpdates:
             s.weight_version = v
 
         self._call(apply)
-        return result(True, f"Weight version updated to {v}", new_version=v)
+        return answer(True, f"Weight version updated to {v}", new_version=v)
 
     # ---- info / metrics ------------------------------------------------------------------
