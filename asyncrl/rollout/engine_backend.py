@@ -1,9 +1,11 @@
-"""The CPU engine's scheduler process: the model, the ``Scheduler`` and the weight updates, behind a ZeroMQ pair
+"""The CPU engine's scheduler process: the model, the ``Scheduler`` and the weight updates, behind a socket pair
 to the engine's HTTP process. The split SGLang makes: its HTTP process (TokenizerManager) parses and tokenizes,
-its Scheduler runs in a process of its own, and the two exchange pickled objects over ZeroMQ ipc.
+its Scheduler runs in a process of its own, and the two exchange pickled objects (SGLang over ZeroMQ ipc; here
+length-prefixed frames on a ``socketpair``, ``frames``: a parent and its forked child need no broker of sockets, and
+a frame crosses without the two ZeroMQ I/O threads' wake-ups).
 
-    # the HTTP process (engine_link.SchedulerLink.start) binds both ends, then forks this process:
-    serve(args, to_backend="ipc://.../in", from_backend="ipc://.../out", parent_pid=os.getppid())  # never returns
+    # the HTTP process (engine_link.SchedulerLink.start) makes the pair, then forks this process:
+    serve(args, sock=child_end, parent_end=parent_end, parent_pid=os.getppid())  # never returns
 
 Why a process of its own: in one process the HTTP thread's Python and the engine thread's Python share one GIL
 and run in series while the second core idles (concurrency 64 of ``benchmarks/engine_bench.py`` on 2 cores:
@@ -11,7 +13,7 @@ engine thread 0.45 s + HTTP thread 0.09 s of CPU in a 0.55 s run). Here the engi
 between two model steps, as SGLang's scheduler does (``Scheduler.poll_inbox``), and waits on it when idle: no
 receiver thread takes the GIL from the model.
 
-Messages (pickled tuples, one ZeroMQ message each)
+Messages (pickled tuples, one frame each)
 - HTTP -> here: ``("submit", [RequestSpec, ...])``; ``("call", cid, op, args)``; ``("stop",)``.
 - here -> HTTP: ``("ready", info)`` once the model is loaded and the torch.distributed world is up, or
   ``("failed", message)`` and exit status 1; ``("out", [(rid, answer), ...], state)`` after a step or a round of
@@ -24,7 +26,8 @@ Messages (pickled tuples, one ZeroMQ message each)
 
 Lifetime: this process dies with its parent (``PR_SET_PDEATHSIG``) and ignores SIGTERM/SIGINT (the parent, which
 receives them with it as one process group, stops it with ``("stop",)``). A crash of the engine thread exits it
-with status 1; the parent notices and exits with status 1 too (``engine_link``).
+with status 1; the parent notices and exits with status 1 too (``engine_link``). The HTTP process's end closing
+(it died) ends the engine loop as ``("stop",)`` does.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,13 +47,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import zmq
 from tokenizers import Tokenizer
 
 from asyncrl.cluster.process import die_with_parent
 from asyncrl.rollout.cpu_model import load_model
 from asyncrl.rollout.cpu_scheduler import Scheduler
 from asyncrl.rollout.engine_args import EngineArgs, init_engine_world
+from asyncrl.rollout.frames import FrameReader, frame
 from asyncrl.rollout.request import Request
 from asyncrl.rollout.sampling_params import RequestError, SamplingParams
 from asyncrl.rollout.weight_updates import WAITING_OPS, WEIGHT_OPS, WeightUpdates
@@ -88,9 +93,11 @@ class Backend:
     """The scheduler process's state: the model, its scheduler and weight updates, the answers of the current
     step, and the socket back to the HTTP process (shared by the engine thread and the weight-op threads)."""
 
-    def __init__(self, args: EngineArgs, *, pull: zmq.Socket, push: zmq.Socket):
+    def __init__(self, args: EngineArgs, *, sock: socket.socket):
         self.args = args
-        self._pull, self._push = pull, push
+        self._sock = sock
+        """This process's end of the pair (blocking: sends wait for room; reads never block, ``MSG_DONTWAIT``)."""
+        self._frames = FrameReader()
         self._send_lock = threading.Lock()
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -116,9 +123,9 @@ class Backend:
         self._wake_r, self._wake_w = os.pipe()  # another thread's control call wakes the engine thread's poll
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
-        self._poller.register(self._pull, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller = select.poll()
+        self._poller.register(self._sock.fileno(), select.POLLIN)
+        self._poller.register(self._wake_r, select.POLLIN)
         log.info(
             "loaded %s (%s, %d layers) in %.1fs",
             args.model_path,
@@ -141,10 +148,10 @@ class Backend:
         """One message to the HTTP process, with the scheduler's (paused, weight_version) as of now."""
         with self._send_lock:
             state = (self.scheduler.paused, self.scheduler.weight_version)
-            self._push.send(pickle.dumps((kind, *fields, state), protocol=pickle.HIGHEST_PROTOCOL))
+            self._sock.sendall(frame(pickle.dumps((kind, *fields, state), protocol=pickle.HIGHEST_PROTOCOL)))
 
     def announce(self) -> None:
-        self._push.send(pickle.dumps(("ready", self.info())))
+        self._sock.sendall(frame(pickle.dumps(("ready", self.info()))))
 
     def _deliverer(self, rid: str):
         def deliver(out: dict) -> None:
@@ -186,11 +193,17 @@ class Backend:
                 pass
         while not self._stop.is_set():
             try:
-                raw = self._pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
+                data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
                 return
-            if not self.receive(raw):
+            if not data:  # the HTTP process's end closed: it is gone, nobody is left to answer
+                log.error("the HTTP process closed its end of the socket pair: stopping")
                 self._stop.set()
+                return
+            for raw in self._frames.feed(data):
+                if not self.receive(raw):
+                    self._stop.set()
+                    return
 
     def _wake(self) -> None:
         try:
@@ -280,27 +293,23 @@ class Backend:
         self._wake()
 
 
-def serve(args: EngineArgs, *, to_backend: str, from_backend: str, parent_pid: int) -> None:
-    """The scheduler process's whole life (forked from the HTTP process; exits, never returns)."""
+def serve(args: EngineArgs, *, sock: socket.socket, parent_end: socket.socket, parent_pid: int) -> None:
+    """The scheduler process's whole life (forked from the HTTP process, ``sock`` its end of the pair and
+    ``parent_end`` the HTTP process's, closed here so that the HTTP process's death reads as end of stream; exits,
+    never returns)."""
     die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the death signal was armed
         os._exit(1)
+    parent_end.close()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for s in (pull, push):
-        s.setsockopt(zmq.LINGER, 2000)
-    push.setsockopt(zmq.SNDHWM, 0)
-    pull.connect(to_backend)
-    push.connect(from_backend)
     try:
         init_engine_world(args)
-        backend = Backend(args, pull=pull, push=push)
+        backend = Backend(args, sock=sock)
     except BaseException as e:
         log.error("the scheduler process failed to start:\n%s", traceback.format_exc())
-        push.send(pickle.dumps(("failed", f"{type(e).__name__}: {e}")))
-        push.close()
+        sock.sendall(frame(pickle.dumps(("failed", f"{type(e).__name__}: {e}"))))
+        sock.close()
         os._exit(1)
     backend.announce()
     backend.run()  # until ("stop",)

@@ -8,9 +8,11 @@ and control calls, route its answers to the waiting handlers, and exit when it d
     link.paused, link.weight_version      # mirrored from every message it sends
 
 Contract
-- ``start`` binds two ZeroMQ ipc sockets in a private temporary directory, forks (before this process has any
+- ``start`` makes a ``socketpair`` (messages: pickled tuples in ``frames``), forks (before this process has any
   thread: the fork copies none) and waits for ``("ready", info)``; a scheduler process that fails to load or dies
-  first makes ``start`` raise ``SchedulerFailed`` naming why.
+  first makes ``start`` raise ``SchedulerFailed`` naming why. On the event loop (``open``) the pair's end is an
+  asyncio transport: answers are read as they arrive, and sends never block the loop (the transport buffers).
+- A message that cannot be read (does not unpickle, or has the wrong fields) is logged and skipped.
 - ``submit`` checks what ``Scheduler.submit`` checks (empty prompt, context length, a rid already in flight) for
   the whole list before sending any of it (all or nothing), so a duplicate rid is still a 400 at once.
 - A scheduler process that exits unexpectedly (its engine thread crashed: status 1) takes this process with it:
@@ -26,20 +28,18 @@ import logging
 import multiprocessing
 import os
 import pickle
-import shutil
+import select
+import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-import zmq
-import zmq.asyncio
-
 from asyncrl.rollout.cpu_scheduler import check_submittable, duplicate_rid
 from asyncrl.rollout.engine_args import EngineArgs
 from asyncrl.rollout.engine_backend import RequestSpec, serve
+from asyncrl.rollout.frames import FrameReader, frame
 from asyncrl.rollout.request import Request
 
 log = logging.getLogger("asyncrl.cpu_engine")
@@ -55,16 +55,10 @@ class SchedulerFailed(RuntimeError):
 class SchedulerLink:
     def __init__(self, args: EngineArgs):
         self.args = args
-        self._dir = tempfile.mkdtemp(prefix="asyncrl-engine-")
-        self.to_backend, self.from_backend = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._ctx = zmq.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(self.to_backend)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(self.from_backend)
+        self.sock, self.child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        """This process's end of the pair, and the scheduler process's (closed here once it is forked)."""
+        self._frames = FrameReader()
+        self._transport: Optional[asyncio.Transport] = None
         self.proc: Optional[multiprocessing.process.BaseProcess] = None
         self.info: dict = {}
         self.paused: Optional[str] = None
@@ -74,7 +68,6 @@ class SchedulerLink:
         self._calls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
         self._stopping = False
-        self._reader: Optional[asyncio.Task] = None
 
     # ---- start / stop (the main thread) -----------------------------------------------------------
     @classmethod
@@ -94,18 +87,28 @@ class SchedulerLink:
         self.proc = ctx.Process(
             target=serve,
             args=(self.args,),
-            kwargs={"to_backend": self.to_backend, "from_backend": self.from_backend, "parent_pid": os.getpid()},
+            kwargs={"sock": self.child_end, "parent_end": self.sock, "parent_pid": os.getpid()},
             name="cpu-engine-scheduler",
             daemon=False,
         )
         self.proc.start()
+        self.child_end.close()  # the scheduler process's death then reads as end of stream here
 
     def _wait_ready(self) -> None:
         t0 = time.monotonic()
-        while not self._pull.poll(int(READY_POLL_S * 1000)):
+        got: list[bytes] = []
+        while not got:
+            if select.select([self.sock], [], [], READY_POLL_S)[0]:
+                data = self.sock.recv(1 << 20)
+                if data:
+                    got = self._frames.feed(data)
+                    continue
+                self.proc.join(STOP_WAIT_S)  # end of stream: it exited
             if not self.proc.is_alive():
                 raise SchedulerFailed(f"the scheduler process exited with status {self.proc.exitcode} while starting")
-        msg = pickle.loads(self._pull.recv())
+        if len(got) > 1:  # nothing is sent before "ready": a second message is a bug of the scheduler process
+            raise SchedulerFailed(f"the scheduler process sent {len(got)} messages at once while starting")
+        msg = pickle.loads(got[0])
         if msg[0] == "failed":
             self.proc.join(STOP_WAIT_S)
             raise SchedulerFailed(f"the scheduler process failed to start: {msg[1]}")
@@ -126,28 +129,28 @@ class SchedulerLink:
         self._stopping = True
         if self.proc is not None and self.proc.is_alive():
             try:
-                self._push.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
-            except zmq.ZMQError:
+                self._send(("stop",))
+            except OSError:  # its end is gone or full: killed below if it does not stop
                 pass
             self.proc.join(STOP_WAIT_S)
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(STOP_WAIT_S)
-        self._push.close()
-        self._pull.close()
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._transport is not None:
+            self._transport.abort()
+        self.sock.close()
+        self.child_end.close()
 
     # ---- the event loop --------------------------------------------------------------------------
     async def open(self) -> None:
-        """Start reading the scheduler process's answers on the running loop."""
-        self._reader = asyncio.create_task(self._read(zmq.asyncio.Socket.from_socket(self._pull)))
+        """Start reading the scheduler process's answers on the running loop (and sending through its transport)."""
+        loop = asyncio.get_running_loop()
+        self._transport, _ = await loop.connect_accepted_socket(lambda: _Reader(self), self.sock)
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        """Every message of the scheduler process, in order; one that cannot be read is logged and skipped (the
-        reader never dies: every later answer would be lost with it)."""
-        while True:
-            raw = await sock.recv()
+    def received(self, data: bytes) -> None:
+        """Bytes from the scheduler process: every whole message, in order; one that cannot be read is logged and
+        skipped (the reader never dies: every later answer would be lost with it)."""
+        for raw in self._frames.feed(data):
             try:
                 self._handle(pickle.loads(raw))
             except Exception:
@@ -205,4 +208,23 @@ class SchedulerLink:
         return fut
 
     def _send(self, msg: tuple) -> None:
-        self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        """One message: through the loop's transport once open (never blocks: it buffers), else on the socket."""
+        data = frame(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+        else:
+            self.sock.sendall(data)
+
+
+class _Reader(asyncio.Protocol):
+    """The event loop's reader of the pair: bytes to ``SchedulerLink.received``."""
+
+    def __init__(self, link: SchedulerLink):
+        self.link = link
+
+    def data_received(self, data: bytes) -> None:
+        self.link.received(data)
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if not self.link._stopping:  # the watcher exits this process once the scheduler process is reaped
+            log.error("the scheduler process closed its end of the socket pair (%s)", exc or "end of stream")
