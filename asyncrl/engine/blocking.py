@@ -22,7 +22,6 @@ Contract
 from __future__ import annotations
 
 import concurrent.futures as cf
-import http.client
 import json
 import selectors
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 
 from asyncrl.cluster.auth import auth_headers
 from asyncrl.engine.client import EngineError
+from asyncrl.engine.http1 import BadResponse, Connection, ConnectionClosed, request_bytes
 
 
 class EngineStepError(EngineError):
@@ -53,26 +53,21 @@ class EngineStepError(EngineError):
 # TCP connection each (connect + accept on the engine's event loop) was a visible share of the sync's
 # fixed cost. A few per engine cover the calls one sync has open at once (end + model_info).
 _POOL_MAX_PER_ENGINE = 4
-_pool: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
+_pool: dict[tuple[str, str, int], list[Connection]] = {}
 _pool_lock = threading.Lock()
 
 
-def _take(key: tuple[str, str, int], timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+def _take(key: tuple[str, str, int], timeout_s: float) -> tuple[Connection, bool]:
     """An idle connection to ``key`` (reused=True) or a new one."""
     with _pool_lock:
         idle = _pool.get(key)
         conn = idle.pop() if idle else None
     if conn is not None:
-        conn.timeout = timeout_s
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout_s)
         return conn, True
-    scheme, host, port = key
-    cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-    return cls(host, port, timeout=timeout_s), False
+    return Connection(*key, timeout_s=timeout_s), False
 
 
-def _give(key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
+def _give(key: tuple[str, str, int], conn: Connection) -> None:
     with _pool_lock:
         idle = _pool.setdefault(key, [])
         if len(idle) < _POOL_MAX_PER_ENGINE:
@@ -94,36 +89,43 @@ class _Req:
             raise EngineStepError(url, step, f"{method} {path}: not an http(s) URL")
         self.key = (u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80))
         self.target = u.path.rstrip("/") + path
-        self.conn: http.client.HTTPConnection | None = None
+        self.conn: Connection | None = None
         self.reused = False
 
     def _fail(self, e: BaseException, timeout_s: float) -> EngineStepError:
         m, p = self.method, self.path
         if isinstance(e, TimeoutError):
             return EngineStepError(self.url, self.step, f"{m} {p} timed out after {timeout_s:g} s")
-        if isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+        if isinstance(e, (ConnectionClosed, ConnectionResetError, BrokenPipeError)):
             return EngineStepError(self.url, self.step, f"{m} {p} connection error: {e}")
         return EngineStepError(self.url, self.step, f"{m} {p} unreachable: {e}")  # refused, no route, malformed
+
+    def _dropped_idle(self, e: BaseException) -> bool:
+        """The engine had closed the reused idle connection: the request never reached it (nothing came back)."""
+        return self.reused and (
+            isinstance(e, (ConnectionResetError, BrokenPipeError))
+            or (isinstance(e, ConnectionClosed) and not e.got_bytes)
+        )
 
     def send(self, timeout_s: float, *, fresh: bool = False) -> None:
         """Write the request on an idle kept-alive connection (a new one with ``fresh``); a reused connection
         the engine had closed is replaced once."""
         for attempt in (0, 1):
-            if fresh or attempt:
-                cls = http.client.HTTPSConnection if self.key[0] == "https" else http.client.HTTPConnection
-                self.conn, self.reused = cls(self.key[1], self.key[2], timeout=timeout_s), False
-            else:
-                self.conn, self.reused = _take(self.key, timeout_s)
             try:
-                self.conn.request(self.method, self.target, body=self.data, headers=self.headers)
+                if fresh or attempt:
+                    self.conn, self.reused = Connection(*self.key, timeout_s=timeout_s), False
+                else:
+                    self.conn, self.reused = _take(self.key, timeout_s)
+                host = self.conn.host_header
+                self.conn.send(
+                    request_bytes(self.method, self.target, self.data, self.headers, host=host), timeout_s=timeout_s
+                )
                 return
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
-                self.conn.close()
-                if not (self.reused and attempt == 0):
+            except OSError as e:
+                if self.conn is not None:
+                    self.conn.close()
+                if not (self._dropped_idle(e) and attempt == 0):
                     raise self._fail(e, timeout_s) from e
-            except (OSError, http.client.HTTPException) as e:
-                self.conn.close()
-                raise self._fail(e, timeout_s) from e
 
     def read(self, timeout_s: float) -> bytes:
         """Read the answer of the request ``send`` wrote (blocks until it is complete, at most ``timeout_s``);
@@ -133,26 +135,20 @@ class _Req:
         while True:
             conn = self.conn
             try:
-                resp = conn.getresponse()
-                raw = resp.read()
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                resp = conn.read(timeout_s=timeout_s, head_request=self.method == "HEAD")
+            except (OSError, BadResponse) as e:
                 conn.close()
-                if self.reused:  # the engine closed an idle keep-alive connection: the request never reached it
+                if self._dropped_idle(e):
                     self.send(timeout_s, fresh=True)
                     continue
                 raise self._fail(e, timeout_s) from e
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                raise self._fail(e, timeout_s) from e
-            if resp.will_close:
-                conn.close()
-            else:
+            if not resp.will_close:
                 _give(self.key, conn)
             self.conn = None
             if resp.status >= 400:
-                text = raw.decode(errors="replace")[:2000]
+                text = resp.body.decode(errors="replace")[:2000]
                 raise EngineStepError(self.url, self.step, f"HTTP {resp.status} from {self.method} {self.path}: {text}")
-            return raw
+            return resp.body
 
 
 def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:

@@ -21,7 +21,14 @@ class _Server:
     """A keep-alive HTTP/1.1 server counting the TCP connections it accepted; ``close_after_reply`` makes it
     drop each connection after answering, without saying so (as an engine whose idle timeout passed)."""
 
-    def __init__(self, *, close_after_reply: bool = False, status: int = 200, gate: threading.Event | None = None):
+    def __init__(
+        self,
+        *,
+        close_after_reply: bool = False,
+        status: int = 200,
+        gate: threading.Event | None = None,
+        chunked: bool = False,
+    ):
         outer = self
         self.connections = 0
         self.paths: list[str] = []
@@ -44,9 +51,16 @@ class _Server:
                 body = json.dumps({"success": status < 400, "message": self.path}).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                if chunked:  # as uvicorn streams: two chunks, then the last one
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    half = len(body) // 2
+                    for part in (body[:half], body[half:], b""):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                else:
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
                 self.wfile.flush()
                 if close_after_reply:
                     self.close_connection = True
@@ -78,6 +92,15 @@ def test_calls_reuse_one_connection():
     with _Server() as s:
         for _ in range(5):
             assert post_json(s.url, "/continue_generation", {}, timeout_s=10, step="continue")["success"] is True
+        assert s.connections == 1
+
+
+def test_a_chunked_answer_is_read_whole_and_its_connection_reused():
+    with _Server(chunked=True) as s:
+        for _ in range(3):
+            assert post_json(s.url, "/update_weight_version", {}, timeout_s=10, step="v")["message"] == (
+                "/update_weight_version"
+            )
         assert s.connections == 1
 
 
