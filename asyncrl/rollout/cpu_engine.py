@@ -6,7 +6,7 @@
 Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer code drive SGLang)
 - Two processes, as SGLang: this one answers HTTP (aiohttp, the tokenizer, every body check); its scheduler
   process (``engine_backend``, forked at start, dies with it) holds the model and runs ``Scheduler.run`` (model
-  steps, continuous batching) and the weight updates. ``engine_link.SchedulerLink`` joins them over ZeroMQ ipc:
+  steps, continuous batching) and the weight updates. ``engine_link.SchedulerLink`` joins them over a socketpair:
   checked requests go over, finished answers come back once per model step, and every control action is a
   named op run between two model steps.
 - The parts: flags and start-up (``engine_args``: SGLang's own one-process torch.distributed world, made in the
