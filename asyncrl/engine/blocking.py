@@ -22,6 +22,7 @@ Contract
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import selectors
 import threading
@@ -80,9 +81,10 @@ class _Req:
     """One JSON-over-HTTP request on a kept-alive connection, sent (``send``) and answered (``read``) apart, so
     one thread can have requests to several engines on the wire at once (``Exchange``)."""
 
-    def __init__(self, url: str, path: str, *, method: str, body: Any, step: str):
+    def __init__(self, url: str, path: str, *, method: str, body: Any, step: str, data: bytes | None = None):
+        """``data``: ``body`` already encoded (one ``Call`` to several engines is encoded once)."""
         self.url, self.path, self.method, self.step = url, path, method, step
-        self.data = None if body is None else json.dumps(body).encode()
+        self.data = data if data is not None or body is None else json.dumps(body).encode()
         self.headers = {**auth_headers(), **({"Content-Type": "application/json"} if self.data is not None else {})}
         u = urllib.parse.urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -197,6 +199,11 @@ class Call:
     method: str = "POST"
     check_success: bool = True
 
+    @functools.cached_property
+    def data(self) -> bytes | None:
+        """The body as sent (encoded once however many engines get it)."""
+        return None if self.body is None else json.dumps(self.body).encode()
+
 
 class Exchange:
     """Calls to several engines made from the calling thread, with no thread per call. Each chain (an engine's
@@ -225,7 +232,7 @@ class Exchange:
     def _send(self, i: int) -> None:
         url, calls = self.chains[i]
         c = calls[len(self.answers[i])]
-        req = _Req(url, c.path, method=c.method, body=c.body, step=c.step)
+        req = _Req(url, c.path, method=c.method, body=c.body, step=c.step, data=c.data)
         req.send(self.timeout_s)
         self._live[i] = req
 
