@@ -19,7 +19,9 @@ Contract
        stopped issuing and workers hold new turns after ``sync_begin``), then a ``retract`` pause
        as a guard so nothing can start during the update; a request that still slipped in (it was
        on the wire) is seen in the load re-read after the pause: resume, drain again.
-    3. ``POST /begin_weight_update``
+    3. ``POST /begin_weight_update``. Steps 2-3 are written to the engines, then the first bucket is gathered,
+       then their answers are read (except under ``drain``): the pause's round trips overlap the actor's work,
+       and nothing is broadcast before every engine answered both.
     4. per bucket: ``POST /update_weights_from_distributed`` (``flush_cache = mode != in_place``,
        ``load_format = "flattened_bucket"`` with ``sync.flattened_bucket``) on threads while the
        trainer broadcasts the bucket's tensors from group rank 0 in ``names`` order (or one flat
@@ -43,7 +45,8 @@ Contract
   (the broker hooks and the engines' pause/begin/version/end/flush/continue calls: steps 1-3 and 5-7)
   + ``time/sync_gather`` (producing the buckets: the actor's TP gather and HF conversion, time spent
   in the bucket iterator) + ``time/sync_transfer`` (the broadcasts and the engines' update calls);
-  ``time/sync_pause`` and ``time/sync_finish`` (the two halves of control), ``sync/bytes_per_s``
+  ``time/sync_pause`` (the part of steps 1-3 that the first bucket's gather did not hide) and ``time/sync_finish``
+  (the two halves of control), ``sync/bytes_per_s``
   (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / transfer), ``sync/num_bytes``,
   ``sync/num_buckets``.
 
@@ -59,6 +62,7 @@ Pipeline parallelism: each stage has its own group (``stage_group_name``); the c
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -348,15 +352,22 @@ class WeightSyncer:
         """Steps 1-3: tell the broker, pause (or drain) every engine, begin the weight update. Each
         engine gets its pause and then its begin on one thread (no barrier across engines between
         the two: an engine's begin only needs its own pause)."""
+        ex = self._start_pause()
+        if ex is not None:
+            ex.wait()
+
+    def _start_pause(self) -> Optional[Exchange]:
+        """``pause`` up to its answers: the pause-and-begin exchange in flight (``wait`` it), or None when it
+        is over already (``drain`` waits on the engines' load, so it runs to the end here)."""
         if self.hooks.sync_begin is not None:
             self.hooks.sync_begin(self.pause_mode)
         begin = Call("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
         if self.pause_mode == "drain":
             self._drain()
             self._all(begin.path, begin.body, begin.step)
-            return
+            return None
         pause = Call("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
-        Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).run()
+        return Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).start()
 
     def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
         """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given)."""
@@ -410,12 +421,19 @@ class WeightSyncer:
             self.hooks.sync_end(version)
 
     def sync(self, buckets: Iterable[Bucket], version: Any) -> SyncResult:
-        """One full sync (module contract steps 1-7); returns its figures."""
+        """One full sync (module contract steps 1-7); returns its figures. The first bucket is gathered while the
+        engines pause (their answers are read after it): the sync's fixed cost hides behind the actor's work."""
         t0 = time.perf_counter()
         try:
-            self.pause()
+            ex = self._start_pause()
+            it = iter(buckets)
+            tg = time.perf_counter()
+            first = next(it, None)  # the actor gathers and converts the first bucket while the engines pause
+            first_gather_s = time.perf_counter() - tg
+            if ex is not None:
+                ex.wait()
             t1 = time.perf_counter()
-            pushed = self.push(buckets, weight_version=str(version))
+            pushed = self.push(itertools.chain(() if first is None else (first,), it), weight_version=str(version))
             t2 = time.perf_counter()
             self.finish(
                 version,
@@ -432,8 +450,8 @@ class WeightSyncer:
             num_buckets=pushed.num_buckets,
             num_tensors=pushed.num_tensors,
             time_s=t3 - t0,
-            pause_s=t1 - t0,
-            gather_s=pushed.gather_s,
+            pause_s=t1 - t0 - first_gather_s,  # the pause's wait that the first bucket's gather did not hide
+            gather_s=pushed.gather_s + first_gather_s,
             transfer_s=pushed.transfer_s,
             finish_s=t3 - t2,
         )

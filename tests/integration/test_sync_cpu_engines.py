@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from proc_helpers import wait_for
 
 from asyncrl.config.schema import SyncConfig
 from asyncrl.engine.blocking import get_json, get_text, post_json
@@ -260,6 +261,49 @@ def test_sync_with_requests_in_flight(env: Env, mode: str):
         assert all(len(_versions(x)) == 1 for x in metas)
         assert {_versions(x)[0] for x in metas} == {old, str(new_version)}
         assert all(x["num_retractions"] == 0 for x in metas)
+
+
+def _paused(url: str) -> bool:
+    info = get_json(url, "/server_info", timeout_s=10, step="server_info")
+    return bool(info["internal_states"][0]["paused"])
+
+
+def test_first_bucket_is_gathered_while_the_engines_pause(env: Env, monkeypatch):
+    """The pause and the begin go out before the first bucket is gathered, and their answers are read only after
+    it: the producer's first bucket waits until every engine says it is paused (its own state, over HTTP), and the
+    real exchange's calls and reads are recorded in order around it. The overlapped gather counts as gather, not
+    as pause, so the parts still add up to the sync."""
+    from asyncrl.sync import weight_sync
+
+    events: list[str] = []
+
+    class RecordingExchange(weight_sync.Exchange):
+        def start(self):
+            events.append("sent " + " ".join(c.step for c in self.chains[0][1]))
+            return super().start()
+
+        def wait(self, **kw):
+            answers = super().wait(**kw)
+            events.append("read " + " ".join(c.step for c in self.chains[0][1]))
+            return answers
+
+    monkeypatch.setattr(weight_sync, "Exchange", RecordingExchange)
+    _train_step(env.trainer, seed=700 + env.version)
+
+    def buckets():
+        wait_for(lambda: all(_paused(u) for u in env.urls), "every engine paused", timeout_s=TIMEOUT_S)
+        events.append("first bucket")
+        yield from iter_buckets(env.trainer.state_dict().items(), env.sync_cfg.bucket_bytes)
+
+    env.version += 1
+    res = WeightSyncer(env.group, pause_mode="retract", sync_cfg=env.sync_cfg).sync(buckets(), version=env.version)
+    pause = "pause_generation begin_weight_update"
+    assert events[:3] == [f"sent {pause}", "first bucket", f"read {pause}"], events
+    assert not any(_paused(u) for u in env.urls)  # resumed
+    m = res.metrics()
+    parts = m["time/sync_control"] + m["time/sync_gather"] + m["time/sync_transfer"]
+    assert parts == pytest.approx(m["time/sync_weights"], rel=0.1) and m["time/sync_pause"] >= 0
+    _assert_engines_match_trainer(env)
 
 
 def test_engine_restart_then_recreate_group(env: Env):
