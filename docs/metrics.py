@@ -118,7 +118,7 @@ DESCRIPTIONS = {
     "time/sync_weights": "seconds of the weight sync (0 on steps without one) = control + gather + transfer",
     "time/sync_control": "seconds of the sync's control calls: broker hooks, pause/begin/version/end/flush/continue",
     "time/sync_gather": "seconds producing the buckets (the actor's TP gather and HF name conversion)",
-    "time/sync_pause": "seconds pausing the engines (the first half of control)",
+    "time/sync_pause": "seconds pausing the engines that the first bucket's gather did not hide (the first half of control)",
     "time/sync_transfer": "seconds broadcasting the buckets and waiting for the engines' update calls",
     "time/sync_finish": "seconds bumping the version and resuming (the second half of control)",
     "train/loss": "total loss",
