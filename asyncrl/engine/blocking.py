@@ -81,10 +81,10 @@ class _Req:
     """One JSON-over-HTTP request on a kept-alive connection, sent (``send``) and answered (``read``) apart, so
     one thread can have requests to several engines on the wire at once (``Exchange``)."""
 
-    def __init__(self, url: str, path: str, *, method: str, body: Any, step: str, data: bytes | None = None):
-        """``data``: ``body`` already encoded (one ``Call`` to several engines is encoded once)."""
+    def __init__(self, url: str, path: str, *, method: str, data: bytes | None, step: str):
+        """``data``: the JSON body as sent (``_encode``), None for none."""
         self.url, self.path, self.method, self.step = url, path, method, step
-        self.data = data if data is not None or body is None else json.dumps(body).encode()
+        self.data = data
         self.headers = {**auth_headers(), **({"Content-Type": "application/json"} if self.data is not None else {})}
         u = urllib.parse.urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -153,8 +153,12 @@ class _Req:
             return resp.body
 
 
+def _encode(body: Any) -> bytes | None:
+    return None if body is None else json.dumps(body).encode()
+
+
 def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:
-    req = _Req(url, path, method=method, body=body, step=step)
+    req = _Req(url, path, method=method, data=_encode(body), step=step)
     req.send(timeout_s)
     return req.read(timeout_s)
 
@@ -202,7 +206,7 @@ class Call:
     @functools.cached_property
     def data(self) -> bytes | None:
         """The body as sent (encoded once however many engines get it)."""
-        return None if self.body is None else json.dumps(self.body).encode()
+        return _encode(self.body)
 
 
 class Exchange:
@@ -232,7 +236,7 @@ class Exchange:
     def _send(self, i: int) -> None:
         url, calls = self.chains[i]
         c = calls[len(self.answers[i])]
-        req = _Req(url, c.path, method=c.method, body=c.body, step=c.step, data=c.data)
+        req = _Req(url, c.path, method=c.method, data=c.data, step=c.step)
         req.send(self.timeout_s)
         self._live[i] = req
 

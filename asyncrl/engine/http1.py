@@ -73,6 +73,7 @@ class ResponseParser:
         self._length: Optional[int] = None  # body length; None with chunked or read-to-close bodies
         self._chunked = False
         self._chunks: list[bytes] = []
+        self._chunked_bytes = 0
         self._got_bytes = False
 
     def feed(self, data: bytes) -> Optional[Response]:
@@ -121,7 +122,6 @@ class ResponseParser:
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
         conn = headers.get("connection", "").lower()
         will_close = "close" in conn or (parts[0] == "HTTP/1.0" and "keep-alive" not in conn)
-        self._status = (status, parts[2] if len(parts) > 2 else "", headers, will_close)
         if self._head_request or status in (204, 304):
             self._length = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
@@ -134,7 +134,8 @@ class ResponseParser:
             if not 0 <= self._length <= MAX_BODY:
                 raise BadResponse(f"Content-Length {self._length} is out of range (at most {MAX_BODY})")
         else:
-            self._status = (status, self._status[1], headers, True)  # the body ends with the connection
+            will_close = True  # the body ends with the connection
+        self._status = (status, parts[2] if len(parts) > 2 else "", headers, will_close)
         return True
 
     def _chunked_body(self) -> Optional[Response]:
@@ -154,7 +155,8 @@ class ResponseParser:
             if len(self._buf) < line_end + 2 + size + 2:
                 return None
             self._chunks.append(bytes(self._buf[line_end + 2 : line_end + 2 + size]))
-            if sum(map(len, self._chunks)) > MAX_BODY:
+            self._chunked_bytes += size
+            if self._chunked_bytes > MAX_BODY:
                 raise BadResponse(f"body over {MAX_BODY} bytes")
             del self._buf[: line_end + 2 + size + 2]
 

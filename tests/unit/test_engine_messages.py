@@ -96,8 +96,9 @@ def test_scheduler_process_stops_when_the_http_process_end_closes(args):
     engine = threading.Thread(target=backend.run)
     engine.start()
     try:
-        _Peer(mine).send(pickle.dumps(("call", 1, "ping", ())))
-        assert _Peer(mine).recv()[:3] == ("reply", 1, True)
+        http = _Peer(mine)
+        http.send(pickle.dumps(("call", 1, "ping", ())))
+        assert http.recv()[:3] == ("reply", 1, True)
         mine.close()
         engine.join(30)
         assert not engine.is_alive(), "the engine loop kept running after its HTTP process's end closed"
