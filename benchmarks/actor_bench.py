@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,11 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from asyncrl.cluster.ports import free_port
 
 
 def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
@@ -117,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         response_len=(64, 160),
     )
     num_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g.trajectories)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
     figures: dict[str, object] = {
         "threads": torch.get_num_threads(),

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl.cluster.ports import free_port  # noqa: E402
 
 # the Qwen2.5-0.5B shape (its public config.json); the tiny checkpoint's tokenizer stays small
 GPU_MODEL = dict(
@@ -65,12 +66,6 @@ SMOKE_MODEL = dict(num_hidden_layers=2)
 FP32_TOL = 2e-3
 BF16_MEAN_TOL = 0.05
 CPU_ENGINE_TOL = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(out: Path, *, smoke: bool) -> Path:
@@ -305,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if device_type == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group(
-        "nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     result: dict = {"mode": "cpu-smoke" if smoke else "gpu", **versions()}
     timings: dict[str, float] = {}

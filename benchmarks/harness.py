@@ -39,6 +39,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from asyncrl.cluster.malloc import retain_freed_memory  # noqa: E402
+from asyncrl.cluster.ports import free_port  # noqa: E402
+from asyncrl.rollout.sglang_launcher import PORT_STRIDE  # noqa: E402
+
+ENGINE_PORTS = 4  # rollout.port, + 10, + 20, + 30 are all free: room for the engines of one node
 
 MALLOC = retain_freed_memory()
 BASELINES = REPO / "benchmarks" / "baselines"
@@ -207,15 +211,6 @@ class Report:
         )
 
 
-def free_port() -> int:
-    """A free TCP port on loopback (for a job's rendezvous or its engines)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, what: str) -> tuple[float, list[dict]]:
     """``torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml <overrides>`` to its end (inherited
     rendezvous variables dropped, one OpenMP thread per process): its wall seconds and ``run_dir``'s metrics
@@ -246,6 +241,6 @@ def tiny_overrides(prep_dir: Path, run_dir: Path, *, steps: int) -> list[str]:
         f'data.test_path="{prep_dir}/data/test.jsonl"',
         f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
         f'logging.run_dir="{run_dir}"',
-        f"rollout.port={free_port()}",
+        f"rollout.port={free_port(span=ENGINE_PORTS, stride=PORT_STRIDE)}",  # engine k: + 10 k
         f"runner.max_steps={steps}",
     ]

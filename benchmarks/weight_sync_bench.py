@@ -41,10 +41,11 @@ import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from asyncrl.cluster.ports import free_port  # noqa: E402
 from asyncrl.config.schema import SyncConfig  # noqa: E402
 from asyncrl.sync import process_group as pgmod  # noqa: E402
 from asyncrl.sync.bucketing import bucket_meta, dtype_from_name, flat_nbytes, flatten_bucket, iter_buckets  # noqa: E402
-from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup, free_port  # noqa: E402
+from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup  # noqa: E402
 from asyncrl.sync.weight_sync import WeightSyncer  # noqa: E402
 
 TIMEOUT_S = 120.0

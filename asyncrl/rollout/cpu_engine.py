@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -337,13 +338,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("%s", e)
         link.stop()
         return 1
+    try:  # bound here, so "ready" is only logged once the port is ours, and a taken port is a one-line error
+        sock = socket.create_server(
+            (args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET, backlog=1024
+        )
+    except OSError as e:  # SGLang's server exits 1 on this too (its HTTP server cannot bind)
+        log.error("cannot listen on %s:%d: %s (another process holds the port? change --port)", args.host, args.port, e)
+        link.stop()
+        return 1
     app = CpuEngine(args, link, tokenizer).build_app()
 
     async def _ready(app: web.Application) -> None:
         log.info("The server is fired up and ready to roll! http://%s:%d", args.host, args.port)
 
     app.on_startup.append(_ready)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=2.0)
+    web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=2.0)
     return 0
 
 

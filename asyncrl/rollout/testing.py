@@ -7,26 +7,20 @@ with running_cpu_engine(model_dir, max_running_requests=8) as sup:
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from asyncrl.cluster.ports import free_port
 from asyncrl.rollout.sglang_launcher import EngineLaunchError, EngineSupervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """A port the OS just handed out (bind to 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 PORT_ATTEMPTS = 3
-"""``running_cpu_engine`` asks the OS for a free port and the engine binds it a second later: another process may
-take it in between (seen once in CI: ``address already in use``). Then it starts again on a new port."""
+"""``running_cpu_engine`` picks a free port (``cluster.ports``: below the ephemeral range, so only a process that
+asks for that very port can take it) and the engine binds it a second later. Should another process take it in
+between anyway, the engine exits with ``Address already in use`` and the helper starts it again on a new port."""
 
 
 def _engine_cmd(model_path, port: int, max_running_requests: int, weight_version: str, seed: int, extra) -> list[str]:
@@ -78,7 +72,7 @@ def running_cpu_engine(
             break
         except EngineLaunchError as e:
             # the port was free when asked for, and taken by another process before the engine bound it
-            if "address already in use" not in str(e) or attempt == PORT_ATTEMPTS:
+            if "address already in use" not in str(e).lower() or attempt == PORT_ATTEMPTS:
                 raise
     try:
         yield sup

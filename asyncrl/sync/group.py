@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from asyncrl.cluster.ports import free_port
 from asyncrl.config.schema import SyncConfig
 from asyncrl.engine.blocking import EngineStepError, get_json, post_json, spawn, wait_all
 from asyncrl.sync import process_group as _pgmod
@@ -133,13 +134,6 @@ def join_request(
         "group_name": group_name,
         "backend": backend,
     }
-
-
-def free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 class WeightSyncGroup:

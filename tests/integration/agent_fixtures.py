@@ -13,7 +13,6 @@ the tokenizer and the retriever are all real.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -22,14 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.agent.tasks import searchr1
+from asyncrl.cluster.ports import free_port
 
 LOGIT_SCALE = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

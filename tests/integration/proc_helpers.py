@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,8 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.cluster.ports import free_port
+from asyncrl.rollout.sglang_launcher import PORT_STRIDE
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+ENGINE_PORTS = 4  # rollout.port, + 10, + 20, + 30 are all free: room for the engines of one node
 TRAIN = REPO / "launch" / "train.py"
 
 # float32 parity, relative to max(1, max|reference|): log-probs of a 1000-token vocabulary reach ~10 and entropies
@@ -29,13 +32,6 @@ GRAD_NORM_REL = 1e-4
 # element whose gradient is near Adam's eps turns float32 rounding of that gradient into up to 2.5e-6 at lr 1e-3
 # (measured); lr/20 is still far below the ~lr a wrong gradient direction moves an element.
 ADAM_STEP_REL = 0.05
-
-
-def free_port() -> int:
-    """A free loopback TCP port from the OS (never a hard-coded one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(
@@ -155,7 +151,7 @@ def tiny_overrides(prep: Path, run_dir: Path, *extra: str) -> list[str]:
         f'data.test_path="{prep}/data/test.jsonl"',
         f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"',
         f'logging.run_dir="{run_dir}"',
-        f"rollout.port={free_port()}",
+        f"rollout.port={free_port(span=ENGINE_PORTS, stride=PORT_STRIDE)}",  # engine k: + 10 k
         "data.rollout_batch_size=4",
         "algorithm.group_size=2",
         "runner.eval_before_after=false",

@@ -4,20 +4,15 @@ each rank gets exactly its replica's share of ``split_balanced``, peers of a rep
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from asyncrl.cluster.ports import free_port
+
 WORLD, DP = 4, 2
 REPLICA = [0, 1, 0, 1]  # the DP replica of each rank (ranks 0 and 2 are peers, like TP ranks)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -48,7 +43,7 @@ def test_each_rank_gets_its_replicas_share():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -4,18 +4,13 @@ default process group in the joining process."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
 
+from asyncrl.cluster.ports import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _member(rank: int, world_size: int, ports: list[int], default_port: int | None, out: mp.Queue) -> None:
@@ -47,9 +42,9 @@ def _member(rank: int, world_size: int, ports: list[int], default_port: int | No
 def test_group_joins_with_and_without_default_group():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     procs = [
-        ctx.Process(target=_member, args=(0, 3, ports, _free_port(), out)),  # trainer: has a default group
+        ctx.Process(target=_member, args=(0, 3, ports, free_port(), out)),  # trainer: has a default group
         ctx.Process(target=_member, args=(1, 3, ports, None, out)),
         ctx.Process(target=_member, args=(2, 3, ports, None, out)),
     ]
@@ -73,6 +68,6 @@ def test_group_joins_with_and_without_default_group():
 def test_group_timeout_names_the_address():
     from asyncrl.sync.process_group import init_weight_update_group
 
-    port = _free_port()
+    port = free_port()
     with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
         init_weight_update_group("127.0.0.1", port, 0, 2, "lonely", timeout_s=1.0)

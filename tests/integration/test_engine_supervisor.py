@@ -154,4 +154,6 @@ def test_engine_helper_starts_again_when_its_port_was_taken_before_the_engine_bo
             assert sup.url != f"http://127.0.0.1:{taken}"
             with urllib.request.urlopen(sup.url + "/model_info", timeout=30) as r:
                 assert r.status == 200
-    assert "address already in use" in (tmp_path / "logs" / f"cpu_engine_{taken}.log").read_text()
+    log = (tmp_path / "logs" / f"cpu_engine_{taken}.log").read_text()
+    assert f"cannot listen on 127.0.0.1:{taken}" in log and "Address already in use" in log
+    assert "fired up" not in log  # ready is only logged once the port is the engine's

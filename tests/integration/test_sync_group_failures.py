@@ -8,23 +8,17 @@ test); the happy path with real CPU engines is in test_sync_cpu_engines.py.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from asyncrl.cluster.ports import free_port
 from asyncrl.config.schema import SyncConfig
 from asyncrl.sync.group import EngineEndpoint, GroupJoinError, WeightSyncGroup, rank_offsets
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Engine:
@@ -98,7 +92,7 @@ def test_rank_offsets():
 
 
 def test_unreachable_engine_named():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(GroupJoinError) as ei:
         _group([url]).init()

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from asyncrl.cluster.ports import free_port
 from asyncrl.config.schema import SyncConfig
 from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
 
@@ -26,16 +27,8 @@ BROADCAST_S = 3.0
 PEER_DELAY_S = 2 * BROADCAST_S  # joins later than a broadcast may take
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_broadcast_timeout_is_separate_from_the_join_timeout():
-    port = _free_port()
+    port = free_port()
     peer_code = (
         "import time, sys; from asyncrl.sync.process_group import init_weight_update_group;"
         f"time.sleep({PEER_DELAY_S}); pg = init_weight_update_group('127.0.0.1', {port}, 0, 2, 'wug_t',"
