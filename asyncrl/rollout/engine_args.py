@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import logging
-import socket
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -24,6 +23,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from asyncrl.cluster import auth
+from asyncrl.cluster.ports import free_port
 
 log = logging.getLogger("asyncrl.cpu_engine")
 
@@ -96,10 +96,8 @@ def init_engine_world(args: EngineArgs) -> str:
     (see module contract); returns the ``tcp://`` init method used."""
     host = args.host or "127.0.0.1"
     port = args.nccl_port
-    if port is None:
-        with socket.socket() as s:  # SGLang also picks a free port for its nccl_port
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+    if port is None:  # SGLang also picks a free port for its nccl_port
+        port = free_port(host)
     init_method = f"tcp://{host}:{port}"
     t0 = time.monotonic()
     dist.init_process_group(
