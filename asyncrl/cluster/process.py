@@ -235,6 +235,12 @@ def _fail_fast(message: str, grace_s: float, code: int = 1) -> None:
             os._exit(code)
 
 
+def fail_rank(what_happened: str, grace_s: float) -> None:
+    """Fail this rank at once (children stopped, exit 1) because of something outside it, e.g. a hung actor rank 0
+    seen from a rollout rank: torchrun then stops the job."""
+    _fail_fast(f"{what_happened}; failing this rank so that torchrun stops the job", grace_s)
+
+
 def _fail_vital(child: Child, what_happened: str, grace_s: float) -> None:
     """``_fail_fast`` for a child the rank cannot live without (dead or hung): the same message tail for both."""
     _fail_fast(

@@ -93,6 +93,11 @@ class ClusterConfig:
     for this long (stopped, deadlocked, starved) fails the rank at once, naming it as hung (a dead broker fails it
     at once). The actor's own requests would notice a hang only at their deadline: up to
     ``rollout.control_timeout_s``, or a whole batch wait."""
+    actor_unresponsive_after_s: float = 30.0
+    """Actor rank 0 bumps a heartbeat in the job's store every second for the whole run. When it stops for this long
+    (rank 0 stopped, or a native call holding the GIL), the other ranks fail the job naming actor rank 0: the other
+    actor ranks while they wait for a leader-only phase, the rollout, eval and idle ranks at any time after the first
+    beat. A slow step never trips it (the beat runs on its own thread)."""
     device_memory_gb: float = 80.0
     """Memory of one GPU in GiB: a GPU plan whose actor memory estimate exceeds it is refused (H100/A100 80, H200 141)."""
 
@@ -107,6 +112,11 @@ class ClusterConfig:
             self.broker_unhealthy_after_s >= 2.0,
             "cluster.broker_unhealthy_after_s",
             f"must be >= 2 (s; the broker is pinged every second), got {self.broker_unhealthy_after_s!r}",
+        )
+        require(
+            self.actor_unresponsive_after_s >= 3.0,
+            "cluster.actor_unresponsive_after_s",
+            f"must be >= 3 (s; the heartbeat is bumped every second), got {self.actor_unresponsive_after_s!r}",
         )
         if self.broker_host is not None:
             require(

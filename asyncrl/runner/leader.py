@@ -12,6 +12,11 @@ Contract
   thread every ``heartbeat_s`` for the whole run) stops for ``dead_after_s``: a dead or hung leader is
   noticed in seconds, a slow one never.
 - Every actor rank runs the same phases in the same order (the sequence number is the key).
+- The ranks outside the actor group (rollout, eval, idle) watch the same heartbeat for the whole run
+  (``watch_leader``): with one actor rank nobody else would notice a stopped or hung rank 0, and the job would
+  wait forever with full buffers. The watch arms at the first beat (start-up has its own timeouts) and ends
+  quietly when rank 0 closes its phases (``done``), so a finished run is never taken for a dead one.
+  ``Heartbeat`` is its pure core, shared with the waits above.
 
     phases = LeaderPhases(store, is_leader=rank == 0, heartbeat_store=new_client() if rank == 0 else None)
     batch = phases.run("get_batch", lambda: broker.get_batch(...), timeout_s=t)   # None on the others
@@ -35,6 +40,25 @@ _POLL_S = 0.05  # a waiting rank's store poll: cheap, and the next collective st
 
 class LeaderFailed(RuntimeError):
     """Actor rank 0 failed or vanished during a leader-only phase (seen from another actor rank)."""
+
+
+class Heartbeat:
+    """Pure: actor rank 0's beat counter as one watcher sees it. ``observe(beat, now)`` returns the seconds without a
+    new beat once they exceed ``dead_after_s`` (else None). Unarmed (``armed=False``), nothing counts until the first
+    beat (a counter above 0) is seen."""
+
+    def __init__(self, dead_after_s: float, now: float, *, armed: bool = True):
+        self.dead_after_s = dead_after_s
+        self.armed = armed
+        self.last_beat, self.last_change = -1, now
+
+    def observe(self, beat: int, now: float) -> Optional[float]:
+        if beat != self.last_beat:
+            self.last_beat, self.last_change = beat, now
+            self.armed = self.armed or beat > 0
+            return None
+        silent = now - self.last_change
+        return silent if self.armed and silent > self.dead_after_s else None
 
 
 class LeaderPhases:
@@ -86,16 +110,14 @@ class LeaderPhases:
     def _wait(self, key: str, name: str, timeout_s: Optional[float]) -> None:
         start = time.monotonic()
         deadline = None if timeout_s is None else start + timeout_s + self.margin_s
-        last_beat, last_change = -1, start
+        hb = Heartbeat(self.dead_after_s, start)
         while not self.store.check([key]):
             now = time.monotonic()
-            beat = self.store.add("alive", 0)
-            if beat != last_beat:
-                last_beat, last_change = beat, now
-            elif now - last_change > self.dead_after_s:
+            silent = hb.observe(self.store.add("alive", 0), now)
+            if silent is not None:
                 raise LeaderFailed(
                     f"actor rank 0 stopped heartbeating during its phase {name!r} (no sign for "
-                    f"{now - last_change:.0f}s): it died or hangs; see its log"
+                    f"{silent:.0f}s): it died or hangs; see its log"
                 )
             if deadline is not None and now > deadline:
                 raise LeaderFailed(
@@ -109,6 +131,46 @@ class LeaderPhases:
         log.debug("leader phase %r ended after %.1fs", name, time.monotonic() - start)
 
     def close(self) -> None:
+        if self._thread is not None:
+            try:  # first: the beat stops on purpose, and the watchers of the other roles stand down
+                self.store.set(DONE_KEY, b"1")
+            except (RuntimeError, OSError) as e:  # the store's agent is gone: so is the job
+                log.debug("could not mark the heartbeat done: %r", e)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.heartbeat_s + 5)
+
+
+DONE_KEY = "done"
+"""Set by actor rank 0 when its heartbeat stops on purpose (the run ended, well or not)."""
+
+
+def watch_leader(
+    store: Any, *, dead_after_s: float, on_dead: Callable[[str], None], poll_s: float = 1.0
+) -> threading.Thread:
+    """Watch actor rank 0's heartbeat on a daemon thread for the whole run (contract): ``on_dead(message)`` once it
+    stops for ``dead_after_s`` without ``done``. ``store``: a client of the phases' store used by this thread only.
+    A store that does not answer counts as no beat (its agent's death is the parent watchdog's)."""
+
+    def watch() -> None:
+        hb = Heartbeat(dead_after_s, time.monotonic(), armed=False)
+        while True:
+            try:
+                if store.check([DONE_KEY]):
+                    return
+                beat = store.add("alive", 0)
+            except (RuntimeError, OSError) as e:
+                log.debug("leader heartbeat read failed: %r", e)
+                beat = hb.last_beat
+            silent = hb.observe(beat, time.monotonic())
+            if silent is not None:
+                on_dead(
+                    f"actor rank 0 stopped heartbeating {silent:.0f} s ago (> cluster.actor_unresponsive_after_s = "
+                    f"{dead_after_s:g} s): it is stopped, hung or starved; see its log"
+                )
+                return
+            time.sleep(poll_s)
+
+    t = threading.Thread(target=watch, name="leader-watch", daemon=True)
+    t.start()
+    return t

@@ -22,6 +22,8 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
   ``eval_engine/<i>/url`` (actor rank 0 waits for them) and keeps it up until ``shutdown``
   (``run_eval_engine``).
 - other ranks (an engine's other TP ranks, reward-only ranks) wait for ``shutdown``.
+- every rank outside the actor group watches actor rank 0's heartbeat from its first beat to the run's end and
+  fails the job, naming rank 0, when it stops for ``cluster.actor_unresponsive_after_s`` (``leader.watch_leader``).
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ from asyncrl.config.eval_engine import eval_engine_config
 from asyncrl.config.render import render_config
 from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_port
 from asyncrl.runner import eval_fleet
-from asyncrl.runner.leader import LeaderPhases
+from asyncrl.runner.leader import LeaderPhases, watch_leader
 from asyncrl.runner.prepare import prepare_if_needed
 
 log = logging.getLogger("asyncrl.roles")
+
+PHASES = "actor_phases/"
+"""The store prefix of the actor group's leader phases and of actor rank 0's heartbeat."""
 
 PREPARE_WAIT_S = 3 * 3600.0
 """How long the other ranks wait for global rank 0's preparation. Measured: 700 warm-start steps took over
@@ -81,6 +86,7 @@ def run_role(ctx) -> int:
     role = ctx.role
     if role == "actor":
         return run_actor(ctx, disc)
+    _watch_actor_leader(cfg)
     if role == "rollout":
         return run_rollout(ctx, disc)
     if role == "eval":
@@ -157,8 +163,25 @@ def run_actor(ctx, disc: Discovery) -> int:
 
 def _actor_phases(cfg, disc: Discovery, *, is_leader: bool):
     """The actor group's leader-only phases (``asyncrl.runner.leader``), on this run's store."""
-    beat = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub("actor_phases/").store if is_leader else None
-    return LeaderPhases(disc.sub("actor_phases/").store, is_leader=is_leader, heartbeat_store=beat)
+    beat = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub(PHASES).store if is_leader else None
+    return LeaderPhases(
+        disc.sub(PHASES).store,
+        is_leader=is_leader,
+        heartbeat_store=beat,
+        dead_after_s=cfg.cluster.actor_unresponsive_after_s,
+    )
+
+
+def _watch_actor_leader(cfg) -> None:
+    """A rollout, eval or idle rank: fail the job when actor rank 0's heartbeat stops (``leader.watch_leader``), on
+    a store client of its own."""
+    store = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub(PHASES).store
+    grace = cfg.cluster.shutdown_grace_s
+    watch_leader(
+        store,
+        dead_after_s=cfg.cluster.actor_unresponsive_after_s,
+        on_dead=lambda message: process.fail_rank(message, grace),
+    )
 
 
 def _leader_startup(ctx, disc: Discovery):

@@ -6,6 +6,7 @@ fail fast, and leave nothing behind.
 - the broker is SIGKILLed: actor rank 0 fails within seconds naming the broker; under ``--max-restarts 1``
   torchrun restarts the job, which resumes from its last complete checkpoint and finishes.
 - torchrun is SIGKILLed: no process of the job and no port it bound is left after 10 s.
+- actor rank 0 is SIGSTOPped: the rollout rank names it after ``cluster.actor_unresponsive_after_s`` and the job ends.
 
 Every fault is triggered on a condition (a step in metrics.jsonl), never after a bare sleep.
 """
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from proc_helpers import TinyJob, assert_nothing_left, cmdline, pids_mentioning
+from proc_helpers import TinyJob, assert_nothing_left, cmdline, pids_mentioning, ppid
 
 
 def _port_bound(port: int) -> bool:
@@ -172,6 +173,34 @@ def test_hung_broker_fails_the_job_within_seconds_naming_it(prepared, tmp_path):
     assert took < 5 + 20, f"a hung broker must end the job within seconds, took {took:.0f} s"
     assert job.records()[-1]["step"] < 50
     assert_nothing_left(run_dir, within_s=10)
+
+
+@pytest.mark.slow
+def test_stopped_actor_rank_fails_the_job_naming_it(prepared, tmp_path):
+    """SIGSTOP actor rank 0, the job's only actor rank, after step 2. Nothing it does has a deadline anyone else
+    waits on: before the watch the workers filled the buffer and the job waited forever. The rollout rank sees rank
+    0's heartbeat stop and fails the job after ``cluster.actor_unresponsive_after_s`` (5 s here), naming actor
+    rank 0; torchrun then SIGKILLs the stopped rank (after its 30 s shutdown timeout) and nothing is left."""
+    run_dir = tmp_path / "run"
+    job = TinyJob(prepared, run_dir, "runner.max_steps=50", "cluster.actor_unresponsive_after_s=5")
+    try:
+        job.wait_step(2, timeout_s=240)
+        broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.runner.broker_process" in cmdline(p))
+        rank0 = ppid(broker)  # actor rank 0 spawned the broker
+        assert "launch/train.py" in cmdline(rank0), cmdline(rank0)
+        os.kill(rank0, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        rc = job.finish(timeout_s=180)
+        took = time.monotonic() - t_stop
+    except BaseException:
+        job.kill_all()
+        raise
+    out = job.output()
+    assert rc != 0, out[-6000:]
+    assert "actor rank 0 stopped heartbeating" in out and "cluster.actor_unresponsive_after_s = 5 s" in out, out[-6000:]
+    assert took < 5 + 30 + 30, f"a stopped actor rank must end the job within its timeouts, took {took:.0f} s"
+    assert job.records()[-1]["step"] < 50
+    assert_nothing_left(run_dir, within_s=15)
 
 
 @pytest.mark.slow

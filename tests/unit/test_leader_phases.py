@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from asyncrl.runner.leader import LeaderFailed, LeaderPhases
+from asyncrl.runner.leader import Heartbeat, LeaderFailed, LeaderPhases, watch_leader
 
 
 @pytest.fixture
@@ -85,3 +85,41 @@ def test_the_phase_timeout_bounds_the_wait(stores):
     _follow(follower, "wait for a batch", out, timeout_s=0.5).join(15)
     assert "did not finish its phase 'wait for a batch'" in str(out["error"]) and 0.9 <= out["waited_s"] < 5
     leader.close()
+
+
+# ------------------------------------------------------------------ the other roles' watch (``watch_leader``)
+def test_heartbeat_arms_at_the_first_beat_and_counts_silence_from_the_last_change():
+    hb = Heartbeat(5.0, now=0.0, armed=False)
+    assert hb.observe(0, 0.0) is None and hb.observe(0, 100.0) is None  # start-up: no beat yet, never dead
+    assert hb.observe(1, 101.0) is None  # the first beat arms it
+    assert hb.observe(1, 105.5) is None  # 4.5 s of silence
+    assert hb.observe(2, 106.0) is None  # a new beat resets the clock
+    assert hb.observe(2, 110.0) is None and hb.observe(2, 111.5) == pytest.approx(5.5)
+    armed = Heartbeat(1.0, now=0.0)  # a phase wait: the leader has been beating, so silence counts at once
+    assert armed.observe(7, 0.0) is None and armed.observe(7, 1.5) == pytest.approx(1.5)
+
+
+def test_watch_names_a_leader_whose_beat_stops(stores):
+    beat, dead = stores(), threading.Event()
+    said: list[str] = []
+    for _ in range(3):  # actor rank 0 beat, then stopped (SIGSTOP: its thread is frozen, nothing marks it done)
+        beat.add("alive", 1)
+    t0 = time.monotonic()
+    watch_leader(stores(), dead_after_s=1.0, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set()))
+    assert dead.wait(10), "the watch did not notice a silent leader"
+    assert 1.0 <= time.monotonic() - t0 < 5
+    assert "actor rank 0 stopped heartbeating" in said[0] and "cluster.actor_unresponsive_after_s = 1 s" in said[0]
+
+
+def test_watch_stands_down_when_the_leader_closes(stores):
+    leader = LeaderPhases(stores(), is_leader=True, heartbeat_store=stores(), heartbeat_s=0.05)
+    said: list[str] = []
+    reader = stores()
+    t = watch_leader(stores(), dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
+    deadline = time.monotonic() + 10
+    while reader.add("alive", 0) < 5:  # beating for a while: the watch is armed
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    leader.close()  # the run ended: the beat stops on purpose
+    t.join(10)
+    assert not t.is_alive() and said == []
