@@ -332,11 +332,13 @@ def sync_on_paper(
 def _committed_sync_control() -> dict:
     p = BASELINES / "weight_sync_bench.json"
     try:
-        d = json.loads(p.read_text())
-        r = next(x for x in d["results"] if x["engines"] == 1)
+        d = json.loads(p.read_text())["latest"]  # harness.Report's file: the newest run, then the history
+        r = d["results"]["engines1"]
         return {
             "file": str(p.relative_to(BASELINES.parents[1])),
-            "sync_minus_transfer_s": r["sync_s"] - r["sync_transfer_s"],
+            "date": d.get("date"),
+            "sync_minus_transfer_s": r["sync_s"]["median"] - r["transfer_s"]["median"],
+            "control_s": r["control_s"]["median"],
             "num_buckets": d.get("num_buckets"),
         }
     except (OSError, ValueError, KeyError, StopIteration) as e:
