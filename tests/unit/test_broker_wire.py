@@ -214,6 +214,11 @@ def _worker_table():
         (("groups", "traj", "min_version"), ["0", 0], "min_version"),  # a version that is not an integer
         (("groups", "traj", "max_version"), [float("inf"), 0], "max_version"),
         (("groups", "traj", "num_turns"), [-1, 0], "num_turns"),
+        (("groups", "traj", "num_tool_calls"), [0, True], "num_tool_calls"),  # a bool is no count
+        (("groups", "traj", "num_retractions"), [1.0, 0], "num_retractions"),  # nor is a float
+        (("groups", "group_id"), [-3], "group_id"),  # a negative group id
+        (("groups", "traj", "truncated"), [False, 0], "truncated"),  # an int is no bool
+        (("groups", "traj", "finish_reason"), ["stop", None], "finish_reason"),
         (("groups", "traj", "reward"), ["1", 0.0], "reward"),
         (("groups", "traj", "nr"), [30, 2], "frame"),  # past the end of the frame
         (("groups", "traj", "np"), None, "np"),
