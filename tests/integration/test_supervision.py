@@ -150,6 +150,29 @@ def test_broker_sigkill_fails_fast_and_resumes_under_max_restarts(prepared, tmp_
     assert "resumed from" in out
 
 
+def _actor_rank_0(broker: int) -> int:
+    """Actor rank 0: the broker's parent (it spawned the broker), a rank of launch/train.py."""
+    rank0 = ppid(broker)
+    assert "launch/train.py" in cmdline(rank0), cmdline(rank0)
+    return rank0
+
+
+def _stop_after_step_2(job: TinyJob, run_dir: Path, pick, *, finish_s: float) -> tuple[int, int, float]:
+    """After step 2, SIGSTOP the process ``pick(the broker's pid)`` names and wait for the job to end: that pid, the
+    job's exit status and the seconds from the stop to the end (everything of the job is killed on a failure)."""
+    try:
+        job.wait_step(2, timeout_s=240)
+        broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.runner.broker_process" in cmdline(p))
+        pid = pick(broker)
+        os.kill(pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        rc = job.finish(timeout_s=finish_s)
+        return pid, rc, time.monotonic() - t_stop
+    except BaseException:
+        job.kill_all()
+        raise
+
+
 @pytest.mark.slow
 def test_hung_broker_fails_the_job_within_seconds_naming_it(prepared, tmp_path):
     """SIGSTOP the broker after step 2: it is alive but answers nothing, so no request of the actor's fails before
@@ -157,16 +180,7 @@ def test_hung_broker_fails_the_job_within_seconds_naming_it(prepared, tmp_path):
     ``cluster.broker_unhealthy_after_s`` (5 s here) and fails the job, which leaves no process behind."""
     run_dir = tmp_path / "run"
     job = TinyJob(prepared, run_dir, "runner.max_steps=50", "cluster.broker_unhealthy_after_s=5")
-    try:
-        job.wait_step(2, timeout_s=240)
-        broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.runner.broker_process" in cmdline(p))
-        os.kill(broker, signal.SIGSTOP)
-        t_stop = time.monotonic()
-        rc = job.finish(timeout_s=120)
-        took = time.monotonic() - t_stop
-    except BaseException:
-        job.kill_all()
-        raise
+    broker, rc, took = _stop_after_step_2(job, run_dir, lambda broker: broker, finish_s=120)
     out = job.output()
     assert rc != 0, out[-6000:]
     assert f"the broker (pid {broker}) is alive but answered no heartbeat" in out, out[-6000:]
@@ -183,18 +197,8 @@ def test_stopped_actor_rank_fails_the_job_naming_it(prepared, tmp_path):
     rank 0; torchrun then SIGKILLs the stopped rank (after its 30 s shutdown timeout) and nothing is left."""
     run_dir = tmp_path / "run"
     job = TinyJob(prepared, run_dir, "runner.max_steps=50", "cluster.actor_unresponsive_after_s=5")
-    try:
-        job.wait_step(2, timeout_s=240)
-        broker = next(p for p in pids_mentioning(str(run_dir)) if "asyncrl.runner.broker_process" in cmdline(p))
-        rank0 = ppid(broker)  # actor rank 0 spawned the broker
-        assert "launch/train.py" in cmdline(rank0), cmdline(rank0)
-        os.kill(rank0, signal.SIGSTOP)
-        t_stop = time.monotonic()
-        rc = job.finish(timeout_s=180)
-        took = time.monotonic() - t_stop
-    except BaseException:
-        job.kill_all()
-        raise
+    rank0, rc, took = _stop_after_step_2(job, run_dir, _actor_rank_0, finish_s=180)
+    assert rank0 != job.proc.pid
     out = job.output()
     assert rc != 0, out[-6000:]
     assert "actor rank 0 stopped heartbeating" in out and "cluster.actor_unresponsive_after_s = 5 s" in out, out[-6000:]
