@@ -40,9 +40,7 @@ if str(REPO) not in sys.path:
 
 from asyncrl.cluster.malloc import retain_freed_memory  # noqa: E402
 from asyncrl.cluster.ports import free_port  # noqa: E402
-from asyncrl.rollout.sglang_launcher import PORT_STRIDE  # noqa: E402
-
-ENGINE_PORTS = 4  # rollout.port, + 10, + 20, + 30 are all free: room for the engines of one node
+from asyncrl.rollout.sglang_launcher import free_rollout_port  # noqa: E402
 
 MALLOC = retain_freed_memory()
 BASELINES = REPO / "benchmarks" / "baselines"
@@ -241,6 +239,6 @@ def tiny_overrides(prep_dir: Path, run_dir: Path, *, steps: int) -> list[str]:
         f'data.test_path="{prep_dir}/data/test.jsonl"',
         f'agentloop.tool.corpus_path="{prep_dir}/data/corpus.jsonl"',
         f'logging.run_dir="{run_dir}"',
-        f"rollout.port={free_port(span=ENGINE_PORTS, stride=PORT_STRIDE)}",  # engine k: + 10 k
+        f"rollout.port={free_rollout_port()}",
         f"runner.max_steps={steps}",
     ]

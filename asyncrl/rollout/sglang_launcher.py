@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Optional
 
 from asyncrl.cluster import auth
+from asyncrl.cluster.ports import free_port
 from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
 from asyncrl.config.schema import Config
 from asyncrl.engine.blocking import EngineStepError, get_text
@@ -120,6 +121,11 @@ def engine_environment(
 
 def engine_port(cfg: Config, local_engine_index: int) -> int:
     return cfg.rollout.port + local_engine_index * PORT_STRIDE
+
+
+def free_rollout_port(host: str = "127.0.0.1", *, engines: int = 4) -> int:
+    """A ``rollout.port`` whose first ``engines`` engine ports (``engine_port``) are all free now (``cluster.ports``)."""
+    return free_port(host, span=engines, stride=PORT_STRIDE)
 
 
 def _model_path(cfg: Config) -> str:

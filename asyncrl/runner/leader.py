@@ -131,14 +131,14 @@ class LeaderPhases:
         log.debug("leader phase %r ended after %.1fs", name, time.monotonic() - start)
 
     def close(self) -> None:
-        if self._thread is not None:
-            try:  # first: the beat stops on purpose, and the watchers of the other roles stand down
-                self.store.set(DONE_KEY, b"1")
-            except (RuntimeError, OSError) as e:  # the store's agent is gone: so is the job
-                log.debug("could not mark the heartbeat done: %r", e)
+        if self._thread is None:  # a follower: nothing beats here
+            return
+        try:  # first: the beat stops on purpose, and the watchers of the other roles stand down
+            self.store.set(DONE_KEY, b"1")
+        except (RuntimeError, OSError) as e:  # the store's agent is gone: so is the job
+            log.debug("could not mark the heartbeat done: %r", e)
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.heartbeat_s + 5)
+        self._thread.join(timeout=self.heartbeat_s + 5)
 
 
 DONE_KEY = "done"

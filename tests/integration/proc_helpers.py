@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl.cluster.ports import free_port
-from asyncrl.rollout.sglang_launcher import PORT_STRIDE
+from asyncrl.rollout.sglang_launcher import free_rollout_port
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-ENGINE_PORTS = 4  # rollout.port, + 10, + 20, + 30 are all free: room for the engines of one node
 TRAIN = REPO / "launch" / "train.py"
 
 # float32 parity, relative to max(1, max|reference|): log-probs of a 1000-token vocabulary reach ~10 and entropies
@@ -151,7 +150,7 @@ def tiny_overrides(prep: Path, run_dir: Path, *extra: str) -> list[str]:
         f'data.test_path="{prep}/data/test.jsonl"',
         f'agentloop.tool.corpus_path="{prep}/data/corpus.jsonl"',
         f'logging.run_dir="{run_dir}"',
-        f"rollout.port={free_port(span=ENGINE_PORTS, stride=PORT_STRIDE)}",  # engine k: + 10 k
+        f"rollout.port={free_rollout_port()}",
         "data.rollout_batch_size=4",
         "algorithm.group_size=2",
         "runner.eval_before_after=false",
