@@ -21,8 +21,8 @@ Contract
 - ``fail_fast_on_hang(child, probe=, hung_after_s=)``: a watcher thread that probes a child the rank cannot live
   without (the broker: ``broker.client.BrokerPing``) every second; when it is alive but answered nothing for
   ``hung_after_s``, fails the rank the same way, naming it as hung.
-- ``fail_rank(message)``: the same exit for a fault outside the rank (a rollout rank that saw actor rank 0's
-  heartbeat stop: ``asyncrl.runner.leader.watch_leader``).
+- ``fail_rank(message)``: the same exit for a fault outside the rank (a rank that saw an actor rank's heartbeat
+  stop: ``asyncrl.runner.leader.watch_actor_ranks``).
 - ``start_parent_watchdog()``: torchrun starts every rank in its own session, so a SIGKILLed
   torchrun takes no rank with it; each rank watches its parent pid and, once it changed (the
   agent is gone), stops its children and exits. Children in turn die with their rank

@@ -94,10 +94,10 @@ class ClusterConfig:
     at once). The actor's own requests would notice a hang only at their deadline: up to
     ``rollout.control_timeout_s``, or a whole batch wait."""
     actor_unresponsive_after_s: float = 30.0
-    """Actor rank 0 bumps a heartbeat in the job's store every second for the whole run. When it stops for this long
-    (rank 0 stopped, or a native call holding the GIL), the other ranks fail the job naming actor rank 0: the other
-    actor ranks while they wait for a leader-only phase, the rollout, eval and idle ranks at any time after the first
-    beat. A slow step never trips it (the beat runs on its own thread)."""
+    """Every actor rank bumps a heartbeat in the job's store every second for the whole run. When one stops for this
+    long (the rank stopped, or a native call holding the GIL), the other ranks fail the job naming that actor rank
+    (every rank watches every actor rank but itself, from that rank's first beat). A slow step never trips it (the
+    beat runs on its own thread)."""
     device_memory_gb: float = 80.0
     """Memory of one GPU in GiB: a GPU plan whose actor memory estimate exceeds it is refused (H100/A100 80, H200 141)."""
 

@@ -7,18 +7,19 @@ Contract
   for it inside a collective: every actor rank calls ``phases.run(name, fn, timeout_s=...)`` at the same
   point; rank 0 runs ``fn()`` and then publishes the phase's end under ``phase/<seq>`` (``ok`` or the
   error); the others poll that key and only then go on to the next collective.
-- A waiting rank fails, naming the phase, when rank 0 reports a failure, when ``timeout_s`` (the phase's
-  own deadline; None = none) plus ``margin_s`` passes, or when rank 0's heartbeat (``alive``, bumped by a
-  thread every ``heartbeat_s`` for the whole run) stops for ``dead_after_s``: a dead or hung leader is
-  noticed in seconds, a slow one never.
+- Every actor rank bumps its own heartbeat (``beat_key(rank)``) from a thread every ``heartbeat_s`` for the whole
+  run. A waiting rank fails, naming the phase, when rank 0 reports a failure, when ``timeout_s`` (the phase's
+  own deadline; None = none) plus ``margin_s`` passes, or when rank 0's heartbeat stops for ``dead_after_s``: a
+  dead or hung leader is noticed in seconds, a slow one never.
 - Every actor rank runs the same phases in the same order (the sequence number is the key).
-- The ranks outside the actor group (rollout, eval, idle) watch the same heartbeat for the whole run
-  (``watch_leader``): with one actor rank nobody else would notice a stopped or hung rank 0, and the job would
-  wait forever with full buffers. The watch arms at the first beat (start-up has its own timeouts) and ends
-  quietly when rank 0 closes its phases (``done``), so a finished run is never taken for a dead one.
-  ``Heartbeat`` is its pure core, shared with the waits above.
+- Every rank watches the heartbeats of the actor ranks other than itself for the whole run (``watch_actor_ranks``):
+  with one actor rank nobody else would notice a stopped or hung rank 0 and the job would wait forever with full
+  buffers; with several, the others would wait in their next collective for ``cluster.actor_collective_timeout_s``
+  (30 min). A rank's watch arms at its first beat (start-up has its own timeouts) and ends for it when it closes
+  its phases (``done/<rank>``), for all when rank 0 does (``done``), so a finished run is never taken for a dead
+  one. ``Heartbeat`` is its pure core, shared with the waits above.
 
-    phases = LeaderPhases(store, is_leader=rank == 0, heartbeat_store=new_client() if rank == 0 else None)
+    phases = LeaderPhases(store, rank=actor_rank, heartbeat_store=new_client())
     batch = phases.run("get_batch", lambda: broker.get_batch(...), timeout_s=t)   # None on the others
     phases.close()
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar
 
 log = logging.getLogger("asyncrl.leader")
@@ -43,7 +44,7 @@ class LeaderFailed(RuntimeError):
 
 
 class Heartbeat:
-    """Pure: actor rank 0's beat counter as one watcher sees it. ``observe(beat, now)`` returns the seconds without a
+    """Pure: an actor rank's beat counter as one watcher sees it. ``observe(beat, now)`` returns the seconds without a
     new beat once they exceed ``dead_after_s`` (else None). Unarmed (``armed=False``), nothing counts until the first
     beat (a counter above 0) is seen."""
 
@@ -61,35 +62,46 @@ class Heartbeat:
         return silent if self.armed and silent > self.dead_after_s else None
 
 
+def beat_key(actor_rank: int) -> str:
+    """The store counter actor rank ``actor_rank``'s heartbeat thread bumps."""
+    return f"alive/{actor_rank}"
+
+
+def done_key(actor_rank: int) -> str:
+    """Set when actor rank ``actor_rank`` closes its phases: its heartbeat stops on purpose."""
+    return f"done/{actor_rank}"
+
+
 class LeaderPhases:
     def __init__(
         self,
         store: Any,
         *,
-        is_leader: bool,
-        heartbeat_store: Any = None,
+        rank: int,
+        heartbeat_store: Any,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 30.0,
         margin_s: float = 60.0,
     ):
-        """``store``: a torch.distributed store (a ``PrefixStore`` of this run) every actor rank reaches;
-        ``heartbeat_store``: a second client of it for rank 0's heartbeat thread (a store client is used
-        from one thread at a time)."""
-        self.store, self.is_leader = store, is_leader
+        """``store``: a torch.distributed store (a ``PrefixStore`` of this run) every actor rank reaches; ``rank``:
+        this process's rank in the actor group; ``heartbeat_store``: a second client of the store for this rank's
+        heartbeat thread (a store client is used from one thread at a time)."""
+        self.store, self.rank, self.is_leader = store, rank, rank == 0
         self.heartbeat_s, self.dead_after_s, self.margin_s = heartbeat_s, dead_after_s, margin_s
         self._seq = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        if is_leader:
-            assert heartbeat_store is not None, "the leader needs its own store client for the heartbeat"
-            self._thread = threading.Thread(
-                target=self._beat, args=(heartbeat_store,), name="leader-heartbeat", daemon=True
-            )
-            self._thread.start()
+        self._thread = threading.Thread(
+            target=self._beat, args=(heartbeat_store,), name=f"actor-{rank}-heartbeat", daemon=True
+        )
+        self._thread.start()
 
     def _beat(self, store: Any) -> None:
         while not self._stop.is_set():
-            store.add("alive", 1)
+            try:
+                store.add(beat_key(self.rank), 1)
+            except (RuntimeError, OSError) as e:  # the store's agent is gone: so is the job (the watchers see silence)
+                log.debug("actor rank %d: heartbeat stopped, the store does not answer: %r", self.rank, e)
+                return
             self._stop.wait(self.heartbeat_s)
 
     def run(self, name: str, fn: Callable[[], T], *, timeout_s: Optional[float] = None) -> Optional[T]:
@@ -113,7 +125,7 @@ class LeaderPhases:
         hb = Heartbeat(self.dead_after_s, start)
         while not self.store.check([key]):
             now = time.monotonic()
-            silent = hb.observe(self.store.add("alive", 0), now)
+            silent = hb.observe(self.store.add(beat_key(0), 0), now)
             if silent is not None:
                 raise LeaderFailed(
                     f"actor rank 0 stopped heartbeating during its phase {name!r} (no sign for "
@@ -131,10 +143,12 @@ class LeaderPhases:
         log.debug("leader phase %r ended after %.1fs", name, time.monotonic() - start)
 
     def close(self) -> None:
-        if self._thread is None:  # a follower: nothing beats here
+        if self._stop.is_set():
             return
-        try:  # first: the beat stops on purpose, and the watchers of the other roles stand down
-            self.store.set(DONE_KEY, b"1")
+        try:  # first: the beat stops on purpose, and the watchers stand down (for every rank when rank 0 closes)
+            self.store.set(done_key(self.rank), b"1")
+            if self.is_leader:
+                self.store.set(DONE_KEY, b"1")
         except (RuntimeError, OSError) as e:  # the store's agent is gone: so is the job
             log.debug("could not mark the heartbeat done: %r", e)
         self._stop.set()
@@ -145,32 +159,43 @@ DONE_KEY = "done"
 """Set by actor rank 0 when its heartbeat stops on purpose (the run ended, well or not)."""
 
 
-def watch_leader(
-    store: Any, *, dead_after_s: float, on_dead: Callable[[str], None], poll_s: float = 1.0
+def watch_actor_ranks(
+    store: Any,
+    *,
+    ranks: Sequence[int],
+    dead_after_s: float,
+    on_dead: Callable[[str], None],
+    poll_s: float = 1.0,
 ) -> threading.Thread:
-    """Watch actor rank 0's heartbeat on a daemon thread for the whole run (contract): ``on_dead(message)`` once it
-    stops for ``dead_after_s`` without ``done``. ``store``: a client of the phases' store used by this thread only.
-    A store that does not answer counts as no beat (its agent's death is the parent watchdog's)."""
+    """Watch the heartbeats of actor ranks ``ranks`` on a daemon thread for the whole run (contract): ``on_dead(message)``
+    once one of them stops for ``dead_after_s`` before it or rank 0 is done. ``store``: a client of the phases' store
+    used by this thread only. A store that does not answer counts as no beat (its agent's death is the parent
+    watchdog's)."""
 
     def watch() -> None:
-        hb = Heartbeat(dead_after_s, time.monotonic(), armed=False)
-        while True:
+        now = time.monotonic()
+        beats = {r: Heartbeat(dead_after_s, now, armed=False) for r in ranks}
+        while beats:
             try:
                 if store.check([DONE_KEY]):
                     return
-                beat = store.add("alive", 0)
+                for r in [r for r in beats if store.check([done_key(r)])]:
+                    del beats[r]
+                seen = {r: store.add(beat_key(r), 0) for r in beats}
             except (RuntimeError, OSError) as e:
-                log.debug("leader heartbeat read failed: %r", e)
-                beat = hb.last_beat
-            silent = hb.observe(beat, time.monotonic())
-            if silent is not None:
-                on_dead(
-                    f"actor rank 0 stopped heartbeating {silent:.0f} s ago (> cluster.actor_unresponsive_after_s = "
-                    f"{dead_after_s:g} s): it is stopped, hung or starved; see its log"
-                )
-                return
+                log.debug("actor heartbeat read failed: %r", e)
+                seen = {r: hb.last_beat for r, hb in beats.items()}
+            now = time.monotonic()
+            for r, beat in seen.items():
+                silent = beats[r].observe(beat, now)
+                if silent is not None:
+                    on_dead(
+                        f"actor rank {r} stopped heartbeating {silent:.0f} s ago (> cluster.actor_unresponsive_after_s "
+                        f"= {dead_after_s:g} s): it is stopped, hung or starved; see its log"
+                    )
+                    return
             time.sleep(poll_s)
 
-    t = threading.Thread(target=watch, name="leader-watch", daemon=True)
+    t = threading.Thread(target=watch, name="actor-watch", daemon=True)
     t.start()
     return t

@@ -22,8 +22,9 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
   ``eval_engine/<i>/url`` (actor rank 0 waits for them) and keeps it up until ``shutdown``
   (``run_eval_engine``).
 - other ranks (an engine's other TP ranks, reward-only ranks) wait for ``shutdown``.
-- every rank outside the actor group watches actor rank 0's heartbeat from its first beat to the run's end and
-  fails the job, naming rank 0, when it stops for ``cluster.actor_unresponsive_after_s`` (``leader.watch_leader``).
+- every rank watches the heartbeats of the actor ranks other than itself, each from its first beat to the run's
+  end, and fails the job, naming the rank, when one stops for ``cluster.actor_unresponsive_after_s``
+  (``leader.watch_actor_ranks``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from asyncrl.config.eval_engine import eval_engine_config
 from asyncrl.config.render import render_config
 from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_port
 from asyncrl.runner import eval_fleet
-from asyncrl.runner.leader import LeaderPhases, watch_leader
+from asyncrl.runner.leader import LeaderPhases, watch_actor_ranks
 from asyncrl.runner.prepare import prepare_if_needed
 
 log = logging.getLogger("asyncrl.roles")
@@ -86,7 +87,7 @@ def run_role(ctx) -> int:
     role = ctx.role
     if role == "actor":
         return run_actor(ctx, disc)
-    _watch_actor_leader(cfg)
+    _watch_actor_ranks(cfg, range(len(ctx.placement.actor_ranks)))
     if role == "rollout":
         return run_rollout(ctx, disc)
     if role == "eval":
@@ -132,7 +133,8 @@ def run_actor(ctx, disc: Discovery) -> int:
         world_size=len(actor_ranks),
         timeout=timedelta(seconds=cfg.cluster.actor_collective_timeout_s),
     )
-    phases = _actor_phases(cfg, disc, is_leader=actor_rank == 0)
+    phases = _actor_phases(cfg, disc, actor_rank)
+    _watch_actor_ranks(cfg, [r for r in range(len(actor_ranks)) if r != actor_rank])
     broker = None
     try:
         # leader-only: the others wait on the store, not in a collective (engines may take long to start)
@@ -161,24 +163,28 @@ def run_actor(ctx, disc: Discovery) -> int:
         dist.destroy_process_group()
 
 
-def _actor_phases(cfg, disc: Discovery, *, is_leader: bool):
-    """The actor group's leader-only phases (``asyncrl.runner.leader``), on this run's store."""
-    beat = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub(PHASES).store if is_leader else None
+def _actor_phases(cfg, disc: Discovery, actor_rank: int):
+    """The actor group's leader-only phases and this rank's heartbeat (``asyncrl.runner.leader``), on this run's
+    store (the heartbeat thread on a client of its own)."""
     return LeaderPhases(
         disc.sub(PHASES).store,
-        is_leader=is_leader,
-        heartbeat_store=beat,
+        rank=actor_rank,
+        heartbeat_store=Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub(PHASES).store,
         dead_after_s=cfg.cluster.actor_unresponsive_after_s,
     )
 
 
-def _watch_actor_leader(cfg) -> None:
-    """A rollout, eval or idle rank: fail the job when actor rank 0's heartbeat stops (``leader.watch_leader``), on
-    a store client of its own."""
+def _watch_actor_ranks(cfg, ranks) -> None:
+    """Fail the job when the heartbeat of one of the actor ranks ``ranks`` stops (``leader.watch_actor_ranks``): every
+    rank watches every actor rank but itself, on a store client of its own."""
+    ranks = list(ranks)
+    if not ranks:
+        return
     store = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub(PHASES).store
     grace = cfg.cluster.shutdown_grace_s
-    watch_leader(
+    watch_actor_ranks(
         store,
+        ranks=ranks,
         dead_after_s=cfg.cluster.actor_unresponsive_after_s,
         on_dead=lambda message: process.fail_rank(message, grace),
     )

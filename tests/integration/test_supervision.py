@@ -207,6 +207,44 @@ def test_stopped_actor_rank_fails_the_job_naming_it(prepared, tmp_path):
     assert_nothing_left(run_dir, within_s=15)
 
 
+def _global_rank_sibling(broker: int, rank: int) -> int:
+    """The rank of launch/train.py whose ``RANK`` is ``rank``, a child of the same torchrun agent as actor rank 0."""
+    agent = ppid(_actor_rank_0(broker))
+    for pid in pids_mentioning("launch/train.py"):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile (another test's job)
+            continue
+        if ppid(pid) == agent and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} under torchrun agent {agent}")
+
+
+@pytest.mark.slow
+def test_stopped_follower_actor_rank_fails_the_job_naming_it(prepared, tmp_path):
+    """Two actor ranks: SIGSTOP actor rank 1 after step 2 while rank 0 and the rollout rank live on. Before, rank 0
+    waited in its next collective for ``cluster.actor_collective_timeout_s`` (30 min) and rank 1's silence was
+    nobody's business. Every rank watches the other actor ranks' heartbeats: the job fails after
+    ``cluster.actor_unresponsive_after_s`` (5 s here), naming actor rank 1, and nothing is left."""
+    run_dir = tmp_path / "run"
+    job = TinyJob(
+        prepared,
+        run_dir,
+        'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }',
+        "cluster.num_devices_per_node=3",
+        "runner.max_steps=50",
+        "cluster.actor_unresponsive_after_s=5",
+        nproc=3,
+    )
+    rank1, rc, took = _stop_after_step_2(job, run_dir, lambda broker: _global_rank_sibling(broker, 1), finish_s=180)
+    out = job.output()
+    assert rc != 0, out[-6000:]
+    assert "actor rank 1 stopped heartbeating" in out and "cluster.actor_unresponsive_after_s = 5 s" in out, out[-6000:]
+    assert took < 5 + 30 + 30, f"a stopped actor rank must end the job within its timeouts, took {took:.0f} s"
+    assert job.records()[-1]["step"] < 50
+    assert_nothing_left(run_dir, within_s=15)
+
+
 @pytest.mark.slow
 def test_torchrun_sigkill_leaves_nothing(prepared, tmp_path):
     """SIGKILL the torchrun agent mid-run: within 10 s no rank, broker or engine of the job runs and neither the

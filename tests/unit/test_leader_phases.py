@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from asyncrl.runner.leader import Heartbeat, LeaderFailed, LeaderPhases, watch_leader
+from asyncrl.runner.leader import Heartbeat, LeaderFailed, LeaderPhases, beat_key, watch_actor_ranks
 
 
 @pytest.fixture
@@ -44,8 +44,8 @@ def _follow(follower: LeaderPhases, name: str, out: dict, timeout_s=None) -> thr
 
 
 def test_follower_waits_for_the_leader_and_gets_none(stores):
-    leader = LeaderPhases(stores(), is_leader=True, heartbeat_store=stores(), heartbeat_s=0.1)
-    follower = LeaderPhases(stores(), is_leader=False)
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)
+    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores())
     out: dict = {}
     t = _follow(follower, "eval", out)
     done = threading.Event()
@@ -56,8 +56,8 @@ def test_follower_waits_for_the_leader_and_gets_none(stores):
 
 
 def test_leader_failure_reaches_the_follower_with_the_phase_name(stores):
-    leader = LeaderPhases(stores(), is_leader=True, heartbeat_store=stores(), heartbeat_s=0.1)
-    follower = LeaderPhases(stores(), is_leader=False)
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)
+    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores())
     out: dict = {}
     t = _follow(follower, "eval before training", out)
     with pytest.raises(RuntimeError, match="retriever down"):
@@ -69,9 +69,9 @@ def test_leader_failure_reaches_the_follower_with_the_phase_name(stores):
 
 def test_a_silent_leader_is_noticed_in_seconds(stores):
     """The leader stops heartbeating (dead or hung process) before publishing the phase's end."""
-    leader = LeaderPhases(stores(), is_leader=True, heartbeat_store=stores(), heartbeat_s=0.1)
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)
     leader.close()  # heartbeats stop
-    follower = LeaderPhases(stores(), is_leader=False, dead_after_s=1.0)
+    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), dead_after_s=1.0)
     out: dict = {}
     _follow(follower, "wait for the batch of step 3", out).join(15)
     assert isinstance(out["error"], LeaderFailed) and "stopped heartbeating" in str(out["error"])
@@ -79,15 +79,15 @@ def test_a_silent_leader_is_noticed_in_seconds(stores):
 
 
 def test_the_phase_timeout_bounds_the_wait(stores):
-    leader = LeaderPhases(stores(), is_leader=True, heartbeat_store=stores(), heartbeat_s=0.1)  # alive, never done
-    follower = LeaderPhases(stores(), is_leader=False, margin_s=0.5)
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)  # alive, never done
+    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), margin_s=0.5)
     out: dict = {}
     _follow(follower, "wait for a batch", out, timeout_s=0.5).join(15)
     assert "did not finish its phase 'wait for a batch'" in str(out["error"]) and 0.9 <= out["waited_s"] < 5
     leader.close()
 
 
-# ------------------------------------------------------------------ the other roles' watch (``watch_leader``)
+# ------------------------------------------------------------------ every rank's watch (``watch_actor_ranks``)
 def test_heartbeat_arms_at_the_first_beat_and_counts_silence_from_the_last_change():
     hb = Heartbeat(5.0, now=0.0, armed=False)
     assert hb.observe(0, 0.0) is None and hb.observe(0, 100.0) is None  # start-up: no beat yet, never dead
@@ -103,23 +103,66 @@ def test_watch_names_a_leader_whose_beat_stops(stores):
     beat, dead = stores(), threading.Event()
     said: list[str] = []
     for _ in range(3):  # actor rank 0 beat, then stopped (SIGSTOP: its thread is frozen, nothing marks it done)
-        beat.add("alive", 1)
+        beat.add(beat_key(0), 1)
     t0 = time.monotonic()
-    watch_leader(stores(), dead_after_s=1.0, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set()))
+    watch_actor_ranks(
+        stores(), ranks=[0], dead_after_s=1.0, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+    )
     assert dead.wait(10), "the watch did not notice a silent leader"
     assert 1.0 <= time.monotonic() - t0 < 5
     assert "actor rank 0 stopped heartbeating" in said[0] and "cluster.actor_unresponsive_after_s = 1 s" in said[0]
 
 
 def test_watch_stands_down_when_the_leader_closes(stores):
-    leader = LeaderPhases(stores(), is_leader=True, heartbeat_store=stores(), heartbeat_s=0.05)
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
     said: list[str] = []
     reader = stores()
-    t = watch_leader(stores(), dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
+    t = watch_actor_ranks(stores(), ranks=[0], dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
     deadline = time.monotonic() + 10
-    while reader.add("alive", 0) < 5:  # beating for a while: the watch is armed
+    while reader.add(beat_key(0), 0) < 5:  # beating for a while: the watch is armed
         assert time.monotonic() < deadline
         time.sleep(0.02)
     leader.close()  # the run ended: the beat stops on purpose
+    t.join(10)
+    assert not t.is_alive() and said == []
+
+
+def _beating(reader, rank: int, at_least: int = 5) -> None:
+    deadline = time.monotonic() + 10
+    while reader.add(beat_key(rank), 0) < at_least:  # beating for a while: a watch is armed for it
+        assert time.monotonic() < deadline, f"actor rank {rank} never beat"
+        time.sleep(0.02)
+
+
+def test_watch_names_a_follower_rank_whose_beat_stops_while_the_leader_beats_on(stores):
+    """Actor rank 1 stops (SIGSTOP freezes its heartbeat thread; here: its beat stops without ``close``) while rank 0
+    lives: rank 0 would wait in its next collective for the collective timeout; the watch names rank 1."""
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
+    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), heartbeat_s=0.05)
+    said, dead = [], threading.Event()
+    watch_actor_ranks(
+        stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+    )
+    _beating(stores(), 1)
+    follower._stop.set()  # frozen, not closed: nothing marks it done
+    assert dead.wait(10), "the watch did not notice a silent follower"
+    assert said[0].startswith("actor rank 1 stopped heartbeating")
+    leader.close()
+
+
+def test_watch_lets_a_follower_close_before_the_leader(stores):
+    """A follower that ends first (its phases closed) is no longer watched; the leader still is, until it closes."""
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
+    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), heartbeat_s=0.05)
+    said: list[str] = []
+    t = watch_actor_ranks(stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
+    reader = stores()
+    _beating(reader, 0)
+    _beating(reader, 1)
+    follower.close()
+    quiet_until = reader.add(beat_key(0), 0) + 20  # the leader beats 20 more times (~1 s, twice dead_after_s)
+    _beating(reader, 0, at_least=quiet_until)
+    assert said == [] and t.is_alive()
+    leader.close()
     t.join(10)
     assert not t.is_alive() and said == []
