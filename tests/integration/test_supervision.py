@@ -189,24 +189,6 @@ def test_hung_broker_fails_the_job_within_seconds_naming_it(prepared, tmp_path):
     assert_nothing_left(run_dir, within_s=10)
 
 
-@pytest.mark.slow
-def test_stopped_actor_rank_fails_the_job_naming_it(prepared, tmp_path):
-    """SIGSTOP actor rank 0, the job's only actor rank, after step 2. Nothing it does has a deadline anyone else
-    waits on: before the watch the workers filled the buffer and the job waited forever. The rollout rank sees rank
-    0's heartbeat stop and fails the job after ``cluster.actor_unresponsive_after_s`` (5 s here), naming actor
-    rank 0; torchrun then SIGKILLs the stopped rank (after its 30 s shutdown timeout) and nothing is left."""
-    run_dir = tmp_path / "run"
-    job = TinyJob(prepared, run_dir, "runner.max_steps=50", "cluster.actor_unresponsive_after_s=5")
-    rank0, rc, took = _stop_after_step_2(job, run_dir, _actor_rank_0, finish_s=180)
-    assert rank0 != job.proc.pid
-    out = job.output()
-    assert rc != 0, out[-6000:]
-    assert "actor rank 0 stopped heartbeating" in out and "cluster.actor_unresponsive_after_s = 5 s" in out, out[-6000:]
-    assert took < 5 + 30 + 30, f"a stopped actor rank must end the job within its timeouts, took {took:.0f} s"
-    assert job.records()[-1]["step"] < 50
-    assert_nothing_left(run_dir, within_s=15)
-
-
 def _global_rank_sibling(broker: int, rank: int) -> int:
     """The rank of launch/train.py whose ``RANK`` is ``rank``, a child of the same torchrun agent as actor rank 0."""
     agent = ppid(_actor_rank_0(broker))
@@ -220,26 +202,33 @@ def _global_rank_sibling(broker: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under torchrun agent {agent}")
 
 
+TWO_ACTOR_RANKS = (
+    'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }',
+    "cluster.num_devices_per_node=3",
+)
+
+
 @pytest.mark.slow
-def test_stopped_follower_actor_rank_fails_the_job_naming_it(prepared, tmp_path):
-    """Two actor ranks: SIGSTOP actor rank 1 after step 2 while rank 0 and the rollout rank live on. Before, rank 0
-    waited in its next collective for ``cluster.actor_collective_timeout_s`` (30 min) and rank 1's silence was
-    nobody's business. Every rank watches the other actor ranks' heartbeats: the job fails after
-    ``cluster.actor_unresponsive_after_s`` (5 s here), naming actor rank 1, and nothing is left."""
+@pytest.mark.parametrize("actor_rank", [0, 1])
+def test_stopped_actor_rank_fails_the_job_naming_it(prepared, tmp_path, actor_rank):
+    """SIGSTOP an actor rank after step 2; nothing it does has a deadline anyone else waits on.
+    0: the job's only actor rank; before any watch the workers filled the buffer and the job waited forever.
+    1: the second of two actor ranks, while rank 0 and the rollout rank live on; before, rank 0 waited in its next
+    collective for ``cluster.actor_collective_timeout_s`` (30 min) while its own heartbeat went on.
+    Every rank watches the other actor ranks' heartbeats and fails the job after ``cluster.actor_unresponsive_after_s``
+    (5 s here), naming the stopped rank; torchrun then SIGKILLs it (after its 30 s shutdown timeout): nothing is left."""
     run_dir = tmp_path / "run"
+    shape = TWO_ACTOR_RANKS if actor_rank else ()
     job = TinyJob(
-        prepared,
-        run_dir,
-        'cluster.component_placement={ actor = "0-1", "rollout,reward" = "2" }',
-        "cluster.num_devices_per_node=3",
-        "runner.max_steps=50",
-        "cluster.actor_unresponsive_after_s=5",
-        nproc=3,
+        prepared, run_dir, *shape, "runner.max_steps=50", "cluster.actor_unresponsive_after_s=5", nproc=2 + actor_rank
     )
-    rank1, rc, took = _stop_after_step_2(job, run_dir, lambda broker: _global_rank_sibling(broker, 1), finish_s=180)
+    pick = (lambda broker: _global_rank_sibling(broker, 1)) if actor_rank else _actor_rank_0
+    stopped, rc, took = _stop_after_step_2(job, run_dir, pick, finish_s=180)
+    assert stopped != job.proc.pid
     out = job.output()
     assert rc != 0, out[-6000:]
-    assert "actor rank 1 stopped heartbeating" in out and "cluster.actor_unresponsive_after_s = 5 s" in out, out[-6000:]
+    said = f"actor rank {actor_rank} stopped heartbeating"
+    assert said in out and "cluster.actor_unresponsive_after_s = 5 s" in out, out[-6000:]
     assert took < 5 + 30 + 30, f"a stopped actor rank must end the job within its timeouts, took {took:.0f} s"
     assert job.records()[-1]["step"] < 50
     assert_nothing_left(run_dir, within_s=15)
