@@ -16,8 +16,8 @@ Contract
   with one actor rank nobody else would notice a stopped or hung rank 0 and the job would wait forever with full
   buffers; with several, the others would wait in their next collective for ``cluster.actor_collective_timeout_s``
   (30 min). A rank's watch arms at its first beat (start-up has its own timeouts) and ends for it when it closes
-  its phases (``done/<rank>``), for all when rank 0 does (``done``), so a finished run is never taken for a dead
-  one. ``Heartbeat`` is its pure core, shared with the waits above.
+  its phases (``DONE_MARK`` added to its counter), for all when rank 0 does, so a finished run is never taken for a
+  dead one. A watcher reads all its ranks' counters in one ``multi_get`` a second. ``Heartbeat`` is its pure core, shared with the waits above.
 
     phases = LeaderPhases(store, rank=actor_rank, heartbeat_store=new_client())
     batch = phases.run("get_batch", lambda: broker.get_batch(...), timeout_s=t)   # None on the others
@@ -67,9 +67,9 @@ def beat_key(actor_rank: int) -> str:
     return f"alive/{actor_rank}"
 
 
-def done_key(actor_rank: int) -> str:
-    """Set when actor rank ``actor_rank`` closes its phases: its heartbeat stops on purpose."""
-    return f"done/{actor_rank}"
+DONE_MARK = 1 << 40
+"""Added to a rank's heartbeat counter when it closes its phases (its beat stops on purpose): the watchers read
+every watched rank's counter, and so whether it is done, in one ``multi_get`` a poll."""
 
 
 class LeaderPhases:
@@ -146,17 +146,11 @@ class LeaderPhases:
         if self._stop.is_set():
             return
         try:  # first: the beat stops on purpose, and the watchers stand down (for every rank when rank 0 closes)
-            self.store.set(done_key(self.rank), b"1")
-            if self.is_leader:
-                self.store.set(DONE_KEY, b"1")
+            self.store.add(beat_key(self.rank), DONE_MARK)
         except (RuntimeError, OSError) as e:  # the store's agent is gone: so is the job
             log.debug("could not mark the heartbeat done: %r", e)
         self._stop.set()
         self._thread.join(timeout=self.heartbeat_s + 5)
-
-
-DONE_KEY = "done"
-"""Set by actor rank 0 when its heartbeat stops on purpose (the run ended, well or not)."""
 
 
 def watch_actor_ranks(
@@ -175,16 +169,21 @@ def watch_actor_ranks(
     def watch() -> None:
         now = time.monotonic()
         beats = {r: Heartbeat(dead_after_s, now, armed=False) for r in ranks}
+        created = False
         while beats:
             try:
-                if store.check([DONE_KEY]):
-                    return
-                for r in [r for r in beats if store.check([done_key(r)])]:
-                    del beats[r]
-                seen = {r: store.add(beat_key(r), 0) for r in beats}
-            except (RuntimeError, OSError) as e:
+                if not created:  # multi_get waits for a key that does not exist yet: make each one (at 0)
+                    for r in beats:
+                        store.add(beat_key(r), 0)
+                    created = True
+                seen = dict(zip(beats, map(int, store.multi_get([beat_key(r) for r in beats]))))
+            except (RuntimeError, OSError, ValueError) as e:
                 log.debug("actor heartbeat read failed: %r", e)
                 seen = {r: hb.last_beat for r, hb in beats.items()}
+            if seen.get(0, 0) >= DONE_MARK:  # rank 0 closed: the run is over for everyone
+                return
+            for r in [r for r, beat in seen.items() if beat >= DONE_MARK]:  # a rank that ended first
+                del beats[r], seen[r]
             now = time.monotonic()
             for r, beat in seen.items():
                 silent = beats[r].observe(beat, now)
