@@ -100,6 +100,11 @@ def probe(model, examples) -> dict[str, float]:
     return {"exact": frac["answer"], "token": frac["token"], "query": frac["query"]}
 
 
+def probe_point(model, held_out, train) -> dict[str, float]:
+    """``probe`` on the held-out examples, and on the training ones as ``train_*``."""
+    return {**probe(model, held_out), **{f"train_{k}": v for k, v in probe(model, train).items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs/tiny.toml"))
@@ -121,15 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     points, t0 = [], time.time()
     if a.model:
         model = TorchDecoder.from_pretrained(a.model).eval()
-        point = {**probe(model, held_out), **{f"train_{k}": v for k, v in probe(model, train).items()}}
-        print(json.dumps({"model": a.model, "points": [point]}))
+        print(json.dumps({"model": a.model, "points": [probe_point(model, held_out, train)]}))
         return 0
 
     def probe_at(step: int, model) -> None:  # the warm start's own loop, probed on the way
         if step in at:
             model.eval()
-            seen = {f"train_{k}": v for k, v in probe(model, train).items()}
-            points.append({"step": step, **probe(model, held_out), **seen, "s": round(time.time() - t0, 1)})
+            points.append({"step": step, **probe_point(model, held_out, train), "s": round(time.time() - t0, 1)})
             model.train()
             pt = points[-1]
             print(

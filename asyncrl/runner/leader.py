@@ -17,7 +17,8 @@ Contract
   buffers; with several, the others would wait in their next collective for ``cluster.actor_collective_timeout_s``
   (30 min). A rank's watch arms at its first beat (start-up has its own timeouts) and ends for it when it closes
   its phases (``DONE_MARK`` added to its counter), for all when rank 0 does, so a finished run is never taken for a
-  dead one. A watcher reads all its ranks' counters in one ``multi_get`` a second. ``Heartbeat`` is its pure core, shared with the waits above.
+  dead one. A watcher reads all its ranks' counters in one ``multi_get`` a second. ``Heartbeat`` is its pure core,
+  shared with the waits above.
 
     phases = LeaderPhases(store, rank=actor_rank, heartbeat_store=new_client())
     batch = phases.run("get_batch", lambda: broker.get_batch(...), timeout_s=t)   # None on the others

@@ -113,25 +113,22 @@ def test_watch_names_a_leader_whose_beat_stops(stores):
     assert "actor rank 0 stopped heartbeating" in said[0] and "cluster.actor_unresponsive_after_s = 1 s" in said[0]
 
 
-def test_watch_stands_down_when_the_leader_closes(stores):
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
-    said: list[str] = []
-    reader = stores()
-    t = watch_actor_ranks(stores(), ranks=[0], dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
-    deadline = time.monotonic() + 10
-    while reader.add(beat_key(0), 0) < 5:  # beating for a while: the watch is armed
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    leader.close()  # the run ended: the beat stops on purpose
-    t.join(10)
-    assert not t.is_alive() and said == []
-
-
 def _beating(reader, rank: int, at_least: int = 5) -> None:
     deadline = time.monotonic() + 10
     while reader.add(beat_key(rank), 0) < at_least:  # beating for a while: a watch is armed for it
         assert time.monotonic() < deadline, f"actor rank {rank} never beat"
         time.sleep(0.02)
+
+
+def test_watch_stands_down_when_the_leader_closes(stores):
+    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
+    said: list[str] = []
+    reader = stores()
+    t = watch_actor_ranks(stores(), ranks=[0], dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
+    _beating(reader, 0)
+    leader.close()  # the run ended: the beat stops on purpose
+    t.join(10)
+    assert not t.is_alive() and said == []
 
 
 def test_watch_names_a_follower_rank_whose_beat_stops_while_the_leader_beats_on(stores):
