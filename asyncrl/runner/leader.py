@@ -18,7 +18,8 @@ Contract
   (30 min). A rank's watch arms at its first beat (start-up has its own timeouts) and ends for it when it closes
   its phases (``DONE_MARK`` added to its counter), for all when rank 0 does, so a finished run is never taken for a
   dead one. A watcher reads all its ranks' counters in one ``multi_get`` a second. ``Heartbeat`` is its pure core,
-  shared with the waits above.
+  shared with the waits above. Its owner stops it (``ActorWatch.stop``) before the process exits, as ``close`` stops
+  the heartbeat thread: a thread left inside a store call at exit aborts the process.
 
     phases = LeaderPhases(store, rank=actor_rank, heartbeat_store=new_client())
     batch = phases.run("get_batch", lambda: broker.get_batch(...), timeout_s=t)   # None on the others
@@ -154,6 +155,27 @@ class LeaderPhases:
         self._thread.join(timeout=self.heartbeat_s + 5)
 
 
+class ActorWatch:
+    """A running ``watch_actor_ranks``: ``stop()`` ends it (and waits for it) before this process exits."""
+
+    def __init__(self, thread: threading.Thread, stop: threading.Event, poll_s: float):
+        self.thread, self._stop, self._poll_s = thread, stop, poll_s
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """End the watch; True when its thread is gone. Call it before the interpreter exits: a daemon thread inside a
+        store call when Python finalizes is ended by ``pthread_exit``, whose unwind through torch's C++ frames aborts
+        the process (SIGABRT, 'terminate called without an active exception') after a run that succeeded."""
+        self._stop.set()
+        self.thread.join(timeout=self._poll_s + timeout_s)
+        return not self.thread.is_alive()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self.thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+
 def watch_actor_ranks(
     store: Any,
     *,
@@ -161,17 +183,18 @@ def watch_actor_ranks(
     dead_after_s: float,
     on_dead: Callable[[str], None],
     poll_s: float = 1.0,
-) -> threading.Thread:
-    """Watch the heartbeats of actor ranks ``ranks`` on a daemon thread for the whole run (contract): ``on_dead(message)``
-    once one of them stops for ``dead_after_s`` before it or rank 0 is done. ``store``: a client of the phases' store
-    used by this thread only. A store that does not answer counts as no beat (its agent's death is the parent
-    watchdog's)."""
+) -> ActorWatch:
+    """Watch the heartbeats of actor ranks ``ranks`` on a daemon thread until the run ends or ``stop()`` (contract):
+    ``on_dead(message)`` once one of them stops for ``dead_after_s`` before it or rank 0 is done. ``store``: a client
+    of the phases' store used by this thread only. A store that does not answer counts as no beat (its agent's death
+    is the parent watchdog's)."""
+    stop = threading.Event()
 
     def watch() -> None:
         now = time.monotonic()
         beats = {r: Heartbeat(dead_after_s, now, armed=False) for r in ranks}
         created = False
-        while beats:
+        while beats and not stop.is_set():
             try:
                 if not created:  # multi_get waits for a key that does not exist yet: make each one (at 0)
                     for r in beats:
@@ -194,8 +217,8 @@ def watch_actor_ranks(
                         f"= {dead_after_s:g} s): it is stopped, hung or starved; see its log"
                     )
                     return
-            time.sleep(poll_s)
+            stop.wait(poll_s)
 
     t = threading.Thread(target=watch, name="actor-watch", daemon=True)
     t.start()
-    return t
+    return ActorWatch(t, stop, poll_s)

@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -87,12 +88,15 @@ def run_role(ctx) -> int:
     role = ctx.role
     if role == "actor":
         return run_actor(ctx, disc)
-    _watch_actor_ranks(cfg, range(len(ctx.placement.actor_ranks)))
-    if role == "rollout":
-        return run_rollout(ctx, disc)
-    if role == "eval":
-        return run_eval_engine(ctx, disc)
-    return run_idle(ctx, disc)
+    stop_watch = _watch_actor_ranks(cfg, range(len(ctx.placement.actor_ranks)))
+    try:
+        if role == "rollout":
+            return run_rollout(ctx, disc)
+        if role == "eval":
+            return run_eval_engine(ctx, disc)
+        return run_idle(ctx, disc)
+    finally:
+        stop_watch()
 
 
 def _base_cmd(ctx) -> list[str]:
@@ -134,7 +138,7 @@ def run_actor(ctx, disc: Discovery) -> int:
         timeout=timedelta(seconds=cfg.cluster.actor_collective_timeout_s),
     )
     phases = _actor_phases(cfg, disc, actor_rank)
-    _watch_actor_ranks(cfg, [r for r in range(len(actor_ranks)) if r != actor_rank])
+    stop_watch = _watch_actor_ranks(cfg, [r for r in range(len(actor_ranks)) if r != actor_rank])
     broker = None
     try:
         # leader-only: the others wait on the store, not in a collective (engines may take long to start)
@@ -157,6 +161,7 @@ def run_actor(ctx, disc: Discovery) -> int:
             discovery=disc,
         )
     finally:
+        stop_watch()
         phases.close()
         if actor_rank == 0:
             disc.publish(SHUTDOWN_KEY, "1")
@@ -174,20 +179,21 @@ def _actor_phases(cfg, disc: Discovery, actor_rank: int):
     )
 
 
-def _watch_actor_ranks(cfg, ranks) -> None:
+def _watch_actor_ranks(cfg, ranks) -> Callable[[], object]:
     """Fail the job when the heartbeat of one of the actor ranks ``ranks`` stops (``leader.watch_actor_ranks``): every
-    rank watches every actor rank but itself, on a store client of its own."""
+    rank watches every actor rank but itself, on a store client of its own. Returns the watch's ``stop``, for the
+    role's ``finally`` (a watch still inside a store call when the process exits aborts it)."""
     ranks = list(ranks)
     if not ranks:
-        return
+        return lambda: None
     store = Discovery.from_env(timeout_s=cfg.cluster.store_timeout_s).sub(PHASES).store
     grace = cfg.cluster.shutdown_grace_s
-    watch_actor_ranks(
+    return watch_actor_ranks(
         store,
         ranks=ranks,
         dead_after_s=cfg.cluster.actor_unresponsive_after_s,
         on_dead=lambda message: process.fail_rank(message, grace),
-    )
+    ).stop
 
 
 def _leader_startup(ctx, disc: Discovery):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -163,3 +165,30 @@ def test_watch_lets_a_follower_close_before_the_leader(stores):
     leader.close()
     t.join(10)
     assert not t.is_alive() and said == []
+
+
+_EXIT_WITH_A_WATCH = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from asyncrl.runner.leader import beat_key, watch_actor_ranks
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), use_libuv=True)
+client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30), use_libuv=True)
+client.add(beat_key(0), 1)
+watch = watch_actor_ranks(client, ranks=[0], dead_after_s=600, poll_s=0, on_dead=print)  # always inside a store call
+for _ in range(2000):  # the watch has read the store many times over
+    if client.add("probe", 1) and not watch.is_alive():
+        sys.exit("the watch ended early")
+if sys.argv[1] == "stop":
+    assert watch.stop(), "the watch did not stop"
+sys.exit(0)
+"""
+
+
+def test_a_process_that_stops_its_watch_exits_cleanly():
+    """A rank whose run succeeded exits 0: with its watch stopped first, no thread is inside a store call when Python
+    finalizes (one that is gets ``pthread_exit``, which aborts in torch's C++ frames: SIGABRT, exit -6 in CI)."""
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_WATCH, "stop"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr
