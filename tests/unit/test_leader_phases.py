@@ -29,6 +29,16 @@ def stores():
     opened.clear()  # clients first, then the server goes with the fixture's frame
 
 
+@pytest.fixture
+def own(stores):
+    """``own(x)`` -> x, closed (phases) or stopped (watches) at the test's end, before its stores go: a thread of
+    theirs left inside a store call when pytest exits would abort it (see ``ActorWatch.stop``)."""
+    owned: list = []
+    yield lambda x: owned.append(x) or x
+    for x in reversed(owned):
+        x.stop() if hasattr(x, "stop") else x.close()
+
+
 def _follow(follower: LeaderPhases, name: str, out: dict, timeout_s=None) -> threading.Thread:
     def body():
         t0 = time.monotonic()
@@ -45,9 +55,9 @@ def _follow(follower: LeaderPhases, name: str, out: dict, timeout_s=None) -> thr
     return t
 
 
-def test_follower_waits_for_the_leader_and_gets_none(stores):
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)
-    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores())
+def test_follower_waits_for_the_leader_and_gets_none(stores, own):
+    leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1))
+    follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores()))
     out: dict = {}
     t = _follow(follower, "eval", out)
     done = threading.Event()
@@ -57,9 +67,9 @@ def test_follower_waits_for_the_leader_and_gets_none(stores):
     leader.close()
 
 
-def test_leader_failure_reaches_the_follower_with_the_phase_name(stores):
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)
-    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores())
+def test_leader_failure_reaches_the_follower_with_the_phase_name(stores, own):
+    leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1))
+    follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores()))
     out: dict = {}
     t = _follow(follower, "eval before training", out)
     with pytest.raises(RuntimeError, match="retriever down"):
@@ -69,20 +79,20 @@ def test_leader_failure_reaches_the_follower_with_the_phase_name(stores):
     leader.close()
 
 
-def test_a_silent_leader_is_noticed_in_seconds(stores):
+def test_a_silent_leader_is_noticed_in_seconds(stores, own):
     """The leader stops heartbeating (dead or hung process) before publishing the phase's end."""
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)
+    leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1))
     leader.close()  # heartbeats stop
-    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), dead_after_s=1.0)
+    follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores(), dead_after_s=1.0))
     out: dict = {}
     _follow(follower, "wait for the batch of step 3", out).join(15)
     assert isinstance(out["error"], LeaderFailed) and "stopped heartbeating" in str(out["error"])
     assert "wait for the batch of step 3" in str(out["error"]) and out["waited_s"] < 5
 
 
-def test_the_phase_timeout_bounds_the_wait(stores):
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1)  # alive, never done
-    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), margin_s=0.5)
+def test_the_phase_timeout_bounds_the_wait(stores, own):
+    leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1))  # alive, never done
+    follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores(), margin_s=0.5))
     out: dict = {}
     _follow(follower, "wait for a batch", out, timeout_s=0.5).join(15)
     assert "did not finish its phase 'wait for a batch'" in str(out["error"]) and 0.9 <= out["waited_s"] < 5
@@ -101,14 +111,16 @@ def test_heartbeat_arms_at_the_first_beat_and_counts_silence_from_the_last_chang
     assert armed.observe(7, 0.0) is None and armed.observe(7, 1.5) == pytest.approx(1.5)
 
 
-def test_watch_names_a_leader_whose_beat_stops(stores):
+def test_watch_names_a_leader_whose_beat_stops(stores, own):
     beat, dead = stores(), threading.Event()
     said: list[str] = []
     for _ in range(3):  # actor rank 0 beat, then stopped (SIGSTOP: its thread is frozen, nothing marks it done)
         beat.add(beat_key(0), 1)
     t0 = time.monotonic()
-    watch_actor_ranks(
-        stores(), ranks=[0], dead_after_s=1.0, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+    own(
+        watch_actor_ranks(
+            stores(), ranks=[0], dead_after_s=1.0, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+        )
     )
     assert dead.wait(10), "the watch did not notice a silent leader"
     assert 1.0 <= time.monotonic() - t0 < 5
@@ -122,25 +134,27 @@ def _beating(reader, rank: int, at_least: int = 5) -> None:
         time.sleep(0.02)
 
 
-def test_watch_stands_down_when_the_leader_closes(stores):
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
+def test_watch_stands_down_when_the_leader_closes(stores, own):
+    leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05))
     said: list[str] = []
     reader = stores()
-    t = watch_actor_ranks(stores(), ranks=[0], dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
+    t = own(watch_actor_ranks(stores(), ranks=[0], dead_after_s=0.5, poll_s=0.05, on_dead=said.append))
     _beating(reader, 0)
     leader.close()  # the run ended: the beat stops on purpose
     t.join(10)
     assert not t.is_alive() and said == []
 
 
-def test_watch_names_a_follower_rank_whose_beat_stops_while_the_leader_beats_on(stores):
+def test_watch_names_a_follower_rank_whose_beat_stops_while_the_leader_beats_on(stores, own):
     """Actor rank 1 stops (SIGSTOP freezes its heartbeat thread; here: its beat stops without ``close``) while rank 0
     lives: rank 0 would wait in its next collective for the collective timeout; the watch names rank 1."""
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
-    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), heartbeat_s=0.05)
+    leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05))
+    follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores(), heartbeat_s=0.05))
     said, dead = [], threading.Event()
-    watch_actor_ranks(
-        stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+    own(
+        watch_actor_ranks(
+            stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+        )
     )
     _beating(stores(), 1)
     follower._stop.set()  # frozen, not closed: nothing marks it done
@@ -149,12 +163,12 @@ def test_watch_names_a_follower_rank_whose_beat_stops_while_the_leader_beats_on(
     leader.close()
 
 
-def test_watch_lets_a_follower_close_before_the_leader(stores):
+def test_watch_lets_a_follower_close_before_the_leader(stores, own):
     """A follower that ends first (its phases closed) is no longer watched; the leader still is, until it closes."""
-    leader = LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05)
-    follower = LeaderPhases(stores(), rank=1, heartbeat_store=stores(), heartbeat_s=0.05)
+    leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05))
+    follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores(), heartbeat_s=0.05))
     said: list[str] = []
-    t = watch_actor_ranks(stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=said.append)
+    t = own(watch_actor_ranks(stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=said.append))
     reader = stores()
     _beating(reader, 0)
     _beating(reader, 1)
