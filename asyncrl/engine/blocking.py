@@ -47,7 +47,7 @@ class EngineStepError(EngineError):
         self.step = step
         self.detail = detail
         self.url, self.endpoint, self.status, self.message = (self.urls[0] if self.urls else ""), step, None, detail
-        RuntimeError.__init__(self, f"weight sync step {step!r} failed on engine {', '.join(self.urls)}: {detail}")
+        RuntimeError.__init__(self, f"engine step {step!r} failed on {', '.join(self.urls)}: {detail}")
 
 
 # Idle keep-alive connections kept per engine: a sync makes 5-7 calls per engine in a row, and a fresh

@@ -42,6 +42,7 @@ class EngineScraper:
         self._sums = dict.fromkeys(self.AUTOTUNE_KEYS, 0.0)
         self._n = 0
         self._lock = threading.Lock()
+        self._failing: set[str] = set()  # engines whose last scrape failed (logged once, until one answers again)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
         self._thread.start()
@@ -78,6 +79,15 @@ class EngineScraper:
         self._stop.set()
         self._thread.join(timeout=self.timeout_s + 1)
 
+    def _failed(self, url: str, e: Exception) -> None:
+        """A failed scrape: a warning the first time in a row (a dead engine's failure is the supervisor's; a line a
+        second about it, or about an engine stopped at the end of the run, only buries the log), then debug."""
+        if url in self._failing:
+            log.debug("engine %s: /metrics scrape failed again: %s", url, e)
+            return
+        self._failing.add(url)
+        log.warning("engine %s: /metrics scrape failed: %s (said again only after it has answered)", url, e)
+
     def scrape(self) -> dict[str, float]:
         out: dict[str, float] = {}
         running, hit = [], []
@@ -86,8 +96,11 @@ class EngineScraper:
             try:
                 vals = parse_prometheus(get_text(u, "/metrics", timeout_s=self.timeout_s, step="metrics"))
             except (EngineStepError, OSError, ValueError) as e:  # a failed scrape is logged, never fatal
-                log.warning("engine %s: /metrics scrape failed: %s", u, e)
+                self._failed(u, e)
                 continue
+            if u in self._failing:
+                self._failing.discard(u)
+                log.info("engine %s: /metrics answers again", u)
             # parse_prometheus keys series by name without the ``sglang:`` prefix
             r = vals.get("num_running_reqs", 0.0)
             h = vals.get("cache_hit_rate", 0.0)
