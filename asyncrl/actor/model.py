@@ -102,6 +102,8 @@ def transformer_config(
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
         perform_initialization=False,  # weights always come from a HF checkpoint
+        # no CUDA graphs; megatron-core 0.16.1's own default ("full") warns that it is deprecated on every start
+        cuda_graph_scope=[],
         **extra,
     )
 
