@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s rank{rank} %(name)s] %(message)s", datefmt="%H:%M:%S")
+    # megatron-core logs at INFO every parameter name of each gradient bucket (a line per tensor: hundreds for a real
+    # model), its whole optimizer and DDP configs and each scheduler value read back on resume; its warnings stay
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
         cfg = load_config(args.config, args.overrides)
         warnings = validate(cfg)

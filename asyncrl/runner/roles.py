@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -117,12 +118,14 @@ def _import_in_background(module: str) -> threading.Thread:
 
 
 def run_actor(ctx, disc: Discovery) -> int:
+    cfg = ctx.cfg
+    if cfg.rollout.rollout_backend != "sglang":  # the CPU actor: megatron-core's fallbacks are the plan, not news
+        warnings.filterwarnings("ignore", r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning)
     # lazy: torch and (through runner.loop) megatron-core take seconds to import and only actor ranks use
     # them; rollout, eval and idle ranks and --dry-run never do
     preload = _import_in_background(TRAINER_MODULE)
     import torch.distributed as dist
 
-    cfg = ctx.cfg
     actor_ranks = ctx.placement.actor_ranks
     actor_rank = actor_ranks.index(ctx.rank)
     backend = "nccl" if cfg.rollout.rollout_backend == "sglang" else "gloo"
