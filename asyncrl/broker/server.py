@@ -5,10 +5,9 @@ Contract
   picks the port; ``address`` is the resolved endpoint, published by ``__main__`` in an address file).
   Agent workers and the actor **connect** DEALER sockets (``worker_client.py``, ``client.py``); workers set
   their ZMQ identity to their worker id, so a reconnecting worker keeps its identity.
-- High-water marks are 0 (unlimited) on the ROUTER: what can queue is bounded by the admission
-  limits (issues <= in-flight groups, at most one batch per actor request), so nothing is ever
-  dropped by ZeroMQ. ``ROUTER_MANDATORY`` is on: a send to a peer that vanished raises, and that
-  worker is treated as gone (its groups are re-issued).
+- High-water marks are 0 (unlimited) on the ROUTER: what can queue is bounded by the admission limits (issues <=
+  in-flight groups, at most one batch per actor request), so nothing is ever dropped by ZeroMQ. ``ROUTER_MANDATORY``
+  is on: a send to a peer that vanished raises, and that worker is treated as gone (its groups are re-issued).
 - Slow joiners: nothing is published; the broker only sends to a worker after its ``hello``
   (request/reply style), so a late connection loses nothing. A worker the broker does not know
   (e.g. declared dead after missed heartbeats) gets ``rehello`` and re-registers.
@@ -186,7 +185,8 @@ class BrokerServer:
                 break
             self._handle(self.sock.recv_multipart(copy=False))
         silent = ", ".join(w for w in told if w in self._worker_ident)
-        (log.warning if silent else log.info)("broker: shut down: %d workers told, no bye from [%s]", len(told), silent)
+        end = f"no bye from [{silent}]" if silent else "every one said bye"
+        (log.warning if silent else log.info)("broker: shut down: %d workers told, %s", len(told), end)
         self.sock.close(linger=1000)
 
     # ----------------------------------------------------------------- sending

@@ -245,14 +245,18 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
     return line + f" [fits {budget:.1f} GiB = {USABLE_FRACTION:g} x cluster.device_memory_gb]"
 
 
-def main(argv: list[str] | None = None) -> int:
-    retain_freed_memory()  # before the first step's allocations: the warm start and the actor reuse their memory
-    args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s rank{rank} %(name)s] %(message)s", datefmt="%H:%M:%S")
     # megatron-core logs at INFO every parameter name of each gradient bucket (a line per tensor: hundreds for a real
     # model), its whole optimizer and DDP configs and each scheduler value read back on resume; its warnings stay
     logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    retain_freed_memory()  # before the first step's allocations: the warm start and the actor reuse their memory
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    _setup_logging(rank)
     try:
         cfg = load_config(args.config, args.overrides)
         warnings = validate(cfg)
