@@ -63,6 +63,15 @@ def record_step(summary: dict, m: dict) -> None:
     )
 
 
+def _accuracy(cfg, before: float | None, after: float | None) -> str:
+    """The summary's held-out accuracy: ``n/a`` for a point not measured (a resumed run has no "before")."""
+    if not cfg.runner.eval_before_after:
+        return "not measured (runner.eval_before_after = false)"
+    return " -> ".join(
+        f"{when} {'n/a' if v is None else f'{v:.3f}'}" for when, v in (("before", before), ("after", after))
+    )
+
+
 def print_summary(cfg, summary: dict, run_dir: Path) -> None:
     steps = summary["steps"]
     rewards = [s["reward/mean"] for s in steps if s.get("reward/mean") is not None]
@@ -98,7 +107,7 @@ def print_summary(cfg, summary: dict, run_dir: Path) -> None:
         "=" * 72,
         f"asyncrl summary ({out['mode']}, {out['steps']} steps, run dir {run_dir})",
         f"  reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (gain {last - first:+.3f})",
-        f"  held-out accuracy: before {out['test_accuracy_before']} -> after {out['test_accuracy_after']}",
+        "  held-out accuracy: " + _accuracy(cfg, out["test_accuracy_before"], out["test_accuracy_after"]),
         f"  staleness: mean {out['staleness_mean']:.2f}, max {out['staleness_max']:.0f}; "
         f"dropped groups {out['dropped_groups']:.0f}",
         f"  time/step {out['time/step']:.2f}s = training {out['time/training']:.2f}s + wait_data "

@@ -96,6 +96,26 @@ def test_the_batch_wait_is_counted_once_in_the_time_split(async_mode, tmp_path, 
     assert parts == pytest.approx(s["time/step"])
 
 
+@pytest.mark.parametrize(
+    ("overrides", "evals", "said"),
+    [
+        ([], {"eval_before": {"accuracy": 0.0}, "eval_after": {"accuracy": 0.83}}, "before 0.000 -> after 0.830"),
+        ([], {"eval_after": {"accuracy": 0.5}}, "before n/a -> after 0.500"),  # a resumed run: no "before"
+        (["runner.eval_before_after=false"], {}, "not measured (runner.eval_before_after = false)"),
+    ],
+)
+def test_the_summary_says_held_out_accuracy_in_words_not_none(overrides, evals, said, tmp_path, capsys):
+    from asyncrl.config import load_config
+    from asyncrl.runner.summary import print_summary
+
+    step = {"time/training": 0.6, "time/step": 0.7, "reward/mean": 0.0}
+    print_summary(
+        load_config(None, overrides), {"steps": [step], "staleness_max": 0.0, "drops": 0.0, **evals}, tmp_path
+    )
+    line = next(x for x in capsys.readouterr().out.splitlines() if "held-out accuracy" in x)
+    assert line == f"  held-out accuracy: {said}"
+
+
 def test_nonfinite_guard_stops_after_consecutive_bad_steps():
     from asyncrl.runner.guards import NonFiniteGuard
 
