@@ -169,12 +169,6 @@ class ActorWatch:
         self.thread.join(timeout=self._poll_s + timeout_s)
         return not self.thread.is_alive()
 
-    def join(self, timeout: Optional[float] = None) -> None:
-        self.thread.join(timeout)
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
 
 def watch_actor_ranks(
     store: Any,

@@ -141,8 +141,8 @@ def test_watch_stands_down_when_the_leader_closes(stores, own):
     t = own(watch_actor_ranks(stores(), ranks=[0], dead_after_s=0.5, poll_s=0.05, on_dead=said.append))
     _beating(reader, 0)
     leader.close()  # the run ended: the beat stops on purpose
-    t.join(10)
-    assert not t.is_alive() and said == []
+    t.thread.join(10)
+    assert not t.thread.is_alive() and said == []
 
 
 def test_watch_names_a_follower_rank_whose_beat_stops_while_the_leader_beats_on(stores, own):
@@ -175,10 +175,10 @@ def test_watch_lets_a_follower_close_before_the_leader(stores, own):
     follower.close()
     quiet_until = reader.add(beat_key(0), 0) + 20  # the leader beats 20 more times (~1 s, twice dead_after_s)
     _beating(reader, 0, at_least=quiet_until)
-    assert said == [] and t.is_alive()
+    assert said == [] and t.thread.is_alive()
     leader.close()
-    t.join(10)
-    assert not t.is_alive() and said == []
+    t.thread.join(10)
+    assert not t.thread.is_alive() and said == []
 
 
 _EXIT_WITH_A_WATCH = """
@@ -191,7 +191,7 @@ client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timede
 client.add(beat_key(0), 1)
 watch = watch_actor_ranks(client, ranks=[0], dead_after_s=600, poll_s=0, on_dead=print)  # always inside a store call
 for _ in range(2000):  # the watch has read the store many times over
-    if client.add("probe", 1) and not watch.is_alive():
+    if client.add("probe", 1) and not watch.thread.is_alive():
         sys.exit("the watch ended early")
 if sys.argv[1] == "stop":
     assert watch.stop(), "the watch did not stop"
