@@ -239,7 +239,7 @@ def _train(
     """``p.sft_steps`` AdamW steps on length-grouped batches of ``examples``; the loss of each step.
     ``on_step(step, model)`` after each step (1-based; ``tools/warm_start_curve.py`` probes there)."""
     # fused: one kernel per parameter instead of ~10 small ops each (same update)
-    opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=0.0, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.sft_lr, weight_decay=p.sft_weight_decay, fused=True)
     rng = random.Random(p.seed)
     losses: list[float] = []
     batches: list[list[tuple[list[int], list[int]]]] = []

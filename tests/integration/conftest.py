@@ -8,7 +8,7 @@ The shared directory is fingerprinted when made and checked at the end of the se
 is reported there.
 
 The tests that use it check plumbing, supervision and accounting, not learning, so the warm start is
-``PREPARE_OVERRIDES``' two small steps (the same code as the default's 1200 steps). Measured: the jobs behave
+``PREPARE_OVERRIDES``' two small steps (the same code as the default's 1000 steps). Measured: the jobs behave
 as with the 10-step warm start these modules each made before (~33 CPU-seconds each): rewards 0, 3 turns and
 ~68 generated tokens a trajectory, no tool call. test_actor_learning.py checks learning on its own model.
 """
