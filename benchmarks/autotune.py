@@ -50,6 +50,7 @@ def prepare(prep_dir: Path) -> tuple[float, int]:
 def run_job(prep_dir: Path, run_dir: Path, *, inflight: str, steps: int, extra: list[str]) -> list[dict]:
     overrides = [
         *harness.tiny_overrides(prep_dir, run_dir, steps=steps),
+        *PREPARE,  # the artefacts' recipe: the job's preparation finds them made by it
         "runner.eval_before_after=false",
         f"rollout_buffer.max_inflight_groups={inflight}",
         *extra,

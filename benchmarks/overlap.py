@@ -94,6 +94,7 @@ def prepare(prep_dir: Path) -> float:
 def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> list[str]:
     return [
         *harness.tiny_overrides(prep_dir, run_dir, steps=steps),
+        *PREPARE,  # the artefacts' recipe: the job's preparation finds them made by it
         *WORKLOAD,
         *extra,
         f"runner.async_mode={'true' if async_mode else 'false'}",

@@ -8,7 +8,9 @@
 
 Runs on global rank 0 before any role starts, only when ``prepare.enabled``. Each stage is
 skipped when its output exists (a ``.done`` marker is written last, so an interrupted stage is
-redone). The stages themselves live below the runner: the data generator ``asyncrl.embedded.synth``,
+redone). The marker records the stage's recipe (``recipes``: the ``prepare`` and agent-loop settings its output
+depends on); a cached stage made by another recipe is used as it is, with a warning that names the settings
+that differ and the directory to delete to make it again. The stages themselves live below the runner: the data generator ``asyncrl.embedded.synth``,
 the tiny checkpoint ``asyncrl.models.tiny`` and the warm start ``asyncrl.embedded.warm_start`` (which
 teaches the tool format from demonstrations of which only ``prepare.sft_correct_fraction`` search and
 copy the right answer, so RL has room to improve).
@@ -16,9 +18,11 @@ copy the right answer, so RL has room to improve).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
+from typing import Optional
 
 from asyncrl.embedded.synth import write_dataset
 from asyncrl.embedded.warm_start import warm_start
@@ -27,12 +31,54 @@ from asyncrl.models.tiny import make_tiny_checkpoint
 log = logging.getLogger("asyncrl.prepare")
 
 
+def recipes(cfg) -> dict[str, dict]:
+    """What each stage's output depends on, by stage directory name (a stage's recipe includes the ones before it):
+    recorded in its ``.done`` marker, compared on later runs (``prepare_if_needed``)."""
+    p, a = cfg.prepare, cfg.agentloop
+    data = {"seed": p.seed, "num_entities": p.num_entities}
+    model = data | {"vocab_size": p.vocab_size, "hidden_size": p.hidden_size, "num_layers": p.num_layers}
+    sft = model | {
+        k: getattr(p, k)
+        for k in (
+            "sft_steps",
+            "sft_lr",
+            "sft_batch_size",
+            "sft_correct_fraction",
+            "sft_wrong_copy_fraction",
+            "sft_weight_decay",
+            "sft_context_loss_weight",
+            "sft_matmul_dtype",
+        )
+    }
+    sft |= {"agentloop.tool.topk": a.tool.topk, "agentloop.tool.max_obs_tokens": a.tool.max_obs_tokens}
+    sft["agentloop.max_total_tokens"] = a.max_total_tokens
+    return {"data": data, "model": model, "model_sft": sft}
+
+
 def _done(path: Path) -> bool:
     return (path / ".done").is_file()
 
 
-def _mark(path: Path) -> None:
-    (path / ".done").write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+def _mark(path: Path, recipe: dict) -> None:
+    (path / ".done").write_text(json.dumps({"made": time.strftime("%Y-%m-%d %H:%M:%S"), "recipe": recipe}) + "\n")
+
+
+def recipe_drift(path: Path, recipe: dict) -> Optional[str]:
+    """None when the stage in ``path`` was made by ``recipe``; else what differs, in words."""
+    try:
+        made = json.loads((path / ".done").read_text()).get("recipe")
+    except (OSError, ValueError, AttributeError):
+        made = None
+    if not isinstance(made, dict):
+        return "an earlier asyncrl made it and did not record its recipe"
+    diff = [f"{k} {made.get(k)!r} -> {v!r}" for k, v in recipe.items() if made.get(k) != v]
+    return f"it was made with another recipe ({', '.join(diff)})" if diff else None
+
+
+def _check_cached(path: Path, recipe: dict) -> None:
+    drift = recipe_drift(path, recipe)
+    if drift is not None:
+        log.warning("prepare: %s is used as it is, but %s: delete %s to make it with this config", path, drift, path)
 
 
 def prepare_if_needed(cfg) -> dict[str, Path]:
@@ -41,10 +87,14 @@ def prepare_if_needed(cfg) -> dict[str, Path]:
         return {}
     root = Path(p.dir)
     data, base, sft = root / "data", root / "model", root / "model_sft"
+    made = recipes(cfg)
+    for stage in (data, base, sft):
+        if _done(stage):
+            _check_cached(stage, made[stage.name])
     if not _done(data):
         t0 = time.time()
         write_dataset(data, seed=p.seed, num_countries=p.num_entities)
-        _mark(data)
+        _mark(data, made["data"])
         log.info("prepare: synthetic data in %s (%.1fs)", data, time.time() - t0)
     if not _done(base):
         t0 = time.time()
@@ -58,11 +108,11 @@ def prepare_if_needed(cfg) -> dict[str, Path]:
             num_hidden_layers=p.num_layers,
             intermediate_size=p.hidden_size * 11 // 4,
         )
-        _mark(base)
+        _mark(base, made["model"])
         log.info("prepare: tiny Qwen2 checkpoint in %s (%.1fs)", base, time.time() - t0)
     if not _done(sft):
         t0 = time.time()
         stats = warm_start(cfg, data_dir=data, base_dir=base, out_dir=sft)
-        _mark(sft)
+        _mark(sft, made["model_sft"])
         log.info("prepare: warm start in %s (%.1fs): %s", sft, time.time() - t0, stats)
     return {"data": data, "model": base, "model_sft": sft}

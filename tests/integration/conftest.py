@@ -22,8 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PREPARE_OVERRIDES = ["prepare.num_entities=60", "prepare.sft_steps=2", "prepare.sft_batch_size=8"]
-"""60 countries (the held-out set has 34 prompts) and a warm start of 2 steps of 8 demos."""
+from proc_helpers import PREPARE_OVERRIDES  # noqa: E402  (every job passes them too: their recipe matches)
 
 
 def _fingerprint(d: Path) -> dict[str, tuple[int, int]]:

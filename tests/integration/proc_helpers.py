@@ -20,6 +20,10 @@ from asyncrl.rollout.sglang_launcher import free_rollout_port
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+PREPARE_OVERRIDES = ["prepare.num_entities=60", "prepare.sft_steps=2", "prepare.sft_batch_size=8"]
+"""The shared prepared artefacts' recipe (conftest's ``prepared``): 60 countries (the held-out set has 34 prompts)
+and a warm start of 2 steps of 8 demos. Every job of the default passes it too, so its
+preparation finds them made by its own recipe (``asyncrl.runner.prepare``)."""
 TRAIN = REPO / "launch" / "train.py"
 
 # float32 parity, relative to max(1, max|reference|): log-probs of a 1000-token vocabulary reach ~10 and entropies
@@ -141,10 +145,11 @@ def assert_nothing_left(run_dir: Path, *, within_s: float) -> None:
 
 def tiny_overrides(prep: Path, run_dir: Path, *extra: str) -> list[str]:
     """``configs/tiny.toml`` overrides of a test job: the prepared artefacts under ``prep`` (conftest's
-    ``prepared``), ``run_dir``, a free broker port, 4 prompts x 2 samples a step, no before/after eval;
-    then ``extra`` (a later override of the same key wins)."""
+    ``prepared``, ``PREPARE_OVERRIDES``), ``run_dir``, a free broker port, 4 prompts x 2 samples a step, no
+    before/after eval; then ``extra`` (a later override of the same key wins)."""
     return [
         f'prepare.dir="{prep}"',
+        *PREPARE_OVERRIDES,
         f'actor.model_path="{prep}/model_sft"',
         f'data.train_path="{prep}/data/train.jsonl"',
         f'data.test_path="{prep}/data/test.jsonl"',
