@@ -8,12 +8,12 @@
 
 Runs on global rank 0 before any role starts, only when ``prepare.enabled``. Each stage is
 skipped when its output exists (a ``.done`` marker is written last, so an interrupted stage is
-redone). The marker records the stage's recipe (``recipes``: the ``prepare`` and agent-loop settings its output
-depends on); a cached stage made by another recipe is used as it is, with a warning that names the settings
-that differ and the directory to delete to make it again. The stages themselves live below the runner: the data generator ``asyncrl.embedded.synth``,
-the tiny checkpoint ``asyncrl.models.tiny`` and the warm start ``asyncrl.embedded.warm_start`` (which
-teaches the tool format from demonstrations of which only ``prepare.sft_correct_fraction`` search and
-copy the right answer, so RL has room to improve).
+redone). The marker records the stage's recipe (``recipes``: the ``prepare`` and agent-loop settings its
+output depends on); a cached stage made by another recipe is used as it is, with a warning that names the
+settings that differ and the directory to delete to make it again. The stages themselves live below the
+runner: the data generator ``asyncrl.embedded.synth``, the tiny checkpoint ``asyncrl.models.tiny`` and the
+warm start ``asyncrl.embedded.warm_start`` (which teaches the tool format from demonstrations of which only
+``prepare.sft_correct_fraction`` search and copy the right answer, so RL has room to improve).
 """
 
 from __future__ import annotations
@@ -37,21 +37,13 @@ def recipes(cfg) -> dict[str, dict]:
     p, a = cfg.prepare, cfg.agentloop
     data = {"seed": p.seed, "num_entities": p.num_entities}
     model = data | {"vocab_size": p.vocab_size, "hidden_size": p.hidden_size, "num_layers": p.num_layers}
-    sft = model | {
-        k: getattr(p, k)
-        for k in (
-            "sft_steps",
-            "sft_lr",
-            "sft_batch_size",
-            "sft_correct_fraction",
-            "sft_wrong_copy_fraction",
-            "sft_weight_decay",
-            "sft_context_loss_weight",
-            "sft_matmul_dtype",
-        )
+    sft_keys = "steps lr batch_size correct_fraction wrong_copy_fraction weight_decay context_loss_weight matmul_dtype"
+    sft = model | {f"sft_{k}": getattr(p, f"sft_{k}") for k in sft_keys.split()}
+    sft |= {
+        "agentloop.tool.topk": a.tool.topk,
+        "agentloop.tool.max_obs_tokens": a.tool.max_obs_tokens,
+        "agentloop.max_total_tokens": a.max_total_tokens,
     }
-    sft |= {"agentloop.tool.topk": a.tool.topk, "agentloop.tool.max_obs_tokens": a.tool.max_obs_tokens}
-    sft["agentloop.max_total_tokens"] = a.max_total_tokens
     return {"data": data, "model": model, "model_sft": sft}
 
 

@@ -19,10 +19,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from proc_helpers import PREPARE_OVERRIDES  # every job passes them too: their recipe matches
 
 ROOT = Path(__file__).resolve().parents[2]
-
-from proc_helpers import PREPARE_OVERRIDES  # noqa: E402  (every job passes them too: their recipe matches)
 
 
 def _fingerprint(d: Path) -> dict[str, tuple[int, int]]:
