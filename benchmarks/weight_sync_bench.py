@@ -9,7 +9,8 @@ For a model of a given size (a random Qwen2-architecture checkpoint made on the 
            over a gloo group of the same size formed the same way (TCPStore + PrefixStore) to N plain
            receiver processes that receive into tensors of the same shapes PREALLOCATED once, before
            the first repetition (as the engine receives into its standby weights); both ends queue a
-           bucket's broadcasts at once (``async_op``) and then wait, as the sync's two ends do: the limit;
+           bucket's broadcasts at once, with the sync's own call (``process_group.broadcast_from_rank0``),
+           and then wait, as the sync's two ends do: the limit;
 run interleaved (one of each per repetition, order alternating; ``benchmarks/harness.py``), and reports
 the per-repetition ratio bare / sync (target >= 0.9) and bare / transfer, median and spread.
 The receivers are separate processes of the same count on the same host (the engine process has
@@ -67,7 +68,7 @@ def _receiver(args_path: str) -> int:
         ]
     for _ in range(a["reps"]):
         for tensors in recv:  # all of a bucket's receives queued at once, as the engine does
-            for w in [dist.broadcast(t, group_src=0, group=pg, async_op=True) for t in tensors]:
+            for w in [pgmod.broadcast_from_rank0(t, pg) for t in tensors]:
                 w.wait()
         dist.all_reduce(torch.zeros(1), group=pg)  # end-of-rep fence: everyone has everything
     pgmod.destroy_weight_update_group(pg)
@@ -113,7 +114,7 @@ class _BareGroup:
         t0 = time.perf_counter()
         for b in self.buckets:
             tensors = [flatten_bucket(b)] if self.flattened else [t.contiguous() for _, t in b]
-            for w in [dist.broadcast(t, group_src=0, group=self.pg, async_op=True) for t in tensors]:
+            for w in [pgmod.broadcast_from_rank0(t, self.pg) for t in tensors]:
                 w.wait()  # all queued at once, as push_buckets does
         dist.all_reduce(torch.zeros(1), group=self.pg)
         return time.perf_counter() - t0

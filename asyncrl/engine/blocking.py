@@ -77,79 +77,124 @@ def _give(key: tuple[str, str, int], conn: Connection) -> None:
     conn.close()
 
 
-class _Req:
-    """One JSON-over-HTTP request on a kept-alive connection, sent (``send``) and answered (``read``) apart, so
-    one thread can have requests to several engines on the wire at once (``Exchange``)."""
+@dataclass(frozen=True)
+class Call:
+    """One call of an ``Exchange``: ``GET`` (``body`` None) or ``POST`` JSON; ``check_success``: a
+    ``{"success": false}`` answer raises. ``pipelined``: written right behind the chain's previous call, on its
+    connection, without waiting for its answer (HTTP/1.1 pipelining: the engine answers in order, so this one runs
+    after the previous one did, one round trip sooner); use it only where running after a FAILED previous call
+    is harmless, since the request is already on the wire when that answer is read."""
 
-    def __init__(self, url: str, path: str, *, method: str, data: bytes | None, step: str):
-        """``data``: the JSON body as sent (``_encode``), None for none."""
-        self.url, self.path, self.method, self.step = url, path, method, step
-        self.data = data
-        self.headers = {**auth_headers(), **({"Content-Type": "application/json"} if self.data is not None else {})}
+    path: str
+    body: Any
+    step: str
+    method: str = "POST"
+    check_success: bool = True
+    pipelined: bool = False
+
+    @functools.cached_property
+    def data(self) -> bytes | None:
+        """The body as sent (encoded once however many engines get it)."""
+        return _encode(self.body)
+
+
+class _Req:
+    """Calls to one engine written at once on one kept-alive connection (``send``): one call, or a call and the
+    calls pipelined behind it, answered in order; their answers are read one by one (``read``), so one thread can
+    have requests to several engines on the wire at once (``Exchange``)."""
+
+    def __init__(self, url: str, calls: Sequence[Call]):
+        self.url, self.calls = url, list(calls)
+        self.answered = 0
         u = urllib.parse.urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise EngineStepError(url, step, f"{method} {path}: not an http(s) URL")
+            c = self.calls[0]
+            raise EngineStepError(url, c.step, f"{c.method} {c.path}: not an http(s) URL")
         self.key = (u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80))
-        self.target = u.path.rstrip("/") + path
+        self.base = u.path.rstrip("/")
         self.conn: Connection | None = None
         self.reused = False
+        self.resent = False
+        """The calls were sent again after a close with no answer (once at most)."""
+
+    @property
+    def call(self) -> Call:
+        """The call whose answer ``read`` returns next."""
+        return self.calls[self.answered]
+
+    @property
+    def done(self) -> bool:
+        return self.answered == len(self.calls)
 
     def _fail(self, e: BaseException, timeout_s: float) -> EngineStepError:
-        m, p = self.method, self.path
+        m, p, step = self.call.method, self.call.path, self.call.step
         if isinstance(e, TimeoutError):
-            return EngineStepError(self.url, self.step, f"{m} {p} timed out after {timeout_s:g} s")
+            return EngineStepError(self.url, step, f"{m} {p} timed out after {timeout_s:g} s")
         if isinstance(e, (ConnectionClosed, ConnectionResetError, BrokenPipeError)):
-            return EngineStepError(self.url, self.step, f"{m} {p} connection error: {e}")
-        return EngineStepError(self.url, self.step, f"{m} {p} unreachable: {e}")  # refused, no route, malformed
+            return EngineStepError(self.url, step, f"{m} {p} connection error: {e}")
+        return EngineStepError(self.url, step, f"{m} {p} unreachable: {e}")  # refused, no route, malformed
 
-    def _dropped_idle(self, e: BaseException) -> bool:
-        """The engine had closed the reused idle connection: the request never reached it (nothing came back)."""
-        return self.reused and (
+    def _unanswered(self, e: BaseException) -> bool:
+        """The engine closed the connection with nothing sent back for this call, on a connection that had served
+        before (a reused idle one, or one a pipelined call's predecessor was answered on): the call never ran."""
+        return (self.reused or self.answered > 0) and (
             isinstance(e, (ConnectionResetError, BrokenPipeError))
             or (isinstance(e, ConnectionClosed) and not e.got_bytes)
         )
 
+    def _bytes(self, host: str) -> bytes:
+        out = []
+        for c in self.calls[self.answered :]:
+            headers = {**auth_headers(), **({"Content-Type": "application/json"} if c.data is not None else {})}
+            out.append(request_bytes(c.method, self.base + c.path, c.data, headers, host=host))
+        return b"".join(out)
+
     def send(self, timeout_s: float, *, fresh: bool = False) -> None:
-        """Write the request on an idle kept-alive connection (a new one with ``fresh``); a reused connection
-        the engine had closed is replaced once."""
+        """Write every call not answered yet on an idle kept-alive connection (a new one with ``fresh``); a reused
+        connection the engine had closed is replaced once."""
         for attempt in (0, 1):
             try:
                 if fresh or attempt:
                     self.conn, self.reused = Connection(*self.key, timeout_s=timeout_s), False
                 else:
                     self.conn, self.reused = _take(self.key, timeout_s)
-                host = self.conn.host_header
-                self.conn.send(
-                    request_bytes(self.method, self.target, self.data, self.headers, host=host), timeout_s=timeout_s
-                )
+                self.conn.send(self._bytes(self.conn.host_header), timeout_s=timeout_s)
                 return
             except OSError as e:
                 if self.conn is not None:
                     self.conn.close()
-                if not (self._dropped_idle(e) and attempt == 0):
+                if not (self.reused and self._unanswered(e) and attempt == 0):
                     raise self._fail(e, timeout_s) from e
 
     def read(self, timeout_s: float) -> bytes:
-        """Read the answer of the request ``send`` wrote (blocks until it is complete, at most ``timeout_s``);
-        an HTTP error status raises. The request is sent again, once, when the engine had closed the reused
-        connection before reading it."""
+        """The next call's answer (blocks until it is complete, at most ``timeout_s``); an HTTP error status raises.
+        The calls are sent again, once, when the engine closed the connection before answering them. The
+        connection goes back to the pool once every call was answered (never with answers still due)."""
         assert self.conn is not None, "send() first"
         while True:
             conn = self.conn
             try:
-                resp = conn.read(timeout_s=timeout_s, head_request=self.method == "HEAD")
+                resp = conn.read(timeout_s=timeout_s, head_request=self.call.method == "HEAD")
             except (OSError, BadResponse) as e:
                 conn.close()
-                if self._dropped_idle(e):
+                if self._unanswered(e) and not self.resent:
+                    self.resent = True
                     self.send(timeout_s, fresh=True)
                     continue
                 raise self._fail(e, timeout_s) from e
-            if not resp.will_close:
+            call = self.call
+            self.answered += 1
+            if self.done and not resp.will_close:
                 _give(self.key, conn)
-            self.conn = None
+            if self.done or resp.status >= 400:
+                if not self.done:
+                    conn.close()  # answers still due on it: never reused
+                self.conn = None
+            elif resp.will_close:  # the engine closed after this answer: the calls behind it go on a new connection
+                self.send(timeout_s, fresh=True)
             if resp.status >= 400:
                 text = resp.body.decode(errors="replace")[:2000]
-                raise EngineStepError(self.url, self.step, f"HTTP {resp.status} from {self.method} {self.path}: {text}")
+                raise EngineStepError(self.url, call.step, f"HTTP {resp.status} from {call.method} {call.path}: {text}")
             return resp.body
 
 
@@ -158,7 +203,7 @@ def _encode(body: Any) -> bytes | None:
 
 
 def _request(url: str, path: str, *, method: str, body: Any, timeout_s: float, step: str) -> bytes:
-    req = _Req(url, path, method=method, data=_encode(body), step=step)
+    req = _Req(url, [Call(path, body, step, method=method)])
     req.send(timeout_s)
     return req.read(timeout_s)
 
@@ -192,27 +237,10 @@ def get_text(url: str, path: str, *, timeout_s: float, step: str) -> str:
     return _request(url, path, method="GET", body=None, timeout_s=timeout_s, step=step).decode(errors="replace")
 
 
-@dataclass(frozen=True)
-class Call:
-    """One call of an ``Exchange``: ``GET`` (``body`` None) or ``POST`` JSON; ``check_success``: a
-    ``{"success": false}`` answer raises."""
-
-    path: str
-    body: Any
-    step: str
-    method: str = "POST"
-    check_success: bool = True
-
-    @functools.cached_property
-    def data(self) -> bytes | None:
-        """The body as sent (encoded once however many engines get it)."""
-        return _encode(self.body)
-
-
 class Exchange:
     """Calls to several engines made from the calling thread, with no thread per call. Each chain (an engine's
-    URL and its calls) runs in order: its next call goes out when the previous one answered; the chains run
-    side by side (two chains may name the same engine: each has its own connection). ``start`` writes every
+    URL and its calls) runs in order: its next call goes out when the previous one answered, or at once behind it
+    when it is ``pipelined`` (on the same connection; answered in order); the chains run side by side (two chains may name the same engine: each has its own connection). ``start`` writes every
     chain's first request on a kept-alive connection and returns at once (the caller may then queue its
     broadcasts); ``wait`` reads the answers as their sockets turn readable, sends the next calls, and returns
     every chain's answers, in chain and call order. As ``wait_all``: the first failure raises (it does not wait
@@ -234,11 +262,20 @@ class Exchange:
         self._deadline = 0.0
 
     def _send(self, i: int) -> None:
+        """Chain ``i``'s next call, and the calls pipelined behind it, written at once."""
         url, calls = self.chains[i]
-        c = calls[len(self.answers[i])]
-        req = _Req(url, c.path, method=c.method, data=c.data, step=c.step)
+        k = n = len(self.answers[i])
+        n += 1
+        while n < len(calls) and calls[n].pipelined:
+            n += 1
+        req = _Req(url, calls[k:n])
         req.send(self.timeout_s)
         self._live[i] = req
+
+    def _answer(self, i: int, req: _Req) -> None:
+        url, c = self.chains[i][0], req.call
+        out = _decode(req.read(self.timeout_s), url, c.path, c.step)
+        self.answers[i].append(_checked(out, url, c.path, c.step) if c.check_success else out)
 
     def start(self) -> Exchange:
         self._deadline = time.monotonic() + self.timeout_s
@@ -255,19 +292,21 @@ class Exchange:
                 left = self._deadline - time.monotonic()
                 if left <= 0:
                     late = list(dict.fromkeys(r.url for r in self._live.values()))
-                    step = next(iter(self._live.values())).step
+                    step = next(iter(self._live.values())).call.step
                     raise EngineStepError(late, step, f"no answer within {self.timeout_s:g} s")
                 for key, _ in sel.select(timeout=min(left, 0.05) if poll else left):
                     i = key.data
                     sel.unregister(key.fileobj)
                     req = self._live.pop(i)
-                    url, calls = self.chains[i]
-                    c = calls[len(self.answers[i])]
-                    out = _decode(req.read(self.timeout_s), url, c.path, c.step)
-                    self.answers[i].append(_checked(out, url, c.path, c.step) if c.check_success else out)
-                    if len(self.answers[i]) < len(calls):
+                    self._answer(i, req)
+                    while not req.done and req.conn.buffered:  # a pipelined answer came with the one read
+                        self._answer(i, req)
+                    if req.done and len(self.answers[i]) < len(self.chains[i][1]):
                         self._send(i)
-                        sel.register(self._live[i].conn.sock, selectors.EVENT_READ, i)
+                        req = self._live[i]
+                    if not req.done:
+                        self._live[i] = req
+                        sel.register(req.conn.sock, selectors.EVENT_READ, i)
                 if poll is not None:
                     poll()
         return self.answers

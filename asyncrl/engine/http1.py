@@ -1,5 +1,6 @@
-"""A minimal HTTP/1.1 client connection for the blocking engine calls (``engine.blocking``): one request at a time on
-a kept-alive socket, the answer read by a pure incremental parser.
+"""A minimal HTTP/1.1 client connection for the blocking engine calls (``engine.blocking``): requests on a kept-alive
+socket, each answer read by a pure incremental parser. Requests may be pipelined (written before the previous one
+is answered): the server answers them in order, and the bytes that came past one answer are kept for the next read.
 
     conn = Connection("http", "127.0.0.1", 30000, timeout_s=10)
     conn.send(request_bytes("POST", "/pause_generation", b'{"mode": "retract"}', {"Content-Type": "application/json"}))
@@ -64,7 +65,8 @@ def request_bytes(method: str, target: str, body: Optional[bytes], headers: dict
 
 class ResponseParser:
     """Incremental reader of one answer: ``feed(bytes)`` until it returns the ``Response``; ``eof()`` when the
-    connection closed (completes a body that ends with the close, else raises ``ConnectionClosed``)."""
+    connection closed (completes a body that ends with the close, else raises ``ConnectionClosed``). ``rest``: the
+    bytes fed past the end of the answer (the start of a pipelined request's answer)."""
 
     def __init__(self, *, head_request: bool = False):
         self._buf = bytearray()
@@ -75,6 +77,7 @@ class ResponseParser:
         self._chunks: list[bytes] = []
         self._chunked_bytes = 0
         self._got_bytes = False
+        self.rest = b""
 
     def feed(self, data: bytes) -> Optional[Response]:
         if data:
@@ -94,14 +97,14 @@ class ResponseParser:
         if self._length is not None:
             if len(self._buf) < self._length:
                 return None
-            return self._done(bytes(self._buf[: self._length]))
+            return self._done(bytes(self._buf[: self._length]), self._length)
         if len(self._buf) > MAX_BODY:
             raise BadResponse(f"body over {MAX_BODY} bytes")
         return None  # read to close
 
     def eof(self) -> Response:
         if self._status is not None and not self._chunked and self._length is None:
-            return self._done(bytes(self._buf))
+            return self._done(bytes(self._buf), len(self._buf))
         raise ConnectionClosed("the server closed the connection before a whole answer", got_bytes=self._got_bytes)
 
     def _head(self, head: bytes) -> bool:
@@ -149,9 +152,10 @@ class ResponseParser:
             except ValueError:
                 raise BadResponse(f"bad chunk size {size_text[:40]!r}") from None
             if size == 0:  # the last chunk, then trailers up to an empty line
-                if self._buf.find(b"\r\n\r\n", line_end) < 0:
+                end = self._buf.find(b"\r\n\r\n", line_end)
+                if end < 0:
                     return None
-                return self._done(b"".join(self._chunks))
+                return self._done(b"".join(self._chunks), end + 4)
             if len(self._buf) < line_end + 2 + size + 2:
                 return None
             self._chunks.append(bytes(self._buf[line_end + 2 : line_end + 2 + size]))
@@ -160,7 +164,9 @@ class ResponseParser:
                 raise BadResponse(f"body over {MAX_BODY} bytes")
             del self._buf[: line_end + 2 + size + 2]
 
-    def _done(self, body: bytes) -> Response:
+    def _done(self, body: bytes, consumed: int) -> Response:
+        """The answer, its head parsed and ``body`` read; the first ``consumed`` bytes of the buffer were its body."""
+        self.rest = bytes(self._buf[consumed:])
         status, reason, headers, will_close = self._status
         return Response(status, reason, headers, body, will_close)
 
@@ -175,6 +181,13 @@ class Connection:
         if scheme == "https":
             sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
         self.sock: Optional[socket.socket] = sock
+        self._rest = b""
+        """Bytes received past the last answer read: the start of the next (pipelined) answer."""
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes of the next answer already came (with the last one): read it without waiting for the socket."""
+        return bool(self._rest)
 
     def send(self, data: bytes, *, timeout_s: float) -> None:
         if self.sock is None:
@@ -183,24 +196,27 @@ class Connection:
         self.sock.sendall(data)
 
     def read(self, *, timeout_s: float, head_request: bool = False) -> Response:
-        """The answer to the request sent, within ``timeout_s``; closes the connection if the server will."""
+        """The answer to the oldest request not yet answered, within ``timeout_s``; closes the connection if the
+        server will."""
         if self.sock is None:
             raise ConnectionClosed("the connection is closed", got_bytes=False)
         parser = ResponseParser(head_request=head_request)
+        resp, self._rest = (parser.feed(self._rest) if self._rest else None), b""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while resp is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no whole answer within {timeout_s:g} s")
             self.sock.settimeout(left)
             data = self.sock.recv(1 << 16)
             resp = parser.feed(data) if data else parser.eof()
-            if resp is not None:
-                if resp.will_close:
-                    self.close()
-                return resp
+        self._rest = parser.rest
+        if resp.will_close:
+            self.close()
+        return resp
 
     def close(self) -> None:
+        self._rest = b""
         if self.sock is not None:
             self.sock.close()
             self.sock = None

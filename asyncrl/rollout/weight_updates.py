@@ -38,7 +38,7 @@ from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors
 from asyncrl.rollout.cpu_scheduler import Scheduler
 from asyncrl.rollout.engine_http import weight_version_field
 from asyncrl.rollout.sampling_params import RequestError, check_bool, check_int
-from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
+from asyncrl.sync.process_group import broadcast_from_rank0, destroy_weight_update_group, init_weight_update_group
 
 log = logging.getLogger("asyncrl.cpu_engine")
 
@@ -252,7 +252,7 @@ class WeightUpdates:
             if self._flat_staging is None or self._flat_staging.numel() < total:
                 self._flat_staging = torch.empty(total, dtype=torch.uint8)
             buf = self._flat_staging[:total]
-            dist.broadcast(buf, group_src=0, group=pg)
+            broadcast_from_rank0(buf, pg).wait()
             named, off = [], 0
             for name, size, s, d in zip(names, sizes, shapes, dts):
                 named.append((name, buf[off : off + size].view(d).reshape(s)))
@@ -269,7 +269,7 @@ class WeightUpdates:
             else:
                 dst = torch.empty(s, dtype=d)
                 named.append((name, dst))
-            works.append(dist.broadcast(dst, group_src=0, group=pg, async_op=True))
+            works.append(broadcast_from_rank0(dst, pg))
         first_error = None
         for w in works:  # wait for all (none left writing into the bank), then raise the first failure
             try:

@@ -13,7 +13,8 @@ Contract
 - Works in a process with no default group (the engine) and in one that already has a default
   group (the trainer's actor world); the new group never becomes the default.
 - Collectives on it take group ranks: ``dist.broadcast(t, group_src=0, group=pg)`` (the identity
-  map also makes ``src=0`` right).
+  map also makes ``src=0`` right). The weight sync's own broadcasts, both ends, go through
+  ``broadcast_from_rank0`` (the group's own method, without the wrapper's per-call cost).
 
     pg = init_weight_update_group("127.0.0.1", 29555, rank=0, world_size=2, group_name="weight_update_group")
     dist.broadcast(tensor, group_src=0, group=pg)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
@@ -107,6 +109,18 @@ def _rendezvous(
             f"weight-update group {group_name!r} at {url} (rank {rank}/{world_size}, {backend}): rendezvous failed: {e}"
         ) from e
     return pg
+
+
+def broadcast_from_rank0(tensor: torch.Tensor, pg: dist.ProcessGroup) -> dist.Work:
+    """Queue a broadcast of ``tensor`` from group rank 0 on ``pg`` and return its work (``wait()`` it): what
+    ``dist.broadcast(tensor, group_src=0, group=pg, async_op=True)`` calls in the end, the process group's own
+    ``broadcast``. The wrapper's checks and logging decorators cost 24 us a call against 8 us for this on 2 cores
+    (measured 2026-12-05, 51 tensors, gloo), paid for every tensor of every bucket on both ends of a sync. Works for
+    gloo and NCCL alike (the tensor's device picks the backend); rank 0 is the group rank (the identity rank map)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return pg.broadcast([tensor], opts)
 
 
 def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:

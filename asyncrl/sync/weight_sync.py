@@ -7,8 +7,9 @@ Contract
   ``sync_end(version)``; absent in tests).
 - The sequence of ``WeightSyncer.sync(buckets, version)``, every HTTP step sent to all engines at
   once, each call bounded by ``sync.step_timeout_s`` and failing with ``EngineStepError`` naming
-  the engine(s) and the step. Steps 2-3 run per engine in order (an engine's begin goes out when its
-  own pause answered); step 6's calls go to every engine at once. The calls are made from the sync's
+  the engine(s) and the step. Steps 2-3 run per engine in order (an engine's begin is pipelined behind
+  its pause: written with it on one connection, run by the engine once the pause answered, HTTP/1.1
+  answering in order); step 6's calls go to every engine at once. The calls are made from the sync's
   own thread (``blocking.Exchange``: requests written at once, answers read as they come), with no
   thread hand-off on the critical path: the control calls are the fixed cost of a sync (only the
   drain's load polling runs on the syncer's ``call_pool.CallPool``);
@@ -30,12 +31,14 @@ Contract
        ``weight_version = str(version)``: SGLang's own field, which the engine applies only once that
        update succeeded, i.e. after every bucket is in; its success answer then says so (SGLang appends
        " Weight version updated to V." to the message: ``engine.client.confirms_weight_version``).
+       Step 6's ``/end_weight_update`` is pipelined behind that final update call (one round trip fewer;
+       should the update fail, the engine still ends the update, and the sync fails).
        Each update with ``flush_cache = true`` flushes the engine's cache once it succeeded (SGLang
        asserts that flush; the engines are paused, so nothing runs on the old KV).
     5. only when no bucket carried it (a producer that does not mark its last bucket, or no bucket):
        ``POST /update_weight_version {new_version, abort_all_requests: false}``.
-    6. ``POST /end_weight_update``, alongside it ``POST /flush_cache`` unless in_place or the updates
-       already flushed (step 4), and the check that ``/model_info.weight_version`` equals the new
+    6. ``POST /end_weight_update`` unless it rode behind the final bucket (step 4), alongside it
+       ``POST /flush_cache`` unless in_place or the updates already flushed (step 4), and the check that ``/model_info.weight_version`` equals the new
        version on every engine whose update answer did not confirm it (all of them after step 5);
        then ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
@@ -44,7 +47,8 @@ Contract
 - Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s) = ``time/sync_control``
   (the broker hooks and the engines' pause/begin/version/end/flush/continue calls: steps 1-3 and 5-7)
   + ``time/sync_gather`` (producing the buckets: the actor's TP gather and HF conversion, time spent
-  in the bucket iterator) + ``time/sync_transfer`` (the broadcasts and the engines' update calls);
+  in the bucket iterator) + ``time/sync_transfer`` (the broadcasts and the engines' update calls, with the
+  end call that rides behind the final one);
   ``time/sync_pause`` (the part of steps 1-3 that the first bucket's gather did not hide) and ``time/sync_finish``
   (the two halves of control), ``sync/bytes_per_s``
   (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / transfer), ``sync/num_bytes``,
@@ -77,6 +81,7 @@ from asyncrl.engine.client import confirms_weight_version, parse_engine_load
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
+from asyncrl.sync.process_group import broadcast_from_rank0
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,8 @@ class PushStats:
     version_unconfirmed: tuple[str, ...] = ()
     """engines whose answer to the version-carrying update did not confirm the version
     (``confirms_weight_version``): the finish reads their ``/model_info``"""
+    ended: bool = False
+    """every engine's ``/end_weight_update`` rode behind the version-carrying update and succeeded"""
 
 
 @dataclass(frozen=True)
@@ -202,17 +209,22 @@ def send_bucket(
     index: int,
     flattened: bool,
     step_timeout_s: float,
+    end: bool = False,
 ) -> list[Any]:
     """One bucket: every engine's ``/update_weights_from_distributed`` call (``body``) written first (an
     ``Exchange``), then this thread queues the bucket's broadcasts (or its one flat tensor's) from group rank 0
-    and reads the answers; returns them (in engine order) once every engine answered success and every
-    broadcast completed. ``index`` (the bucket's place in the sync) names it in a failure."""
+    and reads the answers; returns the update answers (in engine order) once every engine answered success and
+    every broadcast completed. With ``end``, each engine's ``/end_weight_update`` is pipelined behind its update
+    call (it runs right after the update, and is answered too). ``index`` (the bucket's place in the sync) names it
+    in a failure."""
     step = "update_weights_from_distributed"
-    call = Call("/update_weights_from_distributed", body, step)
-    ex = Exchange([(u, [call]) for u in group.urls], timeout_s=step_timeout_s).start()
+    calls = [Call("/update_weights_from_distributed", body, step)]
+    if end:
+        calls.append(Call("/end_weight_update", {}, "end_weight_update", pipelined=True))
+    ex = Exchange([(u, calls) for u in group.urls], timeout_s=step_timeout_s).start()
     tensors = [flatten_bucket(bucket)] if flattened else [t.detach().contiguous() for _, t in bucket]
     try:
-        works = [dist.broadcast(t, group_src=0, group=group.pg, async_op=True) for t in tensors]
+        works = [broadcast_from_rank0(t, group.pg) for t in tensors]
         answers = ex.wait(poll=functools.partial(_check_works, works))
         for w in works:
             w.wait()  # all engines answered success: they have every tensor
@@ -235,8 +247,9 @@ def push_buckets(
     weight_version: Optional[str] = None,
 ) -> PushStats:
     """Send every bucket (``send_bucket``), timing the wait on the bucket iterator (gather) apart from the
-    sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines
-    (a pipeline stage's push passes none: its last bucket is not the model's)."""
+    sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines and
+    ends the update (``/end_weight_update`` pipelined behind it: ``PushStats.ended``); a pipeline stage's push
+    passes none (its last bucket is not the model's; the coordinator's ``finish`` ends the update)."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
     num_bytes = num_buckets = num_tensors = 0
@@ -244,6 +257,7 @@ def push_buckets(
     it = iter(buckets)
     version_sent = False
     unconfirmed: tuple[str, ...] = ()
+    send = functools.partial(send_bucket, group, flattened=flattened, step_timeout_s=step_timeout_s)
     while True:
         t0 = time.perf_counter()
         bucket = next(it, None)  # the actor gathers and converts the next bucket here
@@ -260,9 +274,7 @@ def push_buckets(
             flattened=flattened,
             weight_version=weight_version if version_sent else None,
         )
-        answers = send_bucket(
-            group, bucket, body, index=num_buckets, flattened=flattened, step_timeout_s=step_timeout_s
-        )
+        answers = send(bucket, body, index=num_buckets, end=version_sent)
         if version_sent:
             unconfirmed = tuple(
                 u for u, a in zip(group.urls, answers) if not confirms_weight_version(a, str(weight_version))
@@ -280,6 +292,7 @@ def push_buckets(
         version_sent,
         flushed=flush_cache and num_buckets > 0,
         version_unconfirmed=unconfirmed,
+        ended=version_sent,
     )
 
 
@@ -367,6 +380,7 @@ class WeightSyncer:
             self._all(begin.path, begin.body, begin.step)
             return None
         pause = Call("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
+        begin = Call(begin.path, begin.body, begin.step, pipelined=True)  # runs right after the pause, one RTT sooner
         return Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).start()
 
     def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
@@ -387,9 +401,10 @@ class WeightSyncer:
         version_sent: bool = False,
         flushed: bool = False,
         unconfirmed: Optional[Iterable[str]] = None,
+        ended: bool = False,
     ) -> None:
         """Steps 5-7: the version bump unless the last bucket carried it (``version_sent``), then every
-        engine's end of the update, alongside it (the engines are paused and every bucket is in: their order
+        engine's end of the update unless it rode behind the last bucket (``ended``), alongside it (the engines are paused and every bucket is in: their order
         does not matter) the flush unless the updates already flushed (``flushed``) and the version check of
         every engine whose update answer did not confirm the version (``unconfirmed``; default: every
         engine), then - once every engine passed the check - resume, and tell the broker."""
@@ -402,11 +417,11 @@ class WeightSyncer:
             unconfirmed = None  # the version call's answer is not read as a confirmation: check every engine
         unconfirmed = None if unconfirmed is None else set(unconfirmed)
         check_urls = self.urls if unconfirmed is None else [u for u in self.urls if u in unconfirmed]
-        chains = [(u, [Call("/end_weight_update", {}, "end_weight_update")]) for u in self.urls]
+        chains = [] if ended else [(u, [Call("/end_weight_update", {}, "end_weight_update")]) for u in self.urls]
         if self.pause_mode != "in_place" and not flushed:
             chains += [(u, [Call("/flush_cache", {}, "flush_cache")]) for u in self.urls]
         chains += [(u, [Call("/model_info", None, "model_info", method="GET")]) for u in check_urls]
-        answers = Exchange(chains, timeout_s=t).run()
+        answers = Exchange(chains, timeout_s=t).run() if chains else []
         infos = [a[0] for a in answers[len(chains) - len(check_urls) :]]
         wrong = [u for u, i in zip(check_urls, infos) if str(i.get("weight_version")) != v]
         if wrong:
@@ -440,6 +455,7 @@ class WeightSyncer:
                 version_sent=pushed.version_sent,
                 flushed=pushed.flushed,
                 unconfirmed=pushed.version_unconfirmed,
+                ended=pushed.ended,
             )
         except EngineStepError as e:  # name the training step too (the version being pushed)
             raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e

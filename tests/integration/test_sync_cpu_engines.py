@@ -334,20 +334,21 @@ def test_version_rides_on_the_last_bucket(env: Env, monkeypatch, case: str):
     ``/flush_cache`` goes out. ``/model_info`` is read only from an engine whose update answer did not
     confirm the version: every engine after the separate call, and the one engine whose answer lacks
     SGLang's " Weight version updated to V." note (as an SGLang that ignores the field would answer; the
-    note is cut from its real answer here). Either way every engine serves the new weights and version.
-    The real calls are recorded on their way out."""
+    note is cut from its real answer here). Either way every engine serves the new weights and version, and
+    its update is ended once: pipelined behind the version-carrying update, else in the finish (after the sync, an
+    update without a begin is refused). The real calls are recorded as they are written."""
+    from asyncrl.engine import blocking
     from asyncrl.sync import weight_sync
 
-    sent: list[tuple[str, str, dict]] = []
+    sent: list[tuple[str, str, dict, bool]] = []
+    real_send = blocking._Req.send
+
+    def recording_send(self, timeout_s, **kw):
+        sent.extend((self.url, c.path, c.body or {}, c.pipelined) for c in self.calls[self.answered :])
+        return real_send(self, timeout_s, **kw)
 
     class RecordingExchange(weight_sync.Exchange):
-        """The real exchange; its calls recorded on their way out (and one answer's note cut)."""
-
-        def _send(self, i):
-            url, calls = self.chains[i]
-            c = calls[len(self.answers[i])]
-            sent.append((url, c.path, c.body or {}))
-            super()._send(i)
+        """The real exchange (one answer's note cut)."""
 
         def wait(self, **kw):
             answers = super().wait(**kw)
@@ -359,18 +360,26 @@ def test_version_rides_on_the_last_bucket(env: Env, monkeypatch, case: str):
             return answers
 
     monkeypatch.setattr(weight_sync, "Exchange", RecordingExchange)
+    monkeypatch.setattr(blocking._Req, "send", recording_send)
     _train_step(env.trainer, seed=500 + env.version)
     buckets = list(iter_buckets(env.trainer.state_dict().items(), env.sync_cfg.bucket_bytes))
     if case == "separate-version-call":
         buckets = [list(b) for b in buckets]
     env.version += 1
     WeightSyncer(env.group, pause_mode="retract", sync_cfg=env.sync_cfg).sync(iter(buckets), version=env.version)
-    paths = [p for _, p, _ in sent]
-    updates = [b for _, p, b in sent if p == "/update_weights_from_distributed"]
+    paths = [p for _, p, _, _ in sent]
+    updates = [b for _, p, b, _ in sent if p == "/update_weights_from_distributed"]
     assert len(updates) == len(buckets) * len(env.urls) and len(buckets) > 1
     assert all(b["flush_cache"] is True for b in updates) and "/flush_cache" not in paths
     carried = [b["weight_version"] for b in updates]
-    checked = [u for u, p, _ in sent if p == "/model_info"]
+    checked = [u for u, p, _, _ in sent if p == "/model_info"]
+    ends = [(u, pipelined) for u, p, _, pipelined in sent if p == "/end_weight_update"]
+    assert sorted(u for u, _ in ends) == sorted(env.urls)
+    assert all(pipelined == (case != "separate-version-call") for _, pipelined in ends)
+    for u in env.urls:
+        with pytest.raises(blocking.EngineStepError, match="not begun"):
+            probe = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[1]]}
+            blocking.post_json(u, "/update_weights_from_distributed", probe, timeout_s=30, step="probe")
     if case == "separate-version-call":
         assert carried == [None] * len(updates)
         assert paths.count("/update_weight_version") == len(env.urls)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 
 import pytest
@@ -190,3 +191,78 @@ def test_exchange_replaces_a_connection_the_engine_closed():
                 is True
             )
         assert s.connections == 3
+
+
+def _raw_server(n_requests: int, answers: bytes):
+    """A bare TCP server for one connection: it reads until ``n_requests`` whole requests came, BEFORE it answers
+    anything (so they must have been written without waiting for an answer), then sends ``answers`` in one write."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            buf = b""
+            while buf.count(b"\r\n\r\n") < n_requests or not buf.endswith(b"{}"):
+                chunk = conn.recv(1 << 16)
+                if not chunk:
+                    return
+                buf += chunk
+            seen.append(buf)
+            conn.sendall(answers)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t, seen, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+def _ok(message: str) -> bytes:
+    body = json.dumps({"success": True, "message": message}).encode()
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_a_pipelined_call_is_written_before_the_answer_and_both_answers_read_from_one_read():
+    srv, t, seen, url = _raw_server(2, _ok("pause") + _ok("begin"))
+    with srv:
+        calls = [Call("/pause_generation", {}, "pause"), Call("/begin_weight_update", {}, "begin", pipelined=True)]
+        answers = Exchange([(url, calls)], timeout_s=10).run()
+        t.join(10)
+    assert [a["message"] for a in answers[0]] == ["pause", "begin"]
+    assert seen[0].index(b"POST /pause_generation") < seen[0].index(b"POST /begin_weight_update")
+
+
+def test_pipelined_calls_run_in_order_on_one_connection_then_the_chain_goes_on():
+    with _Server() as s:
+        for _ in range(2):
+            calls = [
+                Call("/update_weights_from_distributed", {}, "update"),
+                Call("/end_weight_update", {}, "end", pipelined=True),
+                Call("/continue_generation", {}, "continue"),
+            ]
+            answers = Exchange([(s.url, calls)], timeout_s=10).run()
+            assert [a["message"] for a in answers[0]] == [c.path for c in calls]
+        assert s.paths == [c.path for c in calls] * 2
+        assert s.connections == 1  # the pipelined pair's connection went back to the pool once both were answered
+
+
+def test_a_pipelined_call_lost_to_a_close_is_sent_again_on_a_new_connection():
+    """The engine answers the first call and drops the connection without reading the one behind it."""
+    with _Server(close_after_reply=True) as s:
+        calls = [Call("/pause_generation", {}, "pause"), Call("/begin_weight_update", {}, "begin", pipelined=True)]
+        answers = Exchange([(s.url, calls)], timeout_s=10).run()
+        assert [a["message"] for a in answers[0]] == ["/pause_generation", "/begin_weight_update"]
+        assert s.paths == ["/pause_generation", "/begin_weight_update"] and s.connections == 2
+
+
+def test_a_failed_call_with_one_pipelined_behind_it_raises_and_its_connection_is_not_reused():
+    with _Server(status=400) as s:
+        calls = [
+            Call("/update_weights_from_distributed", {}, "update"),
+            Call("/end_weight_update", {}, "end", pipelined=True),
+        ]
+        with pytest.raises(EngineStepError) as ei:
+            Exchange([(s.url, calls)], timeout_s=10).run()
+        assert ei.value.step == "update" and "HTTP 400" in str(ei.value)
+        with pytest.raises(EngineStepError):  # a fresh connection: the one with end's answer due was closed
+            post_json(s.url, "/continue_generation", {}, timeout_s=10, step="continue")
+        assert s.connections == 2

@@ -86,3 +86,16 @@ def test_request_bytes():
         b"POST /pause_generation HTTP/1.1\r\nHost: h:1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
     )
     assert request_bytes("GET", "/metrics", None, {}, host="h") == b"GET /metrics HTTP/1.1\r\nHost: h\r\n\r\n"
+
+
+@pytest.mark.parametrize("first", [LENGTH, CHUNKED, b"HTTP/1.1 204 No Content\r\n\r\n"])
+def test_the_bytes_past_an_answer_are_kept_for_the_next_one(first):
+    """Two pipelined answers in one read: the first is returned, the second's bytes are ``rest``, whole."""
+    second = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    p = ResponseParser()
+    assert p.feed(first + second[:7]) is not None
+    assert p.rest == second[:7]
+    q = ResponseParser()
+    assert q.feed(p.rest) is None
+    r = q.feed(second[7:])
+    assert (r.status, r.body, q.rest) == (200, b"ok", b"")
