@@ -20,6 +20,9 @@ Contract
   dead one. A watcher reads all its ranks' counters in one ``multi_get`` a second. ``Heartbeat`` is its pure core,
   shared with the waits above. Its owner stops it (``ActorWatch.stop``) before the process exits, as ``close`` stops
   the heartbeat thread: a thread left inside a store call at exit aborts the process.
+- Every actor rank publishes its process identity (``proc_key``; ``asyncrl.cluster.stopped_peer``). A watcher that
+  sees a rank's heartbeat stop SIGKILLs that rank first if it is a stopped process of this host (it could not act on
+  torchrun's SIGTERM, and torchrun would wait out its 30 s shutdown timeout), and says so in the failure.
 
     phases = LeaderPhases(store, rank=actor_rank, heartbeat_store=new_client())
     batch = phases.run("get_batch", lambda: broker.get_batch(...), timeout_s=t)   # None on the others
@@ -33,6 +36,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, TypeVar
+
+from asyncrl.cluster.stopped_peer import identity, kill_if_stopped
 
 log = logging.getLogger("asyncrl.leader")
 
@@ -64,6 +69,24 @@ class Heartbeat:
         return silent if self.armed and silent > self.dead_after_s else None
 
 
+def proc_key(actor_rank: int) -> str:
+    """Where actor rank ``actor_rank`` publishes its process identity (``stopped_peer.identity``)."""
+    return f"proc/{actor_rank}"
+
+
+def _end_if_stopped(store: Any, rank: int) -> str:
+    """``stopped_peer.kill_if_stopped`` on actor rank ``rank``'s published identity: what was done (a sentence
+    beginning with "; "), or "" when nothing was (not published, another host, not stopped, the store silent)."""
+    try:
+        if not store.check([proc_key(rank)]):
+            return ""
+        done = kill_if_stopped(store.get(proc_key(rank)).decode())
+    except (RuntimeError, OSError, ValueError) as e:
+        log.debug("could not read actor rank %d's identity: %r", rank, e)
+        return ""
+    return f"; {done}" if done else ""
+
+
 def beat_key(actor_rank: int) -> str:
     """The store counter actor rank ``actor_rank``'s heartbeat thread bumps."""
     return f"alive/{actor_rank}"
@@ -91,6 +114,7 @@ class LeaderPhases:
         self.store, self.rank, self.is_leader = store, rank, rank == 0
         self.heartbeat_s, self.dead_after_s, self.margin_s = heartbeat_s, dead_after_s, margin_s
         self._seq = 0
+        store.set(proc_key(rank), identity())
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._beat, args=(heartbeat_store,), name=f"actor-{rank}-heartbeat", daemon=True
@@ -208,7 +232,7 @@ def watch_actor_ranks(
                 if silent is not None:
                     on_dead(
                         f"actor rank {r} stopped heartbeating {silent:.0f} s ago (> cluster.actor_unresponsive_after_s "
-                        f"= {dead_after_s:g} s): it is stopped, hung or starved; see its log"
+                        f"= {dead_after_s:g} s): it is stopped, hung or starved; see its log{_end_if_stopped(store, r)}"
                     )
                     return
             stop.wait(poll_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +27,7 @@ def stores():
         opened.append(s)
         return dist.PrefixStore("run/", s)
 
+    client.port = server.port  # for a process of its own
     yield client
     opened.clear()  # clients first, then the server goes with the fixture's frame
 
@@ -206,3 +209,40 @@ def test_a_process_that_stops_its_watch_exits_cleanly():
         done = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_WATCH, "stop"], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "terminate called" not in done.stderr
+
+
+_RANK_1 = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from asyncrl.runner.leader import LeaderPhases
+def client():
+    s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30), use_libuv=True)
+    return dist.PrefixStore("run/", s)
+phases = LeaderPhases(client(), rank=1, heartbeat_store=client(), heartbeat_s=0.05)
+time.sleep(120)
+"""
+
+
+def test_a_stopped_rank_of_this_host_is_killed_by_the_watch_that_names_it(stores, own):
+    """A real actor-rank process beats, then is SIGSTOPped: the watch names it AND SIGKILLs it (it cannot act on
+    torchrun's SIGTERM), instead of leaving it for torchrun's 30 s shutdown timeout."""
+    reader = stores()
+    rank1 = subprocess.Popen([sys.executable, "-c", _RANK_1, str(stores.port)])
+    try:
+        _beating(reader, 1)
+        said, dead = [], threading.Event()
+        own(
+            watch_actor_ranks(
+                stores(), ranks=[1], dead_after_s=0.5, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+            )
+        )
+        os.kill(rank1.pid, signal.SIGSTOP)
+        assert dead.wait(15), "the watch did not notice the stopped rank"
+        assert rank1.wait(10) == -signal.SIGKILL
+        assert said[0].startswith("actor rank 1 stopped heartbeating") and f"(pid {rank1.pid}, state T)" in said[0]
+        assert "SIGKILLed it" in said[0]
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait(10)
