@@ -82,7 +82,8 @@ class Call:
     """One call of an ``Exchange``: ``GET`` (``body`` None) or ``POST`` JSON; ``check_success``: a
     ``{"success": false}`` answer raises. ``pipelined``: written right behind the chain's previous call, on its
     connection, without waiting for its answer (HTTP/1.1 pipelining: the engine answers in order, so this one runs
-    after the previous one did, one round trip sooner); use it only where running after a FAILED previous call
+    after the previous one did, one round trip sooner; uvicorn, which SGLang serves with, and aiohttp, the CPU
+    engine's, queue a connection's pipelined requests and run them one after another); use it only where running after a FAILED previous call
     is harmless, since the request is already on the wire when that answer is read."""
 
     path: str
