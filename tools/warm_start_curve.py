@@ -18,8 +18,9 @@ steps at 2e-3) reaches exact 0.013 / 0.18 / 0.46 / 0.58 / 0.67 / 0.65 at steps 3
 1200 (copying appears late, around step 800); its RL runs end at held-out accuracy 0.46-0.57. A bfloat16 warm
 start (``prepare.sft_matmul_dtype="bfloat16"``) probed 0.52-0.58 and its RL runs ended at 0.36-0.45. 850-step
 recipes ended at 0.55 (lr 2e-3), 0.44 (3e-3), 0.43 (context loss weight 0.6), 0.54 (0.15) and 0.37
-(``sft_correct_fraction=0.5``). Data and the random checkpoint are prepared under ``--dir`` (cached); the
-warm start is written to a temporary directory and discarded. A point's ``s``: seconds since the warm start
+(``sft_correct_fraction=0.5``). Data and the random checkpoint are prepared under ``--dir`` (cached, and made
+again if the config asks for another data or model recipe; a warm start there is left alone); the warm start is
+written to a temporary directory and discarded. A point's ``s``: seconds since the warm start
 began (its demonstrations built).
 """
 
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(a.config, a.overrides)
     p = cfg.prepare
     root = Path(a.dir)
-    prep = load_config(a.config, [*a.overrides, f'prepare.dir="{root}"', "prepare.sft_steps=0"])
-    prepare_if_needed(prep)  # data + the random checkpoint (the 0-step "warm start" it also writes is not used)
+    # data + the random checkpoint; a warm start already in --dir is left alone (it is this tool's to train)
+    prepare_if_needed(load_config(a.config, [*a.overrides, f'prepare.dir="{root}"']), upto="model")
     at = {int(x) for x in a.at.split(",") if x} or {*range(200, p.sft_steps, 200), p.sft_steps}
     tok = AgentTokenizer.from_pretrained(root / "model")
     held_out, train = (probe_examples(cfg, root / "data", tok, split) for split in ("test", "train"))

@@ -9,8 +9,10 @@
 Runs on global rank 0 before any role starts, only when ``prepare.enabled``. Each stage is
 skipped when its output exists (a ``.done`` marker is written last, so an interrupted stage is
 redone). The marker records the stage's recipe (``recipes``: the ``prepare`` and agent-loop settings its
-output depends on); a cached stage made by another recipe is used as it is, with a warning that names the
-settings that differ and the directory to delete to make it again. The stages themselves live below the
+output depends on). A cached stage made by another recipe, or by an asyncrl that did not record it, is made
+again, with a warning that names the settings that differ: a changed ``prepare`` key takes effect, it is never
+accepted and ignored. A stage's recipe includes the ones before it, so the stages after a remade one are remade
+too. ``upto`` stops after a stage (``tools/warm_start_curve.py`` needs the data and the random model only). The stages themselves live below the
 runner: the data generator ``asyncrl.embedded.synth``, the tiny checkpoint ``asyncrl.models.tiny`` and the
 warm start ``asyncrl.embedded.warm_start`` (which teaches the tool format from demonstrations of which only
 ``prepare.sft_correct_fraction`` search and copy the right answer, so RL has room to improve).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -67,28 +70,33 @@ def recipe_drift(path: Path, recipe: dict) -> Optional[str]:
     return f"it was made with another recipe ({', '.join(diff)})" if diff else None
 
 
-def _check_cached(path: Path, recipe: dict) -> None:
+def _drop_if_drifted(path: Path, recipe: dict) -> None:
+    """Delete the cached stage in ``path`` when another recipe made it (it is made again), saying what differs."""
     drift = recipe_drift(path, recipe)
     if drift is not None:
-        log.warning("prepare: %s is used as it is, but %s: delete %s to make it with this config", path, drift, path)
+        log.warning("prepare: %s is made again with this config: %s", path, drift)
+        shutil.rmtree(path)
 
 
-def prepare_if_needed(cfg) -> dict[str, Path]:
+def prepare_if_needed(cfg, *, upto: str = "model_sft") -> dict[str, Path]:
     p = cfg.prepare
     if not p.enabled:
         return {}
     root = Path(p.dir)
     data, base, sft = root / "data", root / "model", root / "model_sft"
     made = recipes(cfg)
-    for stage in (data, base, sft):
+    if upto not in made:
+        raise ValueError(f"prepare: no stage {upto!r} (one of {', '.join(made)})")
+    stages = [data, base, sft][: list(made).index(upto) + 1]
+    for stage in stages:
         if _done(stage):
-            _check_cached(stage, made[stage.name])
+            _drop_if_drifted(stage, made[stage.name])
     if not _done(data):
         t0 = time.time()
         write_dataset(data, seed=p.seed, num_countries=p.num_entities)
         _mark(data, made["data"])
         log.info("prepare: synthetic data in %s (%.1fs)", data, time.time() - t0)
-    if not _done(base):
+    if base in stages and not _done(base):
         t0 = time.time()
         make_tiny_checkpoint(
             base,
@@ -102,9 +110,9 @@ def prepare_if_needed(cfg) -> dict[str, Path]:
         )
         _mark(base, made["model"])
         log.info("prepare: tiny Qwen2 checkpoint in %s (%.1fs)", base, time.time() - t0)
-    if not _done(sft):
+    if sft in stages and not _done(sft):
         t0 = time.time()
         stats = warm_start(cfg, data_dir=data, base_dir=base, out_dir=sft)
         _mark(sft, made["model_sft"])
         log.info("prepare: warm start in %s (%.1fs): %s", sft, time.time() - t0, stats)
-    return {"data": data, "model": base, "model_sft": sft}
+    return {s.name: s for s in stages}

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from proc_helpers import PREPARE_OVERRIDES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,6 +47,7 @@ def test_probe_of_a_saved_checkpoint(prepared, tmp_path):
             str(prepared),
             "--model",
             str(prepared / "model"),
+            *PREPARE_OVERRIDES,  # the shared artefacts' recipe: another would make them again
         ],
         capture_output=True,
         text=True,
