@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def _member(rank: int, world_size: int, ports: list[int], default_port: int | None, out: mp.Queue) -> None:
     import torch.distributed as dist
 
-    from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
+    from asyncrl.sync.process_group import broadcast_from_rank0, destroy_weight_update_group, init_weight_update_group
 
     try:
         if default_port is not None:  # a process that already has its own (unrelated) default world
@@ -29,6 +29,12 @@ def _member(rank: int, world_size: int, ports: list[int], default_port: int | No
             dist.broadcast(t, group_src=0, group=pg)
             u = torch.zeros(2) + (5.0 if rank == 0 else 0.0)
             dist.broadcast(u, src=0, group=pg)  # identity rank map: src=0 works too
+            # the sync's own call, for the weights' dtypes (an 8-bit float goes as its bytes)
+            sent = {d: (torch.arange(4) * 0.5).to(d) for d in (torch.bfloat16, torch.float8_e4m3fn)}
+            got = {d: (x if rank == 0 else torch.zeros(4, dtype=d)) for d, x in sent.items()}
+            for w in [broadcast_from_rank0(x, pg) for x in got.values()]:
+                w.wait()
+            assert all(torch.equal(got[d].float(), sent[d].float()) for d in sent), got
             results.append((t.tolist(), u.tolist(), pg.rank(), pg.size()))
             destroy_weight_update_group(pg)
         if default_port is not None:
