@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     num_groups = 8 if args.quick else 32
     budgets = (1024, 4096)
-    tmp = tempfile.mkdtemp(prefix="actor_bench_")
+    tmpdir = tempfile.TemporaryDirectory(prefix="actor_bench_")  # removed at exit, failed or not
+    tmp = tmpdir.name
     hf = make_tiny_checkpoint(Path(tmp) / "hf")
     hf_cfg = load_hf_config(hf)
     groups = synthetic_groups(
