@@ -83,8 +83,8 @@ class Call:
     ``{"success": false}`` answer raises. ``pipelined``: written right behind the chain's previous call, on its
     connection, without waiting for its answer (HTTP/1.1 pipelining: the engine answers in order, so this one runs
     after the previous one did, one round trip sooner; uvicorn, which SGLang serves with, and aiohttp, the CPU
-    engine's, queue a connection's pipelined requests and run them one after another); use it only where running after a FAILED previous call
-    is harmless, since the request is already on the wire when that answer is read."""
+    engine's, queue a connection's pipelined requests and run them one after another). Use it only where running
+    after a FAILED previous call is harmless: the request is already on the wire when that answer is read."""
 
     path: str
     body: Any
@@ -241,7 +241,8 @@ def get_text(url: str, path: str, *, timeout_s: float, step: str) -> str:
 class Exchange:
     """Calls to several engines made from the calling thread, with no thread per call. Each chain (an engine's
     URL and its calls) runs in order: its next call goes out when the previous one answered, or at once behind it
-    when it is ``pipelined`` (on the same connection; answered in order); the chains run side by side (two chains may name the same engine: each has its own connection). ``start`` writes every
+    when it is ``pipelined`` (on the same connection; answered in order); the chains run side by side (two chains
+    may name the same engine: each has its own connection). ``start`` writes every
     chain's first request on a kept-alive connection and returns at once (the caller may then queue its
     broadcasts); ``wait`` reads the answers as their sockets turn readable, sends the next calls, and returns
     every chain's answers, in chain and call order. As ``wait_all``: the first failure raises (it does not wait
@@ -265,8 +266,8 @@ class Exchange:
     def _send(self, i: int) -> None:
         """Chain ``i``'s next call, and the calls pipelined behind it, written at once."""
         url, calls = self.chains[i]
-        k = n = len(self.answers[i])
-        n += 1
+        k = len(self.answers[i])
+        n = k + 1
         while n < len(calls) and calls[n].pipelined:
             n += 1
         req = _Req(url, calls[k:n])
@@ -303,11 +304,11 @@ class Exchange:
                     while not req.done and req.conn.buffered:  # a pipelined answer came with the one read
                         self._answer(i, req)
                     if req.done and len(self.answers[i]) < len(self.chains[i][1]):
-                        self._send(i)
-                        req = self._live[i]
-                    if not req.done:
+                        self._send(i)  # the chain's next call(s), on a connection of their own
+                    elif not req.done:  # pipelined answers still due on this connection
                         self._live[i] = req
-                        sel.register(req.conn.sock, selectors.EVENT_READ, i)
+                    if i in self._live:
+                        sel.register(self._live[i].conn.sock, selectors.EVENT_READ, i)
                 if poll is not None:
                     poll()
         return self.answers

@@ -12,7 +12,8 @@ redone). The marker records the stage's recipe (``recipes``: the ``prepare`` and
 output depends on). A cached stage made by another recipe, or by an asyncrl that did not record it, is made
 again, with a warning that names the settings that differ: a changed ``prepare`` key takes effect, it is never
 accepted and ignored. A stage's recipe includes the ones before it, so the stages after a remade one are remade
-too. ``upto`` stops after a stage (``tools/warm_start_curve.py`` needs the data and the random model only). The stages themselves live below the
+too. ``upto`` stops after a stage (``tools/warm_start_curve.py`` needs the data and the random model only). The
+stages themselves live below the
 runner: the data generator ``asyncrl.embedded.synth``, the tiny checkpoint ``asyncrl.models.tiny`` and the
 warm start ``asyncrl.embedded.warm_start`` (which teaches the tool format from demonstrations of which only
 ``prepare.sft_correct_fraction`` search and copy the right answer, so RL has room to improve).

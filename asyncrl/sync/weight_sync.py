@@ -38,9 +38,9 @@ Contract
     5. only when no bucket carried it (a producer that does not mark its last bucket, or no bucket):
        ``POST /update_weight_version {new_version, abort_all_requests: false}``.
     6. ``POST /end_weight_update`` unless it rode behind the final bucket (step 4), alongside it
-       ``POST /flush_cache`` unless in_place or the updates already flushed (step 4), and the check that ``/model_info.weight_version`` equals the new
-       version on every engine whose update answer did not confirm it (all of them after step 5);
-       then ``POST /continue_generation``.
+       ``POST /flush_cache`` unless in_place or the updates already flushed (step 4), and the check that
+       ``/model_info.weight_version`` equals the new version on every engine whose update answer did not
+       confirm it (all of them after step 5); then ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
   On an error the engines are left paused and the error propagates (the run fails).
@@ -112,15 +112,14 @@ class PushStats:
     transfer_s: float
     """seconds of the broadcasts and the engines' update calls"""
     version_sent: bool = False
-    """the last bucket's update call carried the new weight version (and every engine answered success)"""
+    """the last bucket's update call carried the new weight version (and every engine answered success), and the end
+    of the update rode behind it (``send_bucket``'s ``end``)"""
     flushed: bool = False
     """every update call carried ``flush_cache = true`` and succeeded: SGLang flushed the cache after it (it
     asserts that flush), so no separate ``/flush_cache`` is needed"""
     version_unconfirmed: tuple[str, ...] = ()
     """engines whose answer to the version-carrying update did not confirm the version
     (``confirms_weight_version``): the finish reads their ``/model_info``"""
-    ended: bool = False
-    """every engine's ``/end_weight_update`` rode behind the version-carrying update and succeeded"""
 
 
 @dataclass(frozen=True)
@@ -248,7 +247,7 @@ def push_buckets(
 ) -> PushStats:
     """Send every bucket (``send_bucket``), timing the wait on the bucket iterator (gather) apart from the
     sending (transfer). With ``weight_version``, the final bucket (a ``LastBucket``) sets it on the engines and
-    ends the update (``/end_weight_update`` pipelined behind it: ``PushStats.ended``); a pipeline stage's push
+    ends the update (``/end_weight_update`` pipelined behind it: ``PushStats.version_sent``); a pipeline stage's push
     passes none (its last bucket is not the model's; the coordinator's ``finish`` ends the update)."""
     if group.pg is None:
         raise RuntimeError(f"weight-sync group {group.group_name!r} is not initialised (call init())")
@@ -292,7 +291,6 @@ def push_buckets(
         version_sent,
         flushed=flush_cache and num_buckets > 0,
         version_unconfirmed=unconfirmed,
-        ended=version_sent,
     )
 
 
@@ -374,13 +372,13 @@ class WeightSyncer:
         is over already (``drain`` waits on the engines' load, so it runs to the end here)."""
         if self.hooks.sync_begin is not None:
             self.hooks.sync_begin(self.pause_mode)
-        begin = Call("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
+        # pipelined behind the pause: the engine runs it once the pause answered, one round trip sooner
+        begin = Call("/begin_weight_update", {"selector": "all"}, "begin_weight_update", pipelined=True)
         if self.pause_mode == "drain":
             self._drain()
             self._all(begin.path, begin.body, begin.step)
             return None
         pause = Call("/pause_generation", {"mode": self.pause_mode}, "pause_generation")
-        begin = Call(begin.path, begin.body, begin.step, pipelined=True)  # runs right after the pause, one RTT sooner
         return Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).start()
 
     def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
@@ -404,10 +402,11 @@ class WeightSyncer:
         ended: bool = False,
     ) -> None:
         """Steps 5-7: the version bump unless the last bucket carried it (``version_sent``), then every
-        engine's end of the update unless it rode behind the last bucket (``ended``), alongside it (the engines are paused and every bucket is in: their order
-        does not matter) the flush unless the updates already flushed (``flushed``) and the version check of
-        every engine whose update answer did not confirm the version (``unconfirmed``; default: every
-        engine), then - once every engine passed the check - resume, and tell the broker."""
+        engine's end of the update unless it rode behind the last bucket (``ended``), alongside it (the engines are
+        paused and every bucket is in: their order does not matter) the flush unless the updates already flushed
+        (``flushed``) and the version check of every engine whose update answer did not confirm the version
+        (``unconfirmed``; default: every engine), then - once every engine passed the check - resume, and tell the
+        broker."""
         v = str(version)
         t = self.cfg.step_timeout_s
         if not version_sent:
@@ -455,7 +454,7 @@ class WeightSyncer:
                 version_sent=pushed.version_sent,
                 flushed=pushed.flushed,
                 unconfirmed=pushed.version_unconfirmed,
-                ended=pushed.ended,
+                ended=pushed.version_sent,  # the end rode behind the version-carrying update
             )
         except EngineStepError as e:  # name the training step too (the version being pushed)
             raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
