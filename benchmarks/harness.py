@@ -218,6 +218,7 @@ def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, w
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += ["--log-dir", str(run_dir / "torchelastic")]  # not a /tmp/torchelastic_* of its own, never removed
     cmd += [str(REPO / "launch/train.py"), "configs/tiny.toml", *overrides]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
