@@ -1,25 +1,31 @@
 """Check what asyncrl sends to SGLang against SGLang's own parser and request classes (sglang 0.5.23).
 
-No GPU, no server: sglang is installed WITHOUT its dependencies in a throwaway environment, plus the few
-light packages that importing ``sglang.srt.server_args`` and ``sglang.srt.managers.io_struct`` needs:
+No GPU, no server: sglang is installed WITHOUT its dependencies in a throwaway environment, plus the light
+packages that importing ``sglang.srt.server_args`` and ``sglang.srt.managers.io_struct`` needs (checked 2026-12-05):
 
     python -m venv /tmp/sgl && /tmp/sgl/bin/pip install --no-deps sglang==0.5.23
-    /tmp/sgl/bin/pip install torch==2.13.0 numpy orjson psutil pybase64 requests packaging pillow starlette \\
-        msgspec pydantic pyzmq tqdm ipython aiohttp transformers torchvision apache-tvm-ffi==0.1.11 \\
-        sentencepiece compressed-tensors gguf openai partial-json-parser
-    PYTHONPATH=. /tmp/sgl/bin/python tools/check_sglang.py      # JSON report; exit 1 on any mismatch
+    /tmp/sgl/bin/pip install torch==2.13.0 numpy orjson psutil pybase64 requests packaging pillow starlette \
+        msgspec pydantic pyzmq tqdm ipython aiohttp transformers apache-tvm-ffi==0.1.11 sentencepiece \
+        compressed-tensors gguf openai partial-json-parser triton dill pytest pytest-timeout
+    PYTHONPATH=.:tools/sglang_check_stubs /tmp/sgl/bin/python tools/check_sglang.py   # JSON report; exit 1 on a mismatch
+    PYTHONPATH=.:tools/sglang_check_stubs /tmp/sgl/bin/python -m pytest -q tests/unit/test_check_sglang.py
+
+``tools/sglang_check_stubs`` holds an import-time stand-in for torchvision: PyPI's torchvision is built against
+CUDA torch and does not load next to the CPU torch, and sglang's and transformers' modules import it at import
+time (never called by these checks). The tool's recorders (below) run without sglang, in the test suite.
 
 What it checks
 - Command lines: ``sglang_command`` (rollout engines; TP 1 and TP 2 with extra args) and the eval fleet's
   (``eval_engine_config``) go through ``sglang.srt.server_args.prepare_server_args`` -- what
   ``python -m sglang.launch_server`` runs on its argv -- and every value we meant is read back.
-- Request bodies, built by our own code: ``SGLangClient`` (its transport replaced by a recorder), the
-  weight sync (``WeightSyncer.pause``/``finish`` with a recording ``post_json``, ``bucketing.update_request``,
-  ``group.join_request``) and the agent loop's sampling parameters. Each body is validated the way SGLang's
-  FastAPI server does it (pydantic over the endpoint's request class: ``GenerateReqInput`` dataclass or the
-  msgspec ``*ReqInput`` structs), every key must be a field of that class (FastAPI drops unknown keys
-  silently), every required field present; ``/generate`` bodies also pass SGLang's JSON contract gate
-  (``generate_contract_error``) and build a ``SamplingParams``.
+- Request bodies, built by our own code: ``SGLangClient`` (its one transport method replaced by a recorder),
+  the weight sync (the real ``WeightSyncer`` pause, push and finish for every pause mode, per-tensor and
+  flattened, with its ``Exchange`` calls and the group's ``post_json`` recorded and answered at once, the
+  broadcasts completed at once; ``group.join_request``) and the agent loop's sampling parameters. Each body is
+  validated the way SGLang's FastAPI server does it (pydantic over the endpoint's request class:
+  ``GenerateReqInput`` dataclass or the msgspec ``*ReqInput`` structs), every key must be a field of that class
+  (FastAPI drops unknown keys silently), every required field present; ``/generate`` bodies also pass SGLang's
+  JSON contract gate (``generate_contract_error``) and build a ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -120,15 +126,17 @@ def check_commands() -> list[dict]:
 
 # ------------------------------------------------------------------------------------- request bodies
 def _client_bodies() -> list[tuple[str, Any]]:
+    """Every body ``SGLangClient`` (the agent loop's, the eval's and the fleet's engine client) sends, recorded at
+    its one transport method (``_request``)."""
     from asyncrl.engine.client import SGLangClient
 
-    calls: list[tuple[str, Any]] = []
+    calls: list[tuple[str, str, Any]] = []
 
     async def record(self, method, endpoint, body=None, *, timeout_s=None, want="json"):
-        calls.append((endpoint, body))
+        calls.append((method, endpoint, body))
         if endpoint == "/generate":
             return {"text": "", "output_ids": [], "meta_info": {"id": "r", "finish_reason": {"type": "length"}}}
-        return {"success": True, "message": ""}
+        return {"success": True, "message": "", "weight_version": "3"}
 
     async def drive() -> None:
         c = SGLangClient("http://sglang:30000")
@@ -136,29 +144,11 @@ def _client_bodies() -> list[tuple[str, Any]]:
         await c.generate([1, 2, 3], _agent_sampling_params(greedy=False), rid="w0-g1-0")
         await c.generate([1, 2, 3], _agent_sampling_params(greedy=True), rid="w0-g1-1", logprob_start_len=0)
         await c.generate([1, 2, 3], {"max_new_tokens": 1, "temperature": 0.0}, logprob_start_len=0)  # fleet probe
-        await c.abort_request("w0-g1")
-        await c.abort_request(abort_all=True)
-        for mode in ("abort", "retract", "in_place"):
-            await c.pause_generation(mode)
-        await c.continue_generation()
-        await c.init_weights_update_group(
-            master_address="10.0.0.1", master_port=29555, rank_offset=1, world_size=3, backend="nccl"
-        )
-        await c.begin_weight_update()
-        await c.update_weights_from_distributed(
-            names=["model.norm.weight"],
-            dtypes=["bfloat16"],
-            shapes=[[8]],
-            weight_version="3",
-            load_format="flattened_bucket",
-        )
-        await c.update_weight_version("3")
-        await c.end_weight_update()
         await c.update_weights_from_disk("/snap/step_3", weight_version="3")
-        await c.destroy_weights_update_group()
+        await c.weight_version()  # a GET: no body
 
     asyncio.run(drive())
-    return [(f"SGLangClient {e}", (e, b)) for e, b in calls]
+    return [(f"SGLangClient {e}", (e, b)) for m, e, b in calls if m == "POST"]
 
 
 def _agent_sampling_params(*, greedy: bool) -> dict:
@@ -170,13 +160,29 @@ def _agent_sampling_params(*, greedy: bool) -> dict:
     return AgentLoop.sampling_params(me, 500, greedy=greedy)
 
 
+class _DoneWork:
+    """A broadcast that completed at once (no process group: only the HTTP bodies are checked here)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
 def _sync_bodies() -> list[tuple[str, Any]]:
+    """Every body the weight sync sends, recorded where it leaves our code: each ``Exchange`` call (pause, the
+    pipelined begin, every bucket's update with the pipelined end behind the last one, the version bump, flush, end,
+    continue) answered at once, and the group's join and leave (``post_json``). The real ``WeightSyncer`` and
+    ``push_buckets`` run, for every pause mode, per-tensor and flattened buckets, with and without the version on the
+    last bucket."""
     import torch
 
-    from asyncrl.config.schema import SyncConfig
+    from asyncrl.config.schema import PAUSE_MODES, SyncConfig
+    from asyncrl.sync import group as group_mod
     from asyncrl.sync import weight_sync
-    from asyncrl.sync.bucketing import bucket_meta, update_request
-    from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup, join_request
+    from asyncrl.sync.bucketing import iter_buckets
+    from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 
     calls: list[tuple[str, Any]] = []
 
@@ -191,38 +197,54 @@ def _sync_bodies() -> list[tuple[str, Any]]:
                 for c in cs:
                     if c.method == "POST":
                         calls.append((c.path, c.body))
-            return [[{"weight_version": "7", "success": True} for _ in cs] for _, cs in self.chains]
+            return [[{"weight_version": "7", "success": True, "message": ""} for _ in cs] for _, cs in self.chains]
 
+    def recording_post_json(url, path, body, **kw):
+        calls.append((path, body))
+        return {"success": True, "message": ""}
+
+    saved = weight_sync.Exchange, weight_sync.broadcast_from_rank0, group_mod.post_json
     weight_sync.Exchange = RecordingExchange
-    group = WeightSyncGroup([EngineEndpoint("http://e0:30000")], SyncConfig())
-    for mode in ("retract", "in_place", "abort"):
-        syncer = weight_sync.WeightSyncer(group, pause_mode=mode, sync_cfg=SyncConfig())
-        syncer.pause()
-        syncer.finish(7)
-    meta = bucket_meta(
-        [("model.embed_tokens.weight", torch.zeros(4, 2, dtype=torch.bfloat16)), ("model.norm.weight", torch.zeros(2))]
-    )
-    for flat in (False, True):
-        calls.append(
-            (
-                "/update_weights_from_distributed",
-                update_request(meta, group_name=group.group_name, flush_cache=True, flattened=flat),
-            )
-        )
-    calls.append(
-        (
-            "/init_weights_update_group",
-            join_request(
-                master_address="10.0.0.1",
-                master_port=29555,
-                rank_offset=1,
-                world_size=2,
-                group_name=group.group_name,
-                backend="nccl",
-            ),
-        )
-    )
+    weight_sync.broadcast_from_rank0 = lambda t, pg: _DoneWork()
+    group_mod.post_json = recording_post_json
+    try:
+        state = {
+            "model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16),
+            "model.norm.weight": torch.zeros(2),
+        }
+        for flat in (False, True):
+            cfg = SyncConfig(flattened_bucket=flat, bucket_bytes=16)  # 16 bytes: one tensor a bucket, two buckets
+            group = WeightSyncGroup([EngineEndpoint("http://e0:30000")], cfg)
+            group.pg = object()  # the broadcasts are _DoneWork; only the bodies leave
+            for mode in (m for m in PAUSE_MODES if m != "drain"):  # drain polls the engines' load first
+                syncer = weight_sync.WeightSyncer(group, pause_mode=mode, sync_cfg=cfg)
+                syncer.pause()
+                pushed = syncer.push(iter_buckets(state.items(), cfg.bucket_bytes), weight_version="7")
+                syncer.finish(7, version_sent=pushed.version_sent, flushed=pushed.flushed, ended=pushed.version_sent)
+                syncer.push(iter_buckets(state.items(), cfg.bucket_bytes))  # a pipeline stage's push: no version
+                syncer.finish(7)
+            group.pg = None
+        WeightSyncGroup([EngineEndpoint("http://e0:30000")], SyncConfig(backend="nccl")).destroy()  # the leave
+    finally:
+        weight_sync.Exchange, weight_sync.broadcast_from_rank0, group_mod.post_json = saved
+    calls += _join_bodies()
     return [(f"weight sync {p}", (p, b)) for p, b in calls]
+
+
+def _join_bodies() -> list[tuple[str, Any]]:
+    """The join's body, from its one builder (``WeightSyncGroup.init`` sends it; running that needs the engines
+    to join a real rendezvous)."""
+    from asyncrl.sync.group import join_request
+
+    body = join_request(
+        master_address="10.0.0.1",
+        master_port=29555,
+        rank_offset=1,
+        world_size=2,
+        group_name="weight_update_group",
+        backend="nccl",
+    )
+    return [("/init_weights_update_group", body)]
 
 
 def _fields(cls) -> tuple[set[str], set[str]]:
