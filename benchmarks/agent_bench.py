@@ -53,13 +53,18 @@ def make_tokenizer(tmp: Path) -> tuple[AgentTokenizer, dict]:
 
 
 class InstantRetriever:
+    """A ``asyncrl.agent.tools.base.Retriever`` answering from a fixed list at once (the loop's own overhead)."""
+
     name = "table"
 
     def __init__(self, docs):
         self.docs = docs
         self.seconds = 0.0
 
-    async def retrieve(self, queries, topk):
+    async def wait_available(self):
+        """Never in an outage."""
+
+    async def retrieve(self, queries, topk, *, stats=None):
         t0 = time.perf_counter()
         out = [self.docs[:topk] for _ in queries]
         self.seconds += time.perf_counter() - t0
