@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the backends")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with tempfile.TemporaryDirectory(prefix="attention_bench_") as d:  # removed at exit (mkdtemp left one a run)
+        return _measure(args, Path(d))
 
+
+def _measure(args, tmp: Path) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.models.spec import ModelSpec
     from asyncrl.models.tiny import make_tiny_checkpoint
 
-    hf = make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="attention_bench_")) / "hf")
+    hf = make_tiny_checkpoint(tmp / "hf")
     vocab = ModelSpec.from_pretrained(hf).vocab_size
     dist.init_process_group("gloo")
     result: dict = {
