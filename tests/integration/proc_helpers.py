@@ -54,6 +54,21 @@ def run_torchrun(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 
+def run_benchmark(script: str, *args: str, timeout_s: float = 600) -> dict:
+    """``python benchmarks/<script> args`` from the repo root, one OpenMP thread: asserts it exited 0 (else fails
+    with the tail of its output) and returns its last stdout line's JSON (the benchmarks' report)."""
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),  # the script puts the repo on sys.path itself
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def scaled_maxdiff(a, b) -> float:
     """max |x - y| over paired tensors, divided by max(1, max |y|) (compare with ``SCALED_REL``)."""
     pairs = list(zip(a, b, strict=True))
