@@ -42,7 +42,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 ENDPOINT_CLASSES = {
     "/generate": "GenerateReqInput",
-    "/abort_request": "AbortReq",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
@@ -173,9 +172,9 @@ class _DoneWork:
 def _sync_bodies() -> list[tuple[str, Any]]:
     """Every body the weight sync sends, recorded where it leaves our code: each ``Exchange`` call (pause, the
     pipelined begin, every bucket's update with the pipelined end behind the last one, the version bump, flush, end,
-    continue) answered at once, and the group's join and leave (``post_json``). The real ``WeightSyncer`` and
-    ``push_buckets`` run, for every pause mode, per-tensor and flattened buckets, with and without the version on the
-    last bucket."""
+    continue) answered at once, and the group's leave (``post_json``); the join's body comes from its builder. The
+    real ``WeightSyncer.sync`` runs for every pause mode, per-tensor and flattened, and a pipeline stage's push (no
+    version on its last bucket) with the coordinator's ``finish``."""
     import torch
 
     from asyncrl.config.schema import PAUSE_MODES, SyncConfig
@@ -218,12 +217,9 @@ def _sync_bodies() -> list[tuple[str, Any]]:
             group.pg = object()  # the broadcasts are _DoneWork; only the bodies leave
             for mode in (m for m in PAUSE_MODES if m != "drain"):  # drain polls the engines' load first
                 syncer = weight_sync.WeightSyncer(group, pause_mode=mode, sync_cfg=cfg)
-                syncer.pause()
-                pushed = syncer.push(iter_buckets(state.items(), cfg.bucket_bytes), weight_version="7")
-                syncer.finish(7, version_sent=pushed.version_sent, flushed=pushed.flushed, ended=pushed.version_sent)
+                syncer.sync(iter_buckets(state.items(), cfg.bucket_bytes), 7)
                 syncer.push(iter_buckets(state.items(), cfg.bucket_bytes))  # a pipeline stage's push: no version
-                syncer.finish(7)
-            group.pg = None
+                syncer.finish(7)  # ... so the coordinator bumps the version and ends the update
         WeightSyncGroup([EngineEndpoint("http://e0:30000")], SyncConfig(backend="nccl")).destroy()  # the leave
     finally:
         weight_sync.Exchange, weight_sync.broadcast_from_rank0, group_mod.post_json = saved
