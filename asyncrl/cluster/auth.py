@@ -82,3 +82,21 @@ def bearer_matches(header: str | None, expected: str | None) -> bool:
     if not sep or scheme.lower() != "bearer":
         return False
     return secret_matches(token, expected)
+
+
+API_KEY_FLAG = "--api-key"
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the value of ``--api-key`` (``--api-key=K`` or ``--api-key K``) replaced, for log lines."""
+    out, hide_next = [], False
+    for a in argv:
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+        elif a.startswith(API_KEY_FLAG + "="):
+            out.append(API_KEY_FLAG + "=<redacted>")
+        else:
+            out.append(a)
+            hide_next = a == API_KEY_FLAG
+    return out

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Optional
 
 from asyncrl.cluster import auth
+from asyncrl.cluster.auth import redacted
 from asyncrl.cluster.ports import free_port
 from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
 from asyncrl.config.schema import Config
@@ -171,8 +172,8 @@ def sglang_command(
         str(cfg.runner.seed),
         "--skip-server-warmup",
     ]
-    if auth.current():  # SGLang reads its key from the command line only
-        cmd += ["--api-key", auth.current()]
+    if auth.current():  # SGLang reads its key from the command line only; one token, so a key that starts
+        cmd.append(f"{auth.API_KEY_FLAG}={auth.current()}")  # with '-' is not taken for a flag by its argparse
     return cmd + [str(a) for a in r.sglang.extra_args]
 
 
@@ -362,7 +363,7 @@ class EngineSupervisor:
             "starting %s (CUDA_VISIBLE_DEVICES=%s): %s",
             self.name,
             env.get("CUDA_VISIBLE_DEVICES", "-"),
-            " ".join(self.command),
+            " ".join(redacted(self.command)),
         )
         self.child = spawn_child(self.name, self.command, log_dir=self.log_dir, env=env, inherit_env=False)
 

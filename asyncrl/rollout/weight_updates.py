@@ -88,14 +88,16 @@ class UpdateWindow:
         selector = body.get("selector", "all")
         if selector != "all":
             return answer(False, f"selector={selector!r} is not supported (only 'all')")
+        if self.open:  # SGLang 0.5.23 (scheduler_components/weight_updater.py) refuses a second session
+            return answer(False, "a weight-update session is already open; call end_weight_update() first")
         self.open = True
-        return answer(True, "Weight update begun.")
+        return answer(True, "Success")
 
     def end(self, body: dict) -> Answer:
         if not self.open:
-            return answer(False, "no weight update in progress: call /begin_weight_update first")
+            return answer(False, "no weight-update session is open; call begin_weight_update() first")
         self.open = False
-        return answer(True, "Weight update ended.")
+        return answer(True, "Success")
 
     def refusal(self, op: str, body: dict) -> Optional[Answer]:
         """The answer to ``op`` when it must not run now (an update while no update is open), else None. A body
@@ -103,7 +105,8 @@ class UpdateWindow:
         named = isinstance(body.get("group_name", "weight_update_group"), str)
         if op == "update_weights_from_distributed" and not self.open and named:
             return answer(
-                False, "weight update not begun: call /begin_weight_update before /update_weights_from_distributed"
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
             )
         return None
 

@@ -175,7 +175,7 @@ def test_weight_update_outside_begin_end_is_refused_in_order(engine):
     status, out = _post(engine.url, "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []})
     assert status == 400 and "/begin_weight_update" in out["message"], out
     status, out = _post(engine.url, "/end_weight_update", {})
-    assert status == 400 and "no weight update in progress" in out["message"], out
+    assert status == 400 and "no weight-update session is open" in out["message"], out
     assert _post(engine.url, "/begin_weight_update", {"selector": "some"})[0] == 400
     try:
         assert _post(engine.url, "/begin_weight_update", {})[0] == 200

@@ -377,7 +377,7 @@ def test_version_rides_on_the_last_bucket(env: Env, monkeypatch, case: str):
     assert sorted(u for u, _ in ends) == sorted(env.urls)
     assert all(pipelined == (case != "separate-version-call") for _, pipelined in ends)
     for u in env.urls:
-        with pytest.raises(blocking.EngineStepError, match="not begun"):
+        with pytest.raises(blocking.EngineStepError, match="must run between begin_weight_update"):
             probe = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[1]]}
             blocking.post_json(u, "/update_weights_from_distributed", probe, timeout_s=30, step="probe")
     if case == "separate-version-call":
