@@ -29,6 +29,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -225,9 +226,28 @@ def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, w
     wall_s = time.perf_counter() - t0
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
-        raise SystemExit(f"{what} failed (exit {r.returncode}); logs under {run_dir}")
+        kept = keep_failed_run(run_dir, stdout=r.stdout, stderr=r.stderr)
+        raise SystemExit(f"{what} failed (exit {r.returncode}); its logs are kept under {kept}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return wall_s, recs
+
+
+FAILED_RUNS = REPO / "runs" / "failed"  # gitignored; a failed job's run directory is copied here
+
+
+def keep_failed_run(run_dir: Path, *, stdout: str, stderr: str) -> Path:
+    """Copy a failed job's ``run_dir`` (every rank's, the broker's and the engine's logs, torchrun's) to a new
+    directory under ``runs/failed/`` with torchrun's whole stdout and stderr beside it, and return it: the
+    benchmarks run their jobs in a ``TemporaryDirectory``, which is removed when the failure ends them."""
+    import shutil
+
+    FAILED_RUNS.mkdir(parents=True, exist_ok=True)
+    kept = Path(tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%dT%H%M%S')}_{run_dir.name}_", dir=FAILED_RUNS))
+    if run_dir.is_dir():
+        shutil.copytree(run_dir, kept / run_dir.name, symlinks=True)
+    (kept / "torchrun.stdout").write_text(stdout)
+    (kept / "torchrun.stderr").write_text(stderr)
+    return kept
 
 
 def tiny_overrides(prep_dir: Path, run_dir: Path, *, steps: int) -> list[str]:
