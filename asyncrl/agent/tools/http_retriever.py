@@ -3,7 +3,8 @@
 Request ``{"queries": [...], "topk": k, "return_scores": true}``; response
 ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}`` (or, without scores,
 each entry is the document itself). One call carries a whole batch of queries. Every attempt has
-a timeout; a failed attempt (connection error, timeout, non-200, malformed body) is retried after
+a timeout; a failed attempt (connection error, timeout, non-200, malformed body: a row that is not a list,
+an entry without a string ``contents``, a body over ``MAX_RESPONSE_BYTES``) is retried after
 ``backoff_s * 2**attempt`` seconds (at most ``MAX_BACKOFF_S``), ``max_retries`` times; then, with
 ``max_outage_s = 0``, ``RetrieverError`` names the URL and the last failure. With ``max_outage_s > 0``
 (``agentloop.tool.max_outage_s``, the workers) an outage is declared instead: ``wait_available()`` blocks
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 5.0
 """The longest pause between two attempts during an outage."""
+
+MAX_RESPONSE_BYTES = 64 << 20
+"""The largest response body read. The agent loop sends one query per call (topk documents of ~100 words:
+a few KB); a batching client a few hundred queries x topk <= 10 (a few MB). A body over this is not an answer
+(a misrouted URL, a server streaming garbage) and must not fill the worker's memory."""
 
 
 class HttpRetriever:
@@ -140,27 +146,55 @@ class HttpRetriever:
 
     async def _post(self, payload: dict, num_queries: int) -> list[list[dict]]:
         async with self._get_session().post(self.url, json=payload) as resp:
-            body = await resp.text()
+            body = await self._read_body(resp)
             if resp.status != 200:
-                raise ValueError(f"HTTP {resp.status}: {body[:200]}")
+                raise ValueError(f"HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
         try:
             result = json.loads(body)["result"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"malformed response (no 'result'): {body[:200]}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise ValueError(f"malformed response (no 'result'): {body[:200].decode('utf-8', 'replace')}") from None
         if not isinstance(result, list) or len(result) != num_queries:
-            raise ValueError(f"expected {num_queries} result lists, got {type(result).__name__}")
-        return [[_as_doc(entry) for entry in row] for row in result]
+            got = f"{len(result)} entries" if isinstance(result, list) else type(result).__name__
+            raise ValueError(f"malformed response: 'result' must be a list of {num_queries} result lists, got {got}")
+        docs = []
+        for i, row in enumerate(result):
+            if not isinstance(row, list):
+                raise ValueError(
+                    f"malformed response: 'result[{i}]' must be a list of documents, got {type(row).__name__} "
+                    f"{row!r:.80}"
+                )
+            docs.append([_as_doc(entry, f"result[{i}][{j}]") for j, entry in enumerate(row)])
+        return docs
+
+    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The body, at most ``MAX_RESPONSE_BYTES`` of it (checked against Content-Length first, then while
+        reading: a chunked body has none)."""
+        cap = MAX_RESPONSE_BYTES
+        too_large = f"response body over {cap} bytes (MAX_RESPONSE_BYTES)"
+        if resp.content_length is not None and resp.content_length > cap:
+            raise ValueError(f"{too_large}: Content-Length {resp.content_length}")
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_chunked(1 << 20):
+            size += len(chunk)
+            if size > cap:
+                raise ValueError(too_large)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:
             await self._session.close()
 
 
-def _as_doc(entry: dict) -> dict:
-    """A result entry with or without scores -> the document dict (with ``contents``)."""
+def _as_doc(entry: object, where: str) -> dict:
+    """A result entry with or without scores -> the document dict (with a string ``contents``)."""
     if not isinstance(entry, dict):
-        raise ValueError(f"result entry is a {type(entry).__name__}, not an object")
+        raise ValueError(f"malformed response: '{where}' is a {type(entry).__name__}, not an object")
     doc = entry["document"] if "document" in entry else entry
     if not isinstance(doc, dict) or "contents" not in doc:
-        raise ValueError("result entry has no document 'contents'")
+        raise ValueError(f"malformed response: '{where}' has no document 'contents'")
+    if not isinstance(doc["contents"], str):
+        raise ValueError(
+            f"malformed response: '{where}': 'contents' must be a string, got {type(doc['contents']).__name__}"
+        )
     return doc
