@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 
 from asyncrl.engine.client import weight_version_note
 from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors
@@ -362,9 +363,15 @@ class WeightUpdates:
 
     def _read_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
         """Read a HF safetensors checkpoint directory and check it against the running model (same names and
-        shapes, no parameter missing). Errors name the directory."""
+        shapes, no parameter missing). Errors name the directory, or the file safetensors cannot read."""
         if not d.is_dir():
             raise FileNotFoundError(f"{str(d)!r} is not a directory")
+        try:
+            return self._check_checkpoint(d)
+        except SafetensorError as e:  # a truncated or corrupt file: an error of the request, never a 500
+            raise ValueError(f"{_unreadable_file(d)!r}: not a readable safetensors file ({e})") from None
+
+    def _check_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
         m = self.model
         named, seen = [], set()
         for name, t in iter_safetensors(d):
@@ -405,3 +412,15 @@ class WeightUpdates:
         return answer(True, f"Weight version updated to {v}", new_version=v)
 
     # ---- info / metrics ------------------------------------------------------------------
+
+
+def _unreadable_file(d: Path) -> str:
+    """The first ``*.safetensors`` of ``d`` that safetensors cannot open (where a ``SafetensorError`` came from);
+    ``d`` itself when each one opens."""
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except SafetensorError:
+            return str(f)
+    return str(d)
