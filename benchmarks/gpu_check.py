@@ -17,10 +17,21 @@ embeddings, the vocabulary widened to 151936; no hub, no network), then:
    implementation on CPU (the CPU engine's model, ``asyncrl.rollout.cpu_model``); with the
    varlen-flash path, varlen against per-sequence SDPA;
 4. ``cpu_engine_model``: the CPU engine's model run on CUDA (``torch.device("cuda")`` as the default
-   device) against the same model on CPU (prefill logits), and its batched decode tokens/s.
+   device) against the same model on CPU (prefill logits), and its batched decode tokens/s;
+5. ``weight_sync``: the sync's bf16 broadcast (``push_buckets`` -> ``broadcast_from_rank0``, per tensor and
+   ``flattened_bucket``) from a sender process into a receiver process running the CPU engine's receive
+   (``WeightUpdates.update_weights_from_distributed``) with its tensors on the same GPU: bytes, dtypes, shapes
+   and device of what arrived, the model after the load, and bytes/s (``benchmarks/gpu_check_dist.py``);
+6. ``tp_gather``: the actor's TP=2 gather and HF conversion (``iter_hf_buckets``) in two processes on the
+   GPU against the unsharded tensors.
+5 and 6 try NCCL first and fall back to gloo over the CUDA tensors (NCCL refuses two ranks on one GPU);
+``backend`` says which ran, ``attempts`` why the other did not. Each has a deadline (its processes are
+killed at it), cut to what is left of ``TIME_BUDGET_S`` (skipped, with the reason, when too little is
+left). With ``--cpu-smoke`` they run the same code on CPU with gloo (the NCCL try fails at once).
 
 Each check has a threshold; the process exits 1 when one fails or a phase raises (the JSON says
-which, with the error; the traceback goes to stderr and the other phases still run).
+which, with the error; the traceback goes to stderr and the other phases still run). Without CUDA
+(and without ``--cpu-smoke``) it prints the report with every phase skipped and the reason, and exits 2.
 
 Needs: a CUDA build of torch >= 2.11 and, installed offline (``pip install --no-index --no-deps
 --find-links WHEELS ...``), exactly these wheels: ``megatron-core==0.16.1`` and its two
@@ -41,11 +52,15 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check_dist import FORMATS, check_tp_gather, check_weight_sync  # noqa: E402
 
 from asyncrl.cluster.ports import free_port  # noqa: E402
 
@@ -66,6 +81,13 @@ SMOKE_MODEL = dict(num_hidden_layers=2)
 FP32_TOL = 2e-3
 BF16_MEAN_TOL = 0.05
 CPU_ENGINE_TOL = 1e-3
+PHASES = ("train", "logprob_parity", "cpu_engine_model", "weight_sync", "tp_gather")
+# the lent machine gives the script ~8 minutes; 30 s of it stay for start-up, the report and slack
+TIME_BUDGET_S = 450.0
+# caps of the two-process checks' deadlines (each also ends by TIME_BUDGET_S); expected, not yet measured on a GPU:
+# under a minute each (spawn, CUDA init, the failed NCCL try, the 0.5B model's ~1 GB in bf16 8 times over gloo)
+DIST_DEADLINE_S = {"weight_sync": 180.0, "tp_gather": 120.0}
+MIN_DEADLINE_S = 30.0  # less than this cannot start two processes and load the model: the check is skipped
 
 
 def make_model(out: Path, *, smoke: bool) -> Path:
@@ -257,6 +279,22 @@ def check_cpu_engine_model(hf: Path, *, device_type: str) -> dict:
     return out
 
 
+def dist_check(
+    fn: Callable[..., dict], hf: Path, name: str, *, t_start: float, device_type: str, tmp: Path, smoke: bool
+):
+    """A two-process check of ``gpu_check_dist`` under its deadline: its cap, cut to what is left of the budget."""
+    left = TIME_BUDGET_S - (time.perf_counter() - t_start)
+    deadline_s = min(DIST_DEADLINE_S[name], left)
+    if deadline_s < MIN_DEADLINE_S:
+        return {"skipped": f"time budget: {left:.0f} s left of {TIME_BUDGET_S:.0f} s"}
+    if device_type == "cuda":
+        torch.cuda.empty_cache()  # this process's cached blocks back to the GPU: the two ranks share it
+    return {
+        "deadline_s": round(deadline_s),
+        **fn(hf, device_type=device_type, deadline_s=deadline_s, tmp=tmp, smoke=smoke),
+    }
+
+
 def _sync(device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.synchronize()
@@ -290,11 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
+    t_start = time.perf_counter()
     if not smoke and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device (use --cpu-smoke on a machine without one)", file=sys.stderr)
+        reason = f"no CUDA device (torch {torch.__version__}); --cpu-smoke runs these code paths on CPU"
+        print(f"gpu_check: {reason}", file=sys.stderr)
+        result = {"mode": "gpu", **versions(), "skipped": reason, **{name: {"skipped": reason} for name in PHASES}}
+        report(result, timings={}, t_start=t_start, out=args.out)
         return 2
     device_type = "cpu" if smoke else "cuda"
-    t_start = time.perf_counter()
     import torch.distributed as dist
 
     if device_type == "cuda":
@@ -308,10 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         hf = make_model(Path(tmp) / "model", smoke=smoke)
         timings["make_model"] = time.perf_counter() - t
+        two = dict(t_start=t_start, device_type=device_type, tmp=Path(tmp), smoke=smoke)
         for name, fn in (
             ("train", lambda: check_train(hf, smoke=smoke, device_type=device_type)),
             ("logprob_parity", lambda: check_logprobs(hf, smoke=smoke, device_type=device_type)),
             ("cpu_engine_model", lambda: check_cpu_engine_model(hf, device_type=device_type)),
+            ("weight_sync", lambda: dist_check(check_weight_sync, hf, "weight_sync", **two)),
+            ("tp_gather", lambda: dist_check(check_tp_gather, hf, "tp_gather", **two)),
         ):
             t = time.perf_counter()
             try:
@@ -322,27 +366,41 @@ def main(argv: list[str] | None = None) -> int:
             timings[name] = time.perf_counter() - t
             print(f"gpu_check: {name} done in {timings[name]:.1f} s", file=sys.stderr, flush=True)
     dist.destroy_process_group()
+    report(result, timings=timings, t_start=t_start, out=args.out)
+    return 0 if result["ok"] else 1
+
+
+def report(result: dict, *, timings: dict[str, float], t_start: float, out: str | None) -> None:
+    """Complete ``result`` (checks, ok, timings) and print it as one JSON line (also to ``out``)."""
     result["attention_path"] = result["train"].get("attention_path")
     result["checks"] = checks(result)
     result["ok"] = all(result["checks"].values())
     result["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     text = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
     print(text)
-    return 0 if result["ok"] else 1
 
 
 def checks(r: dict) -> dict[str, bool]:
-    lp, tr, eng = r["logprob_parity"], r["train"], r["cpu_engine_model"]
-    out = {f"{name}_ran": "error" not in r[name] for name in ("train", "logprob_parity", "cpu_engine_model")}
-    if "error" not in tr:
+    ran = {name: "error" not in r[name] and "skipped" not in r[name] for name in PHASES}
+    out = {f"{name}_ran": ran[name] for name in PHASES}
+    tr, lp, eng, ws, tg = (r[name] for name in PHASES)
+    if ran["train"]:
         out["train_step_finite"] = tr["grad_norm"] == tr["grad_norm"] and tr["tokens_per_s"] > 0
-    if "error" not in lp:
+    if ran["logprob_parity"]:
         out["fp32_logprobs_match_cpu_reference"] = lp["fp32_max_abs_diff"] < FP32_TOL
-    if "error" not in eng:
+    if ran["cpu_engine_model"]:
         out["cpu_engine_model_on_device_matches_cpu"] = eng["prefill_max_abs_logit_diff"] < CPU_ENGINE_TOL
+    if ran["weight_sync"]:  # bitwise_equal: every tensor there with its dtype, shape and bytes
+        for fmt in FORMATS:
+            f = ws[fmt]
+            out[f"weight_sync_{fmt}_received_as_sent"] = (
+                f["bitwise_equal"] and f["device_ok"] and f["model_holds_sent"] and f["bytes_per_s"] > 0
+            )
+    if ran["tp_gather"]:
+        out["tp_gather_matches_unsharded"] = tg["bitwise_equal"] and tg["device_ok"] and not tg["unexpected"]
     if "bf16_mean_abs_diff" in lp:
         out["bf16_logprobs_near_cpu_reference"] = lp["bf16_mean_abs_diff"] < BF16_MEAN_TOL
     if "varlen_vs_sdpa_max_abs_diff" in lp:
