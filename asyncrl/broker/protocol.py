@@ -42,9 +42,11 @@ Actor -> broker (DEALER)                                 Broker -> actor (one re
   ping       {}                                           ok {}   (liveness: ``process.fail_fast_on_hang``)
 A message that fails to decode, has another version or an unknown type raises ``ProtocolError``; the broker
 logs and counts it and goes on. Fields are typed at this edge (``int_field``, ``float_field``,
-``worker_id_field``, ``wire.column``): an integer field takes a msgpack integer only (a float, ``inf``, ``NaN``
-or a bool is a ``ProtocolError`` naming the message type and the field), a reward is a number, a ``worker_id``
-a short non-empty string. A non-finite reward decodes; the core drops its group (``nonfinite_rewards``).
+``worker_id_field``, ``wire.column``): an integer field takes a msgpack integer in [0, ``MAX_INT``] only (a float,
+``inf``, ``NaN``, a bool or a value past a signed 64-bit int is a ``ProtocolError`` naming the message type and the
+field: what the broker accepts it can encode again), a reward is a number, a ``worker_id`` a short non-empty string.
+A non-finite reward decodes; the core drops its group (``nonfinite_rewards``). Non-finite log-probs decode too;
+the server marks their group aborted (``mark_nonfinite_logprobs``, ``stats["nonfinite_logprobs"]``): dropped too.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ import msgpack
 
 from asyncrl.broker import wire
 from asyncrl.broker.types import Group, Trajectory
-from asyncrl.broker.wire import ProtocolError, item_from_row, item_row
+from asyncrl.broker.wire import MAX_INT, ProtocolError, item_from_row, item_row
 from asyncrl.cluster import auth
 
-__all__ = ["ProtocolError", "item_from_row", "item_row"]
+__all__ = ["MAX_INT", "ProtocolError", "item_from_row", "item_row"]
 
 PROTOCOL_VERSION = 2
 
@@ -118,17 +120,18 @@ _MISSING = object()
 
 
 # ---------------------------------------------------------------- header fields
-def int_field(body: dict, key: str, where: str, *, lo: int = 0, default: Any = _MISSING) -> Any:
-    """``body[key]`` as an integer >= ``lo`` (a msgpack int, never a float or a bool: ``1.0``, ``inf`` and
-    ``NaN`` are rejected here, so no ``int()`` of them can raise later). Absent: ``default`` or an error.
-    Raises ``ProtocolError`` naming the message type and the field."""
+def int_field(body: dict, key: str, where: str, *, lo: int = 0, hi: int = MAX_INT, default: Any = _MISSING) -> Any:
+    """``body[key]`` as an integer in ``[lo, hi]`` (a msgpack int, never a float or a bool: ``1.0``, ``inf`` and
+    ``NaN`` are rejected here, so no ``int()`` of them can raise later; nor past a signed 64-bit int, so the broker
+    can send back what it accepted). Absent: ``default`` or an error. Raises ``ProtocolError`` naming the message
+    type and the field."""
     v = body.get(key, _MISSING)
     if v is _MISSING or (v is None and default is None):
         if default is _MISSING:
             raise ProtocolError(f"{where}: field {key!r} is required")
         return default
-    if type(v) is not int or v < lo:
-        raise ProtocolError(f"{where}: field {key!r} must be an integer >= {lo}, got {v!r:.80}")
+    if type(v) is not int or not lo <= v <= hi:
+        raise ProtocolError(f"{where}: field {key!r} must be an integer in [{lo}, {hi}], got {v!r:.80}")
     return v
 
 
@@ -143,15 +146,15 @@ def float_field(body: dict, key: str, where: str, *, lo: float, hi: float) -> fl
 
 
 def int_list_field(body: dict, key: str, where: str, *, max_len: int) -> list[int]:
-    """``body[key]``: a list of at most ``max_len`` integers >= 0."""
+    """``body[key]``: a list of at most ``max_len`` integers in [0, ``MAX_INT``]."""
     v = body.get(key, _MISSING)
     if not isinstance(v, list):
         raise ProtocolError(f"{where}: field {key!r} must be a list of integers, got {type(v).__name__}")
     if len(v) > max_len:
         raise ProtocolError(f"{where}: field {key!r} has {len(v)} entries, at most {max_len} allowed")
     for x in v:
-        if type(x) is not int or x < 0:
-            raise ProtocolError(f"{where}: field {key!r} must hold integers >= 0, got {x!r:.80}")
+        if type(x) is not int or not 0 <= x <= MAX_INT:
+            raise ProtocolError(f"{where}: field {key!r} must hold integers in [0, {MAX_INT}], got {x!r:.80}")
     return v
 
 
@@ -233,17 +236,22 @@ def finished_groups_frames(entries: Sequence[FinishedGroup], done: Sequence[tupl
     return encode(GROUPS, body, frames)
 
 
-def unpack_finished_groups(msg: Message) -> tuple[list[tuple[int, int]], list[tuple[int, Optional[list], bool, str]]]:
+def unpack_finished_groups(
+    msg: Message, *, group_size: Optional[int] = None
+) -> tuple[list[tuple[int, int]], list[tuple[int, Optional[list], bool, str]]]:
     """The inverse of ``finished_groups_frames``: ``(done, entries)``; an entry's trajectories are None when it
-    has none (zero-copy views of the frames otherwise)."""
+    has none (zero-copy views of the frames otherwise). With ``group_size``, a ``done`` index must be below it."""
     where = GROUPS
     done = msg.body.get("done", [])
     if type(done) is not list or not all(
-        type(d) is list and len(d) == 2 and all(type(x) is int and x >= 0 for x in d) for d in done
+        type(d) is list and len(d) == 2 and all(type(x) is int and 0 <= x <= MAX_INT for x in d) for d in done
     ):
         raise ProtocolError(
             f"{where}: field 'done' must be a list of [group_id, index] integer pairs, got {done!r:.80}"
         )
+    bad = next((i for _, i in done if i >= group_size), None) if group_size is not None else None
+    if bad is not None:
+        raise ProtocolError(f"{where}: field 'done' holds index {bad}, expected < group_size = {group_size}")
     table = msg.body.get("groups")
     if table is None:
         if msg.blobs:
@@ -256,6 +264,20 @@ def unpack_finished_groups(msg: Message) -> tuple[list[tuple[int, int]], list[tu
     errors = wire.column(table, "error", str, n, where)
     groups = wire.split_groups(sizes, trajs)
     return [tuple(d) for d in done], [(g, t or None, a, e) for g, t, a, e in zip(gids, groups, aborted, errors)]
+
+
+def mark_nonfinite_logprobs(entries: list[tuple[int, Optional[list], bool, str]]) -> int:
+    """Marks aborted, in place, every entry of ``unpack_finished_groups`` (not aborted already) with a trajectory
+    whose ``rollout_logprobs`` hold NaN or inf, its error naming the group, the trajectory and the column: the core
+    drops it as an aborted group (``rollout_buffer.unused_groups``), never trains on it. Returns how many."""
+    n = 0
+    for k, (gid, trajs, aborted, _) in enumerate(entries):
+        bad = None if aborted or not trajs else wire.nonfinite_logprobs(trajs)
+        if bad is not None:
+            why = f"dropped by the broker: {GROUPS}: group {gid}: column 'rollout_logprobs' of trajectory {bad}"
+            entries[k] = (gid, trajs, True, f"{why} holds NaN or inf")
+            n += 1
+    return n
 
 
 # ---------------------------------------------------------------- broker -> actor (batch) and checkpoints
@@ -303,8 +325,8 @@ def pack_state(state: dict) -> tuple[dict, list]:
 
 
 def _epoch(e: Any) -> int:
-    if type(e) is not int or e < 0:
-        raise ProtocolError(f"broker state: an epoch must be an integer >= 0, got {e!r:.80}")
+    if type(e) is not int or not 0 <= e <= MAX_INT:
+        raise ProtocolError(f"broker state: an epoch must be an integer in [0, {MAX_INT}], got {e!r:.80}")
     return e
 
 

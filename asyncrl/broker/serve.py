@@ -12,10 +12,30 @@ import sys
 import time
 from typing import Optional
 
+from asyncrl.broker import wire
 from asyncrl.broker.core import BrokerCore, CoreSettings
 from asyncrl.broker.server import BrokerServer
+from asyncrl.broker.worker_client import MAX_GROUPS_PER_MESSAGE
 
 log = logging.getLogger("asyncrl.broker")
+
+HEADER_ALLOWANCE_BYTES = 16 << 20
+"""Room on top of the token data for a message's header frame (its columns: ~100 bytes a trajectory, a worker's
+error texts) and slack: a worker message of 256 groups x 64 trajectories has a ~2 MB header."""
+
+
+def max_message_bytes(cfg) -> int:
+    """The largest frame a legitimate peer sends the broker (its ROUTER's ``zmq.MAXMSGSIZE``), from the resolved
+    ``Config``. Token data is the bulk, and ONE frame may hold all of a message's (a run of fresh trajectories is
+    packed back to back): a worker's ``groups`` message carries at most ``MAX_GROUPS_PER_MESSAGE`` groups, an
+    actor's ``set_state`` the buffered ones (fewer than ``rollout_buffer.max_buffered_groups``), each of
+    ``algorithm.group_size`` trajectories of at most max(``agentloop.max_total_tokens``, ``data.max_prompt_tokens``)
+    tokens (9 bytes a response token, 4 a prompt token). Doubled (a state's header holds each group's prompt text,
+    less than its token data; a prompt a little longer in the worker's count), plus ``HEADER_ALLOWANCE_BYTES``.
+    ``configs/searchr1.toml`` (1,024 buffered groups of 4 x 4,096 tokens): 319 MB; ``configs/tiny.toml``: 92 MB."""
+    groups = max(MAX_GROUPS_PER_MESSAGE, cfg.rollout_buffer.max_buffered_groups)
+    tokens = max(cfg.agentloop.max_total_tokens, cfg.data.max_prompt_tokens)
+    return 2 * groups * cfg.algorithm.group_size * wire.token_nbytes(0, tokens) + HEADER_ALLOWANCE_BYTES
 
 
 def freeze_setup_objects() -> None:
@@ -53,7 +73,12 @@ def run_broker(
         raise RuntimeError(f"broker: its parent (pid {parent_pid}) is already gone")
     core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
     core.num_skipped_long_prompts = num_skipped_long_prompts
-    server = BrokerServer(core, bind=bind, heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s)
+    server = BrokerServer(
+        core,
+        bind=bind,
+        heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s,
+        max_message_bytes=max_message_bytes(cfg),
+    )
     server.install_signal_handlers(parent_pid=parent_pid)
     tune_gc()
     if address_file:

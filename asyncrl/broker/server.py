@@ -8,6 +8,9 @@ Contract
 - High-water marks are 0 (unlimited) on the ROUTER: what can queue is bounded by the admission limits (issues <=
   in-flight groups, at most one batch per actor request), so nothing is ever dropped by ZeroMQ. ``ROUTER_MANDATORY``
   is on: a send to a peer that vanished raises, and that worker is treated as gone (its groups are re-issued).
+  ``MAXMSGSIZE`` is ``max_message_bytes`` (``serve.max_message_bytes``: twice a run's largest legitimate frame): a
+  peer sending a bigger frame is disconnected by ZeroMQ before it is buffered, secret or not (the secret is checked
+  only on a whole message); its message is dropped, the broker goes on.
 - Slow joiners: nothing is published; the broker only sends to a worker after its ``hello``
   (request/reply style), so a late connection loses nothing. A worker the broker does not know
   (e.g. declared dead after missed heartbeats) gets ``rehello`` and re-registers.
@@ -55,6 +58,7 @@ log = logging.getLogger("asyncrl.broker")
 
 MAX_MESSAGES_PER_ROUND = 1024  # bound the work between two flushes of the core's outputs
 MAX_WORKER_CAPACITY = 1_000_000  # concurrent trajectories one worker may declare; more is a corrupt hello
+MAX_MESSAGE_BYTES = 1 << 30  # frame cap without a config (tests): over any test's; a run's: serve.max_message_bytes
 SYNC_MODES = ("retract", "in_place", "drain", "abort")  # the pause modes a sync may announce (rollout.pause_mode)
 
 
@@ -77,6 +81,7 @@ class BrokerServer:
         heartbeat_interval_s: float = 2.0,
         tick_s: float = 0.2,
         context: Optional[zmq.Context] = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
         self.core = core
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -88,6 +93,7 @@ class BrokerServer:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.sock.bind(bind)
         self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.stats: Counter[str] = Counter()
@@ -345,11 +351,7 @@ class BrokerServer:
             self._send(ident, P.REHELLO, {})
 
     def _on_hello(self, ident: bytes, wid: str, b: dict) -> None:
-        cap = b.get("capacity")
-        if type(cap) is not int or not 1 <= cap <= MAX_WORKER_CAPACITY:
-            raise P.ProtocolError(
-                f"hello: field 'capacity' must be an integer in [1, {MAX_WORKER_CAPACITY}], got {cap!r:.80}"
-            )
+        cap = P.int_field(b, "capacity", P.HELLO, lo=1, hi=MAX_WORKER_CAPACITY)
         core = self.core
         self._worker_ident[wid] = ident
         self._control_sent[wid] = (core.hold_new_turns, core.version)
@@ -367,11 +369,8 @@ class BrokerServer:
     def _on_groups(self, wid: str, msg: P.Message) -> None:
         """Trajectories finished in running groups (``done``: frees their slots now), then finished groups
         (collected: they reach the core in one call per round). Everything is decoded before the core moves."""
-        done, entries = P.unpack_finished_groups(msg)
-        size = self.core.s.group_size
-        bad = next((i for _, i in done if i >= size), None)
-        if bad is not None:
-            raise P.ProtocolError(f"groups: field 'done' holds index {bad}, expected < group_size = {size}")
+        done, entries = P.unpack_finished_groups(msg, group_size=self.core.s.group_size)
+        self.stats["nonfinite_logprobs"] += P.mark_nonfinite_logprobs(entries)  # dropped, never trained on
         if done:
             self._finish_pending()
             for gid, index in done:

@@ -26,8 +26,9 @@ finish reason, ``extra["tool_errors"]``). Per-token ``weight_versions``, ``timin
 carries its first error) and the rest of ``extra`` stay in the worker: a decoded trajectory has empty ones.
 
 Every column is checked at this edge: a list of the table's length holding its type only (an integer column
-takes msgpack integers >= 0, never a float, a bool, ``inf`` or ``NaN``); a wrong one raises ``ProtocolError``
-naming the message type and the column. A non-finite reward decodes (the core counts and drops its group).
+takes msgpack integers in [0, ``MAX_INT``], never a float, a bool, ``inf`` or ``NaN``); a wrong one raises
+``ProtocolError`` naming the message type and the column. A non-finite reward decodes (the core counts and drops
+its group); so do non-finite log-probs (``nonfinite_logprobs`` finds them; the broker drops their group).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class ProtocolError(ValueError):
 
 
 _I4, _F4, _U1 = np.dtype("<i4"), np.dtype("<f4"), np.dtype(np.uint8)
+
+MAX_INT = 2**63 - 1
+"""The largest integer a field or column may hold: a signed 64-bit int, what every reader of a value the broker
+echoes back (a version, a step, a group id) can hold (numpy, torch, msgpack's int64), and the seeds' range
+(``runner.seed``). Counters that grow by one never come near it; a larger value is a corrupt or hostile peer."""
+
 _TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask")
 _NO_VERSIONS = np.empty(0, _I4)
 _NO_VERSIONS.flags.writeable = False
@@ -74,7 +81,7 @@ def token_nbytes(n_prompt: int, n_resp: int) -> int:
 
 # ---------------------------------------------------------------- columns (the edge's type checks)
 def column(table: dict, key: str, typ: type, n: int, where: str) -> list:
-    """``table[key]``: a list of ``n`` values of ``typ`` (an int column: integers >= 0; a float column:
+    """``table[key]``: a list of ``n`` values of ``typ`` (an int column: integers in [0, ``MAX_INT``]; a float column:
     numbers, ints widened). Raises ``ProtocolError`` naming ``where`` and the column."""
     v = table.get(key)
     if type(v) is not list or len(v) != n:
@@ -85,12 +92,15 @@ def column(table: dict, key: str, typ: type, n: int, where: str) -> list:
     if typ is int:
         if types.count(int) != n:
             bad = next(x for x in v if type(x) is not int)
-            raise ProtocolError(f"{where}: column {key!r} must hold integers >= 0, got {bad!r:.80}")
+            raise ProtocolError(f"{where}: column {key!r} must hold integers in [0, {MAX_INT}], got {bad!r:.80}")
         try:
-            array.array("Q", v)  # unsigned 64-bit: a negative value overflows (a C pass, faster than min)
+            a = array.array("Q", v)  # unsigned 64-bit: a negative value overflows (a C pass, faster than min)
         except OverflowError:
-            bad = next(x for x in v if x < 0 or x >= 1 << 64)
-            raise ProtocolError(f"{where}: column {key!r} must hold integers >= 0, got {bad!r:.80}") from None
+            a = None
+        # then the top: builtin max on a short column, numpy on a long one (max boxes each item: 5x slower there)
+        if a is None or (n and (max(a) if n < 32 else int(np.frombuffer(a, np.uint64).max())) > MAX_INT):
+            bad = next(x for x in v if not 0 <= x <= MAX_INT)
+            raise ProtocolError(f"{where}: column {key!r} must hold integers in [0, {MAX_INT}], got {bad!r:.80}")
     elif typ is float:
         floats = types.count(float)
         if floats != n:
@@ -113,8 +123,8 @@ def item_from_row(r: Any, where: str = "prompt item") -> PromptItem:
     if type(r) is not list or len(r) != 5:
         raise ProtocolError(f"{where}: a prompt item is [index, prompt, answers, data_source, extra], got {r!r:.120}")
     index, prompt, answers, data_source, extra = r
-    if type(index) is not int or index < 0:
-        raise ProtocolError(f"{where}: prompt item index must be an integer >= 0, got {index!r:.80}")
+    if type(index) is not int or not 0 <= index <= MAX_INT:
+        raise ProtocolError(f"{where}: prompt item index must be an integer in [0, {MAX_INT}], got {index!r:.80}")
     if type(prompt) is not str or type(data_source) is not str or type(answers) is not list:
         raise ProtocolError(f"{where}: prompt item {index}: prompt/data_source must be strings, answers a list")
     if type(extra) is not dict:
@@ -127,7 +137,7 @@ class _Source:
     """One received table's trajectory columns and token frames, shared by the trajectories decoded from it
     (each holds only ``(source, index)``; a field is read from here on first access)."""
 
-    __slots__ = ("cols", "bases", "frame", "frame_end", "offs", "n_p", "n_r")
+    __slots__ = ("cols", "bases", "frame", "frame_end", "offs", "n_p", "n_r", "finite")
 
     def __init__(self, cols: dict, bases: list, frame: list, frame_end: list, offs: list, n_p: list, n_r: list):
         self.cols = cols  # column name -> one value per trajectory (``_COL_NAMES``)
@@ -136,6 +146,7 @@ class _Source:
         self.frame_end = frame_end  # frame -> one past its last trajectory
         self.offs = offs  # trajectory -> the byte offset of its token data in its frame
         self.n_p, self.n_r = n_p, n_r
+        self.finite: Optional[list[bool]] = None  # frame -> no NaN/inf float32 in it (``nonfinite_logprobs``)
 
 
 class _Field:
@@ -412,6 +423,23 @@ def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list
         d["_i"] = i
         out.append(t)
     return out
+
+
+def nonfinite_logprobs(trajs: Sequence[Trajectory]) -> Optional[int]:
+    """The index in ``trajs`` of the first trajectory whose ``rollout_logprobs`` hold NaN or inf, else None. A
+    decoded trajectory's frame is first read whole as float32, once per frame (one vectorised pass: a frame with no
+    NaN/inf bit pattern has none in its log-probs); only a frame that has some is checked trajectory by trajectory."""
+    for i, t in enumerate(trajs):
+        d = t.__dict__
+        s = d.get("_s")
+        if s is not None and "rollout_logprobs" not in d:  # token data as received: the frame's verdict first
+            if s.finite is None:
+                s.finite = [bool(np.isfinite(np.frombuffer(b, _F4)).all()) for b in s.bases]
+            if s.finite[s.frame[d["_i"]]]:
+                continue
+        if not np.isfinite(np.asarray(t.rollout_logprobs, np.float32)).all():
+            return i
+    return None
 
 
 def _len(v: Any) -> int:
