@@ -15,6 +15,12 @@ import torch.distributed as dist
 
 from asyncrl.runner.leader import Heartbeat, LeaderFailed, LeaderPhases, beat_key, watch_actor_ranks
 
+WAIT_S = 60.0  # bounds a wait for something that happens at once when the code works, on a loaded host too
+START_S = 120.0  # bounds a child's start-up (Python and torch imported, the store joined) on a loaded host
+# a watch's dead_after_s where a live rank must not be called dead: far above how long a loaded host may leave a
+# heartbeat thread unscheduled, so only a beat that stopped reads as silence
+LIVE_DEAD_AFTER_S = 2.0
+
 
 @pytest.fixture
 def stores():
@@ -43,19 +49,30 @@ def own(stores):
 
 
 def _follow(follower: LeaderPhases, name: str, out: dict, timeout_s=None) -> threading.Thread:
+    """The follower's ``run`` on a thread: ``out`` gets ``started`` (set as it begins), ``result`` or ``error``,
+    ``waited_s`` and ``ended_at`` (monotonic)."""
+    out["started"] = threading.Event()
+
     def body():
         t0 = time.monotonic()
+        out["started"].set()
         try:
             out["result"] = follower.run(
                 name, lambda: pytest.fail("a follower must not run the phase"), timeout_s=timeout_s
             )
         except LeaderFailed as e:
             out["error"] = e
-        out["waited_s"] = time.monotonic() - t0
+        out["ended_at"] = time.monotonic()
+        out["waited_s"] = out["ended_at"] - t0
 
     t = threading.Thread(target=body)
     t.start()
     return t
+
+
+def _join(t: threading.Thread) -> None:
+    t.join(WAIT_S)
+    assert not t.is_alive(), f"the follower did not return within {WAIT_S:g} s"
 
 
 def test_follower_waits_for_the_leader_and_gets_none(stores, own):
@@ -63,10 +80,18 @@ def test_follower_waits_for_the_leader_and_gets_none(stores, own):
     follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores()))
     out: dict = {}
     t = _follow(follower, "eval", out)
-    done = threading.Event()
-    assert leader.run("eval", lambda: done.wait(1.0) or 42) == 42  # the leader's phase takes 1 s
-    t.join(10)
-    assert "error" not in out and out["result"] is None and out["waited_s"] >= 0.9
+    phase: dict = {}
+
+    def work() -> int:  # the leader's phase ends only once the follower is in its wait
+        assert out["started"].wait(WAIT_S), "the follower never started"
+        phase["follower_still_waiting"] = t.is_alive() and "result" not in out and "error" not in out
+        phase["ended_at"] = time.monotonic()
+        return 42
+
+    assert leader.run("eval", work) == 42
+    _join(t)
+    assert "error" not in out and out["result"] is None
+    assert phase["follower_still_waiting"] and out["ended_at"] >= phase["ended_at"]  # it returned after the phase
     leader.close()
 
 
@@ -77,7 +102,7 @@ def test_leader_failure_reaches_the_follower_with_the_phase_name(stores, own):
     t = _follow(follower, "eval before training", out)
     with pytest.raises(RuntimeError, match="retriever down"):
         leader.run("eval before training", lambda: (_ for _ in ()).throw(RuntimeError("retriever down")))
-    t.join(10)
+    _join(t)
     assert "eval before training" in str(out["error"]) and "retriever down" in str(out["error"])
     leader.close()
 
@@ -88,17 +113,19 @@ def test_a_silent_leader_is_noticed_in_seconds(stores, own):
     leader.close()  # heartbeats stop
     follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores(), dead_after_s=1.0))
     out: dict = {}
-    _follow(follower, "wait for the batch of step 3", out).join(15)
+    _join(_follow(follower, "wait for the batch of step 3", out))
     assert isinstance(out["error"], LeaderFailed) and "stopped heartbeating" in str(out["error"])
-    assert "wait for the batch of step 3" in str(out["error"]) and out["waited_s"] < 5
+    # its own 1 s, not the default 30 s: noticed in seconds (bounded well below 30 s for a loaded host)
+    assert "wait for the batch of step 3" in str(out["error"]) and 1.0 <= out["waited_s"] < 15
 
 
 def test_the_phase_timeout_bounds_the_wait(stores, own):
     leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.1))  # alive, never done
     follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores(), margin_s=0.5))
     out: dict = {}
-    _follow(follower, "wait for a batch", out, timeout_s=0.5).join(15)
-    assert "did not finish its phase 'wait for a batch'" in str(out["error"]) and 0.9 <= out["waited_s"] < 5
+    _join(_follow(follower, "wait for a batch", out, timeout_s=0.5))
+    # 0.5 s + its 0.5 s margin, not the default 60 s margin (bounded well below it for a loaded host)
+    assert "did not finish its phase 'wait for a batch'" in str(out["error"]) and 1.0 <= out["waited_s"] < 30
     leader.close()
 
 
@@ -125,15 +152,16 @@ def test_watch_names_a_leader_whose_beat_stops(stores, own):
             stores(), ranks=[0], dead_after_s=1.0, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
         )
     )
-    assert dead.wait(10), "the watch did not notice a silent leader"
-    assert 1.0 <= time.monotonic() - t0 < 5
+    assert dead.wait(WAIT_S), "the watch did not notice a silent leader"
+    assert 1.0 <= time.monotonic() - t0 < 15  # in seconds (bounded loosely for a loaded host)
     assert "actor rank 0 stopped heartbeating" in said[0] and "cluster.actor_unresponsive_after_s = 1 s" in said[0]
 
 
-def _beating(reader, rank: int, at_least: int = 5) -> None:
-    deadline = time.monotonic() + 10
-    while reader.add(beat_key(rank), 0) < at_least:  # beating for a while: a watch is armed for it
-        assert time.monotonic() < deadline, f"actor rank {rank} never beat"
+def _beating(reader, rank: int, at_least: int = 5, within_s: float = START_S) -> None:
+    """Wait until actor rank ``rank`` has beaten ``at_least`` times (a watch is armed for it)."""
+    deadline = time.monotonic() + within_s
+    while (beats := reader.add(beat_key(rank), 0)) < at_least:
+        assert time.monotonic() < deadline, f"actor rank {rank} beat {beats} times in {within_s:g} s, not {at_least}"
         time.sleep(0.02)
 
 
@@ -141,10 +169,10 @@ def test_watch_stands_down_when_the_leader_closes(stores, own):
     leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05))
     said: list[str] = []
     reader = stores()
-    t = own(watch_actor_ranks(stores(), ranks=[0], dead_after_s=0.5, poll_s=0.05, on_dead=said.append))
+    t = own(watch_actor_ranks(stores(), ranks=[0], dead_after_s=LIVE_DEAD_AFTER_S, poll_s=0.05, on_dead=said.append))
     _beating(reader, 0)
     leader.close()  # the run ended: the beat stops on purpose
-    t.thread.join(10)
+    t.thread.join(WAIT_S)
     assert not t.thread.is_alive() and said == []
 
 
@@ -156,12 +184,16 @@ def test_watch_names_a_follower_rank_whose_beat_stops_while_the_leader_beats_on(
     said, dead = [], threading.Event()
     own(
         watch_actor_ranks(
-            stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+            stores(),
+            ranks=[0, 1],
+            dead_after_s=LIVE_DEAD_AFTER_S,
+            poll_s=0.05,
+            on_dead=lambda m: (said.append(m), dead.set()),
         )
     )
     _beating(stores(), 1)
     follower._stop.set()  # frozen, not closed: nothing marks it done
-    assert dead.wait(10), "the watch did not notice a silent follower"
+    assert dead.wait(WAIT_S), "the watch did not notice a silent follower"
     assert said[0].startswith("actor rank 1 stopped heartbeating")
     leader.close()
 
@@ -171,16 +203,17 @@ def test_watch_lets_a_follower_close_before_the_leader(stores, own):
     leader = own(LeaderPhases(stores(), rank=0, heartbeat_store=stores(), heartbeat_s=0.05))
     follower = own(LeaderPhases(stores(), rank=1, heartbeat_store=stores(), heartbeat_s=0.05))
     said: list[str] = []
-    t = own(watch_actor_ranks(stores(), ranks=[0, 1], dead_after_s=0.5, poll_s=0.05, on_dead=said.append))
+    t = own(watch_actor_ranks(stores(), ranks=[0, 1], dead_after_s=LIVE_DEAD_AFTER_S, poll_s=0.05, on_dead=said.append))
     reader = stores()
     _beating(reader, 0)
     _beating(reader, 1)
     follower.close()
-    quiet_until = reader.add(beat_key(0), 0) + 20  # the leader beats 20 more times (~1 s, twice dead_after_s)
+    # the leader beats on, every 0.05 s at the most: so many beats take at least twice dead_after_s
+    quiet_until = reader.add(beat_key(0), 0) + int(2 * LIVE_DEAD_AFTER_S / 0.05)
     _beating(reader, 0, at_least=quiet_until)
     assert said == [] and t.thread.is_alive()
     leader.close()
-    t.thread.join(10)
+    t.thread.join(WAIT_S)
     assert not t.thread.is_alive() and said == []
 
 
@@ -234,12 +267,16 @@ def test_a_stopped_rank_of_this_host_is_killed_by_the_watch_that_names_it(stores
         said, dead = [], threading.Event()
         own(
             watch_actor_ranks(
-                stores(), ranks=[1], dead_after_s=0.5, poll_s=0.05, on_dead=lambda m: (said.append(m), dead.set())
+                stores(),
+                ranks=[1],
+                dead_after_s=LIVE_DEAD_AFTER_S,
+                poll_s=0.05,
+                on_dead=lambda m: (said.append(m), dead.set()),
             )
         )
         os.kill(rank1.pid, signal.SIGSTOP)
-        assert dead.wait(15), "the watch did not notice the stopped rank"
-        assert rank1.wait(10) == -signal.SIGKILL
+        assert dead.wait(WAIT_S), "the watch did not notice the stopped rank"
+        assert rank1.wait(WAIT_S) == -signal.SIGKILL
         assert said[0].startswith("actor rank 1 stopped heartbeating") and f"(pid {rank1.pid}, state T)" in said[0]
         assert "SIGKILLed it" in said[0]
     finally:
