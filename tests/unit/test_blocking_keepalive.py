@@ -174,11 +174,11 @@ def test_exchange_names_the_engines_past_its_deadline_and_polls_while_waiting():
                     (slow.url, [Call("/continue_generation", {}, "continue")]),
                     (fast.url, [Call("/continue_generation", {}, "continue")]),
                 ],
-                timeout_s=0.3,
+                timeout_s=2.0,  # the fast engine answers within it on a loaded host too
             )
             with pytest.raises(EngineStepError) as ei:
                 ex.start().wait(poll=lambda: polls.append(1))
-            assert ei.value.urls == [slow.url] and "no answer within 0.3 s" in str(ei.value) and polls
+            assert ei.value.urls == [slow.url] and "no answer within 2 s" in str(ei.value) and polls
     finally:
         gate.set()
 
