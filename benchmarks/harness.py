@@ -213,7 +213,9 @@ class Report:
 def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, what: str) -> tuple[float, list[dict]]:
     """``torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml <overrides>`` to its end (inherited
     rendezvous variables dropped, one OpenMP thread per process): its wall seconds and ``run_dir``'s metrics
-    records. A failed job ends the benchmark naming ``what``, with the tail of its output."""
+    records. A failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
+    (``keep_failed_run``); a job during which the checkout's code changed says which files (``source_stamps``), failed
+    or not: on a tree others edit, a job whose processes started at different moments can run half an edit."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
@@ -221,15 +223,44 @@ def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, w
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     cmd += ["--log-dir", str(run_dir / "torchelastic")]  # not a /tmp/torchelastic_* of its own, never removed
     cmd += [str(REPO / "launch/train.py"), "configs/tiny.toml", *overrides]
+    before = source_stamps()
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall_s = time.perf_counter() - t0
+    edited = changed_sources(before, source_stamps())
+    torn = f"; the checkout's code changed while it ran (it may have loaded half an edit): {', '.join(edited)}"
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-3000:] + "\n" + r.stderr[-6000:] + "\n")
         kept = keep_failed_run(run_dir, stdout=r.stdout, stderr=r.stderr)
-        raise SystemExit(f"{what} failed (exit {r.returncode}); its logs are kept under {kept}")
+        raise SystemExit(f"{what} failed (exit {r.returncode}){torn if edited else ''}; its logs are kept under {kept}")
+    if edited:
+        print(f"warning: {what}{torn}", file=sys.stderr, flush=True)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return wall_s, recs
+
+
+SOURCE_DIRS = ("asyncrl", "launch", "configs")
+"""What a tiny job's processes import or read from the checkout: every rank, the broker and the engine import it anew
+when they start, so an edit saved while a job runs can give its processes two halves of one change."""
+
+
+def source_stamps() -> dict[str, tuple[int, int]]:
+    """``{path: (mtime_ns, size)}`` of the checkout's code and configs (``SOURCE_DIRS``; ``.py`` and ``.toml``)."""
+    out = {}
+    for d in SOURCE_DIRS:
+        for f in (REPO / d).rglob("*"):
+            if f.suffix in (".py", ".toml") and "__pycache__" not in f.parts:
+                try:
+                    st = f.stat()
+                except FileNotFoundError:  # removed while listing: the comparison reports it
+                    continue
+                out[str(f.relative_to(REPO))] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def changed_sources(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """The paths added, removed or modified between two ``source_stamps``, sorted."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
 
 FAILED_RUNS = REPO / "runs" / "failed"  # gitignored; a failed job's run directory is copied here
