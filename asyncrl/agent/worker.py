@@ -17,7 +17,8 @@ Contract
   group task (any exception other than the engine/retriever failures the loop turns into aborted
   trajectories) stops the worker with that exception instead of hanging.
 - Engine supervision (with an ``EngineWatch``, on the engine's first rank): a task probes the engine
-  every ``rollout.health_check_interval_s`` (process alive + ``/health``); once it is dead or hung
+  every ``rollout.health_check_interval_s`` (process alive + ``sglang_launcher.liveness``: a paused engine is
+  live); once it is dead or hung
   (``HealthTracker``) the worker cancels its groups (nothing is reported), says bye (the broker
   re-issues them: counted as re-issued, not dropped), restarts the engine (``rollout.max_restarts``),
   announces the restart (``EngineWatch.announce``), waits until the actor re-joined it to the
@@ -48,7 +49,8 @@ from asyncrl.broker.types import Group
 from asyncrl.broker.worker_client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.config.schema import Config
 from asyncrl.engine.client import SGLangClient
-from asyncrl.rollout.sglang_launcher import EngineSupervisor, HealthTracker
+from asyncrl.engine.liveness import HealthTracker
+from asyncrl.rollout.sglang_launcher import EngineSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,13 @@ class EngineWatch:
         while True:
             await asyncio.sleep(self.interval_s)
             ok = await self.healthy()
-            verdict = tracker.observe(alive=self.sup.alive(), ok=ok, t=time.monotonic(), exit_code=self.sup.exit_code())
+            verdict = tracker.observe(
+                alive=self.sup.alive(),
+                ok=ok,
+                t=time.monotonic(),
+                exit_code=self.sup.exit_code(),
+                why=self.sup.last_probe,
+            )
             if verdict is not None:
                 return verdict
 

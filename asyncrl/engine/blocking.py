@@ -30,10 +30,10 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from asyncrl.cluster.auth import auth_headers
-from asyncrl.engine.client import EngineError
+from asyncrl.engine.client import EngineError, parse_engine_load
 from asyncrl.engine.http1 import BadResponse, Connection, ConnectionClosed, request_bytes
 
 
@@ -47,6 +47,7 @@ class EngineStepError(EngineError):
         self.step = step
         self.detail = detail
         self.url, self.endpoint, self.status, self.message = (self.urls[0] if self.urls else ""), step, None, detail
+        """``status``: the HTTP status when the engine answered with an error one (None: no answer)."""
         RuntimeError.__init__(self, f"engine step {step!r} failed on {', '.join(self.urls)}: {detail}")
 
 
@@ -195,7 +196,9 @@ class _Req:
                 self.send(timeout_s, fresh=True)
             if resp.status >= 400:
                 text = resp.body.decode(errors="replace")[:2000]
-                raise EngineStepError(self.url, call.step, f"HTTP {resp.status} from {call.method} {call.path}: {text}")
+                err = EngineStepError(self.url, call.step, f"HTTP {resp.status} from {call.method} {call.path}: {text}")
+                err.status = resp.status
+                raise err
             return resp.body
 
 
@@ -364,3 +367,43 @@ def wait_all(
         if poll is not None:
             poll()
     return [f.result() for f in futures]
+
+
+def _find_key(obj: Any, keys: tuple[str, ...]) -> Optional[float]:
+    """Sum of numeric values under any of ``keys`` anywhere in a JSON document."""
+    found: list[float] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            for k, v in o.items():
+                if k in keys and isinstance(v, (int, float)):
+                    found.append(float(v))
+                else:
+                    walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return sum(found) if found else None
+
+
+def engine_load(url: str, *, timeout_s: float) -> float:
+    """Running + queued requests of one engine: ``/metrics``, else ``/server_info``."""
+    try:
+        load = parse_engine_load(get_text(url, "/metrics", timeout_s=timeout_s, step="drain"))
+    except EngineStepError as e:
+        if "HTTP 404" not in e.detail:
+            raise
+        load = None
+    if load is None:
+        info = get_json(url, "/server_info", timeout_s=timeout_s, step="drain")
+        load = _find_key(info, ("num_running_reqs", "num_queue_reqs", "#running-req", "#queue-req"))
+    if load is None:
+        raise EngineStepError(
+            url,
+            "drain",
+            "neither /metrics (sglang:num_running_reqs) nor "
+            "/server_info reports running requests; start SGLang with --enable-metrics",
+        )
+    return load

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -42,19 +44,22 @@ from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.rollout.cpu_scheduler import PAUSE_MODES
 from asyncrl.rollout.engine_args import EngineArgs, parse_args
-from asyncrl.rollout.engine_http import build_generate_requests, json_error, read_body, result, setter
+from asyncrl.rollout.engine_http import build_generate_requests, json_error, read_body, result
 from asyncrl.rollout.engine_link import SchedulerFailed, SchedulerLink
 from asyncrl.rollout.engine_metrics import DISCONNECT_SERIES, prometheus_text
 from asyncrl.rollout.request import Request
 from asyncrl.rollout.sampling_params import RequestError, check_bool, parse_sampling_params
-from asyncrl.rollout.weight_updates import WEIGHT_ROUTES, UpdateWindow
+from asyncrl.rollout.weight_updates import OPTIONAL_BODY, WEIGHT_ROUTES
 
 __all__ = ["CpuEngine", "EngineArgs", "main", "parse_args"]
 
 log = logging.getLogger("asyncrl.cpu_engine")
 
 ENGINE_VERSION = "asyncrl-cpu-engine-0.1"
-HEALTH_CHECK_TIMEOUT_S = 20.0  # as SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT (read from the environment as SGLang)
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+"""SGLang's switch (default on): off, ``/health`` answers from the server's status alone (``/health_generate``
+still generates)."""
 DISCONNECT_POLL_S = 0.2  # how often a waiting /generate checks that its client is still connected
 
 
@@ -65,8 +70,12 @@ class CpuEngine:
         self.args = args
         self.link = link
         self.tokenizer = tokenizer
-        self.window = UpdateWindow()
-        """Whether a weight update is open (begin .. end): answered here, not in the scheduler process."""
+        self.server_status = "Up"
+        """SGLang's ``ServerStatus`` as its HTTP side keeps it: ``Up`` (this port answers only once the model is
+        loaded, so never ``Starting``), ``UnHealthy`` after a failed health generation, ``Up`` again after one that
+        succeeds. ``/ready`` and ``/ping`` answer from it."""
+        self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
+        self.health_generation = _env_bool(HEALTH_GENERATION_ENV, True)
         self.num_disconnect_aborts = 0
         self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
         """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
@@ -97,13 +106,16 @@ class CpuEngine:
             r.add_put(path, self.generate)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
+        r.add_get("/ready", self.ready)
+        r.add_get("/ping", self.ping)
+        r.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         for path, op in WEIGHT_ROUTES.items():
-            r.add_post(path, self._weight_op(op))
-        r.add_post("/begin_weight_update", self._window_op(self.window.begin))
-        r.add_post("/end_weight_update", self._window_op(self.window.end))
+            if op != "get_weights_by_name":
+                r.add_post(path, self._weight_op(op, required=path not in OPTIONAL_BODY))
         r.add_route("*", "/flush_cache", self.flush_cache)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
@@ -119,22 +131,21 @@ class CpuEngine:
     async def _on_cleanup(self, app: web.Application) -> None:
         self.link.stop()
 
-    def _weight_op(self, op: str):
+    def _weight_op(self, op: str, *, required: bool = True):
         """The handler of one weight call: its body to the scheduler process's op, SGLang's answer back."""
 
         async def handler(request: web.Request) -> web.Response:
-            body = await read_body(request)
-            ok, message, extra = self.window.refusal(op, body) or await self._call(op, body)
+            body = await read_body(request, required=required)
+            ok, message, extra = await self._call(op, body)
             return result(ok, message, **extra)
 
         return handler
 
-    def _window_op(self, op):
-        async def handler(request: web.Request) -> web.Response:
-            ok, message, extra = op(await read_body(request, required=False))
-            return result(ok, message, **extra)
-
-        return handler
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_weights_by_name`` (GET or POST, body ``{name, truncate_size}``): the parameter's first
+        ``truncate_size`` entries as a JSON list, or 400 ``{"error": {"message": ...}}``."""
+        ok, message, extra = await self._call("get_weights_by_name", await read_body(request))
+        return web.json_response(extra["parameter"]) if ok else json_error(message)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -222,26 +233,44 @@ class CpuEngine:
             self._watcher = None
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.link.paused is not None:  # a paused scheduler runs no request: ask it a control call instead
-            try:
-                await asyncio.wait_for(self._call("ping"), HEALTH_CHECK_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                return web.Response(status=503)
+        """SGLang's ``/health`` and ``/health_generate``: a 1-token generation is submitted (while paused it waits
+        for the resume, as SGLang's does at its pause gate), and the answer is 200 as soon as ANY output of the
+        scheduler process arrives after the call began (a token, a control call's reply), else 503 after
+        ``SGLANG_HEALTH_CHECK_TIMEOUT`` s, which also marks the server ``UnHealthy`` (``/ready`` and ``/ping``
+        then answer 503 until a health generation succeeds). With ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``
+        off, ``/health`` answers 200 from the status alone. (SGLang checks once a second, so it never answers
+        before 1 s; this answers at the first output: a difference in latency only.)"""
+        if request.path == "/health" and not self.health_generation:
             return web.Response(status=200)
-        fut = asyncio.get_running_loop().create_future()
+        tic = time.monotonic()
         req = Request(
-            rid=f"HEALTH_CHECK_{time.time()}",
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
             input_ids=[0],
             params=parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}),
-            deliver=setter(fut),
+            deliver=lambda out: None,
         )
         self.link.submit([req])
         try:
-            await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            if await self.link.output_after(tic, timeout_s=self.health_timeout_s):
+                self.server_status = "Up"
+                return web.Response(status=200)
+        finally:
             self._call("abort", req.rid)
-            return web.Response(status=503)
-        return web.Response(status=200)
+        log.error(
+            "Health check failed: no output from the scheduler process for %g s (paused: %s)",
+            self.health_timeout_s,
+            self.link.paused,
+        )
+        self.server_status = "UnHealthy"
+        return web.Response(status=503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """SGLang's ``/ready``: 200 when not paused and healthy (an open path, no key needed)."""
+        return web.Response(status=200 if self.link.paused is None and self.server_status == "Up" else 503)
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """SGLang's ``/ping``: 200 when healthy, paused or not (it needs the key)."""
+        return web.Response(status=200 if self.server_status == "Up" else 503)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await read_body(request)
@@ -319,6 +348,18 @@ class CpuEngine:
         return web.Response(
             text=prometheus_text(m, model_name=self.args.model_path), content_type="text/plain", charset="utf-8"
         )
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    """An environment switch read as SGLang's ``EnvBool`` reads it (a value it does not know is an error)."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    if v.lower() in ("true", "1", "yes", "y"):
+        return True
+    if v.lower() in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{name}: {v!r} is not a valid boolean value")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -6,6 +6,7 @@ and control calls, route its answers to the waiting handlers, and exit when it d
     link.submit(reqs)                     # checked Requests; each one's deliver(answer) runs on the loop
     n = await link.call("abort", rid)     # an engine op or a weight op (engine_backend.ENGINE_OPS / WEIGHT_OPS)
     link.paused, link.weight_version      # mirrored from every message it sends
+    await link.output_after(t, timeout_s=20)  # True once any message arrived after monotonic time t (health)
 
 Contract
 - ``start`` makes a ``socketpair`` (messages: pickled tuples in ``frames``), forks (before this process has any
@@ -68,6 +69,9 @@ class SchedulerLink:
         self._calls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
         self._stopping = False
+        self.last_receive = time.monotonic()
+        """When the last message of the scheduler process arrived (SGLang's ``last_receive_tstamp``)."""
+        self._receive_waiters: list[asyncio.Future] = []
 
     # ---- start / stop (the main thread) -----------------------------------------------------------
     @classmethod
@@ -156,7 +160,31 @@ class SchedulerLink:
             except Exception:
                 log.exception("a message from the scheduler process (%d bytes) could not be handled: skipped", len(raw))
 
+    async def output_after(self, t: float, *, timeout_s: float) -> bool:
+        """True as soon as a message of the scheduler process arrived after monotonic time ``t``; False when none
+        did within ``timeout_s`` (SGLang's health check: any scheduler output counts)."""
+        deadline = t + timeout_s
+        while self.last_receive <= t:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fut = asyncio.get_running_loop().create_future()
+            self._receive_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                return self.last_receive > t
+            finally:
+                if fut in self._receive_waiters:
+                    self._receive_waiters.remove(fut)
+        return True
+
     def _handle(self, msg: tuple) -> None:
+        self.last_receive = time.monotonic()
+        for fut in self._receive_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._receive_waiters.clear()
         kind, state = msg[0], msg[-1]
         if kind in ("out", "reply"):
             self.paused, self.weight_version = state

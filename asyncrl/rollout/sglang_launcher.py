@@ -14,9 +14,10 @@ Contract
 - A restarted engine is back at the checkpoint's weights and initial weight version and has left
   the weight-update group: ``restarts`` tells the caller to re-join the group and re-sync.
 - Supervision while the worker runs (``asyncrl.agent.worker`` drives it from its event loop):
-  ``probe()`` is one ``GET /health`` with a short timeout; ``HealthTracker`` (pure) turns probe
-  results into a verdict: dead (the process exited) at once, hung once probes have failed for
-  ``rollout.unhealthy_after_s``; ``relaunch(reason)`` SIGKILLs what is left (a SIGSTOPped engine
+  ``probe()`` is one ``asyncrl.engine.liveness.liveness`` check (a paused engine is live, never hung; engines are
+  started with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``: that module says why); ``HealthTracker`` (pure,
+  there too) turns probe results into a verdict: dead (the process exited) at once, hung once probes have failed
+  for ``rollout.unhealthy_after_s``; ``relaunch(reason)`` SIGKILLs what is left (a SIGSTOPped engine
   cannot handle SIGTERM) and spawns a fresh child (counting against ``rollout.max_restarts``,
   ``EngineLaunchError`` naming the engine and the reason beyond it); ``wait_ready()`` blocks until
   it answers, so the caller can run it on a thread while it spawned from the main thread.
@@ -56,6 +57,7 @@ from asyncrl.cluster.ports import free_port
 from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
 from asyncrl.config.schema import Config
 from asyncrl.engine.blocking import EngineStepError, get_text
+from asyncrl.engine.liveness import HEALTH_GENERATION_ENV, liveness
 
 log = logging.getLogger("asyncrl.rollout.launcher")
 
@@ -230,46 +232,6 @@ def model_info_ready(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def health_ok(url: str, timeout_s: float) -> bool:
-    """True when ``GET url/health`` answers 200 within ``timeout_s``."""
-    try:
-        get_text(url, "/health", timeout_s=timeout_s, step="health")
-    except EngineStepError:
-        return False
-    return True
-
-
-class HealthTracker:
-    """Pure verdict over a stream of probes: ``observe(alive, ok, t)`` (``t``: when the probe ended) returns
-    None while the engine is fine, ``"dead ..."`` once its process exited, ``"hung ..."`` once every probe
-    since ``t0`` (the first failed one) failed and ``t - t0 >= unhealthy_after_s``.
-
-        h = HealthTracker(unhealthy_after_s=10.0)
-        h.observe(alive=True, ok=False, t=100.0)   # None (first failure at 100)
-        h.observe(alive=True, ok=False, t=110.5)   # "hung: /health failed for 10.5 s"
-    """
-
-    def __init__(self, *, unhealthy_after_s: float):
-        self.unhealthy_after_s = unhealthy_after_s
-        self.failing_since: Optional[float] = None
-
-    def reset(self) -> None:
-        self.failing_since = None
-
-    def observe(self, *, alive: bool, ok: bool, t: float, exit_code: Optional[int] = None) -> Optional[str]:
-        if not alive:
-            return f"dead: the process exited with code {exit_code}"
-        if ok:
-            self.failing_since = None
-            return None
-        if self.failing_since is None:
-            self.failing_since = t
-        failed_s = t - self.failing_since
-        if failed_s >= self.unhealthy_after_s:
-            return f"hung: /health failed for {failed_s:.1f} s (rollout.unhealthy_after_s={self.unhealthy_after_s:g})"
-        return None
-
-
 class EngineSupervisor:
     def __init__(
         self,
@@ -296,6 +258,8 @@ class EngineSupervisor:
         self.env = env
         self.restarts = 0
         self.child: Optional[Child] = None
+        self.last_probe: Optional[str] = None
+        """Why the last ``probe`` failed (None: it passed)."""
 
     @classmethod
     def from_config(
@@ -318,10 +282,11 @@ class EngineSupervisor:
         local = engine_index if local_engine_index is None else local_engine_index
         p = engine_port(cfg, local) if port is None else port
         adv = advertise_host or ("127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostname())
+        env = {HEALTH_GENERATION_ENV: "false"}  # see module contract: /health never waits on a pause
         if cfg.rollout.rollout_backend == "cpu":
-            env, gpu_ids = {"OMP_NUM_THREADS": "1"}, None
+            env, gpu_ids = {**env, "OMP_NUM_THREADS": "1"}, None
         else:  # the engine sees exactly its devices, so its first one is device 0
-            env, gpu_ids = None, range(base_gpu_id, base_gpu_id + cfg.rollout.tensor_parallel_size)
+            gpu_ids = range(base_gpu_id, base_gpu_id + cfg.rollout.tensor_parallel_size)
         return cls(
             engine_command(cfg, port=p, base_gpu_id=0, host=host),
             url=f"http://{adv}:{p}",
@@ -388,8 +353,9 @@ class EngineSupervisor:
         log.info("%s ready at %s (pid %d)", self.name, self.url, self.pid)
 
     def probe(self, timeout_s: float) -> bool:
-        """One ``GET /health`` (False on any failure or after ``timeout_s``)."""
-        return health_ok(self.url, timeout_s)
+        """One liveness check (``liveness``): False when it failed; ``last_probe`` says why."""
+        self.last_probe = liveness(self.url, timeout_s)
+        return self.last_probe is None
 
     def exit_code(self) -> Optional[int]:
         return self.child.popen.poll() if self.child is not None else None

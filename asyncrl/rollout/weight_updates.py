@@ -11,13 +11,15 @@ Contract
   on the engine thread, or on a thread of its own for ``WAITING_OPS``).
 - ``/init_weights_update_group`` blocks its thread (not the scheduler) until the trainer joins.
 - ``/update_weights_from_distributed`` fails (400) unless ``/begin_weight_update`` was called and not yet
-  ended (``UpdateWindow``, kept by the HTTP process); tensors are received by ``broadcast`` from group rank 0 in the order of ``names``
+  ended (``UpdateWindow``, kept on the engine thread as SGLang keeps its session in the scheduler; a second begin
+  is refused); tensors are received by ``broadcast`` from group rank 0 in the order of ``names``
   (``load_format="flattened_bucket"``: ONE uint8 broadcast holding each tensor's raw bytes back to back, in
   that order, as SGLang's FlattenedTensorBucket), on the engine thread (through ``call``), so a weight load
   never overlaps a forward. ``/update_weights_from_disk`` reads a HF safetensors directory on a worker thread
   and copies it in on the engine thread the same way.
-- Atomic: names, dtypes and shapes are checked against the running model before the collective (a mismatch
-  is a 400, never a gloo size mismatch), tensors are received off the running weights (into a standby bank of
+- Atomic: dtypes and shapes are checked against the running model before the collective (a mismatch
+  is a 400, never a gloo size mismatch); a name the model does not have is received and dropped with a warning,
+  and the update still succeeds, as SGLang's loaders do (``sync.verify_interval`` on the trainer catches that); tensors are received off the running weights (into a standby bank of
   the same shapes, made on the first update and kept) and put in only when all arrived: a weight buffer that
   arrived whole is swapped with the bank's (no copy), the rest copied.
 """
@@ -51,14 +53,23 @@ WEIGHT_ROUTES = {
     "/update_weights_from_distributed": "update_weights_from_distributed",
     "/update_weight_version": "update_weight_version",
     "/update_weights_from_disk": "update_weights_from_disk",
+    "/begin_weight_update": "begin_weight_update",
+    "/end_weight_update": "end_weight_update",
+    "/get_weights_by_name": "get_weights_by_name",
 }
-"""POST path (a JSON body required) -> the ``WeightUpdates`` op. ``/begin_weight_update`` and
-``/end_weight_update`` only open and close the window updates may come in: the HTTP process answers them itself
-(``UpdateWindow``), one hop fewer on the fixed cost of every sync."""
+"""POST path -> the ``WeightUpdates`` op. The session calls (``/begin_weight_update``, ``/end_weight_update``) run in
+the scheduler process in order with the updates, as SGLang's (its ``SchedulerWeightUpdaterManager``): a begin or an
+end sent while a receive blocks the engine thread waits for it, as on SGLang."""
+OPTIONAL_BODY = frozenset({"/begin_weight_update", "/end_weight_update"})
+"""Routes whose body may be absent (every field has a default)."""
 WEIGHT_OPS = frozenset(WEIGHT_ROUTES.values())
 WAITING_OPS = frozenset({"init_weights_update_group", "update_weights_from_disk"})
 """Ops that wait on something besides the engine (the trainer joining, the disk): each runs on a thread of its own.
 The others run on the engine thread itself, between two model steps (no thread hand-off on a sync's path)."""
+
+READABLE_BY_NAME = frozenset({"llama"})
+"""Model types whose SGLang 0.5.23 class implements ``get_weights_by_name`` (``LlamaForCausalLM``; not
+``Qwen2ForCausalLM`` nor ``Qwen3ForCausalLM``)."""
 
 Answer = tuple[bool, str, dict]
 """(success, message, extra fields): SGLang's answer of a weight call."""
@@ -126,6 +137,36 @@ class WeightUpdates:
         """Weight-update standby bank (``_receive``): a second copy of the weights, made on first use."""
         self._flat_staging: Optional[torch.Tensor] = None
         """Reused receive buffer of the flattened format (grown to the largest bucket)."""
+        self.session = UpdateWindow()
+        """The open weight-update session (``/begin_weight_update`` .. ``/end_weight_update``)."""
+
+    def begin_weight_update(self, body: dict) -> Answer:
+        return self.session.begin(body)
+
+    def end_weight_update(self, body: dict) -> Answer:
+        return self.session.end(body)
+
+    def get_weights_by_name(self, body: dict) -> Answer:
+        """SGLang's ``/get_weights_by_name {name, truncate_size=100}``: the parameter as float32 ``tolist()``, cut to
+        its first ``truncate_size`` entries (rows of a matrix). SGLang 0.5.23 implements the model side for
+        Llama-family classes only; for Qwen2/Qwen3 (and for an unknown name) its model runner logs an error and
+        the server answers 400 ``{"error": {"message": "Get parameter by name failed"}}``: so does this engine.
+        Extra field ``parameter`` carries the answer (the HTTP side sends it as the whole body)."""
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str):
+            raise RequestError(f"name must be a string, got {name!r:.80}")
+        check_int(size, "truncate_size", lo=-(2**31), hi=2**31)
+        m = self.model
+        if m.spec.model_type not in READABLE_BY_NAME:
+            log.error("get_weights_by_name: %s models do not implement it (as in SGLang 0.5.23)", m.spec.model_type)
+            return answer(False, "Get parameter by name failed")
+        if name == "lm_head.weight" and m.spec.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        t = m.params.get(name)
+        if t is None:
+            log.error("get_weights_by_name: no parameter %r", name)
+            return answer(False, "Get parameter by name failed")
+        return answer(True, "", parameter=self._call(lambda s: t.detach().to(torch.float32).tolist()[:size]))
 
     def init_weights_update_group(self, body: dict) -> Answer:
         try:
@@ -174,6 +215,9 @@ class WeightUpdates:
         return answer(True, "Succeeded to destroy custom process group.")
 
     def update_weights_from_distributed(self, body: dict) -> Answer:
+        refused = self.session.refusal("update_weights_from_distributed", body)
+        if refused is not None:
+            return refused
         name = body.get("group_name", "weight_update_group")
         if not isinstance(name, str):
             return answer(False, f"group_name must be a string, got {name!r:.80}")
@@ -197,10 +241,11 @@ class WeightUpdates:
         return answer(ok, msg)
 
     def check_update(self, body: dict) -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
-        """Validate an update's metadata against the running model BEFORE the collective: every name known
-        (or one SGLang skips: a tied ``lm_head.weight``, ``rotary_emb.inv_freq``), no name twice, a float dtype,
-        and the model's own shape. The broadcast sizes follow from these shapes, so a metadata mistake is a 400
-        here instead of a size mismatch inside gloo (which aborts the process)."""
+        """Validate an update's metadata against the running model BEFORE the collective: no name twice, a float
+        dtype, and the model's own shape for a name it has. A name it does not have (SGLang's loaders warn "not
+        found" and skip it) is received with the shape sent and dropped in ``_receive``. The broadcast sizes follow
+        from these shapes, so a metadata mistake is a 400 here instead of a size mismatch inside gloo (which
+        aborts the process)."""
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (
             isinstance(names, list)
@@ -231,7 +276,7 @@ class WeightUpdates:
             elif n.endswith("rotary_emb.inv_freq"):
                 expected = (m.spec.head_dim // 2,)
             else:
-                raise RequestError(f"names: unknown parameter {n!r} for the running {m.spec.model_type}")
+                expected = tuple(shape)  # not the model's: received, then dropped with a warning (as SGLang)
             if tuple(shape) != expected:
                 raise RequestError(
                     f"shapes: parameter {n!r} has shape {tuple(shape)}, the running model's is {expected}"
@@ -296,6 +341,11 @@ class WeightUpdates:
         except (RuntimeError, dist.DistError) as e:
             return False, f"Failed to receive weights by broadcast (no weight changed): {e}"
         t1 = time.monotonic()
+        unknown = [n for n, _ in named if not self._loadable(n)]
+        if unknown:  # SGLang's loaders: a warning per name, and the update still succeeds
+            for n in unknown:
+                log.warning("Parameter %s not found in params_dict: skipped", n)
+            named = [(n, t) for n, t in named if self._loadable(n)]
         if banked:
             m, got = self.model, set(banked)
             whole = {m.group_of[n] for n in banked}
@@ -318,6 +368,15 @@ class WeightUpdates:
             fmt or "per-tensor",
         )
         return True, msg
+
+    def _loadable(self, name: str) -> bool:
+        m = self.model
+        return (
+            name in m.params
+            or name == "lm_head.weight"
+            and m.spec.tie_word_embeddings
+            or name.endswith("rotary_emb.inv_freq")
+        )
 
     def update_weights_from_disk(self, body: dict) -> Answer:
         """SGLang's ``/update_weights_from_disk``: ``{model_path, load_format?, weight_version?,

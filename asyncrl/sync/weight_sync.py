@@ -43,7 +43,10 @@ Contract
        confirm it (all of them after step 5); then ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
-  On an error the engines are left paused and the error propagates (the run fails).
+  On an error the engines are left paused, every engine's weight-update session is closed first
+  (``close_sessions``: ``/end_weight_update`` to each, its refusal "no weight-update session is open" and a dead
+  engine's silence ignored, bounded by ``sync.step_timeout_s``), so a retried sync's begin is accepted: SGLang
+  refuses a second begin while a session is open. Then the error propagates (the recovery retries or the run fails).
 - Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s) = ``time/sync_control``
   (the broker hooks and the engines' pause/begin/version/end/flush/continue calls: steps 1-3 and 5-7)
   + ``time/sync_gather`` (producing the buckets: the actor's TP gather and HF conversion, time spent
@@ -76,8 +79,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from asyncrl.config.schema import PAUSE_MODES, SyncConfig
-from asyncrl.engine.blocking import Call, EngineStepError, Exchange, get_json, get_text
-from asyncrl.engine.client import confirms_weight_version, parse_engine_load
+from asyncrl.engine.blocking import Call, EngineStepError, Exchange, engine_load, post_json
+from asyncrl.engine.client import confirms_weight_version
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
@@ -151,46 +154,6 @@ class SyncResult:
             "sync/num_bytes": float(self.num_bytes),
             "sync/num_buckets": float(self.num_buckets),
         }
-
-
-def _find_key(obj: Any, keys: tuple[str, ...]) -> Optional[float]:
-    """Sum of numeric values under any of ``keys`` anywhere in a JSON document."""
-    found: list[float] = []
-
-    def walk(o: Any) -> None:
-        if isinstance(o, dict):
-            for k, v in o.items():
-                if k in keys and isinstance(v, (int, float)):
-                    found.append(float(v))
-                else:
-                    walk(v)
-        elif isinstance(o, list):
-            for v in o:
-                walk(v)
-
-    walk(obj)
-    return sum(found) if found else None
-
-
-def engine_load(url: str, *, timeout_s: float) -> float:
-    """Running + queued requests of one engine: ``/metrics``, else ``/server_info``."""
-    try:
-        load = parse_engine_load(get_text(url, "/metrics", timeout_s=timeout_s, step="drain"))
-    except EngineStepError as e:
-        if "HTTP 404" not in e.detail:
-            raise
-        load = None
-    if load is None:
-        info = get_json(url, "/server_info", timeout_s=timeout_s, step="drain")
-        load = _find_key(info, ("num_running_reqs", "num_queue_reqs", "#running-req", "#queue-req"))
-    if load is None:
-        raise EngineStepError(
-            url,
-            "drain",
-            "neither /metrics (sglang:num_running_reqs) nor "
-            "/server_info reports running requests; start SGLang with --enable-metrics",
-        )
-    return load
 
 
 def _check_works(works: list) -> None:
@@ -434,6 +397,25 @@ class WeightSyncer:
         if self.hooks.sync_end is not None:
             self.hooks.sync_end(version)
 
+    def close_sessions(self) -> list[str]:
+        """After a failed sync: ``/end_weight_update`` to every engine at once, each answer ignored (an engine
+        whose session was not open refuses, a dead one does not answer); returns what each said, for the log."""
+        t = self.cfg.step_timeout_s
+
+        def end(url: str) -> str:
+            try:
+                post_json(url, "/end_weight_update", {}, timeout_s=t, step="end_weight_update")
+            except EngineStepError as e:  # SGLang's "no weight-update session is open" (a 400), or a dead engine
+                return f"{url}: {e.detail}"
+            return f"{url}: closed"
+
+        try:
+            said = self.calls.fan_out(self.urls, end, timeout_s=t + 1, step="end_weight_update")
+        except EngineStepError as e:  # the fan-out's own deadline: nothing more to do than say so
+            said = [f"not all engines answered: {e}"]
+        log.warning("weight sync failed: closing the engines' weight-update sessions (%s)", "; ".join(said))
+        return said
+
     def sync(self, buckets: Iterable[Bucket], version: Any) -> SyncResult:
         """One full sync (module contract steps 1-7); returns its figures. The first bucket is gathered while the
         engines pause (their answers are read after it): the sync's fixed cost hides behind the actor's work."""
@@ -457,7 +439,11 @@ class WeightSyncer:
                 ended=pushed.version_sent,  # the end rode behind the version-carrying update
             )
         except EngineStepError as e:  # name the training step too (the version being pushed)
+            self.close_sessions()
             raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
+        except BaseException:
+            self.close_sessions()
+            raise
         t3 = time.perf_counter()
         res = SyncResult(
             version=str(version),

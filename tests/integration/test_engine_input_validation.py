@@ -170,19 +170,24 @@ def test_bad_control_field_is_400_naming_it(engine, path, body, field):
 
 
 def test_weight_update_outside_begin_end_is_refused_in_order(engine):
-    """The HTTP process keeps the update window (begin .. end): an update or an end outside it is a 400 saying so;
-    inside it an update reaches the scheduler process, which names the group it lacks."""
+    """SGLang 0.5.23's session rules, kept in the scheduler process: an update or an end outside a session is a 400
+    saying so, a second begin while one is open is refused (a retried sync must end the first), and inside a session
+    an update reaches the receive, which names the group it lacks."""
     status, out = _post(engine.url, "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []})
-    assert status == 400 and "/begin_weight_update" in out["message"], out
+    assert status == 400 and "must run between begin_weight_update() and end_weight_update()" in out["message"], out
     status, out = _post(engine.url, "/end_weight_update", {})
     assert status == 400 and "no weight-update session is open" in out["message"], out
     assert _post(engine.url, "/begin_weight_update", {"selector": "some"})[0] == 400
     try:
-        assert _post(engine.url, "/begin_weight_update", {})[0] == 200
+        assert _post(engine.url, "/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
+        status, out = _post(engine.url, "/begin_weight_update", {"selector": "all"})
+        assert status == 400 and "a weight-update session is already open" in out["message"], out
         status, out = _post(engine.url, "/update_weights_from_distributed", {"group_name": "nope"})
         assert status == 400 and "group 'nope' does not exist" in out["message"], out
     finally:
         assert _post(engine.url, "/end_weight_update", {})[0] == 200
+    assert _post(engine.url, "/begin_weight_update", {})[0] == 200, "a begin after the end opens a new session"
+    assert _post(engine.url, "/end_weight_update", {})[0] == 200
 
 
 def test_abort_all_string_false_aborts_nothing(engine):

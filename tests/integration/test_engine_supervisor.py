@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from proc_helpers import alive, pids_mentioning, ppid, wait_for
 
+from asyncrl.engine.liveness import HealthTracker
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.sglang_launcher import EngineLaunchError, HealthTracker
+from asyncrl.rollout.sglang_launcher import EngineLaunchError
 from asyncrl.rollout.testing import running_cpu_engine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -391,17 +391,44 @@ def test_version_rides_on_the_last_bucket(env: Env, monkeypatch, case: str):
     _assert_engines_match_trainer(env)
 
 
-def test_failed_update_names_engine_and_step(env: Env):
-    """An engine that rejects a bucket (unknown tensor name) fails the sync at once, naming the
-    engine and the step, instead of waiting for the broadcast to time out."""
+def test_failed_update_names_engine_and_step_and_the_retry_is_accepted(env: Env):
+    """An engine that rejects a bucket (a tensor of the wrong shape) fails the sync at once, naming the
+    engine and the step, instead of waiting for the broadcast to time out. The failed sync closes every
+    engine's weight-update session, so the retried sync's begin is accepted (the engines refuse a second begin
+    while one is open, as SGLang does) and the retry carries the trainer's weights."""
     from asyncrl.engine.blocking import EngineStepError
 
     syncer = WeightSyncer(env.group, pause_mode="retract", sync_cfg=env.sync_cfg)
-    syncer.pause()
-    bad = [[("model.no_such_weight", torch.zeros(4))]]
+    bad = [[("model.norm.weight", torch.zeros(3, 5))]]
     t0 = time.monotonic()
     with pytest.raises(EngineStepError) as ei:
-        syncer.push(bad)
+        syncer.sync(bad, version=env.version + 1)
     assert ei.value.step == "update_weights_from_distributed"
     assert set(ei.value.urls) <= set(env.urls) and ei.value.urls
     assert time.monotonic() - t0 < TIMEOUT_S
+    for u in env.urls:  # the failure path ended the session: an end now finds none open
+        with pytest.raises(EngineStepError, match="no weight-update session is open"):
+            post_json(u, "/end_weight_update", {}, timeout_s=TIMEOUT_S, step="probe")
+    env.group.recreate()  # the trainer's side of the refused broadcast is in flight: the recovery re-forms the group
+    _train_step(env.trainer, seed=77)
+    env.version += 1
+    syncer.sync(iter_buckets(env.trainer.state_dict().items(), env.sync_cfg.bucket_bytes), version=env.version)
+    _assert_engines_match_trainer(env)
+
+
+def test_unknown_name_is_received_dropped_and_answered_success_as_sglang(env: Env):
+    """SGLang's loaders warn on a parameter name the model lacks and still answer success; so does the CPU engine
+    (the sync's weight verification, not the update's answer, is what catches a name drift). The bytes are
+    received (the broadcast completes), a warning names the parameter, and the served weights do not change."""
+    syncer = WeightSyncer(env.group, pause_mode="retract", sync_cfg=env.sync_cfg)
+    syncer.pause()
+    try:
+        stats = syncer.push([[("model.no_such_weight", torch.ones(4))]])
+    finally:
+        syncer.close_sessions()
+        for u in env.urls:
+            post_json(u, "/continue_generation", {}, timeout_s=30, step="continue")
+    assert stats.num_tensors == 1
+    for e in env.engines:
+        assert "Parameter model.no_such_weight not found" in e.log_path.read_text()
+    _assert_engines_match_trainer(env)

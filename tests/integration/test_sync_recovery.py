@@ -18,9 +18,9 @@ import torch
 
 from asyncrl.config.schema import SyncConfig
 from asyncrl.engine.blocking import get_json, post_json
+from asyncrl.engine.liveness import HealthTracker
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
-from asyncrl.rollout.sglang_launcher import HealthTracker
 from asyncrl.rollout.testing import running_cpu_engine
 from asyncrl.sync.bucketing import iter_buckets
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
@@ -42,7 +42,7 @@ class _Trainer:
         return iter_buckets(self.model.state_dict().items(), bucket_bytes)
 
 
-def _watch_and_restart(sup, counts: list[int], stop: threading.Event, unhealthy_after_s: float) -> None:
+def _watch_and_restart(sup, counts: list[int], stop: threading.Event, unhealthy_after_s: float, index: int = 0) -> None:
     """The rollout rank's part: probe, call the hang, relaunch, announce. Stays alive until ``stop``: the engine's
     death signal follows the thread that spawned it."""
     tracker = HealthTracker(unhealthy_after_s=unhealthy_after_s)
@@ -52,7 +52,7 @@ def _watch_and_restart(sup, counts: list[int], stop: threading.Event, unhealthy_
         if verdict is not None:
             sup.relaunch(verdict)
             sup.wait_ready()
-            counts[0] = sup.restarts
+            counts[index] = sup.restarts
             tracker.reset()
         stop.wait(0.2)
 
@@ -104,6 +104,66 @@ def test_sync_survives_a_hung_engine(tmp_path):
             n = len(PROMPT)
             expected = logp[n - 1 : n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
+        finally:
+            stop.set()
+            group.destroy()
+            watcher.join(timeout=30)
+
+
+class _KillsAfterFirstBucket(_Trainer):
+    """A trainer whose first sync loses an engine for real: after the first bucket went out (every engine had begun
+    the update and received it), ``victim`` is SIGKILLed before the second bucket is handed over."""
+
+    def __init__(self, model: TorchDecoder, version: int, victim):
+        super().__init__(model, version)
+        self.victim, self.armed = victim, True
+
+    def iter_hf_buckets(self, bucket_bytes: int):
+        for i, bucket in enumerate(iter_buckets(self.model.state_dict().items(), bucket_bytes)):
+            if i == 1 and self.armed:
+                self.armed = False
+                os.kill(self.victim.pid, signal.SIGKILL)
+                self.victim.child.popen.wait(timeout=30)
+            yield bucket
+
+
+def test_sync_that_fails_after_begin_is_retried_and_the_survivor_accepts_it(tmp_path):
+    """Two engines; one is killed in the middle of a sync (after every engine's /begin_weight_update). The failed
+    sync closes the survivor's weight-update session before the recovery retries, so the retry's begin is accepted
+    (the CPU engine, like SGLang, refuses a second begin while a session is open) and both engines end at the
+    trainer's version and weights."""
+    ckpt = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=2, hidden_size=32, intermediate_size=64
+    )
+    cfg = SyncConfig(bucket_bytes=16 * 1024, backend="gloo", join_timeout_s=30, step_timeout_s=120)
+    extra = ["--weight-sync-timeout-s", "10"]  # the survivor's receive of the lost bucket gives up after 10 s
+    with (
+        running_cpu_engine(ckpt, log_dir=tmp_path / "logs", extra=extra) as a,
+        running_cpu_engine(ckpt, log_dir=tmp_path / "logs", extra=extra) as b,
+    ):
+        b.max_restarts = 1
+        trainer = _KillsAfterFirstBucket(TorchDecoder.from_pretrained(ckpt), version=5, victim=b)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.05)
+        group = WeightSyncGroup(
+            [EngineEndpoint(a.url), EngineEndpoint(b.url)], cfg, master_address="127.0.0.1", control_timeout_s=10
+        )
+        group.init()
+        counts, published, stop = [0, 0], {}, threading.Event()
+        rec = EngineRecovery(
+            group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__, wait_s=60, max_failures=2
+        )
+        syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=cfg)
+        watcher = threading.Thread(target=_watch_and_restart, args=(b, counts, stop, 2.0, 1), daemon=True)
+        watcher.start()
+        try:
+            res = sync_weights(trainer, syncer, rec, bucket_bytes=cfg.bucket_bytes, is_leader=True, bcast=lambda x: x)
+            assert not trainer.armed, "the victim was not killed: the sync had a single bucket"
+            assert res.version == "5" and counts == [0, 1] and published == {1: 1} and rec.failures == 1
+            for url in (a.url, b.url):
+                assert str(get_json(url, "/model_info", timeout_s=10, step="t")["weight_version"]) == "5"
+            assert "a weight-update session is already open" not in a.log_path.read_text()
         finally:
             stop.set()
             group.destroy()

@@ -10,7 +10,7 @@ from asyncrl.broker.core import BrokerCore, CoreSettings
 from asyncrl.broker.types import PromptItem, Trajectory
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine.blocking import EngineStepError
-from asyncrl.rollout.sglang_launcher import HealthTracker
+from asyncrl.engine.liveness import HealthTracker
 from asyncrl.sync.group import EngineEndpoint
 from asyncrl.sync.recovery import EngineRecovery, SyncAbandoned, sync_weights
 
