@@ -214,6 +214,7 @@ class CpuEngine:
             self._waiting.pop(id(gone), None)
             if not gathered.done():
                 gathered.cancel()
+                gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no asyncio warning
 
     async def _watch_disconnects(self) -> None:
         """One task for every waiting ``/generate`` (not one timer per request): every ``DISCONNECT_POLL_S``, the

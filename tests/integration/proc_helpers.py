@@ -237,7 +237,15 @@ class TinyJob:
     """A job of the embedded default started in the background (stdout+stderr into ``<run_dir>.out``), for tests
     that act on it while it runs. Waits are on conditions (a step in metrics.jsonl, a pid), never bare sleeps."""
 
-    def __init__(self, prep: Path, run_dir: Path, *extra: str, nproc: int = 2, torchrun_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        prep: Path,
+        run_dir: Path,
+        *extra: str,
+        nproc: int = 2,
+        torchrun_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.out_path = run_dir.parent / f"{run_dir.name}.out"
@@ -245,7 +253,7 @@ class TinyJob:
         self.proc = subprocess.Popen(
             tiny_cmd(prep, run_dir, *extra, nproc=nproc, torchrun_args=torchrun_args),
             cwd=REPO,
-            env=tiny_env(),
+            env=env or tiny_env(),
             stdout=self._out,
             stderr=subprocess.STDOUT,
         )
