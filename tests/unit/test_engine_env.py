@@ -69,8 +69,9 @@ def test_from_config_gives_sglang_its_devices_and_base_gpu_id_0():
     )
     cmd = sup.command
     assert cmd[cmd.index("--base-gpu-id") + 1] == "0" and cmd[cmd.index("--tp-size") + 1] == "2"
-    assert sup.gpu_ids == [6, 7] and sup.name == "eval_engine1" and sup.env is None
+    no_health_generation = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}  # engine.liveness says why
+    assert sup.gpu_ids == [6, 7] and sup.name == "eval_engine1" and sup.env == no_health_generation
     assert sup.start_timeout_s == cfg.rollout.start_timeout_s >= 1800
     cpu = dataclasses.replace(cfg, rollout=RolloutConfig(rollout_backend="cpu", model_path="/m"))
     sup = EngineSupervisor.from_config(cpu, engine_index=0)
-    assert sup.gpu_ids is None and sup.env == {"OMP_NUM_THREADS": "1"}
+    assert sup.gpu_ids is None and sup.env == {**no_health_generation, "OMP_NUM_THREADS": "1"}
