@@ -111,6 +111,11 @@ DESCRIPTIONS = {
     "sync/transfer_bytes_per_s": "weight bytes / broadcast seconds",
     "sync/num_bytes": "bytes broadcast per sync",
     "sync/num_buckets": "buckets per sync",
+    "sync/verified_params": "(engine, parameter) pairs read back after this sync and found equal to what the actor "
+    "sent (0 when the check was not due: sync.verify_interval)",
+    "sync/verify_unsupported": "1 when the engines cannot read parameters by name (SGLang 0.5.23 with a Qwen2/Qwen3 "
+    "model): the served weights were not verified",
+    "time/sync_verify": "seconds reading parameters back from the engines after the sync (step 8)",
     "time/step": "seconds of the whole step",
     "time/wait_data": "seconds the actor waited for its batch (async)",
     "time/rollout": "seconds generating the batch (sync mode)",

@@ -224,9 +224,13 @@ class SyncConfig:
     step_timeout_s: float = 600.0
     """Timeout of each HTTP step of one sync."""
     group_name: str = "weight_update_group"
+    verify_interval: int = 10
+    """Read a few parameters back from every engine (``/get_weights_by_name``) after the first sync and every N-th,
+    and fail the run when one differs from what the actor sent (0: never)."""
 
     def __post_init__(self):
         positive(self.bucket_bytes, "sync.bucket_bytes")
+        non_negative(self.verify_interval, "sync.verify_interval")
         positive(self.join_timeout_s, "sync.join_timeout_s")
         positive(self.broadcast_timeout_s, "sync.broadcast_timeout_s")
         positive(self.step_timeout_s, "sync.step_timeout_s")

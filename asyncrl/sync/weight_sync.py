@@ -42,20 +42,19 @@ Contract
        ``/model_info.weight_version`` equals the new version on every engine whose update answer did not
        confirm it (all of them after step 5); then ``POST /continue_generation``.
     7. ``hooks.sync_end(version)``
+    8. after the first sync and every ``sync.verify_interval``-th: a few parameters read back from every engine
+       must equal what was sent (``asyncrl.sync.verify``; ``WeightVerifyError`` names the engine and parameter)
 - Invariant: after ``sync`` returns, every engine serves ``str(version)`` and is generating again.
   On an error the engines are left paused, every engine's weight-update session is closed first
   (``close_sessions``: ``/end_weight_update`` to each, its refusal "no weight-update session is open" and a dead
   engine's silence ignored, bounded by ``sync.step_timeout_s``), so a retried sync's begin is accepted: SGLang
   refuses a second begin while a session is open. Then the error propagates (the recovery retries or the run fails).
-- Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s) = ``time/sync_control``
-  (the broker hooks and the engines' pause/begin/version/end/flush/continue calls: steps 1-3 and 5-7)
-  + ``time/sync_gather`` (producing the buckets: the actor's TP gather and HF conversion, time spent
-  in the bucket iterator) + ``time/sync_transfer`` (the broadcasts and the engines' update calls, with the
-  end call that rides behind the final one);
-  ``time/sync_pause`` (the part of steps 1-3 that the first bucket's gather did not hide) and ``time/sync_finish``
-  (the two halves of control), ``sync/bytes_per_s``
-  (bytes / whole sync), ``sync/transfer_bytes_per_s`` (bytes / transfer), ``sync/num_bytes``,
-  ``sync/num_buckets``.
+- Metrics (``SyncResult.metrics()``): ``time/sync_weights`` (whole sync, s) = ``time/sync_control`` (broker hooks,
+  the pause/begin/version/end/flush/continue calls: steps 1-3 and 5-7) + ``time/sync_gather`` (time in the bucket
+  iterator: the actor's TP gather and HF conversion) + ``time/sync_transfer`` (broadcasts and update calls, with
+  the end riding behind the final one); ``time/sync_pause`` (steps 1-3 not hidden behind the first gather) and
+  ``time/sync_finish``; ``sync/bytes_per_s``, ``sync/transfer_bytes_per_s``, ``sync/num_bytes``,
+  ``sync/num_buckets``; step 8's ``time/sync_verify``, ``sync/verified_params``, ``sync/verify_unsupported``.
 
     group = WeightSyncGroup(engines, cfg.sync); group.init()
     syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
@@ -85,6 +84,7 @@ from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_buck
 from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
 from asyncrl.sync.process_group import broadcast_from_rank0
+from asyncrl.sync.verify import SentRows, VerifyResult, verify_sync
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,9 @@ class SyncResult:
     gather_s: float
     transfer_s: float
     finish_s: float
+    verify: VerifyResult = VerifyResult(checked=0, unsupported=False)
+    """what the served-weights check read back (``asyncrl.sync.verify``; nothing when it was not due)"""
+    verify_s: float = 0.0
 
     @property
     def control_s(self) -> float:
@@ -153,6 +156,9 @@ class SyncResult:
             "sync/transfer_bytes_per_s": self.num_bytes / self.transfer_s if self.transfer_s > 0 else 0.0,
             "sync/num_bytes": float(self.num_bytes),
             "sync/num_buckets": float(self.num_buckets),
+            "sync/verified_params": float(self.verify.checked),
+            "sync/verify_unsupported": float(self.verify.unsupported),
+            "time/sync_verify": self.verify_s,
         }
 
 
@@ -275,6 +281,7 @@ class WeightSyncer:
         self.cfg = sync_cfg
         self.hooks = hooks or SyncHooks()
         self.calls = CallPool()
+        self.num_syncs = 0
 
     @property
     def urls(self) -> list[str]:
@@ -420,9 +427,12 @@ class WeightSyncer:
         """One full sync (module contract steps 1-7); returns its figures. The first bucket is gathered while the
         engines pause (their answers are read after it): the sync's fixed cost hides behind the actor's work."""
         t0 = time.perf_counter()
+        self.num_syncs += 1
+        n, every = self.num_syncs, self.cfg.verify_interval
+        sent = SentRows() if every and (n == 1 or n % every == 0) else None
         try:
             ex = self._start_pause()
-            it = iter(buckets)
+            it = iter(buckets if sent is None else sent.capture(buckets))
             tg = time.perf_counter()
             first = next(it, None)  # the actor gathers and converts the first bucket while the engines pause
             first_gather_s = time.perf_counter() - tg
@@ -445,6 +455,7 @@ class WeightSyncer:
             self.close_sessions()
             raise
         t3 = time.perf_counter()
+        verified = verify_sync(self.urls, sent, version=version, timeout_s=self.cfg.step_timeout_s)
         res = SyncResult(
             version=str(version),
             num_bytes=pushed.num_bytes,
@@ -455,6 +466,8 @@ class WeightSyncer:
             gather_s=pushed.gather_s + first_gather_s,
             transfer_s=pushed.transfer_s,
             finish_s=t3 - t2,
+            verify=verified,
+            verify_s=time.perf_counter() - t3,
         )
         log.info(
             "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s): control %.3f s, gather %.3f s, "
