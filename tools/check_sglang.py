@@ -1,23 +1,22 @@
-"""Check what asyncrl sends to SGLang against SGLang's own parser and request classes (sglang 0.5.23).
+"""Check what asyncrl sends to SGLang against SGLang's own parser, request classes and session rules (sglang 0.5.23).
 
-No GPU, no server: sglang is installed WITHOUT its dependencies in a throwaway environment, plus the light
-packages that importing ``sglang.srt.server_args`` and ``sglang.srt.managers.io_struct`` needs (checked 2026-12-05):
+No GPU, no server: sglang is installed WITHOUT its dependencies (GPU wheels) in a throwaway environment, plus the
+light packages importing its modules needs (``tools/sglang_check_requirements.txt``, the CPU torch pinned). CI runs it
+on every run (``tools/check_sglang_ci.sh``, from ``.ci/run``: ~1.5 minutes from a cold environment); by hand:
 
-    python -m venv /tmp/sgl && /tmp/sgl/bin/pip install --no-deps sglang==0.5.23
-    /tmp/sgl/bin/pip install torch==2.13.0 numpy orjson psutil pybase64 requests packaging pillow starlette \
-        msgspec pydantic pyzmq tqdm ipython aiohttp transformers apache-tvm-ffi==0.1.11 sentencepiece \
-        compressed-tensors gguf openai partial-json-parser triton dill pytest pytest-timeout
-    PYTHONPATH=.:tools/sglang_check_stubs /tmp/sgl/bin/python tools/check_sglang.py   # JSON report; exit 1 on a mismatch
-    PYTHONPATH=.:tools/sglang_check_stubs /tmp/sgl/bin/python -m pytest -q tests/unit/test_check_sglang.py
+    bash tools/check_sglang_ci.sh            # makes .venv-sglang-check if needed, runs the tool and its tests
+    PYTHONPATH=.:tools/sglang_check_stubs .venv-sglang-check/bin/python tools/check_sglang.py [--json report.json]
 
-``tools/sglang_check_stubs`` holds an import-time stand-in for torchvision: PyPI's torchvision is built against
-CUDA torch and does not load next to the CPU torch, and sglang's and transformers' modules import it at import
-time (never called by these checks). The tool's recorders (below) run without sglang, in the test suite.
+It prints each mismatch and "check_sglang: N checks, M mismatches"; exit 1 on a mismatch. ``tools/sglang_check_stubs``
+holds an import-time stand-in for torchvision: PyPI's torchvision is built against CUDA torch and does not load next
+to the CPU torch, and sglang's and transformers' modules import it at import time (never called by these checks).
+The tool's recorders (below) run without sglang, in the test suite (``tests/unit/test_check_sglang.py``).
 
 What it checks
 - Command lines: ``sglang_command`` (rollout engines; TP 1 and TP 2 with extra args) and the eval fleet's
-  (``eval_engine_config``) go through ``sglang.srt.server_args.prepare_server_args`` -- what
-  ``python -m sglang.launch_server`` runs on its argv -- and every value we meant is read back.
+  (``eval_engine_config``), without a run secret and with several (``ASYNCRL_API_KEY``, each starting with '-'), go
+  through ``sglang.srt.server_args.prepare_server_args`` -- what ``python -m sglang.launch_server`` runs on its
+  argv -- and every value we meant is read back, ``api_key`` included (the report never shows a secret).
 - Request bodies, built by our own code: ``SGLangClient`` (its one transport method replaced by a recorder),
   the weight sync (the real ``WeightSyncer`` pause, push and finish for every pause mode, per-tensor and
   flattened, with its ``Exchange`` calls and the group's ``post_json`` recorded and answered at once, the
@@ -26,18 +25,31 @@ What it checks
   ``GenerateReqInput`` dataclass or the msgspec ``*ReqInput`` structs), every key must be a field of that class
   (FastAPI drops unknown keys silently), every required field present; ``/generate`` bodies also pass SGLang's
   JSON contract gate (``generate_contract_error``) and build a ``SamplingParams``.
+- Weight-update sessions: the real ``WeightSyncer.sync`` against two scripted engines, once with a failure injected
+  at each step (``FAULTS``: the pause, the begin, a bucket's update, the version check, the continue; an answer that
+  failed or one that never came) and then a retry sync; each engine's ``/begin_weight_update``,
+  ``/update_weights_from_distributed`` and ``/end_weight_update`` replayed through a real
+  ``SchedulerWeightUpdaterManager`` (SGLang's session rules: a begin while a session is open, an end without one and
+  an update outside one are refused). A refused begin or update is a mismatch, and so is any call where SGLang and
+  the CPU engine's ``UpdateWindow`` disagree.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import logging
+import os
+import secrets
 import sys
+import threading
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 ENDPOINT_CLASSES = {
@@ -51,12 +63,13 @@ ENDPOINT_CLASSES = {
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/get_weights_by_name": "GetWeightsByNameReqInput",
 }
 NO_BODY = {"/flush_cache"}  # SGLang 0.5.23 reads only a ``timeout`` query parameter there
 
 
 # ------------------------------------------------------------------------------------- command lines
-def _expected(cfg, *, port: int, tp: int) -> dict[str, Any]:
+def _expected(cfg, *, port: int, tp: int, secret: str | None) -> dict[str, Any]:
     r = cfg.rollout
     return {
         "model_path": r.model_path or cfg.actor.model_path,
@@ -71,10 +84,19 @@ def _expected(cfg, *, port: int, tp: int) -> dict[str, Any]:
         "weight_version": "0",
         "random_seed": cfg.runner.seed,
         "skip_server_warmup": True,
+        "api_key": secret,
     }
 
 
-def command_cases() -> list[tuple[str, Any, int]]:
+def run_secrets() -> list[str]:
+    """Run secrets to launch with (``ASYNCRL_API_KEY``): one that starts with '-' (argparse takes a separate token
+    that starts with '-' for a flag) and three of ``auth.share_secret``'s kind (``secrets.token_urlsafe(32)``) made to
+    start with '-' too (about 1 in 64 does by chance)."""
+    return ["-abc_DEF-123"] + ["-" + secrets.token_urlsafe(32)[1:] for _ in range(3)]
+
+
+def command_cases() -> list[tuple[str, Any, int, str | None]]:
+    """(name, config, TP size, run secret or None) of every command line checked."""
     from asyncrl.config.eval_engine import eval_engine_config
     from asyncrl.config.loader import load_config
 
@@ -86,41 +108,246 @@ def command_cases() -> list[tuple[str, Any, int]]:
             'rollout.sglang.extra_args=["--log-level", "warning", "--chunked-prefill-size", "8192"]',
         ],
     )
-    fleet = load_config(
-        ROOT / "configs/searchr1.toml",
-        ["eval.eval_num_gpus=2", "eval.eval_num_gpus_per_engine=2", 'eval.eval_sglang={mem_fraction_static = "0.6"}'],
+    fleet = eval_engine_config(
+        load_config(
+            ROOT / "configs/searchr1.toml",
+            [
+                "eval.eval_num_gpus=2",
+                "eval.eval_num_gpus_per_engine=2",
+                'eval.eval_sglang={mem_fraction_static = "0.6"}',
+            ],
+        )
     )
-    return [
-        ("rollout (configs/searchr1.toml)", base, 1),
-        ("rollout TP 2 + extra_args", tp2, 2),
-        ("eval fleet TP 2", eval_engine_config(fleet), 2),
+    cases = [
+        ("rollout (configs/searchr1.toml)", base, 1, None),
+        ("rollout TP 2 + extra_args", tp2, 2, None),
+        ("eval fleet TP 2", fleet, 2, None),
     ]
+    for i, key in enumerate(run_secrets()):
+        cases += [
+            (f"rollout TP 2 + extra_args, run secret {i}", tp2, 2, key),
+            (f"eval fleet TP 2, run secret {i}", fleet, 2, key),
+        ]
+    return cases
+
+
+def command_argvs() -> list[tuple[str, list[str], dict[str, Any]]]:
+    """(case, the engine's argv after ``python -m sglang.launch_server``, what SGLang must read from it), each built by
+    the launcher's own path, ``EngineSupervisor.from_config`` (the engine sees its devices: --base-gpu-id 0), with the
+    case's run secret, or none, in the environment."""
+    from asyncrl.cluster import auth
+    from asyncrl.rollout.sglang_launcher import EngineSupervisor
+
+    out = []
+    for name, cfg, tp, secret in command_cases():
+        with _env(auth.ENV, secret):
+            sup = EngineSupervisor.from_config(cfg, engine_index=0, base_gpu_id=4, port=30010, run_dir="/tmp/x")
+        argv = sup.command
+        assert argv[1:3] == ["-m", "sglang.launch_server"], argv
+        out.append((name, argv[3:], _expected(cfg, port=30010, tp=tp, secret=secret)))
+    return out
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``os.environ[name]`` set to ``value`` (removed for None) inside the block, restored after."""
+    saved = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
 
 
 def check_commands() -> list[dict]:
     from sglang.srt.server_args import prepare_server_args
 
-    from asyncrl.rollout.sglang_launcher import EngineSupervisor
+    from asyncrl.cluster.auth import redacted
 
     out = []
-    for name, cfg, tp in command_cases():
-        # the launcher's own path: from_config (the engine sees its devices, --base-gpu-id 0)
-        sup = EngineSupervisor.from_config(cfg, engine_index=0, base_gpu_id=4, port=30010, run_dir="/tmp/x")
-        argv = sup.command
-        assert argv[1:3] == ["-m", "sglang.launch_server"], argv
-        res = {"case": name, "argv": argv[3:], "problems": []}
+    for name, argv, expected in command_argvs():
+        res = {"case": name, "argv": redacted(argv), "problems": []}
         try:
-            sa = prepare_server_args(argv[3:])
+            sa = prepare_server_args(argv)
         except (SystemExit, Exception) as e:  # noqa: BLE001 - the report says what SGLang's parser said
             res["problems"].append(f"prepare_server_args rejected it: {type(e).__name__}: {e}")
             out.append(res)
             continue
-        for k, want in _expected(cfg, port=30010, tp=tp).items():
+        for k, want in expected.items():
             got = getattr(sa, k)
-            if got != want and str(got) != str(want):
+            if got == want or str(got) == str(want):
+                continue
+            if k == "api_key":  # the report never shows a secret
+                res["problems"].append(f"api_key: SGLang read {_secret_shape(got)}, we meant {_secret_shape(want)}")
+            else:
                 res["problems"].append(f"{k}: SGLang read {got!r}, we meant {want!r}")
         out.append(res)
     return out
+
+
+def _secret_shape(key: Any) -> str:
+    return "none" if key is None else f"a {type(key).__name__} of length {len(str(key))}"
+
+
+# ------------------------------------------------------------------------------------- scripted engines
+INJECTED = "injected failure"  # the message of every failure the scripts inject
+NOT_READABLE = "Get parameter by name failed"
+"""SGLang 0.5.23's 400 to ``/get_weights_by_name`` when the model class cannot read parameters by name (its Qwen2 and
+Qwen3 classes, our models: any name): what the scripted engines answer there."""
+
+
+class _DoneWork:
+    """A broadcast that completed at once (no process group: only the HTTP bodies are checked here)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
+class Step(NamedTuple):
+    """A call that reached an engine: ``outcome`` is ``ok``, ``failed`` (answered an injected failure), ``lost`` (ran,
+    its answer never came; injected) or ``refused`` (SGLang's own 400: ``NOT_READABLE``); ``sync``: which sync sent it
+    (``first`` or ``retry``)."""
+
+    path: str
+    body: Any
+    outcome: str
+    sync: str
+    method: str = "POST"
+
+
+class EngineScript:
+    """Plays the engines of a weight sync: records each call that reaches an engine (``steps``: per engine, in order)
+    and answers it at once: success, the engine's current version for ``/model_info``, or the armed ``fault`` (once:
+    on the first engine, see ``Fault``)."""
+
+    def __init__(self, urls: tuple[str, ...], fault: Fault | None):
+        self.steps: dict[str, list[Step]] = {u: [] for u in urls}
+        self.fault, self.fired = fault, False
+        self.sync = "first"
+        self.version = dict.fromkeys(urls, "0")
+        self._lock = threading.Lock()  # the failure clean-up may post from a thread per engine
+
+    def _hits(self, url: str, path: str, body: Any) -> bool:
+        f = self.fault
+        if f is None or self.fired or url != next(iter(self.steps)) or path != f.path:
+            return False
+        return not f.last or (isinstance(body, dict) and body.get("weight_version") is not None)
+
+    def reach(self, url: str, method: str, path: str, body: Any) -> tuple[str, Any]:
+        """The engine ``url`` runs ``method path body``: (outcome, its answer)."""
+        with self._lock:
+            outcome = "ok"
+            if self._hits(url, path, body):
+                self.fired = True
+                outcome = "lost" if self.fault.lost else "failed"
+            if outcome == "ok" and isinstance(body, dict):
+                if path == "/update_weights_from_distributed" and body.get("weight_version") is not None:
+                    self.version[url] = str(body["weight_version"])
+                elif path == "/update_weight_version":
+                    self.version[url] = str(body["new_version"])
+            if outcome == "ok" and path == "/get_weights_by_name":
+                outcome = "refused"
+            self.steps[url].append(Step(path, body, outcome, self.sync, method))
+            if path == "/model_info":
+                return outcome, {"weight_version": self.version[url] if outcome == "ok" else "stale"}
+            if outcome == "refused":
+                return outcome, {"error": {"message": NOT_READABLE}}
+            return outcome, {"success": outcome == "ok", "message": "" if outcome == "ok" else INJECTED}
+
+    def call(self, url: str, c) -> tuple[str, Any, Exception | None]:
+        """An ``Exchange`` call reaching ``url``: (outcome, answer, the error our side raises or None)."""
+        from asyncrl.engine.blocking import EngineStepError
+
+        outcome, ans = self.reach(url, c.method, c.path, c.body)
+        if outcome == "lost":
+            return outcome, ans, EngineStepError(url, c.step, f"{c.method} {c.path} timed out ({INJECTED})")
+        if outcome == "refused":
+            return outcome, ans, _http_400(url, c.step, c.method, c.path, ans)
+        if c.check_success and isinstance(ans, dict) and ans.get("success") is False:
+            return outcome, ans, EngineStepError(url, c.step, f"{c.path} answered success=false: {INJECTED}")
+        return outcome, ans, None
+
+
+def _http_400(url: str, step: str, method: str, path: str, answer: Any) -> Exception:
+    """The error our transport raises on a 400 (``blocking._Req.read``)."""
+    from asyncrl.engine.blocking import EngineStepError
+
+    err = EngineStepError(url, step, f"HTTP 400 from {method} {path}: {json.dumps(answer)}")
+    err.status = 400
+    return err
+
+
+def _exchange_playing(script: EngineScript, base: type) -> type:
+    class ScriptedExchange(base):
+        """Each chain's first call and the calls pipelined behind it reach the engine at once (they were written
+        together); a call behind a lost answer never runs; a later call goes out only after a success. The first
+        failure raises once every written call ran, as the real exchange raises with the other engines' calls on
+        the wire."""
+
+        def start(self):
+            return self
+
+        def wait(self, **kw):
+            first_error = None
+            for i, (url, calls) in enumerate(self.chains):
+                broken = lost = False
+                for k, c in enumerate(calls):
+                    if (k and not c.pipelined and (broken or first_error)) or (lost and c.pipelined):
+                        break
+                    outcome, ans, err = script.call(url, c)
+                    lost, broken = outcome == "lost", broken or err is not None
+                    if err is None and not broken:
+                        self.answers[i].append(ans)
+                    first_error = first_error or err
+            if first_error is not None:
+                raise first_error
+            return self.answers
+
+    return ScriptedExchange
+
+
+@contextlib.contextmanager
+def _patched(*targets: tuple[Any, str, Any]):
+    """Each ``(object, attribute, value)`` set inside the block, restored after."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
+    for obj, name, value in targets:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def engines_played_by(script: EngineScript):
+    """The weight sync's transports answered by ``script``: its ``Exchange``, any single call (``post_json``,
+    ``get_json``, ``get_text``: ``blocking._request``), the broadcasts (completed at once) and the drain's load
+    (idle)."""
+    from asyncrl.engine import blocking
+    from asyncrl.sync import weight_sync
+
+    def request(url, path, *, method, body, timeout_s, step):
+        outcome, ans = script.reach(url, method, path, body)
+        if outcome == "lost":
+            raise blocking.EngineStepError(url, step, f"{method} {path} timed out ({INJECTED})")
+        if outcome in ("failed", "refused"):
+            raise _http_400(url, step, method, path, ans)
+        return json.dumps(ans).encode()
+
+    with _patched(
+        (weight_sync, "Exchange", _exchange_playing(script, weight_sync.Exchange)),
+        (blocking, "_request", request),
+        (weight_sync, "broadcast_from_rank0", lambda t, pg: _DoneWork()),
+        (weight_sync, "engine_load", lambda url, *, timeout_s: 0.0),
+    ):
+        yield
 
 
 # ------------------------------------------------------------------------------------- request bodies
@@ -159,72 +386,39 @@ def _agent_sampling_params(*, greedy: bool) -> dict:
     return AgentLoop.sampling_params(me, 500, greedy=greedy)
 
 
-class _DoneWork:
-    """A broadcast that completed at once (no process group: only the HTTP bodies are checked here)."""
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self) -> bool:
-        return True
-
-
 def _sync_bodies() -> list[tuple[str, Any]]:
-    """Every body the weight sync sends, recorded where it leaves our code: each ``Exchange`` call (pause, the
-    pipelined begin, every bucket's update with the pipelined end behind the last one, the version bump, flush, end,
-    continue) answered at once, and the group's leave (``post_json``); the join's body comes from its builder. The
-    real ``WeightSyncer.sync`` runs for every pause mode, per-tensor and flattened, and a pipeline stage's push (no
-    version on its last bucket) with the coordinator's ``finish``."""
-    import torch
-
+    """Every body the weight sync sends, recorded where it leaves our code (``engines_played_by``: each ``Exchange``
+    call -- pause, the pipelined begin, every bucket's update with the pipelined end behind the last one, the version
+    bump, flush, end, continue -- and each single call, such as the group's leave, answered at once); the join's body
+    comes from its builder. The real ``WeightSyncer.sync`` runs for every pause mode, per-tensor and flattened, and a
+    pipeline stage's push (no version on its last bucket) with the coordinator's ``finish``."""
     from asyncrl.config.schema import PAUSE_MODES, SyncConfig
-    from asyncrl.sync import group as group_mod
     from asyncrl.sync import weight_sync
     from asyncrl.sync.bucketing import iter_buckets
     from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 
-    calls: list[tuple[str, Any]] = []
-
-    class RecordingExchange(weight_sync.Exchange):
-        """Records each call's body and answers it at once (success; ``/model_info``: version 7), no engine."""
-
-        def start(self):
-            return self
-
-        def wait(self, **kw):
-            for _, cs in self.chains:
-                for c in cs:
-                    if c.method == "POST":
-                        calls.append((c.path, c.body))
-            return [[{"weight_version": "7", "success": True, "message": ""} for _ in cs] for _, cs in self.chains]
-
-    def recording_post_json(url, path, body, **kw):
-        calls.append((path, body))
-        return {"success": True, "message": ""}
-
-    saved = weight_sync.Exchange, weight_sync.broadcast_from_rank0, group_mod.post_json
-    weight_sync.Exchange = RecordingExchange
-    weight_sync.broadcast_from_rank0 = lambda t, pg: _DoneWork()
-    group_mod.post_json = recording_post_json
-    try:
-        state = {
-            "model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16),
-            "model.norm.weight": torch.zeros(2),
-        }
+    url = "http://e0:30000"
+    script = EngineScript((url,), None)
+    with engines_played_by(script):
         for flat in (False, True):
             cfg = SyncConfig(flattened_bucket=flat, bucket_bytes=16)  # 16 bytes: one tensor a bucket, two buckets
-            group = WeightSyncGroup([EngineEndpoint("http://e0:30000")], cfg)
+            group = WeightSyncGroup([EngineEndpoint(url)], cfg)
             group.pg = object()  # the broadcasts are _DoneWork; only the bodies leave
-            for mode in (m for m in PAUSE_MODES if m != "drain"):  # drain polls the engines' load first
+            for mode in PAUSE_MODES:
                 syncer = weight_sync.WeightSyncer(group, pause_mode=mode, sync_cfg=cfg)
-                syncer.sync(iter_buckets(state.items(), cfg.bucket_bytes), 7)
-                syncer.push(iter_buckets(state.items(), cfg.bucket_bytes))  # a pipeline stage's push: no version
+                syncer.sync(iter_buckets(_sync_state().items(), cfg.bucket_bytes), 7)
+                syncer.push(iter_buckets(_sync_state().items(), cfg.bucket_bytes))  # a pipeline stage's: no version
                 syncer.finish(7)  # ... so the coordinator bumps the version and ends the update
-        WeightSyncGroup([EngineEndpoint("http://e0:30000")], SyncConfig(backend="nccl")).destroy()  # the leave
-    finally:
-        weight_sync.Exchange, weight_sync.broadcast_from_rank0, group_mod.post_json = saved
-    calls += _join_bodies()
+        WeightSyncGroup([EngineEndpoint(url)], SyncConfig(backend="nccl")).destroy()  # the leave
+    calls = [(s.path, s.body) for s in script.steps[url] if s.method == "POST"] + _join_bodies()
     return [(f"weight sync {p}", (p, b)) for p, b in calls]
+
+
+def _sync_state() -> dict:
+    """Two small tensors of two dtypes: with 16-byte buckets, two buckets."""
+    import torch
+
+    return {"model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16), "model.norm.weight": torch.zeros(2)}
 
 
 def _join_bodies() -> list[tuple[str, Any]]:
@@ -308,8 +502,236 @@ def check_bodies() -> list[dict]:
     return out
 
 
-def main() -> int:
+# ------------------------------------------------------------------------------------- weight-update sessions
+SESSION_PATHS = ("/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update")
+"""The calls SGLang's ``SchedulerWeightUpdaterManager`` keeps its session rules on (begin refuses while a session is
+open, end refuses without one, an update refuses outside one)."""
+SESSION_ENGINES = ("http://e0:30000", "http://e1:30000")
+"""Two engines: the fault hits the first; the second answers everything (what a failure on one engine leaves on the
+others is checked too)."""
+
+
+class Fault(NamedTuple):
+    """A failure injected into a sync, on the first engine's first call to ``path`` (``last``: its update carrying the
+    version, the one ``/end_weight_update`` is pipelined behind). The engine ran the call. ``lost``: its answer never
+    came (a timeout): our side closes the connection, so calls pipelined behind it never run (uvicorn, SGLang's
+    server, starts a queued pipelined request only once the previous answer is written to a connection still open);
+    else it answered ``{"success": false}`` (a 400), and calls pipelined behind it run."""
+
+    name: str
+    path: str
+    lost: bool = False
+    last: bool = False
+
+
+FAULTS = (
+    Fault("the pause answers a failure (the begin pipelined behind it runs)", "/pause_generation"),
+    Fault("the pause times out (the begin pipelined behind it never runs)", "/pause_generation", lost=True),
+    Fault("the begin times out (it ran)", "/begin_weight_update", lost=True),
+    Fault("the first bucket's update fails", "/update_weights_from_distributed"),
+    Fault("the last bucket's update fails (the end behind it runs)", "/update_weights_from_distributed", last=True),
+    Fault(
+        "the last bucket's update times out (the end behind it never runs)",
+        "/update_weights_from_distributed",
+        lost=True,
+        last=True,
+    ),
+    Fault("the version check reads a stale version", "/model_info"),
+    Fault("the continue answers a failure", "/continue_generation"),
+)
+
+
+def _one_sync(mode: str) -> str | None:
+    """One ``WeightSyncer.sync`` to version 7 (two buckets) on a fresh syncer, as a retry after a restart makes it:
+    its error, or None."""
+    from asyncrl.config.schema import SyncConfig
+    from asyncrl.engine.blocking import EngineStepError
+    from asyncrl.sync import weight_sync
+    from asyncrl.sync.bucketing import iter_buckets
+    from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+
+    cfg = SyncConfig(bucket_bytes=16, step_timeout_s=5.0)  # 16 bytes: one tensor a bucket, two buckets
+    group = WeightSyncGroup([EngineEndpoint(u) for u in SESSION_ENGINES], cfg)
+    group.pg = object()  # the broadcasts are _DoneWork
+    try:
+        weight_sync.WeightSyncer(group, pause_mode=mode, sync_cfg=cfg).sync(iter_buckets(_sync_state().items(), 16), 7)
+    except EngineStepError as e:
+        return str(e)
+    return None
+
+
+def session_scenarios() -> list[dict]:
+    """For ``retract`` (``in_place`` and ``abort`` send the same calls) and ``drain``: a sync with each ``FAULTS``
+    failure (or none) then a retry sync, on the same two engines; each engine's calls recorded. ``problems``: the
+    harness's own (a fault that did not fire or did not fail the sync, a retry that failed)."""
+    out = []
+    for mode in ("retract", "drain"):
+        for fault in (None, *FAULTS):
+            if mode == "drain" and fault is not None and fault.path == "/pause_generation" and fault.lost:
+                continue  # under drain nothing is pipelined behind the pause: the same as the answered failure
+            script = EngineScript(SESSION_ENGINES, fault)
+            with engines_played_by(script):
+                first = _one_sync(mode)
+                script.sync = "retry"
+                retry = _one_sync(mode)
+            problems = []
+            if fault is not None and not (script.fired and first):
+                problems.append(f"the fault did not fail the first sync (fired: {script.fired}; error: {first})")
+            if fault is None and first:
+                problems.append(f"the first sync failed: {first}")
+            if retry:
+                problems.append(f"the retry sync failed: {retry}")
+            name = f"{mode}: {fault.name if fault else 'no failure'}, then a retry"
+            out.append({"case": name, "first_error": first, "engines": script.steps, "problems": problems})
+    return out
+
+
+def window_verdicts(steps: list[Step]) -> list[tuple[str, str]]:
+    """Each session call replayed through the CPU engine's ``UpdateWindow``: (``accepted`` or ``refused``, message)."""
+    from asyncrl.rollout.weight_updates import UpdateWindow
+
+    w, out = UpdateWindow(), []
+    for s in steps:
+        if s.path == "/begin_weight_update":
+            ok, msg, _ = w.begin(s.body)
+        elif s.path == "/end_weight_update":
+            ok, msg, _ = w.end(s.body)
+        else:
+            refused = w.refusal("update_weights_from_distributed", s.body)
+            ok, msg = (True, "") if refused is None else refused[:2]
+        out.append(("accepted" if ok else "refused", msg))
+    return out
+
+
+def refusals(url: str, steps: list[Step], verdicts: list[tuple[str, str]]) -> list[str]:
+    """A begin or an update refused among an engine's session calls (an end refused is fine: the clean-up after a
+    failed sync posts one to every engine, whether its session is open or not)."""
+    return [
+        f"{url}: the {s.sync} sync's {s.path} (session call {i + 1}) is refused: {msg}"
+        for i, (s, (v, msg)) in enumerate(zip(steps, verdicts))
+        if v == "refused" and s.path != "/end_weight_update"
+    ]
+
+
+def session_steps(steps: list[Step]) -> list[Step]:
+    return [s for s in steps if s.path in SESSION_PATHS]
+
+
+def window_problems(scenario: dict) -> list[str]:
+    """``refusals`` of each engine's session calls replayed through the CPU engine's ``UpdateWindow``."""
+    out = []
+    for url, steps in scenario["engines"].items():
+        steps = session_steps(steps)
+        out += refusals(url, steps, window_verdicts(steps))
+    return out
+
+
+class _TargetUpdater:
+    """Stand-in for the target model runner's ``weight_updater``: records the calls; a receive fails when the engine
+    answered it with a failure in the recording."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.fail_receive = False
+
+    def begin_weight_update(self) -> None:
+        self.calls.append("begin")
+
+    def end_weight_update(self, *, run_post_load: bool) -> None:
+        self.calls.append(f"end(run_post_load={run_post_load})")
+
+    def receive_weights_from_distributed(self, *, names, dtypes, shapes, group_name, load_format):
+        self.calls.append("receive")
+        if self.fail_receive:
+            raise RuntimeError(INJECTED)
+        return list(zip(names, shapes))
+
+    def load_weights_from_distributed(self, weights) -> tuple[bool, str]:
+        self.calls.append("load")
+        return True, "Succeeded to update parameter online."
+
+
+@contextlib.contextmanager
+def _one_rank_tp_group():
+    """A one-rank gloo group for the manager's barriers (its ``tp_cpu_group``)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "the session replay needs a process without a default group"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def sglang_verdicts(steps: list[Step], cpu_group) -> list[tuple[str, str]]:
+    """Each session call replayed through a real ``SchedulerWeightUpdaterManager`` (its stand-ins: a TP worker with
+    one target runner whose ``weight_updater`` is a ``_TargetUpdater``, a scheduler recording the version, a flush
+    that succeeds), each body parsed into its request class as SGLang's server does (pydantic):
+    (``accepted`` or ``refused``, SGLang's message). An update whose receive failed is accepted (the session let
+    it in)."""
+    from pydantic import TypeAdapter
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.runtime_context import get_parallel
+
+    target = _TargetUpdater()
+    runner = types.SimpleNamespace(weight_updater=target)
+    tp_worker = types.SimpleNamespace(weight_update_runners=lambda: [("target", runner)], model_runner=runner)
+    scheduler = types.SimpleNamespace(record_weight_version_change=lambda new_version: None)
+    with get_parallel().override(tp_group=types.SimpleNamespace(cpu_group=cpu_group)):
+        manager = SchedulerWeightUpdaterManager(
+            tp_worker=tp_worker,
+            draft_worker=None,
+            memory_saver_adapter=None,
+            flush_cache=lambda **kw: True,
+            is_fully_idle=lambda **kw: True,
+            scheduler=scheduler,
+        )
+    out = []
+    for s in steps:
+        cls = getattr(io_struct, ENDPOINT_CLASSES[s.path])
+        req = TypeAdapter(cls).validate_python(s.body)
+        target.fail_receive = s.outcome == "failed"
+        answer = getattr(manager, s.path.lstrip("/"))(req)
+        accepted = answer.success or INJECTED in answer.message
+        out.append(("accepted" if accepted else "refused", answer.message))
+    return out
+
+
+def check_sessions() -> list[dict]:
+    """Every scenario of ``session_scenarios``: each engine's begin/update/end calls replayed through SGLang's session
+    rules (``sglang_verdicts``); a begin or an update SGLang refuses is a mismatch, and so is any call where SGLang
+    and the CPU engine's ``UpdateWindow`` disagree."""
+    out = []
+    with _one_rank_tp_group() as cpu_group:
+        for sc in session_scenarios():
+            problems = list(sc["problems"])
+            for url, steps in sc["engines"].items():
+                steps = session_steps(steps)
+                theirs, ours = sglang_verdicts(steps, cpu_group), window_verdicts(steps)
+                problems += refusals(url, steps, theirs)
+                problems += [
+                    f"{url}: the {s.sync} sync's {s.path} (session call {i + 1}): SGLang {v} it ({msg}), "
+                    f"the CPU engine's UpdateWindow {w} it"
+                    for i, (s, (v, msg), (w, _)) in enumerate(zip(steps, theirs, ours))
+                    if v != w
+                ]
+            calls = {u: [f"{s.sync} {s.path} {s.outcome}" for s in steps] for u, steps in sc["engines"].items()}
+            out.append({"case": f"weight sync sessions, {sc['case']}", "calls": calls, "problems": problems})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH", help="write the whole report (every case, argv and body) there")
+    args = ap.parse_args(argv)
     import sglang
+
+    # expected on every run, not findings: the syncs' logs, the clean-up after each injected failure, and SGLang's
+    # error log of each injected failed receive
+    logging.getLogger("asyncrl").setLevel(logging.ERROR)
+    logging.getLogger("sglang.srt.managers.scheduler_components.weight_updater").setLevel(logging.CRITICAL)
 
     sys.path.insert(0, str(ROOT))
     report = {
@@ -318,11 +740,21 @@ def main() -> int:
         "commands": check_commands(),
         "bodies": check_bodies(),
     }
-    bad = [c for c in report["commands"] + report["bodies"] if c["problems"]]
-    report["num_checked"] = len(report["commands"]) + len(report["bodies"])
-    report["num_problems"] = sum(len(c["problems"]) for c in bad)
-    print(json.dumps(report, indent=1, default=str))
-    return 0 if not bad and report["launch_module"] else 1
+    report["sessions"] = check_sessions()
+    cases = report["commands"] + report["bodies"] + report["sessions"]
+    if not report["launch_module"]:
+        cases.append({"case": "sglang.launch_server", "problems": ["the module is not in this sglang"]})
+    report["num_checked"] = len(cases)
+    report["num_problems"] = sum(len(c["problems"]) for c in cases)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    for c in cases:
+        for p in c["problems"]:
+            print(f"MISMATCH {c['case']}: {p}")
+    print(
+        f"check_sglang: {report['num_checked']} checks, {report['num_problems']} mismatches (sglang {sglang.__version__})"
+    )
+    return 1 if report["num_problems"] else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What we send to SGLang passes SGLang's own argument parser and request classes (tools/check_sglang.py).
 
-The checks against SGLang run where sglang imports (installed without its dependencies, see the tool's docstring)
-and are skipped otherwise; the tool's recorders, which drive our own client and weight sync to collect the bodies,
+The checks against SGLang run where sglang imports (installed without its dependencies: CI's
+tools/check_sglang_ci.sh runs this file so) and are skipped otherwise; the tool's recorders, which drive our own client and weight sync to collect the bodies,
 run everywhere, so a change to that code that the tool no longer follows fails here (it once broke unnoticed: the
 client lost ``abort_request`` and the tool still called it)."""
 
@@ -53,7 +53,7 @@ def tool():
 def test_the_recorders_collect_every_body_our_current_code_sends(tool):
     calls = tool._client_bodies() + tool._sync_bodies()
     endpoints = {endpoint for _, (endpoint, _) in calls}
-    assert endpoints == SENT
+    assert SENT <= endpoints  # a new one is fine once the tool knows its class (below)
     assert endpoints <= set(tool.ENDPOINT_CLASSES) | tool.NO_BODY  # each has the SGLang class it is checked against
     bodies = {endpoint: body for _, (endpoint, body) in calls}
     assert bodies["/end_weight_update"] == {}  # the pipelined end behind the last update, recorded from send_bucket
@@ -61,17 +61,80 @@ def test_the_recorders_collect_every_body_our_current_code_sends(tool):
     assert "7" in versions and None in versions  # the version rides on the last bucket only
 
 
+def test_the_launcher_passes_the_run_secret_as_one_token(tool):
+    """``--api-key=K`` as one argv token (SGLang's argparse takes a separate token that starts with '-' for a flag),
+    only when a secret is set, and never in the logged command."""
+    from asyncrl.cluster.auth import redacted
+
+    cases = tool.command_argvs()
+    with_key = [(argv, want["api_key"]) for _, argv, want in cases if want["api_key"] is not None]
+    assert len(with_key) == 2 * len(tool.run_secrets()) and all(key.startswith("-") for _, key in with_key)
+    for argv, key in with_key:
+        assert [a for a in argv if a.startswith("--api-key")] == [f"--api-key={key}"]
+        assert not any(key in a for a in redacted(argv))
+    assert not any(a.startswith("--api-key") for _, argv, want in cases if want["api_key"] is None for a in argv)
+
+
+def test_each_injected_failure_fails_the_first_sync_and_the_retry_runs(tool):
+    scenarios = tool.session_scenarios()
+    # retract and drain, each without a failure and with each fault; drain pipelines nothing behind its pause
+    assert len(scenarios) == 2 * (1 + len(tool.FAULTS)) - 1
+    assert [sc["problems"] for sc in scenarios] == [[]] * len(scenarios)
+    for sc in scenarios:
+        for steps in sc["engines"].values():
+            retry = [s.path for s in steps if s.sync == "retry"]
+            assert retry[:2] == ["/pause_generation", "/begin_weight_update"] and "/continue_generation" in retry
+    by_name = {sc["case"]: sc for sc in scenarios}
+    timed_out = by_name["retract: the pause times out (the begin pipelined behind it never runs), then a retry"]
+    first = {u: [s.path for s in steps if s.sync == "first"] for u, steps in timed_out["engines"].items()}
+    assert "/begin_weight_update" not in first["http://e0:30000"]  # behind a lost answer: never reaches the engine
+    assert "/begin_weight_update" in first["http://e1:30000"]  # the other engine's pause answered: its begin ran
+
+
+def test_the_cpu_engine_accepts_every_begin_and_update_a_sync_sends_after_a_failure(tool):
+    """Each engine's begin/update/end calls, over a failed sync and its retry, replayed through the CPU engine's
+    ``UpdateWindow`` (SGLang's session rules: a second begin is refused): the failed sync must close the sessions it
+    opened, or the retry's begin is refused."""
+    problems = [f"{sc['case']}: {p}" for sc in tool.session_scenarios() for p in tool.window_problems(sc)]
+    assert problems == []
+
+
+def test_the_session_replay_catches_a_second_begin_and_an_update_outside(tool):
+    steps = [tool.Step(p, b, "ok", "first") for p, b in _UNPAIRED]
+    verdicts = [v for v, _ in tool.window_verdicts(steps)]
+    assert verdicts == ["refused", "accepted", "refused", "accepted", "refused", "refused"]
+    assert len(tool.refusals("http://e0:30000", steps, tool.window_verdicts(steps))) == 3  # ends refused are fine
+
+
+_UPDATE = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "weight_update_group"}
+_UNPAIRED = [  # an update before the begin, a second begin, two ends
+    ("/update_weights_from_distributed", _UPDATE),
+    ("/begin_weight_update", {"selector": "all"}),
+    ("/begin_weight_update", {"selector": "all"}),
+    ("/end_weight_update", {}),
+    ("/end_weight_update", {}),
+    ("/update_weights_from_distributed", _UPDATE),
+]
+
+
 @needs_sglang
 def test_our_command_lines_parse_as_we_mean_them(tool):
     results = tool.check_commands()
-    assert len(results) == 3
-    assert [r["problems"] for r in results] == [[], [], []], results
+    assert len(results) == 3 + 2 * len(tool.run_secrets())
+    assert [r for r in results if r["problems"]] == []
 
 
 @needs_sglang
 def test_our_request_bodies_fit_sglangs_request_classes(tool):
     results = tool.check_bodies()
-    assert {r["case"].split()[-1] for r in results} == SENT
+    assert {r["case"].split()[-1] for r in results} >= SENT
+    assert [r for r in results if r["problems"]] == []
+
+
+@needs_sglang
+def test_our_weight_sync_keeps_sglangs_session_rules(tool):
+    results = tool.check_sessions()
+    assert len(results) == len(tool.session_scenarios())
     assert [r for r in results if r["problems"]] == []
 
 
@@ -83,3 +146,11 @@ def test_the_check_catches_mismatches(tool):
         "max_tokens" in p
         for p in tool.check_body("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}})
     )
+
+
+@needs_sglang
+def test_sglangs_session_rules_agree_with_the_cpu_engines_window(tool):
+    steps = [tool.Step(p, b, "ok", "first") for p, b in _UNPAIRED]
+    with tool._one_rank_tp_group() as cpu_group:
+        theirs = tool.sglang_verdicts(steps, cpu_group)
+    assert theirs == tool.window_verdicts(steps)  # the same verdicts and SGLang's own messages
