@@ -44,9 +44,9 @@ from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.rollout.cpu_scheduler import PAUSE_MODES
 from asyncrl.rollout.engine_args import EngineArgs, parse_args
-from asyncrl.rollout.engine_http import build_generate_requests, json_error, read_body, result
+from asyncrl.rollout.engine_http import ModelUpdateLock, build_generate_requests, json_error, read_body, result
 from asyncrl.rollout.engine_link import SchedulerFailed, SchedulerLink
-from asyncrl.rollout.engine_metrics import DISCONNECT_SERIES, prometheus_text
+from asyncrl.rollout.engine_metrics import DISCONNECT_SERIES, HELD_SERIES, prometheus_text
 from asyncrl.rollout.request import Request
 from asyncrl.rollout.sampling_params import RequestError, check_bool, parse_sampling_params
 from asyncrl.rollout.weight_updates import OPTIONAL_BODY, WEIGHT_ROUTES
@@ -58,6 +58,10 @@ log = logging.getLogger("asyncrl.cpu_engine")
 ENGINE_VERSION = "asyncrl-cpu-engine-0.1"
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT (read from the environment as SGLang)
 HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+LOCKED_OPS = frozenset(
+    {"begin_weight_update", "end_weight_update", "update_weights_from_distributed", "update_weights_from_disk"}
+)
+"""Weight calls that SGLang runs under its model-update writer lock when the engine is not paused."""
 """SGLang's switch (default on): off, ``/health`` answers from the server's status alone (``/health_generate``
 still generates)."""
 DISCONNECT_POLL_S = 0.2  # how often a waiting /generate checks that its client is still connected
@@ -76,6 +80,16 @@ class CpuEngine:
         succeeds. ``/ready`` and ``/ping`` answer from it."""
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
         self.health_generation = _env_bool(HEALTH_GENERATION_ENV, True)
+        self.unpaused = asyncio.Event()
+        """SGLang's pause gate in its HTTP process (``is_pause``): cleared by ``/pause_generation``, set by
+        ``/continue_generation``; a ``/generate`` arriving meanwhile waits here, before its checks, outside the
+        scheduler (not queued there, not reached by ``/abort_request``), as on SGLang."""
+        self.unpaused.set()
+        self.num_held = 0
+        """``/generate`` calls waiting at the pause gate now."""
+        self.num_gate_aborts = 0
+        """``/generate`` calls dropped at the gate: their client left during the pause (never reached the scheduler)."""
+        self.update_lock = ModelUpdateLock()
         self.num_disconnect_aborts = 0
         self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
         """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
@@ -136,7 +150,11 @@ class CpuEngine:
 
         async def handler(request: web.Request) -> web.Response:
             body = await read_body(request, required=required)
-            ok, message, extra = await self._call(op, body)
+            if self.unpaused.is_set() and op in LOCKED_OPS:  # SGLang: the writer side unless paused
+                async with self.update_lock.writing():
+                    ok, message, extra = await self._call(op, body)
+            else:
+                ok, message, extra = await self._call(op, body)
             return result(ok, message, **extra)
 
         return handler
@@ -176,15 +194,26 @@ class CpuEngine:
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         body = await read_body(request)
-        reqs, futs, batch = build_generate_requests(
-            body,
-            encode=lambda t: self.tokenizer.encode(t).ids,
-            vocab_size=self.link.info["vocab_size"],
-            context_length=self.link.info["context_length"],
-            loop=asyncio.get_running_loop(),
-        )
-        self.link.submit(reqs)  # all or nothing: a RequestError (a 400) before any is sent
-        outs = await self._wait_or_abort(request, reqs, futs)
+        if not self.unpaused.is_set():
+            self.num_held += 1
+            try:
+                await self.unpaused.wait()
+            finally:
+                self.num_held -= 1
+            if request.transport is None or request.transport.is_closing():  # its client left during the pause
+                self.num_disconnect_aborts += 1
+                self.num_gate_aborts += 1
+                return web.Response(status=499)
+        async with self.update_lock.reading():
+            reqs, futs, batch = build_generate_requests(
+                body,
+                encode=lambda t: self.tokenizer.encode(t).ids,
+                vocab_size=self.link.info["vocab_size"],
+                context_length=self.link.info["context_length"],
+                loop=asyncio.get_running_loop(),
+            )
+            self.link.submit(reqs)  # all or nothing: a RequestError (a 400) before any is sent
+            outs = await self._wait_or_abort(request, reqs, futs)
         if outs is None:  # the client went away: its requests were aborted; nobody reads this answer
             return web.Response(status=499)
         if not batch and len(outs) == 1:
@@ -287,6 +316,7 @@ class CpuEngine:
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise RequestError(f"mode={mode!r} is not one of {list(PAUSE_MODES)}")
+        self.unpaused.clear()
         await self._call("pause", mode)
         log.info("paused (%s)", mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -294,6 +324,7 @@ class CpuEngine:
     async def continue_generation(self, request: web.Request) -> web.Response:
         await read_body(request, required=False)
         await self._call("resume")
+        self.unpaused.set()
         log.info("continued")
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -346,6 +377,8 @@ class CpuEngine:
     async def metrics(self, request: web.Request) -> web.Response:
         m = await self._call("metrics")
         m[DISCONNECT_SERIES] = float(self.num_disconnect_aborts)
+        m[HELD_SERIES] = float(self.num_held)
+        m["num_aborted_requests_total"] = m.get("num_aborted_requests_total", 0.0) + self.num_gate_aborts
         return web.Response(
             text=prometheus_text(m, model_name=self.args.model_path), content_type="text/plain", charset="utf-8"
         )

@@ -391,8 +391,9 @@ class Scheduler:
         self.paused = None
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests hold KV (running)."""
-        if self.running:
+        """Drop the prefix cache; refused (False) while requests run or, unless paused, wait (as SGLang's
+        ``is_fully_idle(ignore_waiting=paused)``)."""
+        if self.running or (self.paused is None and self.waiting):
             return False
         self.prefix.clear()
         return True

@@ -14,6 +14,7 @@ with the prompt reaches it, is rejected (400, the message names the lengths), ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any, Optional
@@ -185,3 +186,38 @@ def build_generate_requests(
             )
             futs.append(fut)
     return reqs, futs, batch
+
+
+class ModelUpdateLock:
+    """SGLang's ``model_update_lock`` (a readers-writer lock in its HTTP process): every ``/generate`` holds a read
+    side from its tokenization to its answer; a weight call made while the engine is not paused takes the write
+    side, so it waits for the in-flight generations and new ones wait for it."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._writing = False
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def reading(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writing(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()

@@ -29,8 +29,12 @@ _SERIES = (
         "counter",
         "Number of requests aborted because their HTTP client disconnected (timed out or gone) before the answer.",
     ),
+    # ours: SGLang holds a /generate that arrives during a pause in its HTTP process (not in num_queue_reqs) and
+    # shows no count of them; this one lets a caller (a test) see that the request arrived
+    ("num_held_by_pause_requests", "gauge", "Requests received while paused, waiting for the continue."),
 )
 DISCONNECT_SERIES = "num_disconnect_aborted_requests_total"
+HELD_SERIES = "num_held_by_pause_requests"
 
 
 def prometheus_text(values: dict[str, float], *, model_name: str) -> str:

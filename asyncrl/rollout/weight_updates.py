@@ -67,6 +67,11 @@ WAITING_OPS = frozenset({"init_weights_update_group", "update_weights_from_disk"
 """Ops that wait on something besides the engine (the trainer joining, the disk): each runs on a thread of its own.
 The others run on the engine thread itself, between two model steps (no thread hand-off on a sync's path)."""
 
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. Retract or "
+    "finish them, then call /flush_cache."
+)
+"""SGLang 0.5.23's answer to an update with ``flush_cache`` whose flush was refused (the update call fails)."""
 READABLE_BY_NAME = frozenset({"llama"})
 """Model types whose SGLang 0.5.23 class implements ``get_weights_by_name`` (``LlamaForCausalLM``; not
 ``Qwen2ForCausalLM`` nor ``Qwen3ForCausalLM``)."""
@@ -355,8 +360,9 @@ class WeightUpdates:
             named += [(n, self._standby.params[n]) for n in banked if n not in swapped]
         self.model.load_weights(named)  # names and shapes were checked: cannot fail half-way
         msg = "Succeeded to update parameter online."
-        if flush and not sched.flush_cache():
-            log.info("update_weights: flush_cache skipped (requests are running)")
+        if flush and not sched.flush_cache():  # SGLang fails the update call (the weights are in)
+            log.error(FLUSH_REFUSED)
+            return False, FLUSH_REFUSED
         if version is not None:
             sched.weight_version = version
             msg += weight_version_note(version)
@@ -406,15 +412,18 @@ class WeightUpdates:
         if body.get("abort_all_requests"):
             self._call(lambda s: s.abort(abort_all=True))
 
-        def apply(s: Scheduler) -> str:
+        def apply(s: Scheduler) -> Optional[str]:
             self.model.load_weights(named)  # names and shapes checked in _read_checkpoint
-            if flush and not s.flush_cache():
-                log.info("update_weights_from_disk: flush_cache skipped (requests are running)")
+            if flush and not s.flush_cache():  # SGLang fails the update call (the weights are in)
+                return None
             if version is not None:
                 s.weight_version = version
             return s.weight_version
 
         v = self._call(apply)
+        if v is None:
+            log.error(FLUSH_REFUSED)
+            return answer(False, FLUSH_REFUSED, num_paused_requests=0)
         log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
         return answer(
             True, f"Succeeded to update model weights from {path}. Weight version {v}.", num_paused_requests=0

@@ -243,32 +243,37 @@ def _series(url: str) -> dict[str, float]:
 
 
 def test_disconnected_client_request_is_aborted(engine):
-    """While the engine is paused a request waits in the queue; its client times out and closes the connection:
-    the engine drops the request (before: it stayed queued and generated for nobody after continue) and counts it
-    on ``/metrics`` (``sglang:num_disconnect_aborted_requests_total``, and in ``num_aborted_requests_total`` as
-    SGLang does)."""
+    """While the engine is paused a request waits at the pause gate (as on SGLang, in the HTTP process); its client
+    times out and closes the connection. Once generation continues the engine aborts it at once instead of
+    generating for nobody, and counts it on ``/metrics`` (``sglang:num_disconnect_aborted_requests_total``, and in
+    ``num_aborted_requests_total`` as SGLang does)."""
     before = _series(engine.url)
     assert _post(engine.url, "/pause_generation", {"mode": "in_place"})[0] == 200
     try:
         with pytest.raises(asyncio.TimeoutError):
             _post(engine.url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY}, timeout_s=1.0)
-        deadline = time.monotonic() + 10
-        while _metric(engine.url, "num_queue_reqs") > 0:
-            assert time.monotonic() < deadline, "the abandoned request is still queued"
-            time.sleep(0.05)
-        after = _series(engine.url)
+        assert _metric(engine.url, "num_queue_reqs") == 0, "a request sent while paused is held before the queue"
     finally:
         assert _post(engine.url, "/continue_generation", {})[0] == 200
+    deadline = time.monotonic() + 30
+    while (
+        _series(engine.url)["num_disconnect_aborted_requests_total"] == before["num_disconnect_aborted_requests_total"]
+    ):
+        assert time.monotonic() < deadline, "the abandoned request was not aborted after the continue"
+        time.sleep(0.05)
+    after = _series(engine.url)
     assert after["num_disconnect_aborted_requests_total"] == before["num_disconnect_aborted_requests_total"] + 1
     assert after["num_aborted_requests_total"] == before["num_aborted_requests_total"] + 1
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 64, "it generated for nobody"
     _alive_and_answering(engine)
 
 
 # ---------------------------------------------------------------- weight updates: validated, then atomic
 def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(engine, model_dir):
-    """A bucket whose second tensor is unknown, and one whose shape disagrees with the model: each is a 400
+    """A bucket whose second tensor's shape disagrees with the model, and other malformed metadata: each is a 400
     before any broadcast (before: the first tensor was already written, and a size mismatch inside gloo aborted
-    the engine). A correct update still goes through the same group afterwards."""
+    the engine). A correct update still goes through the same group afterwards. (A name the model lacks is not a
+    400: SGLang receives it and drops it with a warning; ``test_sync_cpu_engines`` covers it.)"""
     weights = dict(iter_safetensors(model_dir))
     names = sorted(weights)[:2]
     new = {n: weights[n] + 1.0 for n in names}
@@ -301,7 +306,6 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
                 "group_name": "val",
             }
             bad = [
-                ({"names": [names[0], "model.no_such.weight"], "shapes": [good["shapes"][0], [4]]}, "no_such"),
                 ({"shapes": [good["shapes"][0], [3, 3]]}, "shape"),
                 ({"names": [1, 2]}, "names"),
                 ({"names": [names[0], names[0]]}, "names"),
