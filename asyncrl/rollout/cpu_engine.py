@@ -113,31 +113,37 @@ class CpuEngine:
 
     # ---- app -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
+        """SGLang's routes with its methods: FastAPI serves a GET route without HEAD (405), so none here does."""
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth, self._errors])
         r = app.router
+
+        def get(path: str, handler) -> None:
+            r.add_get(path, handler, allow_head=False)
+
         for path in ("/generate",):
             r.add_post(path, self.generate)
             r.add_put(path, self.generate)
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
-        r.add_get("/ready", self.ready)
-        r.add_get("/ping", self.ping)
-        r.add_route("GET", "/get_weights_by_name", self.get_weights_by_name)
-        r.add_route("POST", "/get_weights_by_name", self.get_weights_by_name)
+        get("/health", self.health)
+        get("/health_generate", self.health)
+        get("/ready", self.ready)
+        get("/ping", self.ping)
+        get("/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         for path, op in WEIGHT_ROUTES.items():
             if op != "get_weights_by_name":
                 r.add_post(path, self._weight_op(op, required=path not in OPTIONAL_BODY))
-        r.add_route("*", "/flush_cache", self.flush_cache)
+        get("/flush_cache", self.flush_cache)
+        r.add_post("/flush_cache", self.flush_cache)
         for path in ("/model_info", "/get_model_info"):
-            r.add_get(path, self.model_info)
+            get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
-            r.add_get(path, self.server_info)
+            get(path, self.server_info)
         for path in ("/weight_version", "/get_weight_version"):
-            r.add_get(path, self.weight_version)
-        r.add_get("/metrics", self.metrics)
+            get(path, self.weight_version)
+        r.add_route("*", "/metrics", self.metrics)  # SGLang mounts its metrics app there: any method
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -186,10 +192,17 @@ class CpuEngine:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        """A ``RequestError`` is a 400 with SGLang's shape for it; an unknown path or a wrong method is answered as
+        FastAPI answers them (its default handlers: SGLang's own cover only ``fastapi.HTTPException``)."""
         try:
             return await handler(request)
         except RequestError as e:
             return json_error(str(e))
+        except web.HTTPNotFound:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed as e:
+            allow = ", ".join(sorted(e.allowed_methods))
+            return web.json_response({"detail": "Method Not Allowed"}, status=405, headers={"Allow": allow})
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:

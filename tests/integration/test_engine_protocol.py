@@ -285,3 +285,28 @@ def test_update_weight_version_aborts_by_default(engine):
             await RawEngine(c.url).post("/update_weight_version", {"new_version": "0", "abort_all_requests": False})
 
     run(go())
+
+
+def test_unknown_path_and_wrong_method_answer_as_fastapi(engine):
+    """SGLang's FastAPI app: 404 ``{"detail": "Not Found"}``, 405 ``{"detail": "Method Not Allowed"}`` with an
+    ``Allow`` header (a GET route does not serve HEAD there); ``/flush_cache`` takes GET and POST only, ``/metrics``
+    any method."""
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            t = aiohttp.ClientTimeout(total=30)
+            async with s.get(engine.url + "/no_such_route", timeout=t) as r:
+                assert (r.status, await r.json()) == (404, {"detail": "Not Found"})
+            async with s.get(engine.url + "/pause_generation", timeout=t) as r:
+                assert (r.status, await r.json()) == (405, {"detail": "Method Not Allowed"})
+                assert r.headers["Allow"] == "POST"
+            async with s.put(engine.url + "/flush_cache", timeout=t) as r:
+                assert r.status == 405 and set(r.headers["Allow"].split(", ")) == {"GET", "POST"}
+            async with s.head(engine.url + "/health", timeout=t) as r:
+                assert r.status == 405
+            async with s.get(engine.url + "/flush_cache", timeout=t) as r:
+                assert r.status == 200
+            async with s.post(engine.url + "/metrics", timeout=t) as r:
+                assert r.status == 200 and "sglang:num_running_reqs" in await r.text()
+
+    run(go())
