@@ -13,9 +13,10 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   scheduler process before the model loads), the ``/generate`` body checks and SGLang's answer shapes
   (``engine_http``), the weight updates (``weight_updates``: the group, the atomic receive, loads from disk), the
   ``/metrics`` page (``engine_metrics``). This module holds the HTTP handlers and ``main``.
-- Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control
-  calls answer ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while
-  requests are running.
+- Status codes and shapes as SGLang: a body SGLang's request struct refuses is its validation 400 (``engine_http``);
+  400 with ``{"error": {"message"}}`` for other bad generate requests; control calls answer
+  ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while requests are running;
+  unknown paths and wrong methods FastAPI's 404 / 405 ``{"detail"}``.
 - A ``/generate`` whose HTTP client disconnects (timeout, killed) has its requests aborted, as SGLang does; they
   count in ``sglang:num_aborted_requests_total`` (as SGLang) and in ``sglang:num_disconnect_aborted_requests_total``
   on ``/metrics`` (ours: SGLang has no separate series).
@@ -44,12 +45,20 @@ from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.rollout.cpu_scheduler import PAUSE_MODES
 from asyncrl.rollout.engine_args import EngineArgs, parse_args
-from asyncrl.rollout.engine_http import ModelUpdateLock, build_generate_requests, json_error, read_body, result
+from asyncrl.rollout.engine_http import (
+    InvalidBody,
+    ModelUpdateLock,
+    build_generate_requests,
+    json_error,
+    read_body,
+    result,
+    validation_error,
+)
 from asyncrl.rollout.engine_link import SchedulerFailed, SchedulerLink
 from asyncrl.rollout.engine_metrics import DISCONNECT_SERIES, HELD_SERIES, prometheus_text
 from asyncrl.rollout.request import Request
-from asyncrl.rollout.sampling_params import RequestError, check_bool, parse_sampling_params
-from asyncrl.rollout.weight_updates import OPTIONAL_BODY, WEIGHT_ROUTES
+from asyncrl.rollout.sampling_params import RequestError, parse_sampling_params
+from asyncrl.rollout.weight_updates import WEIGHT_ROUTES
 
 __all__ = ["CpuEngine", "EngineArgs", "main", "parse_args"]
 
@@ -134,7 +143,7 @@ class CpuEngine:
         r.add_post("/continue_generation", self.continue_generation)
         for path, op in WEIGHT_ROUTES.items():
             if op != "get_weights_by_name":
-                r.add_post(path, self._weight_op(op, required=path not in OPTIONAL_BODY))
+                r.add_post(path, self._weight_op(op))
         get("/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
         for path in ("/model_info", "/get_model_info"):
@@ -151,11 +160,11 @@ class CpuEngine:
     async def _on_cleanup(self, app: web.Application) -> None:
         self.link.stop()
 
-    def _weight_op(self, op: str, *, required: bool = True):
+    def _weight_op(self, op: str):
         """The handler of one weight call: its body to the scheduler process's op, SGLang's answer back."""
 
         async def handler(request: web.Request) -> web.Response:
-            body = await read_body(request, required=required)
+            body = await read_body(request)
             if self.unpaused.is_set() and op in LOCKED_OPS:  # SGLang: the writer side unless paused
                 async with self.update_lock.writing():
                     ok, message, extra = await self._call(op, body)
@@ -196,6 +205,8 @@ class CpuEngine:
         FastAPI answers them (its default handlers: SGLang's own cover only ``fastapi.HTTPException``)."""
         try:
             return await handler(request)
+        except InvalidBody as e:
+            return validation_error(str(e))
         except RequestError as e:
             return json_error(str(e))
         except web.HTTPNotFound:
@@ -316,26 +327,21 @@ class CpuEngine:
         return web.Response(status=200 if self.server_status == "Up" else 503)
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await read_body(request)
-        rid, abort_all = body.get("rid", ""), check_bool(body.get("abort_all", False), "abort_all")
-        if not isinstance(rid, str):
-            raise RequestError(f"rid must be a string, got {rid!r:.80}")
-        await self._call("abort", rid, abort_all)
+        body = await read_body(request)  # rid and abort_all checked there
+        await self._call("abort", body.get("rid") or "", body.get("abort_all", False))
         return web.Response(status=200)
 
     # ---- pause / continue ----------------------------------------------------------------
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await read_body(request)
-        mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise RequestError(f"mode={mode!r} is not one of {list(PAUSE_MODES)}")
+        mode = (await read_body(request)).get("mode", "abort")  # one of PAUSE_MODES: checked there
+        assert mode in PAUSE_MODES, mode
         self.unpaused.clear()
         await self._call("pause", mode)
         log.info("paused (%s)", mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await read_body(request, required=False)
+        await read_body(request)
         await self._call("resume")
         self.unpaused.set()
         log.info("continued")

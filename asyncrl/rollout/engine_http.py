@@ -4,8 +4,10 @@ checks that turn a ``/generate`` body into requests.
     reqs, futs, batch = build_generate_requests(body, encode=tok_ids, vocab_size=V, context_length=C, loop=loop)
     # a bad body raises RequestError naming the field (the engine's middleware answers 400 with it)
 
-Status codes as SGLang: 400 with ``{"error": {"message"}}`` for bad generate requests; control calls answer
-``{"success", "message"}`` with 200/400. Every field is type- and range-checked here (the message names it:
+Status codes and shapes as SGLang: a body its request struct refuses (none, bad JSON, not an object, a required field
+missing, a field of the wrong type: ``read_body`` against ``BODY_MODELS``) is its validation 400
+``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``; other bad generate requests
+400 ``{"error": {"message"}}``; control calls answer ``{"success", "message"}`` with 200/400. Every field is type- and range-checked here (the message names it:
 ``sampling_params.top_p``, ``rid``, ``input_ids[3]``, ...), so no request can fail later on the engine thread.
 Context length as SGLang: a prompt of ``context_length`` tokens or more, or an explicit ``max_new_tokens`` that
 with the prompt reaches it, is rejected (400, the message names the lengths), never capped.
@@ -17,10 +19,12 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from aiohttp import web
 
+from asyncrl.engine.client import ENGINE_PAUSE_MODES
 from asyncrl.rollout.request import Request, new_rid
 from asyncrl.rollout.sampling_params import MAX_TOKENS, RequestError, check_bool, check_int, parse_sampling_params
 
@@ -32,31 +36,149 @@ def json_error(msg: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": msg}}, status=status)
 
 
+def validation_error(msg: str) -> web.Response:
+    """SGLang's answer to a body its request model refuses (FastAPI's validation error, turned into a 400 by its
+    ``validation_exception_handler``); the message is ours (SGLang's is pydantic's text)."""
+    return web.json_response(
+        {"object": "error", "message": msg, "type": "Bad Request", "param": None, "code": 400}, status=400
+    )
+
+
 def result(success: bool, message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
-async def read_body(request: web.Request, *, required: bool = True) -> dict:
+class InvalidBody(RequestError):
+    """A body SGLang's request model refuses before its handler runs (no body, bad JSON, not an object, a required
+    field missing, a field of the wrong type): answered with ``validation_error``."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of an SGLang request struct (``managers/io_struct.py``): what its value must be, whether it is
+    required. Checked strictly (pydantic would also take ``"5"`` for an int, ``"no"`` for a bool)."""
+
+    ok: Callable[[Any], bool]
+    expected: str
+    required: bool = False
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
+STR = Field(lambda v: isinstance(v, str), "a string")
+OPT_STR = Field(lambda v: v is None or isinstance(v, str), "a string or null")
+INT = Field(_int, "an integer")
+BOOL = Field(lambda v: type(v) is bool, "a boolean")
+OPT_DICT = Field(lambda v: v is None or isinstance(v, dict), "an object or null")
+
+
+def required(f: Field) -> Field:
+    return Field(f.ok, f.expected, required=True)
+
+
+def one_of(*values: str) -> Field:
+    return Field(lambda v: v in values, "one of " + ", ".join(repr(x) for x in values))
+
+
+SELECTORS = ("target", "draft", "all")
+"""SGLang's runner selectors of a weight call; with no draft model (the CPU engine has none) each acts as ``all``."""
+BASE_REQ = {"rid": OPT_STR, "http_worker_ipc": OPT_STR}
+"""The fields every SGLang request struct has (``BaseReq``)."""
+BODY_MODELS: dict[str, dict[str, Field]] = {
+    "/abort_request": {**BASE_REQ, "abort_all": BOOL, "abort_message": OPT_STR},
+    "/pause_generation": {**BASE_REQ, "mode": one_of(*ENGINE_PAUSE_MODES)},
+    "/continue_generation": {**BASE_REQ, "torch_empty_cache": BOOL},
+    "/begin_weight_update": {**BASE_REQ, "selector": one_of(*SELECTORS)},
+    "/end_weight_update": BASE_REQ,
+    "/init_weights_update_group": {
+        **BASE_REQ,
+        "master_address": required(STR),
+        "master_port": required(INT),
+        "rank_offset": required(INT),
+        "world_size": required(INT),
+        "group_name": STR,
+        "backend": STR,
+    },
+    "/destroy_weights_update_group": {**BASE_REQ, "group_name": STR},
+    "/update_weights_from_distributed": {
+        **BASE_REQ,
+        "names": required(Field(_str_list, "a list of strings")),
+        "dtypes": required(Field(_str_list, "a list of strings")),
+        "shapes": required(
+            Field(
+                lambda v: isinstance(v, list) and all(isinstance(x, list) and all(map(_int, x)) for x in v),
+                "a list of lists of integers",
+            )
+        ),
+        "group_name": STR,
+        "flush_cache": BOOL,
+        "abort_all_requests": BOOL,
+        "weight_version": OPT_STR,
+        "load_format": OPT_STR,
+        "selector": one_of(*SELECTORS),
+        "torch_empty_cache": BOOL,
+    },
+    "/update_weights_from_disk": {
+        **BASE_REQ,
+        "model_path": required(STR),
+        "load_format": OPT_STR,
+        "abort_all_requests": BOOL,
+        "weight_version": OPT_STR,
+        "is_async": BOOL,
+        "torch_empty_cache": BOOL,
+        "keep_pause": BOOL,
+        "recapture_cuda_graph": BOOL,
+        "token_step": INT,
+        "flush_cache": BOOL,
+        "manifest": OPT_DICT,
+    },
+    "/update_weight_version": {**BASE_REQ, "new_version": required(STR), "abort_all_requests": BOOL},
+    "/get_weights_by_name": {**BASE_REQ, "name": required(STR), "truncate_size": INT},
+}
+"""Path -> its SGLang 0.5.23 request struct's fields (unknown keys are ignored there, and here)."""
+
+
+def check_body(body: dict, model: dict[str, Field]) -> None:
+    """``InvalidBody`` naming every field missing or of the wrong type (as pydantic lists every error)."""
+    errors = []
+    for key, f in model.items():
+        if key not in body:
+            if f.required:
+                errors.append(f"body.{key}: field required")
+        elif not f.ok(body[key]):
+            errors.append(f"body.{key}: expected {f.expected}, got {body[key]!r:.80}")
+    if errors:
+        raise InvalidBody(f"{len(errors)} validation error(s): " + "; ".join(errors))
+
+
+async def read_body(request: web.Request) -> dict:
+    """The JSON object of the request, checked against its route's ``BODY_MODELS`` entry when it has one. Every
+    route that takes a body requires one, as SGLang's (``{}`` for the defaults)."""
     raw = await request.read()
     if not raw:
-        if required:
-            raise RequestError("a JSON body is required (send {} for the defaults)")
-        return {}
+        raise InvalidBody("body: field required (send {} for the defaults)")
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting too deep
-        raise RequestError(f"invalid JSON body: {e}") from None
+        raise InvalidBody(f"body: JSON decode error: {e}") from None
     if not isinstance(data, dict):
-        raise RequestError("the JSON body must be an object")
+        raise InvalidBody(f"body: expected a JSON object, got {type(data).__name__}")
+    model = BODY_MODELS.get(request.path)
+    if model is not None:
+        check_body(data, model)
     return data
 
 
 def weight_version_field(v: Any, key: str) -> Optional[str]:
-    """A weight version as SGLang keeps it: a string (an int is accepted and stringified), or None."""
+    """A weight version as SGLang's struct takes it: a string, or None (an int is refused, as pydantic refuses it)."""
     if v is None or isinstance(v, str):
         return v
-    if type(v) is int:
-        return str(v)
     raise RequestError(f"{key} must be a string, got {v!r:.80}")
 
 

@@ -39,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from asyncrl.engine.client import weight_version_note
 from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors
 from asyncrl.rollout.cpu_scheduler import Scheduler
-from asyncrl.rollout.engine_http import weight_version_field
+from asyncrl.rollout.engine_http import SELECTORS, weight_version_field
 from asyncrl.rollout.sampling_params import RequestError, check_bool, check_int
 from asyncrl.sync.process_group import broadcast_from_rank0, destroy_weight_update_group, init_weight_update_group
 
@@ -60,8 +60,6 @@ WEIGHT_ROUTES = {
 """POST path -> the ``WeightUpdates`` op. The session calls (``/begin_weight_update``, ``/end_weight_update``) run in
 the scheduler process in order with the updates, as SGLang's (its ``SchedulerWeightUpdaterManager``): a begin or an
 end sent while a receive blocks the engine thread waits for it, as on SGLang."""
-OPTIONAL_BODY = frozenset({"/begin_weight_update", "/end_weight_update"})
-"""Routes whose body may be absent (every field has a default)."""
 WEIGHT_OPS = frozenset(WEIGHT_ROUTES.values())
 WAITING_OPS = frozenset({"init_weights_update_group", "update_weights_from_disk"})
 """Ops that wait on something besides the engine (the trainer joining, the disk): each runs on a thread of its own.
@@ -103,8 +101,8 @@ class UpdateWindow:
 
     def begin(self, body: dict) -> Answer:
         selector = body.get("selector", "all")
-        if selector != "all":
-            return answer(False, f"selector={selector!r} is not supported (only 'all')")
+        if selector not in SELECTORS:  # the HTTP side refused it already (SGLang's validation error)
+            return answer(False, f"selector={selector!r} is not one of {list(SELECTORS)}")
         if self.open:  # SGLang 0.5.23 (scheduler_components/weight_updater.py) refuses a second session
             return answer(False, "a weight-update session is already open; call end_weight_update() first")
         self.open = True

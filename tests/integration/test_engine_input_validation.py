@@ -3,7 +3,8 @@
 - a hypothesis fuzz of ``/generate`` bodies: never a 500, never fatal, the engine answers a valid request after;
 - one test per defect: ``top_k >= 2**63`` (used to overflow on the engine thread and exit the process), bad
   types/ranges in every field answered 400 naming the field (SGLang's ``{"error": {"message"}}`` for generate,
-  ``{"success": false, "message"}`` for control calls), ``temperature: NaN``, ``{"abort_all": "false"}``, an
+  its validation shape ``{"object": "error", "message", ...}`` for a control body of the wrong type,
+  ``{"success": false, "message"}`` for a control call's refusal), ``temperature: NaN``, ``{"abort_all": "false"}``, an
   unbounded ``n``, a weight update with a bad name or shape (rejected before the collective, nothing written, no
   SIGABRT), and a client that disconnects (its request is aborted, as SGLang does).
 """
@@ -172,7 +173,8 @@ def test_bad_control_field_is_400_naming_it(engine, path, body, field):
 def test_weight_update_outside_begin_end_is_refused_in_order(engine):
     """SGLang 0.5.23's session rules, kept in the scheduler process: an update or an end outside a session is a 400
     saying so, a second begin while one is open is refused (a retried sync must end the first), and inside a session
-    an update reaches the receive, which names the group it lacks."""
+    an update reaches the receive, which names the group it lacks. A body SGLang's struct refuses is its validation
+    error first, in a session or not (``test_engine_protocol``)."""
     status, out = _post(engine.url, "/update_weights_from_distributed", {"names": ["x"], "dtypes": [], "shapes": []})
     assert status == 400 and "must run between begin_weight_update() and end_weight_update()" in out["message"], out
     status, out = _post(engine.url, "/end_weight_update", {})
@@ -182,7 +184,8 @@ def test_weight_update_outside_begin_end_is_refused_in_order(engine):
         assert _post(engine.url, "/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
         status, out = _post(engine.url, "/begin_weight_update", {"selector": "all"})
         assert status == 400 and "a weight-update session is already open" in out["message"], out
-        status, out = _post(engine.url, "/update_weights_from_distributed", {"group_name": "nope"})
+        meta = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
+        status, out = _post(engine.url, "/update_weights_from_distributed", {**meta, "group_name": "nope"})
         assert status == 400 and "group 'nope' does not exist" in out["message"], out
     finally:
         assert _post(engine.url, "/end_weight_update", {})[0] == 200

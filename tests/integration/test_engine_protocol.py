@@ -195,9 +195,54 @@ def test_info_metrics_flush_and_prefix_reuse(engine):
                     },
                 )
             status, text = await _raw(engine.url, "POST", "/pause_generation", {"mode": "drain"})
-            assert status == 400 and "drain" in text
-            status, text = await _raw(engine.url, "POST", "/pause_generation")  # a body is required
-            assert status == 400
+            assert status == 400 and "drain" in json.loads(text)["message"]
+
+    run(go())
+
+
+VALIDATION_ERROR = {"object": "error", "type": "Bad Request", "param": None, "code": 400}
+"""SGLang's answer to a body its request struct refuses (its ``validation_exception_handler``), less the message."""
+
+
+@pytest.mark.parametrize(
+    "path,data,field",
+    [
+        ("/pause_generation", b"", "body"),  # no body: every struct route requires one, also those of defaults only
+        ("/continue_generation", b"", "body"),
+        ("/begin_weight_update", b"", "body"),
+        ("/end_weight_update", b"", "body"),
+        ("/abort_request", b"", "body"),
+        ("/generate", b"{not json", "body"),
+        ("/generate", b"[1, 2]", "body"),
+        ("/pause_generation", b'{"mode": "drain"}', "body.mode"),
+        ("/begin_weight_update", b'{"selector": "some"}', "body.selector"),
+        ("/init_weights_update_group", b'{"master_address": "127.0.0.1", "master_port": "x"}', "body.master_port"),
+        ("/update_weights_from_distributed", b'{"names": ["a"], "dtypes": ["float32"]}', "body.shapes"),
+        ("/update_weight_version", b'{"new_version": 5}', "body.new_version"),
+        ("/update_weights_from_disk", b"{}", "body.model_path"),
+        ("/get_weights_by_name", b'{"truncate_size": 3}', "body.name"),
+        ("/abort_request", b'{"rid": 5}', "body.rid"),
+    ],
+)
+def test_a_body_sglang_refuses_is_its_validation_error(engine, path, data, field):
+    """SGLang 0.5.23 checks each body against its request struct before the handler runs: no body, bad JSON, not
+    an object, a required field missing or a field of the wrong type is a 400 of its validation handler's shape,
+    the message naming the field. (The session rule does not come first: an update outside a session with a bad
+    body is this error too.)"""
+    status, text = run(_raw(engine.url, "POST", path, data=data))
+    out = json.loads(text)
+    assert status == 400 and {k: out.get(k) for k in VALIDATION_ERROR} == VALIDATION_ERROR, out
+    assert f"{field}:" in out["message"], out
+
+
+def test_begin_weight_update_takes_every_selector(engine):
+    """``target``, ``draft`` and ``all`` each open the session (the CPU engine has no draft model: each is all)."""
+
+    async def go():
+        raw = RawEngine(engine.url)
+        for selector in ("target", "draft", "all"):
+            assert (await raw.post("/begin_weight_update", {"selector": selector}))["message"] == "Success"
+            assert (await raw.post("/end_weight_update", {}))["message"] == "Success"
 
     run(go())
 

@@ -91,6 +91,10 @@ def test_prometheus_and_generate_parsers():
     assert r.output_logprobs == [-0.5, -1.5] and r.versions == ["2", "3"] and not r.aborted
     assert _server_message('{"error": {"message": "boom"}}') == "boom"
     assert _server_message('{"success": false, "message": "nope"}') == "nope"
+    validation = '{"object": "error", "message": "body.mode: bad", "type": "Bad Request", "param": null, "code": 400}'
+    assert _server_message(validation) == "body.mode: bad"  # SGLang's validation 400
+    assert _server_message('{"error": "unknown field `foo`"}') == "unknown field `foo`"  # its /generate contract check
+    assert _server_message('{"detail": "Not Found"}') == "Not Found"
     e = EngineError("http://h:1", "/generate", "boom", 400)
     assert "http://h:1/generate" in str(e) and "400" in str(e) and e.message == "boom"
 
