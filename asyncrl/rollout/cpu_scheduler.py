@@ -41,7 +41,7 @@ import torch
 from asyncrl.engine.client import ENGINE_PAUSE_MODES as PAUSE_MODES
 from asyncrl.rollout.cpu_model import CausalLM, KVPool
 from asyncrl.rollout.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
-from asyncrl.rollout.request import Request, response
+from asyncrl.rollout.request import ABORTED, Request, response
 from asyncrl.rollout.sampler import sample
 from asyncrl.rollout.sampling_params import RequestError
 
@@ -77,7 +77,7 @@ def check_submittable(req: Request, context_length: int) -> None:
 
 
 def duplicate_rid(rid: str) -> RequestError:
-    return RequestError(f"Duplicate request ID detected: rid={rid!r} is already in flight")
+    return RequestError(f"Duplicate request ID detected: {rid}")  # SGLang 0.5.23's text
 
 
 class Scheduler:
@@ -352,7 +352,7 @@ class Scheduler:
         n = 0
         for r in list(self.running):
             if hit(r):
-                self._finish(r, {"type": "abort", "message": "Aborted"})
+                self._finish(r, dict(ABORTED))
                 n += 1
         still = collections.deque()
         for r in self.waiting:

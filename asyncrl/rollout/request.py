@@ -19,6 +19,9 @@ import torch
 
 from asyncrl.rollout.sampling_params import SamplingParams
 
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+"""The finish reason of a running request that was aborted, as SGLang 0.5.23 writes it (its ``FINISH_ABORT``)."""
+
 
 @dataclass(eq=False)
 class Request:
@@ -57,7 +60,7 @@ def response(r: Request, *, decode: Callable[[list[int], bool], str], weight_ver
     """A finished (or aborted) request as SGLang's ``/generate`` JSON: text (stop-trimmed as SGLang), output ids
     (untrimmed), ``meta_info``; ``weight_version`` is the engine's now."""
     p = r.params
-    reason = r.finish_reason or {"type": "abort", "message": "Aborted"}
+    reason = r.finish_reason or dict(ABORTED)
     ids = r.output_ids
     if not p.no_stop_trim and reason["type"] == "stop" and isinstance(reason.get("matched"), int):
         text = decode(ids[:-1], p.skip_special_tokens)
@@ -72,6 +75,7 @@ def response(r: Request, *, decode: Callable[[list[int], bool], str], weight_ver
         "completion_tokens": len(ids),
         "cached_tokens": r.cached_tokens,
         "num_retractions": r.num_retractions,
+        "reasoning_tokens": 0,  # SGLang counts think-block tokens only for a reasoning request or model
         "e2e_latency": time.monotonic() - r.created_s,
         "weight_version": weight_version,
         "weight_versions": [dict(w) for w in r.weight_versions],
