@@ -348,11 +348,13 @@ class CpuEngine:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        ok = await self._call("flush_cache")
+        """SGLang's ``/flush_cache``: text, 200 when flushed, 400 when refused (requests running, or waiting while
+        not paused)."""
+        if not await self._call("flush_cache"):
+            return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-            "waiting requests, the operation will not be performed.)\n",
-            status=200 if ok else 400,
+            "waiting requests, the operation will not be performed.)\n"
         )
 
     # ---- weight updates ------------------------------------------------------------------

@@ -82,6 +82,10 @@ def answer(ok: bool, message: str, **extra) -> Answer:
     return ok, message, extra
 
 
+class NoCheckpoint(FileNotFoundError):
+    """``/update_weights_from_disk`` of a path that holds no checkpoint (not a directory, no safetensors file)."""
+
+
 def torch_dtype(name: Any) -> torch.dtype:
     if not isinstance(name, str):
         raise RequestError(f"dtypes: a dtype is a string such as 'bfloat16', got {name!r:.80}")
@@ -202,7 +206,7 @@ class WeightUpdates:
             )
         except (RuntimeError, ValueError) as e:
             log.error("init_weights_update_group failed: %s", e)
-            return answer(False, f"Failed to initialize custom process group: {e}")
+            return answer(False, f"Failed to initialize custom process group: {e}.")
         self.groups[name] = pg
         log.info("joined weight-update group %s at %s:%d as rank %d/%d", name, addr, port, rank, world)
         return answer(True, "Succeeded to initialize custom process group.")
@@ -213,7 +217,7 @@ class WeightUpdates:
             return answer(False, f"group_name must be a string, got {name!r:.80}")
         pg = self.groups.pop(name, None)
         if pg is None:
-            return answer(False, f"group {name!r} does not exist")
+            return answer(False, "The group to be destroyed does not exist.")
         self._call(lambda s: destroy_weight_update_group(pg))
         return answer(True, "Succeeded to destroy custom process group.")
 
@@ -225,8 +229,12 @@ class WeightUpdates:
         if not isinstance(name, str):
             return answer(False, f"group_name must be a string, got {name!r:.80}")
         pg = self.groups.get(name)
-        if pg is None:
-            return answer(False, f"group {name!r} does not exist: call /init_weights_update_group first")
+        if pg is None:  # SGLang's receive asserts it; the answer wraps the assertion's text
+            return answer(
+                False,
+                f"Failed to receive weights: Group {name} not in {list(self.groups)}. "
+                "Please call `init_weights_update_group` first.",
+            )
         try:  # all of it before the collective: a bad bucket is a 400, never a broadcast of mismatched sizes
             names, dts, shapes = self.check_update(body)
             flush = check_bool(body.get("flush_cache", True), "flush_cache")
@@ -342,7 +350,7 @@ class WeightUpdates:
         try:
             named, banked = self._receive_staged(pg, names, dts, shapes, fmt)
         except (RuntimeError, dist.DistError) as e:
-            return False, f"Failed to receive weights by broadcast (no weight changed): {e}"
+            return False, f"Failed to receive weights: {e}"  # SGLang's text; here no weight changed
         t1 = time.monotonic()
         unknown = [n for n, _ in named if not self._loadable(n)]
         if unknown:  # SGLang's loaders: a warning per name, and the update still succeeds
@@ -389,26 +397,33 @@ class WeightUpdates:
         steps (never mid-forward). Every tensor's name and shape are checked before any is copied, so a
         failed load leaves the running weights untouched. ``weight_version`` (when given) is set."""
         path = body.get("model_path")
+
+        def failed(message: str) -> Answer:
+            return answer(False, message, num_paused_requests=0)
+
         if not isinstance(path, str) or not path:
-            return answer(False, "update_weights_from_disk: model_path is required")
+            return failed("update_weights_from_disk: model_path is required")
         try:
             flush = check_bool(body.get("flush_cache", True), "flush_cache")
             version = weight_version_field(body.get("weight_version"), "weight_version")
-            check_bool(body.get("abort_all_requests", False), "abort_all_requests")
+            abort_all = check_bool(body.get("abort_all_requests", False), "abort_all_requests")
         except RequestError as e:
-            return answer(False, f"update_weights_from_disk: {e}")
+            return failed(f"update_weights_from_disk: {e}")
         fmt = body.get("load_format")
         if fmt not in (None, "auto", "safetensors"):
-            return answer(
-                False, f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or 'safetensors')"
-            )
+            return failed(f"load_format={fmt!r} is not supported by the CPU engine (null, 'auto' or 'safetensors')")
+        if abort_all:  # SGLang aborts before the load, whatever its outcome
+            self._call(lambda s: s.abort(abort_all=True))
         t0 = time.monotonic()
         try:
             named = self._read_checkpoint(Path(path))
-        except (FileNotFoundError, KeyError, ValueError, OSError) as e:
-            return answer(False, f"Failed to load weights from {path!r}: {e}")
-        if body.get("abort_all_requests"):
-            self._call(lambda s: s.abort(abort_all=True))
+        except NoCheckpoint as e:  # SGLang: its loader found no weights to iterate
+            return failed(f"Failed to get weights iterator: {e}.")
+        except (KeyError, ValueError, OSError) as e:  # SGLang: the load failed (it rolls back; nothing changed here)
+            return failed(
+                f"Failed to update weights: {e.args[0] if isinstance(e, KeyError) else e}.\n"
+                "Rolling back to original weights."
+            )
 
         def apply(s: Scheduler) -> Optional[str]:
             self.model.load_weights(named)  # names and shapes checked in _read_checkpoint
@@ -421,17 +436,18 @@ class WeightUpdates:
         v = self._call(apply)
         if v is None:
             log.error(FLUSH_REFUSED)
-            return answer(False, FLUSH_REFUSED, num_paused_requests=0)
+            return failed(FLUSH_REFUSED)
         log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
-        return answer(
-            True, f"Succeeded to update model weights from {path}. Weight version {v}.", num_paused_requests=0
-        )
+        note = weight_version_note(version) if version is not None else ""
+        return answer(True, "Succeeded to update model weights." + note, num_paused_requests=0)
 
     def _read_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
         """Read a HF safetensors checkpoint directory and check it against the running model (same names and
         shapes, no parameter missing). Errors name the directory, or the file safetensors cannot read."""
         if not d.is_dir():
-            raise FileNotFoundError(f"{str(d)!r} is not a directory")
+            raise NoCheckpoint(f"{str(d)!r} is not a directory")
+        if not any(d.glob("*.safetensors")):
+            raise NoCheckpoint(f"{str(d)!r} holds no *.safetensors file")
         try:
             return self._check_checkpoint(d)
         except SafetensorError as e:  # a truncated or corrupt file: an error of the request, never a 500

@@ -186,11 +186,22 @@ def test_weight_update_outside_begin_end_is_refused_in_order(engine):
         assert status == 400 and "a weight-update session is already open" in out["message"], out
         meta = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
         status, out = _post(engine.url, "/update_weights_from_distributed", {**meta, "group_name": "nope"})
-        assert status == 400 and "group 'nope' does not exist" in out["message"], out
+        assert status == 400 and out["message"].startswith("Failed to receive weights: Group nope not in ["), out
+        assert out["message"].endswith("]. Please call `init_weights_update_group` first."), out
     finally:
         assert _post(engine.url, "/end_weight_update", {})[0] == 200
     assert _post(engine.url, "/begin_weight_update", {})[0] == 200, "a begin after the end opens a new session"
     assert _post(engine.url, "/end_weight_update", {})[0] == 200
+
+
+def test_a_failed_group_init_answers_sglangs_text(engine):
+    """A join that fails (here at once: the name of the engine's own one-process world, which torch refuses to
+    reuse) answers SGLang's "Failed to initialize custom process group: {e}." (its trailing period included)."""
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+    status, out = _post(engine.url, "/init_weights_update_group", {**body, "group_name": "0"})
+    assert status == 400 and out["success"] is False, out
+    assert out["message"].startswith("Failed to initialize custom process group: ") and out["message"][-2:] != "..", out
+    assert out["message"].endswith("before joining again."), out
 
 
 def test_abort_all_string_false_aborts_nothing(engine):

@@ -181,7 +181,7 @@ def test_info_metrics_flush_and_prefix_reuse(engine):
             assert status == 400 and "begin_weight_update" in json.loads(text)["message"]
             with pytest.raises(EngineError, match="begin_weight_update"):
                 await RawEngine(c.url).post("/end_weight_update")
-            with pytest.raises(EngineError, match="does not exist"):
+            with pytest.raises(EngineError, match=r"\"The group to be destroyed does not exist\.\""):
                 await RawEngine(c.url).post("/destroy_weights_update_group", {"group_name": "nope"})
             with pytest.raises(EngineError, match="gloo"):
                 await RawEngine(c.url).post(
@@ -306,7 +306,7 @@ def test_pause_in_place_keeps_kv(engine):
             assert m2["generation_tokens_total"] == m1["generation_tokens_total"]  # no stepping while paused
             with pytest.raises(EngineError) as ei:
                 await RawEngine(c.url).post("/flush_cache")  # refused: requests hold KV
-            assert ei.value.status == 400
+            assert ei.value.status == 400 and ei.value.message == "Flush cache failed.\n"
             await RawEngine(c.url).post("/continue_generation")
             done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert all(len(r.output_ids) == 400 and r.num_retractions == 0 for r in done)

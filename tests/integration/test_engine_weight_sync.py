@@ -47,7 +47,7 @@ def test_trainer_pushes_weights_and_version(tmp_path):
     async def go(url):
         async with SGLangClient(url, request_timeout_s=60, control_timeout_s=60) as c:
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
-            with pytest.raises(EngineError, match="does not exist"):
+            with pytest.raises(EngineError, match=r"Failed to receive weights: Group wsync not in \[\]"):
                 await RawEngine(c.url).post("/begin_weight_update")
                 await RawEngine(c.url).post(
                     "/update_weights_from_distributed",
@@ -184,7 +184,7 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
             )
             await asyncio.to_thread(dist.broadcast, wb[names[0]].contiguous(), group_src=0, group=pg)
             destroy_weight_update_group(pg)
-            with pytest.raises(EngineError, match="no weight changed"):
+            with pytest.raises(EngineError, match="Failed to receive weights: "):  # SGLang's text (no weight changed)
                 await call
             assert (await c.generate(PROMPT, greedy)).output_ids == ref_a
             await RawEngine(c.url).post("/destroy_weights_update_group", {"group_name": "g1"})
