@@ -43,6 +43,7 @@ from tokenizers import Tokenizer
 
 from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.cluster.malloc import retain_freed_memory
+from asyncrl.models.spec import load_hf_config
 from asyncrl.rollout.cpu_scheduler import PAUSE_MODES
 from asyncrl.rollout.engine_args import EngineArgs, parse_args
 from asyncrl.rollout.engine_http import (
@@ -83,6 +84,11 @@ class CpuEngine:
         self.args = args
         self.link = link
         self.tokenizer = tokenizer
+        self.model_path = args.model_path
+        """SGLang's ``model_path`` and ``served_model_name`` on ``/model_info``: a load from disk moves both."""
+        self.load_format = "auto"
+        """SGLang's ``load_format`` in effect (its default, then the one of the last load from disk)."""
+        self.architectures = load_hf_config(args.model_path).get("architectures")
         self.server_status = "Up"
         """SGLang's ``ServerStatus`` as its HTTP side keeps it: ``Up`` (this port answers only once the model is
         loaded, so never ``Starting``), ``UnHealthy`` after a failed health generation, ``Up`` again after one that
@@ -101,6 +107,9 @@ class CpuEngine:
         self.update_lock = ModelUpdateLock()
         self.num_disconnect_aborts = 0
         self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
+        self._abortable: set[str] = set()
+        """Rids of this server's ``/generate`` requests in the scheduler, unanswered, no abort sent for them yet:
+        SGLang's ``rid_to_state`` entries without ``abort_sent``. ``/abort_request`` by rid reaches only these."""
         """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
         self._watcher: Optional[asyncio.Task] = None
         """Requests aborted because their HTTP client disconnected before the answer."""
@@ -150,8 +159,6 @@ class CpuEngine:
             get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
             get(path, self.server_info)
-        for path in ("/weight_version", "/get_weight_version"):
-            get(path, self.weight_version)
         r.add_route("*", "/metrics", self.metrics)  # SGLang mounts its metrics app there: any method
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._on_cleanup)
@@ -170,6 +177,8 @@ class CpuEngine:
                     ok, message, extra = await self._call(op, body)
             else:
                 ok, message, extra = await self._call(op, body)
+            if ok and op == "update_weights_from_disk":
+                self.model_path, self.load_format = body["model_path"], body.get("load_format") or "auto"
             return result(ok, message, **extra)
 
         return handler
@@ -237,6 +246,9 @@ class CpuEngine:
                 loop=asyncio.get_running_loop(),
             )
             self.link.submit(reqs)  # all or nothing: a RequestError (a 400) before any is sent
+            for req, fut in zip(reqs, futs):
+                self._abortable.add(req.rid)
+                fut.add_done_callback(lambda _, rid=req.rid: self._abortable.discard(rid))
             outs = await self._wait_or_abort(request, reqs, futs)
         if outs is None:  # the client went away: its requests were aborted; nobody reads this answer
             return web.Response(status=499)
@@ -246,6 +258,7 @@ class CpuEngine:
 
     def _abort(self, reqs: list[Request]) -> None:
         for req in reqs:
+            self._abortable.discard(req.rid)
             self._call("abort", req.rid)
 
     async def _wait_or_abort(self, request: web.Request, reqs: list[Request], futs: list) -> Optional[list]:
@@ -327,8 +340,16 @@ class CpuEngine:
         return web.Response(status=200 if self.server_status == "Up" else 503)
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's ``/abort_request``: ``abort_all``, or a rid that must be exactly one of ``_abortable`` (anything
+        else is dropped: a prefix, an answered request, one held at the pause gate, a second abort); the scheduler
+        then aborts every request whose rid starts with it. 200, empty, whatever happened."""
         body = await read_body(request)  # rid and abort_all checked there
-        await self._call("abort", body.get("rid") or "", body.get("abort_all", False))
+        rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
+        if abort_all:
+            await self._call("abort", "", True)
+        elif rid in self._abortable:
+            self._abortable.discard(rid)
+            await self._call("abort", rid, False)
         return web.Response(status=200)
 
     # ---- pause / continue ----------------------------------------------------------------
@@ -359,25 +380,28 @@ class CpuEngine:
 
     # ---- weight updates ------------------------------------------------------------------
     async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/model_info``, key for key (no parsers, no disaggregation: their defaults)."""
         return web.json_response(
             {
-                "model_path": self.args.model_path,
+                "model_path": self.model_path,
+                "served_model_name": self.model_path,
                 "tokenizer_path": self.args.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.link.weight_version,
+                "load_format": self.load_format,
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": self.link.info["model_type"],
-                "architectures": None,
+                "architectures": self.architectures,
             }
         )
 
-    async def weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.link.weight_version})
-
     async def server_info(self, request: web.Request) -> web.Response:
-        m = await self._call("server_info")
+        state = await self._call("server_info")
         a = asdict(self.args)
         return web.json_response(
             {
@@ -390,7 +414,7 @@ class CpuEngine:
                 "context_length": self.link.info["context_length"],
                 "weight_version": self.link.weight_version,
                 "max_total_num_tokens": self.link.info["max_total_num_tokens"],
-                "internal_states": [m],
+                "internal_states": [state],
                 "version": ENGINE_VERSION,
             }
         )

@@ -74,7 +74,9 @@ class RequestSpec:
 
 
 def _server_info(s: Scheduler) -> dict:
-    return {**s.metrics(), "paused": s.paused}
+    """The scheduler's entry of ``/server_info``'s ``internal_states``: its gauges and whether it is paused, without
+    the request counts (``num_*``), which SGLang's does not have (a caller reads them from ``/metrics``)."""
+    return {**{k: v for k, v in s.metrics().items() if not k.startswith("num_")}, "paused": s.paused}
 
 
 ENGINE_OPS = {

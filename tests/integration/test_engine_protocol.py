@@ -90,7 +90,7 @@ def test_generate_shapes_and_errors(engine):
             with pytest.raises(EngineError) as ei:
                 await c.generate([3, 4], {"max_new_tokens": 2}, rid="dup")
             assert ei.value.status == 400 and ei.value.message == "Duplicate request ID detected: dup"
-            await RawEngine(c.url).post("/abort_request", {"rid": "du"})  # prefix match
+            await RawEngine(c.url).post("/abort_request", {"rid": "dup"})
             res = await long
             assert res.finish_reason == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
             assert 0 < len(res.output_ids) < 400
@@ -154,8 +154,13 @@ def test_info_metrics_flush_and_prefix_reuse(engine):
         async with SGLangClient(engine.url) as c:
             info = await c.model_info()
             assert info["weight_version"] == "0" and info["model_path"].endswith("model")
+            assert info["served_model_name"] == info["model_path"] and info["architectures"] == ["Qwen2ForCausalLM"]
+            assert info["load_format"] == "auto" and info["disaggregation_mode"] == "null"
+            assert info["reasoning_parser"] is None and info["tool_call_parser"] is None
             si = await RawEngine(c.url).get("/server_info")
-            assert si["max_running_requests"] == 8 and si["internal_states"][0]["num_running_reqs"] == 0
+            assert si["max_running_requests"] == 8 and si["internal_states"][0]["paused"] is None
+            assert not any(k.startswith("num_") for k in si["internal_states"][0]), "SGLang's: no request counts"
+            assert (await _raw(engine.url, "GET", "/weight_version"))[0] == 404  # no such route on SGLang
             before = await RawEngine(c.url).metrics()
             prompt = list(range(10, 40))
             first = await c.generate(prompt, {"max_new_tokens": 5, "temperature": 0})
@@ -354,5 +359,28 @@ def test_unknown_path_and_wrong_method_answer_as_fastapi(engine):
                 assert r.status == 200
             async with s.post(engine.url + "/metrics", timeout=t) as r:
                 assert r.status == 200 and "sglang:num_running_reqs" in await r.text()
+
+    run(go())
+
+
+def test_abort_request_needs_the_exact_rid_of_a_request_in_flight(engine):
+    """As SGLang's HTTP side: an abort by rid is sent to the scheduler only for the exact rid of a request in
+    flight, so neither a prefix nor the base rid of ``n > 1`` samples (``L`` for ``L_0``, ``L_1``) aborts anything."""
+
+    async def go():
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            raw = RawEngine(c.url)
+            body = {"input_ids": [3, 4], "rid": "L", "sampling_params": {**LONG, "n": 2}}
+            pair = asyncio.create_task(_raw(engine.url, "POST", "/generate", body))
+            await _wait(lambda: _in_flight(c, 2))
+            for rid in ("L", "L_", "nope"):  # answered before any abort could run: none was sent
+                await raw.post("/abort_request", {"rid": rid})
+            assert (await raw.metrics())["num_running_reqs"] == 2 and not pair.done()
+            await raw.post("/abort_request", {"rid": "L_0"})
+            await raw.post("/abort_request", {"rid": "L_1"})
+            status, text = await asyncio.wait_for(pair, 30)
+            out = json.loads(text)
+            assert status == 200 and [o["meta_info"]["finish_reason"]["type"] for o in out] == ["abort", "abort"]
+            assert all(len(o["output_ids"]) < 400 for o in out)
 
     run(go())

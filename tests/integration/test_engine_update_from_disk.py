@@ -63,8 +63,11 @@ def test_load_perturbed_checkpoint_matches_an_engine_started_from_it(tmp_path):
         assert "shape" in e.value.message and e.value.message.startswith("Failed to update weights: ")
         assert e.value.message.endswith(".\nRolling back to original weights.")
         untouched = await _probe(c)
+        assert (await c.model_info())["model_path"] == str(a)  # failed loads leave it
         res = await c.update_weights_from_disk(str(b), weight_version="3")
         after = await _probe(c)
+        info = await c.model_info()  # SGLang: a load moves model_path and served_model_name to the new path
+        assert info["model_path"] == info["served_model_name"] == str(b) and info["tokenizer_path"] == str(a)
         return before, untouched, res, after, await c.weight_version()
 
     with running_cpu_engine(a, log_dir=tmp_path / "logs_a", weight_version="0") as sup:
