@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -75,6 +76,7 @@ LOCKED_OPS = frozenset(
 """SGLang's switch (default on): off, ``/health`` answers from the server's status alone (``/health_generate``
 still generates)."""
 DISCONNECT_POLL_S = 0.2  # how often a waiting /generate checks that its client is still connected
+IDLE_POLL_S = 0.1  # longest wait between two idle checks of a /flush_cache?timeout= (one follows each output too)
 
 
 class CpuEngine:
@@ -107,6 +109,8 @@ class CpuEngine:
         self.update_lock = ModelUpdateLock()
         self.num_disconnect_aborts = 0
         self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
+        self._flush_waiting = False
+        """A ``/flush_cache?timeout=`` is waiting for the engine to be idle (SGLang: its pending flush)."""
         self._abortable: set[str] = set()
         """Rids of this server's ``/generate`` requests in the scheduler, unanswered, no abort sent for them yet:
         SGLang's ``rid_to_state`` entries without ``abort_sent``. ``/abort_request`` by rid reaches only these."""
@@ -369,14 +373,49 @@ class CpuEngine:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """SGLang's ``/flush_cache``: text, 200 when flushed, 400 when refused (requests running, or waiting while
-        not paused)."""
-        if not await self._call("flush_cache"):
+        """SGLang's ``/flush_cache[?timeout=T]``: text, 200 when flushed, 400 "Flush cache failed." when refused
+        (requests running, or waiting while not paused). With ``T > 0`` and requests in the engine it waits up to T s
+        for none to be running or waiting (re-checked at each output of the scheduler process), then flushes or
+        answers "Timed out waiting for idle state."; any flush meanwhile: "Another flush_cache is already in
+        progress." (SGLang keeps that wait in its scheduler; its answers are the same.)"""
+        raw = request.query.get("timeout", "0")
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            timeout_s = math.nan
+        if not timeout_s >= 0:  # SGLang: a query parameter (float, >= 0) FastAPI validates
+            raise InvalidBody(f"query.timeout: expected a number >= 0, got {raw!r:.80}")
+        if self._flush_waiting:
+            return web.Response(text="Another flush_cache is already in progress.", status=400)
+        if timeout_s == 0 or await self._idle():
+            ok = await self._call("flush_cache")
+        else:
+            ok = await self._flush_when_idle(time.monotonic() + timeout_s)
+            if ok is None:
+                return web.Response(text="Timed out waiting for idle state.", status=400)
+        if not ok:
             return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
             "waiting requests, the operation will not be performed.)\n"
         )
+
+    async def _idle(self) -> bool:
+        m = await self._call("metrics")
+        return m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 0
+
+    async def _flush_when_idle(self, deadline: float) -> Optional[bool]:
+        """The flush once no request runs or waits (its result), or None at ``deadline``."""
+        self._flush_waiting = True
+        try:
+            while time.monotonic() < deadline:
+                t = self.link.last_receive  # (at or after) the answer of the last check: wait for anything newer
+                await self.link.output_after(t, timeout_s=min(IDLE_POLL_S, max(0.0, deadline - time.monotonic())))
+                if await self._idle():
+                    return await self._call("flush_cache")
+            return None
+        finally:
+            self._flush_waiting = False
 
     # ---- weight updates ------------------------------------------------------------------
     async def model_info(self, request: web.Request) -> web.Response:

@@ -384,3 +384,40 @@ def test_abort_request_needs_the_exact_rid_of_a_request_in_flight(engine):
             assert all(len(o["output_ids"]) < 400 for o in out)
 
     run(go())
+
+
+def test_flush_cache_with_a_timeout_waits_for_idle(engine):
+    """SGLang's ``/flush_cache?timeout=T``: with requests in the engine it waits for none to run or wait, then
+    flushes; any flush meanwhile is refused; at T it gives up (a pause ``in_place`` keeps its requests running)."""
+
+    async def flush(query=""):
+        return await _raw(engine.url, "POST", "/flush_cache" + query)
+
+    async def another_in_progress():
+        return await flush() == (400, "Another flush_cache is already in progress.")
+
+    async def go():
+        async with SGLangClient(engine.url, request_timeout_s=60) as c:
+            raw = RawEngine(c.url)
+            for bad in ("?timeout=-1", "?timeout=x"):
+                status, text = await flush(bad)
+                assert status == 400 and "query.timeout" in json.loads(text)["message"]
+            tasks = [asyncio.create_task(c.generate([80 + i, 81], LONG)) for i in range(2)]
+            await _wait(lambda: _in_flight(c, 2))
+            waiting = asyncio.create_task(flush("?timeout=60"))
+            await _wait(another_in_progress)
+            await raw.post("/abort_request", {"abort_all": True})
+            status, text = await asyncio.wait_for(waiting, 30)
+            assert status == 200 and text.startswith("Cache flushed.")
+            assert all(r.aborted for r in await asyncio.gather(*tasks))
+
+            tasks = [asyncio.create_task(c.generate([90 + i, 91], LONG)) for i in range(2)]
+            await _wait(lambda: _in_flight(c, 2))
+            await raw.post("/pause_generation", {"mode": "in_place"})
+            assert await flush("?timeout=0.3") == (400, "Timed out waiting for idle state.")
+            await raw.post("/continue_generation", {})
+            await raw.post("/abort_request", {"abort_all": True})
+            assert all(r.aborted for r in await asyncio.gather(*tasks))
+            assert (await flush("?timeout=5"))[0] == 200  # idle: at once
+
+    run(go())
