@@ -176,6 +176,8 @@ class CpuEngine:
 
         async def handler(request: web.Request) -> web.Response:
             body = await read_body(request)
+            if op in LOCKED_OPS and body.get("abort_all_requests"):  # SGLang's HTTP side: before the lock
+                await self._call("abort", "", True)
             if self.unpaused.is_set() and op in LOCKED_OPS:  # SGLang: the writer side unless paused
                 async with self.update_lock.writing():
                     ok, message, extra = await self._call(op, body)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import pytest
 import torch
+from engine_raw import RawEngine  # tests/integration/engine_raw.py
 from safetensors.torch import load_file, save_file
 
 from asyncrl.engine.client import EngineError, SGLangClient
@@ -64,7 +66,14 @@ def test_load_perturbed_checkpoint_matches_an_engine_started_from_it(tmp_path):
         assert e.value.message.endswith(".\nRolling back to original weights.")
         untouched = await _probe(c)
         assert (await c.model_info())["model_path"] == str(a)  # failed loads leave it
-        res = await c.update_weights_from_disk(str(b), weight_version="3")
+        # abort_all_requests: aborted before the load waits for the model-update lock, as SGLang's HTTP side does
+        # (not left to run to its end while the lock waits for it)
+        long = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 1500, "ignore_eos": True}))
+        deadline = time.monotonic() + 60
+        while (await RawEngine(c.url).metrics())["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline and not long.done(), "the long request never ran"
+        res = await c.update_weights_from_disk(str(b), weight_version="3", abort_all_requests=True)
+        assert (await long).aborted
         after = await _probe(c)
         info = await c.model_info()  # SGLang: a load moves model_path and served_model_name to the new path
         assert info["model_path"] == info["served_model_name"] == str(b) and info["tokenizer_path"] == str(a)
