@@ -46,12 +46,15 @@ from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.models.spec import load_hf_config
 from asyncrl.rollout.cpu_scheduler import PAUSE_MODES
-from asyncrl.rollout.engine_args import EngineArgs, parse_args
+from asyncrl.rollout.engine_args import EngineArgs, env_bool, parse_args
 from asyncrl.rollout.engine_http import (
+    FLUSH_FAILED,
+    FLUSHED,
     InvalidBody,
     ModelUpdateLock,
     build_generate_requests,
     json_error,
+    model_info_body,
     read_body,
     result,
     validation_error,
@@ -69,12 +72,12 @@ log = logging.getLogger("asyncrl.cpu_engine")
 ENGINE_VERSION = "asyncrl-cpu-engine-0.1"
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT (read from the environment as SGLang)
 HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+"""SGLang's switch (default on): off, ``/health`` answers from the server's status alone (``/health_generate``
+still generates)."""
 LOCKED_OPS = frozenset(
     {"begin_weight_update", "end_weight_update", "update_weights_from_distributed", "update_weights_from_disk"}
 )
 """Weight calls that SGLang runs under its model-update writer lock when the engine is not paused."""
-"""SGLang's switch (default on): off, ``/health`` answers from the server's status alone (``/health_generate``
-still generates)."""
 DISCONNECT_POLL_S = 0.2  # how often a waiting /generate checks that its client is still connected
 IDLE_POLL_S = 0.1  # longest wait between two idle checks of a /flush_cache?timeout= (one follows each output too)
 
@@ -96,7 +99,7 @@ class CpuEngine:
         loaded, so never ``Starting``), ``UnHealthy`` after a failed health generation, ``Up`` again after one that
         succeeds. ``/ready`` and ``/ping`` answer from it."""
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
-        self.health_generation = _env_bool(HEALTH_GENERATION_ENV, True)
+        self.health_generation = env_bool(HEALTH_GENERATION_ENV, True)
         self.unpaused = asyncio.Event()
         """SGLang's pause gate in its HTTP process (``is_pause``): cleared by ``/pause_generation``, set by
         ``/continue_generation``; a ``/generate`` arriving meanwhile waits here, before its checks, outside the
@@ -395,12 +398,7 @@ class CpuEngine:
             ok = await self._flush_when_idle(time.monotonic() + timeout_s)
             if ok is None:
                 return web.Response(text="Timed out waiting for idle state.", status=400)
-        if not ok:
-            return web.Response(text="Flush cache failed.\n", status=400)
-        return web.Response(
-            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-            "waiting requests, the operation will not be performed.)\n"
-        )
+        return web.Response(text=FLUSHED if ok else FLUSH_FAILED, status=200 if ok else 400)
 
     async def _idle(self) -> bool:
         m = await self._call("metrics")
@@ -421,24 +419,15 @@ class CpuEngine:
 
     # ---- weight updates ------------------------------------------------------------------
     async def model_info(self, request: web.Request) -> web.Response:
-        """SGLang's ``/model_info``, key for key (no parsers, no disaggregation: their defaults)."""
         return web.json_response(
-            {
-                "model_path": self.model_path,
-                "served_model_name": self.model_path,
-                "tokenizer_path": self.args.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.link.weight_version,
-                "load_format": self.load_format,
-                "reasoning_parser": None,
-                "tool_call_parser": None,
-                "disaggregation_mode": "null",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": self.link.info["model_type"],
-                "architectures": self.architectures,
-            }
+            model_info_body(
+                self.model_path,
+                tokenizer_path=self.args.model_path,
+                weight_version=self.link.weight_version,
+                load_format=self.load_format,
+                model_type=self.link.info["model_type"],
+                architectures=self.architectures,
+            )
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -468,18 +457,6 @@ class CpuEngine:
         return web.Response(
             text=prometheus_text(m, model_name=self.args.model_path), content_type="text/plain", charset="utf-8"
         )
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    """An environment switch read as SGLang's ``EnvBool`` reads it (a value it does not know is an error)."""
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    if v.lower() in ("true", "1", "yes", "y"):
-        return True
-    if v.lower() in ("false", "0", "no", "n"):
-        return False
-    raise ValueError(f"{name}: {v!r} is not a valid boolean value")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

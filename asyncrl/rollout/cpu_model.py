@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 
 from asyncrl.models.rope import rope_inv_freq
 from asyncrl.models.safetensors_io import SafetensorsReader
@@ -434,3 +435,53 @@ def load_model(model_path: str | Path) -> CausalLM:
     if missing:
         raise ValueError(f"model path {str(p)!r}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
     return model
+
+
+class NoCheckpoint(FileNotFoundError):
+    """A path that holds no checkpoint (not a directory, no safetensors file)."""
+
+
+def read_checkpoint(model: CausalLM, d: Path) -> list[tuple[str, torch.Tensor]]:
+    """Read a HF safetensors checkpoint directory for a load into the running ``model``: the same names and
+    shapes, no parameter missing (``NoCheckpoint``, else a ``KeyError``/``ValueError`` naming the directory, or
+    the file safetensors cannot read)."""
+    if not d.is_dir():
+        raise NoCheckpoint(f"{str(d)!r} is not a directory")
+    if not any(d.glob("*.safetensors")):
+        raise NoCheckpoint(f"{str(d)!r} holds no *.safetensors file")
+    try:
+        return _check_checkpoint(model, d)
+    except SafetensorError as e:  # a truncated or corrupt file: an error of the request, never a 500
+        raise ValueError(f"{_unreadable_file(d)!r}: not a readable safetensors file ({e})") from None
+
+
+def _check_checkpoint(m: CausalLM, d: Path) -> list[tuple[str, torch.Tensor]]:
+    named, seen = [], set()
+    for name, t in iter_safetensors(d):
+        dst = m.params.get(name)
+        if dst is None:
+            if name == "lm_head.weight" and m.spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise KeyError(f"{str(d)!r}: unknown parameter {name!r} for the running {m.spec.model_type}")
+        if tuple(t.shape) != tuple(dst.shape):
+            raise ValueError(
+                f"{str(d)!r}: parameter {name!r} has shape {tuple(t.shape)}, the running model's is {tuple(dst.shape)}"
+            )
+        named.append((name, t))
+        seen.add(name)
+    missing = m.missing_after(seen)
+    if missing:
+        raise ValueError(f"{str(d)!r}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    return named
+
+
+def _unreadable_file(d: Path) -> str:
+    """The first ``*.safetensors`` of ``d`` that safetensors cannot open (where a ``SafetensorError`` came from);
+    ``d`` itself when each one opens."""
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except SafetensorError:
+            return str(f)
+    return str(d)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -105,3 +106,15 @@ def init_engine_world(args: EngineArgs) -> str:
     )
     log.info("own torch.distributed world at %s (gloo, 1 rank) in %.2fs", init_method, time.monotonic() - t0)
     return init_method
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """An environment switch read as SGLang's ``EnvBool`` reads it (a value it does not know is an error)."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    if v.lower() in ("true", "1", "yes", "y"):
+        return True
+    if v.lower() in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{name}: {v!r} is not a valid boolean value")

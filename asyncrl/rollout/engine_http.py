@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.message
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,43 @@ def validation_error(msg: str) -> web.Response:
     return web.json_response(
         {"object": "error", "message": msg, "type": "Bad Request", "param": None, "code": 400}, status=400
     )
+
+
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the "
+    "operation will not be performed.)\n"
+)
+"""SGLang's ``/flush_cache`` text when the cache was flushed (200)."""
+FLUSH_FAILED = "Flush cache failed.\n"
+"""SGLang's ``/flush_cache`` text when the flush was refused (400)."""
+
+
+def model_info_body(
+    model_path: str,
+    *,
+    tokenizer_path: str,
+    weight_version: str,
+    load_format: str,
+    model_type: str,
+    architectures: Optional[list],
+) -> dict:
+    """SGLang's ``/model_info``, key for key (no parsers, no disaggregation: their defaults)."""
+    return {
+        "model_path": model_path,
+        "served_model_name": model_path,
+        "tokenizer_path": tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": weight_version,
+        "load_format": load_format,
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": model_type,
+        "architectures": architectures,
+    }
 
 
 def result(success: bool, message: str, **extra: Any) -> web.Response:
@@ -157,12 +195,25 @@ def check_body(body: dict, model: dict[str, Field]) -> None:
         raise InvalidBody(f"{len(errors)} validation error(s): " + "; ".join(errors))
 
 
+def _json_media_type(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this ``Content-Type`` as JSON: ``application/json`` or
+    ``application/*+json`` (parameters and case aside; a malformed value counts as ``text/plain``)."""
+    m = email.message.Message()
+    m["content-type"] = content_type
+    sub = m.get_content_subtype()
+    return m.get_content_maintype() == "application" and (sub == "json" or sub.endswith("+json"))
+
+
 async def read_body(request: web.Request) -> dict:
     """The JSON object of the request, checked against its route's ``BODY_MODELS`` entry when it has one. Every
-    route that takes a body requires one, as SGLang's (``{}`` for the defaults)."""
+    route that takes a body requires one, as SGLang's (``{}`` for the defaults), sent as JSON (no
+    ``Content-Type``, or a JSON one)."""
     raw = await request.read()
     if not raw:
         raise InvalidBody("body: field required (send {} for the defaults)")
+    content_type = request.headers.get("Content-Type")
+    if content_type and not _json_media_type(content_type):  # FastAPI reads the body as JSON only then
+        raise InvalidBody(f"body: expected a JSON body, got Content-Type {content_type!r:.80}")
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting too deep

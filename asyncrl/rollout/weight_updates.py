@@ -34,10 +34,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 
 from asyncrl.engine.client import weight_version_note
-from asyncrl.rollout.cpu_model import CausalLM, iter_safetensors
+from asyncrl.rollout.cpu_model import CausalLM, NoCheckpoint, read_checkpoint
 from asyncrl.rollout.cpu_scheduler import Scheduler
 from asyncrl.rollout.engine_http import SELECTORS, weight_version_field
 from asyncrl.rollout.sampling_params import RequestError, check_bool, check_int
@@ -80,10 +79,6 @@ Answer = tuple[bool, str, dict]
 
 def answer(ok: bool, message: str, **extra) -> Answer:
     return ok, message, extra
-
-
-class NoCheckpoint(FileNotFoundError):
-    """``/update_weights_from_disk`` of a path that holds no checkpoint (not a directory, no safetensors file)."""
 
 
 def torch_dtype(name: Any) -> torch.dtype:
@@ -416,7 +411,7 @@ class WeightUpdates:
             self._call(lambda s: s.abort(abort_all=True))
         t0 = time.monotonic()
         try:
-            named = self._read_checkpoint(Path(path))
+            named = read_checkpoint(self.model, Path(path))
         except NoCheckpoint as e:  # SGLang: its loader found no weights to iterate
             return failed(f"Failed to get weights iterator: {e}.")
         except (KeyError, ValueError, OSError) as e:  # SGLang: the load failed (it rolls back; nothing changed here)
@@ -426,7 +421,7 @@ class WeightUpdates:
             )
 
         def apply(s: Scheduler) -> Optional[str]:
-            self.model.load_weights(named)  # names and shapes checked in _read_checkpoint
+            self.model.load_weights(named)  # names and shapes checked in read_checkpoint
             if flush and not s.flush_cache():  # SGLang fails the update call (the weights are in)
                 return None
             if version is not None:
@@ -440,39 +435,6 @@ class WeightUpdates:
         log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
         note = weight_version_note(version) if version is not None else ""
         return answer(True, "Succeeded to update model weights." + note, num_paused_requests=0)
-
-    def _read_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
-        """Read a HF safetensors checkpoint directory and check it against the running model (same names and
-        shapes, no parameter missing). Errors name the directory, or the file safetensors cannot read."""
-        if not d.is_dir():
-            raise NoCheckpoint(f"{str(d)!r} is not a directory")
-        if not any(d.glob("*.safetensors")):
-            raise NoCheckpoint(f"{str(d)!r} holds no *.safetensors file")
-        try:
-            return self._check_checkpoint(d)
-        except SafetensorError as e:  # a truncated or corrupt file: an error of the request, never a 500
-            raise ValueError(f"{_unreadable_file(d)!r}: not a readable safetensors file ({e})") from None
-
-    def _check_checkpoint(self, d: Path) -> list[tuple[str, torch.Tensor]]:
-        m = self.model
-        named, seen = [], set()
-        for name, t in iter_safetensors(d):
-            dst = m.params.get(name)
-            if dst is None:
-                if name == "lm_head.weight" and m.spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise KeyError(f"{str(d)!r}: unknown parameter {name!r} for the running {m.spec.model_type}")
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"{str(d)!r}: parameter {name!r} has shape {tuple(t.shape)}, the running model's "
-                    f"is {tuple(dst.shape)}"
-                )
-            named.append((name, t))
-            seen.add(name)
-        missing = m.missing_after(seen)
-        if missing:
-            raise ValueError(f"{str(d)!r}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
-        return named
 
     def update_weight_version(self, body: dict) -> Answer:
         if "new_version" not in body:
@@ -492,17 +454,3 @@ class WeightUpdates:
 
         self._call(apply)
         return answer(True, f"Weight version updated to {v}", new_version=v)
-
-    # ---- info / metrics ------------------------------------------------------------------
-
-
-def _unreadable_file(d: Path) -> str:
-    """The first ``*.safetensors`` of ``d`` that safetensors cannot open (where a ``SafetensorError`` came from);
-    ``d`` itself when each one opens."""
-    for f in sorted(d.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except SafetensorError:
-            return str(f)
-    return str(d)

@@ -59,7 +59,8 @@ def _post(url: str, path: str, body=None, *, raw: bytes | None = None, timeout_s
     async def go():
         async with aiohttp.ClientSession() as s:
             data = raw if raw is not None else json.dumps(body).encode()
-            async with s.post(url + path, data=data, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            t = aiohttp.ClientTimeout(total=timeout_s)
+            async with s.post(url + path, data=data, headers={"Content-Type": "application/json"}, timeout=t) as r:
                 text = await r.text()
                 return r.status, (json.loads(text) if r.content_type == "application/json" else text)
 

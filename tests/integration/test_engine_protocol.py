@@ -34,9 +34,12 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _raw(url, method, path, body=None, data=None):
+async def _raw(url, method, path, body=None, data=None, content_type="application/json"):
+    """-> (status, text); ``data`` (raw bytes) is sent with ``content_type``."""
+    headers = {"Content-Type": content_type} if data is not None else None
     async with aiohttp.ClientSession() as s:
-        async with s.request(method, url + path, json=body, data=data, timeout=aiohttp.ClientTimeout(total=30)) as r:
+        t = aiohttp.ClientTimeout(total=30)
+        async with s.request(method, url + path, json=body, data=data, headers=headers, timeout=t) as r:
             return r.status, await r.text()
 
 
@@ -228,14 +231,17 @@ VALIDATION_ERROR = {"object": "error", "type": "Bad Request", "param": None, "co
         ("/update_weights_from_disk", b"{}", "body.model_path"),
         ("/get_weights_by_name", b'{"truncate_size": 3}', "body.name"),
         ("/abort_request", b'{"rid": 5}', "body.rid"),
+        ("/pause_generation", (b'{"mode": "abort"}', "text/plain"), "body"),  # FastAPI parses JSON types only
+        ("/generate", (b'{"input_ids": [1]}', "application/x-www-form-urlencoded"), "body"),
     ],
 )
 def test_a_body_sglang_refuses_is_its_validation_error(engine, path, data, field):
     """SGLang 0.5.23 checks each body against its request struct before the handler runs: no body, bad JSON, not
-    an object, a required field missing or a field of the wrong type is a 400 of its validation handler's shape,
-    the message naming the field. (The session rule does not come first: an update outside a session with a bad
-    body is this error too.)"""
-    status, text = run(_raw(engine.url, "POST", path, data=data))
+    an object, not sent as JSON, a required field missing or a field of the wrong type is a 400 of its validation
+    handler's shape, the message naming the field. (The session rule does not come first: an update outside a
+    session with a bad body is this error too.)"""
+    data, content_type = data if isinstance(data, tuple) else (data, "application/json")
+    status, text = run(_raw(engine.url, "POST", path, data=data, content_type=content_type))
     out = json.loads(text)
     assert status == 400 and {k: out.get(k) for k in VALIDATION_ERROR} == VALIDATION_ERROR, out
     assert f"{field}:" in out["message"], out
