@@ -111,15 +111,16 @@ class CpuEngine:
         """``/generate`` calls dropped at the gate: their client left during the pause (never reached the scheduler)."""
         self.update_lock = ModelUpdateLock()
         self.num_disconnect_aborts = 0
+        """Requests aborted because their HTTP client disconnected before the answer."""
         self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
+        """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
         self._flush_waiting = False
         """A ``/flush_cache?timeout=`` is waiting for the engine to be idle (SGLang: its pending flush)."""
         self._abortable: set[str] = set()
         """Rids of this server's ``/generate`` requests in the scheduler, unanswered, no abort sent for them yet:
         SGLang's ``rid_to_state`` entries without ``abort_sent``. ``/abort_request`` by rid reaches only these."""
-        """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
         self._watcher: Optional[asyncio.Task] = None
-        """Requests aborted because their HTTP client disconnected before the answer."""
+        """The task of ``_watch_disconnects`` while any ``/generate`` waits."""
         self.unauthorized = 0
         """Requests refused for a missing or wrong API key."""
 
