@@ -103,20 +103,27 @@ def explain(cfg: Config) -> list[str]:
             f"= floor({f:g} x rollout_batch_size {B}) = {rb.max_buffered_groups} (in-flight + buffered groups)"
         )
     how = "derived from runner.async_mode" if "rollout_buffer.submission_granularity" in cfg.derived else "set"
+    n = rb.max_inflight_groups
+    if n == "auto":  # a number is spelled out only where there is one: the broker's start
+        start = inflight_start(cfg)
+        limit = f"max_inflight_groups = auto (tuned by the broker, starting at {start})"
+        per_group = f"max_inflight_groups x group_size, starting at {start} x {gs} = {start * gs}"
+    else:
+        limit, per_group = f"max_inflight_groups = {n}", f"max_inflight_groups x group_size = {n * gs}"
     if rb.submission_granularity == "sample":
         budget = (
             f"rollout_buffer.max_concurrent_samples = {rb.max_concurrent_samples}"
             if rb.max_concurrent_samples
-            else f"max_inflight_groups x group_size = {rb.max_inflight_groups * gs}"
+            else per_group
         )
         lines.append(
             f'rollout_buffer.submission_granularity = "sample" ({how}): each finished trajectory frees its slot of '
             f"the trajectory budget ({budget}); the in-flight limit still counts groups: at most "
-            f"max_inflight_groups = {rb.max_inflight_groups} groups in flight"
+            f"{limit} groups in flight"
         )
     else:
         lines.append(
             f'rollout_buffer.submission_granularity = "group" ({how}): a group holds its in-flight slot '
-            f"until its last trajectory returns; at most {rb.max_inflight_groups} groups in flight"
+            f"until its last trajectory returns; at most {limit} groups in flight"
         )
     return lines

@@ -356,6 +356,28 @@ def test_dry_run_explains_what_the_derived_sample_granularity_changes(tmp_path):
     assert '"sample" (derived from runner.async_mode)' in line and "at most max_inflight_groups = 77 groups" in line
 
 
+@pytest.mark.parametrize("granularity", ["sample", "group"])
+def test_dry_run_explains_an_auto_in_flight_limit_with_its_start(tmp_path, granularity):
+    """``max_inflight_groups = "auto"`` is a word, not a number: the dry run named the budget as "auto" repeated
+    group_size times ("autoautoautoauto"); it says the broker tunes it and where it starts."""
+    from asyncrl.config.derive import explain, inflight_start
+
+    cfg = load(
+        tmp_path,
+        overrides=[
+            'rollout_buffer.max_inflight_groups="auto"',
+            f'rollout_buffer.submission_granularity="{granularity}"',
+        ],
+    )
+    line = next(x for x in explain(cfg) if "submission_granularity" in x)
+    start = inflight_start(cfg)
+    assert "autoauto" not in line, line
+    assert f"max_inflight_groups = auto (tuned by the broker, starting at {start})" in line, line
+    if granularity == "sample":
+        gs = cfg.algorithm.group_size
+        assert f"starting at {start} x {gs} = {start * gs}" in line, line
+
+
 MILES_PAGE_FLAGS = [  # every flag named on Miles' fully-async page
     "fully-async",
     "rollout-batch-size",
