@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("config", help="TOML config, e.g. configs/tiny.toml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides (TOML literals)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides before or after --dry-run
 
 
 def _plan_rows(cfg: Config, placement: Placement) -> list[tuple[int, str]]:

@@ -83,7 +83,10 @@ def _describe_engine(args: EngineArgs, m: EngineModel) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="What limits for N engines of this speed and a trainer of that speed?")
+    ap = argparse.ArgumentParser(
+        prog="python -m asyncrl.simulate",  # not __main__.py
+        description="What limits for N engines of this speed and a trainer of that speed?",
+    )
     ap.add_argument("config", help="the trainer's TOML (engines, batch, group size, limits are read from it)")
     ap.add_argument("overrides", nargs="*", help="key=value, as for launch/train.py")
     eng = ap.add_mutually_exclusive_group(required=True)

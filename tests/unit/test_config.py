@@ -437,3 +437,16 @@ def test_sglang_engine_backend_is_rejected_in_sync_mode_too(tmp_path):
         ["runner.async_mode=false", 'rollout.rollout_backend="sglang"', 'rollout.sglang.backend_type="engine"'],
         "rollout.sglang.backend_type",
     )
+
+
+def test_overrides_may_follow_the_flags_and_the_simulator_names_itself():
+    """``launch/train.py CONFIG --dry-run key=value`` was refused ("unrecognized arguments"); ``python -m
+    asyncrl.simulate --help`` said ``usage: __main__.py``."""
+    from asyncrl.runner.launcher import parse_args
+    from asyncrl.simulate.cli import _parser
+
+    a = parse_args(["configs/tiny.toml", "--dry-run", "runner.max_steps=3", "data.rollout_batch_size=2"])
+    b = parse_args(["configs/tiny.toml", "runner.max_steps=3", "--dry-run", "data.rollout_batch_size=2"])
+    assert vars(a) == vars(b) and a.dry_run
+    assert a.overrides == ["runner.max_steps=3", "data.rollout_batch_size=2"]
+    assert _parser().format_usage().startswith("usage: python -m asyncrl.simulate")
