@@ -29,15 +29,6 @@ HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 """SGLang's switch (default on) that makes ``/health`` generate a token; the launcher turns it off."""
 
 
-def health_ok(url: str, timeout_s: float) -> bool:
-    """True when ``GET url/health`` answers 200 within ``timeout_s``."""
-    try:
-        get_text(url, "/health", timeout_s=timeout_s, step="health")
-    except EngineStepError:
-        return False
-    return True
-
-
 LIVENESS_PROBE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "log_metrics": False}
 """The generation that proves a running (not paused) engine serves: one token, as SGLang's own health check."""
 

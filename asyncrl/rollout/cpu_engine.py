@@ -343,7 +343,7 @@ class CpuEngine:
 
     async def ready(self, request: web.Request) -> web.Response:
         """SGLang's ``/ready``: 200 when not paused and healthy (an open path, no key needed)."""
-        return web.Response(status=200 if self.link.paused is None and self.server_status == "Up" else 503)
+        return web.Response(status=200 if self.unpaused.is_set() and self.server_status == "Up" else 503)
 
     async def ping(self, request: web.Request) -> web.Response:
         """SGLang's ``/ping``: 200 when healthy, paused or not (it needs the key)."""

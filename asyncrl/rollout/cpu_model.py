@@ -262,9 +262,7 @@ class CausalLM:
             for name, t in named:
                 dst = self.params.get(name)
                 if dst is None:
-                    if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                        continue
-                    if name.endswith("rotary_emb.inv_freq") or not strict_names:
+                    if self.skips(name) or not strict_names:
                         continue
                     raise KeyError(f"unknown parameter {name!r} for {self.spec.model_type}")
                 if tuple(t.shape) != tuple(dst.shape):
@@ -272,6 +270,10 @@ class CausalLM:
                 dst.copy_(t.to(torch.float32))
                 n += 1
         return n
+
+    def skips(self, name: str) -> bool:
+        """A name SGLang's loaders pass over without a word: a tied ``lm_head.weight``, ``rotary_emb.inv_freq``."""
+        return name == "lm_head.weight" and self.spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq")
 
     def missing_after(self, names: set[str]) -> list[str]:
         return sorted(set(self.params) - names)
@@ -460,7 +462,7 @@ def _check_checkpoint(m: CausalLM, d: Path) -> list[tuple[str, torch.Tensor]]:
     for name, t in iter_safetensors(d):
         dst = m.params.get(name)
         if dst is None:
-            if name == "lm_head.weight" and m.spec.tie_word_embeddings or name.endswith("rotary_emb.inv_freq"):
+            if m.skips(name):
                 continue
             raise KeyError(f"{str(d)!r}: unknown parameter {name!r} for the running {m.spec.model_type}")
         if tuple(t.shape) != tuple(dst.shape):

@@ -377,13 +377,7 @@ class WeightUpdates:
         return True, msg
 
     def _loadable(self, name: str) -> bool:
-        m = self.model
-        return (
-            name in m.params
-            or name == "lm_head.weight"
-            and m.spec.tie_word_embeddings
-            or name.endswith("rotary_emb.inv_freq")
-        )
+        return name in self.model.params or self.model.skips(name)
 
     def update_weights_from_disk(self, body: dict) -> Answer:
         """SGLang's ``/update_weights_from_disk``: ``{model_path, load_format?, weight_version?,

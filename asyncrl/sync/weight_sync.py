@@ -448,11 +448,10 @@ class WeightSyncer:
                 unconfirmed=pushed.version_unconfirmed,
                 ended=pushed.version_sent,  # the end rode behind the version-carrying update
             )
-        except EngineStepError as e:  # name the training step too (the version being pushed)
+        except Exception as e:  # (not on Ctrl-C: closing may wait sync.step_timeout_s on a hung engine)
             self.close_sessions()
-            raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
-        except BaseException:
-            self.close_sessions()
+            if isinstance(e, EngineStepError):  # name the training step too (the version being pushed)
+                raise EngineStepError(e.urls, e.step, f"{e.detail} (weight sync to version {version})") from e
             raise
         t3 = time.perf_counter()
         verified = verify_sync(self.urls, sent, version=version, timeout_s=self.cfg.step_timeout_s)

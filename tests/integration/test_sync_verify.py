@@ -41,15 +41,16 @@ class _Trainer:
         self.version += 1
 
 
-def _checkpoint_and_cfg(tmp_path, arch: str, n: int = 2):
-    ckpt = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=0, num_hidden_layers=2)
-    cfg = SyncConfig(bucket_bytes=64 * 1024, backend="gloo", join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S)
-    return ckpt, cfg
-
-
 def _run(tmp_path, arch: str, rename=None, verify_interval: int = 1):
-    ckpt, cfg = _checkpoint_and_cfg(tmp_path, arch)
-    cfg = SyncConfig(**{**cfg.__dict__, "verify_interval": verify_interval})
+    """Two real engines, two syncs through ``sync_weights`` (the recovery wrapper the actor uses); the results."""
+    ckpt = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=0, num_hidden_layers=2)
+    cfg = SyncConfig(
+        bucket_bytes=64 * 1024,
+        backend="gloo",
+        join_timeout_s=TIMEOUT_S,
+        step_timeout_s=TIMEOUT_S,
+        verify_interval=verify_interval,
+    )
     log_dir = tmp_path / "logs"
     with (
         running_cpu_engine(ckpt, log_dir=log_dir, weight_version="0") as a,
