@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.actor.batch import groups_to_samples, make_microbatches
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
-    from asyncrl.actor.trainer import Actor
     from asyncrl.models.spec import load_hf_config
     from asyncrl.models.tiny import make_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""The actor's train step with each attention backend (asyncrl.actor.spec), on this machine's device.
+"""The actor's train step with each attention backend (asyncrl.actor.layer_spec), on this machine's device.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 1 benchmarks/attention_bench.py [--repeats 3]
 
@@ -42,8 +42,8 @@ def _measure(args, tmp: Path) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
-    from asyncrl.actor.trainer import Actor
     from asyncrl.models.spec import ModelSpec
     from asyncrl.models.tiny import make_tiny_checkpoint
 

@@ -73,8 +73,8 @@ class _Direct:
 
         from tokenizers import Tokenizer
 
-        from asyncrl.rollout.cpu_model import load_model
-        from asyncrl.rollout.cpu_scheduler import Scheduler
+        from asyncrl.cpu_engine.model import load_model
+        from asyncrl.cpu_engine.scheduler import Scheduler
 
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.sched = Scheduler(
@@ -92,8 +92,8 @@ class _Direct:
     def run(self, prompts, lengths, concurrency: int) -> float:
         import threading
 
-        from asyncrl.rollout.request import Request
-        from asyncrl.rollout.sampling_params import parse_sampling_params
+        from asyncrl.cpu_engine.request import Request
+        from asyncrl.cpu_engine.sampling_params import parse_sampling_params
 
         self.runs += 1
         todo = iter(range(len(prompts)))
@@ -189,8 +189,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.cpu_engine.testing import running_cpu_engine
     from asyncrl.models.tiny import make_tiny_checkpoint
-    from asyncrl.rollout.testing import running_cpu_engine
 
     torch.set_num_threads(a.threads)
     rng = random.Random(0)

@@ -83,9 +83,9 @@ async def _level(url: str, c: int, *, rng: random.Random, prompt_tokens: int, ou
 
 
 def measure(*, levels: tuple[int, ...], rounds: int, prompt_tokens: int, output_tokens: int, threads: int) -> dict:
+    from asyncrl.cpu_engine.testing import running_cpu_engine
     from asyncrl.models.spec import ModelSpec
     from asyncrl.models.tiny import make_tiny_checkpoint
-    from asyncrl.rollout.testing import running_cpu_engine
 
     rng = random.Random(0)
     samples: dict[int, list[dict]] = {c: [] for c in levels}

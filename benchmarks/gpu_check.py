@@ -14,7 +14,7 @@ embeddings, the vocabulary widened to 151936; no hub, no network), then:
    lengths in 16384-token micro-batches): median step time, tokens/s, peak CUDA memory, next to the
    per-rank estimate of ``asyncrl.actor.memory`` for the same plan;
 3. ``logprob_parity``: the actor's log-probs on CUDA (fp32 and bf16) against an independent fp32
-   implementation on CPU (the CPU engine's model, ``asyncrl.rollout.cpu_model``); with the
+   implementation on CPU (the CPU engine's model, ``asyncrl.cpu_engine.model``); with the
    varlen-flash path, varlen against per-sequence SDPA;
 4. ``cpu_engine_model``: the CPU engine's model run on CUDA (``torch.device("cuda")`` as the default
    device) against the same model on CPU (prefill logits), and its batched decode tokens/s;
@@ -130,8 +130,8 @@ def make_batch(vocab: int, *, smoke: bool):
 def build_actor(hf: Path, *, dtype: str, budget: int):
     from megatron.core import parallel_state as ps
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import tiny_actor_config
-    from asyncrl.actor.trainer import Actor
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -145,7 +145,7 @@ def build_actor(hf: Path, *, dtype: str, budget: int):
 
 def reference_logprobs(hf: Path, seqs: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
     """Log-probs of each sequence's tokens after its prompt from the CPU engine's fp32 model, on CPU."""
-    from asyncrl.rollout.cpu_model import KVPool, load_model
+    from asyncrl.cpu_engine.model import KVPool, load_model
 
     model = load_model(hf)
     out = []
@@ -164,8 +164,8 @@ def _diffs(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, flo
 
 def check_train(hf: Path, *, smoke: bool, device_type: str) -> dict:
     """Train steps in bf16 (fp32 on CPU): time, tokens/s, peak memory next to the estimate."""
+    from asyncrl.actor.layer_spec import attention_path
     from asyncrl.actor.memory import ModelShape, estimate_actor_memory
-    from asyncrl.actor.spec import attention_path
     from asyncrl.models.spec import load_hf_config
 
     budget = 1024 if smoke else 16384
@@ -210,7 +210,7 @@ def check_train(hf: Path, *, smoke: bool, device_type: str) -> dict:
 
 def check_logprobs(hf: Path, *, smoke: bool, device_type: str) -> dict:
     """The actor's log-probs (fp32, and bf16 on CUDA) against the CPU engine's fp32 model on CPU."""
-    from asyncrl.actor import spec as attn_spec
+    from asyncrl.actor import layer_spec as attn_spec
     from asyncrl.models.spec import ModelSpec
 
     gen = torch.Generator().manual_seed(2)
@@ -243,8 +243,8 @@ def check_logprobs(hf: Path, *, smoke: bool, device_type: str) -> dict:
 
 def check_cpu_engine_model(hf: Path, *, device_type: str) -> dict:
     """The CPU engine's model on ``device_type`` against itself on CPU; batched decode tokens/s."""
+    from asyncrl.cpu_engine.model import KVPool, load_model
     from asyncrl.models.spec import ModelSpec
-    from asyncrl.rollout.cpu_model import KVPool, load_model
 
     gen = torch.Generator().manual_seed(3)
     B, N, steps = 8, 64, 32
@@ -309,7 +309,7 @@ def versions() -> dict:
         except PackageNotFoundError:
             return None
 
-    from asyncrl.actor.spec import te_available
+    from asyncrl.actor.layer_spec import te_available
 
     return {
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",

@@ -205,7 +205,7 @@ def compare(
 
 def _bf16_tensors(hf: str) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in bf16 on the CPU, in file order: the bytes the sender sends."""
-    from asyncrl.rollout.cpu_model import iter_safetensors
+    from asyncrl.cpu_engine.model import iter_safetensors
 
     return [(n, t.to(_DTYPE).contiguous()) for n, t in iter_safetensors(Path(hf))]
 
@@ -220,8 +220,8 @@ def _sync_rank(
 
 
 def _sync_sender(hf, dev, backend, port, deadline_s, bucket_bytes, reps) -> dict:
+    from asyncrl.cluster.weight_update_group import destroy_weight_update_group, init_weight_update_group
     from asyncrl.sync.bucketing import iter_buckets
-    from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
     from asyncrl.sync.weight_sync import push_buckets
 
     pg = init_weight_update_group("127.0.0.1", port, 0, TP, GROUP_NAME, backend=backend, timeout_s=deadline_s)
@@ -251,11 +251,11 @@ def _sync_sender(hf, dev, backend, port, deadline_s, bucket_bytes, reps) -> dict
 
 
 def _sync_receiver(hf, dev, backend, port, deadline_s, bucket_bytes, reps) -> dict:
-    from asyncrl.rollout.cpu_model import load_model
-    from asyncrl.rollout.cpu_scheduler import Scheduler
-    from asyncrl.rollout.weight_updates import WeightUpdates
+    from asyncrl.cluster.weight_update_group import destroy_weight_update_group, init_weight_update_group
+    from asyncrl.cpu_engine.model import load_model
+    from asyncrl.cpu_engine.scheduler import Scheduler
+    from asyncrl.cpu_engine.weight_updates import WeightUpdates
     from asyncrl.sync.bucketing import iter_buckets
-    from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
 
     expected = _bf16_tensors(hf)
     buckets = list(iter_buckets(expected, bucket_bytes))
@@ -389,8 +389,8 @@ def megatron_module(named: dict[str, torch.Tensor]) -> torch.nn.Module:
 def _tp_rank(rank: int, *, hf: str, device_type: str, backend: str, port: int, deadline_s: float, bucket_bytes: int):
     from asyncrl.actor.convert import hf_state_to_megatron, tp_shard
     from asyncrl.actor.weights import iter_hf_buckets
+    from asyncrl.cpu_engine.model import iter_safetensors
     from asyncrl.models.spec import ModelSpec
-    from asyncrl.rollout.cpu_model import iter_safetensors
 
     dev = _device(device_type)
     dist.init_process_group(

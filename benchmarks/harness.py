@@ -41,7 +41,7 @@ if str(REPO) not in sys.path:
 
 from asyncrl.cluster.malloc import retain_freed_memory  # noqa: E402
 from asyncrl.cluster.ports import free_port  # noqa: E402
-from asyncrl.rollout.sglang_launcher import free_rollout_port  # noqa: E402
+from asyncrl.engine.launch import free_rollout_port  # noqa: E402
 
 MALLOC = retain_freed_memory()
 BASELINES = REPO / "benchmarks" / "baselines"

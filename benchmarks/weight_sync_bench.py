@@ -50,9 +50,9 @@ import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from asyncrl.cluster import weight_update_group as pgmod  # noqa: E402
 from asyncrl.cluster.ports import free_port  # noqa: E402
 from asyncrl.config.schema import SyncConfig  # noqa: E402
-from asyncrl.sync import process_group as pgmod  # noqa: E402
 from asyncrl.sync.bucketing import bucket_meta, dtype_from_name, flat_nbytes, flatten_bucket, iter_buckets  # noqa: E402
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup  # noqa: E402
 from asyncrl.sync.weight_sync import WeightSyncer  # noqa: E402
@@ -189,9 +189,9 @@ def main(argv=None) -> int:
     a.layers = a.layers or size[2]
     rep = harness.Report("weight_sync_bench", argv)
 
+    from asyncrl.cpu_engine.testing import running_cpu_engine
     from asyncrl.models.tiny import make_tiny_checkpoint
     from asyncrl.models.torch_decoder import TorchDecoder
-    from asyncrl.rollout.testing import running_cpu_engine
 
     torch.set_num_threads(1)
     counts = [int(x) for x in a.engines.split(",")]

@@ -136,7 +136,7 @@ def command_argvs() -> list[tuple[str, list[str], dict[str, Any]]]:
     the launcher's own path, ``EngineSupervisor.from_config`` (the engine sees its devices: --base-gpu-id 0), with the
     case's run secret, or none, in the environment."""
     from asyncrl.cluster import auth
-    from asyncrl.rollout.sglang_launcher import EngineSupervisor
+    from asyncrl.engine.launch import EngineSupervisor
 
     out = []
     for name, cfg, tp, secret in command_cases():
@@ -588,7 +588,7 @@ def session_scenarios() -> list[dict]:
 
 def window_verdicts(steps: list[Step]) -> list[tuple[str, str]]:
     """Each session call replayed through the CPU engine's ``UpdateWindow``: (``accepted`` or ``refused``, message)."""
-    from asyncrl.rollout.weight_updates import UpdateWindow
+    from asyncrl.cpu_engine.weight_updates import UpdateWindow
 
     w, out = UpdateWindow(), []
     for s in steps:

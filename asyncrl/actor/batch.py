@@ -153,7 +153,7 @@ class PackedBatch:
     Attention costs R * C^2 (not (sum of lengths)^2 as a single packed row would), and the
     padding is at most one row's worth of waste per row. The block structure is kept as segments
     of the flattened ``R * C`` tokens (``cu_seqlens``): every sequence, and every run of padding,
-    is one segment; fused attention (``asyncrl.actor.spec``) reads the segments, the unfused
+    is one segment; fused attention (``asyncrl.actor.layer_spec``) reads the segments, the unfused
     reference reads the dense ``attention_mask`` built from them.
     """
 

@@ -17,7 +17,7 @@ The run's checkpoints live under one root (``actor.checkpoint_dir``, default ``<
       rng_rank{G:03d}.pt    RNG states of global actor rank G (CPU, CUDA, Megatron tracker, python)
       hf_export/            optional full HF export (runner.save_hf; the eval snapshots may reuse it)
       broker_state.bin      the broker's counters and buffered groups (written by actor rank 0)
-      run.json              the run's identity ``{"run_id", "config_hash"}`` (``asyncrl.runner.resume``)
+      run.json              the run's identity ``{"run_id", "config_hash"}`` (``asyncrl.trainer.resume``)
       complete              written last by actor rank 0: only a complete checkpoint is resumed
 
 Contract
@@ -283,7 +283,7 @@ def actor_checkpoint_to_hf(ckpt: str | Path, out: str | Path) -> Path:
 
 # ------------------------------------------------------------------ the actor's state in a checkpoint
 def save_actor_state(actor: Any, directory: str | Path, *, step: int) -> Path:
-    """Model, optimizer, scheduler, RNG, step and weight version of an ``asyncrl.actor.trainer.Actor``
+    """Model, optimizer, scheduler, RNG, step and weight version of an ``asyncrl.actor.megatron_actor.Actor``
     (collective: every actor rank calls it; ``meta.json`` last)."""
     d = Path(directory)
     if actor.rank == 0:

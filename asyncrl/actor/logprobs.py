@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actor.batch import PackedBatch
-from asyncrl.actor.spec import response_logits
+from asyncrl.actor.layer_spec import response_logits
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
@@ -113,7 +113,7 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch.
 
-    ``attention_backend``: the one the model was built with (``asyncrl.actor.spec``)."""
+    ``attention_backend``: the one the model was built with (``asyncrl.actor.layer_spec``)."""
     return logprobs_from_logits(
         response_logits(model, packed, attention_backend),
         packed,

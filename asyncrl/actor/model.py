@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.actor.layer_spec import layer_spec as make_layer_spec
 from asyncrl.actor.names import canonical_megatron_name, tp_split_dim
-from asyncrl.actor.spec import layer_spec as make_layer_spec
 from asyncrl.cluster.megatron_cpu import cuda_as_cpu
 from asyncrl.models.spec import ACTOR, ModelSpec, require
 
@@ -119,7 +119,7 @@ def build_gpt_model(
 ):
     """A GPTModel for this rank's TP shard and pipeline stage.
 
-    ``attention_backend`` is a resolved backend of ``asyncrl.actor.spec`` (``te``, ``sdpa`` or
+    ``attention_backend`` is a resolved backend of ``asyncrl.actor.layer_spec`` (``te``, ``sdpa`` or
     ``unfused``; feed the model with ``spec.model_inputs``); ``recompute`` holds TransformerConfig
     keywords from ``spec.recompute_settings``.
 

@@ -9,7 +9,7 @@ Contract
   ``get_forward_backward_func()`` (1F1B; forward-only for log-probs) over ``items`` (each has a
   ``.packed`` ``PackedBatch`` of exactly ``[rows, row_len]``). Every stage of one pipeline calls it
   with the same number of items and the same shape (they hold the same data); the model is called
-  through ``asyncrl.actor.spec.response_logits`` for the attention ``backend``, and activations travel
+  through ``asyncrl.actor.layer_spec.response_logits`` for the attention ``backend``, and activations travel
   between stages as ``[row_len, rows, hidden]`` tensors (``[rows * row_len, 1, hidden]`` in the
   fused backends' thd layout) over gloo p2p. ``loss_fn(item, logits)`` (the ``[T, V_local]`` logits of the
   positions predicting response tokens) runs on the last stage only and returns ``(loss, data)``: the loss is backpropagated as given
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.actor.spec import p2p_shape, response_logits
+from asyncrl.actor.layer_spec import p2p_shape, response_logits
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.

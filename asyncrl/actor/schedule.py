@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actor.batch import PackedBatch, pack_uniform, uniform_shape
+from asyncrl.actor.layer_spec import pack_microbatch, response_logits
 from asyncrl.actor.loss import SUM_KEYS
 from asyncrl.actor.pipeline import StageInfo, agree_shape, run_schedule
-from asyncrl.actor.spec import pack_microbatch, response_logits
 
 LossFn = Callable[["MicroBatch", torch.Tensor], tuple[torch.Tensor, Any]]
 MicroBatchSeqs = tuple[Sequence[Sequence[int]], Sequence[int]]

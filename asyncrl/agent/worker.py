@@ -17,7 +17,7 @@ Contract
   group task (any exception other than the engine/retriever failures the loop turns into aborted
   trajectories) stops the worker with that exception instead of hanging.
 - Engine supervision (with an ``EngineWatch``, on the engine's first rank): a task probes the engine
-  every ``rollout.health_check_interval_s`` (process alive + ``sglang_launcher.liveness``: a paused engine is
+  every ``rollout.health_check_interval_s`` (process alive + ``engine.liveness``: a paused engine is
   live); once it is dead or hung
   (``HealthTracker``) the worker cancels its groups (nothing is reported), says bye (the broker
   re-issues them: counted as re-issued, not dropped), restarts the engine (``rollout.max_restarts``),
@@ -49,8 +49,8 @@ from asyncrl.broker.types import Group
 from asyncrl.broker.worker_client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.config.schema import Config
 from asyncrl.engine.client import SGLangClient
+from asyncrl.engine.launch import EngineSupervisor
 from asyncrl.engine.liveness import HealthTracker
-from asyncrl.rollout.sglang_launcher import EngineSupervisor
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Contract
   where it did nothing: not glibc (musl, macOS), or the user chose glibc's malloc settings (``MALLOC_*_`` variables
   or ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``: theirs stand). Idempotent; process-wide; no other effect.
 - Called first thing by the processes that compute on the CPU: every torchrun rank (``runner.launcher.main``:
-  the warm start and the actor) and the CPU engine (``rollout.cpu_engine.main``); the benchmarks call it on
+  the warm start and the actor) and the CPU engine (``cpu_engine.server.main``); the benchmarks call it on
   both sides of a ratio (``benchmarks/harness.py``), so no baseline runs with the slower default.
 
 Why: a training step allocates and frees the same few-MB activations and gradients every step. glibc serves

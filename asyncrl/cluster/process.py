@@ -6,8 +6,8 @@ Contract
   (``console_stdout``: stdout stays the console's, e.g. the broker's warnings),
   and ``PR_SET_PDEATHSIG = SIGKILL`` on Linux so it cannot outlive a SIGKILLed parent. Its
   environment is this process's plus ``env``, or exactly ``env`` with ``inherit_env=False``
-  (engines: ``asyncrl.rollout.sglang_launcher.engine_environment`` strips torchrun's variables). A child
-  ignores SIGUSR1 (the preemption notice, ``asyncrl.runner.guards``).
+  (engines: ``asyncrl.engine.launch.engine_environment`` strips torchrun's variables). A child
+  ignores SIGUSR1 (the preemption notice, ``asyncrl.trainer.guards``).
 - ``stop_all()`` (also run at exit and on SIGTERM/SIGINT once ``install_signal_handlers`` ran)
   sends SIGTERM (the child's ``stop_signal``: SIGINT for the broker, which defers SIGTERM while its
   parent lives) to every live child's process group, waits ``grace_s``, then SIGKILLs.
@@ -22,7 +22,7 @@ Contract
   without (the broker: ``broker.client.BrokerPing``) every second; when it is alive but answered nothing for
   ``hung_after_s``, fails the rank the same way, naming it as hung.
 - ``fail_rank(message)``: the same exit for a fault outside the rank (a rank that saw an actor rank's heartbeat
-  stop: ``asyncrl.runner.leader.watch_actor_ranks``).
+  stop: ``asyncrl.trainer.leader_phases.watch_actor_ranks``).
 - ``start_parent_watchdog()``: torchrun starts every rank in its own session, so a SIGKILLed
   torchrun takes no rank with it; each rank watches its parent pid and, once it changed (the
   agent is gone), stops its children and exits. Children in turn die with their rank

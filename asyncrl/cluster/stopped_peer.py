@@ -15,7 +15,7 @@ Contract
   the thread states: a SIGSTOP taken between the two reads has left its thread in ``T`` by the second.
 - Why: a stopped process cannot act on SIGTERM, so when an actor rank is SIGSTOPped, torchrun waits out its whole
   30 s shutdown timeout before its SIGKILL ends the job. The rank that saw the stopped rank's heartbeat stop
-  (``asyncrl.runner.leader.watch_actor_ranks``) ends it itself, at once; the outcome is the same (the job fails,
+  (``asyncrl.trainer.leader_phases.watch_actor_ranks``) ends it itself, at once; the outcome is the same (the job fails,
   naming the rank), 30 s sooner.
 
     ident = identity()                  # published by each actor rank

@@ -8,7 +8,7 @@
   (``"false"`` turns an inherited boolean flag off; ``no_<flag> = "true"`` too); ``tp_size`` cannot be
   overridden there.
 - ``eval_engine_config``: the ``Config`` a fleet engine is launched from (``rollout`` replaced). Validation
-  calls it so a bad override fails before any process starts; ``asyncrl.runner.eval_fleet`` runs the fleet.
+  calls it so a bad override fails before any process starts; ``asyncrl.eval.fleet`` runs the fleet.
 
     n = fleet_size(cfg.eval)
     ecfg = eval_engine_config(cfg)

@@ -1,6 +1,6 @@
 """RoPE frequencies of a ``ModelSpec``: plain, ``linear`` and ``llama3`` scaling (as HF transformers computes them).
 
-Shared by the CPU engine (``asyncrl.rollout.cpu_model``) and the plain-PyTorch decoder
+Shared by the CPU engine (``asyncrl.cpu_engine.model``) and the plain-PyTorch decoder
 (``asyncrl.models.torch_decoder``), so both rotate by exactly the same angles.
 
     inv_freq = rope_inv_freq(spec)            # [head_dim / 2], fp32

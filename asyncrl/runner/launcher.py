@@ -42,7 +42,7 @@ from asyncrl.config.render import render_config
 from asyncrl.config.validate import check_inputs, job_world_size
 from asyncrl.models.spec import ACTOR, CPU_ENGINE, ModelSpec, require
 from asyncrl.runner import roles
-from asyncrl.runner.guards import PREEMPT_EXIT_CODE, Preempted, ignore_preempt_signal
+from asyncrl.trainer.guards import PREEMPT_EXIT_CODE, Preempted, ignore_preempt_signal
 
 log = logging.getLogger("asyncrl.launcher")
 

@@ -5,11 +5,11 @@ Contract (who starts whom, who waits for whom; every wait has a timeout)
   publishes ``prepared``; every other rank waits for that key.
 - actor ranks form their own default process group (Megatron's world = the actor ranks only);
   actor rank 0 spawns the broker process, publishes ``broker/address``, waits for every engine's
-  ``engine/<i>/url``, runs the step loop (``asyncrl.runner.loop``) and at the end tells the broker
+  ``engine/<i>/url``, runs the step loop (``asyncrl.trainer.step_loop``) and at the end tells the broker
   to shut down and publishes ``shutdown``.
 - actor rank 0 binds the broker on loopback (one host), on all interfaces or ``cluster.broker_host``
   (several nodes) and publishes a routable address (``asyncrl.cluster.addresses``). What it does alone
-  (start-up, evals, batch waits) runs as leader phases (``asyncrl.runner.leader``): the other actor ranks
+  (start-up, evals, batch waits) runs as leader phases (``asyncrl.trainer.leader_phases``): the other actor ranks
   wait on the store, and ``cluster.actor_collective_timeout_s`` bounds only real collectives.
 - every rollout rank makes a round trip to the broker (``broker_handshake``, within
   ``cluster.broker_handshake_timeout_s``); the first rank of each engine then checks its tool URL,
@@ -51,10 +51,10 @@ from asyncrl.cluster.auth import share_secret
 from asyncrl.cluster.discovery import SHUTDOWN_KEY, Discovery, read_count, restarts_key, synced_key
 from asyncrl.config.eval_engine import eval_engine_config
 from asyncrl.config.render import render_config
-from asyncrl.rollout.sglang_launcher import EngineSupervisor, engine_port
-from asyncrl.runner import eval_fleet
-from asyncrl.runner.leader import LeaderPhases, watch_actor_ranks
+from asyncrl.engine.launch import EngineSupervisor, engine_port
+from asyncrl.eval import fleet as eval_fleet
 from asyncrl.runner.prepare import prepare_if_needed
+from asyncrl.trainer.leader_phases import LeaderPhases, watch_actor_ranks
 
 log = logging.getLogger("asyncrl.roles")
 
@@ -104,7 +104,7 @@ def _base_cmd(ctx) -> list[str]:
     return [ctx.config_path, *ctx.overrides]
 
 
-TRAINER_MODULE = "asyncrl.runner.loop"
+TRAINER_MODULE = "asyncrl.trainer.step_loop"
 """The step loop; importing it imports megatron-core (measured 8-15 CPU-seconds on the embedded default)."""
 
 
@@ -121,7 +121,7 @@ def run_actor(ctx, disc: Discovery) -> int:
     cfg = ctx.cfg
     if cfg.rollout.rollout_backend != "sglang":  # the CPU actor: megatron-core's fallbacks are the plan, not news
         warnings.filterwarnings("ignore", r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning)
-    # lazy: torch and (through runner.loop) megatron-core take seconds to import and only actor ranks use
+    # lazy: torch and (through trainer.step_loop) megatron-core take seconds to import and only actor ranks use
     # them; rollout, eval and idle ranks and --dry-run never do
     preload = _import_in_background(TRAINER_MODULE)
     import torch.distributed as dist
@@ -149,7 +149,7 @@ def run_actor(ctx, disc: Discovery) -> int:
         broker, address, engine_urls, eval_urls = started if actor_rank == 0 else (None, None, [], [])
         t0 = time.time()
         preload.join()
-        from asyncrl.runner.loop import run_training  # lazy: see above; imported by now (_import_in_background)
+        from asyncrl.trainer.step_loop import run_training  # lazy: see above; imported by now (_import_in_background)
 
         log.info("step loop imported (%.1fs waited for it after start-up)", time.time() - t0)
 
@@ -172,7 +172,7 @@ def run_actor(ctx, disc: Discovery) -> int:
 
 
 def _actor_phases(cfg, disc: Discovery, actor_rank: int):
-    """The actor group's leader-only phases and this rank's heartbeat (``asyncrl.runner.leader``), on this run's
+    """The actor group's leader-only phases and this rank's heartbeat (``asyncrl.trainer.leader_phases``), on this run's
     store (the heartbeat thread on a client of its own)."""
     return LeaderPhases(
         disc.sub(PHASES).store,

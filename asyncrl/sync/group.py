@@ -8,7 +8,7 @@ Contract
 - ``WeightSyncGroup.init()``: (1) ``GET /model_info`` on every engine (an unreachable one fails at
   once, named); (2) ``POST /init_weights_update_group`` to every engine at once, on threads — each
   call blocks until everyone joined — while (3) the trainer joins as rank 0 through
-  ``asyncrl.sync.process_group.init_weight_update_group`` (TCPStore + PrefixStore + torch's
+  ``asyncrl.cluster.weight_update_group.init_weight_update_group`` (TCPStore + PrefixStore + torch's
   private helper, SGLang's way), also on a thread, bounded by ``sync.join_timeout_s``. Once formed,
   each collective on the group (a bucket's broadcast) is bounded by ``sync.broadcast_timeout_s``.
   The first engine to fail (refused, HTTP error, ``success=false``) fails the join immediately; at
@@ -37,10 +37,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from asyncrl.cluster import weight_update_group as _pgmod
 from asyncrl.cluster.ports import free_port
 from asyncrl.config.schema import SyncConfig
 from asyncrl.engine.blocking import EngineStepError, get_json, post_json, spawn, wait_all
-from asyncrl.sync import process_group as _pgmod
 
 log = logging.getLogger(__name__)
 

@@ -77,13 +77,13 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from asyncrl.cluster.weight_update_group import broadcast_from_rank0
 from asyncrl.config.schema import PAUSE_MODES, SyncConfig
 from asyncrl.engine.blocking import Call, EngineStepError, Exchange, engine_load, post_json
 from asyncrl.engine.client import confirms_weight_version
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
 from asyncrl.sync.group import WeightSyncGroup
-from asyncrl.sync.process_group import broadcast_from_rank0
 from asyncrl.sync.verify import SentRows, VerifyResult, verify_sync
 
 log = logging.getLogger(__name__)

@@ -114,7 +114,7 @@ def start_cpu_engine(
         [
             sys.executable,
             "-m",
-            "asyncrl.rollout.cpu_engine",
+            "asyncrl.cpu_engine.server",
             "--model-path",
             str(model_path),
             "--port",

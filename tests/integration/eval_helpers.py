@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.runner.evaluation import SNAPSHOT_META, CheckpointEvalFn, EvalSkip, snapshot_dir
+from asyncrl.eval.backends import SNAPSHOT_META, CheckpointEvalFn, EvalSkip, snapshot_dir
 
 
 def weights_checksum(model_dir: str | Path) -> float:
@@ -27,7 +27,7 @@ def weights_checksum(model_dir: str | Path) -> float:
 
 class ChecksumEval(CheckpointEvalFn):
     def evaluate_checkpoint(self, checkpoint_dir, input):  # noqa: A002
-        from asyncrl.rollout.cpu_model import load_model
+        from asyncrl.cpu_engine.model import load_model
 
         d = Path(checkpoint_dir)
         meta = json.loads((d / SNAPSHOT_META).read_text())

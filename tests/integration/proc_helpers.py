@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.cluster.ports import free_port
-from asyncrl.rollout.sglang_launcher import free_rollout_port
+from asyncrl.engine.launch import free_rollout_port
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -296,7 +296,7 @@ class TinyJob:
     def engine_pid(self) -> int | None:
         """The CPU engine: the child of one of this job's ranks."""
         ranks = set(pids_mentioning(str(self.run_dir)))
-        pids = [p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if ppid(p) in ranks]
+        pids = [p for p in pids_mentioning("asyncrl.cpu_engine.server") if ppid(p) in ranks]
         return pids[0] if len(pids) == 1 else None
 
     def engine_port(self) -> int:
@@ -323,4 +323,4 @@ class TinyJob:
     def leftovers(self) -> list[int]:
         """The job's processes: torchrun, ranks and broker name the run directory; engines are children of ranks."""
         mine = set(pids_mentioning(str(self.run_dir)))
-        return sorted(mine | {p for p in pids_mentioning("asyncrl.rollout.cpu_engine") if ppid(p) in mine})
+        return sorted(mine | {p for p in pids_mentioning("asyncrl.cpu_engine.server") if ppid(p) in mine})

@@ -1,4 +1,4 @@
-"""Fused attention (asyncrl.actor.spec) against Megatron's unfused local attention, on CPU.
+"""Fused attention (asyncrl.actor.layer_spec) against Megatron's unfused local attention, on CPU.
 
 The pytest test launches this file under ``torchrun --nproc_per_node 1`` (gloo). The worker builds
 the tiny model twice from the same HF weights, once with the ``unfused`` spec (Megatron's
@@ -40,8 +40,8 @@ def _batches(vocab: int):
 
 
 def _logprobs_and_grads(model, packed, backend, vocab):
+    from asyncrl.actor.layer_spec import response_logits
     from asyncrl.actor.logprobs import logprobs_from_logits
-    from asyncrl.actor.spec import response_logits
 
     model.zero_grad(set_to_none=True)
     logits = response_logits(model, packed, backend)
@@ -53,8 +53,8 @@ def _logprobs_and_grads(model, packed, backend, vocab):
 
 def saved_bytes(model, packed, backend, vocab) -> tuple[int, int]:
     """Bytes autograd keeps for backward (parameters excluded): the model's forward, then the log-probs."""
+    from asyncrl.actor.layer_spec import response_logits
     from asyncrl.actor.logprobs import logprobs_from_logits
-    from asyncrl.actor.spec import response_logits
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -103,8 +103,8 @@ def memory_check(model, spec, hf_dir: str) -> dict:
 
 
 def compare(hf_dir: str) -> dict:
+    from asyncrl.actor.layer_spec import recompute_settings
     from asyncrl.actor.model import ModelSpec, build_gpt_model
-    from asyncrl.actor.spec import recompute_settings
     from asyncrl.actor.weights import load_hf_into_model
 
     spec = ModelSpec.from_pretrained(hf_dir)
@@ -147,8 +147,8 @@ def actor_steps(hf_dir: str) -> dict:
     """Two Actor train steps per setting (attention backend, recompute) on the same batch: the metrics."""
     from megatron.core import parallel_state as ps
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
-    from asyncrl.actor.trainer import Actor
 
     groups = synthetic_groups(seed=4, num_groups=4, group_size=4, vocab_size=500, response_len=(10, 40))
     out = {}

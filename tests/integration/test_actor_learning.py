@@ -68,8 +68,8 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import tiny_actor_config
-    from asyncrl.actor.trainer import Actor
 
     hf, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")

@@ -35,8 +35,8 @@ def _actor_run(hf: str, tp: int, seqs, prompt_lens, groups) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import tiny_actor_config
-    from asyncrl.actor.trainer import Actor
 
     cfg = tiny_actor_config(
         hf,

@@ -49,7 +49,7 @@ def _run(hf: str, tp: int, pp: int, seqs, prompt_lens, groups, *, one_sequence: 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from asyncrl.actor.trainer import Actor
+    from asyncrl.actor.megatron_actor import Actor
 
     actor = Actor(_cfg(hf, tp=tp, pp=pp))
     b0 = list(actor.iter_hf_buckets(16 * 1024))
@@ -106,8 +106,8 @@ def _resume(hf: str, work: Path, vocab: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import synthetic_groups
-    from asyncrl.actor.trainer import Actor
 
     rank = dist.get_rank()
     cfg = _cfg(hf, pp=2, save_hf=True, off_policy_correction="decoupled", kl_coef=0.05, tis_cap=3.0)
@@ -152,8 +152,8 @@ def _dopt_resume(hf: str, work: Path, vocab: int) -> bool:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
-    from asyncrl.actor.trainer import Actor
 
     rank = dist.get_rank()
     cfg = tiny_actor_config(

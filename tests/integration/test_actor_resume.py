@@ -42,8 +42,8 @@ def _batch(step: int, vocab: int):
 
 
 def _actor(hf: str, *, tp: int = 2, distributed_optimizer: bool = False):
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import tiny_actor_config
-    from asyncrl.actor.trainer import Actor
 
     cfg = tiny_actor_config(
         hf,

@@ -41,20 +41,20 @@ def test_failed_job_keeps_its_run_dir_and_torchrun_output(tmp_path, monkeypatch)
 
 def test_source_stamps_name_the_files_an_edit_touched(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "REPO", tmp_path)
-    for name in ("asyncrl/rollout/cpu_engine.py", "asyncrl/rollout/weight_updates.py", "configs/tiny.toml"):
+    for name in ("asyncrl/cpu_engine/server.py", "asyncrl/cpu_engine/weight_updates.py", "configs/tiny.toml"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x = 1\n")
     (tmp_path / "asyncrl" / "notes.txt").write_text("not code\n")
     before = harness.source_stamps()
     assert harness.changed_sources(before, harness.source_stamps()) == []
-    (tmp_path / "asyncrl/rollout/weight_updates.py").write_text("x = 2\n")  # same size: the mtime tells
-    st = (tmp_path / "asyncrl/rollout/weight_updates.py").stat()
-    os.utime(tmp_path / "asyncrl/rollout/weight_updates.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    (tmp_path / "asyncrl/cpu_engine/weight_updates.py").write_text("x = 2\n")  # same size: the mtime tells
+    st = (tmp_path / "asyncrl/cpu_engine/weight_updates.py").stat()
+    os.utime(tmp_path / "asyncrl/cpu_engine/weight_updates.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     (tmp_path / "configs/tiny.toml").unlink()
     (tmp_path / "asyncrl/rollout/new.py").write_text("")
     (tmp_path / "asyncrl/notes.txt").write_text("edited, not code\n")
     assert harness.changed_sources(before, harness.source_stamps()) == [
         "asyncrl/rollout/new.py",
-        "asyncrl/rollout/weight_updates.py",
+        "asyncrl/cpu_engine/weight_updates.py",
         "configs/tiny.toml",
     ]

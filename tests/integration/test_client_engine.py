@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from asyncrl.config.schema import Config, LoggingConfig, RolloutConfig
+from asyncrl.cpu_engine.testing import REPO_ROOT, free_port
 from asyncrl.engine.client import EngineError, SGLangClient
+from asyncrl.engine.launch import EngineLaunchError, EngineSupervisor
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.sglang_launcher import EngineLaunchError, EngineSupervisor
-from asyncrl.rollout.testing import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -310,8 +310,8 @@ def _probe_logprob(model_dir: Path) -> float:
     """Sum of the log-probs of ``PROBE_IDS[1:]`` under the checkpoint, computed in-process (no engine)."""
     import torch
 
-    from asyncrl.rollout.cpu_model import KVPool, load_model
-    from asyncrl.runner.eval_fleet import PROBE_IDS
+    from asyncrl.cpu_engine.model import KVPool, load_model
+    from asyncrl.eval.fleet import PROBE_IDS
 
     m = load_model(model_dir)
     ids = torch.tensor(PROBE_IDS)

@@ -12,8 +12,8 @@ import shutil
 import aiohttp
 import pytest
 
+from asyncrl.cpu_engine.testing import running_cpu_engine
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.testing import running_cpu_engine
 
 pytestmark = pytest.mark.slow
 

@@ -23,11 +23,11 @@ from engine_raw import RawEngine  # tests/integration/engine_raw.py
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncrl.cluster.weight_update_group import init_weight_update_group
+from asyncrl.cpu_engine.model import iter_safetensors
+from asyncrl.cpu_engine.testing import free_port, running_cpu_engine
 from asyncrl.engine.client import SGLangClient, parse_prometheus
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.cpu_model import iter_safetensors
-from asyncrl.rollout.testing import free_port, running_cpu_engine
-from asyncrl.sync.process_group import init_weight_update_group
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def _rank_main(model: str, out: str, port: int) -> None:
     from asyncrl.cluster.process import spawn_child, stop_child
     from asyncrl.config.schema import Config, LoggingConfig, RolloutConfig
-    from asyncrl.rollout.sglang_launcher import EngineLaunchError, EngineSupervisor, model_info_ready
+    from asyncrl.engine.launch import EngineLaunchError, EngineSupervisor, model_info_ready
 
     res: dict = {"rank_env": {k: os.environ.get(k) for k in ("TORCHELASTIC_USE_AGENT_STORE", "MASTER_PORT")}}
     cfg = dataclasses.replace(

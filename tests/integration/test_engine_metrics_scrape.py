@@ -1,5 +1,5 @@
 """The step loop's engine metrics are real: while requests run on a live CPU engine, the scraper
-(``asyncrl.runner.engine_scraper.EngineScraper``, the one that feeds ``sglang_num_running_reqs`` into
+(``asyncrl.trainer.engine_scraper.EngineScraper``, the one that feeds ``sglang_num_running_reqs`` into
 metrics.jsonl) reports them. Before issue 13 it looked up ``sglang:``-prefixed names that the
 Prometheus reader strips, so every figure was 0."""
 
@@ -12,10 +12,10 @@ import time
 import pytest
 from engine_raw import RawEngine  # tests/integration/engine_raw.py
 
+from asyncrl.cpu_engine.testing import running_cpu_engine
 from asyncrl.engine.client import SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.testing import running_cpu_engine
-from asyncrl.runner.engine_scraper import EngineScraper
+from asyncrl.trainer.engine_scraper import EngineScraper
 
 pytestmark = pytest.mark.slow
 

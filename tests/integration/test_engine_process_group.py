@@ -16,7 +16,11 @@ pytestmark = pytest.mark.slow
 def _member(rank: int, world_size: int, ports: list[int], default_port: int | None, out: mp.Queue) -> None:
     import torch.distributed as dist
 
-    from asyncrl.sync.process_group import broadcast_from_rank0, destroy_weight_update_group, init_weight_update_group
+    from asyncrl.cluster.weight_update_group import (
+        broadcast_from_rank0,
+        destroy_weight_update_group,
+        init_weight_update_group,
+    )
 
     try:
         if default_port is not None:  # a process that already has its own (unrelated) default world
@@ -72,7 +76,7 @@ def test_group_joins_with_and_without_default_group():
 
 
 def test_group_timeout_names_the_address():
-    from asyncrl.sync.process_group import init_weight_update_group
+    from asyncrl.cluster.weight_update_group import init_weight_update_group
 
     port = free_port()
     with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):

@@ -44,7 +44,7 @@ def engine(tmp_path):
     log = tmp_path / "engine.log"
     with open(log, "wb") as f:
         p = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.rollout.cpu_engine", "--model-path", str(model), "--port", str(port)],
+            [sys.executable, "-m", "asyncrl.cpu_engine.server", "--model-path", str(model), "--port", str(port)],
             stdout=f,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
@@ -95,7 +95,7 @@ def test_model_that_fails_to_load_exits_1_naming_why_before_the_port_answers(tmp
         f.write_bytes(b"not a safetensors file")
     port = free_port()
     r = subprocess.run(
-        [sys.executable, "-m", "asyncrl.rollout.cpu_engine", "--model-path", str(model), "--port", str(port)],
+        [sys.executable, "-m", "asyncrl.cpu_engine.server", "--model-path", str(model), "--port", str(port)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from engine_raw import RawEngine  # tests/integration/engine_raw.py
 
+from asyncrl.cpu_engine.testing import running_cpu_engine
 from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.testing import running_cpu_engine
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from proc_helpers import alive, pids_mentioning, ppid, wait_for
 
+from asyncrl.cpu_engine.testing import running_cpu_engine
+from asyncrl.engine.launch import EngineLaunchError
 from asyncrl.engine.liveness import HealthTracker
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.sglang_launcher import EngineLaunchError
-from asyncrl.rollout.testing import running_cpu_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -139,7 +139,7 @@ def test_engine_helper_starts_again_when_its_port_was_taken_before_the_engine_bo
     with 'address already in use', and ``running_cpu_engine`` starts it again on a fresh port."""
     import socket
 
-    from asyncrl.rollout import testing
+    from asyncrl.cpu_engine import testing
 
     model = make_tiny_checkpoint(
         tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64

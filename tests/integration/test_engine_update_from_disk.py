@@ -14,9 +14,9 @@ import torch
 from engine_raw import RawEngine  # tests/integration/engine_raw.py
 from safetensors.torch import load_file, save_file
 
+from asyncrl.cpu_engine.testing import running_cpu_engine
 from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.testing import running_cpu_engine
 
 pytestmark = pytest.mark.slow
 

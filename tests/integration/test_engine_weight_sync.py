@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from engine_raw import RawEngine  # tests/integration/engine_raw.py
 
+from asyncrl.cluster.weight_update_group import destroy_weight_update_group, init_weight_update_group
+from asyncrl.cpu_engine.model import KVPool, iter_safetensors, load_model
+from asyncrl.cpu_engine.testing import free_port, running_cpu_engine
 from asyncrl.engine.client import EngineError, SGLangClient
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.cpu_model import KVPool, iter_safetensors, load_model
-from asyncrl.rollout.testing import free_port, running_cpu_engine
-from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
 
 pytestmark = pytest.mark.slow
 

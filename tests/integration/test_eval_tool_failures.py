@@ -19,7 +19,7 @@ from asyncrl.agent.tools import RetrieverError, check_retriever
 from asyncrl.agent.tools.http_retriever import HttpRetriever
 from asyncrl.broker.types import PromptItem
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig, ToolConfig
-from asyncrl.runner.evaluation import EvalError, raise_tool_failures
+from asyncrl.eval.backends import EvalError, raise_tool_failures
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,8 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from test_sync_cpu_engines import PROMPT, TIMEOUT_S, Traffic, _engine_logprobs, _versions
 
+    from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
-    from asyncrl.actor.trainer import Actor
     from asyncrl.config.schema import SyncConfig
     from asyncrl.engine.blocking import post_json
     from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
@@ -97,8 +97,8 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
 
 @pytest.mark.slow
 def test_actor_tp2_sync_into_two_cpu_engines(tmp_path):
+    from asyncrl.cpu_engine.testing import running_cpu_engine
     from asyncrl.models.tiny import make_tiny_checkpoint
-    from asyncrl.rollout.testing import running_cpu_engine
 
     hf = make_tiny_checkpoint(tmp_path / "hf", num_hidden_layers=2, vocab_size=1000)
     out = tmp_path / "out.json"

@@ -18,11 +18,11 @@ import torch
 from proc_helpers import wait_for
 
 from asyncrl.config.schema import SyncConfig
+from asyncrl.cpu_engine.testing import running_cpu_engine
 from asyncrl.engine.blocking import get_json, get_text, post_json
 from asyncrl.engine.client import parse_prometheus
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
-from asyncrl.rollout.testing import running_cpu_engine
 from asyncrl.sync.bucketing import iter_buckets
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from asyncrl.config.schema import SyncConfig
+from asyncrl.cpu_engine.testing import running_cpu_engine
 from asyncrl.engine.blocking import get_json, post_json
 from asyncrl.engine.liveness import HealthTracker
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
-from asyncrl.rollout.testing import running_cpu_engine
 from asyncrl.sync.bucketing import iter_buckets
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery, sync_weights

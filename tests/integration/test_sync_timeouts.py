@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.cluster.ports import free_port
+from asyncrl.cluster.weight_update_group import destroy_weight_update_group, init_weight_update_group
 from asyncrl.config.schema import SyncConfig
-from asyncrl.sync.process_group import destroy_weight_update_group, init_weight_update_group
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ PEER_DELAY_S = 2 * BROADCAST_S  # joins later than a broadcast may take
 def test_broadcast_timeout_is_separate_from_the_join_timeout():
     port = free_port()
     peer_code = (
-        "import time, sys; from asyncrl.sync.process_group import init_weight_update_group;"
+        "import time, sys; from asyncrl.cluster.weight_update_group import init_weight_update_group;"
         f"time.sleep({PEER_DELAY_S}); pg = init_weight_update_group('127.0.0.1', {port}, 0, 2, 'wug_t',"
         f" timeout_s={JOIN_S}); print('joined', flush=True); time.sleep({JOIN_S})"
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.actor.batch import pack, pad_rows
-from asyncrl.actor.spec import (
+from asyncrl.actor.layer_spec import (
     FusedCoreAttention,
     attention_path,
     model_inputs,

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from asyncrl.config.schema import Config, RolloutConfig
-from asyncrl.rollout.sglang_launcher import (
+from asyncrl.engine.launch import (
     EngineLaunchError,
     EngineSupervisor,
     engine_environment,

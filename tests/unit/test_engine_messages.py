@@ -12,12 +12,12 @@ import threading
 
 import pytest
 
+from asyncrl.cpu_engine.args import parse_args
+from asyncrl.cpu_engine.frames import MAX_FRAME, FrameError, FrameReader, frame
+from asyncrl.cpu_engine.sampling_params import parse_sampling_params
+from asyncrl.cpu_engine.scheduler_link import SchedulerLink
+from asyncrl.cpu_engine.scheduler_process import Backend, RequestSpec
 from asyncrl.models.tiny import make_tiny_checkpoint
-from asyncrl.rollout.engine_args import parse_args
-from asyncrl.rollout.engine_backend import Backend, RequestSpec
-from asyncrl.rollout.engine_link import SchedulerLink
-from asyncrl.rollout.frames import MAX_FRAME, FrameError, FrameReader, frame
-from asyncrl.rollout.sampling_params import parse_sampling_params
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The engine scraper against a real HTTP server that stops answering and comes back: one warning per outage,
-not one a scrape, and the recovery said (``asyncrl.runner.engine_scraper``)."""
+not one a scrape, and the recovery said (``asyncrl.trainer.engine_scraper``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import http.server
 import logging
 import threading
 
-from asyncrl.rollout.engine_metrics import prometheus_text
-from asyncrl.runner.engine_scraper import EngineScraper
+from asyncrl.cpu_engine.metrics import prometheus_text
+from asyncrl.trainer.engine_scraper import EngineScraper
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.runner.eval_dispatch import EvalDispatcher, outcome_metrics
-from asyncrl.runner.evaluation import (
+from asyncrl.eval.backends import (
     CheckpointEvalFn,
     EvalInput,
     EvalSkip,
@@ -19,6 +18,7 @@ from asyncrl.runner.evaluation import (
     is_eval_step,
     load_eval_fn,
 )
+from asyncrl.eval.dispatch import EvalDispatcher, outcome_metrics
 
 WAIT_S = 10.0  # every wait in these tests is bounded; a healthy run never gets near it
 
@@ -249,7 +249,7 @@ class _ExportFails:
 
 def test_an_export_that_raises_is_a_skipped_point_and_training_goes_on(tmp_path):
     from asyncrl.config import load_config
-    from asyncrl.runner.evaluation import PeriodicEval
+    from asyncrl.eval.backends import PeriodicEval
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(
@@ -293,7 +293,7 @@ class _ExportsValue:
 
 def test_a_due_point_without_a_slot_under_skip_is_eval_skipped_busy_at_its_step(tmp_path):
     from asyncrl.config import load_config
-    from asyncrl.runner.evaluation import PeriodicEval
+    from asyncrl.eval.backends import PeriodicEval
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(
@@ -323,7 +323,7 @@ def test_weight_version_mean_counts_generated_tokens_only():
     at version 60 reported 12.9 when the -1s were averaged in)."""
     from types import SimpleNamespace
 
-    from asyncrl.runner.evaluation import weight_version_summary
+    from asyncrl.eval.backends import weight_version_summary
 
     t = SimpleNamespace(weight_versions=[60, 60, -1, -1, -1, 60], min_version=60, max_version=60)
     assert weight_version_summary([t]) == {"weight_version_mean": 60.0, "mixed_version_ratio": 0.0}
@@ -332,7 +332,7 @@ def test_weight_version_mean_counts_generated_tokens_only():
 def test_a_failed_snapshot_cleanup_is_raised_after_the_collective_export(tmp_path):
     """The leader's clean-up of a left-over at the snapshot path may fail (here a plain file sits there):
     the export (a collective the other actor ranks are already in) still runs, then the error is raised."""
-    from asyncrl.runner.evaluation import export_snapshot, snapshot_dir
+    from asyncrl.eval.backends import export_snapshot, snapshot_dir
 
     calls = []
 

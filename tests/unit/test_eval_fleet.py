@@ -18,7 +18,7 @@ from asyncrl.config.eval_engine import (
 )
 from asyncrl.config.placement import parse_placement
 from asyncrl.config.schema import EvalConfig
-from asyncrl.rollout.sglang_launcher import sglang_command
+from asyncrl.engine.launch import sglang_command
 
 FLEET_PLACEMENT = 'cluster.component_placement={ actor = "0", "rollout,reward" = "1-2", eval = "3" }'
 FLEET = [

@@ -14,9 +14,10 @@ Floors (a package may import its own floor's siblings only as listed in ``FLOORS
     0 config                                   typed config, derivation, validation, placement
     1 cluster                                  processes, addresses, discovery, Megatron CPU shims
     1 models                                   the one ModelSpec, safetensors reader, RoPE, plain decoder
-    2 engine broker rollout agent actor sync   the parts, one per process kind or seam
-      embedded                                 the embedded default's synthetic data and warm start
-    3 runner, simulate                         roles and the step loop that wire the parts; the sizing tool
+    2 engine cpu_engine broker agent actor     the parts, one per process kind or seam
+      sync embedded                            ... and the embedded default's synthetic data and warm start
+    3 trainer eval simulate                    the step loop and the leader's parts; evaluation; the sizing tool
+    4 runner                                   the process wiring: torchrun entry, role bodies, broker process
 
 Packages on one floor may import each other only along ``SIDEWAYS`` arrows (a DAG), so the
 package graph as a whole has no cycle.
@@ -36,25 +37,26 @@ FLOORS = {
     "models": 1,  # ModelSpec and the safetensors reader: every part that reads a model reads it through these
     "engine": 2,
     "broker": 2,
-    "rollout": 2,
+    "cpu_engine": 2,
     "agent": 2,
     "actor": 2,
     "sync": 2,
     "embedded": 2,  # the embedded default's synthetic data and warm start (the plain decoder on demonstrations)
-    "runner": 3,
+    "eval": 3,  # evaluation during training: the backends, the dispatcher, the eval fleet
+    "trainer": 3,  # the step loop and the leader's parts on actor rank 0
+    "runner": 4,  # the process wiring: the torchrun entry, the role bodies, the broker process, the preparation
     "simulate": 3,  # the sizing tool (python -m asyncrl.simulate): drives the broker core like the runner
 }
 # arrows allowed between packages on the same floor (must form no cycle; the test checks it)
 SIDEWAYS = {
     ("agent", "broker"),  # the worker is the broker's client; prompts and trajectories are broker types
-    ("agent", "rollout"),  # the worker drives and supervises its engine
     ("actor", "broker"),  # the actor trains on the broker's groups
     ("actor", "sync"),  # the actor's weights leave in the sync's buckets
-    ("rollout", "sync"),  # the CPU engine joins the weight-update process group
-    ("agent", "engine"),  # the worker generates through the engine client
-    ("rollout", "engine"),  # the CPU engine and the supervisor's health probes speak the engine API
+    ("agent", "engine"),  # the worker generates through the engine client and supervises its engine
+    ("cpu_engine", "engine"),  # the CPU engine speaks the engine API (its pause modes, the weight-version note)
     ("sync", "engine"),  # the weight sync calls the engines
     ("embedded", "agent"),  # Search-R1 rows of the agent's task; the agent's tokenizer and retriever
+    ("trainer", "eval"),  # the step loop runs the evals and owns the eval fleet
 }
 # upward arrows kept on purpose, (importer package, imported package): see docs/design.md
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

@@ -1,4 +1,4 @@
-"""Leader-only phases (``asyncrl.runner.leader``) over a real TCPStore, the leader and a follower as threads."""
+"""Leader-only phases (``asyncrl.trainer.leader_phases``) over a real TCPStore, the leader and a follower as threads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from asyncrl.runner.leader import Heartbeat, LeaderFailed, LeaderPhases, beat_key, watch_actor_ranks
+from asyncrl.trainer.leader_phases import Heartbeat, LeaderFailed, LeaderPhases, beat_key, watch_actor_ranks
 
 WAIT_S = 60.0  # bounds a wait for something that happens at once when the code works, on a loaded host too
 START_S = 120.0  # bounds a child's start-up (Python and torch imported, the store joined) on a loaded host
@@ -221,7 +221,7 @@ _EXIT_WITH_A_WATCH = """
 import sys
 from datetime import timedelta
 import torch.distributed as dist
-from asyncrl.runner.leader import beat_key, watch_actor_ranks
+from asyncrl.trainer.leader_phases import beat_key, watch_actor_ranks
 server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), use_libuv=True)
 client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30), use_libuv=True)
 client.add(beat_key(0), 1)
@@ -248,7 +248,7 @@ _RANK_1 = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from asyncrl.runner.leader import LeaderPhases
+from asyncrl.trainer.leader_phases import LeaderPhases
 def client():
     s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30), use_libuv=True)
     return dist.PrefixStore("run/", s)

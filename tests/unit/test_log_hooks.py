@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.broker.types import Group, PromptItem, Trajectory
 from asyncrl.config import load_config
-from asyncrl.runner.log_hooks import LogHooks
+from asyncrl.trainer.log_hooks import LogHooks
 
 ROOT = Path(__file__).resolve().parents[2]
 CALLS: list[tuple] = []

@@ -3,7 +3,7 @@
 import io
 import json
 
-from asyncrl.runner.metrics import MetricsWriter, format_console_line
+from asyncrl.trainer.writers import MetricsWriter, format_console_line
 
 
 def test_tensorboard_and_jsonl_round_trip(tmp_path):

@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 from asyncrl.actor.checkpoint import hf_to_actor_checkpoint
 from asyncrl.actor.memory import ModelShape
 from asyncrl.actor.model import actor_spec
+from asyncrl.cpu_engine.model import KVPool, load_model
 from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
 from asyncrl.models.spec import ACTOR, CPU_ENGINE, TORCH_DECODER, ModelSpec
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
-from asyncrl.rollout.cpu_model import KVPool, load_model
 
 BASE = {
     "model_type": "llama",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from asyncrl.actor.checkpoint import CheckpointManager, write_identity, write_meta
 from asyncrl.config import load_config
-from asyncrl.runner.resume import config_hash, establish_identity
+from asyncrl.trainer.resume import config_hash, establish_identity
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -35,5 +35,5 @@ def test_a_failed_background_import_fails_again_where_the_module_is_used(tmp_pat
 
 
 def test_the_trainer_module_is_the_one_run_actor_uses():
-    assert roles.TRAINER_MODULE == "asyncrl.runner.loop"
+    assert roles.TRAINER_MODULE == "asyncrl.trainer.step_loop"
     assert importlib.util.find_spec(roles.TRAINER_MODULE) is not None

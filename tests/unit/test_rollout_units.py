@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncrl.config.schema import Config, RolloutConfig, SGLangConfig
+from asyncrl.cpu_engine.sampling_params import RequestError, parse_sampling_params
 from asyncrl.engine.client import (
     EngineError,
     _server_message,
@@ -16,8 +17,7 @@ from asyncrl.engine.client import (
     parse_generate_response,
     parse_prometheus,
 )
-from asyncrl.rollout.sampling_params import RequestError, parse_sampling_params
-from asyncrl.rollout.sglang_launcher import cpu_engine_command, engine_command, engine_port, sglang_command
+from asyncrl.engine.launch import cpu_engine_command, engine_command, engine_port, sglang_command
 
 LOGPROB_REL = 1e-5  # float32 log-prob parity, relative to the largest |log-prob| (see the parity test)
 
@@ -62,7 +62,7 @@ def test_cpu_command_selected_by_backend():
     cfg = _cfg(rollout_backend="cpu")
     cmd = engine_command(cfg, port=31000, python="py")
     assert cmd == cpu_engine_command(cfg, port=31000, python="py")
-    assert cmd[:3] == ["py", "-m", "asyncrl.rollout.cpu_engine"] and "--max-running-requests" in cmd
+    assert cmd[:3] == ["py", "-m", "asyncrl.cpu_engine.server"] and "--max-running-requests" in cmd
     assert "sglang.launch_server" in engine_command(_cfg(), port=1, python="py")
 
 
@@ -116,7 +116,7 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
     """Prompt log-probs, and a mixed batch (a decode row, a cached continuation, a shorter fresh request), match HF
     within 1e-5 of the log-probs' scale."""
     transformers = pytest.importorskip("transformers")
-    from asyncrl.rollout.cpu_model import KVPool, load_model
+    from asyncrl.cpu_engine.model import KVPool, load_model
 
     common = dict(
         vocab_size=97,
@@ -176,7 +176,7 @@ def test_decode_attention_matches_a_per_row_reference(tmp_path):
     ``_plan``) equals softmax(q k^T) v computed row by row over each row's own keys; the cache beyond a row's length
     holds garbage (a previous occupant's KV), which must not leak in."""
     transformers = pytest.importorskip("transformers")
-    from asyncrl.rollout.cpu_model import KVPool, load_model
+    from asyncrl.cpu_engine.model import KVPool, load_model
 
     cfg = transformers.Qwen2Config(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
@@ -214,7 +214,7 @@ def test_prefix_cache_matches_a_brute_force_lru():
     import collections
     import random
 
-    from asyncrl.rollout.prefix_cache import MAX_PREFIX_ENTRIES, MIN_PREFIX_TOKENS, PrefixCache, common_prefix_len
+    from asyncrl.cpu_engine.prefix_cache import MAX_PREFIX_ENTRIES, MIN_PREFIX_TOKENS, PrefixCache, common_prefix_len
 
     rng = random.Random(0)
     for _ in range(300):

@@ -7,9 +7,9 @@ import types
 import pytest
 
 from asyncrl.broker.types import Group, PromptItem, Trajectory
-from asyncrl.runner.leader_parts import make_batch_filter
-from asyncrl.runner.loop import rollout_metrics
-from asyncrl.runner.summary import broker_accounting
+from asyncrl.trainer.leader import make_batch_filter
+from asyncrl.trainer.step_loop import rollout_metrics
+from asyncrl.trainer.summary import broker_accounting
 
 
 def _group(gid, index, rewards):
@@ -84,7 +84,7 @@ def test_the_batch_wait_is_counted_once_in_the_time_split(async_mode, tmp_path, 
     """The broker's batch metrics carry time/wait_data; in sync mode the wait is time/rollout and only that, so
     the printed split adds up to the step (it added 2.51 s for a 1.62 s step)."""
     from asyncrl.config import load_config
-    from asyncrl.runner.summary import print_summary, wait_split
+    from asyncrl.trainer.summary import print_summary, wait_split
 
     m = wait_split({"time/wait_data": 0.9, "rollout/x": 1.0}, 0.9, async_mode=async_mode)
     assert m == {"rollout/x": 1.0, ("time/wait_data" if async_mode else "time/rollout"): 0.9}
@@ -106,7 +106,7 @@ def test_the_batch_wait_is_counted_once_in_the_time_split(async_mode, tmp_path, 
 )
 def test_the_summary_says_held_out_accuracy_in_words_not_none(overrides, evals, said, tmp_path, capsys):
     from asyncrl.config import load_config
-    from asyncrl.runner.summary import print_summary
+    from asyncrl.trainer.summary import print_summary
 
     step = {"time/training": 0.6, "time/step": 0.7, "reward/mean": 0.0}
     print_summary(
@@ -117,7 +117,7 @@ def test_the_summary_says_held_out_accuracy_in_words_not_none(overrides, evals, 
 
 
 def test_nonfinite_guard_stops_after_consecutive_bad_steps():
-    from asyncrl.runner.guards import NonFiniteGuard
+    from asyncrl.trainer.guards import NonFiniteGuard
 
     g = NonFiniteGuard(3)
     skipped = {"train/step_skipped": 1.0, "train/loss": float("nan")}
@@ -137,7 +137,7 @@ def test_preemption_flag_takes_sigusr1_and_sigterm_and_restores_the_handlers(sig
     import os
     import signal
 
-    from asyncrl.runner.guards import PREEMPT_SIGNALS, Preempted, Preemption
+    from asyncrl.trainer.guards import PREEMPT_SIGNALS, Preempted, Preemption
 
     seen = []
     before = {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in PREEMPT_SIGNALS}
@@ -160,8 +160,8 @@ def test_engine_figures_for_the_autotuner_are_the_step_mean_without_retracted_re
     """The autotuner gets the mean of the scrapes since the last report, summed over engines, a queue
     without the requests a retract-mode sync put back (its backlog is no saturation), and wall-clock
     tokens/s from the engines' token counters (gen_throughput is the rate while decoding)."""
-    import asyncrl.runner.engine_scraper as engine_scraper
-    from asyncrl.rollout.engine_metrics import prometheus_text
+    import asyncrl.trainer.engine_scraper as engine_scraper
+    from asyncrl.cpu_engine.metrics import prometheus_text
 
     served: dict[str, dict] = {}
     now = [0.0]

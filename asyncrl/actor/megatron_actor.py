@@ -32,7 +32,7 @@ Contract
   every rank gets them.
 - Attention and recompute: ``actor.attention_backend`` (``auto``: TransformerEngine on CUDA when
   it imports, else fused SDPA per packed sequence; on CPU too) and ``actor.recompute_*`` are
-  resolved by ``asyncrl.actor.spec``; every micro-batch reaches the model in the layout that
+  resolved by ``asyncrl.actor.layer_spec``; every micro-batch reaches the model in the layout that
   module gives (``thd`` with the sequences as segments for the fused backends).
 - ``version`` is the weight version: the number of ``train_step`` calls so far (a skipped step
   still counts: the version names the step, the weights are simply unchanged), restored on resume.
@@ -79,6 +79,7 @@ from asyncrl.actor.batch import (
     make_microbatches,
     microbatch_extras,
 )
+from asyncrl.actor.layer_spec import attention_path, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.logprobs import logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
 from asyncrl.actor.model import (
@@ -92,7 +93,6 @@ from asyncrl.actor.optim import build_optimizer
 from asyncrl.actor.pipeline import StageInfo, gather_to_rank0
 from asyncrl.actor.scatter import scatter_samples
 from asyncrl.actor.schedule import MicroBatch, PipelineSchedule, PlainSchedule
-from asyncrl.actor.spec import attention_path, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.weights import (
     iter_hf_buckets,
     iter_hf_tensors,

@@ -1,13 +1,13 @@
 """The CPU engine's weight updates: the weight-update group, the receiver of broadcast buckets, and loads
 from disk, as SGLang's HTTP calls.
 
-    # the scheduler process (engine_backend): call(fn) runs fn(scheduler) on the engine thread and waits
+    # the scheduler process (scheduler_process): call(fn) runs fn(scheduler) on the engine thread and waits
     updates = WeightUpdates(model, call=run_on_engine_thread, timeout_s=600.0)
     ok, message, extra = updates.update_weights_from_distributed(body)  # WEIGHT_ROUTES: path -> method
 
 Contract
 - Each op takes the call's JSON body and returns ``(success, message, extra fields)``, SGLang's answer; the HTTP
-  process reads the body and answers (``WEIGHT_ROUTES``), the scheduler process runs the op (``engine_backend``:
+  process reads the body and answers (``WEIGHT_ROUTES``), the scheduler process runs the op (``scheduler_process``:
   on the engine thread, or on a thread of its own for ``WAITING_OPS``).
 - ``/init_weights_update_group`` blocks its thread (not the scheduler) until the trainer joins.
 - ``/update_weights_from_distributed`` fails (400) unless ``/begin_weight_update`` was called and not yet
@@ -35,12 +35,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from asyncrl.cluster.weight_update_group import (
+    broadcast_from_rank0,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+from asyncrl.cpu_engine.http_shapes import SELECTORS, weight_version_field
+from asyncrl.cpu_engine.model import CausalLM, NoCheckpoint, read_checkpoint
+from asyncrl.cpu_engine.sampling_params import RequestError, check_bool, check_int
+from asyncrl.cpu_engine.scheduler import Scheduler
 from asyncrl.engine.client import weight_version_note
-from asyncrl.rollout.cpu_model import CausalLM, NoCheckpoint, read_checkpoint
-from asyncrl.rollout.cpu_scheduler import Scheduler
-from asyncrl.rollout.engine_http import SELECTORS, weight_version_field
-from asyncrl.rollout.sampling_params import RequestError, check_bool, check_int
-from asyncrl.sync.process_group import broadcast_from_rank0, destroy_weight_update_group, init_weight_update_group
 
 log = logging.getLogger("asyncrl.cpu_engine")
 

@@ -4,7 +4,7 @@ Contract
 - Backend (``select_backend``): ``shared`` when neither ``eval.eval_num_gpus`` nor
   ``eval.eval_function_path`` is set; ``external`` with ``eval.eval_function_path = "module:Class"``
   (a ``CheckpointEvalFn`` subclass); ``fleet`` with ``eval.eval_num_gpus = N`` (engines of their own on
-  the ``eval`` placement devices, ``asyncrl.runner.eval_fleet``). Evals run on every
+  the ``eval`` placement devices, ``asyncrl.eval.fleet``). Evals run on every
   ``eval.eval_interval``-th step.
 - Shared engines (``evaluate_on_engines``): actor rank 0 tells the broker ``hold_issuing`` (no new
   prompts; in-flight groups finish and buffer, nothing is aborted, turns go on), evaluates every
@@ -22,7 +22,7 @@ Contract
   is either a fresh HF export into ``eval.eval_hf_dir/step_XXXXXX`` (collective over every actor
   rank, the one part the training loop waits for: ``eval/export_time_seconds``) or, with
   ``eval_hf_dir`` unset and ``runner.save_hf``, the periodic checkpoint's ``hf_export``.
-  ``EvalDispatcher`` (``asyncrl.runner.eval_dispatch``) runs ``evaluate_checkpoint`` on ONE background thread (evals are serialized);
+  ``EvalDispatcher`` (``asyncrl.eval.dispatch``) runs ``evaluate_checkpoint`` on ONE background thread (evals are serialized);
   ``eval.eval_max_in_flight`` bounds the snapshots submitted and not yet finished. A due point with no
   free slot waits (``backpressure``, at most ``eval.eval_wait_timeout_s``) or is skipped (``skip``:
   counted in ``eval/skipped``, reason logged). ``EvalSkip(reason)`` is a skipped point; any other
@@ -66,8 +66,8 @@ from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import check_retriever, make_retriever
 from asyncrl.config.validate import resolve_hook as import_path
 from asyncrl.engine.client import SGLangClient
-from asyncrl.runner.eval_dispatch import SNAPSHOT_META, EvalDispatcher, EvalOutcome, outcome_metrics
-from asyncrl.runner.eval_dispatch import EvalSkip as EvalSkip  # the eval function's API: raised to skip a point
+from asyncrl.eval.dispatch import SNAPSHOT_META, EvalDispatcher, EvalOutcome, outcome_metrics
+from asyncrl.eval.dispatch import EvalSkip as EvalSkip  # the eval function's API: raised to skip a point
 
 log = logging.getLogger("asyncrl.eval")
 
@@ -109,7 +109,7 @@ def load_eval_fn(path: str, cfg: Any) -> CheckpointEvalFn:
     if not (isinstance(cls, type) and issubclass(cls, CheckpointEvalFn)):
         raise ValueError(
             f"eval.eval_function_path: {path!r} is not a CheckpointEvalFn subclass "
-            f"(asyncrl.runner.evaluation.CheckpointEvalFn)"
+            f"(asyncrl.eval.backends.CheckpointEvalFn)"
         )
     return cls(cfg)
 
@@ -284,9 +284,9 @@ class PeriodicEval:
         leader_phase: Optional[Callable[..., Any]] = None,
     ):
         """``leader_phase(name, fn, timeout_s=...)`` runs ``fn`` on the leader while the other actor ranks wait
-        outside any collective (``asyncrl.runner.leader.LeaderPhases.run``; default: ``fn`` on the leader).
+        outside any collective (``asyncrl.trainer.leader_phases.LeaderPhases.run``; default: ``fn`` on the leader).
         ``fleet_eval``: the leader's ``(snapshot_dir, step) -> metrics`` for the ``fleet`` backend
-        (``asyncrl.runner.eval_fleet.FleetEval``)."""
+        (``asyncrl.eval.fleet.FleetEval``)."""
         self.cfg, self.actor, self.is_leader, self.broker = cfg, actor, is_leader, broker
         self._phase = leader_phase or (lambda name, fn, timeout_s=None: fn() if is_leader else None)
         self.backend = select_backend(cfg)

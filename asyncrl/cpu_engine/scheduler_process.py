@@ -4,7 +4,7 @@ its Scheduler runs in a process of its own, and the two exchange pickled objects
 length-prefixed frames on a ``socketpair``, ``frames``: a parent and its forked child need no broker of sockets, and
 a frame crosses without the two ZeroMQ I/O threads' wake-ups).
 
-    # the HTTP process (engine_link.SchedulerLink.start) makes the pair, then forks this process:
+    # the HTTP process (scheduler_link.SchedulerLink.start) makes the pair, then forks this process:
     serve(args, sock=child_end, parent_end=parent_end, parent_pid=os.getppid())  # never returns
 
 Why a process of its own: in one process the HTTP thread's Python and the engine thread's Python share one GIL
@@ -26,7 +26,7 @@ Messages (pickled tuples, one frame each)
 
 Lifetime: this process dies with its parent (``PR_SET_PDEATHSIG``) and ignores SIGTERM/SIGINT (the parent, which
 receives them with it as one process group, stops it with ``("stop",)``). A crash of the engine thread exits it
-with status 1; the parent notices and exits with status 1 too (``engine_link``). The HTTP process's end closing
+with status 1; the parent notices and exits with status 1 too (``scheduler_link``). The HTTP process's end closing
 (it died) ends the engine loop as ``("stop",)`` does.
 """
 
@@ -50,13 +50,13 @@ import torch
 from tokenizers import Tokenizer
 
 from asyncrl.cluster.process import die_with_parent
-from asyncrl.rollout.cpu_model import load_model
-from asyncrl.rollout.cpu_scheduler import Scheduler
-from asyncrl.rollout.engine_args import EngineArgs, init_engine_world
-from asyncrl.rollout.frames import FrameReader, frame
-from asyncrl.rollout.request import Request
-from asyncrl.rollout.sampling_params import RequestError, SamplingParams
-from asyncrl.rollout.weight_updates import WAITING_OPS, WEIGHT_OPS, WeightUpdates
+from asyncrl.cpu_engine.args import EngineArgs, init_engine_world
+from asyncrl.cpu_engine.frames import FrameReader, frame
+from asyncrl.cpu_engine.model import load_model
+from asyncrl.cpu_engine.request import Request
+from asyncrl.cpu_engine.sampling_params import RequestError, SamplingParams
+from asyncrl.cpu_engine.scheduler import Scheduler
+from asyncrl.cpu_engine.weight_updates import WAITING_OPS, WEIGHT_OPS, WeightUpdates
 
 log = logging.getLogger("asyncrl.cpu_engine")
 

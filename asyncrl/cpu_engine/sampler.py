@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncrl.rollout.request import Request
+from asyncrl.cpu_engine.request import Request
 
 
 def _ban_stop_tokens(logits_BV: torch.Tensor, reqs: Sequence[Request], eos_ids: set[int]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Length-prefixed frames on a stream socket: how the CPU engine's two processes (``engine_link``, ``engine_backend``)
+"""Length-prefixed frames on a stream socket: how the CPU engine's two processes (``scheduler_link``, ``scheduler_process``)
 cut their byte stream into messages. Pure: no I/O here, the two ends read and write their socket themselves.
 
     sock.sendall(frame(payload))          # 8-byte little-endian length, then the payload

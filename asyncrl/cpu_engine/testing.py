@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from asyncrl.cluster.ports import free_port
-from asyncrl.rollout.sglang_launcher import EngineLaunchError, EngineSupervisor
+from asyncrl.engine.launch import EngineLaunchError, EngineSupervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def _engine_cmd(model_path, port: int, max_running_requests: int, weight_version
     return [
         sys.executable,
         "-m",
-        "asyncrl.rollout.cpu_engine",
+        "asyncrl.cpu_engine.server",
         "--model-path",
         str(model_path),
         "--host",

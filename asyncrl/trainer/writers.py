@@ -65,7 +65,7 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._tb = None
         if purge_step is not None:  # a resumed run writes these steps again: drop the old ones
-            from asyncrl.runner.resume import purge_jsonl
+            from asyncrl.trainer.resume import purge_jsonl
 
             purge_jsonl(self.run_dir / "metrics.jsonl", purge_step - 1)
         if tensorboard:

@@ -2,8 +2,8 @@
 
 Contract
 - Wires actor rank 0 to the broker, the engines and the metrics writer (its parts:
-  ``asyncrl.runner.leader_parts.LeaderParts``); every actor rank runs the Megatron actor. The step records'
-  derived figures and the run's summary are ``asyncrl.runner.summary``'s; the checkpoints are the
+  ``asyncrl.trainer.leader.LeaderParts``); every actor rank runs the Megatron actor. The step records'
+  derived figures and the run's summary are ``asyncrl.trainer.summary``'s; the checkpoints are the
   ``asyncrl.actor.checkpoint.CheckpointManager``'s (every ``runner.checkpoint_interval`` steps and at the end).
 - async (``runner.async_mode = true``): the broker keeps issuing while the actor trains; each step
   takes the oldest ``rollout_batch_size`` groups (``time/wait_data`` = how long it waited), trains
@@ -13,7 +13,7 @@ Contract
   the actor waits for all of it (``time/rollout``), trains, syncs.
 - Weight version v = number of optimizer steps whose weights the engines carry; the engines start
   at 0 with the actor's initial weights.
-- Eval (``asyncrl.runner.evaluation``): every ``eval.eval_interval`` steps, after the step's sync and
+- Eval (``asyncrl.eval.backends``): every ``eval.eval_interval`` steps, after the step's sync and
   checkpoint. Shared engines (default): actor rank 0 tells the broker to stop issuing new prompts
   (``hold_issuing``: in-flight groups finish and buffer, nothing is aborted), evaluates greedily,
   releases, and logs ``eval/<name>/accuracy`` etc. in the step's record. External
@@ -23,11 +23,11 @@ Contract
   Dedicated fleet (``eval.eval_num_gpus``): the same snapshot hand-off, and the background job loads
   it into the fleet's engines (``eval_engine_urls``) and evaluates there; training never pauses.
   ``runner.eval_before_after`` evaluates ``data.test_path`` before the first and after the last step.
-- Leader-only phases (``asyncrl.runner.leader``): what actor rank 0 does alone (set-up, the evals on the
+- Leader-only phases (``asyncrl.trainer.leader_phases``): what actor rank 0 does alone (set-up, the evals on the
   shared engines, waiting for a batch, the end of the run) runs in ``phases.run``; the other actor ranks
   wait for it on the store, so ``cluster.actor_collective_timeout_s`` bounds real collectives only.
 - The before/after eval is logged as ``eval/test/*`` at step 0 and at the last step (its own record).
-- Logging: Miles' custom hooks (``asyncrl.runner.log_hooks``) see every step and eval record first; returning
+- Logging: Miles' custom hooks (``asyncrl.trainer.log_hooks``) see every step and eval record first; returning
   True leaves their ``rollout/*`` / ``eval/*`` keys out of the record.
 - Invariant: a step's staleness (reported by the broker) never exceeds the buffer limit's bound
   ``max_buffered_groups / rollout_batch_size + 1`` unless a cap drops it first.
@@ -37,14 +37,14 @@ Contract
   catch-up sync first (``_next_batch``); ``rollout/engine_restarts`` counts the restarts.
 - The broker is watched by ``asyncrl.cluster.process.fail_fast_on_exit`` (set up in ``roles``): its
   death fails the rank at once; here it is only marked as stopping before the deliberate shutdown.
-- Bad numbers (``asyncrl.runner.guards``): a step with a non-finite loss, grad norm or reward counts in
+- Bad numbers (``asyncrl.trainer.guards``): a step with a non-finite loss, grad norm or reward counts in
   ``train/nonfinite_steps``; ``runner.max_nonfinite_steps`` of them in a row raise ``NonFiniteError`` on
   every actor rank (the step is logged first): the job exits non-zero.
-- Preemption (``asyncrl.runner.guards``): SIGUSR1 or SIGTERM on any actor rank is checked between steps and right
+- Preemption (``asyncrl.trainer.guards``): SIGUSR1 or SIGTERM on any actor rank is checked between steps and right
   after training, on actor rank 0 also while it waits for a batch (the step's sync and eval are skipped; a sync that fails because
   the engines stopped is abandoned); then every actor rank writes the checkpoint of the last trained step and
   raises ``Preempted`` (the rank exits 75).
-- Resume (``asyncrl.runner.resume``, ``CheckpointManager.pick``): only this run's checkpoints (run id + config
+- Resume (``asyncrl.trainer.resume``, ``CheckpointManager.pick``): only this run's checkpoints (run id + config
   hash, ``run.json`` in the run dir and in each checkpoint) or ``runner.resume_from``; resumed steps are purged
   from the metrics.
 
@@ -63,15 +63,15 @@ import numpy as np
 import torch.distributed as dist
 
 from asyncrl.actor.checkpoint import CheckpointManager
-from asyncrl.actor.trainer import Actor
+from asyncrl.actor.megatron_actor import Actor
 from asyncrl.broker.serve import freeze_setup_objects
-from asyncrl.runner.eval_fleet import FleetEval
-from asyncrl.runner.evaluation import EngineEvaluator, PeriodicEval, engine_eval_metrics, select_backend
-from asyncrl.runner.guards import PREEMPT_SIGNAL, NonFiniteError, NonFiniteGuard, Preempted, Preemption
-from asyncrl.runner.leader_parts import LeaderParts
-from asyncrl.runner.resume import establish_identity
-from asyncrl.runner.summary import broker_accounting, new_summary, print_summary, record_step, wait_split
+from asyncrl.eval.backends import EngineEvaluator, PeriodicEval, engine_eval_metrics, select_backend
+from asyncrl.eval.fleet import FleetEval
 from asyncrl.sync.recovery import SyncAbandoned, sync_weights
+from asyncrl.trainer.guards import PREEMPT_SIGNAL, NonFiniteError, NonFiniteGuard, Preempted, Preemption
+from asyncrl.trainer.leader import LeaderParts
+from asyncrl.trainer.resume import establish_identity
+from asyncrl.trainer.summary import broker_accounting, new_summary, print_summary, record_step, wait_split
 
 log = logging.getLogger("asyncrl.runner")
 
@@ -206,7 +206,7 @@ def run_training(
 class Trainer:
     """One actor rank's run, built in one place: the Megatron actor on every rank; on actor rank 0 also the
     leader's parts (``LeaderParts``: broker client, weight-sync group, metrics writer, engine scraper, hooks,
-    engine recovery) and the evaluator. ``phases`` (``asyncrl.runner.leader.LeaderPhases``) runs what actor rank
+    engine recovery) and the evaluator. ``phases`` (``asyncrl.trainer.leader_phases.LeaderPhases``) runs what actor rank
     0 does alone (set-up, evals, waiting for a batch, the end) while the others wait outside any collective;
     ``discovery`` carries the engines' restart counts (``asyncrl.sync.recovery``). What only the leader does is
     decided here, in the small methods below, so ``_step`` reads the same on every rank."""
@@ -489,7 +489,7 @@ def _wait_batch(broker, recovery, step: int, version: int, timeout_s: float, t0:
 
 
 def _resume_plan(cfg, run_dir: Path, ckpts: CheckpointManager) -> tuple[dict, str | None, int | None]:
-    """Actor rank 0: this run's identity (``asyncrl.runner.resume``), the checkpoint to resume from and the first
+    """Actor rank 0: this run's identity (``asyncrl.trainer.resume``), the checkpoint to resume from and the first
     step whose old metrics are purged (None when not resuming)."""
     ident = establish_identity(cfg, run_dir)
     ckpt = ckpts.pick(ident, resume=cfg.runner.resume, resume_from=cfg.runner.resume_from)

@@ -3,7 +3,7 @@ and its syncer, the engine recovery, the engine scraper, the sample filter and M
 
 Contract
 - ``LeaderParts(cfg, run_dir, broker_address, engine_urls, discovery, purge_step=)`` joins the engines' weight-update
-  group (``WeightSyncGroup.init``) and starts the scraper's thread; the step loop (``asyncrl.runner.loop``) waits
+  group (``WeightSyncGroup.init``) and starts the scraper's thread; the step loop (``asyncrl.trainer.step_loop``) waits
   for its batches and logs through it; ``last_groups`` is the batch the log hooks see with the step's record.
 - ``make_recovery``: actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish.
 - ``make_batch_filter``: Miles' sample filter on the assembled batch.
@@ -18,12 +18,12 @@ from pathlib import Path
 from asyncrl.broker.client import BrokerClient
 from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
 from asyncrl.config.validate import resolve_hook as import_path
-from asyncrl.runner.engine_scraper import EngineScraper
-from asyncrl.runner.log_hooks import LogHooks
-from asyncrl.runner.metrics import MetricsWriter
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
+from asyncrl.trainer.engine_scraper import EngineScraper
+from asyncrl.trainer.log_hooks import LogHooks
+from asyncrl.trainer.writers import MetricsWriter
 
 
 class LeaderParts:

@@ -41,7 +41,7 @@ from typing import Any
 from asyncrl.config.eval_engine import fleet_size
 from asyncrl.config.schema import Config
 from asyncrl.engine.client import EngineError, SGLangClient
-from asyncrl.runner.evaluation import SNAPSHOT_META, EngineEvaluator, engine_eval_metrics, eval_datasets
+from asyncrl.eval.backends import SNAPSHOT_META, EngineEvaluator, engine_eval_metrics, eval_datasets
 
 log = logging.getLogger("asyncrl.eval.fleet")
 

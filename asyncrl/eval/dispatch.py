@@ -10,7 +10,7 @@ Contract
   as ``ckpt_missing`` and never handed to ``evaluate``. Owned snapshots are deleted once more than
   ``keep_snapshots`` have been retired (oldest first); periodic checkpoints are never deleted.
 - ``outcome_metrics(outcome, logged_at=, ...)``: what a finished point logs at its own step (see
-  ``asyncrl.runner.evaluation`` for the names).
+  ``asyncrl.eval.backends`` for the names).
 
     disp = EvalDispatcher(fn, max_in_flight=2, overflow_policy="backpressure", keep_snapshots=2)
     if disp.admit(step): disp.submit(step, snapshot_dir, owned=True)

@@ -28,7 +28,7 @@ from asyncrl.cluster.ports import free_port
 
 log = logging.getLogger("asyncrl.cpu_engine")
 
-PROG = "python -m asyncrl.rollout.cpu_engine"
+PROG = "python -m asyncrl.cpu_engine.server"
 
 
 @dataclass(frozen=True)

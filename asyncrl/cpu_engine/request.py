@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from asyncrl.rollout.sampling_params import SamplingParams
+from asyncrl.cpu_engine.sampling_params import SamplingParams
 
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 """The finish reason of a running request that was aborted, as SGLang 0.5.23 writes it (its ``FINISH_ABORT``)."""

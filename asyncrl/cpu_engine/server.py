@@ -1,19 +1,19 @@
 """The CPU engine: an HTTP server that speaks SGLang's API (the subset an RL trainer uses).
 
-    python -m asyncrl.rollout.cpu_engine --model-path DIR --port P [--host H]
+    python -m asyncrl.cpu_engine.server --model-path DIR --port P [--host H]
         [--max-running-requests N] [--weight-version V] [--seed S] [--nccl-port P] [--dist-timeout S]
 
 Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer code drive SGLang)
 - Two processes, as SGLang: this one answers HTTP (aiohttp, the tokenizer, every body check); its scheduler
-  process (``engine_backend``, forked at start, dies with it) holds the model and runs ``Scheduler.run`` (model
-  steps, continuous batching) and the weight updates. ``engine_link.SchedulerLink`` joins them over a socketpair:
+  process (``scheduler_process``, forked at start, dies with it) holds the model and runs ``Scheduler.run`` (model
+  steps, continuous batching) and the weight updates. ``scheduler_link.SchedulerLink`` joins them over a socketpair:
   checked requests go over, finished answers come back once per model step, and every control action is a
   named op run between two model steps.
-- The parts: flags and start-up (``engine_args``: SGLang's own one-process torch.distributed world, made in the
+- The parts: flags and start-up (``args``: SGLang's own one-process torch.distributed world, made in the
   scheduler process before the model loads), the ``/generate`` body checks and SGLang's answer shapes
-  (``engine_http``), the weight updates (``weight_updates``: the group, the atomic receive, loads from disk), the
-  ``/metrics`` page (``engine_metrics``). This module holds the HTTP handlers and ``main``.
-- Status codes and shapes as SGLang: a body SGLang's request struct refuses is its validation 400 (``engine_http``);
+  (``http_shapes``), the weight updates (``weight_updates``: the group, the atomic receive, loads from disk), the
+  ``/metrics`` page (``metrics``). This module holds the HTTP handlers and ``main``.
+- Status codes and shapes as SGLang: a body SGLang's request struct refuses is its validation 400 (``http_shapes``);
   400 with ``{"error": {"message"}}`` for other bad generate requests; control calls answer
   ``{"success", "message"}`` with 200/400; ``/flush_cache`` answers text, 400 while requests are running;
   unknown paths and wrong methods FastAPI's 404 / 405 ``{"detail"}``.
@@ -44,10 +44,8 @@ from tokenizers import Tokenizer
 
 from asyncrl.cluster.auth import bearer_matches, open_path
 from asyncrl.cluster.malloc import retain_freed_memory
-from asyncrl.models.spec import load_hf_config
-from asyncrl.rollout.cpu_scheduler import PAUSE_MODES
-from asyncrl.rollout.engine_args import EngineArgs, env_bool, parse_args
-from asyncrl.rollout.engine_http import (
+from asyncrl.cpu_engine.args import EngineArgs, env_bool, parse_args
+from asyncrl.cpu_engine.http_shapes import (
     FLUSH_FAILED,
     FLUSHED,
     InvalidBody,
@@ -59,11 +57,13 @@ from asyncrl.rollout.engine_http import (
     result,
     validation_error,
 )
-from asyncrl.rollout.engine_link import SchedulerFailed, SchedulerLink
-from asyncrl.rollout.engine_metrics import DISCONNECT_SERIES, HELD_SERIES, prometheus_text
-from asyncrl.rollout.request import Request
-from asyncrl.rollout.sampling_params import RequestError, parse_sampling_params
-from asyncrl.rollout.weight_updates import WEIGHT_ROUTES
+from asyncrl.cpu_engine.metrics import DISCONNECT_SERIES, HELD_SERIES, prometheus_text
+from asyncrl.cpu_engine.request import Request
+from asyncrl.cpu_engine.sampling_params import RequestError, parse_sampling_params
+from asyncrl.cpu_engine.scheduler import PAUSE_MODES
+from asyncrl.cpu_engine.scheduler_link import SchedulerFailed, SchedulerLink
+from asyncrl.cpu_engine.weight_updates import WEIGHT_ROUTES
+from asyncrl.models.spec import load_hf_config
 
 __all__ = ["CpuEngine", "EngineArgs", "main", "parse_args"]
 

@@ -38,12 +38,12 @@ from typing import Any, Optional
 
 import torch
 
+from asyncrl.cpu_engine.model import CausalLM, KVPool
+from asyncrl.cpu_engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
+from asyncrl.cpu_engine.request import ABORTED, Request, response
+from asyncrl.cpu_engine.sampler import sample
+from asyncrl.cpu_engine.sampling_params import RequestError
 from asyncrl.engine.client import ENGINE_PAUSE_MODES as PAUSE_MODES
-from asyncrl.rollout.cpu_model import CausalLM, KVPool
-from asyncrl.rollout.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
-from asyncrl.rollout.request import ABORTED, Request, response
-from asyncrl.rollout.sampler import sample
-from asyncrl.rollout.sampling_params import RequestError
 
 # Padded prefill tokens per forward (rows x longest feed): bounds the padding waste and the
 # attention-mask memory of one prefill batch.
@@ -115,7 +115,7 @@ class Scheduler:
         """Called on the engine thread after each step (and each round of control calls): the engine hands the
         answers its requests' ``deliver`` callbacks queued to its HTTP process at once."""
         self.poll_inbox = poll_inbox
-        """When given, the engine thread's own receive (``engine_backend``: its ZeroMQ socket, read between two
+        """When given, the engine thread's own receive (``scheduler_process``: its ZeroMQ socket, read between two
         steps as SGLang's scheduler does): ``poll_inbox(0)`` before each step takes what arrived (through
         ``submit`` and ``call``) and ``poll_inbox(timeout_s)`` replaces the idle wait; whoever calls ``submit``
         or ``call`` from another thread then wakes that poll itself."""

@@ -1,10 +1,10 @@
-"""The CPU engine's HTTP process's side of its scheduler process (``engine_backend``): start it, hand it requests
+"""The CPU engine's HTTP process's side of its scheduler process (``scheduler_process``): start it, hand it requests
 and control calls, route its answers to the waiting handlers, and exit when it dies.
 
     link = SchedulerLink.start(args)     # forks the scheduler process, waits for its model (or exits 1)
     await link.open()                     # in the event loop: starts reading its answers
     link.submit(reqs)                     # checked Requests; each one's deliver(answer) runs on the loop
-    n = await link.call("abort", rid)     # an engine op or a weight op (engine_backend.ENGINE_OPS / WEIGHT_OPS)
+    n = await link.call("abort", rid)     # an engine op or a weight op (scheduler_process.ENGINE_OPS / WEIGHT_OPS)
     link.paused, link.weight_version      # mirrored from every message it sends
     await link.output_after(t, timeout_s=20)  # True once any message arrived after monotonic time t (health)
 
@@ -37,11 +37,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from asyncrl.rollout.cpu_scheduler import check_submittable, duplicate_rid
-from asyncrl.rollout.engine_args import EngineArgs
-from asyncrl.rollout.engine_backend import RequestSpec, serve
-from asyncrl.rollout.frames import FrameReader, frame
-from asyncrl.rollout.request import Request
+from asyncrl.cpu_engine.args import EngineArgs
+from asyncrl.cpu_engine.frames import FrameReader, frame
+from asyncrl.cpu_engine.request import Request
+from asyncrl.cpu_engine.scheduler import check_submittable, duplicate_rid
+from asyncrl.cpu_engine.scheduler_process import RequestSpec, serve
 
 log = logging.getLogger("asyncrl.cpu_engine")
 

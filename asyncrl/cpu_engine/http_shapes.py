@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from asyncrl.cpu_engine.request import Request, new_rid
+from asyncrl.cpu_engine.sampling_params import MAX_TOKENS, RequestError, check_bool, check_int, parse_sampling_params
 from asyncrl.engine.client import ENGINE_PAUSE_MODES
-from asyncrl.rollout.request import Request, new_rid
-from asyncrl.rollout.sampling_params import MAX_TOKENS, RequestError, check_bool, check_int, parse_sampling_params
 
 MAX_REQUESTS_PER_CALL = 1024  # prompts x n of one /generate call (each is a running request)
 MAX_RID_CHARS = 512

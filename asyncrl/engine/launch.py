@@ -2,7 +2,7 @@
 
 Contract
 - Two pure command builders, one supervisor: ``sglang_command`` (``python -m
-  sglang.launch_server ...``) and ``cpu_engine_command`` (``python -m asyncrl.rollout.cpu_engine
+  sglang.launch_server ...``) and ``cpu_engine_command`` (``python -m asyncrl.cpu_engine.server
   ...``) turn the typed ``Config`` into argv; ``engine_command`` picks by
   ``rollout.rollout_backend``. Nothing here imports sglang or CUDA.
 - ``EngineSupervisor`` starts the command as a child of the engine's first rank (through
@@ -192,7 +192,7 @@ def cpu_engine_command(
     return [
         python,
         "-m",
-        "asyncrl.rollout.cpu_engine",
+        "asyncrl.cpu_engine.server",
         "--model-path",
         _model_path(cfg),
         "--host",
