@@ -8,7 +8,7 @@ Measures over loopback TCP:
      ``send_group`` per finished group with its trajectories on ``AsyncWorkerConnection``, which coalesces
      the groups finished in one event-loop turn into one ``groups`` message) with only the engine edge
      stubbed (``run_trajectory`` returns a ready trajectory at once); the consumer fetches each batch with
-     ``asyncrl.trainer.step_loop._wait_batch`` exactly as the actor does (``get_batch``: zero-copy arrays);
+     ``asyncrl.trainer.leader.wait_batch`` exactly as the actor does (``get_batch``: zero-copy arrays);
   2. the hand-off of one batch of 512 groups x 5 trajectories x 2,000 tokens (buffer full) through that
      same fetch (under the actor's GC settings, the interpreter's defaults), and a raw ZeroMQ round trip
      of the same number of bytes (DEALER -> ROUTER, one small request, one one-frame reply), both in each repetition, the order alternating, under the same
@@ -150,11 +150,11 @@ FETCH_TIMEOUT_S = 120.0  # the first fetch waits for the workers to start (impor
 
 
 def _fetch(client: BrokerClient, step: int):
-    """The actor's batch fetch exactly as the runner does it (``asyncrl.trainer.step_loop._wait_batch``; imported
+    """The actor's batch fetch exactly as the runner does it (``asyncrl.trainer.leader.wait_batch``; imported
     here, not at the top: the worker processes run this file too and need not import the runner)."""
-    from asyncrl.trainer.step_loop import _wait_batch
+    from asyncrl.trainer.leader import wait_batch
 
-    return _wait_batch(client, None, step, step - 1, FETCH_TIMEOUT_S, time.monotonic())
+    return wait_batch(client, None, step=step, version=step - 1, timeout_s=FETCH_TIMEOUT_S, t0=time.monotonic())
 
 
 def bench_throughput(tmp: Path, model_dir: Path, *, n_workers: int, window_s: float, reps: int) -> dict:

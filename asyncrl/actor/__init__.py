@@ -1,6 +1,6 @@
 """The Megatron actor (issue 6). Light to import: the submodules pull in torch/megatron.
 
-- ``trainer.Actor``: GPTModel from a HF checkpoint, GRPO/PPO training step, log-probs, HF export in
+- ``megatron_actor.Actor``: GPTModel from a HF checkpoint, GRPO/PPO training step, log-probs, HF export in
   buckets, checkpoints (see its module contract for which ranks call what).
 - ``loss``: pure loss functions (GRPO advantages, PPO clip low/high + dual clip, KL k1/k3,
   off-policy correction none/tis/decoupled, aggregation weights, metrics).
@@ -8,7 +8,7 @@
 - ``logprobs``: vocab-parallel log-probs and entropy.
 - ``pipeline``: pipeline parallelism: Megatron's 1F1B / forward-only schedule on fixed-shape
   micro-batches, the HF export of every stage gathered onto global rank 0.
-- ``spec``: the attention the model runs (TransformerEngine, fused SDPA per packed sequence, or
+- ``layer_spec``: the attention the model runs (TransformerEngine, fused SDPA per packed sequence, or
   Megatron's unfused reference), the model inputs of a packed batch, activation recompute.
 - ``memory``: the per-rank memory estimate (pure) that ``--dry-run`` prints and checks.
 - ``model`` / ``convert`` / ``weights``: HF config -> GPTModel, HF <-> Megatron names and TP shards,

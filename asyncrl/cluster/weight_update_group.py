@@ -20,7 +20,7 @@ Contract
     dist.broadcast(tensor, group_src=0, group=pg)
     destroy_weight_update_group(pg)
 
-Owner of the private-API shim: asyncrl/rollout (issue 4). Also ``_set_pg_timeout(timeout, group)`` (the
+Owner of the private-API shim: this module (issue 4). Also ``_set_pg_timeout(timeout, group)`` (the
 collective timeout after the join, issue 13). Checked against torch 2.13
 (signature ``(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
 backend_options=None, timeout=None, pg_tag=None, device_id=None, group_desc=None)``);

@@ -59,7 +59,7 @@ from asyncrl.config.schema import Config
 from asyncrl.engine.blocking import EngineStepError, get_text
 from asyncrl.engine.liveness import HEALTH_GENERATION_ENV, liveness
 
-log = logging.getLogger("asyncrl.rollout.launcher")
+log = logging.getLogger("asyncrl.engine.launch")
 
 INITIAL_WEIGHT_VERSION = "0"  # the actor's version before its first step; versions are integers
 PORT_STRIDE = 10  # engine k on a node listens on rollout.port + k * PORT_STRIDE (config doc)

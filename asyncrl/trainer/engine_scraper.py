@@ -15,7 +15,7 @@ import time
 from asyncrl.engine.blocking import EngineStepError, get_text
 from asyncrl.engine.client import parse_prometheus
 
-log = logging.getLogger("asyncrl.runner")
+log = logging.getLogger("asyncrl.trainer")
 
 
 class EngineScraper:

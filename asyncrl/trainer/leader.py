@@ -1,33 +1,79 @@
-"""What actor rank 0 alone holds, built in one place: the broker client, the metrics writer, the weight-sync group
-and its syncer, the engine recovery, the engine scraper, the sample filter and Miles' log hooks.
+"""The leader: what actor rank 0 alone does in a run, as one object; ``NullLeader``, its twin on the other actor ranks.
 
 Contract
-- ``LeaderParts(cfg, run_dir, broker_address, engine_urls, discovery, purge_step=)`` joins the engines' weight-update
-  group (``WeightSyncGroup.init``) and starts the scraper's thread; the step loop (``asyncrl.trainer.step_loop``) waits
-  for its batches and logs through it; ``last_groups`` is the batch the log hooks see with the step's record.
+- ``Leader(cfg, run_dir, broker_address, engine_urls, discovery=, purge_step=)`` holds the broker client, the metrics
+  writer, the weight-sync group (joined at construction, ``WeightSyncGroup.init``) and its syncer, the engine
+  recovery, the engine scraper (its thread started), the sample filter, Miles' log hooks, the non-finite guard and
+  the run's summary; ``build_evaluators(eval_engine_urls)`` adds the shared-engine evaluator (it checks the tool
+  URLs it will call) and the eval fleet.
+- The step loop (``asyncrl.trainer.step_loop.Trainer``) calls the same methods on every actor rank and holds no
+  ``if leader`` of its own: ``NullLeader`` answers each with nothing (no batch, no verdict, no broker state) and
+  its parts are None. What needs the other ranks (collectives, leader phases) stays in the step loop.
+- ``next_batch`` is the leader's batch wait (in slices of ``BATCH_SLICE_S``, so a restarted engine waiting for
+  its catch-up sync is seen within seconds): the step's ``Batch`` (groups after the sample filter, and their
+  metrics), None when a restarted engine waits for its weights, ``PREEMPT`` when a preemption signal arrived.
+- ``log_step(step, batch, m, ...)``: the step's record, the batch's groups handed to Miles' hooks with it;
+  external and fleet eval points that finished meanwhile are logged at their own steps.
 - ``make_recovery``: actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish.
 - ``make_batch_filter``: Miles' sample filter on the assembled batch.
 
-    parts = LeaderParts(cfg, run_dir, broker_address, engine_urls, discovery, purge_step=None)
+    leader = Leader(cfg, run_dir, broker_address, engine_urls, discovery=disc, purge_step=None)   # actor rank 0
+    leader = NullLeader()                                                                     # the others
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from asyncrl.broker.client import BrokerClient
 from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
 from asyncrl.config.validate import resolve_hook as import_path
+from asyncrl.eval.backends import EngineEvaluator, engine_eval_metrics, select_backend
+from asyncrl.eval.fleet import FleetEval
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 from asyncrl.trainer.engine_scraper import EngineScraper
+from asyncrl.trainer.guards import NonFiniteGuard
 from asyncrl.trainer.log_hooks import LogHooks
+from asyncrl.trainer.summary import broker_accounting, new_summary, print_summary, record_step, wait_split
 from asyncrl.trainer.writers import MetricsWriter
 
+log = logging.getLogger("asyncrl.trainer")
 
-class LeaderParts:
-    """What actor rank 0 alone holds: the broker client, the metrics writer, the weight sync, the scraper."""
+# The leader's batch wait is cut into slices this long, so a restarted engine waiting for its catch-up
+# sync is served within about this many seconds (it cannot produce data before).
+BATCH_SLICE_S = 2.0
+PREEMPT = "preempt"  # what the leader's batch wait returns when a preemption signal arrived
+CATCH_UP = "sync"  # its verdict when a restarted engine waits for a catch-up sync
+
+
+@dataclass
+class Batch:
+    """One step's batch on the leader: the groups to train (after the sample filter) and the step's metrics so far;
+    on the other actor ranks no groups (each gets its share in the actor's scatter)."""
+
+    groups: list | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def batch_timeout_s(cfg) -> float:
+    """How long actor rank 0 waits for one batch from the broker."""
+    return cfg.rollout.request_timeout_s * 4
+
+
+class Leader:
+    """What actor rank 0 alone holds and does: the broker client, the metrics writer, the weight sync, the scraper,
+    the evaluators, the summary."""
+
+    is_leader = True
 
     def __init__(
         self,
@@ -35,10 +81,11 @@ class LeaderParts:
         run_dir: Path,
         broker_address: str,
         engine_urls: list[str],
-        discovery=None,
         *,
+        discovery=None,
         purge_step: int | None = None,
     ):
+        self.cfg, self.engine_urls = cfg, engine_urls
         self.broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
         self.writer = MetricsWriter(
             run_dir,
@@ -62,7 +109,70 @@ class LeaderParts:
         self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
         self.hooks = LogHooks(cfg)  # Miles' custom logging hooks
-        self.last_groups: list = []
+        self.nonfinite = NonFiniteGuard(cfg.runner.max_nonfinite_steps)
+        self.summary = new_summary()
+        self.evaluator: EngineEvaluator | None = None
+        self.fleet: FleetEval | None = None
+
+    def build_evaluators(self, eval_engine_urls: list[str] | None) -> None:
+        """The shared-engine evaluator (built once; it checks the tool URLs it will call) and the eval fleet."""
+        cfg, backend = self.cfg, select_backend(self.cfg)
+        if cfg.runner.eval_before_after and cfg.data.test_path or backend == "shared":
+            self.evaluator = EngineEvaluator(cfg, self.engine_urls, tokenizer_path=cfg.rollout.model_path)
+        if backend == "fleet":
+            path = cfg.rollout.model_path or cfg.actor.model_path
+            self.fleet = FleetEval(cfg, list(eval_engine_urls or []), tokenizer_path=path)
+
+    # ------------------------------------------------------------------------------------------------ resume, save
+    @property
+    def broker_state(self):
+        """The broker's state for a checkpoint (called when the checkpoint is written)."""
+        return self.broker.get_state
+
+    def resumed(self, broker_state, step: int, version: int, checkpoint: str) -> None:
+        if broker_state is not None:
+            self.broker.set_state(broker_state)
+        log.info("resumed from %s at step %d (weight version %d)", checkpoint, step, version)
+
+    def abandon_syncs_when(self, requested) -> None:
+        """A sync that fails once ``requested()`` is true is abandoned (a preemption signal arrived)."""
+        self.recovery.abandon = requested
+
+    # ----------------------------------------------------------------------------------------------------- a step
+    def next_batch(self, step: int, version: int, t0: float, preempt=None):
+        """The step's ``Batch``; None as soon as a restarted engine waits for its catch-up sync (the step loop runs
+        it, then asks again); ``PREEMPT`` on preemption."""
+        cfg = self.cfg
+        if cfg.rollout_buffer.max_inflight_groups == "auto":
+            self.report_engine_figures()
+        got = wait_batch(
+            self.broker,
+            self.recovery,
+            step=step,
+            version=version,
+            timeout_s=batch_timeout_s(cfg),
+            t0=t0,
+            preempt=preempt,
+        )
+        if got is None or got is PREEMPT:
+            return got
+        groups = self.batch_filter(got.groups)
+        kept = {g.group_id for g in groups}
+        removed = [g.group_id for g in got.groups if g.group_id not in kept]
+        if removed:
+            self.broker.batch_filtered(removed)
+        m = {
+            "rollout/sample_filter/kept_groups": float(len(groups)),
+            "rollout/sample_filter/removed_groups": float(len(removed)),
+        }
+        m.update(wait_split(got.metrics, got.wait_s, async_mode=cfg.runner.async_mode))
+        m.update(rollout_metrics(groups))
+        return Batch(groups, m)
+
+    @staticmethod
+    def batch_verdict(got) -> str | None:
+        """What every actor rank does after the leader's batch wait: None = train on it, or ``PREEMPT``, ``CATCH_UP``."""
+        return PREEMPT if got is PREEMPT else CATCH_UP if got is None else None
 
     def report_engine_figures(self) -> None:
         """The engines' figures (summed over engines, averaged over the scrapes since the last report) to the
@@ -71,6 +181,137 @@ class LeaderParts:
         if figures is None:
             return
         self.broker.engine_figures(**figures)
+
+    def nonfinite_verdict(self, m: dict) -> str | None:
+        """The step's bad-numbers verdict (the leader alone sees the rewards): a reason once the limit is reached."""
+        return self.nonfinite.update(m)
+
+    def log_step(self, step: int, batch: Batch | None, m: dict, *, t_step: float, version: int, periodic) -> None:
+        """The step's record (``time/step`` from ``t_step``), the batch's groups handed to Miles' hooks with it; then
+        the external and fleet eval points that finished meanwhile, each at its own step."""
+        m["time/step"] = time.perf_counter() - t_step
+        m.update(self.scraper.latest())
+        m.update(broker_accounting(self.broker.status()))
+        m["actor/weight_version"] = float(version)
+        m["rollout/engine_restarts"] = float(self.recovery.total_restarts())
+        self.writer.log(self.hooks.step(step, batch.groups if batch is not None else [], m), step)
+        for eval_step, em in periodic.late_points(step):
+            self.writer.log(self.hooks.eval(eval_step, em), eval_step)
+        record_step(self.summary, m)
+
+    # ------------------------------------------------------------------------------------------ the run's two ends
+    def held_out_eval(self, *, step: int, release: bool) -> dict:
+        """The held-out eval (``data.test_path``, greedy, on the shared engines) before the first / after the last
+        step: the broker issues no new prompt meanwhile (in-flight groups finish); ``release=False`` leaves issuing
+        held (the run ends). Logged at ``step`` as ``eval/test/*``; its summary is returned and kept in the run's
+        summary as ``eval_before`` / ``eval_after``."""
+        t0 = time.perf_counter()
+        result: dict = {}
+        if not release:
+            self.broker.hold_issuing()  # for good: the run ends
+        if self.cfg.data.test_path:
+            if release:
+                self.broker.hold_issuing()
+            try:
+                result = self.evaluator.evaluate({"test": self.cfg.data.test_path})["test"]
+            finally:
+                if release:
+                    self.broker.release_issuing()
+        if result:
+            m = engine_eval_metrics({"test": result})
+            m["eval/time_seconds"] = time.perf_counter() - t0
+            self.writer.log(self.hooks.eval(step, m), step)
+        log.info("held-out accuracy %s training: %s", "before" if release else "after", json.dumps(result))
+        self.summary["eval_before" if release else "eval_after"] = result
+        return result
+
+    def finish(self, ctx, periodic, broker_child) -> None:
+        """At the end: pending external evals, the after-training eval, the summary, shutdown."""
+        cfg = ctx.cfg
+        for eval_step, em in periodic.finish(cfg.runner.max_steps):  # pending external evals (bounded wait)
+            self.writer.log(self.hooks.eval(eval_step, em), eval_step)
+        if cfg.runner.eval_before_after:  # no new prompts from here on: the run ends after this eval
+            self.held_out_eval(step=cfg.runner.max_steps, release=False)
+        self.summary["wall_s"] = time.time() - ctx.started_at
+        self.summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
+        print_summary(cfg, self.summary, ctx.run_dir)
+        self.scraper.close()
+        self.group.destroy()  # while the engines are up: the broker's shutdown stops the workers and their engines
+        if broker_child is not None:
+            broker_child.stopping = True  # its exit from here on is asked for (see fail_fast_on_exit)
+        self.broker.shutdown()
+        self.broker.close()
+        self.writer.close()
+
+
+class NullLeader:
+    """The leader's twin on the other actor ranks: the same calls, answered with nothing."""
+
+    is_leader = False
+    broker = syncer = recovery = evaluator = fleet = broker_state = None
+
+    def build_evaluators(self, eval_engine_urls) -> None:
+        pass
+
+    def resumed(self, broker_state, step: int, version: int, checkpoint: str) -> None:
+        pass
+
+    def abandon_syncs_when(self, requested) -> None:
+        pass
+
+    def nonfinite_verdict(self, m: dict) -> None:
+        return None
+
+    @staticmethod
+    def batch_verdict(got) -> None:
+        return None  # the leader's verdict is broadcast; this rank's own is never read
+
+    def log_step(self, step: int, batch, m: dict, *, t_step: float, version: int, periodic) -> None:
+        pass
+
+
+def wait_batch(broker, recovery, *, step: int, version: int, timeout_s: float, t0: float, preempt=None):
+    """Ask the broker in slices (``BATCH_SLICE_S``); None as soon as a restarted engine waits for its catch-up sync,
+    ``PREEMPT`` as soon as a preemption signal arrived. The broker's batch carries ``wait_s`` (since ``t0``)."""
+    while True:
+        if preempt is not None and preempt.requested:
+            return PREEMPT
+        if recovery is not None and recovery.pending():
+            return None
+        left = timeout_s - (time.monotonic() - t0)
+        if left <= 0:
+            raise TimeoutError(
+                f"no batch for step {step} from the broker within {timeout_s:.0f}s (rollout.request_timeout_s x 4)"
+            )
+        try:
+            batch = broker.get_batch(step, timeout_s=min(BATCH_SLICE_S, left), actor_version=version)
+        except TimeoutError:
+            continue
+        batch.wait_s = time.monotonic() - t0
+        return batch
+
+
+def rollout_metrics(groups) -> dict[str, float]:
+    """reward/mean, response length, turns and tool calls per trajectory of the trained batch (token fields
+    are the broker's arrays: counted with numpy, never element by element)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    n = len(trajs)
+    bad = sum(not math.isfinite(t.reward) for t in trajs)
+    gen_lens = [int(np.count_nonzero(t.loss_mask)) for t in trajs]
+    return {
+        "reward/mean": sum(t.reward for t in trajs) / n,
+        "rollout/response_length/mean": sum(len(t.response_ids) for t in trajs) / n,
+        "rollout/generated_tokens/mean": sum(gen_lens) / n,
+        "rollout/turns/mean": sum(t.num_turns for t in trajs) / n,
+        "rollout/tool_calls/mean": sum(t.num_tool_calls for t in trajs) / n,
+        "rollout/truncated_ratio": sum(t.truncated for t in trajs) / n,
+        "rollout/retractions/mean": sum(t.num_retractions for t in trajs) / n,
+        "rollout/num_trajectories": float(n),
+        "rollout/nonfinite_rewards": float(bad),
+        "tool/errors": float(sum(t.extra.get("tool_errors", 0) for t in trajs)),
+    }
 
 
 def make_recovery(cfg, group, discovery):

@@ -26,7 +26,7 @@ from pathlib import Path
 from asyncrl.actor.checkpoint import read_identity, write_identity
 from asyncrl.config.loader import to_dict
 
-log = logging.getLogger("asyncrl.runner")
+log = logging.getLogger("asyncrl.trainer")
 
 RESUMABLE_KEYS = (
     "runner.max_steps",

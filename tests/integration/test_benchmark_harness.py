@@ -51,10 +51,10 @@ def test_source_stamps_name_the_files_an_edit_touched(tmp_path, monkeypatch):
     st = (tmp_path / "asyncrl/cpu_engine/weight_updates.py").stat()
     os.utime(tmp_path / "asyncrl/cpu_engine/weight_updates.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     (tmp_path / "configs/tiny.toml").unlink()
-    (tmp_path / "asyncrl/rollout/new.py").write_text("")
+    (tmp_path / "asyncrl/cpu_engine/new.py").write_text("")
     (tmp_path / "asyncrl/notes.txt").write_text("edited, not code\n")
     assert harness.changed_sources(before, harness.source_stamps()) == [
-        "asyncrl/rollout/new.py",
+        "asyncrl/cpu_engine/new.py",
         "asyncrl/cpu_engine/weight_updates.py",
         "configs/tiny.toml",
     ]

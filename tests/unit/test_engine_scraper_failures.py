@@ -41,7 +41,7 @@ def test_an_engine_that_stops_answering_is_warned_about_once_per_outage(caplog):
     url = f"http://127.0.0.1:{port}"
     scraper = EngineScraper([url], interval_s=3600, timeout_s=2.0)
     scraper.close()  # the test drives the scrapes
-    caplog.set_level(logging.DEBUG, logger="asyncrl.runner")
+    caplog.set_level(logging.DEBUG, logger="asyncrl.trainer")
     try:
         assert scraper.scrape()["engine/0/num_running_reqs"] == 3.0
         _stop(srv)  # the engine is gone (connection refused)

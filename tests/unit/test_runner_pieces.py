@@ -7,8 +7,7 @@ import types
 import pytest
 
 from asyncrl.broker.types import Group, PromptItem, Trajectory
-from asyncrl.trainer.leader import make_batch_filter
-from asyncrl.trainer.step_loop import rollout_metrics
+from asyncrl.trainer.leader import make_batch_filter, rollout_metrics
 from asyncrl.trainer.summary import broker_accounting
 
 
