@@ -1,10 +1,15 @@
+# long: one class read top to bottom: events in, admission, the hand-off, the checkpoint
 """The broker's pure core: dataloader, the two admission limits, the buffer, staleness, drops, metrics.
 
 No sockets, no threads: time comes from an injected ``clock`` and every decision is a method call.
-The ZeroMQ server (``server.py``), the simulator (``benchmarks/simulate.py``) and the tests drive
-this same class. Its parts, each pure: ``core_types`` (settings, outputs, errors), ``workers`` (the
-worker pool: load heap, last-seen order, start-up), ``inflight`` (groups in flight), ``step_meter``
-(one step's figures), ``core_handoff`` (the actor's requests and the hand-off), ``core_state`` (checkpoint).
+The ZeroMQ server (``server.py``), the simulator (``asyncrl.simulate``) and the tests drive this same
+class. ``BrokerCore`` is one class and alone changes its state; it owns its parts, each pure, which
+never reach back into it: ``core_types`` (settings, outputs, errors), ``dataloader``, ``buffer`` (the
+``DataBuffer``), ``workers`` (the worker pool: load heap, last-seen order, start-up), ``inflight``
+(groups in flight, a returned group's assembly), ``step_meter`` (one step's figures) and ``autotune``
+(the in-flight limit's controller). The class reads top to bottom: read-only state, outputs for the
+shell, workers, worker results, the actor (batch requests, syncs, holds, engine figures), the tick,
+the checkpoint; then the internals: admission, drops, the hand-off.
 
 Contract
 - Wires: ``Dataloader`` (prompts) -> admission -> agent workers (``take_issues``) -> finished groups
@@ -57,6 +62,8 @@ Contract
 - ``hold_issuing()`` / ``release_issuing()`` (a blocking eval on the shared engines): no new prompt
   is issued while held; in-flight groups go on (new turns too), finish and are buffered; nothing is
   aborted. Independent of a sync's ``drain`` hold.
+- Checkpoint: ``state_dict`` / ``load_state_dict``; ``validate_state`` checks a state whole before
+  anything changes, so a bad state raises ``ValueError`` naming the field and leaves the core as it was.
 
     core = BrokerCore(prompts, settings=CoreSettings(rollout_batch_size=8, group_size=4,
                       max_inflight_groups=10, max_buffered_groups=16, max_dropped_groups_per_step=80),
@@ -70,7 +77,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -84,8 +92,6 @@ from asyncrl.broker.buffer import (
     import_path,
     make_data_buffer,
 )
-from asyncrl.broker.core_handoff import ActorSide, BatchRequest
-from asyncrl.broker.core_state import Checkpointing, validate_state
 from asyncrl.broker.core_types import (
     Batch,
     BrokerError,
@@ -98,16 +104,25 @@ from asyncrl.broker.core_types import (
 from asyncrl.broker.dataloader import Dataloader
 from asyncrl.broker.inflight import InflightTable, assemble
 from asyncrl.broker.step_meter import StepMeter
-from asyncrl.broker.types import PromptItem, Trajectory
+from asyncrl.broker.types import Group, PromptItem, Trajectory
 from asyncrl.broker.workers import WorkerPool
 
-# the core's public names; settings, outputs and errors live in core_types, the state check in core_state
+# the core's public names; settings, outputs and errors live in core_types
 __all__ = ["Batch", "BrokerCore", "BrokerError", "CoreSettings", "Drop", "Issue", "TooManyDropsError", "validate_state"]
 
 log = logging.getLogger("asyncrl.broker")
 
 
-class BrokerCore(ActorSide, Checkpointing):
+@dataclass
+class BatchRequest:
+    """The actor's pending request for a step's batch (``t``: when it began waiting)."""
+
+    step: int
+    actor_version: int
+    t: float
+
+
+class BrokerCore:
     def __init__(
         self,
         prompts: list[PromptItem],
@@ -316,7 +331,45 @@ class BrokerCore(ActorSide, Checkpointing):
         if rej is not None:
             self._reject(rej)
 
-    # ----------------------------------------------------------------- the actor (requests: core_handoff)
+    # ----------------------------------------------------------------- the actor
+    def request_batch(self, step: int, *, actor_version: Optional[int] = None) -> None:
+        """The actor is ready for step ``step``; the batch appears in ``take_batch`` when complete."""
+        if self.failure is not None:
+            raise self.failure
+        self._advance()
+        v = self.version if actor_version is None else int(actor_version)
+        if v < self.version:
+            raise ValueError(f"request_batch: actor version {v} is behind the engines' version {self.version}")
+        if self._request is None:
+            prev = self._withdrawn if self._withdrawn is not None and self._withdrawn.step == step else None
+            self._request = BatchRequest(step=step, actor_version=v, t=self._last_t if prev is None else prev.t)
+            if prev is None:  # a re-request (the actor waits in slices) keeps the wait time and the warning clock
+                self._last_warning_t = self._last_t
+        self._try_handoff()
+        self._admit()
+
+    def cancel_request(self) -> None:
+        self._advance()
+        self._withdrawn, self._request = self._request, None
+
+    def batch_filtered(self, group_ids: Sequence[int]) -> None:
+        """The trainer's batch-level sample filter (``rollout_buffer.sample_filter_path``) removed
+        these groups of the last batch: they count as dropped (``sample_filtered``), not trained, so
+        ``issued == trained + dropped + held + reissued`` stays true. Not retried, and not counted
+        against ``max_dropped_groups_per_step`` (the user's filter chose them)."""
+        ids = [int(g) for g in group_ids]
+        removed = set(ids)
+        if len(removed) != len(ids):
+            raise ValueError(f"batch_filtered: repeated group ids {sorted(ids)}")
+        unknown = sorted(removed.difference(self._last_batch_ids))
+        if unknown:
+            raise ValueError(f"batch_filtered: groups {unknown} are not in the last batch handed out")
+        self._last_batch_ids = [g for g in self._last_batch_ids if g not in removed]
+        n = len(ids)
+        self.counters["trained"] -= n
+        self.counters["dropped"] += n
+        self.counters["sample_filtered"] += n
+
     def sync_begin(self, mode: str = "retract") -> None:
         """A weight sync starts; ``drain`` stops issuing (workers hold new turns) until ``sync_end``."""
         self._advance()
@@ -342,6 +395,13 @@ class BrokerCore(ActorSide, Checkpointing):
         self._issuing_held = False
         self._admit()
 
+    def engine_figures(self, *, running_reqs: float, queue_reqs: float, gen_tokens_per_s: float) -> None:
+        """The engines' latest ``/metrics`` (summed over engines): held until the next report and
+        integrated over the step for the in-flight autotuner."""
+        self._advance()
+        self._engines = (float(running_reqs), float(queue_reqs), float(gen_tokens_per_s))
+
+    # ----------------------------------------------------------------- periodic
     def tick(self) -> list[str]:
         """Periodic: expire silent workers, warn when the actor waits and nothing arrives."""
         self._advance()
@@ -371,13 +431,43 @@ class BrokerCore(ActorSide, Checkpointing):
             self._admit()  # the start-up grace may have ended with no other event
         return out
 
-    def engine_figures(self, *, running_reqs: float, queue_reqs: float, gen_tokens_per_s: float) -> None:
-        """The engines' latest ``/metrics`` (summed over engines): held until the next report and
-        integrated over the step for the in-flight autotuner."""
-        self._advance()
-        self._engines = (float(running_reqs), float(queue_reqs), float(gen_tokens_per_s))
+    # ----------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """Dataloader position, version, queued prompts, in-flight prompts (re-issued on resume), the
+        buffered groups (``Group`` objects; the protocol encodes them) and the lifetime counters."""
+        return {
+            "counters": {k: int(v) for k, v in self.counters.items()},
+            "version": self.version,
+            "next_group_id": self._next_group_id,
+            "dataloader": self.dataloader.state_dict(),
+            "queued": [(it, e) for it, e in self._retry],
+            "inflight": [(g.item, g.epoch) for g in sorted(self._inflight.groups.values(), key=lambda g: g.group_id)],
+            "buffered": self.buffer.groups(),
+        }
 
-    # ----------------------------------------------------------------- internals
+    def load_state_dict(self, state: dict) -> None:
+        """Restore after ``validate_state`` (a bad state, dataloader part included, raises ``ValueError`` naming the field
+        and changes nothing); groups now in flight are cancelled (see ``take_cancelled``), the checkpoint's in-flight
+        prompts are issued first and count as re-issued, so ``issued == trained + dropped + held + reissued``
+        holds across the resume. A state without counters (older checkpoints) starts them from its groups."""
+        validate_state(state, group_size=self.s.group_size)
+        self.dataloader.check_state(state["dataloader"])
+        counters = state.get("counters")
+        if counters is None:
+            counters = {"issued": len(state["inflight"]) + len(state["buffered"])}
+        self._advance()
+        self._cancelled += self._inflight.cancel_all()
+        self.version = int(state["version"])
+        self._next_group_id = max(self._next_group_id, int(state["next_group_id"]))
+        self.dataloader.load_state_dict(state["dataloader"])
+        self._retry = deque(list(state["inflight"]) + list(state["queued"]))
+        self.buffer.restore(list(state["buffered"]))
+        self.counters = Counter({k: int(v) for k, v in counters.items()})
+        self.counters["reissued"] += len(state["inflight"])
+        self._batch = None
+        self._admit()
+
+    # ----------------------------------------------------------------- internals: admission, drops
     def _inflight_ok(self) -> bool:
         return self._inflight_room() > 0
 
@@ -467,6 +557,109 @@ class BrokerCore(ActorSide, Checkpointing):
             reasons = {k[5:]: v for k, v in step.items() if k.startswith("drop_")}
             self.failure = TooManyDropsError(too_many_drops_message(self.s, step["dropped"], reasons))
             log.error(str(self.failure))
+
+    # ----------------------------------------------------------------- internals: the hand-off
+    def _try_handoff(self) -> None:
+        req = self._request
+        if req is None or self.failure is not None or self._batch is not None:
+            return
+        if self.s.max_staleness is None and len(self.buffer) < self.s.rollout_batch_size:
+            return
+        # Miles' staleness (get-time filter, rollout/fully_async/*) is against the engines' current version;
+        # RLinf's rollout/data_staleness/* (_step_metrics) against the actor's
+        groups, rejected = self.buffer.get(self.s.rollout_batch_size, engine_version=self.version)
+        for r in rejected:
+            self._reject(r)
+        if groups is None or self.failure is not None:
+            if groups is not None:  # the limit tripped in this very call: keep the groups out of training
+                self.buffer.restore(groups + self.buffer.groups())
+            return
+        now = self._last_t
+        self._batch = Batch(
+            step=req.step,
+            groups=groups,
+            wait_s=now - req.t,
+            metrics=self._step_metrics(groups, req.actor_version, now - req.t),
+        )
+        self.last_metrics = self._batch.metrics
+        self.counters["trained"] += len(groups)
+        self._last_batch_ids = [g.group_id for g in groups]
+        self._request = None
+        self._meter.reset(now)
+
+    def _step_metrics(self, groups: list[Group], v: int, wait_s: float) -> dict[str, float]:
+        dur = self._last_t - self._meter.start_t
+        m = self._meter.admission_metrics(dur) | self._meter.staleness_metrics(groups, actor_version=v)
+        m |= {
+            "rollout/buffer/num_inflight_groups": float(len(self._inflight)),
+            "rollout/buffer/num_inflight_samples": float(self._inflight.samples),
+            "rollout/buffer/num_buffered_groups": float(len(self.buffer)),
+            "rollout/buffer/num_workers": float(len(self._pool)),
+            "rollout/epoch": float(max(g.epoch for g in groups)),
+            "rollout/weight_version": float(v),
+            "data/skipped_long_prompts": float(self.num_skipped_long_prompts),
+            "time/wait_data": wait_s,
+        }
+        m.update(self.buffer.get_metrics())
+        m.update(self._autotune(dur))
+        return m
+
+    def _autotune(self, dur: float) -> dict[str, float]:
+        """The step's figures for the in-flight autotuner (when on); the limit in force next."""
+        m = {
+            "rollout/buffer/inflight_limit": float(self.inflight_limit),
+            "rollout/buffer/mean_inflight_groups": self._meter.area[0] / dur if dur > 0 else self._inflight_used(),
+        }
+        if self.autotuner is None or dur <= 0:
+            return m
+        change = self.autotuner.observe(self._meter.figures(limit=self.inflight_limit, dur=dur))
+        if change is not None:
+            log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)
+            self.inflight_limit = change.new
+            m["rollout/buffer/inflight_limit_change"] = float(change.new - change.old)
+        return m
+
+
+_ACCOUNTED = ("issued", "trained", "dropped", "reissued")
+
+
+def validate_state(state: dict, *, group_size: int) -> None:
+    """Check a broker state before anything is restored: ``ValueError`` naming the field when the version,
+    the group ids, the buffered groups or the counters are out of range, or when the counters break
+    ``issued == trained + dropped + held + reissued`` (held = the state's in-flight + buffered groups)."""
+    for key in ("version", "next_group_id"):
+        v = state.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"broker state: {key} must be an integer >= 0, got {v!r}")
+    buffered = state["buffered"]
+    ids = [g.group_id for g in buffered]
+    if len(set(ids)) != len(ids):
+        raise ValueError("broker state: buffered group ids are not unique")
+    for g in buffered:
+        if not 0 <= g.group_id < state["next_group_id"]:
+            raise ValueError(
+                f"broker state: buffered group {g.group_id} is not below next_group_id {state['next_group_id']}"
+            )
+        if len(g.trajectories) != group_size:
+            raise ValueError(
+                f"broker state: buffered group {g.group_id} has {len(g.trajectories)} trajectories, "
+                f"expected rollout.n_samples_per_prompt = {group_size}"
+            )
+    counters = state.get("counters")
+    if counters is None:
+        return
+    if not isinstance(counters, dict):
+        raise ValueError(f"broker state: counters must be a map, got {type(counters).__name__}")
+    for k, v in counters.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"broker state: counters.{k} must be an integer >= 0, got {v!r}")
+    issued, trained, dropped, reissued = (counters.get(k, 0) for k in _ACCOUNTED)
+    held = len(state["inflight"]) + len(buffered)
+    if issued != trained + dropped + held + reissued:
+        raise ValueError(
+            f"broker state: counters break issued == trained + dropped + held + reissued "
+            f"({issued} != {trained} + {dropped} + {held} + {reissued})"
+        )
 
 
 def _default_buffer(s: CoreSettings) -> DataBuffer:

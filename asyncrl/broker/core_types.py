@@ -1,7 +1,9 @@
 """The broker core's settings, what it hands the shell (issues, batches, drops) and its errors.
 
 ``BrokerCore`` (``core.py``) takes a ``CoreSettings``; the ZeroMQ server, the simulator and the tests
-build one with ``CoreSettings.from_config(cfg)`` or by hand. ``Issue``, ``Batch`` and ``Drop`` are what
+build one with ``CoreSettings.from_config(cfg)`` or by hand. ``from_config`` takes a resolved config and
+copies its values: every derived default (``submission_granularity``, the limits, the in-flight start) is
+computed in ``asyncrl.config.derive`` alone, never here. ``Issue``, ``Batch`` and ``Drop`` are what
 ``take_issues`` / ``take_batch`` / ``take_drops`` return.
 """
 
@@ -12,6 +14,9 @@ from typing import Literal, Optional
 
 from asyncrl.broker.types import Group, PromptItem
 from asyncrl.config.derive import inflight_start, num_engines
+
+_DERIVED = ("max_inflight_groups", "max_buffered_groups", "max_dropped_groups_per_step", "submission_granularity")
+"""The rollout_buffer fields ``asyncrl.config.derive.resolve`` fills in: None means the config was not resolved."""
 
 
 class BrokerError(RuntimeError):
@@ -49,8 +54,11 @@ class CoreSettings:
 
     @classmethod
     def from_config(cls, cfg) -> CoreSettings:
-        """From a resolved ``asyncrl.config.Config``."""
+        """From a resolved ``asyncrl.config.Config`` (``load_config`` resolves; its derived values are taken as they are)."""
         rb = cfg.rollout_buffer
+        unresolved = [k for k in _DERIVED if getattr(rb, k) is None]
+        if unresolved:
+            raise ValueError(f"CoreSettings.from_config: rollout_buffer.{unresolved} unset: resolve the config first")
         return cls(
             rollout_batch_size=cfg.data.rollout_batch_size,
             group_size=cfg.algorithm.group_size,
@@ -58,7 +66,7 @@ class CoreSettings:
             max_buffered_groups=rb.max_buffered_groups,
             inflight_autotune=rb.max_inflight_groups == "auto",
             max_dropped_groups_per_step=rb.max_dropped_groups_per_step,
-            submission_granularity=rb.submission_granularity or ("sample" if cfg.runner.async_mode else "group"),
+            submission_granularity=rb.submission_granularity,
             max_inflight_samples=rb.max_concurrent_samples,
             unused_groups=rb.unused_groups,
             max_staleness=cfg.agentloop.max_actor_accept_staleness,

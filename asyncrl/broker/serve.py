@@ -1,4 +1,10 @@
-"""The broker process's body: build the core from the config, serve until shutdown (``run_broker``).
+"""The broker process's body: build the core from the config, serve until shutdown (``run_broker``), and the
+process's life: its frame cap, its garbage collector, its signals and its supervising parent.
+
+- Signals (``Supervision``): SIGINT stops the broker; SIGTERM too, except in a broker with a supervising parent
+  (actor rank 0), which defers it while the parent lives and stops on ``shutdown``, SIGINT or the parent's death:
+  the parent's preemption checkpoint needs the broker's state. The parent is watched at every tick of the
+  server's loop.
 
 run_broker(cfg, prompts, bind="tcp://0.0.0.0:0", address_file="run/broker.addr", parent_pid=os.getppid())
 """
@@ -8,9 +14,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from asyncrl.broker import wire
 from asyncrl.broker.core import BrokerCore, CoreSettings
@@ -56,6 +63,47 @@ def tune_gc() -> None:
     gc.set_threshold(35_000, 20, 20)
 
 
+class Supervision:
+    """The broker process's signals and, when it is a supervised child, the watch on its parent.
+
+    SIGINT stops the broker (after the server's round; workers are told ``shutdown``). So does SIGTERM, unless the
+    broker is a supervised child (``parent_pid``: actor rank 0): then a SIGTERM is deferred while that parent lives,
+    since under Slurm a preemption's SIGTERM reaches every process of the step at once and the parent still needs
+    the broker to checkpoint its buffered groups; the parent stops it with ``shutdown`` or SIGINT
+    (``asyncrl.cluster.process.stop_child``), and the broker stops by itself once the parent is gone."""
+
+    def __init__(self, server: BrokerServer, *, parent_pid: Optional[int] = None):
+        self.server = server
+        self.parent_pid = parent_pid
+        """The supervising parent; None: a broker on its own."""
+        self._sigterm_deferred = False
+        self._sigterm_reported = False
+
+    def install(self) -> None:
+        """Take SIGINT and SIGTERM, and watch the parent at every tick of the server's loop."""
+        signal.signal(signal.SIGINT, self.server.stop)
+        signal.signal(signal.SIGTERM, self.server.stop if self.parent_pid is None else self._defer_sigterm)
+        self.server.on_tick = self.watch_parent
+
+    def _defer_sigterm(self, *_: Any) -> None:
+        self._sigterm_deferred = True  # logged by the loop (no logging inside a signal handler)
+
+    def watch_parent(self) -> None:
+        """With a supervising parent: stop once it is gone; report a deferred SIGTERM once."""
+        if self.parent_pid is None:
+            return
+        if os.getppid() != self.parent_pid:
+            log.warning("the parent (pid %d) is gone; stopping", self.parent_pid)
+            self.server.stop()
+        elif self._sigterm_deferred and not self._sigterm_reported:
+            self._sigterm_reported = True
+            log.warning(
+                "SIGTERM deferred while the parent (pid %d, actor rank 0) lives: it checkpoints the "
+                "buffered groups first, then stops the broker",
+                self.parent_pid,
+            )
+
+
 def run_broker(
     cfg,
     prompts: list,
@@ -68,7 +116,7 @@ def run_broker(
 ) -> None:
     """Build the core from a resolved ``Config`` and the ``prompts`` (``PromptItem``s, loaded by the caller from
     ``source``; ``num_skipped_long_prompts`` of them were left out by ``data.max_prompt_tokens``), serve until
-    shutdown. Publishes the endpoint. ``parent_pid``: the supervising parent (see ``install_signal_handlers``)."""
+    shutdown. Publishes the endpoint. ``parent_pid``: the supervising parent (see ``Supervision``)."""
     if parent_pid is not None and os.getppid() != parent_pid:
         raise RuntimeError(f"broker: its parent (pid {parent_pid}) is already gone")
     core = BrokerCore(prompts, settings=CoreSettings.from_config(cfg), clock=time.monotonic)
@@ -79,7 +127,7 @@ def run_broker(
         heartbeat_interval_s=cfg.agentloop.heartbeat_interval_s,
         max_message_bytes=max_message_bytes(cfg),
     )
-    server.install_signal_handlers(parent_pid=parent_pid)
+    Supervision(server, parent_pid=parent_pid).install()
     tune_gc()
     if address_file:
         tmp = f"{address_file}.tmp{os.getpid()}"

@@ -28,9 +28,8 @@ Contract
   (``stats["malformed"]``), answered with ``error`` when the sender is known, never fatal. Every field is
   checked before the core is called, so a rejected message never moves the core's counters
   (``tests/integration/test_broker_fuzz.py`` fuzzes this in process and against the process).
-- Signals: SIGINT stops the loop; SIGTERM too, except in a broker with a supervising parent (actor rank 0), which
-  defers it while the parent lives and stops on ``shutdown``, SIGINT or the parent's death
-  (``install_signal_handlers``): the parent's preemption checkpoint needs the broker's state.
+- ``stop()`` ends the loop after the round (workers are told ``shutdown``); the process body (``serve.py``) calls
+  it from its signal handlers and its watch of the supervising parent, which runs at every tick (``on_tick``).
 - With a run secret (``ASYNCRL_API_KEY``, ``asyncrl.cluster.auth``) a message without it is refused the same
   way before it reaches the core (``stats["unauthenticated"]``).
 
@@ -41,10 +40,9 @@ Contract
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -103,10 +101,8 @@ class BrokerServer:
         self._pending: Optional[_PendingBatch] = None
         self._control_sent: dict[str, tuple[bool, int]] = {}
         self._stop = False
-        self.parent_pid: Optional[int] = None
-        """The supervising parent (``install_signal_handlers``); None: a broker on its own."""
-        self._sigterm_deferred = False
-        self._sigterm_reported = False
+        self.on_tick: Callable[[], None] = lambda: None
+        """Called every ``tick_s``, before the core's tick (the process body watches its parent there)."""
         self._last_tick = 0.0
         self._finished: list[tuple[int, Any, bool]] = []  # finished groups received, not yet given to the core
         self._item_rows: dict[int, tuple[Any, list]] = {}  # prompt index -> (item, its wire row)
@@ -138,7 +134,7 @@ class BrokerServer:
         now = time.monotonic()
         if now - self._last_tick >= self.tick_s:
             self._last_tick = now
-            self._watch_parent()
+            self.on_tick()
             self.core.tick()
             known = self.core.workers()
             for wid in [w for w in self._worker_ident if w not in known]:  # expired by missed heartbeats
@@ -148,35 +144,8 @@ class BrokerServer:
         self._flush()
 
     def stop(self, *_: Any) -> None:
+        """End the loop after this round (a signal handler may call it: it only sets a flag)."""
         self._stop = True
-
-    def install_signal_handlers(self, *, parent_pid: Optional[int] = None) -> None:
-        """SIGINT stops the broker (after this round; workers are told ``shutdown``). So does SIGTERM, unless the
-        broker is a supervised child (``parent_pid``: actor rank 0): then a SIGTERM is deferred while that parent
-        lives, since under Slurm a preemption's SIGTERM reaches every process of the step at once and the parent
-        still needs the broker to checkpoint its buffered groups; the parent stops it with ``shutdown`` or SIGINT
-        (``asyncrl.cluster.process.stop_child``), and the broker stops by itself once the parent is gone."""
-        self.parent_pid = parent_pid
-        signal.signal(signal.SIGINT, self.stop)
-        signal.signal(signal.SIGTERM, self.stop if parent_pid is None else self._defer_sigterm)
-
-    def _defer_sigterm(self, *_: Any) -> None:
-        self._sigterm_deferred = True  # logged by the loop (no logging inside a signal handler)
-
-    def _watch_parent(self) -> None:
-        """With a supervising parent: stop once it is gone; report a deferred SIGTERM once."""
-        if self.parent_pid is None:
-            return
-        if os.getppid() != self.parent_pid:
-            log.warning("the parent (pid %d) is gone; stopping", self.parent_pid)
-            self._stop = True
-        elif self._sigterm_deferred and not self._sigterm_reported:
-            self._sigterm_reported = True
-            log.warning(
-                "SIGTERM deferred while the parent (pid %d, actor rank 0) lives: it checkpoints the "
-                "buffered groups first, then stops the broker",
-                self.parent_pid,
-            )
 
     def _close(self) -> None:
         """Tell every worker to shut down; wait (``shutdown_grace_s``) for their byes, the proof it arrived: a message

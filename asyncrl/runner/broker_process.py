@@ -7,7 +7,7 @@ the launcher does (``load_config``: defaults -> TOML -> overrides), reads the pr
 ``asyncrl.broker.serve.run_broker``, which binds its ROUTER socket and, once bound, writes the endpoint to
 ``--address-file`` (atomically) and prints ``ASYNCRL_BROKER_ADDRESS=<endpoint>`` on stdout. Runs until an actor
 sends ``shutdown``, SIGINT or SIGTERM; with ``--parent-pid`` (actor rank 0's child) SIGTERM is deferred while that
-parent lives and the broker stops when it is gone (``BrokerServer.install_signal_handlers``). It lives in the
+parent lives and the broker stops when it is gone (``asyncrl.broker.serve.Supervision``). It lives in the
 runner because it wires two parts: the broker never imports the agent.
 
     bp = start_broker("configs/tiny.toml", ["data.rollout_batch_size=4"], log_path="broker.log")

@@ -356,6 +356,14 @@ def test_settings_from_config():
     assert s.submission_granularity == "sample" and not s.sync_mode
 
 
+def test_settings_take_the_derived_values_from_the_resolved_config():
+    # config/derive.py computes each derived default; the broker copies the resolved value (an explicit one too)
+    cfg = load_config(None, ["runner.async_mode=true", "rollout_buffer.submission_granularity=group"])
+    assert CoreSettings.from_config(cfg).submission_granularity == "group"
+    with pytest.raises(ValueError, match="resolve the config first"):
+        CoreSettings.from_config(load_config(None, ["runner.async_mode=true"], resolve=False))
+
+
 def test_groups_finished_batch_matches_one_by_one():
     def run(batched):
         core, _ = make(rollout_batch_size=2, max_inflight_groups=4, max_buffered_groups=6)
