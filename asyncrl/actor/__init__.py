@@ -4,7 +4,9 @@
   buckets, checkpoints (see its module contract for which ranks call what).
 - ``loss``: pure loss functions (GRPO advantages, PPO clip low/high + dual clip, KL k1/k3,
   off-policy correction none/tis/decoupled, aggregation weights, metrics).
-- ``batch``: Groups -> samples, DP split balanced by tokens, token-budget micro-batches, packing.
+- ``batch``: Groups -> samples (``Sample``; its fields in ``SAMPLE_FIELDS``, from the broker's record
+  declaration), DP split balanced by tokens, token-budget micro-batches, packing.
+- ``scatter``: rank 0 sends each DP rank its share of the samples (flat tensors laid out by ``SAMPLE_FIELDS``).
 - ``logprobs``: vocab-parallel log-probs and entropy.
 - ``pipeline``: pipeline parallelism: Megatron's 1F1B / forward-only schedule on fixed-shape
   micro-batches, the HF export of every stage gathered onto global rank 0.

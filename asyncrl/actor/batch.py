@@ -1,5 +1,9 @@
 """From broker Groups to per-rank micro-batches (pure: no torch.distributed, no model).
 
+- ``Sample`` and ``SAMPLE_FIELDS``: one trajectory as the actor trains it. Its fields beyond the token ids
+  (``tokens``, ``prompt_len``) are declared in ``SAMPLE_FIELDS``: the record's trained fields
+  (``asyncrl.broker.record``, the one declaration of what travels) and the two the actor derives (advantage,
+  aggregation weight); ``groups_to_samples`` and the per-rank ``scatter`` are derived from that list.
 - ``groups_to_samples``: one ``Sample`` per trajectory (tensors, from the broker's arrays: no list round
   trip), with its GRPO advantage and the per-token aggregation weights of the *global* batch
   (``global_agg_weights``, the arithmetic of ``asyncrl.actor.loss.aggregation_weights``).
@@ -26,7 +30,8 @@ import numpy as np
 import torch
 
 from asyncrl.actor.loss import grpo_advantages
-from asyncrl.broker.types import Group
+from asyncrl.broker.record import RESPONSE, SCALAR, SCALAR_TYPES, Field, sample_fields
+from asyncrl.broker.types import Group, Trajectory
 
 
 @dataclass
@@ -54,6 +59,29 @@ class Sample:
         return len(self.tokens) - self.prompt_len
 
 
+_F8 = np.dtype(np.float64)
+_FROM_RECORD = sample_fields()  # the record's fields the actor trains on (``Field.sample``): logprobs, mask, reward
+SAMPLE_FIELDS: tuple[Field, ...] = (
+    *_FROM_RECORD,
+    Field("advantage", SCALAR, _F8),  # derived here: the trajectory's GRPO advantage in its group
+    Field("agg_weight", RESPONSE, _F8),  # derived here: the token's weight in the global aggregation
+)
+"""A ``Sample``'s fields besides its token ids (``dtype``: the one it holds), in the order the scatter sends them."""
+
+
+# (name, the Python type of a scalar or None, the dtype of an array) of each record field a Sample holds
+_CONVERT = tuple((f.name, SCALAR_TYPES[f.dtype.kind] if f.per == SCALAR else None, f.dtype) for f in _FROM_RECORD)
+
+
+def _trained(t: Trajectory) -> dict:
+    """The record's trained fields of ``t`` as a ``Sample`` holds them: one copy of each array into a tensor."""
+    out = {}
+    for name, typ, dtype in _CONVERT:
+        v = getattr(t, name)
+        out[name] = typ(v) if typ is not None else torch.from_numpy(np.array(v, dtype))
+    return out
+
+
 def groups_to_samples(groups: Sequence[Group], *, normalize_adv_by_std: bool, loss_agg_mode: str) -> list[Sample]:
     """Token fields are read as arrays (the broker's zero-copy views, or lists): one copy into tensors each."""
     rows: list[tuple] = []
@@ -69,21 +97,19 @@ def groups_to_samples(groups: Sequence[Group], *, normalize_adv_by_std: bool, lo
         for t, a in zip(trajs, adv.tolist()):
             if len(t.response_ids):
                 rows.append((t, a))
-    masks = [np.asarray(t.loss_mask) != 0 for t, _ in rows]
-    weights = global_agg_weights(masks, loss_agg_mode)
+    trained = [_trained(t) for t, _ in rows]
+    weights = global_agg_weights([kw["loss_mask"].numpy() for kw in trained], loss_agg_mode)
     return [
         Sample(
             tokens=torch.from_numpy(
                 np.concatenate([np.asarray(t.prompt_ids), np.asarray(t.response_ids)], dtype=np.int64)
             ),
             prompt_len=len(t.prompt_ids),
-            loss_mask=torch.from_numpy(m),
-            rollout_logprobs=torch.from_numpy(np.array(t.rollout_logprobs, dtype=np.float32)),
             advantage=float(a),
             agg_weight=torch.from_numpy(w),
-            reward=float(t.reward),
+            **kw,
         )
-        for (t, a), m, w in zip(rows, masks, weights)
+        for (t, a), kw, w in zip(rows, trained, weights)
     ]
 
 

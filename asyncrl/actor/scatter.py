@@ -3,10 +3,13 @@
 ``scatter_samples`` is collective over the actor's world (the default process group): actor rank 0 holds
 the batch's samples (``groups_to_samples``), splits them over the DP replicas with ``split_balanced`` and
 sends every other rank the share of its replica (TP and PP peers of one replica get the same share) as
-three flat tensors: sizes ``[n, tokens, response tokens]`` (int64), the int64 data (lengths, prompt lengths,
-tokens, loss mask) and the float64 data (logprobs, aggregation weights, advantages, rewards), point to point
-on the actor's device (NCCL sends CUDA tensors, gloo CPU ones). Nothing is pickled; no rank receives
-another replica's samples.
+three flat tensors, point to point on the actor's device (NCCL sends CUDA tensors, gloo CPU ones): sizes
+``[n, tokens, response tokens]`` (int64), the int64 data and the float64 data. The int64 data opens with the
+lengths, the prompt lengths and the tokens; then every field of ``asyncrl.actor.batch.SAMPLE_FIELDS`` (the
+record's trained fields, ``asyncrl.broker.record``, and the actor's derived ones) follows in its order, in the
+int64 data (integers, bools) or the float64 data (floats): a per-token field as its samples' values back to
+back, a scalar as one value per sample. The layout is derived from that list alone, so a field declared there
+travels with no change here. Nothing is pickled; no rank receives another replica's samples.
 
     mine = scatter_samples(samples if rank == 0 else None, dp=dp, dp_rank=dp_rank, device=device)
 """
@@ -16,31 +19,41 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncrl.actor.batch import Sample, split_balanced
+from asyncrl.actor.batch import SAMPLE_FIELDS, Sample, split_balanced
+from asyncrl.broker.record import PROMPT, RESPONSE, SCALAR
+
+# Each field's part of the flat tensors: (name, per, carried as an integer, its tensor dtype in a Sample).
+_LAYOUT = tuple(
+    (f.name, f.per, f.dtype.kind in "biu", torch.from_numpy(np.empty(0, f.dtype)).dtype) for f in SAMPLE_FIELDS
+)
+
+
+def _lengths(n: int, n_tok: int, n_resp: int) -> tuple[int, int]:
+    """The lengths of the int64 and the float64 data of ``n`` samples of ``n_tok`` tokens, ``n_resp`` of them
+    in responses."""
+    per = {PROMPT: n_tok - n_resp, RESPONSE: n_resp, SCALAR: n}
+    ints = 2 * n + n_tok + sum(per[p] for _, p, is_int, _ in _LAYOUT if is_int)
+    return ints, sum(per[p] for _, p, is_int, _ in _LAYOUT if not is_int)
 
 
 def flatten(share: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Samples -> (sizes int64[3], ints int64, floats float64); ``unflatten`` inverts it."""
     lens = [s.num_tokens for s in share]
     resp = [s.response_len for s in share]
-    ints = torch.cat(
-        [
-            torch.tensor(lens + [s.prompt_len for s in share], dtype=torch.int64),
-            *[s.tokens.to(torch.int64) for s in share],
-            *[s.loss_mask.to(torch.int64) for s in share],
-        ]
-    )
-    floats = torch.cat(
-        [
-            *[s.rollout_logprobs.to(torch.float64) for s in share],
-            *[s.agg_weight.to(torch.float64) for s in share],
-            torch.tensor([s.advantage for s in share] + [s.reward for s in share], dtype=torch.float64),
-        ]
-    )
-    return torch.tensor([len(share), sum(lens), sum(resp)], dtype=torch.int64), ints, floats
+    ints = [torch.tensor(lens + [s.prompt_len for s in share], dtype=torch.int64)]
+    ints += [s.tokens.to(torch.int64) for s in share]
+    floats = [torch.empty(0, dtype=torch.float64)]  # torch.cat needs one tensor
+    for name, per, is_int, _ in _LAYOUT:
+        out, carrier = (ints, torch.int64) if is_int else (floats, torch.float64)
+        if per == SCALAR:
+            out.append(torch.tensor([getattr(s, name) for s in share], dtype=carrier))
+        else:
+            out += [getattr(s, name).to(carrier) for s in share]
+    return torch.tensor([len(share), sum(lens), sum(resp)], dtype=torch.int64), torch.cat(ints), torch.cat(floats)
 
 
 def unflatten(sizes: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> list[Sample]:
@@ -48,12 +61,16 @@ def unflatten(sizes: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> 
     lens = ints[:n].tolist()
     plens = ints[n : 2 * n].tolist()
     tokens = torch.split(ints[2 * n : 2 * n + n_tok], lens)
-    rl = [a - b for a, b in zip(lens, plens)]
-    mask = torch.split(ints[2 * n + n_tok : 2 * n + n_tok + n_resp].to(torch.bool), rl)
-    logp = torch.split(floats[:n_resp].to(torch.float32), rl)
-    agg = torch.split(floats[n_resp : 2 * n_resp], rl)
-    tail = floats[2 * n_resp :].tolist()
-    return [Sample(tokens[i], plens[i], mask[i], logp[i], tail[i], agg[i], tail[n + i]) for i in range(n)]
+    split = {PROMPT: plens, RESPONSE: [a - b for a, b in zip(lens, plens)]}
+    at = {True: 2 * n + n_tok, False: 0}  # the next field's start in the int64 and the float64 data
+    fields = {}
+    for name, per, is_int, dtype in _LAYOUT:
+        data = ints if is_int else floats
+        size = n if per == SCALAR else sum(split[per])
+        part = data[at[is_int] : at[is_int] + size].to(dtype)
+        at[is_int] += size
+        fields[name] = part.tolist() if per == SCALAR else torch.split(part, split[per])
+    return [Sample(tokens=tokens[i], prompt_len=plens[i], **{k: v[i] for k, v in fields.items()}) for i in range(n)]
 
 
 def scatter_samples(
@@ -71,8 +88,9 @@ def scatter_samples(
         sizes = torch.zeros(3, dtype=torch.int64, device=device)
         dist.recv(sizes, src=0)
         n, n_tok, n_resp = (int(x) for x in sizes.tolist())
-        ints = torch.empty(2 * n + n_tok + n_resp, dtype=torch.int64, device=device)
-        floats = torch.empty(2 * n_resp + 2 * n, dtype=torch.float64, device=device)
+        n_ints, n_floats = _lengths(n, n_tok, n_resp)
+        ints = torch.empty(n_ints, dtype=torch.int64, device=device)
+        floats = torch.empty(n_floats, dtype=torch.float64, device=device)
         dist.recv(ints, src=0)
         dist.recv(floats, src=0)
         return unflatten(sizes.cpu(), ints.cpu(), floats.cpu())

@@ -9,6 +9,7 @@ Framing: one ZeroMQ multipart message = ``[header, *frames]``. ``header`` is a m
 Trajectories travel in ONE shape (``asyncrl.broker.wire``): a ``groups`` table of typed columns in the header
 (group columns, then ``traj``: one column per trajectory field) and raw frames holding the token data
 (int32 prompt ids, int32 response ids, float32 logprobs, uint8 loss mask per trajectory), decoded zero-copy.
+The trajectory's fields, their types and their order are declared once, in ``asyncrl.broker.record``.
 The worker's finished groups, the actor's batch and the broker state of a checkpoint all use it; what differs
 is the group columns:
   worker -> broker  ``group_id, aborted, error``            (the broker knows the rest)

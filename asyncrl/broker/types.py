@@ -1,7 +1,8 @@
 """The data that crosses the seams: agent worker -> broker -> actor. Plain dataclasses, no I/O.
 
-Both ends import these; the one wire encoding of trajectories (typed columns, token fields as raw
-arrays) lives in ``asyncrl.broker.wire``. The agent loop builds token fields as ``list[int]`` /
+Both ends import these; which of a trajectory's fields travel, and in what type, is declared once in
+``asyncrl.broker.record``, and the one wire encoding of trajectories (typed columns, token fields as raw
+arrays) derived from it lives in ``asyncrl.broker.wire``. The agent loop builds token fields as ``list[int]`` /
 ``list[float]``; what the broker and the actor decode are read-only numpy arrays (zero-copy views of the
 received frames), and ``weight_versions``, ``timings``, ``error`` and ``extra`` (but ``tool_errors``)
 stay in the worker (see ``wire``).

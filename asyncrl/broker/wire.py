@@ -1,29 +1,30 @@
 """The one wire shape of trajectories: a table of typed columns in the header, token data in raw frames.
 
-Every message that carries trajectories (a worker's ``groups``, the broker's ``batch``, the broker state of a
-checkpoint) holds ONE table, ``pack_table``'s output, and its frames:
+The record's fields, their types and the frame layout are declared once, in ``asyncrl.broker.record``; this
+module derives the encoding and decoding from that declaration (and holds no field of its own). Every message
+that carries trajectories (a worker's ``groups``, the broker's ``batch``, the broker state of a checkpoint)
+holds ONE table, ``pack_table``'s output, and its frames:
 
     {"n":      [trajectories per group],          # then the message's group columns, e.g.
      "group_id": [...], "aborted": [...], ...     # (``protocol`` names and types them per message)
-     "traj":   {"np": [...], "nr": [...], "reward": [...], "min_version": [...], "max_version": [...],
-                "num_turns": [...], "num_tool_calls": [...], "num_retractions": [...], "truncated": [...],
-                "aborted": [...], "finish_reason": [...], "tool_errors": [...]},
+     "traj":   {"np": [...], "nr": [...],         # prompt and response tokens per trajectory, then one column
+                "reward": [...], ...},            # per ``SCALAR`` field of the record, in its order
      "frames": [trajectories per frame]}
 
-A frame holds its trajectories' token data back to back, each one laid out
-``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] | loss_mask uint8[nr]``
-(little-endian) and zero-padded to a multiple of 4 bytes, so every int32/float32 view is aligned; the sizes
-must fill each frame exactly. Decoding is columnar and lazy: a decoded trajectory holds only its table and
-its row; each field is read from the table's columns on first access (token fields: read-only
+A frame holds its trajectories' token data back to back, each one laid out as the record's token fields in
+their order (today ``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] |
+loss_mask uint8[nr]``, little-endian) and zero-padded to a multiple of ``record.ALIGN`` bytes, so every view is
+aligned; the sizes must fill each frame exactly. Decoding is columnar and lazy: a decoded trajectory holds only
+its table and its row; each field is read from the table's columns on first access (token fields: read-only
 ``np.frombuffer`` views of the received frame), so a broker that only forwards a trajectory never builds
 them. Consecutive unchanged decoded trajectories of one table are re-sent as slices of its columns and of the
 frame they came in (one slice per run); one with an assigned field, or whose ``extra`` was read, is packed
 field by field (its token data still forwarded when unchanged).
 
-What travels is what is read after the worker: the token fields, the reward and versions (buffer, staleness),
-``aborted`` (buffer), and the per-step rollout metrics' fields (turns, tool calls, retractions, truncation,
-finish reason, ``extra["tool_errors"]``). Per-token ``weight_versions``, ``timings``, ``error`` (the group
-carries its first error) and the rest of ``extra`` stay in the worker: a decoded trajectory has empty ones.
+What travels is the record (what is read after the worker): the token fields, the reward and versions (buffer,
+staleness), ``aborted`` (buffer), and the per-step rollout metrics' fields (turns, tool calls, retractions,
+truncation, finish reason, ``extra["tool_errors"]``). Per-token ``weight_versions``, ``timings``, ``error`` (the
+group carries its first error) and the rest of ``extra`` stay in the worker: a decoded trajectory has empty ones.
 
 Every column is checked at this edge: a list of the table's length holding its type only (an integer column
 takes msgpack integers in [0, ``MAX_INT``], never a float, a bool, ``inf`` or ``NaN``); a wrong one raises
@@ -35,11 +36,23 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
 
+from asyncrl.broker.record import (
+    ALIGN,
+    PROMPT_BYTES,
+    RECORD,
+    RESPONSE,
+    RESPONSE_BYTES,
+    SCALAR_FIELDS,
+    SCALAR_TYPES,
+    TOKEN_FIELDS,
+    token_nbytes,
+)
 from asyncrl.broker.types import PromptItem, Trajectory
 
 
@@ -47,36 +60,25 @@ class ProtocolError(ValueError):
     """A malformed message, a message of another protocol version, or an unknown type."""
 
 
-_I4, _F4, _U1 = np.dtype("<i4"), np.dtype("<f4"), np.dtype(np.uint8)
-
 MAX_INT = 2**63 - 1
 """The largest integer a field or column may hold: a signed 64-bit int, what every reader of a value the broker
 echoes back (a version, a step, a group id) can hold (numpy, torch, msgpack's int64), and the seeds' range
 (``runner.seed``). Counters that grow by one never come near it; a larger value is a corrupt or hostile peer."""
 
-_TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask")
-_NO_VERSIONS = np.empty(0, _I4)
+# What the encoder and decoder read of the record, computed once (the hot paths loop over these tuples).
+_TOKEN_NAMES = tuple(f.name for f in TOKEN_FIELDS)  # in their order in a frame
+_TOKEN_DTYPES = tuple(f.dtype for f in TOKEN_FIELDS)
+_PART = tuple(int(f.per == RESPONSE) for f in TOKEN_FIELDS)  # a token field's length is (np, nr)[part]
+_TOKEN_LAYOUT = tuple(zip(_TOKEN_DTYPES, _PART, (d.itemsize for d in _TOKEN_DTYPES)))  # what ``_views`` reads
+_COLUMNS = tuple((f.name, SCALAR_TYPES[f.dtype.kind]) for f in SCALAR_FIELDS)  # the ``traj`` columns as they travel
+_SCALAR_NAMES = tuple(f.name for f in SCALAR_FIELDS if not f.extra)  # the columns held as attributes
+# the columns held in ``extra``: (name, type, the value of an absent one)
+_EXTRA_COLUMNS = tuple((name, typ, typ()) for (name, typ), f in zip(_COLUMNS, SCALAR_FIELDS) if f.extra)
+_FLOAT_COLUMNS = tuple(name for name, typ in _COLUMNS if typ is float)  # sent as floats, ints widened
+# the log-probs' dtype: ``nonfinite_logprobs`` reads whole frames as it (a frame is a multiple of ``ALIGN`` bytes)
+_LOGPROBS = next(f.dtype for f in RECORD if f.name == "rollout_logprobs")
+_NO_VERSIONS = np.empty(0, np.dtype("<i4"))
 _NO_VERSIONS.flags.writeable = False
-
-# The trajectory columns besides the lengths: (name, type). ``tool_errors`` is ``extra["tool_errors"]``.
-TRAJ_COLUMNS: tuple[tuple[str, type], ...] = (
-    ("reward", float),
-    ("min_version", int),
-    ("max_version", int),
-    ("num_turns", int),
-    ("num_tool_calls", int),
-    ("num_retractions", int),
-    ("truncated", bool),
-    ("aborted", bool),
-    ("finish_reason", str),
-)
-_SCALAR_NAMES = tuple(name for name, _ in TRAJ_COLUMNS)
-_COL_NAMES = (*_SCALAR_NAMES, "tool_errors")  # the trajectory columns besides the lengths, as they travel
-
-
-def token_nbytes(n_prompt: int, n_resp: int) -> int:
-    """Bytes of one trajectory's token data in a frame (padded to 4)."""
-    return 4 * n_prompt + 9 * n_resp + (-n_resp % 4)
 
 
 # ---------------------------------------------------------------- columns (the edge's type checks)
@@ -140,7 +142,7 @@ class _Source:
     __slots__ = ("cols", "bases", "frame", "frame_end", "offs", "n_p", "n_r", "finite")
 
     def __init__(self, cols: dict, bases: list, frame: list, frame_end: list, offs: list, n_p: list, n_r: list):
-        self.cols = cols  # column name -> one value per trajectory (``_COL_NAMES``)
+        self.cols = cols  # column name -> one value per trajectory (``_COLUMNS``)
         self.bases = bases  # the received frames (byte memoryviews)
         self.frame = frame  # trajectory -> its frame's index in ``bases``
         self.frame_end = frame_end  # frame -> one past its last trajectory
@@ -162,10 +164,10 @@ class _Field:
         d = t.__dict__
         s, i = d["_s"], d["_i"]
         name = self.name
-        if name in _TOKEN_FIELDS:
+        if name in _TOKEN_SET:
             views = _views(s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i])
             d["_views"] = views
-            for f, a in zip(_TOKEN_FIELDS, views):
+            for f, a in zip(_TOKEN_NAMES, views):
                 d.setdefault(f, a)
             return d[name]
         if name in _SCALAR_SET:  # all of them at once: a reader reads several (one call here, not one each)
@@ -174,15 +176,16 @@ class _Field:
                 if f not in d:  # a field assigned before keeps its new value
                     d[f] = cols[f][i]
             return d[name]
-        if name == "extra":
-            k_err = s.cols["tool_errors"][i]
-            v = {"tool_errors": k_err} if k_err else {}
+        if name == "extra":  # the record's fields kept there, those that are set (not their type's zero)
+            cols = s.cols
+            v = {k: cols[k][i] for k, _, _ in _EXTRA_COLUMNS if cols[k][i]}
         else:
             v = _STAY[name]()
         d[name] = v
         return v
 
 
+_TOKEN_SET = frozenset(_TOKEN_NAMES)
 _SCALAR_SET = frozenset(_SCALAR_NAMES)
 _STAY = {"weight_versions": lambda: _NO_VERSIONS, "error": str, "timings": dict}
 
@@ -200,7 +203,7 @@ class WireTrajectory(Trajectory):
 
     def __reduce_ex__(self, protocol):
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(Trajectory)}
-        for f in (*_TOKEN_FIELDS, "weight_versions"):
+        for f in (*_TOKEN_NAMES, "weight_versions"):
             kw[f] = np.array(kw[f])
         return Trajectory, tuple(kw[f.name] for f in dataclasses.fields(Trajectory))
 
@@ -209,15 +212,15 @@ for _f in dataclasses.fields(Trajectory):
     setattr(WireTrajectory, _f.name, _Field(_f.name))
 
 
-def _views(base, off: int, n_p: int, n_r: int) -> tuple[np.ndarray, ...]:
-    o_r = off + 4 * n_p
-    o_lp = o_r + 4 * n_r
-    return (
-        np.frombuffer(base, _I4, n_p, off),
-        np.frombuffer(base, _I4, n_r, o_r),
-        np.frombuffer(base, _F4, n_r, o_lp),
-        np.frombuffer(base, _U1, n_r, o_lp + 4 * n_r),
-    )
+def _views(base, off: int, n_p: int, n_r: int) -> list[np.ndarray]:
+    """The token fields of the trajectory at ``off`` in ``base``, in the record's order: read-only views."""
+    lens = (n_p, n_r)
+    out = []
+    for dtype, part, itemsize in _TOKEN_LAYOUT:
+        n = lens[part]
+        out.append(np.frombuffer(base, dtype, n, off))
+        off += itemsize * n
+    return out
 
 
 def _forwardable(d: dict) -> Optional[tuple]:
@@ -228,27 +231,33 @@ def _forwardable(d: dict) -> Optional[tuple]:
         return None
     views = d.get("_views")
     if views is None:
-        if not d.keys().isdisjoint(_TOKEN_FIELDS):
+        if not d.keys().isdisjoint(_TOKEN_NAMES):
             return None
-    elif not all(d.get(f) is v for f, v in zip(_TOKEN_FIELDS, views)):
+    elif not all(d.get(f) is v for f, v in zip(_TOKEN_NAMES, views)):
         return None
     i = d["_i"]
     return s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i]
 
 
 # ---------------------------------------------------------------- encoding
+_TOKEN_VALUES = operator.attrgetter(*_TOKEN_NAMES)  # a trajectory's token fields, in the record's order (one C call)
+_FIRST_PROMPT, _FIRST_RESPONSE = _PART.index(0), _PART.index(1)  # the fields whose lengths are (np, nr)
+
+
 def _fresh_pieces(t: Trajectory, pieces: list) -> tuple[int, int]:
-    p = np.ascontiguousarray(t.prompt_ids, _I4)
-    r = np.ascontiguousarray(t.response_ids, _I4)
-    lp = np.ascontiguousarray(t.rollout_logprobs, _F4)
-    lm = np.ascontiguousarray(t.loss_mask, _U1)
-    n_r = len(r)
-    if len(lp) != n_r or len(lm) != n_r:
-        raise ValueError(
-            f"trajectory arrays do not align: {n_r} response ids, {len(lp)} logprobs, {len(lm)} loss_mask entries"
-        )
-    pieces += (p.tobytes(), r.tobytes(), lp.tobytes(), lm.tobytes(), b"\0" * (-n_r % 4))
-    return len(p), n_r
+    """Appends ``t``'s token data (its fields in the record's order, then the padding); its ``(np, nr)``. Raises
+    ValueError before appending anything when a field's length is not its part's."""
+    arrays = list(map(np.ascontiguousarray, _TOKEN_VALUES(t), _TOKEN_DTYPES))
+    lens = len(arrays[_FIRST_PROMPT]), len(arrays[_FIRST_RESPONSE])
+    for a, part in zip(arrays, _PART):  # a loop, not any(...): this runs once per trajectory a worker sends
+        if len(a) != lens[part]:
+            got = ", ".join(f"{len(x)} {name}" for name, x in zip(_TOKEN_NAMES, arrays))
+            raise ValueError(f"trajectory arrays do not align (one entry per prompt or response token): {got}")
+    for a in arrays:
+        pieces.append(a.tobytes())
+    n_p, n_r = lens
+    pieces.append(b"\0" * (-(PROMPT_BYTES * n_p + RESPONSE_BYTES * n_r) % ALIGN))
+    return lens
 
 
 class _Frames:
@@ -297,7 +306,7 @@ class _Table:
     def __init__(self):
         self.np: list[int] = []
         self.nr: list[int] = []
-        self.cols: dict[str, list] = {name: [] for name in _COL_NAMES}
+        self.cols: dict[str, list] = {name: [] for name, _ in _COLUMNS}
         self.frames = _Frames()
 
     def run(self, s: _Source, lo: int, hi: int) -> None:
@@ -330,7 +339,8 @@ class _Table:
         for name in _SCALAR_NAMES:
             cols[name].append(d[name] if name in d else getattr(t, name))
         ex = t.extra
-        cols["tool_errors"].append(int(ex.get("tool_errors", 0)) if ex else 0)
+        for name, typ, absent in _EXTRA_COLUMNS:
+            cols[name].append(typ(ex.get(name, absent)) if ex else absent)
 
 
 def pack_table(group_columns: dict[str, list], trajectories: Sequence[Optional[Sequence[Trajectory]]]) -> tuple:
@@ -362,7 +372,8 @@ def pack_table(group_columns: dict[str, list], trajectories: Sequence[Optional[S
     if run_s is not None:
         tb.run(run_s, lo, hi)
     cols = tb.cols
-    cols["reward"] = [float(x) for x in cols["reward"]]
+    for name in _FLOAT_COLUMNS:
+        cols[name] = [float(x) for x in cols[name]]
     frames, counts = tb.frames.done()
     return {"n": sizes, **group_columns, "traj": {"np": tb.np, "nr": tb.nr, **cols}, "frames": counts}, frames
 
@@ -380,8 +391,7 @@ def unpack_table(table: Any, frames: Sequence[Any], where: str) -> tuple[list[in
     n = sum(sizes)
     n_p = column(tc, "np", int, n, where)
     n_r = column(tc, "nr", int, n, where)
-    cols = {name: column(tc, name, typ, n, where) for name, typ in TRAJ_COLUMNS}
-    cols["tool_errors"] = column(tc, "tool_errors", int, n, where)
+    cols = {name: column(tc, name, typ, n, where) for name, typ in _COLUMNS}
     counts = column(table, "frames", int, _len(table.get("frames")), where)
     if sum(counts) != n or len(counts) != len(frames):
         raise ProtocolError(
@@ -401,8 +411,8 @@ def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list
     for key, v in (("np", n_p), ("nr", n_r)):
         if n and max(v) > _MAX_LEN:
             raise ProtocolError(f"{where}: column {key!r} holds a length over {_MAX_LEN}: {max(v)}")
-    r = np.array(n_r, np.int64)
-    size = 4 * np.array(n_p, np.int64) + 9 * r + (-r % 4)
+    size = PROMPT_BYTES * np.array(n_p, np.int64) + RESPONSE_BYTES * np.array(n_r, np.int64)
+    size += -size % ALIGN  # ``token_nbytes`` of every row at once
     end = np.cumsum(size)  # each trajectory's end in the frames laid back to back
     frame_end = np.cumsum(counts, dtype=np.int64)  # frame -> one past its last trajectory
     frame_hi = end[frame_end - 1] if n else np.zeros(len(counts), np.int64)  # empty frames end where the last one did
@@ -434,7 +444,7 @@ def nonfinite_logprobs(trajs: Sequence[Trajectory]) -> Optional[int]:
         s = d.get("_s")
         if s is not None and "rollout_logprobs" not in d:  # token data as received: the frame's verdict first
             if s.finite is None:
-                s.finite = [bool(np.isfinite(np.frombuffer(b, _F4)).all()) for b in s.bases]
+                s.finite = [bool(np.isfinite(np.frombuffer(b, _LOGPROBS)).all()) for b in s.bases]
             if s.finite[s.frame[d["_i"]]]:
                 continue
         if not np.isfinite(np.asarray(t.rollout_logprobs, np.float32)).all():
