@@ -131,11 +131,3 @@ def broadcast_from_rank0(tensor: torch.Tensor, pg: dist.ProcessGroup) -> dist.Wo
 def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
     """Shut the group down and forget it (its name can be joined again afterwards)."""
     dist.destroy_process_group(pg)
-
-
-def find_group(group_name: str) -> dist.ProcessGroup | None:
-    """The live process group registered under ``group_name`` in this process, if any."""
-    for pg, name in _c10d._world.pg_names.items():
-        if name == group_name:
-            return pg
-    return None

@@ -140,10 +140,6 @@ class KVPool:
             self.k[layer][row, :, :length].copy_(k_L[layer, :, :length])
             self.v[layer][row, :, :length].copy_(v_L[layer, :, :length])
 
-    def nbytes_per_token(self) -> int:
-        s = self.spec
-        return 2 * s.num_layers * s.num_query_groups * s.head_dim * 4
-
 
 class CausalLM:
     """The decoder with HF-named parameters (views into fused buffers). fp32, no autograd."""

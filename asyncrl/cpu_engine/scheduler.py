@@ -139,10 +139,6 @@ class Scheduler:
             self._cond.notify()
         return fut
 
-    def in_flight(self, rid: str) -> bool:
-        with self._cond:
-            return rid in self._live
-
     # ---- engine thread ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         # inference mode for the whole engine thread (steps and calls alike): less per-op bookkeeping than
