@@ -28,7 +28,7 @@ def _greedy(model_dir, n=8) -> list[int]:
     ids = list(PROMPT)
     for _ in range(n):
         kv = KVPool(m.spec, 1)
-        h = m.forward(torch.tensor(ids), torch.tensor([0]), torch.tensor([len(ids)]), kv, 0)
+        h = m.forward(torch.tensor(ids), torch.tensor([0]), torch.tensor([len(ids)]), kv, row0=0)
         ids.append(int(m.logits(h[-1]).argmax()))
     return ids[len(PROMPT) :]
 
