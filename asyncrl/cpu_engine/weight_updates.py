@@ -197,9 +197,9 @@ class WeightUpdates:
             pg = init_weight_update_group(
                 addr,
                 port,
-                rank,
-                world,
-                name,
+                rank=rank,
+                world_size=world,
+                group_name=name,
                 backend=backend,
                 timeout_s=self.timeout_s,
             )
