@@ -339,8 +339,8 @@ def _recording(updates, staged: dict[str, torch.Tensor]):
     staging views (bf16, the flattened format) and the standby bank's tensors (fp32 received in place)."""
     receive_staged = type(updates)._receive_staged
 
-    def record(pg, names, dts, shapes, fmt):
-        named, banked = receive_staged(updates, pg, names, dts, shapes, fmt)
+    def record(pg, update):
+        named, banked = receive_staged(updates, pg, update)
         staged.update((n, t.clone()) for n, t in named)
         staged.update((n, updates._standby_bank().params[n].clone()) for n in banked)
         return named, banked
