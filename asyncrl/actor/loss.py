@@ -161,6 +161,7 @@ class LossOutput:
 
 def _old_policy(
     logp: torch.Tensor,
+    *,
     behav_logp: torch.Tensor,
     prox_logp: torch.Tensor | None,
     mask_b: torch.Tensor,
@@ -200,7 +201,14 @@ def policy_loss(
     is required for ``tis``/``decoupled``."""
     mask_b = mask.bool()
     maskf = mask_b.to(logp.dtype)
-    old, iw, keep, raw = _old_policy(logp, behav_logp, prox_logp, mask_b, off_policy_correction, tis_cap)
+    old, iw, keep, raw = _old_policy(
+        logp,
+        behav_logp=behav_logp,
+        prox_logp=prox_logp,
+        mask_b=mask_b,
+        off_policy_correction=off_policy_correction,
+        tis_cap=tis_cap,
+    )
     pg, ratio, clipped, dual = ppo_clip(
         logp, old, advantages, clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=dual_clip
     )
