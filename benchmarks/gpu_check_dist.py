@@ -224,7 +224,9 @@ def _sync_sender(hf, dev, backend, port, deadline_s, bucket_bytes, reps) -> dict
     from asyncrl.sync.bucketing import iter_buckets
     from asyncrl.sync.weight_sync import push_buckets
 
-    pg = init_weight_update_group("127.0.0.1", port, 0, TP, GROUP_NAME, backend=backend, timeout_s=deadline_s)
+    pg = init_weight_update_group(
+        "127.0.0.1", port, rank=0, world_size=TP, group_name=GROUP_NAME, backend=backend, timeout_s=deadline_s
+    )
     group = PeerGroup(pg)
     buckets = list(iter_buckets([(n, t.to(dev)) for n, t in _bf16_tensors(hf)], bucket_bytes))
     _fence(dev, pg)
@@ -273,7 +275,7 @@ def _sync_receiver(hf, dev, backend, port, deadline_s, bucket_bytes, reps) -> di
                 raise RuntimeError(f"init_weights_update_group: {msg}")
         else:
             updates.groups[GROUP_NAME] = init_weight_update_group(
-                "127.0.0.1", port, 1, TP, GROUP_NAME, backend=backend, timeout_s=deadline_s
+                "127.0.0.1", port, rank=1, world_size=TP, group_name=GROUP_NAME, backend=backend, timeout_s=deadline_s
             )
         pg = updates.groups[GROUP_NAME]
         _fence(dev, pg)
@@ -337,8 +339,8 @@ def _recording(updates, staged: dict[str, torch.Tensor]):
     staging views (bf16, the flattened format) and the standby bank's tensors (fp32 received in place)."""
     receive_staged = type(updates)._receive_staged
 
-    def record(pg, names, dts, shapes, fmt):
-        named, banked = receive_staged(updates, pg, names, dts, shapes, fmt)
+    def record(pg, update):
+        named, banked = receive_staged(updates, pg, update)
         staged.update((n, t.clone()) for n, t in named)
         staged.update((n, updates._standby_bank().params[n].clone()) for n in banked)
         return named, banked

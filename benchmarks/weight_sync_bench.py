@@ -66,7 +66,13 @@ def _receiver(args_path: str) -> int:
     a = json.loads(Path(args_path).read_text())
     torch.set_num_threads(1)
     pg = pgmod.init_weight_update_group(
-        "127.0.0.1", a["port"], a["rank"], a["world"], "bench_bare", backend="gloo", timeout_s=TIMEOUT_S
+        "127.0.0.1",
+        a["port"],
+        rank=a["rank"],
+        world_size=a["world"],
+        group_name="bench_bare",
+        backend="gloo",
+        timeout_s=TIMEOUT_S,
     )
     if a["flattened"]:
         recv = [[torch.zeros(b["nbytes"], dtype=torch.uint8)] for b in a["buckets"]]
@@ -114,7 +120,7 @@ class _BareGroup:
                 )
             )
         self.pg = pgmod.init_weight_update_group(
-            "127.0.0.1", port, 0, n + 1, "bench_bare", backend="gloo", timeout_s=TIMEOUT_S
+            "127.0.0.1", port, rank=0, world_size=n + 1, group_name="bench_bare", backend="gloo", timeout_s=TIMEOUT_S
         )
 
     def rep(self) -> float:

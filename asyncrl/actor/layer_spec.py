@@ -265,7 +265,7 @@ class FusedCoreAttention(torch.nn.Module):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"FusedCoreAttention: packed qkv_format {packed_seq_params.qkv_format!r}")
-            return self._thd(query, key, value, packed_seq_params, p)
+            return self._thd(query, key, value, params=packed_seq_params, p=p)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
         gqa = q.shape[1] != k.shape[1]
         if attention_mask is None:
@@ -279,7 +279,7 @@ class FusedCoreAttention(torch.nn.Module):
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
-    def _thd(self, query, key, value, params, p: float):
+    def _thd(self, query, key, value, *, params, p: float):
         varlen = _varlen_fn()
         use_varlen = (
             varlen is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and p == 0.0

@@ -7,8 +7,8 @@ padding added so the vocabulary divides by TP) are excluded from the softmax. Di
 the sums across TP are all-reduced in the forward and the backward is local to the slice (a hand-written
 autograd function), the right gradient when every TP rank computes the same loss (Megatron's convention).
 
-``forward_logprobs(model, packed, ...)``: one packed micro-batch through the GPTModel;
-``logprobs_from_logits``: the same from the last pipeline stage's logits.
+``logprobs_from_logits(logits, packed, ...)``: the log-probs (and entropies) of one packed micro-batch's response
+tokens from the last pipeline stage's response logits (``asyncrl.actor.layer_spec.response_logits``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.actor.batch import PackedBatch
-from asyncrl.actor.layer_spec import response_logits
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
@@ -97,33 +96,6 @@ def vocab_parallel_logprobs(
         z = z.masked_fill(col >= true_vocab, _NEG)
     out = _VocabParallelLogProbs.apply(z, labels, vocab_start, tp_group, tp, with_entropy)
     return out if with_entropy else (out, None)
-
-
-def forward_logprobs(
-    model: torch.nn.Module,
-    packed: PackedBatch,
-    *,
-    attention_backend: str,
-    vocab_start: int,
-    true_vocab: int,
-    tp_group=None,
-    tp: int = 1,
-    with_entropy: bool = True,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [T] (and entropies) of the response tokens of one packed micro-batch.
-
-    ``attention_backend``: the one the model was built with (``asyncrl.actor.layer_spec``)."""
-    return logprobs_from_logits(
-        response_logits(model, packed, attention_backend),
-        packed,
-        vocab_start=vocab_start,
-        true_vocab=true_vocab,
-        tp_group=tp_group,
-        tp=tp,
-        with_entropy=with_entropy,
-        temperature=temperature,
-    )
 
 
 def logprobs_from_logits(

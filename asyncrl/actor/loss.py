@@ -164,15 +164,16 @@ def _old_policy(
     behav_logp: torch.Tensor,
     prox_logp: torch.Tensor | None,
     mask_b: torch.Tensor,
-    off_policy_correction: str,
-    tis_cap: float,
+    *,
+    correction: str,
+    cap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The PPO ratio's denominator, the behaviour weights, the tokens kept, and the raw behaviour ratio."""
-    if off_policy_correction == "none":
+    if correction == "none":
         return behav_logp, torch.ones_like(logp), mask_b, torch.exp(logp.detach() - behav_logp)
     if prox_logp is None:
-        raise ValueError(f"algorithm.off_policy_correction={off_policy_correction!r} needs the recomputed log-prob")
-    iw, keep_iw, raw = behaviour_weights(prox_logp, behav_logp, off_policy_correction, tis_cap)
+        raise ValueError(f"algorithm.off_policy_correction={correction!r} needs the recomputed log-prob")
+    iw, keep_iw, raw = behaviour_weights(prox_logp, behav_logp, correction, cap)
     return prox_logp, iw, mask_b & keep_iw, raw
 
 
@@ -200,7 +201,7 @@ def policy_loss(
     is required for ``tis``/``decoupled``."""
     mask_b = mask.bool()
     maskf = mask_b.to(logp.dtype)
-    old, iw, keep, raw = _old_policy(logp, behav_logp, prox_logp, mask_b, off_policy_correction, tis_cap)
+    old, iw, keep, raw = _old_policy(logp, behav_logp, prox_logp, mask_b, correction=off_policy_correction, cap=tis_cap)
     pg, ratio, clipped, dual = ppo_clip(
         logp, old, advantages, clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=dual_clip
     )

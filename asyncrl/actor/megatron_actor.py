@@ -239,13 +239,16 @@ class Actor:
             temperature=self.temperature,
         )
 
-    def _policy_loss(self, logp, ent, x: dict[str, torch.Tensor], prox, ref):
-        """The configured PPO/GRPO loss of one micro-batch (``x``: its ``_extras``)."""
-        a = self.cfg.algorithm
+    def _policy_loss(self, item: MicroBatch, logp, ent):
+        """The configured PPO/GRPO loss of one micro-batch: ``logp`` and ``ent`` of its response tokens under the
+        current weights; ``item`` carries the rest (``extra``: its ``_extras``; ``prox``, ``ref``: its recomputed
+        and reference log-probs, where used)."""
+        a, x = self.cfg.algorithm, item.extra
+        assert x is not None, "the loss is computed where the loss inputs are"
         return policy_loss(
             logp,
             behav_logp=x["behav"],
-            prox_logp=prox,
+            prox_logp=item.prox,
             advantages=x["adv"],
             agg_weight=x["agg"],
             mask=x["mask"],
@@ -256,7 +259,7 @@ class Actor:
             tis_cap=a.tis_cap,
             entropy=ent,
             entropy_coef=a.entropy_coef,
-            ref_logp=ref,
+            ref_logp=item.ref,
             kl_coef=a.kl_coef,
             kl_estimator=a.kl_estimator,
         )
@@ -302,8 +305,7 @@ class Actor:
 
     def _loss(self, item: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         logp, ent = self._logprobs_of(logits, item.packed, with_entropy=True)
-        assert item.extra is not None, "the loss is computed where the loss inputs are"
-        out = self._policy_loss(logp, ent, item.extra, item.prox, item.ref)
+        out = self._policy_loss(item, logp, ent)
         return out.loss, out.sums
 
     def _accumulate_grads(self, samples: list[Sample]) -> tuple[dict[str, float], int, int]:

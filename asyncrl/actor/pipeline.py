@@ -44,7 +44,6 @@ from asyncrl.actor.layer_spec import p2p_shape, response_logits
 class StageInfo:
     pp: int
     pp_rank: int
-    is_first: bool
     is_last: bool
     group: Any
     """The pipeline group of this rank (same TP and DP coordinates, all stages)."""
@@ -68,7 +67,6 @@ class StageInfo:
         return cls(
             pp=pp,
             pp_rank=pp_rank,
-            is_first=ps.is_pipeline_first_stage(),
             is_last=ps.is_pipeline_last_stage(),
             group=ps.get_pipeline_model_parallel_group(),
             last_rank=ps.get_pipeline_model_parallel_last_rank(),

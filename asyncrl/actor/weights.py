@@ -93,16 +93,6 @@ def load_hf_into_model(
 
 
 @torch.no_grad()
-def load_megatron_full_into_model(
-    model: torch.nn.Module, full_sd: dict[str, torch.Tensor], *, tp_rank: int, tp: int
-) -> None:
-    for name, param in local_params(model):
-        if name not in full_sd:
-            raise KeyError(f"checkpoint lacks {name}")
-        param.copy_(tp_shard(name, full_sd[name], rank=tp_rank, tp=tp).to(param.dtype))
-
-
-@torch.no_grad()
 def iter_full_megatron(
     model: torch.nn.Module, *, tp_group: dist.ProcessGroup | None, tp: int, layer_offset: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:

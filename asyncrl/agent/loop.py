@@ -67,10 +67,6 @@ class TurnGate:
         self._num_waiting = 0
 
     @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-    @property
     def num_waiting(self) -> int:
         """Turns held at the gate right now (observable, e.g. by a test waiting for a turn to reach it)."""
         return self._num_waiting

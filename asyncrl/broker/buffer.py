@@ -69,12 +69,6 @@ class BufferSettings:
     extra: dict = field(default_factory=dict)
 
 
-def staleness(group: Group, version: int) -> int:
-    """``version`` (Miles: the engines' current version; RLinf: the actor's) - the earliest version any token
-    of any trajectory of the group was generated with (its stalest trajectory)."""
-    return version - group.min_version
-
-
 class DataBuffer(abc.ABC):
     def __init__(self, settings: BufferSettings):
         self.settings = settings

@@ -245,12 +245,6 @@ class WorkerConnection:
         if flush or len(self._out.groups) >= MAX_GROUPS_PER_MESSAGE:
             self.flush()
 
-    def send_groups(self, groups: Sequence[tuple[int, Optional[Sequence[Trajectory]]]]) -> None:
-        """Several finished (not aborted) groups ``(group_id, trajectories)`` in one message."""
-        for gid, trajs in groups:
-            self.send_group(gid, trajs, flush=False)
-        self.flush()
-
     def close(self, *, say_bye: bool = True) -> None:
         self.flush()
         if say_bye:

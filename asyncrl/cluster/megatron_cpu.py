@@ -87,10 +87,6 @@ def check_megatron_version(version: str | None = None) -> str:
     return version
 
 
-def shims_applied() -> bool:
-    return _APPLIED
-
-
 def apply_cpu_shims() -> bool:
     """Patch torch.cuda / megatron-core for CPU. Returns True if the shims are (now) active."""
     global _APPLIED

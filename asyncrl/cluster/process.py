@@ -161,10 +161,6 @@ def stop_all(grace_s: float = 10.0) -> None:
         stop_child(child, grace_s)
 
 
-def live_children() -> list[Child]:
-    return [c for c in _children if c.alive()]
-
-
 def install_signal_handlers(grace_s: float = 10.0) -> None:
     """SIGTERM/SIGINT: stop children, then exit 128+signum. Idempotent."""
     global _handlers_installed

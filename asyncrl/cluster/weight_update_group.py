@@ -41,10 +41,10 @@ DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name
 def init_weight_update_group(
     master_address: str,
     master_port: int,
+    *,
     rank: int,
     world_size: int,
     group_name: str = DEFAULT_GROUP_NAME,
-    *,
     backend: str = "gloo",
     timeout_s: float = 120.0,
     collective_timeout_s: float | None = None,
@@ -67,7 +67,15 @@ def init_weight_update_group(
             "destroy it (destroy_weight_update_group) before joining again"
         )
     timeout = _dt.timedelta(seconds=timeout_s)
-    pg = _rendezvous(master_address, int(master_port), rank, world_size, group_name, backend=backend, timeout=timeout)
+    pg = _rendezvous(
+        master_address,
+        int(master_port),
+        rank=rank,
+        world_size=world_size,
+        group_name=group_name,
+        backend=backend,
+        timeout=timeout,
+    )
     # Identity map group rank -> "global" rank, as SGLang registers it: lets src=<group rank> work.
     _c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     if collective_timeout_s is not None and collective_timeout_s != timeout_s:
@@ -76,7 +84,7 @@ def init_weight_update_group(
 
 
 def _rendezvous(
-    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, *, backend: str, timeout
+    master_address: str, master_port: int, *, rank: int, world_size: int, group_name: str, backend: str, timeout
 ) -> dist.ProcessGroup:
     """The group's TCP store and process group; a failure is a ``RuntimeError`` naming the address."""
     url = f"tcp://{master_address}:{master_port}"
@@ -131,11 +139,3 @@ def broadcast_from_rank0(tensor: torch.Tensor, pg: dist.ProcessGroup) -> dist.Wo
 def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
     """Shut the group down and forget it (its name can be joined again afterwards)."""
     dist.destroy_process_group(pg)
-
-
-def find_group(group_name: str) -> dist.ProcessGroup | None:
-    """The live process group registered under ``group_name`` in this process, if any."""
-    for pg, name in _c10d._world.pg_names.items():
-        if name == group_name:
-            return pg
-    return None

@@ -39,6 +39,18 @@ def default_max_inflight_groups(*, max_running_requests: int, instances: int, gr
     return max(1, math.ceil(max_running_requests * instances * INFLIGHT_MARGIN / group_size))
 
 
+def derived_max_inflight_groups(cfg: Config) -> int:
+    """``rollout_buffer.max_inflight_groups``' derived value, the one rule for both the unset setting
+    (``resolve``) and ``"auto"``'s start (``inflight_start``): ``max_concurrent_samples // group_size`` when
+    that Miles setting is given, else ``default_max_inflight_groups`` over the rollout instances."""
+    rb, gs = cfg.rollout_buffer, cfg.algorithm.group_size
+    if rb.max_concurrent_samples is not None:
+        return max(1, rb.max_concurrent_samples // gs)
+    return default_max_inflight_groups(
+        max_running_requests=cfg.rollout.max_running_requests, instances=max(1, num_engines(cfg)), group_size=gs
+    )
+
+
 def inflight_start(cfg: Config) -> int:
     """The in-flight limit the broker starts with: the configured number, or for ``"auto"`` the derived
     default capped at the buffer limit's bound ``max_buffered_groups - rollout_batch_size`` (of a resolved
@@ -46,15 +58,7 @@ def inflight_start(cfg: Config) -> int:
     rb = cfg.rollout_buffer
     if rb.max_inflight_groups != "auto":
         return rb.max_inflight_groups
-    if rb.max_concurrent_samples is not None:
-        n = max(1, rb.max_concurrent_samples // cfg.algorithm.group_size)
-    else:
-        n = default_max_inflight_groups(
-            max_running_requests=cfg.rollout.max_running_requests,
-            instances=max(1, num_engines(cfg)),
-            group_size=cfg.algorithm.group_size,
-        )
-    return max(1, min(n, rb.max_buffered_groups - cfg.data.rollout_batch_size))
+    return max(1, min(derived_max_inflight_groups(cfg), rb.max_buffered_groups - cfg.data.rollout_batch_size))
 
 
 def resolve(cfg: Config) -> Config:
@@ -63,14 +67,7 @@ def resolve(cfg: Config) -> Config:
     B = cfg.data.rollout_batch_size
     updates = {}
     if rb.max_inflight_groups is None:
-        if rb.max_concurrent_samples is not None:
-            updates["max_inflight_groups"] = max(1, rb.max_concurrent_samples // cfg.algorithm.group_size)
-        else:
-            updates["max_inflight_groups"] = default_max_inflight_groups(
-                max_running_requests=cfg.rollout.max_running_requests,
-                instances=max(1, num_engines(cfg)),
-                group_size=cfg.algorithm.group_size,
-            )
+        updates["max_inflight_groups"] = derived_max_inflight_groups(cfg)
     if rb.max_buffered_groups is None:
         factor = (
             CAPACITY_FACTOR if rb.async_data_buffer_capacity_factor is None else rb.async_data_buffer_capacity_factor

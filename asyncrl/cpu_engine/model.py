@@ -6,7 +6,7 @@ Contract
   (``model.layers.3.self_attn.q_proj.weight``) so the weight sync can address them directly.
 - Parameters live in fused buffers (qkv, gate_up) and the HF-named tensors are *views* into them,
   so ``model.load_weights([(name, tensor)])`` copies straight into what the forward uses.
-- ``model.forward(tokens_T, past_len_B, new_len_B, kv, row0)`` runs a packed batch of requests whose
+- ``model.forward(tokens_T, past_len_B, new_len_B, kv, row0=row0)`` runs a packed batch of requests whose
   KV lives in rows ``row0 .. row0+B-1`` of a ``KVPool``: request b has ``past_len_B[b]`` cached
   tokens and ``new_len_B[b]`` new ones, and ``tokens_T`` holds every request's new tokens back to back
   (T = sum of new_len_B, no padding). Decode rows (one new token) and prefills or continuations after a
@@ -139,10 +139,6 @@ class KVPool:
         for layer in range(self.spec.num_layers):
             self.k[layer][row, :, :length].copy_(k_L[layer, :, :length])
             self.v[layer][row, :, :length].copy_(v_L[layer, :, :length])
-
-    def nbytes_per_token(self) -> int:
-        s = self.spec
-        return 2 * s.num_layers * s.num_query_groups * s.head_dim * 4
 
 
 class CausalLM:
@@ -279,7 +275,9 @@ class CausalLM:
         return sorted(set(self.params) - names)
 
     # ---- forward -------------------------------------------------------------------------
-    def _plan(self, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, row0: int, last_only: bool) -> _Plan:
+    def _plan(
+        self, past_len_B: torch.Tensor, new_len_B: torch.Tensor, kv: KVPool, *, row0: int, last_only: bool
+    ) -> _Plan:
         """What every layer of one forward shares: rope tables, the attention masks, where the new KV goes."""
         s = self.spec
         B = past_len_B.shape[0]
@@ -329,7 +327,7 @@ class CausalLM:
         return _Plan(cos, sin, kv_index, row0, num_decode, dec_L, dec_bias, pad, last)
 
     def _one_query(
-        self, q_RHd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, r0: int, L: int, bias_R11L: torch.Tensor
+        self, q_RHd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, *, r0: int, L: int, bias_R11L: torch.Tensor
     ) -> torch.Tensor:
         """Attention of one query per row (rows r0 .. r0+R-1 of the cache, their first L keys) -> [R, heads * d].
         Grouped-query without repeating K/V: query head h reads kv head h // grp; [rows * kv heads] small
@@ -344,7 +342,7 @@ class CausalLM:
         return torch.bmm(torch.softmax(scores, dim=-1), vals).view(R, nh * d)
 
     def _attention(
-        self, x: torch.Tensor, L: dict, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan, *, last: bool = False
+        self, x: torch.Tensor, L: dict, *, kc: torch.Tensor, vc: torch.Tensor, plan: _Plan, last: bool = False
     ) -> torch.Tensor:
         """x + self-attention of one layer (writes the new tokens' K and V into this layer's cache rows). With
         ``last`` (and ``plan.last``): only each row's last token attends; returns [B, H] for those tokens."""
@@ -364,12 +362,12 @@ class CausalLM:
         q = qkv[:, :nh]
         if last and plan.last is not None:
             last_B, Lk, bias = plan.last
-            att = self._one_query(q[last_B], kc, vc, plan.row0, Lk, bias)
+            att = self._one_query(q[last_B], kc, vc, r0=plan.row0, L=Lk, bias_R11L=bias)
             return x[last_B] + F.linear(att, L["o_w"], L["o_b"])
         nd, grp = plan.num_decode, nh // nkv
         parts = []
         if nd:
-            parts.append(self._one_query(q[:nd], kc, vc, plan.row0, plan.dec_L, plan.dec_bias))
+            parts.append(self._one_query(q[:nd], kc, vc, r0=plan.row0, L=plan.dec_L, bias_R11L=plan.dec_bias))
         if plan.pad is not None:
             p = plan.pad
             Bp, N = p.bias.shape[0], p.N
@@ -399,18 +397,19 @@ class CausalLM:
         past_len_B: torch.Tensor,
         new_len_B: torch.Tensor,
         kv: KVPool,
-        row0: int,
         *,
+        row0: int,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Hidden states [T, H] of a packed batch whose KV lives in rows ``row0 .. row0+B-1`` (module contract);
         ``last_only``: [B, H], each row's last token only (every token's KV is still written; the last layer
         attends and runs its MLP for those B tokens alone)."""
-        plan = self._plan(past_len_B, new_len_B, kv, row0, last_only)
+        plan = self._plan(past_len_B, new_len_B, kv, row0=row0, last_only=last_only)
         x = F.embedding(tokens_T, self.embed)
         n = len(self.layers)
         for layer, L in enumerate(self.layers):
-            x = self._mlp(self._attention(x, L, kv.k[layer], kv.v[layer], plan, last=layer == n - 1), L)
+            att = self._attention(x, L, kc=kv.k[layer], vc=kv.v[layer], plan=plan, last=layer == n - 1)
+            x = self._mlp(att, L)
         return F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
 
     @torch.no_grad()

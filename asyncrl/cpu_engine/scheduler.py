@@ -139,10 +139,6 @@ class Scheduler:
             self._cond.notify()
         return fut
 
-    def in_flight(self, rid: str) -> bool:
-        with self._cond:
-            return rid in self._live
-
     # ---- engine thread ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         # inference mode for the whole engine thread (steps and calls alike): less per-op bookkeeping than
@@ -241,7 +237,7 @@ class Scheduler:
         past_B = torch.tensor([r.kv_len for r in batch])
         # every position's hidden state only for a request that wants its prompt's log-probs
         need_all = any(_wants_prompt_logprobs(r) for r in batch)
-        hidden = self.model.forward(toks, past_B, n_B, self.kv, row0, last_only=not need_all)
+        hidden = self.model.forward(toks, past_B, n_B, self.kv, row0=row0, last_only=not need_all)
         if need_all and len(toks) > len(batch):
             logits = self.model.logits(hidden[torch.cumsum(n_B, 0) - 1])
         else:

@@ -23,7 +23,9 @@ asks for that very port can take it) and the engine binds it a second later. Sho
 between anyway, the engine exits with ``Address already in use`` and the helper starts it again on a new port."""
 
 
-def _engine_cmd(model_path, port: int, max_running_requests: int, weight_version: str, seed: int, extra) -> list[str]:
+def _engine_cmd(
+    model_path, port: int, *, max_running_requests: int, weight_version: str, seed: int, extra
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -58,7 +60,14 @@ def running_cpu_engine(
     for attempt in range(1, PORT_ATTEMPTS + 1):
         port = free_port()
         sup = EngineSupervisor(
-            _engine_cmd(model_path, port, max_running_requests, weight_version, seed, extra),
+            _engine_cmd(
+                model_path,
+                port,
+                max_running_requests=max_running_requests,
+                weight_version=weight_version,
+                seed=seed,
+                extra=extra,
+            ),
             url=f"http://127.0.0.1:{port}",
             name=f"cpu_engine_{port}",
             log_dir=log_dir,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -93,6 +94,20 @@ def torch_dtype(name: Any) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise RequestError(f"unknown dtype {name!r}")
     return dt
+
+
+@dataclass(frozen=True)
+class CheckedUpdate:
+    """One ``/update_weights_from_distributed`` call whose body passed its checks: what ``_receive`` receives."""
+
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    """The running model's shape of each name (``check_update``)."""
+    load_format: Optional[str]
+    """None (one broadcast per tensor) or ``"flattened_bucket"`` (one uint8 broadcast of them all)."""
+    flush: bool
+    version: Optional[str]
 
 
 class UpdateWindow:
@@ -197,9 +212,9 @@ class WeightUpdates:
             pg = init_weight_update_group(
                 addr,
                 port,
-                rank,
-                world,
-                name,
+                rank=rank,
+                world_size=world,
+                group_name=name,
                 backend=backend,
                 timeout_s=self.timeout_s,
             )
@@ -246,7 +261,8 @@ class WeightUpdates:
             return answer(False, str(e))
         if abort_all:
             self._call(lambda s: s.abort(abort_all=True))
-        fn = lambda s: self._receive(s, pg, names, dts, shapes, fmt, flush, version)  # noqa: E731
+        update = CheckedUpdate(names, dts, shapes, load_format=fmt, flush=flush, version=version)
+        fn = lambda s: self._receive(s, pg, update)  # noqa: E731
         ok, msg = self._call(fn)
         return answer(ok, msg)
 
@@ -300,12 +316,13 @@ class WeightUpdates:
             self._standby = CausalLM(self.model.spec)
         return self._standby
 
-    def _receive_staged(self, pg, names, dts, shapes, fmt) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    def _receive_staged(self, pg, update: CheckedUpdate) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
         """Engine thread: receive one update without touching the running weights. fp32 tensors land
         straight in the standby bank's views (preallocated, no copy); others (another dtype, a skipped
         name, the flattened format) in a reused staging buffer. Returns the tensors to copy in and the
         names received into the standby bank."""
-        if fmt == "flattened_bucket":
+        names, dts, shapes = update.names, update.dtypes, update.shapes
+        if update.load_format == "flattened_bucket":
             sizes = [int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dts)]
             total = sum(sizes)
             if self._flat_staging is None or self._flat_staging.numel() < total:
@@ -339,7 +356,7 @@ class WeightUpdates:
             raise first_error
         return named, banked
 
-    def _receive(self, sched: Scheduler, pg, names, dts, shapes, fmt, flush, version) -> tuple[bool, str]:
+    def _receive(self, sched: Scheduler, pg, update: CheckedUpdate) -> tuple[bool, str]:
         """Engine thread: receive the whole broadcast off the running weights, then put it in. Atomic: a
         failed receive leaves every weight as it was (the metadata was checked in ``check_update``).
         Putting it in: a weight buffer whose every view arrived (q, k and v of a fused qkv) is swapped
@@ -347,7 +364,7 @@ class WeightUpdates:
         update); a buffer that arrived in part, and anything staged elsewhere, is copied in."""
         t0 = time.monotonic()
         try:
-            named, banked = self._receive_staged(pg, names, dts, shapes, fmt)
+            named, banked = self._receive_staged(pg, update)
         except (RuntimeError, dist.DistError) as e:
             return False, f"Failed to receive weights: {e}"  # SGLang's text; here no weight changed
         t1 = time.monotonic()
@@ -365,18 +382,18 @@ class WeightUpdates:
             named += [(n, self._standby.params[n]) for n in banked if n not in swapped]
         self.model.load_weights(named)  # names and shapes were checked: cannot fail half-way
         msg = "Succeeded to update parameter online."
-        if flush and not sched.flush_cache():  # SGLang fails the update call (the weights are in)
+        if update.flush and not sched.flush_cache():  # SGLang fails the update call (the weights are in)
             log.error(FLUSH_REFUSED)
             return False, FLUSH_REFUSED
-        if version is not None:
-            sched.weight_version = version
-            msg += weight_version_note(version)
+        if update.version is not None:
+            sched.weight_version = update.version
+            msg += weight_version_note(update.version)
         log.info(
             "received %d tensors in %.3fs, put in in %.3fs (%s)",
-            len(names),
+            len(update.names),
             t1 - t0,
             time.monotonic() - t1,
-            fmt or "per-tensor",
+            update.load_format or "per-tensor",
         )
         return True, msg
 

@@ -123,34 +123,48 @@ def make_questions(kb: KnowledgeBase, *, seed: int, two_hop_fraction: float = 0.
             _q(
                 f"What is the capital of {c.name}?",
                 c.capital,
-                c.name,
-                "synth_1hop",
-                [(f"capital of {c.name}", c.capital)],
+                key_country=c.name,
+                source="synth_1hop",
+                hops=[(f"capital of {c.name}", c.capital)],
             )
         )
         out.append(
             _q(
                 f"What is the currency of {c.name}?",
                 c.currency,
-                c.name,
-                "synth_1hop",
-                [(f"currency of {c.name}", c.currency)],
+                key_country=c.name,
+                source="synth_1hop",
+                hops=[(f"currency of {c.name}", c.currency)],
             )
         )
         out.append(
-            _q(f"Who is the leader of {c.name}?", c.leader, c.name, "synth_1hop", [(f"leader of {c.name}", c.leader)])
+            _q(
+                f"Who is the leader of {c.name}?",
+                c.leader,
+                key_country=c.name,
+                source="synth_1hop",
+                hops=[(f"leader of {c.name}", c.leader)],
+            )
         )
     two_hop = []
     for person, country in kb.births.items():
-        out.append(_q(f"Where was {person} born?", country, country, "synth_1hop", [(f"{person} born", country)]))
+        out.append(
+            _q(
+                f"Where was {person} born?",
+                country,
+                key_country=country,
+                source="synth_1hop",
+                hops=[(f"{person} born", country)],
+            )
+        )
         cap = by_name[country].capital
         two_hop.append(
             _q(
                 f"What is the capital of the country where {person} was born?",
                 cap,
-                country,
-                "synth_2hop",
-                [(f"{person} born", country), (f"capital of {country}", cap)],
+                key_country=country,
+                source="synth_2hop",
+                hops=[(f"{person} born", country), (f"capital of {country}", cap)],
             )
         )
     num_two_hop = round(two_hop_fraction / max(1e-9, 1 - two_hop_fraction) * len(out))
@@ -159,7 +173,7 @@ def make_questions(kb: KnowledgeBase, *, seed: int, two_hop_fraction: float = 0.
     return out
 
 
-def _q(question: str, answer: str, key_country: str, source: str, hops: list[tuple[str, str]]) -> dict:
+def _q(question: str, answer: str, *, key_country: str, source: str, hops: list[tuple[str, str]]) -> dict:
     return {
         "question": question,
         "answers": [answer],

@@ -167,7 +167,7 @@ def _bucket_rows(
 
 
 def _weighted_nll(
-    model, pred_VH, targets_V, gen_V, pred_prefix_PH, prefix_targets_P, *, rows: int, context_weight: float
+    model, pred_VH, targets_V, *, gen_V, pred_prefix_PH, prefix_targets_P, rows: int, context_weight: float
 ):
     """Next-token loss over the real tokens (``pred_VH`` predicts ``targets_V``): generated tokens weigh 1,
     prompt/tool tokens ``context_weight`` (the shared prefix's terms times ``rows``), normalised by the total
@@ -218,9 +218,9 @@ def _batch_loss(
         model,
         pred_VH,
         targets_V,
-        gen_N[valid_N],
-        h_prefix[0, :-1],
-        prefix_P[1:],
+        gen_V=gen_N[valid_N],
+        pred_prefix_PH=h_prefix[0, :-1],
+        prefix_targets_P=prefix_P[1:],
         rows=len(batch),
         context_weight=context_weight,
     )

@@ -56,7 +56,7 @@ class _Attention(nn.Module):
         """Causal self-attention of ``x`` ``[B, T, H]`` (``cos``/``sin`` ``[T, 1, d]``). ``kv_out`` collects this
         call's keys/values (``[1, nkv, T, d]`` of a shared prefix: ``forward_buckets``' ``prefix_kv``)."""
         q, k, v = self._rotated(x, cos, sin)
-        return self.o_proj(self._attend(q, k, v, None, kv_out))
+        return self.o_proj(self._attend(q, k, v, kv_out=kv_out))
 
     def forward_buckets(self, x_NH, buckets, prefix_kv):
         """Attention of rows laid out flat: ``x_NH`` is the buckets' ``[B, S]`` rows back to back (``_Buckets``:
@@ -67,9 +67,8 @@ class _Attention(nn.Module):
                 q_b.view(B, S, self.nh, self.d),
                 k_b.view(B, S, self.nkv, self.d),
                 v_b.view(B, S, self.nkv, self.d),
-                prefix_kv,
-                None,
-                mask,
+                prefix_kv=prefix_kv,
+                mask=mask,
             ).view(B * S, -1)
             for (B, S), mask, q_b, k_b, v_b in zip(
                 buckets.shapes, buckets.masks, q.split(buckets.sizes), k.split(buckets.sizes), v.split(buckets.sizes)
@@ -91,7 +90,7 @@ class _Attention(nn.Module):
         q, k = _rope(qk, cos, sin).split((self.nh, self.nkv), dim=-2)  # q and k rotated in one pass
         return q, k, v.unflatten(-1, (self.nkv, self.d))
 
-    def _attend(self, q, k, v, prefix_kv, kv_out, mask=None):
+    def _attend(self, q, k, v, *, prefix_kv=None, kv_out=None, mask=None):
         """``q`` ``[B, T, nh, d]``, ``k``/``v`` ``[B, T, nkv, d]`` -> attention output ``[B, T, nh d]``: causal, or
         with ``prefix_kv`` (keys/values ``[1, nkv, P, d]`` shared by every row) under ``mask`` (``[T, P + T]``,
         0.0 = attend, -inf = not)."""

@@ -1,10 +1,9 @@
 """Trainer side of the weight-sync process group: rank 0 plus every engine's TP ranks.
 
 Contract
-- One group per actor pipeline stage: that stage's TP-rank-0 is rank 0 and hosts the rendezvous
-  store; engine i's TP ranks are ``rank_offset_i + tp_rank`` with ``rank_offset_0 = 1`` and
-  ``world_size = 1 + sum(engine TP sizes)``. Stage groups are told apart by name
-  (``stage_group_name``).
+- One group: the actor's global rank 0 is rank 0 and hosts the rendezvous store (at PP > 1 the other
+  stages' tensors reach it first, ``asyncrl.actor.pipeline.gather_to_rank0``); engine i's TP ranks are
+  ``rank_offset_i + tp_rank`` with ``rank_offset_0 = 1`` and ``world_size = 1 + sum(engine TP sizes)``.
 - ``WeightSyncGroup.init()``: (1) ``GET /model_info`` on every engine (an unreachable one fails at
   once, named); (2) ``POST /init_weights_update_group`` to every engine at once, on threads — each
   call blocks until everyone joined — while (3) the trainer joins as rank 0 through
@@ -97,11 +96,6 @@ def rank_offsets(engines: Sequence[EngineEndpoint]) -> list[int]:
 
 def group_world_size(engines: Sequence[EngineEndpoint]) -> int:
     return 1 + sum(e.tp_size for e in engines)
-
-
-def stage_group_name(base: str, pp_rank: int, pp_size: int) -> str:
-    """Name of the weight-sync group of pipeline stage ``pp_rank`` (just ``base`` without PP)."""
-    return base if pp_size == 1 else f"{base}_pp{pp_rank}"
 
 
 def resolve_backend(backend: str) -> str:
@@ -207,9 +201,9 @@ class WeightSyncGroup:
             _pgmod.init_weight_update_group,
             addr,
             port,
-            0,
-            world,
-            self.group_name,
+            rank=0,
+            world_size=world,
+            group_name=self.group_name,
             backend=self.backend,
             timeout_s=timeout_s,
             collective_timeout_s=self.cfg.broadcast_timeout_s,

@@ -61,8 +61,8 @@ Contract
                           hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
     result = syncer.sync(actor.iter_hf_buckets(cfg.sync.bucket_bytes), version=step)
 
-Pipeline parallelism: each stage has its own group (``stage_group_name``); the coordinator runs
-``pause`` and ``finish`` once, and each stage leader runs ``push_buckets`` on its own group.
+Pipeline parallelism: one group still; the actor's ``iter_hf_buckets`` brings every stage's tensors to global
+rank 0 (``asyncrl.actor.pipeline.gather_to_rank0``), which pushes them all.
 """
 
 from __future__ import annotations

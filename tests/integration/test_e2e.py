@@ -315,6 +315,6 @@ def _probe_logprob(model_dir: Path) -> float:
 
     m = load_model(model_dir)
     ids = torch.tensor(PROBE_IDS)
-    h = m.forward(ids, torch.tensor([0]), torch.tensor([len(PROBE_IDS)]), KVPool(m.spec, 1), 0)
+    h = m.forward(ids, torch.tensor([0]), torch.tensor([len(PROBE_IDS)]), KVPool(m.spec, 1), row0=0)
     lp = torch.log_softmax(m.logits(h).double(), dim=-1)
     return float(sum(lp[i, PROBE_IDS[i + 1]] for i in range(len(PROBE_IDS) - 1)))

@@ -311,7 +311,9 @@ def test_bad_weight_update_is_rejected_before_the_collective_and_writes_nothing(
                     timeout_s=60,
                 )
             )
-            pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, "val", timeout_s=60)
+            pg = await asyncio.to_thread(
+                init_weight_update_group, "127.0.0.1", port, rank=0, world_size=2, group_name="val", timeout_s=60
+            )
             assert (await join)["success"] is True
             await RawEngine(c.url).post("/begin_weight_update")
             good = {

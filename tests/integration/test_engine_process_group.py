@@ -27,7 +27,9 @@ def _member(rank: int, world_size: int, ports: list[int], default_port: int | No
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{default_port}", rank=0, world_size=1)
         results = []
         for round_, port in enumerate(ports):  # join, use, destroy, join again (same name)
-            pg = init_weight_update_group("127.0.0.1", port, rank, world_size, "wug", timeout_s=60)
+            pg = init_weight_update_group(
+                "127.0.0.1", port, rank=rank, world_size=world_size, group_name="wug", timeout_s=60
+            )
             assert pg is not dist.GroupMember.WORLD
             t = torch.arange(4, dtype=torch.float32) * (round_ + 1) if rank == 0 else torch.zeros(4)
             dist.broadcast(t, group_src=0, group=pg)
@@ -80,4 +82,4 @@ def test_group_timeout_names_the_address():
 
     port = free_port()
     with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
-        init_weight_update_group("127.0.0.1", port, 0, 2, "lonely", timeout_s=1.0)
+        init_weight_update_group("127.0.0.1", port, rank=0, world_size=2, group_name="lonely", timeout_s=1.0)

@@ -28,7 +28,7 @@ def _greedy(model_dir, n=8) -> list[int]:
     ids = list(PROMPT)
     for _ in range(n):
         kv = KVPool(m.spec, 1)
-        h = m.forward(torch.tensor(ids), torch.tensor([0]), torch.tensor([len(ids)]), kv, 0)
+        h = m.forward(torch.tensor(ids), torch.tensor([0]), torch.tensor([len(ids)]), kv, row0=0)
         ids.append(int(m.logits(h[-1]).argmax()))
     return ids[len(PROMPT) :]
 
@@ -69,7 +69,9 @@ def test_trainer_pushes_weights_and_version(tmp_path):
                     timeout_s=60,
                 )
             )
-            pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, "wsync", timeout_s=60)
+            pg = await asyncio.to_thread(
+                init_weight_update_group, "127.0.0.1", port, rank=0, world_size=2, group_name="wsync", timeout_s=60
+            )
             assert (await join)["success"] is True
             await RawEngine(c.url).post("/begin_weight_update")
             for bucket, fmt in buckets:
@@ -138,7 +140,9 @@ def test_standby_bank_swaps_whole_buffers_copies_parts_and_a_failed_receive_chan
                 timeout_s=60,
             )
         )
-        pg = await asyncio.to_thread(init_weight_update_group, "127.0.0.1", port, 0, 2, group, timeout_s=60)
+        pg = await asyncio.to_thread(
+            init_weight_update_group, "127.0.0.1", port, rank=0, world_size=2, group_name=group, timeout_s=60
+        )
         assert (await task)["success"] is True
         return pg
 

@@ -31,7 +31,8 @@ def test_broadcast_timeout_is_separate_from_the_join_timeout():
     port = free_port()
     peer_code = (
         "import time, sys; from asyncrl.cluster.weight_update_group import init_weight_update_group;"
-        f"time.sleep({PEER_DELAY_S}); pg = init_weight_update_group('127.0.0.1', {port}, 0, 2, 'wug_t',"
+        f"time.sleep({PEER_DELAY_S}); pg = init_weight_update_group('127.0.0.1', {port}, rank=0, world_size=2,"
+        " group_name='wug_t',"
         f" timeout_s={JOIN_S}); print('joined', flush=True); time.sleep({JOIN_S})"
     )
     peer = subprocess.Popen(
@@ -44,7 +45,13 @@ def test_broadcast_timeout_is_separate_from_the_join_timeout():
     try:
         t0 = time.monotonic()
         pg = init_weight_update_group(
-            "127.0.0.1", port, 1, 2, "wug_t", timeout_s=JOIN_S, collective_timeout_s=BROADCAST_S
+            "127.0.0.1",
+            port,
+            rank=1,
+            world_size=2,
+            group_name="wug_t",
+            timeout_s=JOIN_S,
+            collective_timeout_s=BROADCAST_S,
         )
         joined_s = time.monotonic() - t0
         assert joined_s >= PEER_DELAY_S - 0.5  # the join outlived the broadcast timeout and succeeded

@@ -126,7 +126,7 @@ def test_plain_decoder_and_cpu_engine_agree_on_the_shared_features(tmp_path, ext
     with torch.no_grad():
         ours = TorchDecoder.from_pretrained(path)(ids)[0]
         eng = load_model(path)
-        h = eng.forward(ids[0], torch.tensor([0]), torch.tensor([ids.shape[1]]), KVPool(eng.spec, 1), 0)
+        h = eng.forward(ids[0], torch.tensor([0]), torch.tensor([ids.shape[1]]), KVPool(eng.spec, 1), row0=0)
         theirs = eng.logits(h)
     assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
     transformers = pytest.importorskip("transformers")

@@ -145,18 +145,18 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
     kv = KVPool(model.spec, max_rows=3)
-    full = torch.log_softmax(model.logits(model.forward(ids[0], torch.tensor([0]), torch.tensor([24]), kv, 0)), -1)
+    full = torch.log_softmax(model.logits(model.forward(ids[0], torch.tensor([0]), torch.tensor([24]), kv, row0=0)), -1)
     # log-probs reach about -20 here; float32 rounding grows with that scale and differs between processors and
     # kernels: allow LOGPROB_REL x max|ref| (measured worst |diff| 1.2e-5 = 6e-7 of the scale, default and avx2)
     tol = LOGPROB_REL * ref.abs().max().item()
     assert (full - ref).abs().max().item() < tol
     # one mixed batch (decode rows lead): row 0 decodes token 17 after 17 cached, row 1 continues with 14 tokens
     # after a prefix of 10, row 2 is a shorter fresh request (rows 1 and 2 attend as a padded block)
-    model.forward(ids[0, :17], torch.tensor([0]), torch.tensor([17]), kv, 0)
-    model.forward(ids[0, :10], torch.tensor([0]), torch.tensor([10]), kv, 1)
+    model.forward(ids[0, :17], torch.tensor([0]), torch.tensor([17]), kv, row0=0)
+    model.forward(ids[0, :10], torch.tensor([0]), torch.tensor([10]), kv, row0=1)
     other = ids[:, 3:9]
     toks = torch.cat((ids[0, 17:18], ids[0, 10:], other[0]))
-    h = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, 0)
+    h = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, row0=0)
     assert h.shape == (21, 64)
     assert (torch.log_softmax(model.logits(h[0]), -1) - ref[17]).abs().max().item() < tol
     assert (torch.log_softmax(model.logits(h[1:15]), -1) - ref[10:]).abs().max().item() < tol
@@ -166,7 +166,7 @@ def test_cpu_model_matches_transformers(tmp_path, arch):
     assert (torch.log_softmax(model.logits(h[15:]), -1) - ref_other).abs().max().item() < other_tol
     # last_only (the engine's sampling path): the same batch again (it rewrites the same KV) gives each row's last
     # token alone, equal to the full forward's
-    h_last = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, 0, last_only=True)
+    h_last = model.forward(toks, torch.tensor([17, 10, 0]), torch.tensor([1, 14, 6]), kv, row0=0, last_only=True)
     assert h_last.shape == (3, 64)
     assert torch.allclose(h_last, h[[0, 14, 20]], atol=1e-5)
 
@@ -193,10 +193,10 @@ def test_decode_attention_matches_a_per_row_reference(tmp_path):
     vc.copy_(torch.randn(vc.shape, generator=g))
     past_B = torch.tensor([7, 0, 12, 3, 9])  # rows 1..5 of the pool (row0 = 1), each decoding one token
     R = past_B.shape[0]
-    plan = model._plan(past_B, torch.ones(R, dtype=torch.long), kv, 1, False)
+    plan = model._plan(past_B, torch.ones(R, dtype=torch.long), kv, row0=1, last_only=False)
     assert plan.num_decode == R and plan.dec_L == 13
     q_RHd = torch.randn(R, nh, d, generator=g)
-    got = model._one_query(q_RHd, kc, vc, 1, plan.dec_L, plan.dec_bias)
+    got = model._one_query(q_RHd, kc, vc, r0=1, L=plan.dec_L, bias_R11L=plan.dec_bias)
     want = torch.empty(R, nh, d)
     for b in range(R):
         n = int(past_B[b]) + 1  # the cached keys and the new token's own

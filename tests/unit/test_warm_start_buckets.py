@@ -16,7 +16,14 @@ def _padded_loss_and_grads(model, batch, prefix, P):
     h_prefix, h_rows = model.hidden_states_shared_prefix(prefix, rows)
     pred = torch.cat((h_prefix[:, -1:].expand(rows.shape[0], -1, -1), h_rows[:, :-1]), dim=1)
     loss = ws._weighted_nll(
-        model, pred[valid], rows[valid], gen[valid], h_prefix[0, :-1], prefix[1:], rows=len(batch), context_weight=0.3
+        model,
+        pred[valid],
+        rows[valid],
+        gen_V=gen[valid],
+        pred_prefix_PH=h_prefix[0, :-1],
+        prefix_targets_P=prefix[1:],
+        rows=len(batch),
+        context_weight=0.3,
     )
     return loss, torch.autograd.grad(loss, list(model.parameters()))
 

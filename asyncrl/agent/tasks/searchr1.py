@@ -90,13 +90,13 @@ def format_passages(docs: Sequence[dict]) -> str:
     return "".join(lines)
 
 
-def format_observation(docs: Sequence[dict]) -> str:
-    """The information block appended after a search (loss mask 0)."""
-    return f"\n\n<information>{format_passages(docs).strip()}</information>\n\n"
-
-
 OBSERVATION_HEAD = "\n\n<information>"
 OBSERVATION_TAIL = "</information>\n\n"
+
+
+def format_observation(docs: Sequence[dict]) -> str:
+    """The information block appended after a search (loss mask 0)."""
+    return f"{OBSERVATION_HEAD}{format_passages(docs).strip()}{OBSERVATION_TAIL}"
 
 
 def normalize_answer(text: str) -> str:
@@ -132,7 +132,6 @@ class SearchR1Task:
     name = "searchr1"
     stop = STOP
     invalid_action_message = INVALID_ACTION_MESSAGE
-    observation_head = OBSERVATION_HEAD
     observation_tail = OBSERVATION_TAIL
 
     def build_prompt(self, question: str, *, chat_template: bool = False, tokenizer: Any = None) -> str:
