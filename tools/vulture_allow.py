@@ -2,8 +2,8 @@
 beside asyncrl/, never imported. Vulture matches by name, so each line marks a name as used; each says WHY.
 
 Add a name here only with its reason; remove it when its reason goes. Groups: called by a library or by name
-(vulture cannot see it), read by the tests or benchmarks (vulture scans asyncrl/ alone), and names in files other
-engineers own for now (``# pending: lead``).
+(vulture cannot see it), read by the tests or benchmarks (vulture scans asyncrl/ alone), and vulture's false alarms
+(a numpy flag set, a list extended in place).
 """
 
 # ruff: noqa: B018  (each line is an expression on purpose: vulture counts it as a use of the name)
@@ -61,4 +61,3 @@ _.inflight_group_ids  # broker/core.py BrokerCore: tests/unit/test_broker_core*.
 _.is_inflight  # broker/core.py BrokerCore: tests/unit/test_broker_core_indexes.py, benchmarks/simulate.py, scale.py
 _.writeable  # broker/wire.py: numpy's ndarray.flags.writeable, set to make _NO_VERSIONS read-only
 _.pieces  # broker/wire.py _fresh_pieces: the caller's list, extended in place (pieces += ...), not unused
-_.read_jsonl  # pending: lead. trainer/writers.py: nothing in the repo calls it (dead)

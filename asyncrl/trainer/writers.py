@@ -112,8 +112,3 @@ def format_console_line(metrics: dict[str, float], step: int, max_steps: int | N
         if key in metrics:
             parts.append(f"{short} {metrics[key]:.4g}")
     return " | ".join(parts)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
