@@ -11,7 +11,7 @@ teacher-forced; ``exact`` is the fraction whose whole ``<answer> NAME </answer>`
 token by token (argmax), ``token`` the fraction of those tokens, ``query`` the fraction of search queries predicted
 whole (after their first token). ``train_*``: the same on training rows; a gap between the two is memorized
 training facts, which RL's held-out accuracy does not get. It needs no engine and takes ~4 s, so a recipe can be
-judged in the minutes of its warm start instead of a full run (``configs/tiny.toml`` records what it showed).
+judged in the minutes of its warm start instead of a full run (``docs/first_run_history.md`` records what it showed).
 
 Measured 2026-12-03 (2 EPYC cores; README first run, ``benchmarks/first_run.py``): the 4-layer recipe (1200
 steps at 2e-3) reaches exact 0.013 / 0.18 / 0.46 / 0.58 / 0.67 / 0.65 at steps 300 / 600 / 800 / 900 / 1000 /

@@ -326,7 +326,8 @@ class PrepareConfig:
     sft_weight_decay: float = 0.1
     """AdamW's decoupled weight decay in the warm start (every parameter). It keeps the tiny model from memorizing
     the training entities' facts, so it learns to copy them from the retrieved documents instead, which is what
-    carries over to held-out questions (measured on the embedded default, 2026-12-05: ``configs/tiny.toml``)."""
+    carries over to held-out questions (measured on the embedded default, 2026-12-05:
+    ``docs/first_run_history.md``)."""
     sft_context_loss_weight: float = 0.3
     """Weight of the next-token loss on prompt and tool tokens (the demos' generated tokens weigh 1):
     the retrieved documents repeat names, which teaches the tiny model to copy much sooner."""
