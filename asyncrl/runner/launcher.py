@@ -40,6 +40,7 @@ from asyncrl.cluster import process
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.config import Config, ConfigError, load_config, validate
 from asyncrl.config.derive import explain
+from asyncrl.config.flags import flag_answer, unknown_flags
 from asyncrl.config.placement import Placement, parse_placement
 from asyncrl.config.render import render_config
 from asyncrl.config.validate import check_inputs, job_world_size
@@ -77,6 +78,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("config", help="TOML config, e.g. configs/tiny.toml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides (TOML literals)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
+    argv = sys.argv[1:] if argv is None else argv
+    flags = unknown_flags(argv, [o for a in p._actions for o in a.option_strings])
+    if flags:  # a Miles flag or a key written as a flag: answered with the override it means (exit 2)
+        p.error(
+            "settings are key.sub=value overrides after the TOML, not flags:\n  "
+            + "\n  ".join(flag_answer(*f) for f in flags)
+        )
     return p.parse_intermixed_args(argv)  # key=value overrides before or after --dry-run
 
 
