@@ -193,3 +193,16 @@ def hf_state_to_megatron(hf_sd: dict[str, torch.Tensor], spec: ModelSpec, *, tp:
 def megatron_state_to_hf(mg_sd: dict[str, torch.Tensor], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in mg_sd.items():
         yield from megatron_to_hf(name, t, spec)
+
+
+if __name__ == "__main__":  # ``python -m asyncrl.actor.convert``: this module is the mapping, not the CLI
+    import sys
+
+    print(
+        "asyncrl.actor.convert is the HF <-> Megatron tensor mapping (a library; it runs nothing). The converter:\n"
+        "  python -m asyncrl.actor.convert_cli hf-to-actor --hf DIR --out CKPT [--tp N]\n"
+        "  python -m asyncrl.actor.convert_cli actor-to-hf --ckpt CKPT --out DIR\n"
+        "  python -m asyncrl.actor.convert_cli --help",
+        file=sys.stderr,
+    )
+    sys.exit(2)

@@ -115,7 +115,20 @@ def build_section(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _parse_override_value(raw: str) -> Any:
+def key_types(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """Every settable dotted key (``runner.max_steps``) -> its annotation, sections expanded, in schema order."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in _NOT_KEYS:
+            continue
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        out.update(key_types(tp, key) if dataclasses.is_dataclass(tp) else {key: tp})
+    return out
+
+
+def parse_override_value(raw: str) -> Any:
     """Values are TOML literals (``4``, ``true``, ``"x"``, ``[1, 2]``); bare words are strings."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
@@ -138,7 +151,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key}: '{p}' is not a table")
-        node[parts[-1]] = _parse_override_value(raw.strip())
+        node[parts[-1]] = parse_override_value(raw.strip())
     return data
 
 

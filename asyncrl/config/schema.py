@@ -332,8 +332,8 @@ class PrepareConfig:
     """Weight of the next-token loss on prompt and tool tokens (the demos' generated tokens weigh 1):
     the retrieved documents repeat names, which teaches the tiny model to copy much sooner."""
     num_threads: int = 0
-    """CPU threads of the warm start (0 = every core this process may use: the other ranks only
-    wait for it)."""
+    """CPU threads of the warm start (0 = chosen at its start: the cores this process may use that the load
+    average leaves idle, at least 1; the choice and its reason are logged; the other ranks only wait for it)."""
     sft_matmul_dtype: str = "float32"
     """Precision of the warm start's matrix products: "float32", or "bfloat16" (weights, optimizer, attention,
     norms and the loss stay float32; the linear layers take bfloat16 inputs, accumulating in float32). Only

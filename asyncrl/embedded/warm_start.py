@@ -8,7 +8,8 @@ Contract
   (``asyncrl.models.torch_decoder``, one process, before any Megatron world exists) on fresh demonstrations
   (``prepare.sft_*``), writes the HF checkpoint into ``out_dir`` and returns its loss figures. Only
   ``prepare.sft_correct_fraction`` of the demos search and copy the right answer, so RL has room to improve.
-  Deterministic for a given ``prepare.seed``.
+  Deterministic for a given ``prepare.seed``. Its torch threads: ``choose_threads`` (pure) from the load average at
+  its start, unless ``prepare.num_threads`` sets them; one log line says how many and why.
 
 Called by ``asyncrl.runner.prepare.prepare_if_needed`` (the stages and their markers)::
 
@@ -267,6 +268,39 @@ def _train(
     return losses
 
 
+def choose_threads(*, requested: int, usable: int, cpus: int, load: Optional[float]) -> tuple[int, str]:
+    """The warm start's torch thread count, and why in words (pure).
+
+    ``requested``: ``prepare.num_threads`` (0: choose); ``usable``: the cores this process may run on
+    (``sched_getaffinity``); ``cpus``: the machine's (``os.cpu_count()``, what the load average counts over);
+    ``load``: the 1-minute load average (None: unknown). This process is up to one of the runnable tasks (it has
+    been building the demonstrations); the rest is other work. It gets as many threads as cores stay idle of that
+    work, rounded, at least 1 and at most ``usable``: a thread more than the idle cores waits on the others at every
+    matrix product (measured, 2 cores shared by other jobs at load 7-14: 2.2-3 s a step on one thread, 7-9 s on
+    two)."""
+    if requested:
+        return requested, f"prepare.num_threads = {requested}"
+    if load is None:
+        return usable, f"every usable core ({usable}; no load average on this system)"
+    idle = cpus - max(0.0, load - 1.0)
+    n = max(1, min(usable, int(idle + 0.5)))
+    why = f"load average {load:.1f} on {cpus} CPUs (this process counts for up to 1) leaves {max(0.0, idle):.1f} idle"
+    if n == usable:
+        return n, f"every usable core ({usable}): {why}"
+    return n, f"{n} of {usable} usable cores: {why}; more threads would oversubscribe (prepare.num_threads sets it)"
+
+
+def _thread_choice(requested: int) -> tuple[int, str]:
+    """``choose_threads`` on this machine, now."""
+    cpus = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    try:
+        load: Optional[float] = os.getloadavg()[0]
+    except (OSError, AttributeError):  # not on every platform
+        load = None
+    return choose_threads(requested=requested, usable=usable, cpus=cpus, load=load)
+
+
 def warm_start(
     cfg,
     *,
@@ -293,11 +327,13 @@ def warm_start(
     P = min(_common_prefix_len([ids for ids, _ in examples]), min(len(ids) for ids, _ in examples) - 1)
     prefix_P = torch.tensor(examples[0][0][:P], dtype=torch.long)
     threads_before = torch.get_num_threads()
-    # One process on every core. Measured (2026-12-03, 2 EPYC cores, the 3-layer default): data-parallel over two
+    # One process on the idle cores. Measured (2026-12-03, 2 EPYC cores, the 3-layer default): data-parallel over two
     # single-threaded processes (gloo, each half of every batch, gradients summed) ran at 0.18-0.19 s/step
     # against 0.17-0.18 here (300 steps, interleaved twice), so it was not adopted. (An A/B under torchrun first
     # showed 0.84 of this time, but there torchrun's OMP_NUM_THREADS=1 handicapped the one-process side.)
-    torch.set_num_threads(p.num_threads or len(os.sched_getaffinity(0)))
+    threads, why = _thread_choice(p.num_threads)
+    log.info("prepare: warm start on %d torch thread(s): %s", threads, why)
+    torch.set_num_threads(threads)
     dtype = matmul_dtype(p.sft_matmul_dtype)
     log.info(
         "prepare: warm start of %d steps on %d demos (shared prefix %d tokens, %d threads, %s products)",

@@ -7,6 +7,9 @@ Contract
   plan and the actor's per-rank memory estimate on each node's first process, then exits 0 on every
   rank; with a node rank in the environment (``GROUP_RANK`` as torchrun sets it, ``NODE_RANK``,
   ``SLURM_NODEID``) also that node's own rows.
+- A model the actor cannot run (``actor.model_path``: a ``model_type`` other than qwen2, qwen3, llama, or a
+  feature ``asyncrl.models.spec.require`` refuses), or the CPU engine cannot (``rollout.model_path``), is a config
+  error too, dry run or not, naming the key and the field (``check_models``).
 - A GPU job (``rollout.rollout_backend = "sglang"``) whose actor estimate exceeds
   ``cluster.device_memory_gb`` (times ``asyncrl.actor.memory.USABLE_FRACTION``) is refused like a
   bad config, dry run or not; the error names the keys that shrink it.
@@ -37,6 +40,7 @@ from asyncrl.cluster import process
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.config import Config, ConfigError, load_config, validate
 from asyncrl.config.derive import explain
+from asyncrl.config.flags import flag_answer, unknown_flags
 from asyncrl.config.placement import Placement, parse_placement
 from asyncrl.config.render import render_config
 from asyncrl.config.validate import check_inputs, job_world_size
@@ -74,6 +78,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("config", help="TOML config, e.g. configs/tiny.toml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides (TOML literals)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
+    argv = sys.argv[1:] if argv is None else argv
+    flags = unknown_flags(argv, [o for a in p._actions for o in a.option_strings])
+    if flags:  # a Miles flag or a key written as a flag: answered with the override it means (exit 2)
+        p.error(
+            "settings are key.sub=value overrides after the TOML, not flags:\n  "
+            + "\n  ".join(flag_answer(*f) for f in flags)
+        )
     return p.parse_intermixed_args(argv)  # key=value overrides before or after --dry-run
 
 
@@ -185,22 +196,21 @@ def _model_shape(model_path: str) -> tuple[ModelShape | None, str]:
 
 
 def check_models(cfg: Config) -> None:
-    """A model the actor or the CPU engine cannot run is a config error before any process starts, naming the key
-    and the field (``asyncrl.models.spec.require``). Paths without a config.json yet (made by ``prepare``, or
-    downloaded later) and configs that do not parse are left to the loaders, which report them."""
+    """A model the actor or the CPU engine cannot run is a config error before any process starts (dry run or not),
+    naming the key and the field: a ``model_type`` outside the family both run (qwen2, qwen3, llama), any other
+    field ``ModelSpec`` refuses, or what only that consumer lacks (``asyncrl.models.spec.require``). The actor
+    always loads ``actor.model_path``; ``rollout.model_path`` is checked for the CPU engine only (SGLang runs
+    many more families). Paths without a config.json yet (made by ``prepare``, or downloaded later) are left to
+    the loaders, which report them."""
     checks = [("actor.model_path", cfg.actor.model_path, ACTOR)]
     if cfg.rollout.rollout_backend == "cpu":
         checks.append(("rollout.model_path", cfg.rollout.model_path or cfg.actor.model_path, CPU_ENGINE))
     for key, path, consumer in checks:
         if not (Path(path) / "config.json").is_file():
             continue
-        try:
-            spec = ModelSpec.from_pretrained(path)
-        except (ValueError, KeyError, TypeError):
-            continue  # _model_shape warns; the loader fails with the field named
-        try:
-            require(spec, consumer)
-        except ValueError as e:
+        try:  # the consumer's own loader reads it the same way, and would fail the same way, later
+            require(ModelSpec.from_pretrained(path), consumer)
+        except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{key}: {e}") from None
 
 
@@ -264,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         placement = parse_placement(
             cfg.cluster.component_placement, world_size=world, engine_tp=cfg.rollout.tensor_parallel_size
         )
+        check_models(cfg)  # before the memory estimate, which reads the same config.json
         memory_line = actor_memory(cfg, placement)
-        check_models(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -72,13 +72,15 @@ def test_missing_model_path_fails_before_any_process_starts(tmp_path):
 
 @pytest.mark.slow
 def test_rank_failure_stops_job_and_children(tmp_path):
-    """The engine cannot load its model (a checkpoint directory with a broken config.json passes the start-up
-    path check): the rollout rank fails after the broker started; the whole job stops and leaves nothing."""
+    """The engine cannot load its model (a checkpoint directory with a good config.json and no weights passes the
+    start-up checks, which read config.json only): the rollout rank fails after the broker started; the whole job
+    stops and leaves nothing."""
     run_dir = tmp_path / "run"
+    inputs = _inputs(tmp_path)
     broken = tmp_path / "broken_model"
     broken.mkdir()
-    (broken / "config.json").write_text("{}")
-    cmd = _torchrun([*_inputs(tmp_path), f'rollout.model_path="{broken}"', f'logging.run_dir="{run_dir}"'])
+    (broken / "config.json").write_text((tmp_path / "model" / "config.json").read_text())
+    cmd = _torchrun([*inputs, f'rollout.model_path="{broken}"', f'logging.run_dir="{run_dir}"'])
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err)

@@ -1,6 +1,11 @@
 """HF <-> Megatron conversion: exact round trips (pure), TP sharding, the CLI, bucketing."""
 
+import argparse
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +18,7 @@ from asyncrl.actor.convert import (
     tp_merge,
     tp_shard,
 )
-from asyncrl.actor.convert_cli import main
+from asyncrl.actor.convert_cli import main, parser
 from asyncrl.actor.model import ModelSpec, padded_vocab_size
 from asyncrl.actor.names import canonical_megatron_name
 from asyncrl.models.tiny import make_tiny_checkpoint
@@ -66,6 +71,29 @@ def test_cli_round_trip(tmp_path):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "back" / f).read_bytes() == (hf / f).read_bytes()
+
+
+def test_running_the_mapping_module_points_to_the_cli():
+    """``python -m asyncrl.actor.convert --help`` printed nothing and exited 0: the module is the mapping (a library);
+    run as a script it names the CLI on stderr and exits non-zero."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    r = subprocess.run(
+        [sys.executable, "-m", "asyncrl.actor.convert", "--help"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    assert "python -m asyncrl.actor.convert_cli hf-to-actor --hf DIR --out CKPT" in r.stderr, r.stderr
+    assert "python -m asyncrl.actor.convert_cli --help" in r.stderr
+
+
+def test_every_converter_option_says_what_it_is():
+    (subs,) = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert sorted(subs.choices) == ["actor-to-hf", "hf-to-actor"]
+    assert all(c.help for c in subs._choices_actions)  # each command's line in --help
+    for name, sub in subs.choices.items():
+        options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+        assert options and all(a.help and a.metavar for a in options), name
+        assert "must equal actor.tensor_model_parallel_size" in sub.format_help() or name == "actor-to-hf"
 
 
 def test_spec_rejects_unsupported(tmp_path):

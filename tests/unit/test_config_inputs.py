@@ -56,7 +56,8 @@ def test_good_sampling_values_load():
 def _inputs(tmp: Path) -> dict[str, str]:
     model = tmp / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    shape = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", **shape}))  # one the actor runs
     for name in ("train.jsonl", "test.jsonl", "corpus.jsonl", "eval.jsonl"):
         (tmp / name).write_text(json.dumps({"question": "q", "golden_answers": ["a"]}) + "\n")
     (tmp / "my_hooks.py").write_text("def keep(groups):\n    return groups\nNOT_CALLABLE = 3\n")

@@ -176,3 +176,34 @@ def test_the_launcher_refuses_a_model_before_any_process_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout.model_path: .*rope_type='yarn' is not supported by the CPU en"):
         check_models(load_config(tiny, [f'actor.model_path="{plain}"', f'rollout.model_path="{yarn}"']))
     check_models(load_config(tiny, [f'actor.model_path="{tmp_path}/absent"']))  # made later by prepare: skipped
+
+
+def test_an_unsupported_model_type_fails_the_dry_run_naming_the_key(tmp_path, monkeypatch, capsys):
+    """A ``model_type`` outside the family (here Mistral) passed ``--dry-run`` with a warning ("actor memory not
+    estimated") and failed deep in the run; it is a config error naming the key and the model_type, on the dry run
+    and on a torchrun rank before any role starts. ``rollout.model_path`` is the CPU engine's to refuse: SGLang
+    serves other families, so a GPU config keeps it."""
+    from pathlib import Path
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.runner import launcher
+
+    tiny = Path(__file__).resolve().parents[2] / "configs/tiny.toml"
+    plain = make_tiny_checkpoint(tmp_path / "plain", arch="llama", num_hidden_layers=1, hidden_size=32)
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(json.dumps({**BASE, "model_type": "mistral"}))
+    sentence = "config.json: model_type='mistral' is not supported (supported: qwen2, qwen3, llama)"
+    assert launcher.main([str(tiny), f'actor.model_path="{mistral}"', "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: actor.model_path: {mistral}/{sentence}" in err, err
+    assert "actor memory not estimated" not in err  # the error, not a warning before it
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    started = []
+    monkeypatch.setattr("asyncrl.runner.roles.run_role", lambda ctx: started.append(ctx) or 0)
+    assert launcher.main([str(tiny), f'rollout.model_path="{mistral}"', f'actor.model_path="{plain}"']) == 2
+    assert f"config error: rollout.model_path: {mistral}/{sentence}" in capsys.readouterr().err and not started
+    gpu = [f'actor.model_path="{plain}"', f'rollout.model_path="{mistral}"', 'rollout.rollout_backend="sglang"']
+    launcher.check_models(load_config(tiny, gpu))  # SGLang's to load
+    with pytest.raises(ConfigError, match=r"^actor.model_path: .*model_type='mistral' is not supported"):
+        launcher.check_models(load_config(tiny, [f'actor.model_path="{mistral}"', 'rollout.rollout_backend="sglang"']))
