@@ -37,7 +37,9 @@ DESCRIPTIONS = {
     "broker/reissued_groups": "groups re-issued because their worker died or left",
     "broker/held_groups": "groups in flight + buffered right now (<= max_buffered_groups)",
     "engine/{}/num_running_reqs": "requests running in engine i (SGLang num_running_reqs)",
-    "engine/{}/num_queue_reqs": "requests queued in engine i (SGLang num_queue_reqs): > 0 means past saturation",
+    "engine/{}/num_queue_reqs": "requests engine i holds but is not running (SGLang num_queue_reqs): > 0 also with free "
+    "slots (retracted by a weight sync, not yet through a scheduling round, beyond one round's prefill budget, "
+    "SGLang's KV memory); past saturation only while num_running_reqs stays at the engine's maximum",
     "engine/{}/cache_hit_rate": "prefix-cache hit rate of engine i",
     "engine/{}/gen_throughput": 'generated tokens/s of engine i (SGLang gen_throughput; fed to "auto")',
     "sglang_num_running_reqs": "mean running requests per engine (Miles' name)",
@@ -67,9 +69,10 @@ DESCRIPTIONS = {
     "eval/fleet/weight_version": "the weight version the fleet evaluated",
     "reward/mean": "mean reward of the trained batch's trajectories",
     "rollout/buffer/admission_wait_inflight_limit": "fraction of the step admission was blocked by "
-    "max_inflight_groups: high = engines as loaded as allowed",
+    "max_inflight_groups alone (the buffer had room): high = engines as loaded as allowed",
     "rollout/buffer/admission_wait_buffer_full": "fraction of the step admission was blocked by "
-    "max_buffered_groups: high = training is the bottleneck",
+    "max_buffered_groups, whatever the in-flight limit (exclusive: the two add up to <= 1): high = training is "
+    "the bottleneck",
     "rollout/buffer/inflight_limit": 'the in-flight limit in force during the step (moves with "auto")',
     "rollout/buffer/inflight_limit_change": "the autotuner's change of the limit at this step (reason in the "
     "broker log)",
@@ -149,10 +152,12 @@ DESCRIPTIONS = {
 }
 
 
-def code_names() -> set[str]:
-    """Metric-like string literals (f-string parts as ``{}``) in asyncrl/."""
+def code_names(skip: tuple[Path, ...] = ()) -> set[str]:
+    """Metric-like string literals (f-string parts as ``{}``) in asyncrl/, but in the files ``skip``."""
     out = set()
     for path in (REPO / "asyncrl").rglob("*.py"):
+        if path in skip:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             s = None
             if isinstance(node, ast.Constant) and isinstance(node.value, str):

@@ -80,9 +80,9 @@ class StepFigures:
     tokens_per_s: float
     """Generated tokens per second over the step (engines' gen_throughput, else counted by the broker)."""
     wait_inflight: float
-    """rollout/buffer/admission_wait_inflight_limit of the step (fraction)."""
+    """rollout/buffer/admission_wait_inflight_limit of the step (fraction; the buffer had room)."""
     wait_buffer: float
-    """rollout/buffer/admission_wait_buffer_full of the step (fraction)."""
+    """rollout/buffer/admission_wait_buffer_full of the step (fraction; exclusive of ``wait_inflight``)."""
     running_reqs: Optional[float] = None
     """Requests running in all engines (SGLang ``num_running_reqs``, summed), when reported."""
     queue_reqs: Optional[float] = None
@@ -125,7 +125,7 @@ class AutotuneSettings:
     ramp: float = 0.1
     """A step whose mean in-flight count stays this far below the limit while neither limit binds ..."""
     binds: float = 0.3
-    """... (admission waits under this fraction) is a ramp, not a point."""
+    """... (the two admission waits together under this fraction) is a ramp, not a point."""
     merge: float = 0.04
     """Points whose x differ by less than this fraction are one point (their T averaged)."""
 
@@ -204,7 +204,7 @@ class InflightAutotuner:
         if draining:  # a lowered limit takes effect only as groups finish: measure once it has, unless ...
             return self._bursty_queue(f)  # ... a queue back-off already loses throughput on the way down
         self._backed_off = None
-        if f.mean_inflight < f.limit * (1 - s.ramp) and max(f.wait_inflight, f.wait_buffer) < s.binds:
+        if f.mean_inflight < f.limit * (1 - s.ramp) and f.wait_inflight + f.wait_buffer < s.binds:
             return None  # neither limit held admission back: in-flight still ramping up, not a point of the curve
         self._add(f)
         return self._search(f)

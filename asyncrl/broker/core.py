@@ -24,7 +24,10 @@ Contract
                      finished trajectory frees its own slot of that budget (Miles' ``sample`` granularity;
                      it binds only when max_inflight_groups > max_inflight_samples // group_size)
     buffer limit     inflight_groups + buffered_groups < max_buffered_groups
-  so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds.
+  so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds. The time admission is
+  blocked counts once (``rollout/buffer/admission_wait_*``, exclusive, summing to <= 1): to the buffer
+  limit whenever it is full (room in flight would admit nothing; training sets the pace), else to the
+  in-flight limit.
   With ``inflight_autotune`` (``max_inflight_groups = "auto"``) the in-flight limit starts at
   ``max_inflight_groups`` and ``autotune.InflightAutotuner`` moves it at every hand-off, within
   ``[1, max_buffered_groups - rollout_batch_size]``; the shell may report the engines' figures
@@ -504,11 +507,11 @@ class BrokerCore:
         if dt <= 0:
             return
         meter = self._meter
-        if self._issue_allowance() > 0:
-            if not self._inflight_ok():
-                meter.wait_inflight += dt
+        if self._issue_allowance() > 0:  # exclusive: buffer full wins (room in flight would admit nothing)
             if not self._buffer_ok():
                 meter.wait_buffer += dt
+            elif not self._inflight_ok():
+                meter.wait_inflight += dt
         meter.advance(dt, self._inflight_used(), self._engines)
         self._last_t = now
 

@@ -2,6 +2,8 @@
 
 Part of ``BrokerCore`` (``core.py``), pure: the core integrates time from its injected clock into
 ``advance`` (state is constant between two events) and reads the step's metrics at the hand-off.
+The two admission waits are exclusive (the core counts a blocked second once: buffer full, else the
+in-flight limit), so they add up to the share of the step admission was blocked, at most 1.
 RLinf's staleness (``rollout/data_staleness/*``) = actor version at the start of the step -
 group.min_version; it splits exactly into version_span = finished_version - min_version and
 queue_steps = actor version - finished_version.
@@ -30,9 +32,9 @@ class StepMeter:
         self.counts: Counter[str] = Counter()
         """Issued, dropped, retried, reissued, drop_<reason> since the last hand-off."""
         self.wait_inflight = 0.0
-        """Seconds admission was held back by the in-flight limit."""
+        """Seconds admission was held back by the in-flight limit alone (the buffer had room)."""
         self.wait_buffer = 0.0
-        """Seconds admission was held back by the buffer limit."""
+        """Seconds admission was held back by a full buffer (whatever the in-flight limit): the two are exclusive."""
         self.area = [0.0, 0.0, 0.0, 0.0]
         """Time integrals: in-flight groups, engines' running and queued requests, engines' tokens/s."""
         self.arrived_tokens = 0

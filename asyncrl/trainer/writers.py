@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from asyncrl.trainer.tb_layout import custom_scalars_layout
+
 # Keys shown on the one-line console progress, in this order, when present.
 CONSOLE_KEYS = (
     ("reward/mean", "reward"),
@@ -72,6 +74,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
+            self._tb.add_custom_scalars(custom_scalars_layout())  # CUSTOM SCALARS tab: the health charts first
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if jsonl else None  # noqa: SIM115
         self._console = (console_stream or sys.stdout) if console else None
         self._max_steps = max_steps

@@ -6,6 +6,7 @@ Asserts on the structured outputs (metrics.jsonl, TensorBoard events, summary.js
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,22 @@ def tb_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
 
 
+def assert_layout_drawn(tb: dict, *, absent: str) -> None:
+    """Every chart line of the custom-scalars layout (``asyncrl/trainer/tb_layout.py``) is drawn from a tag the run
+    wrote (TensorBoard's ``re.match`` of the chart's regexes), but ``absent``: the other mode's time split."""
+    from asyncrl.trainer.tb_layout import LAYOUT, custom_scalars_layout
+
+    built = custom_scalars_layout()
+    undrawn = [
+        name
+        for category, charts in LAYOUT
+        for title, names in charts
+        for name, rx in zip(names, built[category][title][1])
+        if name != absent and not any(re.match(rx, t) for t in tb)
+    ]
+    assert not undrawn, f"layout names the run never wrote: {undrawn}"
+
+
 def assert_eval_points_measured_their_step(tb: dict, steps: list[int]) -> None:
     missing = [m for m in SEED_METRICS_EVAL if m not in tb]
     assert not missing, f"eval metrics missing from TensorBoard: {missing}"
@@ -128,6 +145,10 @@ def test_async_steps(prepared, tmp_path, pause_mode):
     missing = [m for m in SEED_METRICS_ASYNC + ["rollout/dynamic_filter/drop_every_fifth"] if m not in tb]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert any(t.startswith("rollout/data_staleness/ratio_") for t in tb)
+    assert_layout_drawn(tb, absent="time/rollout")  # async: the actor's wait is time/wait_data
+    for x in recs:  # exclusive: a second both limits block counts once (as buffer full)
+        waits = x["rollout/buffer/admission_wait_inflight_limit"] + x["rollout/buffer/admission_wait_buffer_full"]
+        assert waits <= 1.0 + 1e-9, x
     assert sorted(tb["time/step"]) == [1, 2, 3, 4]
     calls = [json.loads(ln) for ln in (run_dir / "hook_calls.jsonl").read_text().splitlines()]
     assert [c["step"] for c in calls] == [1, 2, 3, 4] and all(c["samples"] > 0 for c in calls)
@@ -159,6 +180,7 @@ def test_sync_steps(prepared, tmp_path):
     missing = [m for m in SEED_METRICS_SYNC if m not in tb]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert "time/wait_data" not in tb  # sync mode: the wait is time/rollout, counted once
+    assert_layout_drawn(tb, absent="time/wait_data")
     for s in (1, 2, 3):  # the split adds up to (at most) the step
         parts = tb["time/rollout"][s] + tb["time/training"][s] + tb["time/sync_weights"][s]
         assert parts <= tb["time/step"][s] * 1.01 + 0.01, (s, parts, tb["time/step"][s])
