@@ -32,10 +32,10 @@ STEP_KEY = "step"  # the x axis of every metric: the same name as metrics.jsonl'
 
 class WandbSink:
     def __init__(self, settings, run_dir: Path, *, config: dict | None = None, run_id: str | None = None):
-        import wandb  # optional: check_wandb reported a missing package before any process started
-
         s = settings
         try:
+            import wandb  # optional: check_wandb reported a missing package before any process started
+
             self._run = wandb.init(
                 project=s.project,
                 entity=s.entity,
