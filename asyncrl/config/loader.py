@@ -37,6 +37,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join("none" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     if origin is not None:
         return str(tp).replace("typing.", "")
+    if dataclasses.is_dataclass(tp):
+        return "a table"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -47,6 +49,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        tables = [a for a in args if dataclasses.is_dataclass(a)]
+        if tables and isinstance(value, dict):  # an optional table: its own errors name the key inside it
+            return build_section(tables[0], value, key)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -279,6 +279,32 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """``logging.wandb``: the optional Weights & Biases sink (``pip install asyncrl[wandb]``), on actor rank 0 beside
+    TensorBoard and metrics.jsonl (same names, same steps; ``asyncrl/trainer/wandb_sink.py``). Off unless the table
+    is given; its files go to ``<run_dir>/wandb/``; the resolved config is the wandb run's config."""
+
+    project: str = "asyncrl"
+    entity: Optional[str] = None
+    """Team or user (unset: wandb's default entity of the API key)."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """``offline`` writes only the local files (``wandb sync`` uploads them later); ``disabled`` turns the sink off."""
+    name: Optional[str] = None
+    """Name of the wandb run (unset: the run directory's name)."""
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 90.0
+    """Deadline of ``wandb.init`` (online: login and run creation); the run fails at its start when it passes."""
+    finish_timeout_s: float = 300.0
+    """Longest wait for the uploads at the end of the run; what is left stays in the local files for ``wandb sync``."""
+
+    def __post_init__(self):
+        require(bool(self.project.strip()), "logging.wandb.project", "must not be empty")
+        positive(self.init_timeout_s, "logging.wandb.init_timeout_s")
+        positive(self.finish_timeout_s, "logging.wandb.finish_timeout_s")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     run_dir: str = "runs/default"
     """Run directory: resolved config, metrics.jsonl, TensorBoard events, logs, checkpoints."""
@@ -292,6 +318,8 @@ class LoggingConfig:
     """Miles ``--custom-rollout-log-function-path``: returning True skips the default logging."""
     custom_eval_rollout_log_function_path: Optional[str] = None
     """Miles ``--custom-eval-rollout-log-function-path``."""
+    wandb: Optional[WandbConfig] = None
+    """Weights & Biases, e.g. ``wandb = { project = "searchr1", mode = "offline" }`` (``WandbConfig``); unset: off."""
 
 
 SFT_MATMUL_DTYPES = ("float32", "bfloat16")
@@ -409,4 +437,5 @@ __all__ = [
     "SamplingConfig",
     "SyncConfig",
     "ToolConfig",
+    "WandbConfig",
 ]

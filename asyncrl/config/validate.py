@@ -9,6 +9,7 @@ returned as strings (the launcher prints them once, on global rank 0) and the ru
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -323,6 +324,7 @@ def check_inputs(cfg: Config) -> None:
     """Every path the run reads exists and every ``module:attr`` hook imports, before any process starts.
     Raises ``ConfigError`` naming the dotted key. Paths under ``prepare.dir`` are skipped when
     ``prepare.enabled`` (preparation makes them; the parts that load them report a missing one with its path).
+    ``logging.wandb`` needs the package (``check_wandb``).
     Not part of ``validate`` (which stays pure and I/O-free): the launcher calls both."""
     for key, path, kind in _read_paths(cfg):
         if _made_by_preparation(cfg, path):
@@ -339,6 +341,31 @@ def check_inputs(cfg: Config) -> None:
             raise ConfigError(f"{key}: {path!r} does not exist or is not a file")
     for key, spec in _hooks(cfg):
         import_hook(spec, key)
+    check_wandb(cfg)
+
+
+def check_wandb(cfg: Config) -> None:
+    """``logging.wandb`` (unless off or ``mode = "disabled"``): the package is installed and wandb's own rules accept
+    the settings (``wandb.Settings`` checks them as ``wandb.init`` would at the run's start: project name, tags)."""
+    w = cfg.logging.wandb
+    if w is None or w.mode == "disabled":
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            'logging.wandb: wandb is not installed: pip install asyncrl[wandb] (or set logging.wandb.mode = "disabled")'
+        )
+    try:
+        import wandb
+    except Exception as e:  # a broken install
+        raise ConfigError(f"logging.wandb: wandb does not import: {type(e).__name__}: {e}") from None
+    named = (("project", "project"), ("entity", "entity"), ("name", "run_name"), ("group", "run_group"))
+    for key, setting in (*named, ("tags", "run_tags")):
+        value = getattr(w, key)
+        try:
+            wandb.Settings(**{setting: tuple(value) if key == "tags" else value})
+        except Exception as e:  # wandb's UsageError, pydantic's ValidationError
+            why = "; ".join(d["msg"] for d in e.errors()) if hasattr(e, "errors") else str(e)
+            raise ConfigError(f"logging.wandb.{key}: wandb rejects {value!r}: {why}") from None
 
 
 def resolve_hook(spec: str, key: str):

@@ -1,11 +1,12 @@
 """The leader: what actor rank 0 alone does in a run, as one object; ``NullLeader``, its twin on the other actor ranks.
 
 Contract
-- ``Leader(cfg, run_dir, broker_address, engine_urls, discovery=, purge_step=)`` holds the broker client, the metrics
-  writer, the weight-sync group (joined at construction, ``WeightSyncGroup.init``) and its syncer, the engine
-  recovery, the engine scraper (its thread started), the sample filter, Miles' log hooks, the non-finite guard and
-  the run's summary; ``build_evaluators(eval_engine_urls)`` adds the shared-engine evaluator (it checks the tool
-  URLs it will call) and the eval fleet.
+- ``Leader(cfg, run_dir, broker_address, engine_urls, discovery=, purge_step=, run_id=)`` holds the broker client, the
+  metrics writer (with ``logging.wandb``, a wandb run of id ``run_id``), the weight-sync group (joined at
+  construction, ``WeightSyncGroup.init``) and its syncer, the engine recovery, the engine scraper (its thread
+  started), the sample filter, Miles' log hooks, the non-finite guard and the run's summary;
+  ``build_evaluators(eval_engine_urls)`` adds the shared-engine evaluator (it checks the tool URLs it will call) and
+  the eval fleet.
 - The step loop (``asyncrl.trainer.step_loop.Trainer``) calls the same methods on every actor rank and holds no
   ``if leader`` of its own: ``NullLeader`` answers each with nothing (no batch, no verdict, no broker state) and
   its parts are None. What needs the other ranks (collectives, leader phases) stays in the step loop.
@@ -34,6 +35,7 @@ import numpy as np
 
 from asyncrl.broker.client import BrokerClient
 from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
+from asyncrl.config.loader import to_dict
 from asyncrl.config.validate import resolve_hook as import_path
 from asyncrl.eval.backends import EngineEvaluator, engine_eval_metrics, select_backend
 from asyncrl.eval.fleet import FleetEval
@@ -84,6 +86,7 @@ class Leader:
         *,
         discovery=None,
         purge_step: int | None = None,
+        run_id: str | None = None,
     ):
         self.cfg, self.engine_urls = cfg, engine_urls
         self.broker = BrokerClient(broker_address, timeout_s=cfg.rollout.control_timeout_s)
@@ -94,6 +97,9 @@ class Leader:
             console=cfg.logging.console,
             max_steps=cfg.runner.max_steps,
             purge_step=purge_step,
+            wandb=cfg.logging.wandb,
+            config=to_dict(cfg),
+            run_id=run_id,
         )
         self.group = WeightSyncGroup(
             [EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls], cfg.sync

@@ -128,7 +128,15 @@ class Trainer:
         self.ident, self.latest, purge_step = _bcast_obj(plan)
         leader = phases.run(
             "set up the weight sync and the metrics",
-            lambda: Leader(cfg, ctx.run_dir, broker_address, engine_urls, discovery=discovery, purge_step=purge_step),
+            lambda: Leader(
+                cfg,
+                ctx.run_dir,
+                broker_address,
+                engine_urls,
+                discovery=discovery,
+                purge_step=purge_step,
+                run_id=self.ident["run_id"],
+            ),
         )
         self.leader = leader if actor_rank == 0 else NullLeader()
         built = phases.run("build the evaluator (checks the tool URLs)", lambda: self._evaluation(eval_engine_urls))

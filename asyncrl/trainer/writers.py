@@ -1,10 +1,12 @@
 """One metrics interface for every component: ``log(metrics, step)`` and ``close()``.
 
 Backends: TensorBoard event files (readable by tensorboard's EventAccumulator), a JSONL file in
-the run directory (one record per step: ``{"step": n, "time": t, <name>: value, ...}``) and one
-fixed-format console line per step. Keys are slash-namespaced (``rollout/data_staleness/mean``).
-A configured sink that fails raises: silent metric loss is worse than a crash. ``purge_step=n`` (a
-resumed run) drops the records of steps >= n from metrics.jsonl and TensorBoard before writing.
+the run directory (one record per step: ``{"step": n, "time": t, <name>: value, ...}``), one
+fixed-format console line per step and, with ``wandb=`` (``logging.wandb``), a Weights & Biases run with the same
+names at the same steps (``asyncrl.trainer.wandb_sink``). Keys are slash-namespaced (``rollout/data_staleness/mean``).
+A configured sink that fails raises: silent metric loss is worse than a crash (wandb fails at construction, so at
+the run's start). ``purge_step=n`` (a resumed run) drops the records of steps >= n from metrics.jsonl and
+TensorBoard before writing.
 
     w = MetricsWriter("runs/x", tensorboard=True, jsonl=True, console=True)
     w.log({"reward/mean": 0.4, "time/step": 1.2}, step=3)
@@ -62,7 +64,12 @@ class MetricsWriter:
         console_stream: TextIO | None = None,
         max_steps: int | None = None,
         purge_step: int | None = None,
+        wandb=None,
+        config: dict | None = None,
+        run_id: str | None = None,
     ):
+        """``wandb``: a ``WandbConfig`` (None or ``mode = "disabled"``: no wandb run); ``config`` (the resolved config)
+        and ``run_id`` (the run's id) are the wandb run's config and id."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._tb = None
@@ -79,6 +86,15 @@ class MetricsWriter:
         self._console = (console_stream or sys.stdout) if console else None
         self._max_steps = max_steps
         self._t0 = time.time()
+        self._wandb = None
+        if wandb is not None and wandb.mode != "disabled":  # last: a sink that fails to start fails the run
+            from asyncrl.trainer.wandb_sink import WandbSink
+
+            try:
+                self._wandb = WandbSink(wandb, self.run_dir, config=config, run_id=run_id)
+            except Exception:
+                self.close()
+                raise
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {}
@@ -95,6 +111,8 @@ class MetricsWriter:
             rec.update({k: (x if math.isfinite(x) else str(x)) for k, x in clean.items()})
             self._jsonl.write(json.dumps(rec) + "\n")
             self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step)
         if self._console is not None:
             self._console.write(format_console_line(clean, step, self._max_steps) + "\n")
             self._console.flush()
@@ -106,6 +124,9 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def format_console_line(metrics: dict[str, float], step: int, max_steps: int | None = None) -> str:

@@ -42,6 +42,15 @@ class ChecksumEval(CheckpointEvalFn):
         }
 
 
+class LateChecksumEval(ChecksumEval):
+    """A point that finishes only once the last step's record is in metrics.jsonl: it is logged after that record,
+    at its own earlier step (a record whose step is below the one before it)."""
+
+    def evaluate_checkpoint(self, checkpoint_dir, input):  # noqa: A002
+        wait_for_record(Path(self.cfg.logging.run_dir), self.cfg.runner.max_steps)
+        return super().evaluate_checkpoint(checkpoint_dir, input)
+
+
 class EverySkipReasonEval(ChecksumEval):
     """Every skip reason of Miles' page really happening in one run (``eval.eval_interval = 1``,
     ``eval.eval_overflow_policy = "skip"``, ``eval.eval_max_in_flight = 4``, ``runner.max_steps = 6``, a plain
