@@ -211,18 +211,15 @@ class Leader:
         step: the broker issues no new prompt meanwhile (in-flight groups finish); ``release=False`` leaves issuing
         held (the run ends). Logged at ``step`` as ``eval/test/*``; its summary is returned and kept in the run's
         summary as ``eval_before`` / ``eval_after``."""
-        t0 = time.perf_counter()
-        result: dict = {}
-        if not release:
-            self.broker.hold_issuing()  # for good: the run ends
-        if self.cfg.data.test_path:
-            if release:
-                self.broker.hold_issuing()
-            try:
-                result = self.evaluator.evaluate({"test": self.cfg.data.test_path})["test"]
-            finally:
-                if release:
-                    self.broker.release_issuing()
+        t0, test = time.perf_counter(), self.cfg.data.test_path
+        held = bool(test) or not release  # at the end issuing stays held, with or without a test set
+        if held:
+            self.broker.hold_issuing()
+        try:
+            result = self.evaluator.evaluate({"test": test})["test"] if test else {}
+        finally:
+            if held and release:
+                self.broker.release_issuing()
         if result:
             m = engine_eval_metrics({"test": result})
             m["eval/time_seconds"] = time.perf_counter() - t0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 from asyncrl.trainer.tb_layout import custom_scalars_layout
+from asyncrl.trainer.wandb_sink import WandbSink  # light: it imports wandb itself, only when a run starts
 
 # Keys shown on the one-line console progress, in this order, when present.
 CONSOLE_KEYS = (
@@ -88,8 +89,6 @@ class MetricsWriter:
         self._t0 = time.time()
         self._wandb = None
         if wandb is not None and wandb.mode != "disabled":  # last: a sink that fails to start fails the run
-            from asyncrl.trainer.wandb_sink import WandbSink
-
             try:
                 self._wandb = WandbSink(wandb, self.run_dir, config=config, run_id=run_id)
             except Exception:
