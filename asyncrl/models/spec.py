@@ -2,13 +2,15 @@
 
 Contract
 - ``ModelSpec.from_hf_config(hf, generation_config=None, where="config.json")`` reads the decoder
-  family every part runs (Qwen2/Qwen2.5, Qwen3, Llama: SwiGLU, RMSNorm, RoPE, grouped-query attention).
+  family every part runs (Qwen2/Qwen2.5, Qwen3, Llama: SwiGLU, RMSNorm, RoPE, grouped-query attention) and
+  Qwen3-MoE (``qwen3_moe``: Qwen3's attention, top-k routed SwiGLU experts, ``num_experts`` > 0).
   A missing or ill-typed field, or a model outside that family (``model_type``, ``hidden_act``,
   ``mlp_bias``, ``use_sliding_window``), is a ValueError naming ``where`` and the field.
   ``ModelSpec.from_pretrained(dir)`` reads ``dir/config.json`` (+ ``generation_config.json`` for the EOS ids).
 - What one consumer cannot run is refused by that consumer, the same way everywhere:
   ``require(spec, ACTOR | CPU_ENGINE | TORCH_DECODER)`` raises a ValueError naming the field, the value,
-  the consumer and what it supports. Today: RoPE scaling (``linear``, ``llama3``) runs on the CPU engine and
+  the consumer and what it supports. Today: mixture-of-experts models run in the actor and the CPU engine, not
+  in the plain-PyTorch decoder (the warm start); RoPE scaling (``linear``, ``llama3``) runs on the CPU engine and
   the plain-PyTorch decoder, not in the actor (megatron-core's plain RoPE); an ``o_proj`` bias (Llama/Qwen3
   ``attention_bias``) likewise. Every consumer refuses other RoPE types (``yarn``, ``dynamic``, ...).
   The launcher applies the same refusal before any process starts (``asyncrl.runner.launcher.check_models``).
@@ -26,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
+"""Mixture-of-experts families: Qwen3's decoder with a top-k routed SwiGLU expert MLP (no shared expert)."""
 ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE variants ``asyncrl.models.rope`` computes (``default`` = plain RoPE, stored as ``rope_scaling = None``)."""
 _ROPE_KEYS = {
@@ -70,6 +74,28 @@ class ModelSpec:
     """``eos_token_id`` of config.json then generation_config.json (int or list), in order, no repeats."""
     source: str = field(default="config.json", compare=False)
     """Where it was read (named in the errors of ``require``)."""
+    num_experts: int = 0
+    """``num_experts`` (``num_local_experts`` as transformers 5 writes it); 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """``num_experts_per_tok``: the router's top-k."""
+    moe_ffn_hidden_size: int = 0
+    """``moe_intermediate_size``: each expert's SwiGLU width (dense layers keep ``ffn_hidden_size``)."""
+    norm_topk_prob: bool = False
+    """``norm_topk_prob``: the top-k routing probabilities renormalised to sum to 1 (softmax over the top-k
+    logits); otherwise they are the full softmax's values, unnormalised."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the sparse (MoE) layers: layer ``i`` is sparse unless ``i`` is in ``mlp_only_layers``, and only
+    when ``(i + 1) % decoder_sparse_step == 0`` (HF's rule); the others are dense SwiGLU layers."""
+    router_aux_loss_coef: float = 0.0
+    """``router_aux_loss_coef``: weight of the load-balancing loss (the actor's default for
+    ``actor.moe_aux_loss_coeff``)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
     @classmethod
     def from_hf_config(
@@ -192,6 +218,7 @@ def parse_hf_config(
         )
     theta, scaling = _rope(hf, where)
     attention_bias = bool(hf.get("attention_bias", False))
+    moe = _moe(hf, where) if mt in MOE_MODEL_TYPES else {}
     return ModelSpec(
         model_type=mt,
         vocab_size=_int(hf, "vocab_size", where),
@@ -207,11 +234,48 @@ def parse_hf_config(
         max_position_embeddings=_int(hf, "max_position_embeddings", where, default=4096),
         qkv_bias=mt == "qwen2" or attention_bias,
         o_bias=mt != "qwen2" and attention_bias,
-        qk_norm=mt == "qwen3",
+        qk_norm=mt in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(hf, generation_config),
         source=where,
+        **moe,
     )
+
+
+def _moe(hf: dict, where: str) -> dict[str, Any]:
+    """The MoE fields of a ``qwen3_moe`` config.json (see ``ModelSpec``); errors name the field."""
+    if hf.get("num_experts") is not None:
+        n_exp = _int(hf, "num_experts", where)
+    else:  # transformers 5 writes the count as num_local_experts
+        n_exp = _int(hf, "num_local_experts", where)
+    topk = _int(hf, "num_experts_per_tok", where)
+    if topk > n_exp:
+        raise ValueError(f"{where}: num_experts_per_tok={topk} is larger than num_experts={n_exp}")
+    layers = _int(hf, "num_hidden_layers", where)
+    step = _int(hf, "decoder_sparse_step", where, default=1)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise ValueError(f"{where}: mlp_only_layers={only!r} must be a list of layer indices")
+    bad = [i for i in only if not 0 <= i < layers]
+    if bad:
+        raise ValueError(f"{where}: mlp_only_layers has {bad}, outside the {layers} layers")
+    for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"):
+        if hf.get(key):
+            raise ValueError(f"{where}: {key}={hf[key]!r}: shared experts are not supported (Qwen3-MoE has none)")
+    coef = hf.get("router_aux_loss_coef", 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise ValueError(f"{where}: router_aux_loss_coef={coef!r} must be a number >= 0")
+    sparse = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
+    if not sparse:
+        raise ValueError(f"{where}: no layer is sparse (mlp_only_layers={only}, decoder_sparse_step={step})")
+    return {
+        "num_experts": n_exp,
+        "num_experts_per_tok": topk,
+        "moe_ffn_hidden_size": _int(hf, "moe_intermediate_size", where),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe_layers": sparse,
+        "router_aux_loss_coef": float(coef),
+    }
 
 
 # ------------------------------------------------------------------------------------------- consumers
@@ -222,11 +286,12 @@ class Consumer:
     name: str
     rope_types: tuple[str, ...]
     o_bias: bool
+    moe: bool = True
 
 
 ACTOR = Consumer("the actor (megatron-core)", rope_types=("default",), o_bias=False)
 CPU_ENGINE = Consumer("the CPU engine", rope_types=ROPE_TYPES, o_bias=True)
-TORCH_DECODER = Consumer("the plain-PyTorch decoder (warm start)", rope_types=ROPE_TYPES, o_bias=True)
+TORCH_DECODER = Consumer("the plain-PyTorch decoder (warm start)", rope_types=ROPE_TYPES, o_bias=True, moe=False)
 
 
 def require(spec: ModelSpec, consumer: Consumer) -> ModelSpec:
@@ -241,5 +306,10 @@ def require(spec: ModelSpec, consumer: Consumer) -> ModelSpec:
     if spec.o_bias and not consumer.o_bias:
         raise ValueError(
             f"{where}: attention_bias=true ({spec.model_type}: an o_proj bias) is not supported by {consumer.name}"
+        )
+    if spec.is_moe and not consumer.moe:
+        raise ValueError(
+            f"{where}: model_type={spec.model_type!r} (mixture of experts) is not supported by {consumer.name} "
+            f"(dense models only)"
         )
     return spec

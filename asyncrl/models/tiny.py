@@ -1,10 +1,13 @@
 """Tiny HF-format checkpoints with random weights, for tests and CPU runs.
 
-``python -m asyncrl.models.tiny --out DIR [--corpus FILE] [--arch qwen2|llama|qwen3] [--seed S]``
+``python -m asyncrl.models.tiny --out DIR [--corpus FILE] [--arch qwen2|llama|qwen3|qwen3_moe] [--seed S]``
 writes ``config.json``, ``model.safetensors`` (HF parameter names), ``tokenizer.json`` (byte-level
 BPE trained with ``tokenizers`` on the corpus or on a built-in text), ``tokenizer_config.json``,
 ``special_tokens_map.json`` and ``generation_config.json``. The result loads with
 ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and with the actor's converter.
+``qwen3_moe`` is a tiny Qwen3-MoE (``Qwen3MoeForCausalLM``): 8 experts of width 64, top-2, renormalised top-k
+probabilities, every layer sparse; its experts are stored one by one (``mlp.experts.<e>.{gate,up,down}_proj``,
+the layout of the published Qwen3-MoE checkpoints and of ``save_pretrained``) beside the router ``mlp.gate``.
 
 Python API::
 
@@ -30,7 +33,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from asyncrl.models.safetensors_io import save_safetensors
 from asyncrl.models.spec import ModelSpec
 
-ARCHES = ("qwen2", "llama", "qwen3")
+ARCHES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 # Special tokens first so their ids are small and stable: 0, 1, 2.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -133,6 +136,25 @@ def _base_config(arch: str) -> dict[str, Any]:
             "sliding_window": None,
             "max_window_layers": 4,
         }
+    if arch == "qwen3_moe":
+        return {
+            **common,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": 32,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": False,
+        }
     if arch == "llama":
         return {
             **common,
@@ -209,6 +231,13 @@ def _hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.is_moe_layer(i):
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (spec.moe_ffn_hidden_size, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (spec.moe_ffn_hidden_size, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, spec.moe_ffn_hidden_size)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (ffn, h)
         shapes[p + "mlp.up_proj.weight"] = (ffn, h)
         shapes[p + "mlp.down_proj.weight"] = (h, ffn)
@@ -241,7 +270,7 @@ def _config(arch: str, tokenizer_vocab: int, overrides: dict[str, Any]) -> dict[
     cfg = _base_config(arch)
     cfg["vocab_size"] = tokenizer_vocab
     cfg.update(overrides)
-    if arch in ("qwen2", "qwen3") and "num_hidden_layers" in overrides and "max_window_layers" not in overrides:
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and "num_hidden_layers" in overrides and "max_window_layers" not in overrides:
         cfg["max_window_layers"] = cfg["num_hidden_layers"]
     if cfg["vocab_size"] < tokenizer_vocab:
         raise ValueError(f"vocab_size={cfg['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab} tokens")
