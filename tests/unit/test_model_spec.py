@@ -193,7 +193,7 @@ def test_an_unsupported_model_type_fails_the_dry_run_naming_the_key(tmp_path, mo
     mistral = tmp_path / "mistral"
     mistral.mkdir()
     (mistral / "config.json").write_text(json.dumps({**BASE, "model_type": "mistral"}))
-    sentence = "config.json: model_type='mistral' is not supported (supported: qwen2, qwen3, llama)"
+    sentence = "config.json: model_type='mistral' is not supported (supported: qwen2, qwen3, llama, qwen3_moe)"
     assert launcher.main([str(tiny), f'actor.model_path="{mistral}"', "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert f"config error: actor.model_path: {mistral}/{sentence}" in err, err
