@@ -166,6 +166,13 @@ class ActorConfig:
     """HF checkpoint (config.json, safetensors, tokenizer) the actor starts from."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    """Experts split over this many actor ranks (Megatron's EP; mixture-of-experts models only): each rank of an EP
+    group holds ``num_experts / EP`` experts and tokens reach them by all-to-all. The experts' tensor parallelism is
+    ``tensor_model_parallel_size``; TP x EP x PP must divide the actor ranks."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """Weight of the router's load-balancing loss in the training loss (MoE models only); default: the model's
+    ``router_aux_loss_coef`` (config.json). 0 reports the loss without training on it."""
     params_dtype: Literal["fp32", "bf16"] = "bf16"
     """Training dtype; CPU runs always use fp32."""
     lr: float = 1e-6
@@ -198,6 +205,9 @@ class ActorConfig:
         positive(self.recompute_num_layers, "actor.recompute_num_layers")
         positive(self.tensor_model_parallel_size, "actor.tensor_model_parallel_size")
         positive(self.pipeline_model_parallel_size, "actor.pipeline_model_parallel_size")
+        positive(self.expert_model_parallel_size, "actor.expert_model_parallel_size")
+        if self.moe_aux_loss_coeff is not None:
+            non_negative(self.moe_aux_loss_coeff, "actor.moe_aux_loss_coeff")
         positive(self.lr, "actor.lr")
         require(
             0.0 <= self.min_lr <= self.lr,
