@@ -352,6 +352,9 @@ class PrepareConfig:
     names are single tokens, the warm start needed ~1.5x the steps to reach the same reward)."""
     hidden_size: int = 128
     num_layers: int = 4
+    arch: Literal["qwen2", "qwen3_moe"] = "qwen2"
+    """Family of the tiny checkpoint: ``qwen2`` (dense), or ``qwen3_moe`` (every layer 8 experts of width
+    ``hidden_size / 2``, top-2: the embedded run of a mixture-of-experts model, ``configs/tiny_moe.toml``)."""
     sft_steps: int = 300
     """Supervised warm-start steps on synthetic demonstrations."""
     sft_lr: float = 3e-3

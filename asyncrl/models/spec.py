@@ -9,8 +9,7 @@ Contract
   ``ModelSpec.from_pretrained(dir)`` reads ``dir/config.json`` (+ ``generation_config.json`` for the EOS ids).
 - What one consumer cannot run is refused by that consumer, the same way everywhere:
   ``require(spec, ACTOR | CPU_ENGINE | TORCH_DECODER)`` raises a ValueError naming the field, the value,
-  the consumer and what it supports. Today: mixture-of-experts models run in the actor and the CPU engine, not
-  in the plain-PyTorch decoder (the warm start); RoPE scaling (``linear``, ``llama3``) runs on the CPU engine and
+  the consumer and what it supports. Today: RoPE scaling (``linear``, ``llama3``) runs on the CPU engine and
   the plain-PyTorch decoder, not in the actor (megatron-core's plain RoPE); an ``o_proj`` bias (Llama/Qwen3
   ``attention_bias``) likewise. Every consumer refuses other RoPE types (``yarn``, ``dynamic``, ...).
   The launcher applies the same refusal before any process starts (``asyncrl.runner.launcher.check_models``).
@@ -286,12 +285,11 @@ class Consumer:
     name: str
     rope_types: tuple[str, ...]
     o_bias: bool
-    moe: bool = True
 
 
 ACTOR = Consumer("the actor (megatron-core)", rope_types=("default",), o_bias=False)
 CPU_ENGINE = Consumer("the CPU engine", rope_types=ROPE_TYPES, o_bias=True)
-TORCH_DECODER = Consumer("the plain-PyTorch decoder (warm start)", rope_types=ROPE_TYPES, o_bias=True, moe=False)
+TORCH_DECODER = Consumer("the plain-PyTorch decoder (warm start)", rope_types=ROPE_TYPES, o_bias=True)
 
 
 def require(spec: ModelSpec, consumer: Consumer) -> ModelSpec:
@@ -306,10 +304,5 @@ def require(spec: ModelSpec, consumer: Consumer) -> ModelSpec:
     if spec.o_bias and not consumer.o_bias:
         raise ValueError(
             f"{where}: attention_bias=true ({spec.model_type}: an o_proj bias) is not supported by {consumer.name}"
-        )
-    if spec.is_moe and not consumer.moe:
-        raise ValueError(
-            f"{where}: model_type={spec.model_type!r} (mixture of experts) is not supported by {consumer.name} "
-            f"(dense models only)"
         )
     return spec

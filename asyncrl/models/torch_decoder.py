@@ -1,4 +1,4 @@
-"""A trainable plain-PyTorch decoder with HF parameter names (Qwen2 / Qwen3 / Llama).
+"""A trainable plain-PyTorch decoder with HF parameter names (Qwen2 / Qwen3 / Llama / Qwen3-MoE).
 
 Used for the embedded default's supervised warm start (one process, before the Megatron world
 exists: ``hidden_states_buckets`` runs a batch's rows after their shared prompt prefix, in buckets of similar
@@ -147,9 +147,8 @@ class _Buckets:
 
 
 class _MLP(nn.Module):
-    def __init__(self, s: ModelSpec):
+    def __init__(self, h: int, f: int):
         super().__init__()
-        h, f = s.hidden_size, s.ffn_hidden_size
         self.gate_proj = nn.Linear(h, f, bias=False)
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
@@ -159,13 +158,40 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class _Layer(nn.Module):
+class _SparseMoE(nn.Module):
+    """Qwen3-MoE's expert MLP: the router ``gate`` scores every expert (softmax in float32), each token goes to its
+    top-k experts (their probabilities renormalised to sum to 1 when ``norm_topk_prob``) and gets their outputs
+    weighted by those probabilities. Each expert runs once, on the tokens routed to it."""
+
     def __init__(self, s: ModelSpec):
+        super().__init__()
+        self.gate = nn.Linear(s.hidden_size, s.num_experts, bias=False)
+        self.experts = nn.ModuleList(_MLP(s.hidden_size, s.moe_ffn_hidden_size) for _ in range(s.num_experts))
+        self.top_k, self.renormalize = s.num_experts_per_tok, s.norm_topk_prob
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat).float(), dim=-1)
+        weight, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)  # an expert without tokens still runs (on none):
+            out = out.index_add(
+                0, rows, expert(flat[rows]) * weight[rows, slot, None]
+            )  # its gradient is zero, not None
+        return out.view_as(x)
+
+
+class _Layer(nn.Module):
+    def __init__(self, s: ModelSpec, index: int):
         super().__init__()
         self.input_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.self_attn = _Attention(s)
         self.post_attention_layernorm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = _MLP(s)
+        self.mlp = _SparseMoE(s) if s.is_moe_layer(index) else _MLP(s.hidden_size, s.ffn_hidden_size)
 
     def forward(self, x, cos, sin, kv_out=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_out)
@@ -180,7 +206,7 @@ class _Body(nn.Module):
     def __init__(self, s: ModelSpec):
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(_Layer(s) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(_Layer(s, i) for i in range(s.num_layers))
         self.norm = _RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 

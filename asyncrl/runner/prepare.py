@@ -1,7 +1,8 @@
 """Preparation of the embedded default, made on first use and cached under ``prepare.dir``.
 
     dir/data/{corpus,train,test}.jsonl (+ .parquet, tokenizer_text.txt)   synthetic search-QA
-    dir/model/                                                            tiny Qwen2, random weights,
+    dir/model/                                                            tiny Qwen2 (or Qwen3-MoE:
+                                                                          ``prepare.arch``), random weights,
                                                                           tokenizer trained on the data
     dir/model_sft/                                                        supervised warm start on
                                                                           synthetic demonstrations
@@ -41,6 +42,8 @@ def recipes(cfg) -> dict[str, dict]:
     p, a = cfg.prepare, cfg.agentloop
     data = {"seed": p.seed, "num_entities": p.num_entities}
     model = data | {"vocab_size": p.vocab_size, "hidden_size": p.hidden_size, "num_layers": p.num_layers}
+    if p.arch != "qwen2":  # recorded only when not the default: the dense default's cached stages stay valid
+        model["arch"] = p.arch
     sft_keys = "steps lr batch_size correct_fraction wrong_copy_fraction weight_decay context_loss_weight matmul_dtype"
     sft = model | {f"sft_{k}": getattr(p, f"sft_{k}") for k in sft_keys.split()}
     sft |= {
@@ -99,18 +102,20 @@ def prepare_if_needed(cfg, *, upto: str = "model_sft") -> dict[str, Path]:
         log.info("prepare: synthetic data in %s (%.1fs)", data, time.time() - t0)
     if base in stages and not _done(base):
         t0 = time.time()
+        moe = {"moe_intermediate_size": p.hidden_size // 2} if p.arch == "qwen3_moe" else {}
         make_tiny_checkpoint(
             base,
-            arch="qwen2",
+            arch=p.arch,
             corpus_path=data / "tokenizer_text.txt",
             seed=p.seed,
             vocab_size=p.vocab_size,
             hidden_size=p.hidden_size,
             num_hidden_layers=p.num_layers,
             intermediate_size=p.hidden_size * 11 // 4,
+            **moe,
         )
         _mark(base, made["model"])
-        log.info("prepare: tiny Qwen2 checkpoint in %s (%.1fs)", base, time.time() - t0)
+        log.info("prepare: tiny %s checkpoint in %s (%.1fs)", p.arch, base, time.time() - t0)
     if sft in stages and not _done(sft):
         t0 = time.time()
         stats = warm_start(cfg, data_dir=data, base_dir=base, out_dir=sft)

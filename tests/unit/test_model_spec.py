@@ -207,3 +207,46 @@ def test_an_unsupported_model_type_fails_the_dry_run_naming_the_key(tmp_path, mo
     launcher.check_models(load_config(tiny, gpu))  # SGLang's to load
     with pytest.raises(ConfigError, match=r"^actor.model_path: .*model_type='mistral' is not supported"):
         launcher.check_models(load_config(tiny, [f'actor.model_path="{mistral}"', 'rollout.rollout_backend="sglang"']))
+
+
+MOE = {
+    **BASE,
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "norm_topk_prob": True,
+}
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"num_experts": None}, "num_local_experts is missing"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 is larger than num_experts=4"),
+        ({"moe_intermediate_size": None}, "moe_intermediate_size is missing"),
+        ({"mlp_only_layers": [2]}, "mlp_only_layers has [2], outside the 2 layers"),
+        ({"mlp_only_layers": "0"}, "mlp_only_layers='0' must be a list of layer indices"),
+        ({"mlp_only_layers": [0, 1]}, "no layer is sparse"),
+        ({"shared_expert_intermediate_size": 8}, "shared_expert_intermediate_size=8: shared experts are not supported"),
+        ({"router_aux_loss_coef": -1}, "router_aux_loss_coef=-1 must be a number >= 0"),
+    ],
+)
+def test_moe_parse_errors_name_the_field(change, field):
+    hf = {k: v for k, v in {**MOE, **change}.items() if v is not None}
+    with pytest.raises(ValueError) as e:
+        ModelSpec.from_hf_config(hf, where="m/config.json")
+    assert str(e.value).startswith("m/config.json: ") and field in str(e.value), str(e.value)
+
+
+def test_moe_fields_follow_hf_rules():
+    """Sparse layers by HF's rule (``mlp_only_layers`` dense, then every ``decoder_sparse_step``-th layer), the
+    count under either name (transformers 5 writes ``num_local_experts``), the aux-loss coefficient's default."""
+    spec = ModelSpec.from_hf_config({**MOE, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert spec.is_moe and spec.moe_layers == (1, 5) and spec.num_experts == 4 and spec.qk_norm
+    assert [spec.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert spec.router_aux_loss_coef == 0.001 and spec.norm_topk_prob and spec.moe_ffn_hidden_size == 16
+    local = {k: v for k, v in MOE.items() if k != "num_experts"} | {"num_local_experts": 8}
+    assert ModelSpec.from_hf_config(local).num_experts == 8
+    dense = ModelSpec.from_hf_config(BASE)
+    assert not dense.is_moe and dense.moe_layers == () and not dense.is_moe_layer(0)

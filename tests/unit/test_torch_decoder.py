@@ -21,7 +21,16 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, *, rel: 
     assert err <= rel * scale, f"max |diff| {err:.3g} > {rel:g} x max |expected| {scale:.3g}"
 
 
-@pytest.mark.parametrize("arch,extra", [("qwen2", {}), ("llama", {"tie_word_embeddings": True}), ("qwen3", {})])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        ("qwen2", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("qwen3", {}),
+        ("qwen3_moe", {}),
+        ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": False}),  # a dense layer; unnormalised top-k
+    ],
+)
 def test_logits_match_transformers_and_round_trip(tmp_path, arch, extra):
     transformers = pytest.importorskip("transformers")
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=3, num_hidden_layers=2, **extra)
@@ -43,7 +52,7 @@ def test_logits_match_transformers_and_round_trip(tmp_path, arch, extra):
         assert k1 == k2 and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 def test_shared_prefix_equals_full_rows_values_and_gradients(tmp_path, arch):
     path = make_tiny_checkpoint(tmp_path / arch, arch=arch, seed=5, num_hidden_layers=2)
     model = TorchDecoder.from_pretrained(path)
@@ -75,7 +84,7 @@ def test_shared_prefix_equals_full_rows_values_and_gradients(tmp_path, arch):
             assert_close_to_scale(a, b, rel=GRAD_REL)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
 def test_buckets_equal_each_sequence_alone(tmp_path, arch):
     """Buckets of right-padded rows (``hidden_states_buckets``: linear layers over all tokens at once,
     attention per bucket) give each sequence the hidden states and gradients of running ``prefix + sequence``
