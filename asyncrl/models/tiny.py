@@ -270,7 +270,11 @@ def _config(arch: str, tokenizer_vocab: int, overrides: dict[str, Any]) -> dict[
     cfg = _base_config(arch)
     cfg["vocab_size"] = tokenizer_vocab
     cfg.update(overrides)
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and "num_hidden_layers" in overrides and "max_window_layers" not in overrides:
+    if (
+        arch in ("qwen2", "qwen3", "qwen3_moe")
+        and "num_hidden_layers" in overrides
+        and "max_window_layers" not in overrides
+    ):
         cfg["max_window_layers"] = cfg["num_hidden_layers"]
     if cfg["vocab_size"] < tokenizer_vocab:
         raise ValueError(f"vocab_size={cfg['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab} tokens")
