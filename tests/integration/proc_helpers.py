@@ -188,8 +188,16 @@ def tiny_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def tiny_cmd(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, torchrun_args: tuple[str, ...] = ()) -> list[str]:
-    """``torchrun --nproc_per_node N --master_port <free> [torchrun_args] launch/train.py configs/tiny.toml ...``."""
+def tiny_cmd(
+    prep: Path,
+    run_dir: Path,
+    *extra: str,
+    nproc: int = 2,
+    torchrun_args: tuple[str, ...] = (),
+    config: str = "configs/tiny.toml",
+) -> list[str]:
+    """``torchrun --nproc_per_node N --master_port <free> [torchrun_args] launch/train.py <config> ...`` (``config``:
+    configs/tiny.toml or a variant of it, such as configs/tiny_moe.toml)."""
     return [
         sys.executable,
         "-m",
@@ -200,20 +208,26 @@ def tiny_cmd(prep: Path, run_dir: Path, *extra: str, nproc: int = 2, torchrun_ar
         str(free_port()),
         *torchrun_args,
         str(TRAIN),
-        "configs/tiny.toml",
+        config,
         *tiny_overrides(prep, run_dir, *extra),
     ]
 
 
 def run_job(
-    prep: Path, run_dir: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None, timeout_s: float = 300
+    prep: Path,
+    run_dir: Path,
+    *extra: str,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300,
+    config: str = "configs/tiny.toml",
 ) -> subprocess.CompletedProcess:
     """A job of the embedded default run to its end (``extra``: overrides); its exit status and output. A job still
     running after ``timeout_s`` is killed (its ranks follow their agent: the parent watchdog) and the error carries
     the last lines it printed, so a hang in CI shows where it hung."""
     try:
         return subprocess.run(
-            tiny_cmd(prep, run_dir, *extra, nproc=nproc),
+            tiny_cmd(prep, run_dir, *extra, nproc=nproc, config=config),
             cwd=REPO,
             env=env or tiny_env(),
             capture_output=True,
