@@ -96,75 +96,58 @@ def _builtin_text() -> str:
     return "\n".join(lines)
 
 
+_COMMON = {
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "attention_dropout": 0.0,
+    "torch_dtype": "float32",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+}
+_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 4}
+_QWEN3 = {"head_dim": 32, "attention_bias": False, **_QWEN_WINDOW}
+_FAMILY: dict[str, dict[str, Any]] = {
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_QWEN_WINDOW},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_QWEN3},
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **_QWEN3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+    },
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+    },
+}
+"""config.json fields of each family beyond ``_COMMON``."""
+
+
 def _base_config(arch: str) -> dict[str, Any]:
-    common: dict[str, Any] = {
-        "hidden_size": 128,
-        "intermediate_size": 352,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "attention_dropout": 0.0,
-        "torch_dtype": "float32",
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "pad_token_id": 0,
-    }
-    if arch == "qwen2":
-        return {
-            **common,
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": 4,
-        }
-    if arch == "qwen3":
-        return {
-            **common,
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "head_dim": 32,
-            "attention_bias": False,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": 4,
-        }
-    if arch == "qwen3_moe":
-        return {
-            **common,
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "head_dim": 32,
-            "attention_bias": False,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": 4,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 64,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "router_aux_loss_coef": 0.001,
-            "output_router_logits": False,
-        }
-    if arch == "llama":
-        return {
-            **common,
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
-        }
-    raise ValueError(f"arch={arch!r} is not one of {ARCHES}")
+    if arch not in _FAMILY:
+        raise ValueError(f"arch={arch!r} is not one of {ARCHES}")
+    return {**_COMMON, **_FAMILY[arch]}
 
 
 def _train_tokenizer(text: str, vocab_size: int):
