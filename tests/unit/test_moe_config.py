@@ -1,5 +1,5 @@
 """Mixture-of-experts settings before any process starts (issue #40): the expert grid, the checks against the model,
-the plan and the per-rank memory estimate with experts per EP rank.
+the plan and the per-rank memory estimate with experts per EP rank, and configs/qwen3_30b_a3b.toml's dry run.
 
 The parameter and activation figures of the small spec below are worked out by hand in the comments; a real tiny
 Qwen3-MoE checkpoint checks the count of every tensor at TP = EP = 1."""
@@ -7,6 +7,9 @@ Qwen3-MoE checkpoint checks the count of every tensor at TP = EP = 1."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from asyncrl.runner import launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/tiny.toml"
+QWEN3_30B = ROOT / "configs/qwen3_30b_a3b.toml"
 
 # hidden 16, 2 heads of 8, 1 KV head, 4 experts of width 8 (top-2), layer 0 sparse, layer 1 dense (width 48)
 SMALL = {
@@ -203,3 +207,32 @@ def test_dry_run_prints_the_expert_grid_and_the_experts_per_rank(models, capsys,
     dense = [str(TINY), place, "cluster.num_devices_per_node=5", f'actor.model_path="{models["dense"]}"']
     assert launcher.main([*dense, "--dry-run"]) == 0
     assert "experts" not in capsys.readouterr().out  # a dense plan and estimate as before
+
+
+def _clean_env() -> dict[str, str]:
+    drop = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR", "GROUP_RANK", "NODE_RANK")
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+
+
+def test_qwen3_30b_a3b_config_dry_run():
+    """The shipped config, through the real entry point as the other GPU configs are: the seed's placement (actor
+    on node 0 with EP 8, one SGLang engine over node 1's 8 GPUs), the experts per EP rank in the estimate, and the
+    refusal at 80 GB that names EP among the keys that shrink it."""
+    train = [sys.executable, str(ROOT / "launch/train.py"), str(QWEN3_30B), "--dry-run"]
+    r = subprocess.run(train, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "# plan: 16 ranks, mode async, 1 engine(s), actor TP 1 x PP 1 x DP 8; experts EP 8 x expert-DP 1" in out
+    assert "16 of the 128 experts of each MoE layer on a rank" in out
+    assert "\n7     0     actor    cuda:7        actor rank 7/8\n" in out
+    assert "\n8     1     rollout  cuda:0        engine 0 (SGLang server, TP 8) launcher + agent worker\n" in out
+    memory = next(line for line in out.splitlines() if line.startswith("# actor memory"))
+    assert "the known shape of Qwen3-30B-A3B" in memory and "in 16 of the 128 experts of each MoE layer" in memory
+    total = float(memory.split("-> total ")[1].split(" GiB")[0])
+    assert 0.9 * 80 < total < 0.9 * 141 and "fits 126.9 GiB" in memory  # an H200 fits it, an 80 GB GPU does not
+    cfg = load_config(QWEN3_30B)
+    assert cfg.runner.async_mode and cfg.rollout.tensor_parallel_size == 8 and cfg.actor.expert_model_parallel_size == 8
+    small = subprocess.run(
+        [*train, "cluster.device_memory_gb=80"], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300
+    )
+    assert small.returncode == 2 and "actor.expert_model_parallel_size" in small.stderr, small.stderr
