@@ -165,7 +165,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, name) for name in _BYTE_TERMS)
+        return self.weights + self.grads + self.optimizer + self.ref_weights + self.activations + self.logits
 
     def render(self) -> str:
         unit, div = ("GiB", GIB) if self.total >= GIB else ("MiB", 1024**2)
