@@ -134,7 +134,8 @@ _PLAN_HEADER = "rank  node  role     device        detail"
 
 
 def render_plan(cfg: Config, placement: Placement, *, num_experts: int = 0) -> str:
-    """The plan table under its head line; ``num_experts`` (of the actor's model; 0: dense) adds the experts' grid."""
+    """The plan table under its head line; ``num_experts`` (of the actor's model; 0: dense or not known) adds the
+    experts' grid and their count on a rank (the grid alone with EP > 1 and a model not known yet)."""
     rows = [_PLAN_HEADER] + [row for _, row in _plan_rows(cfg, placement)]
     mode = "async" if cfg.runner.async_mode else "sync"
     tp, pp = cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size
@@ -143,12 +144,11 @@ def render_plan(cfg: Config, placement: Placement, *, num_experts: int = 0) -> s
         f"# plan: {placement.world_size} ranks, mode {mode}, {len(placement.engines)} engine(s), "
         f"actor TP {tp} x PP {pp} x DP {dp}"
     )
+    ep = cfg.actor.expert_model_parallel_size
+    if num_experts or ep > 1:  # EP > 1 with a model not read yet (made by prepare): the grid without the count
+        head += f"; experts EP {ep} x expert-DP {dp // ep} (expert TP = TP {tp})"
     if num_experts:
-        ep = cfg.actor.expert_model_parallel_size
-        head += (
-            f"; experts EP {ep} x expert-DP {dp // ep} (expert TP = TP {tp}): "
-            f"{num_experts // ep} of the {num_experts} experts of each MoE layer on a rank"
-        )
+        head += f": {num_experts // ep} of the {num_experts} experts of each MoE layer on a rank"
     return head + "\n" + "\n".join(rows) + "\n"
 
 

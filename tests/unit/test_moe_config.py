@@ -207,6 +207,11 @@ def test_dry_run_prints_the_expert_grid_and_the_experts_per_rank(models, capsys,
     dense = [str(TINY), place, "cluster.num_devices_per_node=5", f'actor.model_path="{models["dense"]}"']
     assert launcher.main([*dense, "--dry-run"]) == 0
     assert "experts" not in capsys.readouterr().out  # a dense plan and estimate as before
+    # EP set and a model not read yet (configs/tiny_moe.toml's is made by prepare): the grid without the count
+    absent = f'actor.model_path="{models["moe"].parent / "absent"}"'
+    assert launcher.main([str(ROOT / "configs/tiny_moe.toml"), absent, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "actor TP 1 x PP 1 x DP 2; experts EP 2 x expert-DP 1 (expert TP = TP 1)\n" in out
 
 
 def _clean_env() -> dict[str, str]:
