@@ -86,12 +86,21 @@ def _validate_mode(cfg: Config) -> None:
 
 
 def _validate_parallelism(cfg: Config, placement) -> None:
+    """The actor's grids as megatron-core's ``initialize_model_parallel`` forms them: TP x PP divides the actor
+    ranks (DP = the quotient), and so does the experts' grid, expert TP x EP x PP, where the experts' TP is the
+    actor's TP (its default; the actor keeps it): expert-DP = actor ranks / (TP x EP x PP). Whether the model has
+    experts, and how many EP must divide, is checked where the model is read (``launcher.check_models``)."""
+    a = cfg.actor
     n_actor = len(placement.actor_ranks)
-    mp = cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size
-    if n_actor % mp:
+    tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
+    if n_actor % (tp * pp):
         raise ConfigError(
-            f"actor.tensor_model_parallel_size: TP {cfg.actor.tensor_model_parallel_size} x PP "
-            f"{cfg.actor.pipeline_model_parallel_size} = {mp} does not divide the {n_actor} actor devices"
+            f"actor.tensor_model_parallel_size: TP {tp} x PP {pp} = {tp * pp} does not divide the {n_actor} actor devices"
+        )
+    if n_actor % (tp * ep * pp):
+        raise ConfigError(
+            f"actor.expert_model_parallel_size: TP {tp} x EP {ep} x PP {pp} = {tp * ep * pp} does not divide the "
+            f"{n_actor} actor devices (megatron-core's expert grid: the experts' TP is actor.tensor_model_parallel_size)"
         )
 
 

@@ -4,12 +4,16 @@ Contract
 - Every rank loads and validates the same TOML (+ ``key=value`` overrides); a bad config fails
   here, on every rank, before any process starts (exit code 2, the error names the key).
 - ``--dry-run`` prints the resolved config (derived values marked) and the rank -> role -> device
-  plan and the actor's per-rank memory estimate on each node's first process, then exits 0 on every
+  plan (with the experts' grid for an MoE model: EP x expert-DP, expert TP = TP) and the actor's per-rank
+  memory estimate (an MoE model's dense part and the rank's ``num_experts / EP`` experts) on each node's first process, then exits 0 on every
   rank; with a node rank in the environment (``GROUP_RANK`` as torchrun sets it, ``NODE_RANK``,
   ``SLURM_NODEID``) also that node's own rows.
-- A model the actor cannot run (``actor.model_path``: a ``model_type`` other than qwen2, qwen3, llama, or a
-  feature ``asyncrl.models.spec.require`` refuses), or the CPU engine cannot (``rollout.model_path``), is a config
-  error too, dry run or not, naming the key and the field (``check_models``).
+- A model the actor cannot run (``actor.model_path``: a ``model_type`` other than qwen2, qwen3, llama, qwen3_moe,
+  or a feature ``asyncrl.models.spec.require`` refuses), or the CPU engine cannot (``rollout.model_path``), is a
+  config error too, dry run or not, naming the key and the field (``check_models``); so are the expert settings
+  the actor's model does not fit: ``actor.expert_model_parallel_size`` not dividing its ``num_experts``, or EP > 1
+  or ``actor.moe_aux_loss_coeff`` set for a dense model (MoE models only, never accepted and ignored). The model
+  is read from ``actor.model_path``'s config.json, or known by name (``asyncrl.actor.memory.known_shape``).
 - A GPU job (``rollout.rollout_backend = "sglang"``) whose actor estimate exceeds
   ``cluster.device_memory_gb`` (times ``asyncrl.actor.memory.USABLE_FRACTION``) is refused like a
   bad config, dry run or not; the error names the keys that shrink it.
@@ -129,14 +133,22 @@ def _plan_rows(cfg: Config, placement: Placement) -> list[tuple[int, str]]:
 _PLAN_HEADER = "rank  node  role     device        detail"
 
 
-def render_plan(cfg: Config, placement: Placement) -> str:
+def render_plan(cfg: Config, placement: Placement, *, num_experts: int = 0) -> str:
+    """The plan table under its head line; ``num_experts`` (of the actor's model; 0: dense or not known) adds the
+    experts' grid and their count on a rank (the grid alone with EP > 1 and a model not known yet)."""
     rows = [_PLAN_HEADER] + [row for _, row in _plan_rows(cfg, placement)]
     mode = "async" if cfg.runner.async_mode else "sync"
+    tp, pp = cfg.actor.tensor_model_parallel_size, cfg.actor.pipeline_model_parallel_size
+    dp = len(placement.actor_ranks) // (tp * pp)
     head = (
         f"# plan: {placement.world_size} ranks, mode {mode}, {len(placement.engines)} engine(s), "
-        f"actor TP {cfg.actor.tensor_model_parallel_size} x PP {cfg.actor.pipeline_model_parallel_size} "
-        f"x DP {len(placement.actor_ranks) // (cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size)}"
+        f"actor TP {tp} x PP {pp} x DP {dp}"
     )
+    ep = cfg.actor.expert_model_parallel_size
+    if num_experts or ep > 1:  # EP > 1 with a model not read yet (made by prepare): the grid without the count
+        head += f"; experts EP {ep} x expert-DP {dp // ep} (expert TP = TP {tp})"
+    if num_experts:
+        head += f": {num_experts // ep} of the {num_experts} experts of each MoE layer on a rank"
     return head + "\n" + "\n".join(rows) + "\n"
 
 
@@ -175,7 +187,8 @@ def _print_dry_run(args: argparse.Namespace, cfg: Config, placement: Placement, 
         return
     print(f"# resolved config of {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
     print(render_config(cfg))
-    print(render_plan(cfg, placement))
+    shape, _ = _model_shape(cfg.actor.model_path)
+    print(render_plan(cfg, placement, num_experts=shape.num_experts if shape else 0))
     print(memory_line)
     print("\n".join(f"# {line}" for line in explain(cfg)) + "\n")
     node = node_rank_from_env()
@@ -201,7 +214,8 @@ def check_models(cfg: Config) -> None:
     field ``ModelSpec`` refuses, or what only that consumer lacks (``asyncrl.models.spec.require``). The actor
     always loads ``actor.model_path``; ``rollout.model_path`` is checked for the CPU engine only (SGLang runs
     many more families). Paths without a config.json yet (made by ``prepare``, or downloaded later) are left to
-    the loaders, which report them."""
+    the loaders, which report them; the expert settings are checked against the actor's model where its shape is
+    known (its config.json, or a public model known by name), see ``check_experts``."""
     checks = [("actor.model_path", cfg.actor.model_path, ACTOR)]
     if cfg.rollout.rollout_backend == "cpu":
         checks.append(("rollout.model_path", cfg.rollout.model_path or cfg.actor.model_path, CPU_ENGINE))
@@ -212,6 +226,33 @@ def check_models(cfg: Config) -> None:
             require(ModelSpec.from_pretrained(path), consumer)
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{key}: {e}") from None
+    shape, source = _model_shape(cfg.actor.model_path)
+    if shape is not None:
+        check_experts(cfg, shape, source)
+
+
+def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:
+    """The expert settings against the actor's model (``source`` names where its shape was read): EP must divide
+    ``num_experts`` (megatron-core places ``num_experts / EP`` experts on each rank of an EP group); EP > 1 and
+    ``actor.moe_aux_loss_coeff`` are for MoE models only. The grid (TP x EP x PP dividing the actor ranks) needs no
+    model and is ``asyncrl.config.validate``'s."""
+    a = cfg.actor
+    ep = a.expert_model_parallel_size
+    if shape.num_experts and shape.num_experts % ep:
+        raise ConfigError(
+            f"actor.expert_model_parallel_size: EP {ep} does not divide the {shape.num_experts} experts of "
+            f"{source} (each rank of an EP group holds num_experts / EP of them)"
+        )
+    if not shape.num_experts and ep > 1:
+        raise ConfigError(
+            f"actor.expert_model_parallel_size: EP {ep} is for MoE models only; {source} is a dense model "
+            f"(no num_experts); remove it (default 1)"
+        )
+    if not shape.num_experts and a.moe_aux_loss_coeff is not None:
+        raise ConfigError(
+            f"actor.moe_aux_loss_coeff: {a.moe_aux_loss_coeff} is for MoE models only (the router's "
+            f"load-balancing loss); {source} is a dense model (no num_experts); remove it"
+        )
 
 
 def actor_memory(cfg: Config, placement: Placement) -> str:
@@ -230,6 +271,7 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
         tp=tp,
         pp=pp,
         dp=max(1, len(placement.actor_ranks) // (tp * pp)),
+        ep=a.expert_model_parallel_size,
         bf16=gpu and a.params_dtype == "bf16",
         microbatch_tokens=a.max_tokens_per_microbatch,
         row_len=min(a.max_tokens_per_microbatch, cfg.agentloop.max_total_tokens),
@@ -245,12 +287,14 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
     if not gpu:
         return line + " [CPU run: not checked against a device]"
     if est.total / GIB > budget:
+        parallel = "actor.tensor_model_parallel_size / actor.pipeline_model_parallel_size" + (
+            " / actor.expert_model_parallel_size" if shape.num_experts else ""
+        )
         raise ConfigError(
             f"actor memory estimate {est.total / GIB:.1f} GiB per rank ({est.render()}) exceeds "
             f"{USABLE_FRACTION:g} x cluster.device_memory_gb = {budget:.1f} GiB; lower "
             f'actor.max_tokens_per_microbatch, set actor.recompute_granularity = "full", raise '
-            f"actor.tensor_model_parallel_size / actor.pipeline_model_parallel_size, set "
-            f"actor.use_distributed_optimizer = true, or set cluster.device_memory_gb to the real GPU size"
+            f"{parallel}, set actor.use_distributed_optimizer = true, or set cluster.device_memory_gb to the real GPU size"
         )
     return line + f" [fits {budget:.1f} GiB = {USABLE_FRACTION:g} x cluster.device_memory_gb]"
 
