@@ -1,4 +1,4 @@
-"""A small fp32 torch implementation of the HF Qwen2 / Qwen3 / Llama decoder, for the CPU engine.
+"""A small fp32 torch implementation of the HF Qwen2 / Qwen3 / Llama decoder and of Qwen3-MoE, for the CPU engine.
 
 Contract
 - ``load_model(path)`` reads ``config.json`` (+ ``generation_config.json``) and the safetensors
@@ -6,6 +6,11 @@ Contract
   (``model.layers.3.self_attn.q_proj.weight``) so the weight sync can address them directly.
 - Parameters live in fused buffers (qkv, gate_up) and the HF-named tensors are *views* into them,
   so ``model.load_weights([(name, tensor)])`` copies straight into what the forward uses.
+- Qwen3-MoE: a sparse layer (``spec.is_moe_layer``) has the router ``mlp.gate.weight`` [E, H] and per-expert
+  ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (HF's names), views into two [E, ...] buffers; its MLP is HF's
+  (``route``: fp32 softmax, top-k, renormalised when ``norm_topk_prob``; the sum of the chosen SwiGLU experts,
+  weighted), the tokens grouped per expert (one pair of matrix products per expert hit, never a loop per token).
+  Dense layers of the same model keep ``mlp.{gate,up,down}_proj`` of width ``intermediate_size``.
 - ``model.forward(tokens_T, past_len_B, new_len_B, kv, row0=row0)`` runs a packed batch of requests whose
   KV lives in rows ``row0 .. row0+B-1`` of a ``KVPool``: request b has ``past_len_B[b]`` cached
   tokens and ``new_len_B[b]`` new ones, and ``tokens_T`` holds every request's new tokens back to back
@@ -182,8 +187,6 @@ class CausalLM:
             "o_w": torch.zeros(h, nh * d),
             "o_b": torch.zeros(h) if s.o_bias else None,
             "ln2": torch.ones(h),
-            "gu_w": torch.zeros(2 * ffn, h),
-            "down_w": torch.zeros(h, ffn),
             "q_norm": torch.ones(d) if s.qk_norm else None,
             "k_norm": torch.ones(d) if s.qk_norm else None,
         }
@@ -195,8 +198,6 @@ class CausalLM:
             ("o_w", ["self_attn.o_proj.weight"]),
             ("o_b", ["self_attn.o_proj.bias"]),
             ("ln2", ["post_attention_layernorm.weight"]),
-            ("gu_w", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-            ("down_w", ["mlp.down_proj.weight"]),
             ("q_norm", ["self_attn.q_norm.weight"]),
             ("k_norm", ["self_attn.k_norm.weight"]),
         ):
@@ -217,10 +218,38 @@ class CausalLM:
         if s.o_bias:
             self.params[p + "self_attn.o_proj.bias"] = L["o_b"]
         self.params[p + "post_attention_layernorm.weight"] = L["ln2"]
-        self.params[p + "mlp.gate_proj.weight"] = L["gu_w"][:ffn]
-        self.params[p + "mlp.up_proj.weight"] = L["gu_w"][ffn:]
-        self.params[p + "mlp.down_proj.weight"] = L["down_w"]
+        if s.is_moe_layer(i):
+            self._add_experts(i, L)
+        else:
+            L["gu_w"], L["down_w"] = torch.zeros(2 * ffn, h), torch.zeros(h, ffn)
+            self._add_views(i, "gu_w", {"mlp.gate_proj.weight": L["gu_w"][:ffn], "mlp.up_proj.weight": L["gu_w"][ffn:]})
+            self._add_views(i, "down_w", {"mlp.down_proj.weight": L["down_w"]})
         return L
+
+    def _add_views(self, i: int, buffer: str, views: dict[str, torch.Tensor]) -> None:
+        """Register layer ``i``'s HF-named ``views`` (names relative to the layer) of its fused ``buffer``."""
+        p = f"model.layers.{i}."
+        self.groups[f"layers.{i}.{buffer}"] = tuple(p + n for n in views)
+        for n, t in views.items():
+            self.params[p + n] = t
+
+    def _add_experts(self, i: int, L: dict[str, torch.Tensor]) -> None:
+        """A sparse layer's MLP: the router [E, H] and every expert's SwiGLU in two [E, ...] buffers (module
+        contract), one weight-sync group each."""
+        s = self.spec
+        h, E, f = s.hidden_size, s.num_experts, s.moe_ffn_hidden_size
+        L["router_w"] = torch.zeros(E, h)
+        L["experts_gu"] = torch.zeros(E, 2 * f, h)
+        L["experts_down"] = torch.zeros(E, h, f)
+        self._add_views(i, "router_w", {"mlp.gate.weight": L["router_w"]})
+        gu = {}
+        for e in range(E):
+            gu[f"mlp.experts.{e}.gate_proj.weight"] = L["experts_gu"][e, :f]
+            gu[f"mlp.experts.{e}.up_proj.weight"] = L["experts_gu"][e, f:]
+        self._add_views(i, "experts_gu", gu)
+        self._add_views(
+            i, "experts_down", {f"mlp.experts.{e}.down_proj.weight": L["experts_down"][e] for e in range(E)}
+        )
 
     def _buffer(self, group: str) -> torch.Tensor:
         if group.startswith("layers."):
@@ -387,8 +416,31 @@ class CausalLM:
     def _mlp(self, x: torch.Tensor, L: dict) -> torch.Tensor:
         s = self.spec
         hdn = F.rms_norm(x, (s.hidden_size,), L["ln2"], s.rms_norm_eps)
+        if "router_w" in L:
+            return x + self._experts(hdn, L)
         g, u = F.linear(hdn, L["gu_w"]).chunk(2, dim=-1)
         return x + F.linear(F.silu(g).mul_(u), L["down_w"])
+
+    def _experts(self, hdn: torch.Tensor, L: dict) -> torch.Tensor:
+        """A sparse layer's MLP of the normed tokens ``hdn`` [T, H]: each token's top-k experts (``route``), the
+        tokens sorted by expert so each expert hit runs once over all its tokens; outputs weighted, summed."""
+        s = self.spec
+        k = s.num_experts_per_tok
+        weights_Tk, experts_Tk = route(hdn, L["router_w"], k, renormalize=s.norm_topk_prob)
+        flat = experts_Tk.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k  # the token of each (token, choice) pair, in expert order
+        weight = weights_Tk.reshape(-1, 1)[order]
+        out = torch.zeros_like(hdn)
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=s.num_experts).tolist()):
+            if n:
+                rows = token[start : start + n]
+                g, u = F.linear(hdn[rows], L["experts_gu"][e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(g).mul_(u), L["experts_down"][e]).mul_(weight[start : start + n])
+                out.index_add_(0, rows, y)
+                start += n
+        return out
 
     @torch.no_grad()
     def forward(
@@ -415,6 +467,17 @@ class CausalLM:
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head)
+
+
+def route(hdn: torch.Tensor, router_w: torch.Tensor, k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's router over tokens ``hdn`` [T, H]: (weights [T, k], experts [T, k]), the experts in order of
+    falling probability. Probabilities are the fp32 softmax of ``hdn @ router_w.T``; the top-k of them,
+    renormalised to sum to 1 when ``renormalize`` (``norm_topk_prob``)."""
+    probs = torch.softmax(F.linear(hdn, router_w), dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
 
 
 def iter_safetensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
