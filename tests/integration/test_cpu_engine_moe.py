@@ -5,11 +5,14 @@ transformers' ``Qwen3MoeForCausalLM``'s; after a broadcast of another checkpoint
 names (per tensor and flattened) they are those of the checkpoint with those tensors swapped in, and after
 ``/update_weights_from_disk`` those of the other checkpoint. ``/get_weights_by_name`` answers as SGLang 0.5.23 does
 for ``Qwen3MoeForCausalLM`` (which does not implement it); a name the model lacks is dropped from a broadcast with
-a warning (as SGLang's loader) and refuses a disk load."""
+a warning (as SGLang's loader) and refuses a disk load. Started with ``--enable-return-routed-experts``, it returns
+each token's experts as SGLang does (``meta_info["routed_experts"]``)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import re
 import shutil
 
 import pytest
@@ -19,6 +22,7 @@ from engine_raw import RawEngine  # tests/integration/engine_raw.py
 from safetensors.torch import load_file, save_file
 
 from asyncrl.cluster.weight_update_group import destroy_weight_update_group, init_weight_update_group
+from asyncrl.cpu_engine.model import load_model
 from asyncrl.cpu_engine.testing import free_port, running_cpu_engine
 from asyncrl.engine.client import EngineError
 from asyncrl.models.tiny import make_tiny_checkpoint
@@ -153,3 +157,62 @@ def test_serves_the_moe_and_takes_updates_of_its_experts(tmp_path):
         asyncio.run(go(sup.url))
     log = (tmp_path / "logs").glob("*.log")
     assert any(f"Parameter {unknown} not found in params_dict" in p.read_text() for p in log)
+
+
+def _routing(meta: dict, spec) -> torch.Tensor:
+    """``meta_info["routed_experts"]`` decoded as SGLang's ``extract_routed_experts_from_meta_info`` does."""
+    raw = base64.b64decode(meta["routed_experts"])
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(-1, spec.num_layers, spec.num_experts_per_tok)
+
+
+def _reference_routing(model_dir, ids: list[int], k: int) -> torch.Tensor:
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        logits = m(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+    return torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=1).to(torch.int32)
+
+
+def test_routed_experts_are_returned_as_sglang_returns_them(tmp_path):
+    """``--enable-return-routed-experts``: ``return_routed_experts`` answers ``meta_info["routed_experts"]``, base64
+    of int32 [prompt + output - 1 - routed_experts_start_len, layers, top-k] (every token the model ran), the
+    experts transformers routes each to; also for a prompt served from the prefix cache and for a batch. A start
+    outside [0, prompt] is SGLang's 400; without the flag (or without asking) there is no such key."""
+    path = make_tiny_checkpoint(tmp_path / "m", seed=2, **ARGS)
+    spec = load_model(path).spec
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_routed_experts": True}
+
+    async def go(url):
+        raw = RawEngine(url)
+        r = await raw.post("/generate", body)
+        seq = PROMPT + r["output_ids"]
+        want = _reference_routing(path, seq[:-1], spec.num_experts_per_tok)
+        assert torch.equal(_routing(r["meta_info"], spec), want)
+        again = await raw.post("/generate", {**body, "routed_experts_start_len": 3})  # its prompt from the cache
+        assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == r["output_ids"]
+        assert torch.equal(_routing(again["meta_info"], spec), want[3:])
+        batch = await raw.post("/generate", {**body, "input_ids": [PROMPT, PROMPT[:4]]})
+        assert torch.equal(_routing(batch[0]["meta_info"], spec), want)
+        assert (
+            "routed_experts" not in (await raw.post("/generate", {**body, "return_routed_experts": False}))["meta_info"]
+        )
+        for start, text in (
+            (-1, "recv_req.routed_experts_start_len=-1 is lower than 0. "),
+            (
+                8,
+                "recv_req.routed_experts_start_len=8 is higher than the number of input tokens "
+                "len(req.origin_input_ids)=7. Please use a smaller routed_experts_start_len.",
+            ),
+        ):
+            with pytest.raises(EngineError, match=re.escape(text)) as e:
+                await raw.post("/generate", {**body, "routed_experts_start_len": start})
+            assert e.value.status == 400
+
+    with running_cpu_engine(path, log_dir=tmp_path / "logs", extra=["--enable-return-routed-experts"]) as sup:
+        asyncio.run(go(sup.url))
+
+    async def without_flag(url):
+        r = await RawEngine(url).post("/generate", body)
+        assert "routed_experts" not in r["meta_info"] and r["meta_info"]["completion_tokens"] == NEW
+
+    with running_cpu_engine(path, log_dir=tmp_path / "logs_off") as sup:
+        asyncio.run(without_flag(sup.url))

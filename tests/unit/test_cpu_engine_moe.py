@@ -11,7 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from asyncrl.cpu_engine.model import CausalLM, KVPool, iter_safetensors, load_model, read_checkpoint, route
+from asyncrl.cpu_engine.experts import route
+from asyncrl.cpu_engine.kv_pool import KVPool
+from asyncrl.cpu_engine.model import CausalLM, iter_safetensors, load_model, read_checkpoint
 from asyncrl.models.tiny import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -127,3 +129,56 @@ def test_standby_bank_swaps_the_expert_buffers(tmp_path):
         bank.params["model.layers.0.mlp.experts.3.down_proj.weight"].data_ptr()
         == bank.layers[0]["experts_down"][3].data_ptr()
     )
+
+
+def _reference_routing(path, ids: list[int], k: int) -> torch.Tensor:
+    """transformers' experts of every token in every sparse layer: [T, sparse layers, k] (its router logits' top-k;
+    softmax and renormalisation keep the order)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+    return torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=1)
+
+
+@pytest.mark.parametrize("case", ["all sparse, renormalised", "dense layer 1"])
+def test_a_routing_pool_records_every_tokens_experts_as_transformers_routes_them(tmp_path, case):
+    """Two requests, each prefilled, then fed more beside each other (a mixed batch: one decodes a token, the other
+    continues with two): the pool's routing of every position is transformers' top-k of its router logits; -1 in a
+    dense layer. Capturing changes no output (``last_only`` included), and the routing travels with the row
+    (``read_row`` / ``write_row``: the prefix cache's copies)."""
+    path = make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", seed=6, **CASES[case])
+    m = load_model(path)
+    spec = m.spec
+    torch.manual_seed(3)
+    seqs = [torch.randint(0, spec.vocab_size, (n,)).tolist() for n in (7, 10)]  # rows 0 and 1
+    fed = [len(seqs[0]) - 1, len(seqs[1]) - 2]
+    outs = []
+    kv, plain = KVPool(spec, 2, routing=True), KVPool(spec, 2)
+    for pool in (kv, plain):
+        prefills = [
+            m.forward(torch.tensor(s[:n]), torch.tensor([0]), torch.tensor([n]), pool, row0=row)
+            for row, (s, n) in enumerate(zip(seqs, fed))
+        ]
+        feed = torch.tensor(seqs[0][fed[0] :] + seqs[1][fed[1] :])
+        h = m.forward(feed, torch.tensor(fed), torch.tensor([1, 2]), pool, row0=0, last_only=True)
+        outs.append((*prefills, h))
+    assert outs[0][-1].shape == (2, spec.hidden_size)
+    # the prefills the same; the last tokens through another attention path (all tokens' instead of theirs alone)
+    torch.testing.assert_close(outs[0][:2], outs[1][:2], atol=0, rtol=0)
+    torch.testing.assert_close(outs[0][2], outs[1][2])
+    assert plain.routed is None and kv.routed.dtype == torch.int32
+    dense = [i for i in range(spec.num_layers) if not spec.is_moe_layer(i)]
+    for row, s in enumerate(seqs):
+        got = kv.routed[row, : len(s)]
+        want = _reference_routing(path, s, spec.num_experts_per_tok)
+        assert torch.equal(got[:, list(spec.moe_layers)], want.to(torch.int32))
+        assert (got[:, dense] == -1).all() and (kv.routed[row, len(s) :] == -1).all()
+    other = KVPool(spec, 1, routing=True)
+    other.write_row(0, kv.read_row(1, len(seqs[1])), len(seqs[1]))
+    assert torch.equal(other.routed[0], kv.routed[1])
+
+
+def test_routing_capture_needs_experts(tmp_path):
+    spec = load_model(make_tiny_checkpoint(tmp_path / "d", arch="qwen3", num_hidden_layers=1)).spec
+    with pytest.raises(ValueError, match="model_type='qwen3' has no experts.*--enable-return-routed-experts"):
+        KVPool(spec, 1, routing=True)
