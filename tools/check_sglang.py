@@ -1,8 +1,9 @@
-"""Check what asyncrl sends to SGLang against SGLang's own parser, request classes and session rules (sglang 0.5.23).
+"""Check what asyncrl sends to SGLang against SGLang's own parser, request classes, session rules and loaders (0.5.23).
 
 No GPU, no server: sglang is installed WITHOUT its dependencies (GPU wheels) in a throwaway environment, plus the
 light packages importing its modules needs (``tools/sglang_check_requirements.txt``, the CPU torch pinned). CI runs it
-on every run (``tools/check_sglang_ci.sh``, from ``.ci/run``: ~1.5 minutes from a cold environment); by hand:
+on every run (``tools/check_sglang_ci.sh``, from ``.ci/run``: ~3 minutes from a cold environment, about a minute of
+it making the environment); by hand:
 
     bash tools/check_sglang_ci.sh            # makes .venv-sglang-check if needed, runs the tool and its tests
     PYTHONPATH=.:tools/sglang_check_stubs .venv-sglang-check/bin/python tools/check_sglang.py [--json report.json]
@@ -39,6 +40,9 @@ What it checks
   ``experts.w2_weight``): each name must land whole, and the names together must write every parameter SGLang has.
   SGLang 0.5.23 builds every Qwen3-MoE layer sparse, so a model with dense layers (``mlp_only_layers``) loses them:
   that case is checked to lose exactly those (``expected_loss``).
+- Routed experts (routing replay): the CPU engine's twin of SGLang's: ``--enable-return-routed-experts`` is SGLang's
+  flag, a ``/generate`` body asking for them fits ``GenerateReqInput``, and SGLang's own reader
+  (``extract_routed_experts_from_meta_info``) reads the CPU engine's ``meta_info["routed_experts"]`` back.
 """
 
 from __future__ import annotations
@@ -874,6 +878,33 @@ def check_loader_names() -> list[dict]:
         return out
 
 
+# ------------------------------------------------------------------------------------- routed experts
+def check_routed_experts() -> list[dict]:
+    """The CPU engine's routed-experts flag, request fields and answer against SGLang's (see the module contract)."""
+    import numpy as np
+    import torch
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    from asyncrl.cpu_engine.args import parse_args
+    from asyncrl.cpu_engine.request import encode_routed_experts
+
+    flag = "--enable-return-routed-experts"
+    problems = []
+    for argv in ([], [flag]):
+        theirs = prepare_server_args(["--model-path", "/m", *argv]).enable_return_routed_experts
+        ours = parse_args(["--model-path", "/m", "--port", "1", *argv]).enable_return_routed_experts
+        if theirs != ours or theirs != bool(argv):
+            problems.append(f"argv {argv}: SGLang reads enable_return_routed_experts={theirs}, the CPU engine {ours}")
+    body = {"input_ids": [1, 2, 3], "return_routed_experts": True, "routed_experts_start_len": 1}
+    problems += [f"/generate {body}: {p}" for p in check_body("/generate", body)]
+    routed = torch.arange(2 * 3 * 4, dtype=torch.int32).reshape(2, 3, 4) - 5  # [positions, layers, top-k]
+    back = extract_routed_experts_from_meta_info({"meta_info": {"routed_experts": encode_routed_experts(routed)}})
+    if back.dtype != np.int32 or back.tolist() != routed.reshape(-1).tolist():
+        problems.append(f"SGLang reads the CPU engine's routed_experts as {back.dtype} {back.tolist()}")
+    return [{"case": "routed experts: flag, request fields, meta_info encoding", "problems": problems}]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="write the whole report (every case, argv and body) there")
@@ -901,7 +932,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["sessions"] = check_sessions()
     report["weight_names"] = check_loader_names()
-    cases = report["commands"] + report["bodies"] + report["sessions"] + report["weight_names"]
+    report["routed_experts"] = check_routed_experts()
+    cases = (
+        report["commands"] + report["bodies"] + report["sessions"] + report["weight_names"] + report["routed_experts"]
+    )
     if not report["launch_module"]:
         cases.append({"case": "sglang.launch_server", "problems": ["the module is not in this sglang"]})
     report["num_checked"] = len(cases)

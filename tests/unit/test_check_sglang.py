@@ -197,3 +197,8 @@ def test_every_weight_name_we_send_lands_whole_in_sglangs_model(tool):
         "dropped": [f"model.layers.1.mlp.{p}_proj.weight" for p in ("down", "gate", "up")],
         "unwritten": [f"model.layers.1.mlp.{p}" for p in ("experts.w13_weight", "experts.w2_weight", "gate.weight")],
     }
+
+
+@needs_sglang
+def test_the_cpu_engines_routed_experts_are_sglangs(tool):
+    assert [r["problems"] for r in tool.check_routed_experts()] == [[]]
