@@ -1,8 +1,9 @@
-"""Check what asyncrl sends to SGLang against SGLang's own parser, request classes and session rules (sglang 0.5.23).
+"""Check what asyncrl sends to SGLang against SGLang's own parser, request classes, session rules and loaders (0.5.23).
 
 No GPU, no server: sglang is installed WITHOUT its dependencies (GPU wheels) in a throwaway environment, plus the
 light packages importing its modules needs (``tools/sglang_check_requirements.txt``, the CPU torch pinned). CI runs it
-on every run (``tools/check_sglang_ci.sh``, from ``.ci/run``: ~1.5 minutes from a cold environment); by hand:
+on every run (``tools/check_sglang_ci.sh``, from ``.ci/run``: ~3 minutes from a cold environment, about a minute of
+it making the environment); by hand:
 
     bash tools/check_sglang_ci.sh            # makes .venv-sglang-check if needed, runs the tool and its tests
     PYTHONPATH=.:tools/sglang_check_stubs .venv-sglang-check/bin/python tools/check_sglang.py [--json report.json]
@@ -32,6 +33,16 @@ What it checks
   ``SchedulerWeightUpdaterManager`` (SGLang's session rules: a begin while a session is open, an end without one and
   an update outside one are refused). A refused begin or update is a mismatch, and so is any call where SGLang and
   the CPU engine's ``UpdateWindow`` disagree.
+- Weight names: every tensor name of a tiny Qwen3-MoE checkpoint (router ``mlp.gate``, per-expert
+  ``mlp.experts.<e>.{gate,up,down}_proj``: the names our weight sync sends) and of tiny Qwen3, Qwen2 and Llama ones
+  goes through SGLang's own model class for it, built on CPU, and its ``load_weights`` (``Qwen3MoeForCausalLM``: the
+  stacked q/k/v and gate/up mapping, then ``FusedMoE.make_expert_params_mapping`` into ``experts.w13_weight`` /
+  ``experts.w2_weight``): each name must land whole, and the names together must write every parameter SGLang has.
+  SGLang 0.5.23 builds every Qwen3-MoE layer sparse, so a model with dense layers (``mlp_only_layers``) loses them:
+  that case is checked to lose exactly those (``expected_loss``).
+- Routed experts (routing replay): the CPU engine's twin of SGLang's: ``--enable-return-routed-experts`` is SGLang's
+  flag, a ``/generate`` body asking for them fits ``GenerateReqInput``, and SGLang's own reader
+  (``extract_routed_experts_from_meta_info``) reads the CPU engine's ``meta_info["routed_experts"]`` back.
 """
 
 from __future__ import annotations
@@ -722,10 +733,189 @@ def check_sessions() -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------------------------- weight names
+LOADER_CASES = (
+    ("qwen3_moe (8 experts, top-2, every layer sparse)", "qwen3_moe", {}),
+    (
+        "qwen3_moe with a dense layer (mlp_only_layers=[1])",
+        "qwen3_moe",
+        {"num_hidden_layers": 2, "mlp_only_layers": [1]},
+    ),
+    ("qwen3", "qwen3", {"num_hidden_layers": 2}),
+    ("qwen2", "qwen2", {"num_hidden_layers": 2}),
+    ("llama", "llama", {"num_hidden_layers": 2}),
+)
+"""(case, tiny ``arch``, config overrides) of each model whose weight names go through SGLang's loader."""
+
+
+def expected_loss(spec, hf_names: list[str], sglang_params: list[str]) -> tuple[set[str], set[str]]:
+    """What SGLang 0.5.23's loader is known to leave out of a model: (our names it drops, its parameters left
+    unwritten). For a Qwen3-MoE with dense layers (``mlp_only_layers``, ``decoder_sparse_step``), it builds every
+    layer sparse (``models/qwen3_moe.py:Qwen3MoeDecoderLayer.stage_facts``): the dense layers' ``mlp.*_proj`` are
+    dropped without a word and their router and experts keep whatever they were allocated with. Otherwise nothing."""
+    if not spec.is_moe:
+        return set(), set()
+    dense = tuple(f"model.layers.{i}.mlp." for i in range(spec.num_layers) if not spec.is_moe_layer(i))
+    return {n for n in hf_names if n.startswith(dense)}, {n for n in sglang_params if n.startswith(dense)}
+
+
+def sglang_loads(model_dirs: list[str]) -> list[dict]:
+    """Each checkpoint's tensors through SGLang's own model class and its ``load_weights`` (run in a process of
+    its own: ``loader_reports``). The class is SGLang's choice for the checkpoint's ``architectures``
+    (``ModelRegistry``), built on CPU in a one-rank gloo world; each parameter is filled with NaN, the tensors are
+    loaded one at a time, and each one's count of newly written elements is recorded: a name SGLang drops writes
+    none, a name it maps over another's writes fewer than it holds, and a parameter no name reaches keeps NaNs.
+    Returns per directory ``{"model_class", "written": {name: [written, numel]}, "unwritten": {param: count}}``
+    (every parameter of SGLang's model, with its count of elements no name wrote)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from sglang.srt import runtime_context
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.rotary_embedding import base as rotary_base
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.server_args import prepare_server_args
+    from transformers import AutoConfig
+
+    logging.getLogger("sglang").setLevel(logging.ERROR)  # the registry's notes on model modules it cannot import
+    # SGLang's rotary embedding picks vllm's kernel unless it sees a CPU build (sgl_kernel's); its CPU path is
+    # plain torch, and the choice does not touch the parameters
+    rotary_base._is_cpu = True
+    runtime_context.publish(
+        prepare_server_args(["--model-path", model_dirs[0], "--device", "cpu"]),
+        role="scheduler",
+        ranks=runtime_context.SpawnRanks(world_rank=0),
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    initialize_model_parallel()
+    out = []
+    for d in model_dirs:
+        cfg = AutoConfig.from_pretrained(d)
+        cls, _ = ModelRegistry.resolve_model_cls(cfg.architectures)
+        model = cls(cfg)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for prm in params.values():
+                prm.fill_(float("nan"))
+        left = {n: int(prm.isnan().sum()) for n, prm in params.items()}
+        written = {}
+        for name, t in sorted(load_file(str(Path(d) / "model.safetensors")).items()):
+            model.load_weights([(name, t)])
+            now = {n: int(prm.isnan().sum()) for n, prm in params.items()}
+            written[name] = [sum(left[n] - now[n] for n in params), t.numel()]
+            left = now
+        out.append({"model_class": cls.__name__, "written": written, "unwritten": left})
+    return out
+
+
+def loader_reports(model_dirs: list[Path]) -> list[dict]:
+    """``sglang_loads`` in a child process (``--sglang-loads``): SGLang's published server arguments and parallel
+    groups are process-wide, and the session replay needs a process without a default group."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "loads.json"
+        argv = [sys.executable, "-W", "ignore", str(Path(__file__).resolve()), "--sglang-loads", str(report)]
+        done = subprocess.run([*argv, *map(str, model_dirs)], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"the SGLang loader run failed ({done.returncode}): {done.stderr[-3000:]}")
+        return json.loads(report.read_text())
+
+
+def loader_problems(spec, load: dict) -> list[str]:
+    """What SGLang's loader did with a checkpoint beyond ``expected_loss``: a name that wrote none of its elements
+    (dropped) or only part of them, a parameter left partly unwritten; and a loss ``expected_loss`` names that did
+    not happen (SGLang changed: the expectation and ``docs/sglang_differences.md`` must follow)."""
+    written, unwritten = load["written"], {p: c for p, c in load["unwritten"].items() if c}
+    dropped_ok, unwritten_ok = expected_loss(spec, list(written), list(load["unwritten"]))
+    problems = []
+    for name, (n, numel) in written.items():
+        if name in dropped_ok:
+            if n:
+                problems.append(f"{name}: expected dropped (a dense layer of a Qwen3-MoE), SGLang wrote {n} elements")
+        elif n == 0:
+            problems.append(f"{name}: dropped by {load['model_class']}.load_weights (no parameter written)")
+        elif n != numel:
+            problems.append(f"{name}: {n} of its {numel} elements written (overlaps another name's)")
+    for param, count in unwritten.items():
+        if param not in unwritten_ok:
+            problems.append(f"SGLang's {param}: {count} elements no name of ours wrote")
+    missing = unwritten_ok - set(unwritten)
+    if missing:
+        problems.append(f"expected unwritten (a dense layer of a Qwen3-MoE), SGLang wrote them: {sorted(missing)}")
+    return problems
+
+
+def check_loader_names() -> list[dict]:
+    """Every name of each ``LOADER_CASES`` tiny checkpoint (the names our weight sync sends: the actor's HF export
+    has the checkpoint's names) goes through SGLang's loader for that model (``sglang_loads``): each must land whole
+    in SGLang's parameters, and together cover them all, up to ``expected_loss``."""
+    import tempfile
+
+    from asyncrl.models.spec import ModelSpec
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [
+            make_tiny_checkpoint(Path(tmp) / f"case{i}", arch=arch, seed=0, **overrides)
+            for i, (_, arch, overrides) in enumerate(LOADER_CASES)
+        ]
+        loads = loader_reports(dirs)
+        out = []
+        for (name, _, _), d, load in zip(LOADER_CASES, dirs, loads):
+            spec = ModelSpec.from_pretrained(d)
+            dropped, unwritten = expected_loss(spec, list(load["written"]), list(load["unwritten"]))
+            out.append(
+                {
+                    "case": f"weight names, {name} -> {load['model_class']}.load_weights",
+                    "names": len(load["written"]),
+                    "known_loss": {"dropped": sorted(dropped), "unwritten": sorted(unwritten)},
+                    "problems": loader_problems(spec, load),
+                }
+            )
+        return out
+
+
+# ------------------------------------------------------------------------------------- routed experts
+def check_routed_experts() -> list[dict]:
+    """The CPU engine's routed-experts flag, request fields and answer against SGLang's (see the module contract)."""
+    import numpy as np
+    import torch
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    from asyncrl.cpu_engine.args import parse_args
+    from asyncrl.cpu_engine.request import encode_routed_experts
+
+    flag = "--enable-return-routed-experts"
+    problems = []
+    for argv in ([], [flag]):
+        theirs = prepare_server_args(["--model-path", "/m", *argv]).enable_return_routed_experts
+        ours = parse_args(["--model-path", "/m", "--port", "1", *argv]).enable_return_routed_experts
+        if theirs != ours or theirs != bool(argv):
+            problems.append(f"argv {argv}: SGLang reads enable_return_routed_experts={theirs}, the CPU engine {ours}")
+    body = {"input_ids": [1, 2, 3], "return_routed_experts": True, "routed_experts_start_len": 1}
+    problems += [f"/generate {body}: {p}" for p in check_body("/generate", body)]
+    routed = torch.arange(2 * 3 * 4, dtype=torch.int32).reshape(2, 3, 4) - 5  # [positions, layers, top-k]
+    back = extract_routed_experts_from_meta_info({"meta_info": {"routed_experts": encode_routed_experts(routed)}})
+    if back.dtype != np.int32 or back.tolist() != routed.reshape(-1).tolist():
+        problems.append(f"SGLang reads the CPU engine's routed_experts as {back.dtype} {back.tolist()}")
+    return [{"case": "routed experts: flag, request fields, meta_info encoding", "problems": problems}]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="write the whole report (every case, argv and body) there")
+    ap.add_argument(
+        "--sglang-loads", nargs="+", metavar=("REPORT", "MODEL_DIR"), help="(the weight-name check's child process)"
+    )
     args = ap.parse_args(argv)
+    if args.sglang_loads:
+        report, *dirs = args.sglang_loads
+        Path(report).write_text(json.dumps(sglang_loads(dirs)))
+        return 0
     import sglang
 
     # expected on every run, not findings: the syncs' logs, the clean-up after each injected failure, and SGLang's
@@ -741,7 +931,11 @@ def main(argv: list[str] | None = None) -> int:
         "bodies": check_bodies(),
     }
     report["sessions"] = check_sessions()
-    cases = report["commands"] + report["bodies"] + report["sessions"]
+    report["weight_names"] = check_loader_names()
+    report["routed_experts"] = check_routed_experts()
+    cases = (
+        report["commands"] + report["bodies"] + report["sessions"] + report["weight_names"] + report["routed_experts"]
+    )
     if not report["launch_module"]:
         cases.append({"case": "sglang.launch_server", "problems": ["the module is not in this sglang"]})
     report["num_checked"] = len(cases)

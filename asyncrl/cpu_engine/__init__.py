@@ -10,7 +10,8 @@ an RL trainer calls, with SGLang's status codes, paused behaviour, sessions and 
   process), ``frames`` (the two processes' messages).
 - The scheduler process: ``scheduler_process`` (its body), ``scheduler`` (continuous batching, pause modes), with
   ``request`` (one request and its ``/generate`` JSON), ``sampler`` (one token per request), ``prefix_cache``;
-  ``model`` (fp32 decoder with HF-named weights, the KV pool); ``weight_updates`` (the weight-update group, the
+  ``model`` (fp32 decoder with HF-named weights), ``experts`` (Qwen3-MoE's router and experts), ``kv_pool`` (the KV
+  rows, and the routing of each cached token); ``weight_updates`` (the weight-update group, the
   atomic receive, loads from disk); ``metrics`` (the ``/metrics`` page).
 - ``testing`` starts a real CPU engine for tests and benchmarks.
 

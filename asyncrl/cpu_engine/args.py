@@ -55,6 +55,9 @@ class EngineArgs:
     """SGLang's ``--api-key``: every request but OPTIONS and paths starting with ``/health``, ``/ready`` or
     ``/metrics`` needs ``Authorization: Bearer <key>`` (else 401 ``{"error": "Unauthorized"}``); defaults to
     ``ASYNCRL_API_KEY``. Matches sglang 0.5.23 exactly (``asyncrl.cluster.auth`` says which files)."""
+    enable_return_routed_experts: bool = False
+    """SGLang's ``--enable-return-routed-experts`` (a mixture-of-experts model): a ``/generate`` with
+    ``return_routed_experts`` gets ``meta_info["routed_experts"]``, every token's experts in every layer."""
 
 
 def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
@@ -72,6 +75,11 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
     ap.add_argument("--nccl-port", type=int, default=None)
     ap.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=120.0)
     ap.add_argument("--api-key", default=None, help="like SGLang's --api-key (default: $ASYNCRL_API_KEY)")
+    ap.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="as SGLang's: answer return_routed_experts with each token's experts (meta_info.routed_experts)",
+    )
     a = ap.parse_args(argv)
     if a.max_running_requests < 1:
         ap.error("--max-running-requests must be >= 1")
@@ -89,6 +97,7 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
         nccl_port=a.nccl_port,
         dist_timeout_s=a.dist_timeout_s,
         api_key=a.api_key or auth.current(),
+        enable_return_routed_experts=a.enable_return_routed_experts,
     )
 
 

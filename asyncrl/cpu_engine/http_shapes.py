@@ -307,6 +307,26 @@ def _per_prompt(body: dict, key: str, default: Any, *, batch: bool, n_prompts: i
     return [v] * n_prompts
 
 
+def _routed_experts_start(body: dict, n_prompt: int) -> Optional[int]:
+    """SGLang's ``return_routed_experts`` (one bool for the whole call) and ``routed_experts_start_len`` (one int, at
+    most the prompt's length): the first position whose routing the answer carries, or None when not asked. SGLang's
+    texts for a start outside ``[0, n_prompt]`` (its scheduler finishes the request with that error: a 400)."""
+    start = check_int(body.get("routed_experts_start_len", 0), "routed_experts_start_len", lo=-(2**63), hi=2**63 - 1)
+    if not check_bool(body.get("return_routed_experts", False), "return_routed_experts"):
+        return None
+    if start < 0:
+        raise RequestError(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start > n_prompt:
+        raise RequestError(
+            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={n_prompt}. Please use a smaller routed_experts_start_len."
+        )
+    return start
+
+
 def build_generate_requests(
     body: dict,
     *,
@@ -337,6 +357,7 @@ def build_generate_requests(
         -1 if v is None else check_int(v, "logprob_start_len", lo=-1, hi=MAX_TOKENS)
         for v in _per_prompt(body, "logprob_start_len", -1, batch=batch, n_prompts=n)
     ]
+    routed_from = [_routed_experts_start(body, len(prompt)) for prompt in prompts]
     reqs, futs = [], []
     for i, prompt in enumerate(prompts):
         p = params_list[i]
@@ -354,6 +375,7 @@ def build_generate_requests(
                     params=p,
                     return_logprob=rlp[i],
                     logprob_start_len=lsl[i],
+                    routed_experts_start=routed_from[i],
                     deliver=deliver,
                 )
             )

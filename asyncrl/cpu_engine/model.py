@@ -1,4 +1,4 @@
-"""A small fp32 torch implementation of the HF Qwen2 / Qwen3 / Llama decoder, for the CPU engine.
+"""A small fp32 torch implementation of the HF Qwen2 / Qwen3 / Llama decoder and of Qwen3-MoE, for the CPU engine.
 
 Contract
 - ``load_model(path)`` reads ``config.json`` (+ ``generation_config.json``) and the safetensors
@@ -6,6 +6,14 @@ Contract
   (``model.layers.3.self_attn.q_proj.weight``) so the weight sync can address them directly.
 - Parameters live in fused buffers (qkv, gate_up) and the HF-named tensors are *views* into them,
   so ``model.load_weights([(name, tensor)])`` copies straight into what the forward uses.
+- Qwen3-MoE: a sparse layer (``spec.is_moe_layer``) has the router ``mlp.gate.weight`` [E, H] and per-expert
+  ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (HF's names), views into two [E, ...] buffers; its MLP is HF's
+  (``experts``: fp32 softmax, top-k, renormalised when ``norm_topk_prob``; the sum of the chosen SwiGLU experts,
+  weighted), the tokens grouped per expert (one pair of matrix products per expert hit, never a loop per token).
+  Dense layers of the same model keep ``mlp.{gate,up,down}_proj`` of width ``intermediate_size``.
+- Routing capture (SGLang's ``--enable-return-routed-experts``): a ``KVPool(..., routing=True)`` (``kv_pool``) also
+  keeps, beside each cached token, the experts it was routed to in each layer (``kv.routed``), written by every
+  forward; with it, the last layer runs for every token (``last_only`` still returns each request's last token).
 - ``model.forward(tokens_T, past_len_B, new_len_B, kv, row0=row0)`` runs a packed batch of requests whose
   KV lives in rows ``row0 .. row0+B-1`` of a ``KVPool``: request b has ``past_len_B[b]`` cached
   tokens and ``new_len_B[b]`` new ones, and ``tokens_T`` holds every request's new tokens back to back
@@ -33,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
+from asyncrl.cpu_engine.experts import experts_mlp, route
+from asyncrl.cpu_engine.kv_pool import KVPool
 from asyncrl.models.rope import rope_inv_freq
 from asyncrl.models.safetensors_io import SafetensorsReader
 from asyncrl.models.spec import CPU_ENGINE, ModelSpec, require
@@ -77,6 +87,9 @@ class _Plan:
     need no scaling) and k heads; 1 and 0 for v heads (left as they are)."""
     kv_index: torch.Tensor
     """Flat index of each token's kv heads in a layer's cache viewed as [rows * kv_heads * capacity, d]."""
+    route_index: Optional[torch.Tensor]
+    """Flat index of each token's slot in ``kv.routed`` viewed as [rows * capacity, layers, top-k] (None: the pool
+    keeps no routing)."""
     row0: int
     num_decode: int
     """The leading rows with one new token each (tokens 0 .. num_decode-1): batched one-query attention."""
@@ -90,55 +103,6 @@ class _Plan:
     """``last_only`` with a multi-token row: (index of each row's last token [B], the longest row L, [B, 1, 1, L]
     float bias of those queries: -inf on hidden keys); the last layer attends and runs its MLP for these B tokens
     only."""
-
-
-class KVPool:
-    """Per-request KV rows: k[layer] and v[layer] are [max_rows, kv_heads, capacity, head_dim].
-
-    A running request owns one row; the scheduler keeps running requests in rows 0..n-1 (it moves
-    a row when one finishes). ``capacity`` grows on demand (``ensure_capacity``).
-    """
-
-    GROW_TOKENS = 256  # capacity is rounded up to this: fewer reallocations, little waste
-
-    def __init__(self, spec: ModelSpec, max_rows: int, capacity: int = 256):
-        self.spec = spec
-        self.max_rows = max_rows
-        self.capacity = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.ensure_capacity(capacity)
-
-    def ensure_capacity(self, tokens: int) -> None:
-        if tokens <= self.capacity:
-            return
-        cap = -(-tokens // self.GROW_TOKENS) * self.GROW_TOKENS
-        s = self.spec
-        shape = (self.max_rows, s.num_query_groups, cap, s.head_dim)
-        for store in (self.k, self.v):
-            for layer in range(s.num_layers):
-                new = torch.zeros(shape, dtype=torch.float32)
-                if store and len(store) > layer:
-                    new[:, :, : self.capacity].copy_(store[layer])
-                    store[layer] = new
-                else:
-                    store.append(new)
-        self.capacity = cap
-
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        for store in (self.k, self.v):
-            for t in store:
-                t[dst, :, :length].copy_(t[src, :, :length])
-
-    def read_row(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one row's first ``length`` positions: ([L, kvh, length, d], same) (``stack`` copies)."""
-        return torch.stack([t[row, :, :length] for t in self.k]), torch.stack([t[row, :, :length] for t in self.v])
-
-    def write_row(self, row: int, k_L: torch.Tensor, v_L: torch.Tensor, length: int) -> None:
-        self.ensure_capacity(length)
-        for layer in range(self.spec.num_layers):
-            self.k[layer][row, :, :length].copy_(k_L[layer, :, :length])
-            self.v[layer][row, :, :length].copy_(v_L[layer, :, :length])
 
 
 class CausalLM:
@@ -182,8 +146,6 @@ class CausalLM:
             "o_w": torch.zeros(h, nh * d),
             "o_b": torch.zeros(h) if s.o_bias else None,
             "ln2": torch.ones(h),
-            "gu_w": torch.zeros(2 * ffn, h),
-            "down_w": torch.zeros(h, ffn),
             "q_norm": torch.ones(d) if s.qk_norm else None,
             "k_norm": torch.ones(d) if s.qk_norm else None,
         }
@@ -195,8 +157,6 @@ class CausalLM:
             ("o_w", ["self_attn.o_proj.weight"]),
             ("o_b", ["self_attn.o_proj.bias"]),
             ("ln2", ["post_attention_layernorm.weight"]),
-            ("gu_w", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-            ("down_w", ["mlp.down_proj.weight"]),
             ("q_norm", ["self_attn.q_norm.weight"]),
             ("k_norm", ["self_attn.k_norm.weight"]),
         ):
@@ -217,10 +177,38 @@ class CausalLM:
         if s.o_bias:
             self.params[p + "self_attn.o_proj.bias"] = L["o_b"]
         self.params[p + "post_attention_layernorm.weight"] = L["ln2"]
-        self.params[p + "mlp.gate_proj.weight"] = L["gu_w"][:ffn]
-        self.params[p + "mlp.up_proj.weight"] = L["gu_w"][ffn:]
-        self.params[p + "mlp.down_proj.weight"] = L["down_w"]
+        if s.is_moe_layer(i):
+            self._add_experts(i, L)
+        else:
+            L["gu_w"], L["down_w"] = torch.zeros(2 * ffn, h), torch.zeros(h, ffn)
+            self._add_views(i, "gu_w", {"mlp.gate_proj.weight": L["gu_w"][:ffn], "mlp.up_proj.weight": L["gu_w"][ffn:]})
+            self._add_views(i, "down_w", {"mlp.down_proj.weight": L["down_w"]})
         return L
+
+    def _add_views(self, i: int, buffer: str, views: dict[str, torch.Tensor]) -> None:
+        """Register layer ``i``'s HF-named ``views`` (names relative to the layer) of its fused ``buffer``."""
+        p = f"model.layers.{i}."
+        self.groups[f"layers.{i}.{buffer}"] = tuple(p + n for n in views)
+        for n, t in views.items():
+            self.params[p + n] = t
+
+    def _add_experts(self, i: int, L: dict[str, torch.Tensor]) -> None:
+        """A sparse layer's MLP: the router [E, H] and every expert's SwiGLU in two [E, ...] buffers (module
+        contract), one weight-sync group each."""
+        s = self.spec
+        h, E, f = s.hidden_size, s.num_experts, s.moe_ffn_hidden_size
+        L["router_w"] = torch.zeros(E, h)
+        L["experts_gu"] = torch.zeros(E, 2 * f, h)
+        L["experts_down"] = torch.zeros(E, h, f)
+        self._add_views(i, "router_w", {"mlp.gate.weight": L["router_w"]})
+        gu = {}
+        for e in range(E):
+            gu[f"mlp.experts.{e}.gate_proj.weight"] = L["experts_gu"][e, :f]
+            gu[f"mlp.experts.{e}.up_proj.weight"] = L["experts_gu"][e, f:]
+        self._add_views(i, "experts_gu", gu)
+        self._add_views(
+            i, "experts_down", {f"mlp.experts.{e}.down_proj.weight": L["experts_down"][e] for e in range(E)}
+        )
 
     def _buffer(self, group: str) -> torch.Tensor:
         if group.startswith("layers."):
@@ -304,6 +292,7 @@ class CausalLM:
         # flat index of (row, kv head, position) in a layer's cache viewed as [max_rows * kv_heads * capacity, d]
         slot_T = ((b_T + row0) * nkv)[:, None] + torch.arange(nkv)[None, :]
         kv_index = (slot_T * kv.capacity + pos_T[:, None]).reshape(-1)
+        route_index = None if kv.routed is None else (b_T + row0) * kv.capacity + pos_T
         dec_L = int(past_len_B[:num_decode].max()) + 1 if num_decode else 0
         dec_bias = _hidden_bias(torch.arange(dec_L)[None, :] > past_len_B[:num_decode, None])[:, None, None]
         pad = None
@@ -324,7 +313,7 @@ class CausalLM:
                 L,
                 _hidden_bias(torch.arange(L)[None, :] >= end_B[:, None])[:, None, None],
             )
-        return _Plan(cos, sin, kv_index, row0, num_decode, dec_L, dec_bias, pad, last)
+        return _Plan(cos, sin, kv_index, route_index, row0, num_decode, dec_L, dec_bias, pad, last)
 
     def _one_query(
         self, q_RHd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, *, r0: int, L: int, bias_R11L: torch.Tensor
@@ -384,9 +373,19 @@ class CausalLM:
         att = parts[0] if len(parts) == 1 else torch.cat(parts)
         return x + F.linear(att, L["o_w"], L["o_b"])
 
-    def _mlp(self, x: torch.Tensor, L: dict) -> torch.Tensor:
+    def _mlp(
+        self, x: torch.Tensor, L: dict, routed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> torch.Tensor:
+        """x + the layer's MLP; a sparse layer writes each token's experts into ``routed`` (this layer's
+        [slots, top-k] of the pool's routing, each token's slot) when given."""
         s = self.spec
         hdn = F.rms_norm(x, (s.hidden_size,), L["ln2"], s.rms_norm_eps)
+        if "router_w" in L:
+            weights_Tk, experts_Tk = route(hdn, L["router_w"], s.num_experts_per_tok, renormalize=s.norm_topk_prob)
+            if routed is not None:
+                store, index = routed
+                store.index_copy_(0, index, experts_Tk.to(torch.int32))
+            return x + experts_mlp(hdn, L["experts_gu"], L["experts_down"], weights_Tk, experts_Tk)
         g, u = F.linear(hdn, L["gu_w"]).chunk(2, dim=-1)
         return x + F.linear(F.silu(g).mul_(u), L["down_w"])
 
@@ -403,13 +402,18 @@ class CausalLM:
     ) -> torch.Tensor:
         """Hidden states [T, H] of a packed batch whose KV lives in rows ``row0 .. row0+B-1`` (module contract);
         ``last_only``: [B, H], each row's last token only (every token's KV is still written; the last layer
-        attends and runs its MLP for those B tokens alone)."""
-        plan = self._plan(past_len_B, new_len_B, kv, row0=row0, last_only=last_only)
+        attends and runs its MLP for those B tokens alone, unless the pool keeps routing: then every token's
+        routing is recorded and the last tokens picked at the end)."""
+        capture = kv.routed is not None
+        plan = self._plan(past_len_B, new_len_B, kv, row0=row0, last_only=last_only and not capture)
         x = F.embedding(tokens_T, self.embed)
+        routed = None if kv.routed is None else kv.routed.view(-1, *kv.routed.shape[2:])
         n = len(self.layers)
         for layer, L in enumerate(self.layers):
             att = self._attention(x, L, kc=kv.k[layer], vc=kv.v[layer], plan=plan, last=layer == n - 1)
-            x = self._mlp(att, L)
+            x = self._mlp(att, L, None if routed is None else (routed[:, layer], plan.route_index))
+        if capture and last_only and x.shape[0] > past_len_B.shape[0]:
+            x = x[torch.cumsum(new_len_B, 0) - 1]
         return F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
 
     @torch.no_grad()

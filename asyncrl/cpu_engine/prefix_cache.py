@@ -1,7 +1,7 @@
 """The CPU engine's prefix cache: finished requests' KV keyed by their token sequence, LRU-bounded in tokens.
 
     cache = PrefixCache(max_tokens=32768)
-    cache.insert((1, 2, 3, 4, 5), k_L, v_L)       # [layers, kv_heads, 5, head_dim] each
+    cache.insert((1, 2, 3, 4, 5), k_L, v_L)       # KVPool.read_row: [layers, kv_heads, 5, head_dim] each (+ routing)
     cache.lookup([1, 2, 3, 4, 9], limit=4)        # -> (4, (k_L, v_L)): the longest common prefix
 
 Only prefixes of at least ``MIN_PREFIX_TOKENS`` tokens count (the scheduler reuses no shorter one): entries are
@@ -45,17 +45,16 @@ class PrefixCache:
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.entries: collections.OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = (
-            collections.OrderedDict()
-        )
+        self.entries: collections.OrderedDict[tuple[int, ...], tuple[torch.Tensor, ...]] = collections.OrderedDict()
         self.by_head: dict[tuple[int, ...], dict[tuple[int, ...], None]] = {}
         """The keys by their first MIN_PREFIX_TOKENS tokens, each group in LRU order (as ``entries``)."""
         self.tokens = 0
 
-    def insert(self, key: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+    def insert(self, key: tuple[int, ...], *saved: torch.Tensor) -> None:
+        """Keep ``saved``, the row of the tokens ``key`` as ``KVPool.read_row`` returns it (k, v, [routing])."""
         if self.max_tokens <= 0 or len(key) > self.max_tokens or len(key) < MIN_PREFIX_TOKENS or key in self.entries:
             return
-        self.entries[key] = (k, v)
+        self.entries[key] = saved
         self.by_head.setdefault(key[:MIN_PREFIX_TOKENS], {})[key] = None
         self.tokens += len(key)
         while self.tokens > self.max_tokens or len(self.entries) > MAX_PREFIX_ENTRIES:
@@ -66,7 +65,7 @@ class PrefixCache:
             if not group:
                 del self.by_head[old[:MIN_PREFIX_TOKENS]]
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[int, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    def lookup(self, tokens: list[int], limit: int) -> tuple[int, Optional[tuple[torch.Tensor, ...]]]:
         """Longest common prefix (capped at ``limit``) with any entry, and that entry's KV (the least recently used
         of equals); (0, None) when no entry shares ``MIN_PREFIX_TOKENS`` tokens with ``tokens[:limit]``."""
         if limit < MIN_PREFIX_TOKENS or len(tokens) < MIN_PREFIX_TOKENS:

@@ -9,6 +9,7 @@ Pure (no I/O).
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import Callable
@@ -31,6 +32,12 @@ class Request:
     deliver: Callable[[dict], None]
     return_logprob: bool = False
     logprob_start_len: int = -1
+    routed_experts_start: Optional[int] = None
+    """SGLang's ``return_routed_experts`` with its ``routed_experts_start_len``: the request asked for the experts
+    its tokens were routed to from this position on (None: it did not ask)."""
+    routed_experts: Optional[torch.Tensor] = None
+    """The routing of positions ``routed_experts_start .. len(tokens()) - 2`` [positions, layers, top-k] int32, taken
+    when it finished (on an engine started with ``--enable-return-routed-experts``; else None)."""
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: Optional[list[Optional[float]]] = None
@@ -86,7 +93,16 @@ def response(r: Request, *, decode: Callable[[list[int], bool], str], weight_ver
         meta["input_token_logprobs"] = (
             [[lp, t, None] for lp, t in zip(r.input_logprobs or [], r.input_ids[start:])] if start >= 0 else []
         )
+    if r.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(r.routed_experts)
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def encode_routed_experts(routed: torch.Tensor) -> str:
+    """SGLang's ``meta_info["routed_experts"]``: the int32 array's bytes (C order, the host's little-endian) in
+    base64 (its ``detokenizer_manager._b64_encode_per_request``); read back with
+    ``np.frombuffer(base64.b64decode(s), np.int32).reshape(-1, num_hidden_layers, num_experts_per_tok)``."""
+    return base64.b64encode(routed.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
 
 
 # ---- control (engine thread, through ``call``) -------------------------------------

@@ -16,6 +16,10 @@ Contract
   ``in_place`` just stops stepping (KV kept). Requests submitted while paused wait for ``resume``.
 - ``weight_versions`` of a request: runs ``{"version", "start", "end"}`` over output token indices,
   split whenever ``weight_version`` changed between two of its tokens.
+- ``enable_return_routed_experts`` (SGLang's flag; a mixture-of-experts model): the KV pool keeps every cached
+  token's routing (prefix-cache entries too), and a request that asked (``routed_experts_start``) takes, when it
+  finishes with its KV row, the routing of positions ``[start, len(tokens) - 1)`` (SGLang's
+  ``_maybe_collect_routed_experts``: every token the model ran, prompt and output, but the last one sampled).
 - Each finished request is delivered once, as SGLang's ``/generate`` JSON, through its
   ``deliver`` callback (called on the engine thread); ``after_step``, when given, runs on the engine thread
   after each step (the engine hands that step's answers to its event loop in one wake-up).
@@ -38,7 +42,8 @@ from typing import Any, Optional
 
 import torch
 
-from asyncrl.cpu_engine.model import CausalLM, KVPool
+from asyncrl.cpu_engine.kv_pool import KVPool
+from asyncrl.cpu_engine.model import CausalLM
 from asyncrl.cpu_engine.prefix_cache import MIN_PREFIX_TOKENS, PrefixCache
 from asyncrl.cpu_engine.request import ABORTED, Request, response
 from asyncrl.cpu_engine.sampler import sample
@@ -93,13 +98,14 @@ class Scheduler:
         context_length: Optional[int] = None,
         after_step: Optional[Callable[[], None]] = None,
         poll_inbox: Optional[Callable[[float], None]] = None,
+        enable_return_routed_experts: bool = False,
     ):
         self.model = model
         self.decode = decode
         self.max_running = max_running_requests
         self.weight_version = weight_version
         self.context_length = context_length or model.spec.max_position_embeddings
-        self.kv = KVPool(model.spec, max_running_requests)
+        self.kv = KVPool(model.spec, max_running_requests, routing=enable_return_routed_experts)
         self.prefix = PrefixCache(prefix_cache_tokens)
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_ids = set(model.spec.eos_token_ids)
@@ -198,7 +204,7 @@ class Scheduler:
     def _admit(self, reqs: list[Request]) -> list[list[Request]]:
         """Give the admitted requests rows after the running ones (KV of a prefix hit written in) and cut them
         into prefill chunks of contiguous rows under the padded-token budget, shortest feeds first."""
-        hits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        hits: dict[int, tuple[torch.Tensor, ...]] = {}
         for r in reqs:
             toks = r.tokens()
             r.kv_len = 0
@@ -217,8 +223,7 @@ class Scheduler:
             r.row = start + i
             self.running.append(r)
             if r.kv_len:
-                k, v = hits[id(r)]
-                self.kv.write_row(r.row, k, v, r.kv_len)
+                self.kv.write_row(r.row, hits[id(r)], r.kv_len)
         chunks, i = [], 0
         while i < len(reqs):
             j = i + 1
@@ -310,9 +315,11 @@ class Scheduler:
             self.counters.aborted_requests += 1
         else:
             self.counters.finished_requests += 1
+        if r.row >= 0 and r.routed_experts_start is not None and self.kv.routed is not None:
+            end = len(r.input_ids) + len(r.output_ids) - 1
+            r.routed_experts = self.kv.routed[r.row, min(r.routed_experts_start, end) : end].clone()
         if r.row >= 0 and r.kv_len >= MIN_PREFIX_TOKENS and reason["type"] != "abort":
-            k, v = self.kv.read_row(r.row, r.kv_len)
-            self.prefix.insert(tuple(r.tokens()[: r.kv_len]), k, v)
+            self.prefix.insert(tuple(r.tokens()[: r.kv_len]), *self.kv.read_row(r.row, r.kv_len))
         try:
             r.deliver(self.response(r))
         finally:

@@ -222,6 +222,7 @@ class SchedulerLink:
                     params=req.params,
                     return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len,
+                    routed_experts_start=req.routed_experts_start,
                     created_s=req.created_s,
                 )
             )

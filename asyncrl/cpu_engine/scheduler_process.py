@@ -71,6 +71,7 @@ class RequestSpec:
     return_logprob: bool
     logprob_start_len: int
     created_s: float
+    routed_experts_start: Optional[int] = None
 
 
 def _server_info(s: Scheduler) -> dict:
@@ -116,6 +117,7 @@ class Backend:
             context_length=args.context_length,
             after_step=self._flush,
             poll_inbox=self._poll,
+            enable_return_routed_experts=args.enable_return_routed_experts,
         )
         self.weights = WeightUpdates(self.model, call=self._on_engine, timeout_s=args.weight_sync_timeout_s)
         self._answers: list[tuple[str, dict]] = []
@@ -253,6 +255,7 @@ class Backend:
             params=spec.params,
             return_logprob=spec.return_logprob,
             logprob_start_len=spec.logprob_start_len,
+            routed_experts_start=spec.routed_experts_start,
             created_s=spec.created_s,
             deliver=self._deliverer(spec.rid),
         )

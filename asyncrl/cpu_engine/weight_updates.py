@@ -76,7 +76,7 @@ FLUSH_REFUSED = (
 """SGLang 0.5.23's answer to an update with ``flush_cache`` whose flush was refused (the update call fails)."""
 READABLE_BY_NAME = frozenset({"llama"})
 """Model types whose SGLang 0.5.23 class implements ``get_weights_by_name`` (``LlamaForCausalLM``; not
-``Qwen2ForCausalLM`` nor ``Qwen3ForCausalLM``)."""
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` nor ``Qwen3MoeForCausalLM``)."""
 
 Answer = tuple[bool, str, dict]
 """(success, message, extra fields): SGLang's answer of a weight call."""
@@ -170,8 +170,9 @@ class WeightUpdates:
     def get_weights_by_name(self, body: dict) -> Answer:
         """SGLang's ``/get_weights_by_name {name, truncate_size=100}``: the parameter as float32 ``tolist()``, cut to
         its first ``truncate_size`` entries (rows of a matrix). SGLang 0.5.23 implements the model side for
-        Llama-family classes only; for Qwen2/Qwen3 (and for an unknown name) its model runner logs an error and
-        the server answers 400 ``{"error": {"message": "Get parameter by name failed"}}``: so does this engine.
+        Llama-family classes only; for Qwen2/Qwen3/Qwen3-MoE (and for an unknown name) its model runner logs an
+        error and the server answers 400 ``{"error": {"message": "Get parameter by name failed"}}``: so does this
+        engine.
         Extra field ``parameter`` carries the answer (the HTTP side sends it as the whole body)."""
         name, size = body.get("name"), body.get("truncate_size", 100)
         if not isinstance(name, str):

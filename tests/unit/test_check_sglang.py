@@ -154,3 +154,51 @@ def test_sglangs_session_rules_agree_with_the_cpu_engines_window(tool):
     with tool._one_rank_tp_group() as cpu_group:
         theirs = tool.sglang_verdicts(steps, cpu_group)
     assert theirs == tool.window_verdicts(steps)  # the same verdicts and SGLang's own messages
+
+
+def test_the_weight_name_check_names_a_dropped_name_a_partial_one_and_an_unwritten_parameter(tool, tmp_path):
+    from asyncrl.models.spec import ModelSpec
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
+    mixed = ModelSpec.from_pretrained(
+        make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    )
+    e0 = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    dense = "model.layers.1.mlp.up_proj.weight"
+    unwritten = {"model.layers.0.mlp.experts.w2_weight": 0, "model.layers.1.mlp.gate.weight": 3}
+    clean = {"model_class": "M", "written": {e0: [8, 8], dense: [0, 6]}, "unwritten": unwritten}
+    assert tool.loader_problems(mixed, clean) == []  # SGLang's known loss of a dense layer, and nothing else
+    assert tool.loader_problems(mixed, {**clean, "written": {e0: [0, 8], dense: [0, 6]}}) == [
+        f"{e0}: dropped by M.load_weights (no parameter written)"
+    ]
+    assert tool.loader_problems(mixed, {**clean, "written": {e0: [5, 8], dense: [0, 6]}}) == [
+        f"{e0}: 5 of its 8 elements written (overlaps another name's)"
+    ]
+    swapped = {"model.layers.0.mlp.experts.w2_weight": 2, "model.layers.1.mlp.gate.weight": 0}
+    assert tool.loader_problems(mixed, {**clean, "unwritten": swapped}) == [
+        "SGLang's model.layers.0.mlp.experts.w2_weight: 2 elements no name of ours wrote",
+        "expected unwritten (a dense layer of a Qwen3-MoE), SGLang wrote them: ['model.layers.1.mlp.gate.weight']",
+    ]
+    assert tool.loader_problems(mixed, {**clean, "written": {e0: [8, 8], dense: [6, 6]}}) == [
+        f"{dense}: expected dropped (a dense layer of a Qwen3-MoE), SGLang wrote 6 elements"
+    ]
+
+
+@needs_sglang
+def test_every_weight_name_we_send_lands_whole_in_sglangs_model(tool):
+    """SGLang's own model classes, built on CPU, load each tiny checkpoint name by name: the Qwen3-MoE's router and
+    per-expert names land in ``mlp.gate`` and the fused ``experts.w13_weight`` / ``w2_weight``; a Qwen3-MoE with a
+    dense layer loses exactly that layer's MLP (SGLang 0.5.23 builds every layer sparse)."""
+    results = {r["case"].split(" -> ")[0].removeprefix("weight names, "): r for r in tool.check_loader_names()}
+    assert [r for r in results.values() if r["problems"]] == []
+    moe = results["qwen3_moe (8 experts, top-2, every layer sparse)"]
+    assert moe["names"] == 4 * (3 * 8 + 1 + 8) + 3 and moe["known_loss"] == {"dropped": [], "unwritten": []}
+    assert results["qwen3_moe with a dense layer (mlp_only_layers=[1])"]["known_loss"] == {
+        "dropped": [f"model.layers.1.mlp.{p}_proj.weight" for p in ("down", "gate", "up")],
+        "unwritten": [f"model.layers.1.mlp.{p}" for p in ("experts.w13_weight", "experts.w2_weight", "gate.weight")],
+    }
+
+
+@needs_sglang
+def test_the_cpu_engines_routed_experts_are_sglangs(tool):
+    assert [r["problems"] for r in tool.check_routed_experts()] == [[]]
