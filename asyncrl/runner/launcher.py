@@ -226,9 +226,30 @@ def check_models(cfg: Config) -> None:
             require(ModelSpec.from_pretrained(path), consumer)
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{key}: {e}") from None
+    if cfg.rollout.rollout_backend == "sglang":
+        _check_sglang_moe(cfg.rollout.model_path or cfg.actor.model_path)
     shape, source = _model_shape(cfg.actor.model_path)
     if shape is not None:
         check_experts(cfg, shape, source)
+
+
+def _check_sglang_moe(path: str) -> None:
+    """SGLang 0.5.23 builds every layer of a Qwen3-MoE sparse, whatever ``mlp_only_layers`` or
+    ``decoder_sparse_step`` say: a dense layer's MLP weights are dropped by its loader and the layer runs experts
+    that were never loaded (docs/sglang_differences.md). Such a model is refused for the SGLang backend."""
+    if not (Path(path) / "config.json").is_file():
+        return
+    try:
+        spec = ModelSpec.from_pretrained(path)
+    except (ValueError, KeyError, TypeError):
+        return  # SGLang serves families ModelSpec does not read; its own loader judges them
+    if spec.is_moe and len(spec.moe_layers) != spec.num_layers:
+        dense = [i for i in range(spec.num_layers) if not spec.is_moe_layer(i)]
+        raise ConfigError(
+            f"rollout.model_path: {spec.source} is a {spec.model_type} with dense layers {dense} "
+            f"(mlp_only_layers / decoder_sparse_step): SGLang 0.5.23 builds every layer sparse and drops a dense "
+            f"layer's MLP weights, so it would serve another model (docs/sglang_differences.md)"
+        )
 
 
 def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:

@@ -241,3 +241,16 @@ def test_qwen3_30b_a3b_config_dry_run():
         [*train, "cluster.device_memory_gb=80"], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300
     )
     assert small.returncode == 2 and "actor.expert_model_parallel_size" in small.stderr, small.stderr
+
+
+def test_sglang_refuses_a_qwen3_moe_with_dense_layers(tmp_path):
+    """SGLang 0.5.23 makes every Qwen3-MoE layer sparse and drops a dense layer's MLP (checked with its own loader
+    in tools/check_sglang.py): such a model is a config error for the SGLang backend, not for the CPU engine."""
+    tiny = Path(__file__).resolve().parents[2] / "configs/tiny.toml"
+    mixed = make_tiny_checkpoint(tmp_path / "mixed", arch="qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    sparse = make_tiny_checkpoint(tmp_path / "sparse", arch="qwen3_moe", num_hidden_layers=2)
+    gpu = ['rollout.rollout_backend="sglang"']
+    with pytest.raises(ConfigError, match=r"^rollout.model_path: .*dense layers \[1\].*SGLang 0.5.23 builds every"):
+        launcher.check_models(load_config(tiny, [*gpu, f'actor.model_path="{mixed}"']))
+    launcher.check_models(load_config(tiny, [*gpu, f'actor.model_path="{sparse}"']))
+    launcher.check_models(load_config(tiny, [f'actor.model_path="{mixed}"']))  # the CPU engine serves it
