@@ -8,16 +8,20 @@ Contract
   ``"te"`` | ``"sdpa"`` | ``"unfused"``. ``auto`` is TransformerEngine on CUDA when
   ``transformer_engine`` imports, else ``sdpa``. ``te`` without CUDA or without TE is a ValueError
   naming the key.
-- ``layer_spec(backend, qk_norm=)``: Megatron's TE layer spec (``te``); the local layer spec with
-  ``FusedCoreAttention`` as its core attention (``sdpa``); the plain local spec, whose
+- ``layer_spec(backend, qk_norm=, num_experts=None)``: Megatron's TE layer spec (``te``); the local layer spec
+  with ``FusedCoreAttention`` as its core attention (``sdpa``); the plain local spec, whose
   ``DotProductAttention`` materializes the ``[b, heads, S, S]`` probabilities (``unfused``: kept as
-  the CPU reference the fused path is tested against).
+  the CPU reference the fused path is tested against). With ``num_experts`` the layer's MLP is
+  megatron-core's MoE layer: TE's grouped-GEMM experts (``TEGroupedMLP``) with ``te``, the local
+  ``SequentialMLP`` (one MLP per expert) otherwise; its pre-MLP norm is its own module in both.
 - ``model_inputs(packed, backend)``: the GPTModel call for a ``PackedBatch``. Fused backends get
   the ``thd`` layout: the ``[R, C]`` rows flattened to one ``[1, R*C]`` row plus a
   ``PackedSeqParams(qkv_format="thd")`` whose ``cu_seqlens`` are the batch's segments (each
   sequence, each padding run): attention never crosses a segment and no ``S x S`` tensor exists.
   ``unfused`` gets the ``[R, C]`` rows and the dense block-diagonal mask. Either way the logits
-  flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds.
+  flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds. A batch with padding
+  also passes it as megatron-core's ``padding_mask`` (in the layout of ``input_ids``; MoE layers leave those
+  positions out of their load-balancing loss, dense layers ignore it).
   ``response_logits(model, packed, backend)``: that call with the output layer fed only the positions that predict
   response tokens: ``[T, V_local]`` logits in ``pred_index`` order (the other positions' logits are never computed).
   ``pack_microbatch(seqs, prompt_lens, backend)``: one micro-batch packed for the backend at PP = 1: fused
@@ -89,12 +93,14 @@ def resolve_attention(requested: str, *, cuda: bool, te_available: bool) -> str:
     return requested
 
 
-def layer_spec(backend: str, *, qk_norm: bool):
+def layer_spec(backend: str, *, qk_norm: bool, num_experts: int | None = None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if backend == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_norm
+        )
+    spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm, normalization="RMSNorm")
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
     else:
@@ -114,8 +120,9 @@ def pack_microbatch(seqs, prompt_lens, backend: str) -> PackedBatch:
 
 def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, Any]]:
     """``(args, kwargs)`` of the GPTModel call for one packed micro-batch (see the contract)."""
+    pad = {} if packed.padding is None else {"padding_mask": packed.padding}
     if backend not in FUSED:
-        return (packed.input_ids, packed.position_ids, packed.attention_mask), {}
+        return (packed.input_ids, packed.position_ids, packed.attention_mask), pad
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = packed.cu_seqlens.to(device=packed.input_ids.device, dtype=torch.int32)
@@ -127,7 +134,8 @@ def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, An
         max_seqlen_kv=packed.max_seqlen,
     )
     args = (packed.input_ids.reshape(1, -1), packed.position_ids.reshape(1, -1), None)
-    return args, {"packed_seq_params": params}
+    pad = {k: v.reshape(1, -1) for k, v in pad.items()}
+    return args, {"packed_seq_params": params, **pad}
 
 
 def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str) -> torch.Tensor:
