@@ -16,6 +16,11 @@ Contract
   gradient of ``loss * grad_scale`` of every item accumulates in the model's (DDP) grad buffers; returns each
   item's ``data`` (``[]`` on the non-last stages). The pipeline undoes its schedule's division of every loss by
   the number of micro-batches, so both schedules accumulate the same gradient. Nothing is all-reduced here.
+  A MoE model's load-balancing loss (attached to the routers by megatron-core, backpropagated through its
+  ``MoEAuxLossAutoScaler``) gets megatron-core's scale in both: 1 / this rank's number of micro-batches
+  (Megatron's schedule sets it; the plain loop sets the same), so after the DP average of the gradients it
+  enters as its mean over the step's micro-batches (and DP ranks), times its coefficient, like the policy
+  loss, a mean over the global batch.
 - ``gather_sums(sums)`` / ``share(obj)``: the last stage's loss sums / object on every stage of the pipeline
   (identity at PP = 1).
 
@@ -72,6 +77,10 @@ class PlainSchedule:
     def forward_backward(
         self, model: torch.nn.Module, items: Sequence[MicroBatch], loss_fn: LossFn, *, grad_scale: float
     ) -> list[Any]:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        if items:  # what megatron-core's forward_backward_func sets (no effect on a dense model)
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / len(items), device=self.device))
         out = []
         for it in items:
             loss, data = loss_fn(it, self._logits(model, it))
