@@ -22,8 +22,10 @@ Contract
   flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds. A batch with padding
   also passes it as megatron-core's ``padding_mask`` (in the layout of ``input_ids``; MoE layers leave those
   positions out of their load-balancing loss, dense layers ignore it).
-  ``response_logits(model, packed, backend)``: that call with the output layer fed only the positions that predict
-  response tokens: ``[T, V_local]`` logits in ``pred_index`` order (the other positions' logits are never computed).
+  ``response_logits(model, packed, backend, filler=)``: that call with the output layer fed only the positions that
+  predict response tokens: ``[T, V_local]`` logits in ``pred_index`` order (the other positions' logits are never
+  computed). A ``filler`` micro-batch (nothing trained: it only keeps an EP group's MoE collectives in step,
+  ``asyncrl.actor.moe``) runs in eval mode: its routers attach no load-balancing loss and record nothing.
   ``pack_microbatch(seqs, prompt_lens, backend)``: one micro-batch packed for the backend at PP = 1: fused
   backends one row of every sequence, no padding (``[1, T]``); ``unfused`` rows of the longest sequence.
   ``p2p_shape(rows, row_len, backend)``: the matching ``(seq_length, micro_batch_size)`` of the
@@ -138,18 +140,16 @@ def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, An
     return args, {"packed_seq_params": params, **pad}
 
 
-def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str) -> torch.Tensor:
+def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str, *, filler: bool = False) -> torch.Tensor:
     """The model called on ``packed`` (``model_inputs``), its output layer fed only the hidden states of the
     positions that predict the response tokens: ``[T, V_local]`` logits in ``packed.pred_index`` order. A model
     without an output layer (a pipeline stage before the last) returns its activations unchanged. ``model``
-    may be wrapped (Megatron's DDP: ``.module``)."""
+    may be wrapped (Megatron's DDP: ``.module``). ``filler``: in eval mode (see the contract)."""
     args, kwargs = model_inputs(packed, backend)
     inner = model
     while not hasattr(inner, "output_layer") and hasattr(inner, "module"):
         inner = inner.module
     head = getattr(inner, "output_layer", None)
-    if head is None:
-        return model(*args, **kwargs)
     index = packed.pred_index
 
     def select(_module, inputs):
@@ -157,12 +157,18 @@ def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str) -
         picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1]).index_select(0, index)
         return (picked.unsqueeze(1), *inputs[1:])
 
-    handle = head.register_forward_pre_hook(select)
+    handle = None if head is None else head.register_forward_pre_hook(select)
+    training = model.training
+    if filler:
+        model.eval()
     try:
-        logits = model(*args, **kwargs)  # [1, T, V_local]
+        out = model(*args, **kwargs)  # [1, T, V_local] (the activations on a stage before the last)
     finally:
-        handle.remove()
-    return logits.reshape(-1, logits.shape[-1])
+        if filler:
+            model.train(training)
+        if handle is not None:
+            handle.remove()
+    return out if head is None else out.reshape(-1, out.shape[-1])
 
 
 def p2p_shape(rows: int, row_len: int, backend: str) -> tuple[int, int]:

@@ -96,7 +96,7 @@ from asyncrl.actor.model import (
     layer_offset,
     padded_vocab_size,
 )
-from asyncrl.actor.moe import RoutingStats
+from asyncrl.actor.moe import RoutingStats, filler_sample, fillers_needed
 from asyncrl.actor.optim import build_optimizer
 from asyncrl.actor.pipeline import StageInfo, gather_to_rank0
 from asyncrl.actor.scatter import scatter_samples
@@ -306,11 +306,16 @@ class Actor:
     # ------------------------------------------------------------------ the step (one path for every PP)
     def _train_items(self, samples: list[Sample]) -> list[MicroBatch]:
         """This DP rank's micro-batches in the schedule's shape (``schedule.pack``), with their loss inputs where the
-        loss is computed (PP > 1: packed to the pipeline-wide shape; the loss inputs on the last stage only)."""
+        loss is computed (PP > 1: packed to the pipeline-wide shape; the loss inputs on the last stage only); for a
+        MoE model followed by fillers up to the DP ranks' largest count (``asyncrl.actor.moe``)."""
         idxs = make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch)
         mbs = [[samples[i] for i in idx] for idx in idxs]
+        real = len(mbs)
+        if self.spec.is_moe and self.dp > 1:
+            mbs += [[filler_sample()] for _ in range(fillers_needed(real, self.dp_group, self.device))]
         packed = self.schedule.pack([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
-        return [MicroBatch(p, self._extras(mb) if self.schedule.computes_loss else None) for p, mb in zip(packed, mbs)]
+        extras = [self._extras(mb) if self.schedule.computes_loss else None for mb in mbs]
+        return [MicroBatch(p, x, filler=i >= real) for i, (p, x) in enumerate(zip(packed, extras))]
 
     @torch.no_grad()
     def _old_logprobs(self, items: list[MicroBatch]) -> None:
@@ -346,7 +351,8 @@ class Actor:
         for d in data:
             for k, v in d.items():
                 sums[k] += v
-        return self.schedule.gather_sums(sums), sum(it.packed.num_tokens for it in items), len(items)
+        real = [it for it in items if not it.filler]
+        return self.schedule.gather_sums(sums), sum(it.packed.num_tokens for it in real), len(real)
 
     def _reduce_sums(self, sums: dict[str, float], num_seq_tokens: int) -> tuple[dict[str, float], float, bool]:
         """The loss sums and sequence tokens over DP ranks, and whether every actor rank's loss is finite."""

@@ -1,6 +1,16 @@
-"""The actor's mixture-of-experts metrics: how the routers spread a training step's tokens over the experts.
+"""The actor's mixture-of-experts bookkeeping: filler micro-batches, and how the routers spread a training step's
+tokens over the experts.
 
 Contract
+- Filler micro-batches: a MoE layer's token all-to-alls (forward and backward) are collective over its EP group,
+  whose ranks are DP ranks with their own samples and so their own number of token-budget micro-batches (maybe
+  none); and megatron-core weighs each micro-batch's load-balancing loss by 1 / the rank's number of
+  micro-batches, which its schedule assumes equal on every DP rank. ``fillers_needed(local, group, device)``
+  (collective over the DP group) is how many micro-batches this rank adds so that every DP rank runs as many as
+  the busiest (at any EP: the load-balancing loss's weight, 1 / (DP x that number), does not depend on EP); each
+  is ``filler_sample()`` (two tokens, nothing trained) and runs in eval mode
+  (``asyncrl.actor.layer_spec.response_logits``): its zero loss still backpropagates through the experts (the
+  all-to-alls of the backward), its routers attach no load-balancing loss and count nothing.
 - ``RoutingStats(model, spec, device)`` hooks every megatron-core router of ``model`` (a ``TopKRouter`` knows
   its global layer number). A router forward in training mode with gradients on (the training forward, or
   its recomputation under full activation recompute: the first forward of a recomputed layer runs without
@@ -33,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from asyncrl.actor.batch import Sample
 from asyncrl.models.spec import ModelSpec
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
@@ -42,6 +53,25 @@ MAX_EXPERTS_REPORTED = 16
 """``moe/expert_load/expert_<e>`` is reported for models with at most this many experts."""
 _AUX = "load_balancing_loss"
 """megatron-core's tracker name of the ``aux_loss`` load-balancing loss."""
+
+
+def fillers_needed(local: int, group: dist.ProcessGroup, device: torch.device) -> int:
+    """Micro-batches this rank adds to its ``local`` ones so that its DP ``group`` runs as many as its busiest rank."""
+    t = torch.tensor([local], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item()) - local
+
+
+def filler_sample() -> Sample:
+    """Two tokens, the second one predicted and not trained (mask, weight and advantage 0)."""
+    return Sample(
+        tokens=torch.zeros(2, dtype=torch.long),
+        prompt_len=1,
+        loss_mask=torch.zeros(1, dtype=torch.bool),
+        rollout_logprobs=torch.zeros(1),
+        advantage=0.0,
+        agg_weight=torch.zeros(1, dtype=torch.float64),
+    )
 
 
 class RoutingStats:

@@ -11,11 +11,15 @@ One torchrun launch runs the worker below (this file's ``__main__``) on the tiny
   EP=2's; loading the EP=2 checkpoint (it has an optimizer state) is a ValueError naming the key.
 - TP=2 (the actor refuses MoE training at TP > 1, megatron-core needs sequence parallelism there, so the
   model is built as the actor builds it): HF -> model -> HF bit-identical and forward-only log-probs.
+- A one-trajectory batch at EP=2 (DP rank 1 gets nothing and runs a filler micro-batch) equals EP=1's step.
 - The load-balancing loss alone (equal rewards): its gradient does not grow with the number of micro-batches.
 - PP=2 (DP=1): round trip, log-probs, the step's loss and routing metrics equal EP=1's (padding excluded).
 - The mixed model at EP=2: round trip, log-probs, one step.
 
 Rank 0 computes the reference log-probs with transformers' ``Qwen3MoeForCausalLM``.
+
+A second launch (4 processes) runs PP x EP = 2 x 2 (DP=2), 1 x 2 and 1 x 4 (DP=4): round trip, log-probs, one
+step: EP=4 == EP=2 (loss, grad norm, weights), PP=2 the same loss and routing, per-stage per-EP-rank files.
 """
 
 from __future__ import annotations
@@ -88,6 +92,18 @@ def _train_run(hf: str, ep: int, seqs, prompt_lens, groups, ckpt: Path | None = 
     return out
 
 
+def _one_sample_run(hf: str, ep: int, groups) -> dict:
+    """A one-trajectory batch: DP rank 1 gets no sample; at EP=2 it runs a filler micro-batch (else: a hang)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    one = [type(groups[1])(group_id=9, item=groups[1].item, epoch=0, trajectories=groups[1].trajectories[:1])]
+    actor = _actor(hf, ep)
+    m = actor.train_step(one if dist.get_rank() == 0 else None)
+    ps.destroy_model_parallel()
+    return m
+
+
 def _aux_only_run(hf: str, groups, budget: int) -> dict:
     """EP=2, every reward equal (no policy gradient), no entropy bonus: the load-balancing loss alone."""
     import torch.distributed as dist
@@ -109,7 +125,7 @@ def _tp2_run(hf: str, seqs, prompt_lens) -> dict:
 
     from asyncrl.actor.logprobs import logprobs_from_logits
     from asyncrl.actor.model import actor_spec, build_gpt_model, padded_vocab_size
-    from asyncrl.actor.schedule import PlainSchedule
+    from asyncrl.actor.schedule import MicroBatch, PlainSchedule
     from asyncrl.actor.weights import ExpertShards, iter_hf_buckets, load_hf_into_model
     from asyncrl.cluster.megatron_cpu import apply_cpu_shims
 
@@ -126,7 +142,7 @@ def _tp2_run(hf: str, seqs, prompt_lens) -> dict:
     with torch.no_grad():
         for p in sched.pack([(seqs, prompt_lens)]):
             lp, _ = logprobs_from_logits(
-                sched.forward(model, [_Item(p)], lambda it, logits: logits)[0],
+                sched.forward(model, [MicroBatch(p)], lambda it, logits: logits)[0],
                 p,
                 vocab_start=r * vocab // 2,
                 true_vocab=spec.vocab_size,
@@ -138,11 +154,6 @@ def _tp2_run(hf: str, seqs, prompt_lens) -> dict:
             lps += [lp[p.seq_of_token == k] for k in range(len(seqs))]
     ps.destroy_model_parallel()
     return {"exact": _exact(weights, hf), "lps": lps}
-
-
-class _Item:
-    def __init__(self, packed):
-        self.packed = packed
 
 
 def _hf_logprobs(hf: str, seqs, prompt_lens) -> list[torch.Tensor]:
@@ -158,11 +169,49 @@ def _hf_logprobs(hf: str, seqs, prompt_lens) -> list[torch.Tensor]:
     return out
 
 
+def _four_ranks(hf: str, work: Path) -> None:
+    """PP x EP = 2 x 2, 1 x 2, 1 x 4 on 4 ranks (see the module docstring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from asyncrl.actor.synthetic import synthetic_groups
+
+    vocab = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
+    groups = synthetic_groups(seed=7, num_groups=4, group_size=4, vocab_size=vocab)
+    seqs = [t.prompt_ids + t.response_ids for g in groups[:2] for t in g.trajectories]
+    prompt_lens = [len(t.prompt_ids) for g in groups[:2] for t in g.trajectories]
+    res = {}
+    for pp, ep in ((2, 2), (1, 2), (1, 4)):
+        actor = _actor(hf, ep, pp)
+        exact = _exact(_weights(actor), hf, every_rank=pp == 1)
+        lps = [x[0] for x in actor.compute_logprobs(seqs, prompt_lens)]
+        m = actor.train_step(groups if dist.get_rank() == 0 else None)
+        w = _weights(actor)
+        actor.save_checkpoint(work / f"pp{pp}_ep{ep}")
+        ps.destroy_model_parallel()
+        res[(pp, ep)] = (exact, lps, m, w)
+    if dist.get_rank() == 0:
+        (_, lp_base, m12, w12), (_, _, m14, w14) = res[(1, 2)], res[(1, 4)]
+        out = {
+            "exact": [r[0] for r in res.values()],
+            "lp": [proc_helpers.scaled_maxdiff(r[1], lp_base) for r in res.values()],
+            "metrics": [m12, m14, res[(2, 2)][2]],
+            "w_ep4_ep2": max((w14[k] - w12[k]).abs().max().item() for k in w12),
+            "files": sorted(p.name for p in (work / "pp2_ep2").glob("model_*")),
+        }
+        (work / "out4.json").write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     import torch.distributed as dist
 
     from asyncrl.actor.synthetic import synthetic_groups
 
+    if sys.argv[1] == "four":
+        dist.init_process_group("gloo")
+        return _four_ranks(sys.argv[2], Path(sys.argv[3]))
     hf, mixed, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo")
     vocab = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
@@ -174,6 +223,7 @@ def main() -> None:
     pp2 = _train_run(hf, 1, seqs, prompt_lens, groups, pp=2)
     tp2 = _tp2_run(hf, seqs, prompt_lens)
     mixed_ep2 = _train_run(mixed, 2, seqs, prompt_lens, groups)
+    one_sample = [_one_sample_run(hf, ep, groups) for ep in (2, 1)]
     aux_only = [_aux_only_run(hf, groups, budget) for budget in (48, 1 << 20)]
     if dist.get_rank() == 0:
         from asyncrl.actor.checkpoint import actor_checkpoint_to_hf
@@ -198,6 +248,7 @@ def main() -> None:
             "files": ep2["files"],
             "ep_mismatch": ep1["ep_mismatch"],
             "aux_only": aux_only,
+            "one_sample": one_sample,
         }
         (work / "out.json").write_text(json.dumps(res, indent=1))
     dist.barrier()
@@ -241,6 +292,11 @@ def test_actor_moe_expert_parallel(tmp_path):
     for k in moe_keys - {"moe/aux_loss"}:
         assert mp[k] == pytest.approx(m1[k], rel=1e-6, abs=1e-9), k
     assert 0.9 < mp["moe/aux_loss"] < 2.0 and mp["moe/aux_loss"] != m1["moe/aux_loss"]
+    # a DP rank without samples at EP=2 runs a filler micro-batch: the step equals EP=1's (where it runs none)
+    o2, o1 = r["one_sample"]
+    assert o2["train/num_tokens"] == o1["train/num_tokens"] > 0 and o2["train/step_skipped"] == 0.0
+    for k in ("train/loss", "train/grad_norm", *moe_keys):
+        assert o2[k] == pytest.approx(o1[k], rel=1e-5, abs=1e-9), k
     # the load-balancing loss alone moves the router: its gradient is a mean over micro-batches (megatron-core's
     # scale, 1 / micro-batches per rank), so 5 micro-batches per rank give about the gradient of 1, not 5 times it
     many, one = r["aux_only"]
@@ -256,6 +312,27 @@ def test_actor_moe_expert_parallel(tmp_path):
     ]
     assert r["resumed_equal"] and r["offline_equal"]
     assert "actor.expert_model_parallel_size=1" in r["ep_mismatch"] and "EP=2" in r["ep_mismatch"]
+
+
+@pytest.mark.slow
+def test_actor_moe_pipeline_and_expert_parallel_on_four_ranks(tmp_path):
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", arch="qwen3_moe")
+    proc = proc_helpers.run_torchrun(Path(__file__), ["four", str(hf), str(tmp_path)], nproc=4, timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    r = json.loads((tmp_path / "out4.json").read_text())
+    assert r["exact"] == [True, True, True] and max(r["lp"]) < proc_helpers.SCALED_REL
+    m12, m14, m22 = r["metrics"]
+    # EP=4 == EP=2 at DP=4 (the same micro-batches): the step, the routing
+    assert abs(m14["train/grad_norm"] - m12["train/grad_norm"]) < proc_helpers.GRAD_NORM_REL * m12["train/grad_norm"]
+    assert r["w_ep4_ep2"] < proc_helpers.ADAM_STEP_REL * 1e-3
+    # PP=2 x EP=2 (DP=2: other micro-batches): the same loss and tokens routed
+    for m in (m14, m22):
+        assert abs(m["train/loss"] - m12["train/loss"]) < 1e-5 * max(1.0, abs(m12["train/loss"]))
+        for k in ("moe/expert_load/max_over_mean", "moe/expert_load/min_over_mean", "moe/expert_load/expert_3"):
+            assert m[k] == pytest.approx(m12[k], rel=1e-6), k
+    assert r["files"] == [f"model_tp00_ep{e:02d}_pp{s:02d}.safetensors" for e in range(2) for s in range(2)]
 
 
 if __name__ == "__main__":
