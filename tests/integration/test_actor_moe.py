@@ -1,7 +1,8 @@
 """The actor on a mixture-of-experts model under torchrun (2 processes, gloo): Qwen3-MoE at TP x EP = 1x1, 1x2, 2x1.
 
 One torchrun launch runs the worker below (this file's ``__main__``) on the tiny Qwen3-MoE (4 sparse layers,
-8 experts, top-2, renormalised top-k; one variant with a dense layer, ``mlp_only_layers=[1]``):
+8 experts, top-2, renormalised top-k; one variant with a dense layer, ``mlp_only_layers=[1]``, and the top-k
+probabilities not renormalised, ``norm_topk_prob=false``):
 
 - EP=2 (DP=2, each rank 4 experts): HF -> actor -> HF (``iter_hf_buckets``) bit-identical with the
   checkpoint's names; log-probs of packed sequences; one training step (the load-balancing loss on,
@@ -261,7 +262,9 @@ def test_actor_moe_expert_parallel(tmp_path):
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "hf", arch="qwen3_moe")
-    mixed = make_tiny_checkpoint(tmp_path / "mixed", arch="qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1], seed=3)
+    mixed = make_tiny_checkpoint(
+        tmp_path / "mixed", arch="qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1], norm_topk_prob=False, seed=3
+    )
     proc = proc_helpers.run_torchrun(Path(__file__), [str(hf), str(mixed), str(tmp_path)], timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads((tmp_path / "out.json").read_text())
