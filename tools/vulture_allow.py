@@ -20,6 +20,14 @@ _.pg_collection  # ... (same)
 _.get_default_causal_mask  # cluster/megatron_cpu.py: CPU shim patched into megatron-core, which calls it
 _._get_cuda_rng_state  # cluster/megatron_cpu.py: CPU shim patched into megatron-core's tensor_parallel.random
 _._set_cuda_rng_state  # (same)
+_.maybe_move_tensor_to_cpu  # cluster/megatron_cpu.py: CPU shim 7 patched into megatron-core's token_dispatcher ...
+_.record_stream  # ... which passes this keyword to it
+_.Stream  # cluster/megatron_cpu.py _HostCuda / _HostStream: what megatron-core's token dispatcher calls of ...
+_.current_stream  # ... torch.cuda (streams, events) on CPU (shim 7)
+_.stream  # (same)
+_.wait_stream  # (same)
+_.record_event  # (same)
+_.synchronize  # (same)
 _.rootRank  # cluster/weight_update_group.py: torch.distributed.BroadcastOptions fields, read by the process group
 _.rootTensor  # (same)
 _.asyncOp  # (same)

@@ -13,8 +13,10 @@
 - ``layer_spec``: the attention the model runs (TransformerEngine, fused SDPA per packed sequence, or
   Megatron's unfused reference), the model inputs of a packed batch, activation recompute.
 - ``memory``: the per-rank memory estimate (pure) that ``--dry-run`` prints and checks.
-- ``model`` / ``convert`` / ``weights``: HF config -> GPTModel, HF <-> Megatron names and TP shards,
-  loading and bucketed export; ``python -m asyncrl.actor.convert_cli`` for users.
+- ``model`` / ``convert`` / ``weights``: HF config -> GPTModel (dense or Qwen3-MoE), HF <-> Megatron names
+  and TP shards, loading (each EP rank its experts) and bucketed export; ``python -m asyncrl.actor.convert_cli``
+  for users.
+- ``moe``: mixture of experts: filler micro-batches (every DP rank runs as many), routing metrics (``moe/*``).
 - ``schedule``: how micro-batches run through the model, one interface for PP = 1 (plain loop) and PP > 1.
 - ``optim``: Megatron's DDP, Adam and the learning-rate schedule.
 - ``checkpoint``: the checkpoint layout and its one owner (``CheckpointManager``), the actor's state in a

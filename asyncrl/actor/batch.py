@@ -15,7 +15,7 @@
   sample longer than the budget forms a micro-batch of its own).
 - ``pack``: one micro-batch as packed tensors (positions restart per sequence; the sequences and
   padding runs as segments, ``cu_seqlens``, from which the block-diagonal causal mask is derived)
-  with the indices of the response tokens' predicting positions.
+  with the indices of the response tokens' predicting positions, and where the padding is (``padding``).
 - ``uniform_shape`` / ``pack_uniform``: micro-batches packed to one common ``[rows, row_len]``
   shape (pipeline parallelism sends fixed-shape activations between stages); the extra rows and
   columns are padding that no real token attends to.
@@ -193,6 +193,9 @@ class PackedBatch:
     seq_of_token: torch.Tensor  # [T] index (within the micro-batch) of each token's sequence
     num_tokens: int
     """Real tokens (padding excluded)."""
+    padding: torch.Tensor | None = None
+    """[R, C] bool, True = a padding position (None: there is none). A MoE layer leaves them out of its
+    load-balancing loss (megatron-core's ``padding_mask``), the routing metrics leave them uncounted."""
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -215,6 +218,7 @@ class PackedBatch:
             labels=self.labels.to(device),
             seq_of_token=self.seq_of_token.to(device),
             num_tokens=self.num_tokens,
+            padding=None if self.padding is None else self.padding.to(device),
         )
 
 
@@ -253,6 +257,7 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
     seg_lens: list[int] = []
     where: dict[int, tuple[int, int]] = {}
     ramp = torch.arange(cap)
+    padding = torch.zeros(R, cap, dtype=torch.bool)
     for r, members in enumerate(rows):
         off = 0
         for i in members:
@@ -264,6 +269,7 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
             off += n
         if off < cap:  # padding: its own causal block, so no query row is fully masked
             seg_lens.append(cap - off)
+            padding[r, off:] = True
     pred, labels, seq_idx = [], [], []
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
         if p < 1:
@@ -282,6 +288,7 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
         labels=torch.cat(labels),
         seq_of_token=torch.cat(seq_idx),
         num_tokens=sum(lengths),
+        padding=padding if bool(padding.any()) else None,
     )
 
 
@@ -294,6 +301,7 @@ def pad_rows(packed: PackedBatch, rows: int) -> PackedBatch:
         return packed
     extra = rows - R
     tail = packed.cu_seqlens[-1] + C * torch.arange(1, extra + 1, dtype=packed.cu_seqlens.dtype)
+    first = torch.zeros(R, C, dtype=torch.bool) if packed.padding is None else packed.padding
     return PackedBatch(
         input_ids=torch.cat([packed.input_ids, torch.zeros(extra, C, dtype=packed.input_ids.dtype)]),
         position_ids=torch.cat([packed.position_ids, torch.arange(C).expand(extra, C)]),
@@ -303,6 +311,7 @@ def pad_rows(packed: PackedBatch, rows: int) -> PackedBatch:
         labels=packed.labels,
         seq_of_token=packed.seq_of_token,
         num_tokens=packed.num_tokens,
+        padding=torch.cat([first, torch.ones(extra, C, dtype=torch.bool)]),
     )
 
 

@@ -3,7 +3,7 @@
 The run's checkpoints live under one root (``actor.checkpoint_dir``, default ``<run dir>/checkpoints``)::
 
     step_{N:06d}/           the checkpoint of step N
-      meta.json             format, step, weight version, tp/pp/dp, padded vocab, skipped steps
+      meta.json             format, step, weight version, tp/pp/ep/dp, padded vocab, skipped steps
       hf/                   the HF side files: config.json, tokenizer*, generation_config.json
       model_tp{R:02d}.safetensors   TP rank R's shard, canonical Megatron names (local layer spec)
       optim_tp{R:02d}.pt    Megatron optimizer state of TP rank R (absent in converted checkpoints)
@@ -11,6 +11,9 @@ The run's checkpoints live under one root (``actor.checkpoint_dir``, default ``<
                             optim_tp{R:02d}_pp{S:02d}.pt; layer names are global (HF layer index),
                             and with tied embeddings the last stage's file also holds its copy as
                             output_layer.weight (dropped when converting to HF).
+                            At EP > 1 (MoE) both are per EP rank E too: model_tp{R:02d}_ep{E:02d}[_pp..]
+                            holds EP rank E's experts (global expert indices), EP rank 0's file also
+                            every other tensor; optim_tp{R:02d}_ep{E:02d}[_pp..].pt that rank's state.
       optim_rank{G:03d}.pt  with actor.use_distributed_optimizer: global rank G's shard of the
                             optimizer state (torch state + main params); resume needs the same DP
       sched.json            OptimizerParamScheduler state
@@ -27,9 +30,10 @@ Contract
   and ``complete``) and the reading (``load``, collective: the actor's state, and the broker state if any).
   Nobody else builds a path inside the root.
 - The actor's own state (``save_actor_state`` / ``load_actor_state``, what ``Actor.save_checkpoint`` /
-  ``load_checkpoint`` call): model/optimizer files are written by the DP-rank-0 replica (DP replicas are
-  identical with the non-distributed optimizer); every rank writes its RNG file; ``meta.json`` is written last
-  of the actor's files. A checkpoint converted from HF (``hf_to_actor_checkpoint``) has only meta, hf/ and
+  ``load_checkpoint`` call): model/optimizer files are written by the first DP replica of each TP/EP/PP
+  shard (expert-DP rank 0; DP replicas are identical with the non-distributed optimizer); every rank writes
+  its RNG file; ``meta.json`` is written last of the actor's files. Resuming the optimizer needs the TP, PP
+  and EP it was saved at; the model loads at any PP and EP. A checkpoint converted from HF (``hf_to_actor_checkpoint``) has only meta, hf/ and
   model files: loading it starts a fresh optimizer.
 
     mgr = CheckpointManager(run_dir / "checkpoints")
@@ -53,12 +57,14 @@ import torch.distributed as dist
 
 from asyncrl.actor.convert import hf_state_to_megatron, megatron_state_to_hf, tp_merge, tp_shard
 from asyncrl.actor.model import actor_spec, padded_vocab_size
+from asyncrl.actor.names import is_expert
 from asyncrl.actor.weights import is_tied_output_copy, local_params
 from asyncrl.cluster.megatron_cpu import cuda_as_cpu
 from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
 
-# Lazy import: megatron-core's tensor_parallel (the RNG tracker) is imported inside the two RNG functions; its
-# import takes seconds and probes CUDA, and the converter and the manager's listing must import without it.
+# Lazy imports: megatron-core (the RNG tracker, the parallel state) is imported inside the functions that save and
+# restore the actor's state; its import takes seconds and probes CUDA, and the converter and the manager's listing
+# must import without it.
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +89,23 @@ HF_SIDE_FILES = (
 )
 
 
-def _stage(pp_rank: int, pp: int) -> str:
-    return "" if pp == 1 else f"_pp{pp_rank:02d}"
+def _shard(tp_rank: int, pp_rank: int, pp: int, ep_rank: int, ep: int) -> str:
+    return f"tp{tp_rank:02d}" + ("" if ep == 1 else f"_ep{ep_rank:02d}") + ("" if pp == 1 else f"_pp{pp_rank:02d}")
 
 
-def model_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
-    return f"model_tp{tp_rank:02d}{_stage(pp_rank, pp)}.safetensors"
+def model_file(tp_rank: int, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0, ep: int = 1) -> str:
+    return f"model_{_shard(tp_rank, pp_rank, pp, ep_rank, ep)}.safetensors"
 
 
-def optim_file(tp_rank: int, pp_rank: int = 0, pp: int = 1) -> str:
-    return f"optim_tp{tp_rank:02d}{_stage(pp_rank, pp)}.pt"
+def optim_file(tp_rank: int, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0, ep: int = 1) -> str:
+    return f"optim_{_shard(tp_rank, pp_rank, pp, ep_rank, ep)}.pt"
 
 
-def read_model_tensors(ckpt: Path, tp_rank: int, pp: int, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` of TP rank ``tp_rank``, from the stage files of a checkpoint saved at PP=``pp``."""
-    reader = SafetensorsReader([Path(ckpt) / model_file(tp_rank, s, pp) for s in range(pp)])
+def read_model_tensors(ckpt: Path, tp_rank: int, pp: int, names: list[str], ep: int = 1) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of TP rank ``tp_rank``, from the stage and EP files of a checkpoint saved at
+    PP=``pp``, EP=``ep``."""
+    files = [Path(ckpt) / model_file(tp_rank, s, pp, e, ep) for s in range(pp) for e in range(ep)]
+    reader = SafetensorsReader(files)
     return {k: reader.get(k) for k in names if k in reader}
 
 
@@ -245,6 +253,7 @@ def hf_to_actor_checkpoint(hf_dir: str | Path, out: str | Path, *, tp: int = 1) 
             "weight_version": 0,
             "tp": tp,
             "pp": 1,
+            "ep": 1,
             "dp": None,
             "padded_vocab_size": padded_vocab_size(spec.vocab_size, tp),
             "num_skipped_steps": 0,
@@ -258,11 +267,11 @@ def load_full_megatron(ckpt: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     """Merge all TP shards of a checkpoint into full Megatron tensors."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
-    pp = int(meta.get("pp", 1))
+    pp, ep = int(meta.get("pp", 1)), int(meta.get("ep", 1))
     tied = actor_spec(ckpt / HF_DIR).tie_word_embeddings if pp > 1 else False
     full: dict[str, torch.Tensor] = {}
-    for s in range(pp):
-        shards = [SafetensorsReader(ckpt / model_file(r, s, pp)).to_dict() for r in range(int(meta["tp"]))]
+    for s, e in ((s, e) for s in range(pp) for e in range(ep)):
+        shards = [SafetensorsReader(ckpt / model_file(r, s, pp, e, ep)).to_dict() for r in range(int(meta["tp"]))]
         for k in shards[0]:
             if tied and k == "output_layer.weight":  # the last stage's copy of the tied embeddings
                 continue
@@ -285,16 +294,21 @@ def actor_checkpoint_to_hf(ckpt: str | Path, out: str | Path) -> Path:
 def save_actor_state(actor: Any, directory: str | Path, *, step: int) -> Path:
     """Model, optimizer, scheduler, RNG, step and weight version of an ``asyncrl.actor.megatron_actor.Actor``
     (collective: every actor rank calls it; ``meta.json`` last)."""
+    from megatron.core import parallel_state as ps
+
     d = Path(directory)
     if actor.rank == 0:
         d.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     dopt = actor.cfg.actor.use_distributed_optimizer
-    if actor.dp_rank == 0:
-        shard = {name: p.detach() for name, p in local_params(actor.model, actor.layer_offset)}
-        save_safetensors(shard, d / model_file(actor.tp_rank, actor.pp_rank, actor.pp))
+    if ps.get_expert_data_parallel_rank() == 0:  # the first DP replica of this TP/EP/PP shard
+        ex = actor.experts
+        params = local_params(actor.model, actor.layer_offset, ex.offset)
+        shard = {name: p.detach() for name, p in params if ex.rank == 0 or is_expert(name)}
+        where = (actor.tp_rank, actor.pp_rank, actor.pp, ex.rank, ex.ep)
+        save_safetensors(shard, d / model_file(*where))
         if not dopt:
-            _atomic_save(actor.optimizer.state_dict(), d / optim_file(actor.tp_rank, actor.pp_rank, actor.pp))
+            _atomic_save(actor.optimizer.state_dict(), d / optim_file(*where))
     if dopt:  # each DP rank holds its own shard of the state
         _atomic_save(_optimizer_shard_state(actor.optimizer), d / optim_shard_file(actor.rank))
     torch.save(_rng_state(), d / rng_file(actor.rank))
@@ -310,6 +324,7 @@ def save_actor_state(actor: Any, directory: str | Path, *, step: int) -> Path:
                 "weight_version": actor.version,
                 "tp": actor.tp,
                 "pp": actor.pp,
+                "ep": actor.ep,
                 "dp": actor.dp,
                 "padded_vocab_size": actor.padded_vocab,
                 "num_skipped_steps": actor.num_skipped_steps,
@@ -332,7 +347,7 @@ def load_actor_state(actor: Any, directory: str | Path) -> dict[str, Any]:
             f"checkpoint {str(d)!r} has TP={meta['tp']} but actor.tensor_model_parallel_size={actor.tp}: "
             "convert it with `python -m asyncrl.actor.convert_cli actor-to-hf` and start from the HF export"
         )
-    _load_model(actor, d, int(meta.get("pp", 1)))
+    _load_model(actor, d, int(meta.get("pp", 1)), int(meta.get("ep", 1)))
     if meta.get("has_optimizer"):
         _check_optimizer_layout(actor, d, meta)
         _load_optimizer(actor, d, meta)
@@ -340,14 +355,14 @@ def load_actor_state(actor: Any, directory: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _load_model(actor: Any, d: Path, pp_saved: int) -> None:
-    if actor.pp == 1 and pp_saved == 1:
+def _load_model(actor: Any, d: Path, pp_saved: int, ep_saved: int) -> None:
+    params = local_params(actor.model, actor.layer_offset, actor.experts.offset)
+    if actor.pp == 1 and pp_saved == 1 and actor.ep == 1 and ep_saved == 1:
         shard = SafetensorsReader(d / model_file(actor.tp_rank)).to_dict()
-    else:  # this stage's tensors, from whichever stage file holds them (any saved PP)
-        names = [n for n, _ in local_params(actor.model, actor.layer_offset)]
-        shard = read_model_tensors(d, actor.tp_rank, pp_saved, names)
+    else:  # this rank's tensors, from whichever stage / EP file holds them (any saved PP and EP)
+        shard = read_model_tensors(d, actor.tp_rank, pp_saved, [n for n, _ in params], ep=ep_saved)
     with torch.no_grad():
-        for name, p in local_params(actor.model, actor.layer_offset):
+        for name, p in params:
             if name not in shard and is_tied_output_copy(name, actor.spec):
                 name = "embedding.word_embeddings.weight"  # a checkpoint saved at PP=1
             if name not in shard:
@@ -356,14 +371,16 @@ def _load_model(actor: Any, d: Path, pp_saved: int) -> None:
 
 
 def _check_optimizer_layout(actor: Any, d: Path, meta: dict[str, Any]) -> None:
-    """An optimizer state resumes only at the PP it was saved at (and the DP, with the distributed optimizer)."""
-    pp_saved = int(meta.get("pp", 1))
-    if pp_saved != actor.pp:
-        raise ValueError(
-            f"checkpoint {str(d)!r} has PP={pp_saved} but actor.pipeline_model_parallel_size={actor.pp}: "
-            "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert_cli "
-            "actor-to-hf` and start from the HF export"
-        )
+    """An optimizer state resumes only at the PP and EP it was saved at (and the DP, with the distributed
+    optimizer)."""
+    for size, key, have in (("pp", "pipeline", actor.pp), ("ep", "expert", actor.ep)):
+        saved = int(meta.get(size, 1))
+        if saved != have:
+            raise ValueError(
+                f"checkpoint {str(d)!r} has {size.upper()}={saved} but actor.{key}_model_parallel_size={have}: "
+                "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert_cli "
+                "actor-to-hf` and start from the HF export"
+            )
     dopt, want = bool(meta.get("distributed_optimizer", False)), actor.cfg.actor.use_distributed_optimizer
     if dopt != want or (dopt and meta.get("dp") != actor.dp):
         raise ValueError(
@@ -378,7 +395,7 @@ def _load_optimizer(actor: Any, d: Path, meta: dict[str, Any]) -> None:
         shard = torch.load(d / optim_shard_file(actor.rank), map_location="cpu", weights_only=False)
         _load_optimizer_shard_state(actor.optimizer, shard)
     else:
-        path = d / optim_file(actor.tp_rank, actor.pp_rank, actor.pp)
+        path = d / optim_file(actor.tp_rank, actor.pp_rank, actor.pp, actor.experts.rank, actor.ep)
         state = torch.load(path, map_location="cpu", weights_only=False)
         with cuda_as_cpu():
             actor.optimizer.load_state_dict(state)

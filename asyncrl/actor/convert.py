@@ -1,4 +1,4 @@
-"""HF <-> Megatron parameter conversion for Qwen2/Qwen2.5, Qwen3 and Llama (pure functions + CLI).
+"""HF <-> Megatron parameter conversion for Qwen2/Qwen2.5, Qwen3, Llama and Qwen3-MoE (pure functions + CLI).
 
 Names (megatron-core 0.16.1, local layer spec; the transformer-engine spec's fused-norm names are
 accepted too, see ``canonical_megatron_name``)::
@@ -12,11 +12,19 @@ accepted too, see ``canonical_megatron_name``)::
     model.layers.N.post_attention_layernorm   <-> decoder.layers.N.pre_mlp_layernorm.weight
     model.layers.N.mlp.{gate,up}_proj.weight  <-> decoder.layers.N.mlp.linear_fc1.weight (gate rows, then up)
     model.layers.N.mlp.down_proj.weight       <-> decoder.layers.N.mlp.linear_fc2.weight
+    (Qwen3-MoE sparse layers, ``spec.is_moe_layer(N)``; E = the global expert index; dense layers as above)
+    model.layers.N.mlp.gate.weight            <-> decoder.layers.N.mlp.router.weight     ([experts, hidden])
+    model.layers.N.mlp.experts.E.{gate,up}_proj.weight
+                                <-> decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight (gate, then up)
+    model.layers.N.mlp.experts.E.down_proj.weight
+                                <-> decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight
     model.norm.weight                         <-> decoder.final_layernorm.weight
     lm_head.weight                            <-> output_layer.weight                (vocab padded; absent if tied)
 
 A "full" Megatron tensor is the unsharded one; ``tp_shard``/``tp_merge`` split and join it the
-way megatron-core's column/row-parallel layers do (``linear_fc1`` shards gate and up separately).
+way megatron-core's column/row-parallel layers do (``linear_fc1`` shards gate and up separately; an
+expert's linears like the dense MLP's; the router is replicated). Expert names carry global indices
+(``asyncrl.actor.names``); which EP rank holds an expert is the actor's business (``asyncrl.actor.weights``).
 
 CLI (for users): ``python -m asyncrl.actor.convert_cli`` (outside this module, which the checkpoint code
 imports). Megatron names and TP split dimensions: ``asyncrl.actor.names``.
@@ -31,7 +39,7 @@ from collections.abc import Iterator
 import torch
 
 from asyncrl.actor.model import padded_vocab_size
-from asyncrl.actor.names import LAYER_NAME, canonical_megatron_name, layer_rest, tp_split_dim
+from asyncrl.actor.names import EXPERT_NAME, LAYER_NAME, canonical_megatron_name, mlp_role, tp_split_dim
 from asyncrl.models.spec import ModelSpec
 
 
@@ -79,7 +87,12 @@ def megatron_param_names(spec: ModelSpec) -> list[str]:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names.append(p + "self_attention.linear_proj.weight")
         names.append(p + "pre_mlp_layernorm.weight")
-        names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        if spec.is_moe_layer(i):
+            names.append(p + "mlp.router.weight")
+            for e in range(spec.num_experts):
+                names += [p + f"mlp.experts.local_experts.{e}.linear_fc{k}.weight" for k in (1, 2)]
+        else:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     names.append("decoder.final_layernorm.weight")
     if not spec.tie_word_embeddings:
         names.append("output_layer.weight")
@@ -95,6 +108,14 @@ def hf_names_for(mg_name: str, spec: ModelSpec) -> list[str]:
         return ["model.norm.weight"]
     if name == "output_layer.weight":
         return ["lm_head.weight"]
+    x = EXPERT_NAME.match(name)
+    if x:
+        p = f"model.layers.{x.group(1)}.mlp.experts.{x.group(2)}."
+        return (
+            [p + "gate_proj.weight", p + "up_proj.weight"]
+            if x.group(3) == "linear_fc1.weight"
+            else [p + "down_proj.weight"]
+        )
     m = LAYER_NAME.match(name)
     if not m:
         raise KeyError(f"unknown Megatron parameter {mg_name!r}")
@@ -110,6 +131,7 @@ def hf_names_for(mg_name: str, spec: ModelSpec) -> list[str]:
         "pre_mlp_layernorm.weight": [p + "post_attention_layernorm.weight"],
         "mlp.linear_fc1.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
         "mlp.linear_fc2.weight": [p + "mlp.down_proj.weight"],
+        "mlp.router.weight": [p + "mlp.gate.weight"],
     }
     if rest not in table:
         raise KeyError(f"unknown Megatron parameter {mg_name!r}")
@@ -153,7 +175,7 @@ def tp_shard(mg_name: str, full: torch.Tensor, *, rank: int, tp: int) -> torch.T
     dim = tp_split_dim(mg_name)
     if dim is None or tp == 1:
         return full
-    if layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
+    if mlp_role(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0).contiguous()
     if full.shape[dim] % tp:
@@ -166,7 +188,7 @@ def tp_merge(mg_name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     dim = tp_split_dim(mg_name)
     if dim is None or len(shards) == 1:
         return shards[0]
-    if layer_rest(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
+    if mlp_role(canonical_megatron_name(mg_name)) == "mlp.linear_fc1.weight":
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0).contiguous()
     return torch.cat(shards, dim=dim).contiguous()

@@ -8,18 +8,24 @@ Contract
   ``"te"`` | ``"sdpa"`` | ``"unfused"``. ``auto`` is TransformerEngine on CUDA when
   ``transformer_engine`` imports, else ``sdpa``. ``te`` without CUDA or without TE is a ValueError
   naming the key.
-- ``layer_spec(backend, qk_norm=)``: Megatron's TE layer spec (``te``); the local layer spec with
-  ``FusedCoreAttention`` as its core attention (``sdpa``); the plain local spec, whose
+- ``layer_spec(backend, qk_norm=, num_experts=None)``: Megatron's TE layer spec (``te``); the local layer spec
+  with ``FusedCoreAttention`` as its core attention (``sdpa``); the plain local spec, whose
   ``DotProductAttention`` materializes the ``[b, heads, S, S]`` probabilities (``unfused``: kept as
-  the CPU reference the fused path is tested against).
+  the CPU reference the fused path is tested against). With ``num_experts`` the layer's MLP is
+  megatron-core's MoE layer: TE's grouped-GEMM experts (``TEGroupedMLP``) with ``te``, the local
+  ``SequentialMLP`` (one MLP per expert) otherwise; its pre-MLP norm is its own module in both.
 - ``model_inputs(packed, backend)``: the GPTModel call for a ``PackedBatch``. Fused backends get
   the ``thd`` layout: the ``[R, C]`` rows flattened to one ``[1, R*C]`` row plus a
   ``PackedSeqParams(qkv_format="thd")`` whose ``cu_seqlens`` are the batch's segments (each
   sequence, each padding run): attention never crosses a segment and no ``S x S`` tensor exists.
   ``unfused`` gets the ``[R, C]`` rows and the dense block-diagonal mask. Either way the logits
-  flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds.
-  ``response_logits(model, packed, backend)``: that call with the output layer fed only the positions that predict
-  response tokens: ``[T, V_local]`` logits in ``pred_index`` order (the other positions' logits are never computed).
+  flatten to ``R*C`` positions in the same order, so ``PackedBatch.pred_index`` holds. A batch with padding
+  also passes it as megatron-core's ``padding_mask`` (in the layout of ``input_ids``; MoE layers leave those
+  positions out of their load-balancing loss, dense layers ignore it).
+  ``response_logits(model, packed, backend, filler=)``: that call with the output layer fed only the positions that
+  predict response tokens: ``[T, V_local]`` logits in ``pred_index`` order (the other positions' logits are never
+  computed). A ``filler`` micro-batch (nothing trained: it only keeps an EP group's MoE collectives in step,
+  ``asyncrl.actor.moe``) runs in eval mode: its routers attach no load-balancing loss and record nothing.
   ``pack_microbatch(seqs, prompt_lens, backend)``: one micro-batch packed for the backend at PP = 1: fused
   backends one row of every sequence, no padding (``[1, T]``); ``unfused`` rows of the longest sequence.
   ``p2p_shape(rows, row_len, backend)``: the matching ``(seq_length, micro_batch_size)`` of the
@@ -89,12 +95,14 @@ def resolve_attention(requested: str, *, cuda: bool, te_available: bool) -> str:
     return requested
 
 
-def layer_spec(backend: str, *, qk_norm: bool):
+def layer_spec(backend: str, *, qk_norm: bool, num_experts: int | None = None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if backend == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_norm
+        )
+    spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm, normalization="RMSNorm")
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
     else:
@@ -114,8 +122,9 @@ def pack_microbatch(seqs, prompt_lens, backend: str) -> PackedBatch:
 
 def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, Any]]:
     """``(args, kwargs)`` of the GPTModel call for one packed micro-batch (see the contract)."""
+    pad = {} if packed.padding is None else {"padding_mask": packed.padding}
     if backend not in FUSED:
-        return (packed.input_ids, packed.position_ids, packed.attention_mask), {}
+        return (packed.input_ids, packed.position_ids, packed.attention_mask), pad
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = packed.cu_seqlens.to(device=packed.input_ids.device, dtype=torch.int32)
@@ -127,21 +136,20 @@ def model_inputs(packed: PackedBatch, backend: str) -> tuple[tuple, dict[str, An
         max_seqlen_kv=packed.max_seqlen,
     )
     args = (packed.input_ids.reshape(1, -1), packed.position_ids.reshape(1, -1), None)
-    return args, {"packed_seq_params": params}
+    pad = {k: v.reshape(1, -1) for k, v in pad.items()}
+    return args, {"packed_seq_params": params, **pad}
 
 
-def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str) -> torch.Tensor:
+def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str, *, filler: bool = False) -> torch.Tensor:
     """The model called on ``packed`` (``model_inputs``), its output layer fed only the hidden states of the
     positions that predict the response tokens: ``[T, V_local]`` logits in ``packed.pred_index`` order. A model
     without an output layer (a pipeline stage before the last) returns its activations unchanged. ``model``
-    may be wrapped (Megatron's DDP: ``.module``)."""
+    may be wrapped (Megatron's DDP: ``.module``). ``filler``: in eval mode (see the contract)."""
     args, kwargs = model_inputs(packed, backend)
     inner = model
     while not hasattr(inner, "output_layer") and hasattr(inner, "module"):
         inner = inner.module
     head = getattr(inner, "output_layer", None)
-    if head is None:
-        return model(*args, **kwargs)
     index = packed.pred_index
 
     def select(_module, inputs):
@@ -149,12 +157,18 @@ def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str) -
         picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1]).index_select(0, index)
         return (picked.unsqueeze(1), *inputs[1:])
 
-    handle = head.register_forward_pre_hook(select)
+    handle = None if head is None else head.register_forward_pre_hook(select)
+    training = model.training
+    if filler:
+        model.eval()
     try:
-        logits = model(*args, **kwargs)  # [1, T, V_local]
+        out = model(*args, **kwargs)  # [1, T, V_local] (the activations on a stage before the last)
     finally:
-        handle.remove()
-    return logits.reshape(-1, logits.shape[-1])
+        if filler:
+            model.train(training)
+        if handle is not None:
+            handle.remove()
+    return out if head is None else out.reshape(-1, out.shape[-1])
 
 
 def p2p_shape(rows: int, row_len: int, backend: str) -> tuple[int, int]:

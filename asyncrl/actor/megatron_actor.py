@@ -6,7 +6,10 @@ Contract
   initialises Megatron's model parallelism on that world: TP = ``actor.tensor_model_parallel_size``,
   PP = ``actor.pipeline_model_parallel_size``, DP = world / (TP * PP); TP * PP must divide the
   actor ranks and PP must divide the number of layers (split evenly; HF layer index = stage offset
-  + local index). On a machine without CUDA the shims of ``asyncrl.cluster.megatron_cpu`` are
+  + local index). A mixture-of-experts model (``asyncrl.actor.model``) splits its experts over EP =
+  ``actor.expert_model_parallel_size`` ranks of the DP dimension (TP * EP * PP must divide the actor ranks,
+  EP the number of experts; EP > 1 for a dense model, or MoE training at TP > 1, is a ValueError naming
+  the key). On a machine without CUDA the shims of ``asyncrl.cluster.megatron_cpu`` are
   applied and everything runs in fp32 on gloo.
 - Every public method is collective: **all actor ranks call it, in the same order**.
   ``train_step(groups)``: only global rank 0's ``groups`` are used (others pass ``None``); rank 0
@@ -19,6 +22,8 @@ Contract
   ``train/skipped_steps`` counts it). A batch without any trained token makes no update
   (``train/empty_batch``). A DP rank that gets no sample still joins every collective. Every rank
   returns the same metrics dict. Log-probs are computed at ``rollout.sampling.temperature``.
+  A MoE model's load-balancing loss (megatron-core's ``aux_loss``) is in the gradient
+  (``asyncrl.actor.schedule``) and its routing reported (``moe/...``, ``asyncrl.actor.moe``).
 - Pipeline parallelism (PP > 1): the first stage holds the embedding, the last the final norm and
   output layer (with tied embeddings, Megatron's copy of the word embeddings, kept equal through
   the embedding-group gradient all-reduce). Log-probs and the training step go through
@@ -42,11 +47,12 @@ Contract
   the same order and buckets at any TP/PP, and is the one that sends them on (weight sync, HF
   export). At PP = 1 every rank receives the same full tensors; at PP > 1 each stage's TP-rank-0 /
   DP-rank-0 sends its stage's full tensors to global rank 0 point to point, stage by stage, and
-  the other ranks receive only their own stage's.
+  the other ranks receive only their own stage's. Every rank of an EP group receives every expert
+  (broadcast from its EP rank, ``asyncrl.actor.weights``).
 - Checkpoints (``save_checkpoint`` / ``load_checkpoint``, collective): the actor's state in one checkpoint
   directory, laid out by ``asyncrl.actor.checkpoint`` (per-TP-rank model and optimizer files, per stage at
-  PP > 1); resuming needs the same TP and PP (and DP with the distributed optimizer); a model-only checkpoint
-  loads at any PP. The run's checkpoints (step directories, markers, broker state) are the
+  PP > 1, per EP rank at EP > 1); resuming needs the same TP, PP and EP (and DP with the distributed
+  optimizer); a model-only checkpoint loads at any PP and EP. The run's checkpoints (step directories, markers, broker state) are the
   ``CheckpointManager``'s. The optimizer and its schedule are built by ``asyncrl.actor.optim``.
 
 Example (on every actor rank, after ``dist.init_process_group``)::
@@ -86,14 +92,17 @@ from asyncrl.actor.model import (
     actor_spec,
     build_gpt_model,
     check_parallel_sizes,
+    check_trainable,
     layer_offset,
     padded_vocab_size,
 )
+from asyncrl.actor.moe import RoutingStats, filler_sample, fillers_needed
 from asyncrl.actor.optim import build_optimizer
 from asyncrl.actor.pipeline import StageInfo, gather_to_rank0
 from asyncrl.actor.scatter import scatter_samples
 from asyncrl.actor.schedule import MicroBatch, PipelineSchedule, PlainSchedule
 from asyncrl.actor.weights import (
+    ExpertShards,
     iter_hf_buckets,
     iter_hf_tensors,
     load_hf_into_model,
@@ -118,6 +127,7 @@ class Actor:
         self._init_parallel()
         self._init_compute()
         self.model = self._build_and_load()
+        self.routing = RoutingStats(self.model, self.spec, self.device) if self.spec.is_moe else None
         self.ddp, self.optimizer, self.scheduler = build_optimizer(cfg, self.model, self.dtype)
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
@@ -134,7 +144,8 @@ class Actor:
         self.num_skipped_steps = 0
 
     def _init_parallel(self) -> None:
-        """Megatron's model parallelism on the actor world (TP x PP, DP = the rest); this rank's coordinates."""
+        """Megatron's model parallelism on the actor world (TP x PP, DP = the rest, EP within DP); this rank's
+        coordinates."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
@@ -142,22 +153,30 @@ class Actor:
         self.rank = dist.get_rank()
         self.tp = self.cfg.actor.tensor_model_parallel_size
         self.pp = self.cfg.actor.pipeline_model_parallel_size
+        self.ep = self.cfg.actor.expert_model_parallel_size
         if self.world % self.tp:
             raise ValueError(f"actor.tensor_model_parallel_size={self.tp} must divide the {self.world} actor ranks")
-        if self.world % (self.tp * self.pp):
+        if self.world % (self.tp * self.pp * self.ep):
             raise ValueError(
-                f"actor.tensor_model_parallel_size={self.tp} x actor.pipeline_model_parallel_size={self.pp} "
-                f"must divide the {self.world} actor ranks"
+                f"actor.tensor_model_parallel_size={self.tp} x actor.expert_model_parallel_size={self.ep} x "
+                f"actor.pipeline_model_parallel_size={self.pp} must divide the {self.world} actor ranks"
             )
         self.dp = self.world // (self.tp * self.pp)
-        check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp)
+        check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp, ep=self.ep)
+        check_trainable(self.spec, tp=self.tp)
+        sizes = (self.tp, self.pp, self.ep)
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
-        elif (
-            ps.get_tensor_model_parallel_world_size() != self.tp
-            or ps.get_pipeline_model_parallel_world_size() != self.pp
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp,
+                pipeline_model_parallel_size=self.pp,
+                expert_model_parallel_size=self.ep,
+            )
+        elif sizes != (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
         ):
-            raise RuntimeError("Megatron model parallelism is already initialised with other TP/PP sizes")
+            raise RuntimeError("Megatron model parallelism is already initialised with other TP/PP/EP sizes")
         tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.runner.seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -165,6 +184,7 @@ class Actor:
         self.dp_group = ps.get_data_parallel_group()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.layer_offset = layer_offset(self.spec, pp=self.pp, pp_rank=self.pp_rank)
+        self.experts = ExpertShards.current(self.spec)
         self.stage: StageInfo | None = StageInfo.current() if self.pp > 1 else None
         self.padded_vocab = padded_vocab_size(self.spec.vocab_size, self.tp)
         self.vocab_start = self.tp_rank * (self.padded_vocab // self.tp)
@@ -198,6 +218,8 @@ class Actor:
             self.spec,
             tp=self.tp,
             pp=self.pp,
+            ep=self.ep,
+            moe_aux_loss_coeff=self.cfg.actor.moe_aux_loss_coeff,
             params_dtype=self.dtype,
             attention_backend=self.attention,
             recompute=self.recompute,
@@ -211,6 +233,7 @@ class Actor:
             tp=self.tp,
             layer_offset=self.layer_offset,
             pp=self.pp,
+            experts=self.experts,
         )
         return model
 
@@ -283,11 +306,16 @@ class Actor:
     # ------------------------------------------------------------------ the step (one path for every PP)
     def _train_items(self, samples: list[Sample]) -> list[MicroBatch]:
         """This DP rank's micro-batches in the schedule's shape (``schedule.pack``), with their loss inputs where the
-        loss is computed (PP > 1: packed to the pipeline-wide shape; the loss inputs on the last stage only)."""
+        loss is computed (PP > 1: packed to the pipeline-wide shape; the loss inputs on the last stage only); for a
+        MoE model followed by fillers up to the DP ranks' largest count (``asyncrl.actor.moe``)."""
         idxs = make_microbatches([s.num_tokens for s in samples], self.cfg.actor.max_tokens_per_microbatch)
         mbs = [[samples[i] for i in idx] for idx in idxs]
+        real = len(mbs)
+        if self.spec.is_moe and self.dp > 1:
+            mbs += [[filler_sample()] for _ in range(fillers_needed(real, self.dp_group, self.device))]
         packed = self.schedule.pack([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
-        return [MicroBatch(p, self._extras(mb) if self.schedule.computes_loss else None) for p, mb in zip(packed, mbs)]
+        extras = [self._extras(mb) if self.schedule.computes_loss else None for mb in mbs]
+        return [MicroBatch(p, x, filler=i >= real) for i, (p, x) in enumerate(zip(packed, extras))]
 
     @torch.no_grad()
     def _old_logprobs(self, items: list[MicroBatch]) -> None:
@@ -313,6 +341,8 @@ class Actor:
         the number of real tokens and of micro-batches."""
         items = self._train_items(samples)
         self._old_logprobs(items)
+        if self.routing is not None:
+            self.routing.begin_step()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         # DDP averages gradients over DP ranks; the aggregation weights are already global: x dp.
@@ -321,7 +351,8 @@ class Actor:
         for d in data:
             for k, v in d.items():
                 sums[k] += v
-        return self.schedule.gather_sums(sums), sum(it.packed.num_tokens for it in items), len(items)
+        real = [it for it in items if not it.filler]
+        return self.schedule.gather_sums(sums), sum(it.packed.num_tokens for it in real), len(real)
 
     def _reduce_sums(self, sums: dict[str, float], num_seq_tokens: int) -> tuple[dict[str, float], float, bool]:
         """The loss sums and sequence tokens over DP ranks, and whether every actor rank's loss is finite."""
@@ -394,6 +425,8 @@ class Actor:
                 "time/training": dt,
             }
         )
+        if self.routing is not None:
+            m.update(self.routing.metrics(num_mbs, tp=self.tp, pp=self.pp))
         return m
 
     # ------------------------------------------------------------------ public
@@ -425,14 +458,11 @@ class Actor:
         self, bucket_bytes: int, *, dtype: torch.dtype | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named weights in buckets (collective: every actor rank iterates it all)."""
+        shards = {"tp_group": self.tp_group, "tp": self.tp, "dtype": dtype, "experts": self.experts}
         if self.stage is None:
-            yield from iter_hf_buckets(
-                self.model, self.spec, bucket_bytes, tp_group=self.tp_group, tp=self.tp, dtype=dtype
-            )
+            yield from iter_hf_buckets(self.model, self.spec, bucket_bytes, **shards)
             return
-        own = iter_hf_tensors(
-            self.model, self.spec, tp_group=self.tp_group, tp=self.tp, dtype=dtype, layer_offset=self.layer_offset
-        )
+        own = iter_hf_tensors(self.model, self.spec, layer_offset=self.layer_offset, **shards)
         yield from iter_buckets(gather_to_rank0(own, self.stage, self.device), bucket_bytes)
 
     def export_hf(self, directory: str | Path) -> Path:

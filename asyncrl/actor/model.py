@@ -1,8 +1,18 @@
-"""Build a megatron-core GPTModel from a HF ``config.json`` (Qwen2/Qwen2.5, Qwen3, Llama).
+"""Build a megatron-core GPTModel from a HF ``config.json`` (Qwen2/Qwen2.5, Qwen3, Llama, Qwen3-MoE).
 
 Pure description first (``actor_spec``: the one ``asyncrl.models.spec.ModelSpec``, refused where the actor
-cannot run it, no torch.distributed), then ``build_gpt_model`` which needs Megatron's model-parallel state
-to be initialised.
+cannot run it, no torch.distributed; ``check_parallel_sizes``, ``check_trainable``, ``moe_settings``), then
+``build_gpt_model`` which needs Megatron's model-parallel state to be initialised.
+
+Mixture of experts (``spec.is_moe``): the sparse layers (``spec.moe_layers``) are megatron-core MoE layers,
+the others dense (``moe_layer_freq`` as a 0/1 pattern). Routing is Qwen3-MoE's: softmax router in fp32 over
+``num_experts``, top-k; ``norm_topk_prob`` (the top-k probabilities renormalised) is megatron-core's softmax
+over the top-k logits (``moe_router_pre_softmax=False``), without it the full softmax's top-k values
+(``pre_softmax=True``). Dropless (no capacity factor); the load-balancing loss is megatron-core's ``aux_loss``
+with coefficient ``actor.moe_aux_loss_coeff`` (None: config.json's ``router_aux_loss_coef``; 0: none); the
+alltoall token dispatcher on every device (on CPU through ``asyncrl.cluster.megatron_cpu``'s shim 7); the
+experts are TE's grouped GEMM with the TE layer spec, megatron-core's ``SequentialMLP`` otherwise; EP =
+``actor.expert_model_parallel_size`` ranks share the experts (expert TP = TP, megatron-core's default).
 
 The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (``padded_vocab_size``); the
 extra rows of the embedding and the output layer are zero and are stripped on export.
@@ -18,7 +28,7 @@ import torch
 
 from asyncrl.actor.layer_spec import layer_spec as make_layer_spec
 from asyncrl.actor.names import canonical_megatron_name, tp_split_dim
-from asyncrl.cluster.megatron_cpu import cuda_as_cpu
+from asyncrl.cluster.megatron_cpu import bind_router_gemm_fallback, cuda_as_cpu
 from asyncrl.models.spec import ACTOR, ModelSpec, require
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
@@ -41,20 +51,70 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) 
     return -(-vocab_size // m) * m
 
 
-def check_parallel_sizes(spec: ModelSpec, *, tp: int, pp: int) -> None:
+def check_parallel_sizes(spec: ModelSpec, *, tp: int, pp: int, ep: int = 1) -> None:
     """Raise ValueError naming the setting when the model cannot be split this way."""
     key = "actor.tensor_model_parallel_size"
     if spec.num_attention_heads % tp:
         raise ValueError(f"{key}={tp} must divide num_attention_heads={spec.num_attention_heads}")
     if spec.num_query_groups % tp:
         raise ValueError(f"{key}={tp} must divide num_key_value_heads={spec.num_query_groups}")
-    if spec.ffn_hidden_size % tp:
+    dense_layers = len(spec.moe_layers) < spec.num_layers
+    if dense_layers and spec.ffn_hidden_size % tp:
         raise ValueError(f"{key}={tp} must divide intermediate_size={spec.ffn_hidden_size}")
+    if spec.is_moe and spec.moe_ffn_hidden_size % tp:
+        raise ValueError(f"{key}={tp} must divide moe_intermediate_size={spec.moe_ffn_hidden_size}")
     if pp < 1 or spec.num_layers % pp:
         raise ValueError(
             f"actor.pipeline_model_parallel_size={pp} must divide num_hidden_layers={spec.num_layers} "
             "(the layers are split evenly over the pipeline stages)"
         )
+    ekey = "actor.expert_model_parallel_size"
+    if ep < 1:
+        raise ValueError(f"{ekey}={ep} must be >= 1")
+    if ep > 1 and not spec.is_moe:
+        raise ValueError(f"{ekey}={ep}: {spec.model_type} is a dense model (no experts to split); set it to 1")
+    if spec.is_moe and spec.num_experts % ep:
+        raise ValueError(f"{ekey}={ep} must divide num_experts={spec.num_experts}")
+
+
+def check_trainable(spec: ModelSpec, *, tp: int) -> None:
+    """Raise ValueError where megatron-core 0.16.1 cannot train the model at this TP: its MoE layer refuses
+    training at TP > 1 without sequence parallelism (without it the tensor-parallel experts would see every
+    token TP times), which the actor does not use (nor can on CPU: torch's norms refuse it)."""
+    if spec.is_moe and tp > 1:
+        raise ValueError(
+            f"actor.tensor_model_parallel_size={tp} with a mixture-of-experts model ({spec.model_type}): "
+            "megatron-core trains MoE layers at TP > 1 only with sequence parallelism, which the actor does not "
+            "use; set it to 1 and split the experts with actor.expert_model_parallel_size"
+        )
+
+
+def moe_settings(spec: ModelSpec, *, ep: int, aux_loss_coeff: float | None, grouped_gemm: bool) -> dict[str, Any]:
+    """The MoE keywords of ``TransformerConfig`` (see the module docstring); ``{}`` for a dense model."""
+    if not spec.is_moe:
+        return {}
+    if spec.num_experts_per_tok == 1 and spec.norm_topk_prob:
+        raise ValueError(
+            f"{spec.source}: num_experts_per_tok=1 with norm_topk_prob=true (every token's weight 1, no gradient "
+            "to the router) is refused by megatron-core's router"
+        )
+    coeff = spec.router_aux_loss_coef if aux_loss_coeff is None else float(aux_loss_coeff)
+    if coeff < 0:
+        raise ValueError(f"actor.moe_aux_loss_coeff={aux_loss_coeff} must be >= 0")
+    return {
+        "num_moe_experts": spec.num_experts,
+        "moe_router_topk": spec.num_experts_per_tok,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_layer_freq": [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not spec.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none",
+        "moe_aux_loss_coeff": coeff,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": grouped_gemm,
+        "expert_model_parallel_size": ep,
+    }
 
 
 def layer_offset(spec: ModelSpec, *, pp: int, pp_rank: int) -> int:
@@ -108,20 +168,36 @@ def transformer_config(
     )
 
 
+def decoder_block_spec(spec: ModelSpec, backend: str, *, pp: int, pp_rank: int):
+    """The layer specs of pipeline stage ``pp_rank``'s layers (a MoE layer's where ``spec.is_moe_layer``), and
+    the final norm megatron-core gives a block built from one layer spec."""
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    dense = make_layer_spec(backend, qk_norm=spec.qk_norm)
+    sparse = make_layer_spec(backend, qk_norm=spec.qk_norm, num_experts=spec.num_experts) if spec.is_moe else None
+    first = layer_offset(spec, pp=pp, pp_rank=pp_rank)
+    layers = range(first, first + spec.num_layers // pp)
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if spec.is_moe_layer(i) else dense for i in layers], layer_norm=LayerNormImpl
+    )
+
+
 def build_gpt_model(
     spec: ModelSpec,
     *,
     tp: int,
     pp: int = 1,
+    ep: int = 1,
+    moe_aux_loss_coeff: float | None = None,
     params_dtype: torch.dtype = torch.float32,
     attention_backend: str = "sdpa",
     recompute: dict[str, Any] | None = None,
 ):
-    """A GPTModel for this rank's TP shard and pipeline stage.
+    """A GPTModel for this rank's TP shard, pipeline stage and (MoE) EP rank's experts.
 
     ``attention_backend`` is a resolved backend of ``asyncrl.actor.layer_spec`` (``te``, ``sdpa`` or
     ``unfused``; feed the model with ``spec.model_inputs``); ``recompute`` holds TransformerConfig
-    keywords from ``spec.recompute_settings``.
+    keywords from ``spec.recompute_settings``; ``ep`` and ``moe_aux_loss_coeff`` go to ``moe_settings``.
 
     Needs ``initialize_model_parallel``. At PP > 1 the stage holds layers
     ``[layer_offset, layer_offset + num_layers / pp)`` (named ``decoder.layers.<local index>``), the
@@ -133,21 +209,25 @@ def build_gpt_model(
     """
     from megatron.core.models.gpt import GPTModel
 
-    check_parallel_sizes(spec, tp=tp, pp=pp)
-    cfg = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, **(recompute or {}))
-    layer_spec = make_layer_spec(attention_backend, qk_norm=spec.qk_norm)
+    check_parallel_sizes(spec, tp=tp, pp=pp, ep=ep)
+    moe = moe_settings(spec, ep=ep, aux_loss_coeff=moe_aux_loss_coeff, grouped_gemm=attention_backend == "te")
+    if spec.is_moe:
+        bind_router_gemm_fallback()  # a GPU without TransformerEngine needs it too
+    cfg = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, **moe, **(recompute or {}))
     pre_process = post_process = True
+    pp_rank = 0
     build = contextlib.nullcontext()
     if pp > 1:
         from megatron.core import parallel_state as ps
 
         pre_process, post_process = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        pp_rank = ps.get_pipeline_model_parallel_rank()
         # tied embeddings: Megatron moves the last stage's copy with `.data.cuda()` and all-reduces it
         build = cuda_as_cpu()
     with build:
         model = GPTModel(
             config=cfg,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=decoder_block_spec(spec, attention_backend, pp=pp, pp_rank=pp_rank),
             vocab_size=padded_vocab_size(spec.vocab_size, tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=pre_process,

@@ -7,7 +7,7 @@ Contract
   global rank at TP rank 0, DP rank 0 of that stage; stage 0's leader is global rank 0).
 - ``run_schedule(model, items, loss_fn=, rows=, row_len=, backend=, forward_only=)``: megatron-core's
   ``get_forward_backward_func()`` (1F1B; forward-only for log-probs) over ``items`` (each has a
-  ``.packed`` ``PackedBatch`` of exactly ``[rows, row_len]``). Every stage of one pipeline calls it
+  ``.packed`` ``PackedBatch`` of exactly ``[rows, row_len]`` and a ``.filler`` flag). Every stage of one pipeline calls it
   with the same number of items and the same shape (they hold the same data); the model is called
   through ``asyncrl.actor.layer_spec.response_logits`` for the attention ``backend``, and activations travel
   between stages as ``[row_len, rows, hidden]`` tensors (``[rows * row_len, 1, hidden]`` in the
@@ -99,7 +99,7 @@ def run_schedule(
     def forward_step(data_iterator, m):
         item = next(data_iterator)
         # first stage: embeds input_ids; later stages: the received activations (set by the schedule)
-        return response_logits(m, item.packed, backend), functools.partial(loss_fn, item)
+        return response_logits(m, item.packed, backend, filler=item.filler), functools.partial(loss_fn, item)
 
     seq_length, micro_batch_size = p2p_shape(rows, row_len, backend)
     fb = get_forward_backward_func()

@@ -4,7 +4,8 @@ schedule (PP > 1), behind one interface, so ``Actor`` has one training step and 
 Contract
 - ``MicroBatch``: one micro-batch of a step: ``packed`` (on the actor's device, in the schedule's shape) and,
   where the loss is computed (``schedule.computes_loss``: every rank at PP = 1, the last stage at PP > 1), the
-  loss inputs ``extra`` and the recomputed ``prox`` / reference ``ref`` log-probs.
+  loss inputs ``extra`` and the recomputed ``prox`` / reference ``ref`` log-probs. A ``filler`` (nothing
+  trained, ``asyncrl.actor.moe``) runs like the others, in eval mode (``spec.response_logits``).
 - ``pack(mbs)``: ``[(sequences, prompt_lens)]`` -> one ``PackedBatch`` per micro-batch on the device. Plain:
   each packed for the attention backend (``spec.pack_microbatch``: no padding with fused attention). Pipeline: every micro-batch padded to the one ``[rows, row_len]``
   shape agreed over the pipeline group (collective over it, even with no micro-batch), because activations
@@ -16,6 +17,11 @@ Contract
   gradient of ``loss * grad_scale`` of every item accumulates in the model's (DDP) grad buffers; returns each
   item's ``data`` (``[]`` on the non-last stages). The pipeline undoes its schedule's division of every loss by
   the number of micro-batches, so both schedules accumulate the same gradient. Nothing is all-reduced here.
+  A MoE model's load-balancing loss (attached to the routers by megatron-core, backpropagated through its
+  ``MoEAuxLossAutoScaler``) gets megatron-core's scale in both: 1 / this rank's number of micro-batches
+  (Megatron's schedule sets it; the plain loop sets the same), so after the DP average of the gradients it
+  enters as its mean over the step's micro-batches (and DP ranks), times its coefficient, like the policy
+  loss, a mean over the global batch (fillers count as micro-batches there, and add no loss).
 - ``gather_sums(sums)`` / ``share(obj)``: the last stage's loss sums / object on every stage of the pipeline
   (identity at PP = 1).
 
@@ -45,9 +51,10 @@ MicroBatchSeqs = tuple[Sequence[Sequence[int]], Sequence[int]]
 class MicroBatch:
     """One micro-batch: the packed tokens (every stage) and the loss inputs (where the loss is computed)."""
 
-    def __init__(self, packed: PackedBatch, extra: dict[str, torch.Tensor] | None = None):
+    def __init__(self, packed: PackedBatch, extra: dict[str, torch.Tensor] | None = None, *, filler: bool = False):
         self.packed = packed
         self.extra = extra
+        self.filler = filler
         self.prox: torch.Tensor | None = None
         self.ref: torch.Tensor | None = None
 
@@ -64,7 +71,7 @@ class PlainSchedule:
         return [pack_microbatch(seqs, prompt_lens, self.backend).to(self.device) for seqs, prompt_lens in mbs]
 
     def _logits(self, model: torch.nn.Module, item: MicroBatch) -> torch.Tensor:
-        return response_logits(model, item.packed, self.backend)
+        return response_logits(model, item.packed, self.backend, filler=item.filler)
 
     def forward(self, model: torch.nn.Module, items: Sequence[MicroBatch], fn: Callable) -> list[Any]:
         return [fn(it, self._logits(model, it)) for it in items]
@@ -72,6 +79,10 @@ class PlainSchedule:
     def forward_backward(
         self, model: torch.nn.Module, items: Sequence[MicroBatch], loss_fn: LossFn, *, grad_scale: float
     ) -> list[Any]:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        if items:  # what megatron-core's forward_backward_func sets (no effect on a dense model)
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1.0 / len(items), device=self.device))
         out = []
         for it in items:
             loss, data = loss_fn(it, self._logits(model, it))

@@ -38,6 +38,15 @@ What is patched (process-wide, CPU only), and why:
    them per segment in Python, computes their ``cos``/``sin`` once per packed batch (not per layer, q
    and k), and applies them with Megatron's formula: the same values, bit for bit.
 
+7. Mixture of experts (the alltoall token dispatcher, as on GPUs): the dispatcher's device-to-host copy
+   stream (``torch.cuda.Stream``, ``current_stream``, ``stream``, events) is a synchronous stand-in
+   (``token_dispatcher``'s ``torch`` is a proxy of torch with that ``cuda``), and its split sizes become
+   numpy arrays as its device-to-host copy makes them on GPUs (``maybe_move_tensor_to_cpu`` leaves CPU
+   tensors as tensors, which ``all_to_all_single`` refuses). gloo runs the variable-size all-to-all.
+   ``bind_router_gemm_fallback`` (also needed on a GPU without TransformerEngine, so public) binds the
+   router's ``te_general_gemm``, which megatron-core 0.16.1 defines only when TransformerEngine imports
+   (without it every MoE forward raised NameError), to None: its own ``torch.mm`` fallback.
+
 Not supported on CPU: ``sequence_parallel=True`` (needs TE/apex LayerNorm), the TE layer spec,
 fp16/bf16 mixed precision in the optimizer.
 
@@ -121,6 +130,9 @@ def apply_cpu_shims() -> bool:
     # 6. RoPE on packed (thd) sequences without a Python loop over the segments (5 is cuda_as_cpu).
     _patch_packed_rope()
 
+    # 7. The MoE layer's token dispatcher and router.
+    _patch_moe()
+
     _APPLIED = True
     return True
 
@@ -155,6 +167,66 @@ def _patch_rng() -> None:
 
     mrandom._get_cuda_rng_state = _mg_get_cuda_rng_state
     mrandom._set_cuda_rng_state = _mg_set_cuda_rng_state
+
+
+def bind_router_gemm_fallback() -> None:
+    """Shim 7, router: megatron-core's router gating reads ``moe_utils.te_general_gemm``, bound only when
+    TransformerEngine imports; bind it to None (the ``torch.mm`` branch) where it is missing. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_moe() -> None:
+    """Shim 7: the alltoall token dispatcher's CUDA streams and split sizes on CPU, the router's gemm."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    bind_router_gemm_fallback()
+    token_dispatcher.torch = _TorchWithHostStreams()
+
+    def splits_as_on_gpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = splits_as_on_gpu
+
+
+class _HostStream:
+    """The dispatcher's copy stream, its events and the current stream on CPU: everything is already done."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostCuda:
+    """What ``token_dispatcher`` uses of ``torch.cuda``: one synchronous stream."""
+
+    def __init__(self) -> None:
+        self._stream = _HostStream()
+
+    def Stream(self) -> _HostStream:  # torch.cuda's name
+        return self._stream
+
+    def current_stream(self) -> _HostStream:
+        return self._stream
+
+    def stream(self, stream: _HostStream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class _TorchWithHostStreams:
+    """``torch`` for megatron-core's token dispatcher: ``torch.cuda`` is ``_HostCuda``, the rest is torch."""
+
+    cuda = _HostCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
 
 
 def _patch_packed_rope() -> None:

@@ -55,8 +55,11 @@ def test_segments_and_thd_inputs_of_a_packed_batch():
     ps = kw["packed_seq_params"]
     assert ps.qkv_format == "thd" and ps.cu_seqlens_q.dtype == torch.int32 and ps.max_seqlen_q == 5
     assert torch.equal(args[0].reshape(3, 5), p.input_ids)  # same flat order: pred_index holds
+    pad = torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(kw["padding_mask"], pad.reshape(1, 15))  # megatron-core's (MoE routing), as input_ids
     args, kw = model_inputs(p, "unfused")
-    assert args[0].shape == (3, 5) and args[2].shape == (3, 1, 5, 5) and kw == {}
+    assert args[0].shape == (3, 5) and args[2].shape == (3, 1, 5, 5) and torch.equal(kw.pop("padding_mask"), pad)
+    assert kw == {} and "padding_mask" not in model_inputs(pack([[1, 2], [3, 4]], [1, 1]), "unfused")[1]
     assert p2p_shape(3, 5, "sdpa") == (15, 1) and p2p_shape(3, 5, "unfused") == (5, 3)
 
 

@@ -1,0 +1,138 @@
+"""The actor's mixture-of-experts bookkeeping: filler micro-batches, and how the routers spread a training step's
+tokens over the experts.
+
+Contract
+- Filler micro-batches: a MoE layer's token all-to-alls (forward and backward) are collective over its EP group,
+  whose ranks are DP ranks with their own samples and so their own number of token-budget micro-batches (maybe
+  none); and megatron-core weighs each micro-batch's load-balancing loss by 1 / the rank's number of
+  micro-batches, which its schedule assumes equal on every DP rank. ``fillers_needed(local, group, device)``
+  (collective over the DP group) is how many micro-batches this rank adds so that every DP rank runs as many as
+  the busiest (at any EP: the load-balancing loss's weight, 1 / (DP x that number), does not depend on EP); each
+  is ``filler_sample()`` (two tokens, nothing trained) and runs in eval mode
+  (``asyncrl.actor.layer_spec.response_logits``): its zero loss still backpropagates through the experts (the
+  all-to-alls of the backward), its routers attach no load-balancing loss and count nothing.
+- ``RoutingStats(model, spec, device)`` hooks every megatron-core router of ``model`` (a ``TopKRouter`` knows
+  its global layer number). A router forward in training mode with gradients on (the training forward, or
+  its recomputation under full activation recompute: the first forward of a recomputed layer runs without
+  gradients) adds, per MoE layer, the tokens it routed to each expert (padding positions left out).
+  Log-prob passes (no gradients) are not counted.
+- ``begin_step()`` zeroes those counts and megatron-core's tracker of the load-balancing loss (which its
+  routers fill during the training forwards: the unweighted loss of each micro-batch, per layer).
+- ``metrics(num_microbatches, tp=, pp=)`` (collective over the actor world, the default group; every rank
+  gets the same dict; ``{}`` when no token was routed):
+
+  - ``moe/aux_loss``: the unweighted load-balancing loss, mean over MoE layers and over the step's
+    micro-batches on every DP rank (only when the loss is on: ``actor.moe_aux_loss_coeff`` > 0);
+  - ``moe/expert_load/max_over_mean`` / ``min_over_mean``: per MoE layer, the tokens routed to its busiest /
+    idlest expert over the mean per expert (1.0 = balanced), averaged over the layers; counted over the
+    whole step and every DP rank;
+  - ``moe/expert_load/expert_<e>``: expert e's share of the routed tokens, all layers (at most 16 experts).
+
+  The actor world's all-reduce adds the DP ranks' counts (EP ranks route their own tokens: they are DP ranks
+  of the router); pipeline stages hold different layers; TP ranks hold the same counts (divided out).
+
+How the load-balancing loss enters the gradient is megatron-core's (``MoEAuxLossAutoScaler``, scaled by each
+schedule: ``asyncrl.actor.schedule``).
+
+    stats = RoutingStats(model, spec, device)
+    stats.begin_step(); ...forward/backward...; metrics = stats.metrics(num_microbatches, tp=1, pp=1)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.actor.batch import Sample
+from asyncrl.models.spec import ModelSpec
+
+# Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
+# and probes CUDA.
+
+MAX_EXPERTS_REPORTED = 16
+"""``moe/expert_load/expert_<e>`` is reported for models with at most this many experts."""
+_AUX = "load_balancing_loss"
+"""megatron-core's tracker name of the ``aux_loss`` load-balancing loss."""
+
+
+def fillers_needed(local: int, group: dist.ProcessGroup, device: torch.device) -> int:
+    """Micro-batches this rank adds to its ``local`` ones so that its DP ``group`` runs as many as its busiest rank."""
+    t = torch.tensor([local], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item()) - local
+
+
+def filler_sample() -> Sample:
+    """Two tokens, the second one predicted and not trained (mask, weight and advantage 0)."""
+    return Sample(
+        tokens=torch.zeros(2, dtype=torch.long),
+        prompt_len=1,
+        loss_mask=torch.zeros(1, dtype=torch.bool),
+        rollout_logprobs=torch.zeros(1),
+        advantage=0.0,
+        agg_weight=torch.zeros(1, dtype=torch.float64),
+    )
+
+
+class RoutingStats:
+    """Tokens per expert and MoE layer over a training step (see the module contract)."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, device: torch.device):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.spec = spec
+        self.counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64, device=device)
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(self._count)
+
+    def _count(self, router: torch.nn.Module, args, output) -> None:
+        if router.training and torch.is_grad_enabled():
+            routing_map = output[1]  # [tokens, experts] bool
+            padding = args[1] if len(args) > 1 else None  # megatron-core's padding_mask, [s, b]: True = padding
+            if padding is not None:
+                routing_map = routing_map[~padding.reshape(-1)]
+            self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts)
+
+    def begin_step(self) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self.counts.zero_()
+        clear_aux_losses_tracker()
+
+    def metrics(self, num_microbatches: int, *, tp: int, pp: int) -> dict[str, float]:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        layers = self.spec.num_layers
+        tracked = get_moe_layer_wise_logging_tracker().get(_AUX)
+        aux = torch.zeros(layers, dtype=torch.float64, device=self.counts.device)
+        if tracked is not None:
+            aux += tracked["values"][:layers].to(aux)
+        flags = torch.tensor(
+            [float(num_microbatches), 1.0 if tracked is not None else 0.0], dtype=torch.float64, device=aux.device
+        )
+        vec = torch.cat([self.counts.flatten(), aux, flags])
+        dist.all_reduce(vec)  # the actor world; every rank adds the same number of values
+        vec /= tp
+        counts = vec[: layers * self.spec.num_experts].view(layers, -1)[list(self.spec.moe_layers)]
+        aux, (num_mbs, aux_on) = vec[layers * self.spec.num_experts : -2], vec[-2:].tolist()
+        if counts.sum() == 0:
+            return {}
+        return summarize(counts, aux_sum=float(aux.sum()) if aux_on else None, num_microbatches=num_mbs / pp)
+
+
+def summarize(counts: torch.Tensor, *, aux_sum: float | None, num_microbatches: float) -> dict[str, float]:
+    """The metrics of ``[moe layers, experts]`` token counts (at least one token) and the load-balancing loss
+    summed over layers and micro-batches (None: the loss is off). Pure."""
+    per_layer = counts[counts.sum(dim=1) > 0]
+    mean = per_layer.mean(dim=1)
+    out = {
+        "moe/expert_load/max_over_mean": float((per_layer.max(dim=1).values / mean).mean()),
+        "moe/expert_load/min_over_mean": float((per_layer.min(dim=1).values / mean).mean()),
+    }
+    if aux_sum is not None:
+        out["moe/aux_loss"] = aux_sum / (num_microbatches * counts.shape[0])
+    if counts.shape[1] <= MAX_EXPERTS_REPORTED:
+        share = counts.sum(dim=0) / counts.sum()
+        out.update({f"moe/expert_load/expert_{e}": float(s) for e, s in enumerate(share)})
+    return out
