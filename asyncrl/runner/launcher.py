@@ -254,7 +254,8 @@ def _check_sglang_moe(path: str) -> None:
 
 def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:
     """The expert settings against the actor's model (``source`` names where its shape was read): EP must divide
-    ``num_experts`` (megatron-core places ``num_experts / EP`` experts on each rank of an EP group); EP > 1 and
+    ``num_experts`` (megatron-core places ``num_experts / EP`` experts on each rank of an EP group); an MoE model trains
+    at TP 1 only (megatron-core needs sequence parallelism for MoE at TP > 1, which the actor does not use); EP > 1 and
     ``actor.moe_aux_loss_coeff`` are for MoE models only. The grid (TP x EP x PP dividing the actor ranks) needs no
     model and is ``asyncrl.config.validate``'s."""
     a = cfg.actor
@@ -263,6 +264,12 @@ def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:
         raise ConfigError(
             f"actor.expert_model_parallel_size: EP {ep} does not divide the {shape.num_experts} experts of "
             f"{source} (each rank of an EP group holds num_experts / EP of them)"
+        )
+    if shape.num_experts and a.tensor_model_parallel_size > 1:  # the actor's own check (actor.model.check_trainable)
+        raise ConfigError(
+            f"actor.tensor_model_parallel_size: TP {a.tensor_model_parallel_size} with the mixture-of-experts model "
+            f"{source}: megatron-core trains MoE layers at TP > 1 only with sequence parallelism, which the actor does "
+            "not use; set it to 1 and split the experts with actor.expert_model_parallel_size"
         )
     if not shape.num_experts and ep > 1:
         raise ConfigError(

@@ -188,6 +188,9 @@ def test_check_models_refuses_expert_settings_the_model_does_not_fit(models):
         launcher.check_models(_cfg(f'actor.model_path="{dense}"', "actor.expert_model_parallel_size=2"))
     with pytest.raises(ConfigError, match=r"^actor.moe_aux_loss_coeff: 0.0 is for MoE models only"):
         launcher.check_models(_cfg(f'actor.model_path="{dense}"', "actor.moe_aux_loss_coeff=0.0"))
+    with pytest.raises(ConfigError, match=r"^actor.tensor_model_parallel_size: TP 2 with the mixture-of-experts model"):
+        launcher.check_models(_cfg(f'actor.model_path="{moe}"', "actor.tensor_model_parallel_size=2"))
+    launcher.check_models(_cfg(f'actor.model_path="{dense}"', "actor.tensor_model_parallel_size=2"))
     # a known public model is checked by name before it is downloaded
     with pytest.raises(ConfigError, match=r"the known shape of Qwen3-8B is a dense model"):
         launcher.check_models(_cfg('actor.model_path="models/Qwen3-8B"', "actor.expert_model_parallel_size=2"))
