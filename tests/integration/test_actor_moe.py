@@ -170,6 +170,21 @@ def _hf_logprobs(hf: str, seqs, prompt_lens) -> list[torch.Tensor]:
     return out
 
 
+def _engine_logprobs(hf: str, seqs, prompt_lens) -> list[torch.Tensor]:
+    """The CPU engine's model (what a rollout samples from) on the same tokens: one prefill per sequence."""
+    from asyncrl.cpu_engine.kv_pool import KVPool
+    from asyncrl.cpu_engine.model import load_model
+
+    m = load_model(hf)
+    out = []
+    with torch.no_grad():
+        for s, p in zip(seqs, prompt_lens):
+            h = m.forward(torch.tensor(s), torch.tensor([0]), torch.tensor([len(s)]), KVPool(m.spec, 1), row0=0)
+            logz = torch.log_softmax(m.logits(h)[p - 1 : len(s) - 1].float(), -1)
+            out.append(logz.gather(-1, torch.tensor(s[p:]).unsqueeze(-1)).squeeze(-1))
+    return out
+
+
 def _four_ranks(hf: str, work: Path) -> None:
     """PP x EP = 2 x 2, 1 x 2, 1 x 4 on 4 ranks (see the module docstring)."""
     import torch.distributed as dist
@@ -237,6 +252,7 @@ def main() -> None:
             "exact": [ep2["exact"], ep1["exact"], pp2["exact"], tp2["exact"], mixed_ep2["exact"]],
             "lp_hf": [lp([x[0] for x in r["lps"]], ref) for r in (ep2, ep1, pp2)] + [lp(tp2["lps"], ref)],
             "lp_hf_mixed": lp([x[0] for x in mixed_ep2["lps"]], ref_mixed),
+            "lp_engine": lp([x[0] for x in ep2["lps"]], _engine_logprobs(hf, seqs, prompt_lens)),
             "lp_mean": sum(x.mean().item() for x in ref) / len(ref),
             "metrics": [ep2["metrics"], ep1["metrics"], mixed_ep2["metrics"], pp2["metrics"]],
             "w_ep1_ep2": max((ep1["weights"][k] - ep2["weights"][k]).abs().max().item() for k in ep1["weights"]),
@@ -274,6 +290,8 @@ def test_actor_moe_expert_parallel(tmp_path):
     # log-probs equal transformers' (Qwen3MoeForCausalLM) within the dense tests' tolerance
     assert all(d < proc_helpers.SCALED_REL for d in r["lp_hf"]), r["lp_hf"]
     assert r["lp_hf_mixed"] < proc_helpers.SCALED_REL and r["lp_mean"] < -3.0
+    # the actor (EP=2) and the CPU engine, which samples the rollouts, agree on the same tokens
+    assert r["lp_engine"] < proc_helpers.SCALED_REL, r["lp_engine"]
     m2, m1, mm, mp = r["metrics"]
     assert m2["train/step_skipped"] == 0.0 and r["w_moved"] > 5e-4  # the step moved the weights
     # EP=2 == EP=1 on the same batch: loss, grad norm, routing metrics, the weights after one Adam step
