@@ -84,6 +84,7 @@ from asyncrl.actor.batch import (
     groups_to_samples,
     make_microbatches,
     microbatch_extras,
+    with_routing,
 )
 from asyncrl.actor.layer_spec import attention_path, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.logprobs import logprobs_from_logits
@@ -96,7 +97,13 @@ from asyncrl.actor.model import (
     layer_offset,
     padded_vocab_size,
 )
-from asyncrl.actor.moe import RoutingStats, filler_sample, fillers_needed
+from asyncrl.actor.moe import (
+    RoutingStats,
+    check_routing,
+    clear_routing_replay,
+    filler_sample,
+    fillers_needed,
+)
 from asyncrl.actor.optim import build_optimizer
 from asyncrl.actor.pipeline import StageInfo, gather_to_rank0
 from asyncrl.actor.scatter import scatter_samples
@@ -220,6 +227,7 @@ class Actor:
             pp=self.pp,
             ep=self.ep,
             moe_aux_loss_coeff=self.cfg.actor.moe_aux_loss_coeff,
+            moe_routing_replay=self.cfg.actor.moe_routing_replay,
             params_dtype=self.dtype,
             attention_backend=self.attention,
             recompute=self.recompute,
@@ -314,8 +322,18 @@ class Actor:
         if self.spec.is_moe and self.dp > 1:
             mbs += [[filler_sample()] for _ in range(fillers_needed(real, self.dp_group, self.device))]
         packed = self.schedule.pack([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
+        packed = [self._with_routing(p, [s.routed_experts for s in mb]) for p, mb in zip(packed, mbs)]
         extras = [self._extras(mb) if self.schedule.computes_loss else None for mb in mbs]
         return [MicroBatch(p, x, filler=i >= real) for i, (p, x) in enumerate(zip(packed, extras))]
+
+    def _with_routing(self, packed: PackedBatch, routed: Sequence[torch.Tensor | None]) -> PackedBatch:
+        """``packed`` with its sequences' engine routing to replay (``actor.moe_routing_replay``; else unchanged)."""
+        if not self.cfg.actor.moe_routing_replay:
+            return packed
+        for r in routed:
+            if r is not None:
+                check_routing(r, self.spec)
+        return with_routing(packed, routed)
 
     @torch.no_grad()
     def _old_logprobs(self, items: list[MicroBatch]) -> None:
@@ -400,7 +418,12 @@ class Actor:
     def train_step(self, groups: Sequence[Group] | None, *, step: int | None = None) -> dict[str, float]:
         """One optimizer step on a batch of groups (see the module contract)."""
         t0 = time.perf_counter()
-        sums, num_seq_tokens, num_mbs = self._accumulate_grads(self._distribute(groups))
+        try:
+            sums, num_seq_tokens, num_mbs = self._accumulate_grads(self._distribute(groups))
+        finally:
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    clear_routing_replay(model)
         # DP all-reduce of the grad buffers, plus the TP all-reduce of replicated weights whose
         # gradient is partial per TP rank (Qwen3's q/k norms), and (PP > 1, tied embeddings) the
         # embedding-group all-reduce that keeps the last stage's copy of the embeddings in sync.
@@ -432,16 +455,25 @@ class Actor:
     # ------------------------------------------------------------------ public
     @torch.no_grad()
     def compute_logprobs(
-        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, with_entropy: bool = False
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        *,
+        with_entropy: bool = False,
+        routed_experts: Sequence[torch.Tensor | None] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Log-probs (and entropies) of each sequence's tokens after its prompt, current weights.
 
-        Collective; every rank passes the same inputs and gets the full result (float32, CPU).
+        ``routed_experts`` (with ``actor.moe_routing_replay``): each sequence's experts to replay, as
+        ``Sample.routed_experts``. Collective; every rank passes the same inputs and gets the full result
+        (float32, CPU).
         """
         idxs = make_microbatches([len(s) for s in sequences], self.cfg.actor.max_tokens_per_microbatch)
         packed = self.schedule.pack(
             [([list(sequences[i]) for i in idx], [prompt_lens[i] for i in idx]) for idx in idxs]
         )
+        if routed_experts is not None:
+            packed = [self._with_routing(p, [routed_experts[i] for i in idx]) for p, idx in zip(packed, idxs)]
 
         def logp(item: MicroBatch, logits: torch.Tensor):
             return self._logprobs_of(logits, item.packed, with_entropy=with_entropy)
@@ -452,6 +484,7 @@ class Actor:
             for k in range(len(idx)):
                 sel = (p.seq_of_token == k).to(lp.device)
                 out.append((lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu()))
+        clear_routing_replay(self.model)
         return self.schedule.share(out)
 
     def iter_hf_buckets(

@@ -31,6 +31,20 @@ Contract
   The actor world's all-reduce adds the DP ranks' counts (EP ranks route their own tokens: they are DP ranks
   of the router); pipeline stages hold different layers; TP ranks hold the same counts (divided out).
 
+- Routing replay (``actor.moe_routing_replay``: megatron-core's ``RouterReplay`` on every router):
+  ``replay_routing(model, routed)``, before each forward of a packed micro-batch (every forward that computes
+  log-probs or the loss goes through ``asyncrl.actor.layer_spec.response_logits``, which gives ``routed``:
+  ``[tokens, layers * k]`` in the order megatron-core's router flattens its tokens), gives each of ``model``'s
+  routers (this pipeline stage's: a ``TopKRouter`` knows its global layer number) its layer's experts, with the action
+  ``REPLAY_FORWARD`` (the replayed experts' router probabilities weigh their outputs, so the router still
+  learns). A micro-batch without routing (a filler, ``compute_logprobs``) clears the action: the routers
+  choose. A position whose experts are unknown (-1: the last position of a sequence, which the engine does
+  not route, and padding) replays experts ``0..k-1``: its output reaches no trained token (the last position
+  predicts nothing and no later position of its sequence exists; padding is its own causal block).
+  With full activation recompute (PP = 1 only, ``asyncrl.config.validate``) a layer's recompute follows its
+  forward, whose experts are still set. ``clear_routing_replay(model)`` drops the experts and the action
+  (after each step).
+
 How the load-balancing loss enters the gradient is megatron-core's (``MoEAuxLossAutoScaler``, scaled by each
 schedule: ``asyncrl.actor.schedule``).
 
@@ -53,6 +67,57 @@ MAX_EXPERTS_REPORTED = 16
 """``moe/expert_load/expert_<e>`` is reported for models with at most this many experts."""
 _AUX = "load_balancing_loss"
 """megatron-core's tracker name of the ``aux_loss`` load-balancing loss."""
+
+
+def _replay_routers(model: torch.nn.Module) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
+
+
+def replay_routing(model: torch.nn.Module, routed: torch.Tensor | None) -> None:
+    """Sets ``model``'s routers to replay ``routed`` (``[tokens, layers * k]``, None: the routers choose; see the
+    module contract); no-op without routers that replay."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = _replay_routers(model)
+    if not routers:
+        return
+    if routed is None:
+        for r in routers:
+            r.router_replay.clear_router_replay_action()
+        return
+    k = routers[0].topk
+    rows = routed.reshape(len(routed), -1, k).long()
+    fill = torch.arange(k, device=rows.device).expand(rows.shape[0], k)
+    for r in routers:
+        layer = rows[:, r.layer_number - 1]
+        target = torch.where((layer < 0).any(dim=1, keepdim=True), fill, layer)
+        r.router_replay.set_target_indices(target)
+        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def check_routing(routed: torch.Tensor, spec: ModelSpec) -> None:
+    """Raises ValueError unless ``routed`` (``Sample.routed_experts``) holds ``num_layers * top-k`` experts a
+    position, each an expert of ``spec`` or -1 (unknown)."""
+    width = spec.num_layers * spec.num_experts_per_tok
+    if routed.dim() != 2 or routed.shape[1] != width:
+        raise ValueError(
+            f"routed experts: {tuple(routed.shape)} is not [positions, num_layers * top-k = {width}] "
+            f"({spec.source}: {spec.num_layers} layers, top-{spec.num_experts_per_tok})"
+        )
+    if len(routed) and (int(routed.min()) < -1 or int(routed.max()) >= spec.num_experts):
+        raise ValueError(
+            f"routed experts: values in [{int(routed.min())}, {int(routed.max())}], not experts of {spec.source} "
+            f"(0..{spec.num_experts - 1}, or -1: unknown)"
+        )
+
+
+def clear_routing_replay(model: torch.nn.Module) -> None:
+    """Drops the replayed experts and the action of ``model``'s routers."""
+    for r in _replay_routers(model):
+        r.router_replay.clear_indices()
+        r.router_replay.clear_router_replay_action()
 
 
 def fillers_needed(local: int, group: dist.ProcessGroup, device: torch.device) -> int:

@@ -254,8 +254,8 @@ def _check_sglang_moe(path: str) -> None:
 
 def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:
     """The expert settings against the actor's model (``source`` names where its shape was read): EP must divide
-    ``num_experts`` (megatron-core places ``num_experts / EP`` experts on each rank of an EP group); EP > 1 and
-    ``actor.moe_aux_loss_coeff`` are for MoE models only. The grid (TP x EP x PP dividing the actor ranks) needs no
+    ``num_experts`` (megatron-core places ``num_experts / EP`` experts on each rank of an EP group); EP > 1,
+    ``actor.moe_aux_loss_coeff`` and ``actor.moe_routing_replay`` are for MoE models only. The grid (TP x EP x PP dividing the actor ranks) needs no
     model and is ``asyncrl.config.validate``'s."""
     a = cfg.actor
     ep = a.expert_model_parallel_size
@@ -273,6 +273,11 @@ def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:
         raise ConfigError(
             f"actor.moe_aux_loss_coeff: {a.moe_aux_loss_coeff} is for MoE models only (the router's "
             f"load-balancing loss); {source} is a dense model (no num_experts); remove it"
+        )
+    if not shape.num_experts and a.moe_routing_replay:
+        raise ConfigError(
+            f"actor.moe_routing_replay: routing replay is for MoE models only; {source} is a dense model "
+            f"(no num_experts, no routed experts to replay); remove it"
         )
 
 
