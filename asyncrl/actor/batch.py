@@ -51,7 +51,7 @@ class Sample:
     reward: float = 0.0
     routed_experts: torch.Tensor | None = None
     """Per token position (prompt and response): the experts the engine routed it to in every layer, ``[num_tokens,
-    layers * top-k]`` int32, layer-major, -1 where unknown (None: not returned; ``actor.moe_routing_replay``)."""
+    layers * top-k]`` int32, layer-major, -1 where unknown (None: not asked; ``actor.moe_routing_replay``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +63,7 @@ class Sample:
 
 
 _F8 = np.dtype(np.float64)
-_FROM_RECORD = sample_fields()  # the record's fields the actor trains on (``Field.sample``): logprobs, mask, reward
+_FROM_RECORD = sample_fields()  # the record's fields the actor trains on (``Field.sample``): routing, logprobs, ...
 SAMPLE_FIELDS: tuple[Field, ...] = (
     *_FROM_RECORD,
     Field("advantage", SCALAR, _F8),  # derived here: the trajectory's GRPO advantage in its group
@@ -77,11 +77,12 @@ _CONVERT = tuple((f.name, SCALAR_TYPES[f.dtype.kind] if f.per == SCALAR else Non
 
 
 def _trained(t: Trajectory) -> dict:
-    """The record's trained fields of ``t`` as a ``Sample`` holds them: one copy of each array into a tensor."""
+    """The record's trained fields of ``t`` as a ``Sample`` holds them: one copy of each array into a tensor (an
+    absent ``POSITION`` field stays None)."""
     out = {}
     for name, typ, dtype in _CONVERT:
         v = getattr(t, name)
-        out[name] = typ(v) if typ is not None else torch.from_numpy(np.array(v, dtype))
+        out[name] = typ(v) if typ is not None else None if v is None else torch.from_numpy(np.array(v, dtype))
     return out
 
 
