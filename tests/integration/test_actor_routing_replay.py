@@ -7,8 +7,8 @@ actor's log-probs with those experts replayed equal transformers' ``Qwen3MoeForC
 to pick the same experts (their probabilities from its own router, renormalised as the model says), and differ
 from the actor's own routing (which equals transformers' unforced). Both token orders of the router are covered:
 fused attention (one row per micro-batch, EP=2) and unfused (rows of the longest sequence, EP=1). A training
-step on groups whose trajectories carry the experts runs with them replayed (DP=2: each rank's share arrives
-with its rows) and moves the weights.
+step on groups whose trajectories carry the experts (their rollout log-probs the replayed ones) runs with them
+replayed (DP=2: each rank's share arrives with its rows): its log-prob mismatch is nil, and it moves the weights.
 """
 
 from __future__ import annotations
@@ -93,7 +93,9 @@ def _run(hf: str, *, ep: int, backend: str, seqs, prompt_lens, forced, groups=No
         "replayed": [x[0] for x in actor.compute_logprobs(seqs, prompt_lens, routed_experts=forced)],
         "own": [x[0] for x in actor.compute_logprobs(seqs, prompt_lens)],
     }
-    if groups is not None:
+    if groups is not None:  # the engine's log-probs are the replayed ones: the step's forward must replay too
+        for t, lp in zip([t for g in groups for t in g.trajectories], out["replayed"]):
+            t.rollout_logprobs = lp.tolist()
         before = {k: v.clone() for b in actor.iter_hf_buckets(1 << 20) for k, v in b}
         out["metrics"] = actor.train_step(groups if dist.get_rank() == 0 else None)
         after = {k: v for b in actor.iter_hf_buckets(1 << 20) for k, v in b}
@@ -166,6 +168,7 @@ def test_actor_replays_the_engines_routing(tmp_path):
         # and the forced experts change the log-probs well beyond that tolerance
         assert d["replayed_vs_own"] > 1e-2, (name, d)
     assert r["step"]["moved"] > 0 and r["step"]["metrics"]["train/num_seq_tokens"] > 0, r["step"]
+    assert r["step"]["metrics"]["train/logprob_mismatch"] < 1e-5, r["step"]  # own routing: ~1e-2
 
 
 if __name__ == "__main__":
