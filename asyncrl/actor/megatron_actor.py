@@ -361,6 +361,10 @@ class Actor:
         self._old_logprobs(items)
         if self.routing is not None:
             self.routing.begin_step()
+            if self.cfg.actor.moe_routing_replay:
+                for p in (it.packed for it in items if not it.filler):
+                    routed = p.routed if p.routed is None or p.padding is None else p.routed[~p.padding]
+                    self.routing.count_replay(routed, p.num_tokens)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         # DDP averages gradients over DP ranks; the aggregation weights are already global: x dp.

@@ -26,7 +26,9 @@ Contract
   - ``moe/expert_load/max_over_mean`` / ``min_over_mean``: per MoE layer, the tokens routed to its busiest /
     idlest expert over the mean per expert (1.0 = balanced), averaged over the layers; counted over the
     whole step and every DP rank;
-  - ``moe/expert_load/expert_<e>``: expert e's share of the routed tokens, all layers (at most 16 experts).
+  - ``moe/expert_load/expert_<e>``: expert e's share of the routed tokens, all layers (at most 16 experts);
+  - ``moe/routing_replayed`` (routing replay on): the share of the step's token positions (real micro-batches,
+    padding left out) whose engine experts were replayed, as ``count_replay`` counted them.
 
   The actor world's all-reduce adds the DP ranks' counts (EP ranks route their own tokens: they are DP ranks
   of the router); pipeline stages hold different layers; TP ranks hold the same counts (divided out).
@@ -147,6 +149,7 @@ class RoutingStats:
 
         self.spec = spec
         self.counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64, device=device)
+        self.replay = torch.zeros(2, dtype=torch.float64, device=device)  # [replayed positions, positions]
         for module in model.modules():
             if isinstance(module, TopKRouter):
                 module.register_forward_hook(self._count)
@@ -159,10 +162,17 @@ class RoutingStats:
                 routing_map = routing_map[~padding.reshape(-1)]
             self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts)
 
+    def count_replay(self, routed: torch.Tensor | None, positions: int) -> None:
+        """A real micro-batch of ``positions`` token positions, replaying ``routed`` (``PackedBatch.routed``): a row
+        with an expert (not all -1) counts as replayed."""
+        known = 0 if routed is None else int((routed >= 0).any(dim=-1).sum())
+        self.replay += torch.tensor([known, positions], dtype=torch.float64, device=self.replay.device)
+
     def begin_step(self) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         self.counts.zero_()
+        self.replay.zero_()
         clear_aux_losses_tracker()
 
     def metrics(self, num_microbatches: int, *, tp: int, pp: int) -> dict[str, float]:
@@ -176,14 +186,17 @@ class RoutingStats:
         flags = torch.tensor(
             [float(num_microbatches), 1.0 if tracked is not None else 0.0], dtype=torch.float64, device=aux.device
         )
-        vec = torch.cat([self.counts.flatten(), aux, flags])
+        vec = torch.cat([self.counts.flatten(), aux, self.replay, flags])
         dist.all_reduce(vec)  # the actor world; every rank adds the same number of values
         vec /= tp
         counts = vec[: layers * self.spec.num_experts].view(layers, -1)[list(self.spec.moe_layers)]
-        aux, (num_mbs, aux_on) = vec[layers * self.spec.num_experts : -2], vec[-2:].tolist()
+        aux, (replayed, positions, num_mbs, aux_on) = vec[layers * self.spec.num_experts : -4], vec[-4:].tolist()
         if counts.sum() == 0:
             return {}
-        return summarize(counts, aux_sum=float(aux.sum()) if aux_on else None, num_microbatches=num_mbs / pp)
+        out = summarize(counts, aux_sum=float(aux.sum()) if aux_on else None, num_microbatches=num_mbs / pp)
+        if positions:  # counted on every TP rank and pipeline stage alike: the ratio is the step's
+            out["moe/routing_replayed"] = replayed / positions
+        return out
 
 
 def summarize(counts: torch.Tensor, *, aux_sum: float | None, num_microbatches: float) -> dict[str, float]:

@@ -80,7 +80,9 @@ def gen_output(
     if result.output_logprobs is None:
         raise EngineError(url, "/generate", "/generate reply has no output_token_logprobs (return_logprob)")
     routed = None
-    if routed_from is not None:
+    # a request aborted while it waited has no rows (SGLang answers no key): the next request asks again from there
+    waited = result.aborted and not result.output_ids and "routed_experts" not in result.meta_info
+    if routed_from is not None and not waited:
         rows = prompt_len + len(result.output_ids) - 1 - routed_from
         routed = decode_routed_experts(result.meta_info, max(rows, 0), url)
     finish = result.finish_reason

@@ -178,7 +178,7 @@ class _Field:
         s, i = d["_s"], d["_i"]
         name = self.name
         if name in _TOKEN_SET:
-            views = _views(s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i], s.widths[i])
+            views = _views(s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i], widths=s.widths[i])
             d["_views"] = views
             for f, a in zip(_TOKEN_NAMES, views):
                 d.setdefault(f, a)
@@ -225,7 +225,7 @@ for _f in dataclasses.fields(Trajectory):
     setattr(WireTrajectory, _f.name, _Field(_f.name))
 
 
-def _views(base, off: int, n_p: int, n_r: int, widths: tuple) -> list[Optional[np.ndarray]]:
+def _views(base, off: int, n_p: int, n_r: int, *, widths: tuple) -> list[Optional[np.ndarray]]:
     """The token fields of the trajectory at ``off`` in ``base``, in the record's order: read-only views (a
     ``POSITION`` field ``[np + nr, width]``, None where its width is 0)."""
     lens = (n_p, n_r)

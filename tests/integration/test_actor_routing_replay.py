@@ -143,6 +143,7 @@ def main() -> None:
                 "replayed_vs_own": max((a - b).abs().max().item() for a, b in zip(r["replayed"], r["own"])),
             }
         res["step"] = {"moved": runs["fused_ep2"]["moved"], "metrics": runs["fused_ep2"]["metrics"]}
+        res["seqs"] = seqs
         (work / "out.json").write_text(json.dumps(res, indent=1))
     dist.barrier()
     dist.destroy_process_group()
@@ -169,6 +170,8 @@ def test_actor_replays_the_engines_routing(tmp_path):
         assert d["replayed_vs_own"] > 1e-2, (name, d)
     assert r["step"]["moved"] > 0 and r["step"]["metrics"]["train/num_seq_tokens"] > 0, r["step"]
     assert r["step"]["metrics"]["train/logprob_mismatch"] < 1e-5, r["step"]  # own routing: ~1e-2
+    n = sum(len(s) for s in r["seqs"])  # every position replayed but each sequence's last
+    assert r["step"]["metrics"]["moe/routing_replayed"] == pytest.approx((n - len(r["seqs"])) / n), r["step"]
 
 
 if __name__ == "__main__":
