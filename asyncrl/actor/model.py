@@ -202,8 +202,7 @@ def build_gpt_model(
 
     ``attention_backend`` is a resolved backend of ``asyncrl.actor.layer_spec`` (``te``, ``sdpa`` or
     ``unfused``; feed the model with ``spec.model_inputs``); ``recompute`` holds TransformerConfig
-    keywords from ``spec.recompute_settings``; ``ep``, ``moe_aux_loss_coeff`` and ``moe_routing_replay`` go to
-    ``moe_settings``.
+    keywords from ``spec.recompute_settings``; ``ep`` and ``moe_*`` go to ``moe_settings``.
 
     Needs ``initialize_model_parallel``. At PP > 1 the stage holds layers
     ``[layer_offset, layer_offset + num_layers / pp)`` (named ``decoder.layers.<local index>``), the
@@ -216,13 +215,8 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     check_parallel_sizes(spec, tp=tp, pp=pp, ep=ep)
-    moe = moe_settings(
-        spec,
-        ep=ep,
-        aux_loss_coeff=moe_aux_loss_coeff,
-        grouped_gemm=attention_backend == "te",
-        routing_replay=moe_routing_replay,
-    )
+    moe_opts = {"ep": ep, "aux_loss_coeff": moe_aux_loss_coeff, "routing_replay": moe_routing_replay}
+    moe = moe_settings(spec, grouped_gemm=attention_backend == "te", **moe_opts)
     if spec.is_moe:
         bind_router_gemm_fallback()  # a GPU without TransformerEngine needs it too
     cfg = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, **moe, **(recompute or {}))

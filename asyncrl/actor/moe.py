@@ -34,6 +34,9 @@ Contract
   of the router); pipeline stages hold different layers; TP ranks hold the same counts (divided out).
 
 - Routing replay (``actor.moe_routing_replay``: megatron-core's ``RouterReplay`` on every router):
+  ``routing_to_replay(packed, routed, spec)`` puts the samples' engine experts (``Sample.routed_experts``, each
+  checked by ``check_routing``: ``num_layers * top-k`` a position, experts of the model or -1) into the packed
+  micro-batch (``PackedBatch.routed``);
   ``replay_routing(model, routed)``, before each forward of a packed micro-batch (every forward that computes
   log-probs or the loss goes through ``asyncrl.actor.layer_spec.response_logits``, which gives ``routed``:
   ``[tokens, layers * k]`` in the order megatron-core's router flattens its tokens), gives each of ``model``'s
@@ -42,9 +45,11 @@ Contract
   learns). A micro-batch without routing (a filler, ``compute_logprobs``) clears the action: the routers
   choose. A position whose experts are unknown (-1: the last position of a sequence, which the engine does
   not route, and padding) replays experts ``0..k-1``: its output reaches no trained token (the last position
-  predicts nothing and no later position of its sequence exists; padding is its own causal block).
+  predicts nothing and no later position of its sequence exists; padding is its own causal block). A sample
+  without routing beside samples with it would replay those at all its positions: with the setting on, every
+  trajectory carries its rows (the agent asks on every request), and ``moe/routing_replayed`` would show a gap.
   With full activation recompute (PP = 1 only, ``asyncrl.config.validate``) a layer's recompute follows its
-  forward, whose experts are still set. ``clear_routing_replay(model)`` drops the experts and the action
+  forward, whose experts are still set. ``clear_routing_replay(*models)`` drops the experts and the action
   (after each step).
 
 How the load-balancing loss enters the gradient is megatron-core's (``MoEAuxLossAutoScaler``, scaled by each
@@ -56,10 +61,12 @@ schedule: ``asyncrl.actor.schedule``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-from asyncrl.actor.batch import Sample
+from asyncrl.actor.batch import PackedBatch, Sample, with_routing
 from asyncrl.models.spec import ModelSpec
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
@@ -99,6 +106,15 @@ def replay_routing(model: torch.nn.Module, routed: torch.Tensor | None) -> None:
         r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
+def routing_to_replay(packed: PackedBatch, routed: Sequence[torch.Tensor | None], spec: ModelSpec) -> PackedBatch:
+    """``packed`` with its sequences' engine routing (``Sample.routed_experts``, each checked by ``check_routing``) to
+    replay (``asyncrl.actor.batch.with_routing``)."""
+    for r in routed:
+        if r is not None:
+            check_routing(r, spec)
+    return with_routing(packed, routed)
+
+
 def check_routing(routed: torch.Tensor, spec: ModelSpec) -> None:
     """Raises ValueError unless ``routed`` (``Sample.routed_experts``) holds ``num_layers * top-k`` experts a
     position, each an expert of ``spec`` or -1 (unknown)."""
@@ -115,9 +131,9 @@ def check_routing(routed: torch.Tensor, spec: ModelSpec) -> None:
         )
 
 
-def clear_routing_replay(model: torch.nn.Module) -> None:
-    """Drops the replayed experts and the action of ``model``'s routers."""
-    for r in _replay_routers(model):
+def clear_routing_replay(*models: torch.nn.Module | None) -> None:
+    """Drops the replayed experts and the action of the routers of ``models`` (None: none)."""
+    for r in (r for m in models if m is not None for r in _replay_routers(m)):
         r.router_replay.clear_indices()
         r.router_replay.clear_router_replay_action()
 
@@ -162,11 +178,13 @@ class RoutingStats:
                 routing_map = routing_map[~padding.reshape(-1)]
             self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts)
 
-    def count_replay(self, routed: torch.Tensor | None, positions: int) -> None:
-        """A real micro-batch of ``positions`` token positions, replaying ``routed`` (``PackedBatch.routed``): a row
-        with an expert (not all -1) counts as replayed."""
-        known = 0 if routed is None else int((routed >= 0).any(dim=-1).sum())
-        self.replay += torch.tensor([known, positions], dtype=torch.float64, device=self.replay.device)
+    def count_replay(self, batches: Sequence[PackedBatch]) -> None:
+        """The step's real micro-batches' positions, and those replayed (``PackedBatch.routed``: a row with an
+        expert, not all -1; padding left out)."""
+        for p in batches:
+            routed = p.routed if p.routed is None or p.padding is None else p.routed[~p.padding]
+            known = 0 if routed is None else int((routed >= 0).any(dim=-1).sum())
+            self.replay += torch.tensor([known, p.num_tokens], dtype=torch.float64, device=self.replay.device)
 
     def begin_step(self) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker

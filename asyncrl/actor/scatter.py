@@ -4,13 +4,14 @@
 the batch's samples (``groups_to_samples``), splits them over the DP replicas with ``split_balanced`` and
 sends every other rank the share of its replica (TP and PP peers of one replica get the same share) as
 three flat tensors, point to point on the actor's device (NCCL sends CUDA tensors, gloo CPU ones): sizes
-``[n, tokens, response tokens, POSITION width]`` (int64), the int64 data and the float64 data. The int64 data opens with the
-lengths, the prompt lengths and the tokens; then every field of ``asyncrl.actor.batch.SAMPLE_FIELDS`` (the
+``[n, tokens, response tokens, POSITION width]`` (int64), the int64 data and the float64 data. The int64 data
+opens with the lengths, the prompt lengths and the tokens; then every field of ``asyncrl.actor.batch.SAMPLE_FIELDS`` (the
 record's trained fields, ``asyncrl.broker.record``, and the actor's derived ones) follows in its order, in the
 int64 data (integers, bools) or the float64 data (floats): a per-token field as its samples' values back to
 back (a ``POSITION`` field: its rows of the share's width, the sizes' last entry, -1 rows for a sample without
 it; nothing when no sample of the share has it: width 0, None on arrival), a scalar as one value per sample. The
-layout is derived from that list alone, so a field declared there travels with no change here. Nothing is pickled; no rank receives another replica's samples.
+layout is derived from that list alone, so a field declared there travels with no change here. Nothing is
+pickled; no rank receives another replica's samples.
 
     mine = scatter_samples(samples if rank == 0 else None, dp=dp, dp_rank=dp_rank, device=device)
 """

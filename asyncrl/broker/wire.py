@@ -17,9 +17,9 @@ their order (today ``prompt_ids int32[np] | response_ids int32[nr] | routed_expe
 rollout_logprobs float32[nr] | loss_mask uint8[nr]``, little-endian; ``w`` the trajectory's
 ``routed_experts_width`` column, 0 when it has none) and zero-padded to a multiple of ``record.ALIGN`` bytes, so
 every view is aligned; the sizes must fill each frame exactly. Decoding is columnar and lazy: a decoded
-trajectory holds only its table and its row; each field is read from the table's columns on first access (token fields: read-only
-``np.frombuffer`` views of the received frame), so a broker that only forwards a trajectory never builds
-them. Consecutive unchanged decoded trajectories of one table are re-sent as slices of its columns and of the
+trajectory holds only its table and its row; each field is read from the table's columns on first access (token
+fields: read-only ``np.frombuffer`` views of the received frame), so a broker that only forwards a trajectory
+never builds them. Consecutive unchanged decoded trajectories of one table are re-sent as slices of its columns and of the
 frame they came in (one slice per run); one with an assigned field, or whose ``extra`` was read, is packed
 field by field (its token data still forwarded when unchanged).
 
@@ -267,33 +267,25 @@ _FIRST_PROMPT, _FIRST_RESPONSE = _PART.index(0), _PART.index(1)  # the fields wh
 def _fresh_pieces(t: Trajectory, pieces: list) -> tuple[int, int, tuple]:
     """Appends ``t``'s token data (its fields in the record's order, then the padding); its ``(np, nr, widths)``.
     Raises ValueError before appending anything when a field's length is not its part's (a ``POSITION`` field: a
-    ``[np + nr, width]`` array of 1 to ``_MAX_WIDTH`` columns, or None)."""
+    ``[np + nr, width]`` array of 1 to ``_MAX_WIDTH`` columns, or None: width 0)."""
     arrays = [v if v is None else np.ascontiguousarray(v, d) for v, d in zip(_TOKEN_VALUES(t), _TOKEN_DTYPES)]
     n_p, n_r = len(arrays[_FIRST_PROMPT]), len(arrays[_FIRST_RESPONSE])
-    lens = (n_p, n_r, n_p + n_r)
-    widths = []
+    lens, widths = (n_p, n_r, n_p + n_r), []
     for a, part, name in zip(arrays, _PART, _TOKEN_NAMES):  # a loop: this runs once per trajectory a worker sends
+        if part == 2 and a is not None and (a.ndim != 2 or not 0 < a.shape[1] <= _MAX_WIDTH):
+            raise ValueError(f"trajectory field {name!r} must be [positions, 1..{_MAX_WIDTH}], got {a.shape}")
         if part == 2:
-            if a is None:
-                widths.append(0)
-                continue
-            if a.ndim != 2 or not 0 < a.shape[1] <= _MAX_WIDTH:
-                raise ValueError(f"trajectory field {name!r} must be [positions, 1..{_MAX_WIDTH}], got {a.shape}")
-            widths.append(a.shape[1])
-        if len(a) != lens[part]:
+            widths.append(0 if a is None else a.shape[1])
+        if a is not None and len(a) != lens[part]:
             got = ", ".join(f"{0 if x is None else len(x)} {n}" for n, x in zip(_TOKEN_NAMES, arrays))
-            raise ValueError(
-                f"trajectory arrays do not align (one entry per prompt or response token, one row per position): {got}"
-            )
+            raise ValueError(f"trajectory arrays do not align (one entry per token, one row per position): {got}")
+    size = 0
     for a in arrays:
         if a is not None:
             pieces.append(a.tobytes())
-    widths = tuple(widths)
-    n = token_nbytes(n_p, n_r, widths)
-    pieces.append(
-        b"\0" * (n - PROMPT_BYTES * n_p - RESPONSE_BYTES * n_r - (n_p + n_r) * int(_WIDTH_ITEMSIZES @ widths))
-    )
-    return n_p, n_r, widths
+            size += a.nbytes
+    pieces.append(b"\0" * (-size % ALIGN))
+    return n_p, n_r, tuple(widths)
 
 
 class _Frames:
@@ -430,9 +422,6 @@ def unpack_table(table: Any, frames: Sequence[Any], where: str) -> tuple[list[in
     n_p = column(tc, "np", int, n, where)
     n_r = column(tc, "nr", int, n, where)
     cols = {name: column(tc, name, int, n, where) for name in _WIDTHS}
-    for name in _WIDTHS:
-        if n and max(cols[name]) > _MAX_WIDTH:
-            raise ProtocolError(f"{where}: column {name!r} holds a width over {_MAX_WIDTH}: {max(cols[name])}")
     cols.update({name: column(tc, name, typ, n, where) for name, typ in _COLUMNS})
     counts = column(table, "frames", int, _len(table.get("frames")), where)
     if sum(counts) != n or len(counts) != len(frames):
@@ -450,9 +439,9 @@ def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list
     """One WireTrajectory per row over the frames' token data; the frames must be filled exactly."""
     bases = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in frames]
     n = len(n_p)
-    for key, v in (("np", n_p), ("nr", n_r)):
-        if n and max(v) > _MAX_LEN:
-            raise ProtocolError(f"{where}: column {key!r} holds a length over {_MAX_LEN}: {max(v)}")
+    for key, v, most in (("np", n_p, _MAX_LEN), ("nr", n_r, _MAX_LEN), *((w, cols[w], _MAX_WIDTH) for w in _WIDTHS)):
+        if n and max(v) > most:
+            raise ProtocolError(f"{where}: column {key!r} holds a length or width over {most}: {max(v)}")
     size = PROMPT_BYTES * np.array(n_p, np.int64) + RESPONSE_BYTES * np.array(n_r, np.int64)
     widths = np.array([cols[name] for name in _WIDTHS], np.int64).reshape(len(_WIDTHS), n)  # [fields, n]
     size += (np.array(n_p, np.int64) + np.array(n_r, np.int64)) * (_WIDTH_ITEMSIZES @ widths)
