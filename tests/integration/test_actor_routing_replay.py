@@ -6,7 +6,8 @@ top-k probabilities not renormalised): every position of every sequence is given
 actor's log-probs with those experts replayed equal transformers' ``Qwen3MoeForCausalLM`` whose routers are made
 to pick the same experts (their probabilities from its own router, renormalised as the model says), and differ
 from the actor's own routing (which equals transformers' unforced). Both token orders of the router are covered:
-fused attention (one row per micro-batch, EP=2) and unfused (rows of the longest sequence, EP=1). A training
+fused attention (one row per micro-batch, EP=2) and unfused (rows of the longest sequence, EP=1); at PP=2 each
+stage's routers replay their own layers (rows padded to the pipeline's one shape). A training
 step on groups whose trajectories carry the experts (their rollout log-probs the replayed ones) runs with them
 replayed (DP=2: each rank's share arrives with its rows): its log-prob mismatch is nil, and it moves the weights.
 """
@@ -74,7 +75,7 @@ def _hf_logprobs(hf: str, seqs, prompt_lens, forced=None) -> list[torch.Tensor]:
     return out
 
 
-def _run(hf: str, *, ep: int, backend: str, seqs, prompt_lens, forced, groups=None) -> dict:
+def _run(hf: str, *, ep: int, backend: str, seqs, prompt_lens, forced, groups=None, pp: int = 1) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -83,6 +84,7 @@ def _run(hf: str, *, ep: int, backend: str, seqs, prompt_lens, forced, groups=No
 
     actor_cfg = {
         "expert_model_parallel_size": ep,
+        "pipeline_model_parallel_size": pp,
         "moe_routing_replay": True,
         "attention_backend": backend,
         "max_tokens_per_microbatch": 64,
@@ -125,6 +127,7 @@ def main() -> None:
         "fused_ep2": _run(hf, ep=2, backend="auto", seqs=seqs, prompt_lens=prompt_lens, forced=forced, groups=groups),
         "unfused_ep1": _run(hf, ep=1, backend="unfused", seqs=seqs, prompt_lens=prompt_lens, forced=forced),
         "mixed_ep2": _run(mixed, ep=2, backend="auto", seqs=seqs, prompt_lens=prompt_lens, forced=forced_mixed),
+        "pp2": _run(hf, ep=1, pp=2, backend="auto", seqs=seqs, prompt_lens=prompt_lens, forced=forced),
     }
     if dist.get_rank() == 0:
         lp = proc_helpers.scaled_maxdiff
@@ -161,7 +164,7 @@ def test_actor_replays_the_engines_routing(tmp_path):
     proc = proc_helpers.run_torchrun(Path(__file__), [str(hf), str(mixed), str(tmp_path)], timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads((tmp_path / "out.json").read_text())
-    for name in ("fused_ep2", "unfused_ep1", "mixed_ep2"):
+    for name in ("fused_ep2", "unfused_ep1", "mixed_ep2", "pp2"):
         d = r[name]
         # replayed == transformers with the same experts forced; unreplayed == transformers' own routing
         assert d["replayed_vs_forced"] < proc_helpers.SCALED_REL, (name, d)
