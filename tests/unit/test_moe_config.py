@@ -196,6 +196,17 @@ def test_check_models_refuses_expert_settings_the_model_does_not_fit(models):
         launcher.check_models(_cfg('actor.model_path="models/Qwen3-8B"', "actor.expert_model_parallel_size=2"))
 
 
+def test_the_brokers_frame_cap_counts_the_routed_experts(models):
+    from asyncrl.broker.serve import max_message_bytes
+
+    off = _cfg(f'actor.model_path="{models["moe"]}"')
+    on = _cfg(f'actor.model_path="{models["moe"]}"', "actor.moe_routing_replay=true")
+    tokens = max(off.agentloop.max_total_tokens, off.data.max_prompt_tokens)
+    trajectories = 2 * max(256, off.rollout_buffer.max_buffered_groups) * off.algorithm.group_size  # doubled
+    # the fixture's model: 1 layer, top-2 of 8 experts: 8 bytes a position
+    assert max_message_bytes(on) - max_message_bytes(off) == pytest.approx(trajectories * tokens * 8, abs=4 * 4096)
+
+
 def test_routing_replay_refuses_full_recompute_under_a_pipeline():
     replay = ("actor.moe_routing_replay=true", 'actor.recompute_granularity="full"')
     validate(_cfg(*replay), world_size=5)  # PP = 1: a layer's recompute follows its forward
