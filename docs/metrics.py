@@ -135,6 +135,8 @@ DESCRIPTIONS = {
     "averaged over the MoE layers (the whole step, all DP ranks; 1.0 = balanced)",
     "moe/expert_load/min_over_mean": "MoE: the same for the idlest expert (0 = an expert got no token)",
     "moe/expert_load/expert_{}": "MoE (at most 16 experts): expert i's share of the step's routed tokens, all layers",
+    "moe/routing_replayed": "MoE with actor.moe_routing_replay: the share of the step's token positions whose experts "
+    "the engine returned and the actor replayed (each sequence's last position never is: just under 1 when all arrive)",
     "train/loss": "total loss",
     "train/pg_loss": "policy-gradient loss",
     "train/kl": "KL to the reference (when on)",

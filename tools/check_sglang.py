@@ -14,9 +14,9 @@ to the CPU torch, and sglang's and transformers' modules import it at import tim
 The tool's recorders (below) run without sglang, in the test suite (``tests/unit/test_check_sglang.py``).
 
 What it checks
-- Command lines: ``sglang_command`` (rollout engines; TP 1 and TP 2 with extra args) and the eval fleet's
-  (``eval_engine_config``), without a run secret and with several (``ASYNCRL_API_KEY``, each starting with '-'), go
-  through ``sglang.srt.server_args.prepare_server_args`` -- what ``python -m sglang.launch_server`` runs on its
+- Command lines: ``sglang_command`` (rollout engines; TP 1, with routing replay, TP 2 with extra args) and the eval
+  fleet's (``eval_engine_config``), without a run secret and with several (``ASYNCRL_API_KEY``, each starting with
+  '-'), go through ``sglang.srt.server_args.prepare_server_args`` -- what ``python -m sglang.launch_server`` runs on its
   argv -- and every value we meant is read back, ``api_key`` included (the report never shows a secret).
 - Request bodies, built by our own code: ``SGLangClient`` (its one transport method replaced by a recorder),
   the weight sync (the real ``WeightSyncer`` pause, push and finish for every pause mode, per-tensor and
@@ -96,6 +96,7 @@ def _expected(cfg, *, port: int, tp: int, secret: str | None) -> dict[str, Any]:
         "random_seed": cfg.runner.seed,
         "skip_server_warmup": True,
         "api_key": secret,
+        "enable_return_routed_experts": cfg.actor.moe_routing_replay,
     }
 
 
@@ -129,8 +130,10 @@ def command_cases() -> list[tuple[str, Any, int, str | None]]:
             ],
         )
     )
+    replay = load_config(ROOT / "configs/searchr1.toml", ["actor.moe_routing_replay=true"])
     cases = [
         ("rollout (configs/searchr1.toml)", base, 1, None),
+        ("rollout with routing replay (actor.moe_routing_replay)", replay, 1, None),
         ("rollout TP 2 + extra_args", tp2, 2, None),
         ("eval fleet TP 2", fleet, 2, None),
     ]

@@ -49,6 +49,9 @@ class Sample:
     agg_weight: torch.Tensor
     """Per response token: weight in the global aggregation (0 where masked; float64)."""
     reward: float = 0.0
+    routed_experts: torch.Tensor | None = None
+    """Per token position (prompt and response): the experts the engine routed it to in every layer, ``[num_tokens,
+    layers * top-k]`` int32, layer-major, -1 where unknown (None: not asked; ``actor.moe_routing_replay``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +63,7 @@ class Sample:
 
 
 _F8 = np.dtype(np.float64)
-_FROM_RECORD = sample_fields()  # the record's fields the actor trains on (``Field.sample``): logprobs, mask, reward
+_FROM_RECORD = sample_fields()  # the record's fields the actor trains on (``Field.sample``): routing, logprobs, ...
 SAMPLE_FIELDS: tuple[Field, ...] = (
     *_FROM_RECORD,
     Field("advantage", SCALAR, _F8),  # derived here: the trajectory's GRPO advantage in its group
@@ -74,11 +77,12 @@ _CONVERT = tuple((f.name, SCALAR_TYPES[f.dtype.kind] if f.per == SCALAR else Non
 
 
 def _trained(t: Trajectory) -> dict:
-    """The record's trained fields of ``t`` as a ``Sample`` holds them: one copy of each array into a tensor."""
+    """The record's trained fields of ``t`` as a ``Sample`` holds them: one copy of each array into a tensor (an
+    absent ``POSITION`` field stays None)."""
     out = {}
     for name, typ, dtype in _CONVERT:
         v = getattr(t, name)
-        out[name] = typ(v) if typ is not None else torch.from_numpy(np.array(v, dtype))
+        out[name] = typ(v) if typ is not None else None if v is None else torch.from_numpy(np.array(v, dtype))
     return out
 
 
@@ -196,6 +200,10 @@ class PackedBatch:
     padding: torch.Tensor | None = None
     """[R, C] bool, True = a padding position (None: there is none). A MoE layer leaves them out of its
     load-balancing loss (megatron-core's ``padding_mask``), the routing metrics leave them uncounted."""
+    seq_start: torch.Tensor | None = None
+    """[num sequences] flat index (into R*C) of each sequence's first token."""
+    routed: torch.Tensor | None = None
+    """[R, C, layers * top-k] the experts to replay at each position (``with_routing``; -1: unknown, padding)."""
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -219,6 +227,8 @@ class PackedBatch:
             seq_of_token=self.seq_of_token.to(device),
             num_tokens=self.num_tokens,
             padding=None if self.padding is None else self.padding.to(device),
+            seq_start=self.seq_start,
+            routed=None if self.routed is None else self.routed.to(device),
         )
 
 
@@ -270,12 +280,13 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
         if off < cap:  # padding: its own causal block, so no query row is fully masked
             seg_lens.append(cap - off)
             padding[r, off:] = True
-    pred, labels, seq_idx = [], [], []
+    pred, labels, seq_idx, starts = [], [], [], []
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
         if p < 1:
             raise ValueError("every sequence needs at least one prompt token")
         r, off = where[i]
         base = r * cap + off
+        starts.append(base)
         pred.append(torch.arange(base + p - 1, base + len(s) - 1))
         labels.append(s[p:])
         seq_idx.append(torch.full((len(s) - p,), i, dtype=torch.long))
@@ -289,7 +300,27 @@ def pack(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, row_len: 
         seq_of_token=torch.cat(seq_idx),
         num_tokens=sum(lengths),
         padding=padding if bool(padding.any()) else None,
+        seq_start=torch.tensor(starts, dtype=torch.long),
     )
+
+
+def with_routing(packed: PackedBatch, routed: Sequence[torch.Tensor | None]) -> PackedBatch:
+    """``packed`` with ``routed``: each sequence's ``[len, width]`` experts (``Sample.routed_experts``, in the order
+    the sequences were given to ``pack``; None: unknown) at its positions, -1 elsewhere. Unchanged when none is
+    known."""
+    known = [r for r in routed if r is not None]
+    if not known:
+        return packed
+    R, C = packed.input_ids.shape
+    width = known[0].shape[1]
+    flat = torch.full((R * C, width), -1, dtype=torch.int32)
+    for start, r in zip(packed.seq_start.tolist(), routed):
+        if r is not None:
+            if r.shape[1] != width:
+                raise ValueError(f"routed experts: a sequence has rows of {r.shape[1]} experts, another {width}")
+            flat[start : start + len(r)] = r
+    packed.routed = flat.view(R, C, width).to(packed.input_ids.device)
+    return packed
 
 
 def pad_rows(packed: PackedBatch, rows: int) -> PackedBatch:
@@ -312,6 +343,7 @@ def pad_rows(packed: PackedBatch, rows: int) -> PackedBatch:
         seq_of_token=packed.seq_of_token,
         num_tokens=packed.num_tokens,
         padding=torch.cat([first, torch.ones(extra, C, dtype=torch.bool)]),
+        seq_start=packed.seq_start,
     )
 
 

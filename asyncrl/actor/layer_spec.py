@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.actor.batch import PackedBatch, pack
+from asyncrl.actor.moe import replay_routing
 
 # Lazy imports here: megatron-core (and transformer_engine, an optional GPU package) is imported inside the functions that use it; its import takes seconds
 # and probes CUDA, and this module's pure parts (and --dry-run, the tests of them) must import without it.
@@ -144,7 +145,8 @@ def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str, *
     """The model called on ``packed`` (``model_inputs``), its output layer fed only the hidden states of the
     positions that predict the response tokens: ``[T, V_local]`` logits in ``packed.pred_index`` order. A model
     without an output layer (a pipeline stage before the last) returns its activations unchanged. ``model``
-    may be wrapped (Megatron's DDP: ``.module``). ``filler``: in eval mode (see the contract)."""
+    may be wrapped (Megatron's DDP: ``.module``). ``filler``: in eval mode (see the contract). The routers replay
+    ``packed.routed`` where they replay (``asyncrl.actor.moe.replay_routing``)."""
     args, kwargs = model_inputs(packed, backend)
     inner = model
     while not hasattr(inner, "output_layer") and hasattr(inner, "module"):
@@ -157,6 +159,10 @@ def response_logits(model: torch.nn.Module, packed: PackedBatch, backend: str, *
         picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1]).index_select(0, index)
         return (picked.unsqueeze(1), *inputs[1:])
 
+    routed = packed.routed  # [R, C, width]; the router flattens its tokens as [s, b] (``model_inputs``)
+    if routed is not None:
+        routed = (routed if backend in FUSED else routed.transpose(0, 1)).reshape(-1, routed.shape[-1])
+    replay_routing(model, routed)
     handle = None if head is None else head.register_forward_pre_hook(select)
     training = model.training
     if filler:

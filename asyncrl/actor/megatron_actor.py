@@ -1,3 +1,4 @@
+# long: the actor's one class, read top to bottom: set-up, the step, log-probs, the weights' ways out
 """The Megatron actor: a GPTModel from a HF checkpoint, trained with GRPO/PPO on broker Groups.
 
 Contract
@@ -23,7 +24,9 @@ Contract
   (``train/empty_batch``). A DP rank that gets no sample still joins every collective. Every rank
   returns the same metrics dict. Log-probs are computed at ``rollout.sampling.temperature``.
   A MoE model's load-balancing loss (megatron-core's ``aux_loss``) is in the gradient
-  (``asyncrl.actor.schedule``) and its routing reported (``moe/...``, ``asyncrl.actor.moe``).
+  (``asyncrl.actor.schedule``) and its routing reported (``moe/...``, ``asyncrl.actor.moe``). With
+  ``actor.moe_routing_replay``, every forward of the step (old, reference, training) and ``compute_logprobs`` given
+  ``routed_experts`` replay the engine's experts of each sample (``asyncrl.actor.moe.replay_routing``), cleared after.
 - Pipeline parallelism (PP > 1): the first stage holds the embedding, the last the final norm and
   output layer (with tied embeddings, Megatron's copy of the word embeddings, kept equal through
   the embedding-group gradient all-reduce). Log-probs and the training step go through
@@ -96,7 +99,7 @@ from asyncrl.actor.model import (
     layer_offset,
     padded_vocab_size,
 )
-from asyncrl.actor.moe import RoutingStats, filler_sample, fillers_needed
+from asyncrl.actor.moe import RoutingStats, clear_routing_replay, filler_sample, fillers_needed, routing_to_replay
 from asyncrl.actor.optim import build_optimizer
 from asyncrl.actor.pipeline import StageInfo, gather_to_rank0
 from asyncrl.actor.scatter import scatter_samples
@@ -220,6 +223,7 @@ class Actor:
             pp=self.pp,
             ep=self.ep,
             moe_aux_loss_coeff=self.cfg.actor.moe_aux_loss_coeff,
+            moe_routing_replay=self.cfg.actor.moe_routing_replay,
             params_dtype=self.dtype,
             attention_backend=self.attention,
             recompute=self.recompute,
@@ -314,6 +318,8 @@ class Actor:
         if self.spec.is_moe and self.dp > 1:
             mbs += [[filler_sample()] for _ in range(fillers_needed(real, self.dp_group, self.device))]
         packed = self.schedule.pack([([s.tokens for s in mb], [s.prompt_len for s in mb]) for mb in mbs])
+        if self.cfg.actor.moe_routing_replay:
+            packed = [routing_to_replay(p, [s.routed_experts for s in mb], self.spec) for p, mb in zip(packed, mbs)]
         extras = [self._extras(mb) if self.schedule.computes_loss else None for mb in mbs]
         return [MicroBatch(p, x, filler=i >= real) for i, (p, x) in enumerate(zip(packed, extras))]
 
@@ -343,6 +349,8 @@ class Actor:
         self._old_logprobs(items)
         if self.routing is not None:
             self.routing.begin_step()
+            if self.cfg.actor.moe_routing_replay:
+                self.routing.count_replay([it.packed for it in items if not it.filler])
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         # DDP averages gradients over DP ranks; the aggregation weights are already global: x dp.
@@ -401,6 +409,7 @@ class Actor:
         """One optimizer step on a batch of groups (see the module contract)."""
         t0 = time.perf_counter()
         sums, num_seq_tokens, num_mbs = self._accumulate_grads(self._distribute(groups))
+        clear_routing_replay(self.model, self.ref_model)
         # DP all-reduce of the grad buffers, plus the TP all-reduce of replicated weights whose
         # gradient is partial per TP rank (Qwen3's q/k norms), and (PP > 1, tied embeddings) the
         # embedding-group all-reduce that keeps the last stage's copy of the embeddings in sync.
@@ -432,16 +441,22 @@ class Actor:
     # ------------------------------------------------------------------ public
     @torch.no_grad()
     def compute_logprobs(
-        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], *, with_entropy: bool = False
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        *,
+        with_entropy: bool = False,
+        routed_experts: Sequence[torch.Tensor | None] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Log-probs (and entropies) of each sequence's tokens after its prompt, current weights.
-
-        Collective; every rank passes the same inputs and gets the full result (float32, CPU).
-        """
+        """Log-probs (and entropies) of each sequence's tokens after its prompt, current weights (``routed_experts``:
+        each sequence's experts to replay, as ``Sample.routed_experts``, with ``actor.moe_routing_replay``).
+        Collective; every rank passes the same inputs and gets the full result (float32, CPU)."""
         idxs = make_microbatches([len(s) for s in sequences], self.cfg.actor.max_tokens_per_microbatch)
         packed = self.schedule.pack(
             [([list(sequences[i]) for i in idx], [prompt_lens[i] for i in idx]) for idx in idxs]
         )
+        if routed_experts is not None and self.cfg.actor.moe_routing_replay:
+            packed = [routing_to_replay(p, [routed_experts[i] for i in idx], self.spec) for p, idx in zip(packed, idxs)]
 
         def logp(item: MicroBatch, logits: torch.Tensor):
             return self._logprobs_of(logits, item.packed, with_entropy=with_entropy)
@@ -452,6 +467,7 @@ class Actor:
             for k in range(len(idx)):
                 sel = (p.seq_of_token == k).to(lp.device)
                 out.append((lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu()))
+        clear_routing_replay(self.model)
         return self.schedule.share(out)
 
     def iter_hf_buckets(

@@ -89,8 +89,11 @@ def check_trainable(spec: ModelSpec, *, tp: int) -> None:
         )
 
 
-def moe_settings(spec: ModelSpec, *, ep: int, aux_loss_coeff: float | None, grouped_gemm: bool) -> dict[str, Any]:
-    """The MoE keywords of ``TransformerConfig`` (see the module docstring); ``{}`` for a dense model."""
+def moe_settings(
+    spec: ModelSpec, *, ep: int, aux_loss_coeff: float | None, grouped_gemm: bool, routing_replay: bool = False
+) -> dict[str, Any]:
+    """The MoE keywords of ``TransformerConfig`` (see the module docstring); ``{}`` for a dense model.
+    ``routing_replay``: every router gets megatron-core's ``RouterReplay`` (``asyncrl.actor.moe.replay_routing``)."""
     if not spec.is_moe:
         return {}
     if spec.num_experts_per_tok == 1 and spec.norm_topk_prob:
@@ -114,6 +117,7 @@ def moe_settings(spec: ModelSpec, *, ep: int, aux_loss_coeff: float | None, grou
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": grouped_gemm,
         "expert_model_parallel_size": ep,
+        "moe_enable_routing_replay": routing_replay,
     }
 
 
@@ -189,6 +193,7 @@ def build_gpt_model(
     pp: int = 1,
     ep: int = 1,
     moe_aux_loss_coeff: float | None = None,
+    moe_routing_replay: bool = False,
     params_dtype: torch.dtype = torch.float32,
     attention_backend: str = "sdpa",
     recompute: dict[str, Any] | None = None,
@@ -197,7 +202,7 @@ def build_gpt_model(
 
     ``attention_backend`` is a resolved backend of ``asyncrl.actor.layer_spec`` (``te``, ``sdpa`` or
     ``unfused``; feed the model with ``spec.model_inputs``); ``recompute`` holds TransformerConfig
-    keywords from ``spec.recompute_settings``; ``ep`` and ``moe_aux_loss_coeff`` go to ``moe_settings``.
+    keywords from ``spec.recompute_settings``; ``ep`` and ``moe_*`` go to ``moe_settings``.
 
     Needs ``initialize_model_parallel``. At PP > 1 the stage holds layers
     ``[layer_offset, layer_offset + num_layers / pp)`` (named ``decoder.layers.<local index>``), the
@@ -210,7 +215,8 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     check_parallel_sizes(spec, tp=tp, pp=pp, ep=ep)
-    moe = moe_settings(spec, ep=ep, aux_loss_coeff=moe_aux_loss_coeff, grouped_gemm=attention_backend == "te")
+    moe_opts = {"ep": ep, "aux_loss_coeff": moe_aux_loss_coeff, "routing_replay": moe_routing_replay}
+    moe = moe_settings(spec, grouped_gemm=attention_backend == "te", **moe_opts)
     if spec.is_moe:
         bind_router_gemm_fallback()  # a GPU without TransformerEngine needs it too
     cfg = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, **moe, **(recompute or {}))

@@ -26,10 +26,31 @@ Contract
   - ``moe/expert_load/max_over_mean`` / ``min_over_mean``: per MoE layer, the tokens routed to its busiest /
     idlest expert over the mean per expert (1.0 = balanced), averaged over the layers; counted over the
     whole step and every DP rank;
-  - ``moe/expert_load/expert_<e>``: expert e's share of the routed tokens, all layers (at most 16 experts).
+  - ``moe/expert_load/expert_<e>``: expert e's share of the routed tokens, all layers (at most 16 experts);
+  - ``moe/routing_replayed`` (routing replay on): the share of the step's token positions (real micro-batches,
+    padding left out) whose engine experts were replayed, as ``count_replay`` counted them.
 
   The actor world's all-reduce adds the DP ranks' counts (EP ranks route their own tokens: they are DP ranks
   of the router); pipeline stages hold different layers; TP ranks hold the same counts (divided out).
+
+- Routing replay (``actor.moe_routing_replay``: megatron-core's ``RouterReplay`` on every router):
+  ``routing_to_replay(packed, routed, spec)`` puts the samples' engine experts (``Sample.routed_experts``, each
+  checked by ``check_routing``: ``num_layers * top-k`` a position, experts of the model or -1) into the packed
+  micro-batch (``PackedBatch.routed``);
+  ``replay_routing(model, routed)``, before each forward of a packed micro-batch (every forward that computes
+  log-probs or the loss goes through ``asyncrl.actor.layer_spec.response_logits``, which gives ``routed``:
+  ``[tokens, layers * k]`` in the order megatron-core's router flattens its tokens), gives each of ``model``'s
+  routers (this pipeline stage's: a ``TopKRouter`` knows its global layer number) its layer's experts, with the action
+  ``REPLAY_FORWARD`` (the replayed experts' router probabilities weigh their outputs, so the router still
+  learns). A micro-batch without routing (a filler, ``compute_logprobs``) clears the action: the routers
+  choose. A position whose experts are unknown (-1: the last position of a sequence, which the engine does
+  not route, and padding) replays experts ``0..k-1``: its output reaches no trained token (the last position
+  predicts nothing and no later position of its sequence exists; padding is its own causal block). A sample
+  without routing beside samples with it would replay those at all its positions: with the setting on, every
+  trajectory carries its rows (the agent asks on every request), and ``moe/routing_replayed`` would show a gap.
+  With full activation recompute (PP = 1 only, ``asyncrl.config.validate``) a layer's recompute follows its
+  forward, whose experts are still set. ``clear_routing_replay(*models)`` drops the experts and the action
+  (after each step).
 
 How the load-balancing loss enters the gradient is megatron-core's (``MoEAuxLossAutoScaler``, scaled by each
 schedule: ``asyncrl.actor.schedule``).
@@ -40,10 +61,12 @@ schedule: ``asyncrl.actor.schedule``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-from asyncrl.actor.batch import Sample
+from asyncrl.actor.batch import PackedBatch, Sample, with_routing
 from asyncrl.models.spec import ModelSpec
 
 # Lazy imports here: megatron-core is imported inside the functions that use it; its import takes seconds
@@ -53,6 +76,66 @@ MAX_EXPERTS_REPORTED = 16
 """``moe/expert_load/expert_<e>`` is reported for models with at most this many experts."""
 _AUX = "load_balancing_loss"
 """megatron-core's tracker name of the ``aux_loss`` load-balancing loss."""
+
+
+def _replay_routers(model: torch.nn.Module) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
+
+
+def replay_routing(model: torch.nn.Module, routed: torch.Tensor | None) -> None:
+    """Sets ``model``'s routers to replay ``routed`` (``[tokens, layers * k]``, None: the routers choose; see the
+    module contract); no-op without routers that replay."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = _replay_routers(model)
+    if not routers:
+        return
+    if routed is None:
+        for r in routers:
+            r.router_replay.clear_router_replay_action()
+        return
+    k = routers[0].topk
+    rows = routed.reshape(len(routed), -1, k).long()
+    fill = torch.arange(k, device=rows.device).expand(rows.shape[0], k)
+    for r in routers:
+        layer = rows[:, r.layer_number - 1]
+        target = torch.where((layer < 0).any(dim=1, keepdim=True), fill, layer)
+        r.router_replay.set_target_indices(target)
+        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def routing_to_replay(packed: PackedBatch, routed: Sequence[torch.Tensor | None], spec: ModelSpec) -> PackedBatch:
+    """``packed`` with its sequences' engine routing (``Sample.routed_experts``, each checked by ``check_routing``) to
+    replay (``asyncrl.actor.batch.with_routing``)."""
+    for r in routed:
+        if r is not None:
+            check_routing(r, spec)
+    return with_routing(packed, routed)
+
+
+def check_routing(routed: torch.Tensor, spec: ModelSpec) -> None:
+    """Raises ValueError unless ``routed`` (``Sample.routed_experts``) holds ``num_layers * top-k`` experts a
+    position, each an expert of ``spec`` or -1 (unknown)."""
+    width = spec.num_layers * spec.num_experts_per_tok
+    if routed.dim() != 2 or routed.shape[1] != width:
+        raise ValueError(
+            f"routed experts: {tuple(routed.shape)} is not [positions, num_layers * top-k = {width}] "
+            f"({spec.source}: {spec.num_layers} layers, top-{spec.num_experts_per_tok})"
+        )
+    if len(routed) and (int(routed.min()) < -1 or int(routed.max()) >= spec.num_experts):
+        raise ValueError(
+            f"routed experts: values in [{int(routed.min())}, {int(routed.max())}], not experts of {spec.source} "
+            f"(0..{spec.num_experts - 1}, or -1: unknown)"
+        )
+
+
+def clear_routing_replay(*models: torch.nn.Module | None) -> None:
+    """Drops the replayed experts and the action of the routers of ``models`` (None: none)."""
+    for r in (r for m in models if m is not None for r in _replay_routers(m)):
+        r.router_replay.clear_indices()
+        r.router_replay.clear_router_replay_action()
 
 
 def fillers_needed(local: int, group: dist.ProcessGroup, device: torch.device) -> int:
@@ -82,6 +165,7 @@ class RoutingStats:
 
         self.spec = spec
         self.counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64, device=device)
+        self.replay = torch.zeros(2, dtype=torch.float64, device=device)  # [replayed positions, positions]
         for module in model.modules():
             if isinstance(module, TopKRouter):
                 module.register_forward_hook(self._count)
@@ -94,10 +178,19 @@ class RoutingStats:
                 routing_map = routing_map[~padding.reshape(-1)]
             self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts)
 
+    def count_replay(self, batches: Sequence[PackedBatch]) -> None:
+        """The step's real micro-batches' positions, and those replayed (``PackedBatch.routed``: a row with an
+        expert, not all -1; padding left out)."""
+        for p in batches:
+            routed = p.routed if p.routed is None or p.padding is None else p.routed[~p.padding]
+            known = 0 if routed is None else int((routed >= 0).any(dim=-1).sum())
+            self.replay += torch.tensor([known, p.num_tokens], dtype=torch.float64, device=self.replay.device)
+
     def begin_step(self) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         self.counts.zero_()
+        self.replay.zero_()
         clear_aux_losses_tracker()
 
     def metrics(self, num_microbatches: int, *, tp: int, pp: int) -> dict[str, float]:
@@ -111,14 +204,17 @@ class RoutingStats:
         flags = torch.tensor(
             [float(num_microbatches), 1.0 if tracked is not None else 0.0], dtype=torch.float64, device=aux.device
         )
-        vec = torch.cat([self.counts.flatten(), aux, flags])
+        vec = torch.cat([self.counts.flatten(), aux, self.replay, flags])
         dist.all_reduce(vec)  # the actor world; every rank adds the same number of values
         vec /= tp
         counts = vec[: layers * self.spec.num_experts].view(layers, -1)[list(self.spec.moe_layers)]
-        aux, (num_mbs, aux_on) = vec[layers * self.spec.num_experts : -2], vec[-2:].tolist()
+        aux, (replayed, positions, num_mbs, aux_on) = vec[layers * self.spec.num_experts : -4], vec[-4:].tolist()
         if counts.sum() == 0:
             return {}
-        return summarize(counts, aux_sum=float(aux.sum()) if aux_on else None, num_microbatches=num_mbs / pp)
+        out = summarize(counts, aux_sum=float(aux.sum()) if aux_on else None, num_microbatches=num_mbs / pp)
+        if positions:  # counted on every TP rank and pipeline stage alike: the ratio is the step's
+            out["moe/routing_replayed"] = replayed / positions
+        return out
 
 
 def summarize(counts: torch.Tensor, *, aux_sum: float | None, num_microbatches: float) -> dict[str, float]:

@@ -16,7 +16,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from asyncrl.engine.client import EngineError, GenerateResult
+import numpy as np
+
+from asyncrl.engine.client import EngineError, GenerateResult, decode_routed_experts
 from asyncrl.engine.client import parse_generate_response as parse_reply
 
 # ---------------------------------------------------------------- one generate call, parsed
@@ -34,6 +36,9 @@ class GenOutput:
     """For ``stop``: the stop string (str) or token id (int, e.g. EOS)."""
     num_retractions: int = 0
     cached_tokens: int = 0
+    routed_experts: Optional[np.ndarray] = None
+    """Asked for (``routed_from``): the experts of positions ``routed_from .. prompt + output - 2``, ``[rows,
+    layers * top-k]`` int32 (``asyncrl.engine.client.decode_routed_experts``)."""
 
 
 def parse_version(value: Any, url: str) -> int:
@@ -66,11 +71,20 @@ def token_versions(meta: dict, num_tokens: int, url: str) -> list[int]:
     return versions
 
 
-def gen_output(result: GenerateResult, url: str) -> GenOutput:
+def gen_output(
+    result: GenerateResult, url: str, *, prompt_len: int = 0, routed_from: Optional[int] = None
+) -> GenOutput:
     """The engine client's typed answer as the loop uses it: log-probs required (``return_logprob``), the
-    weight version of each output token as an integer."""
+    weight version of each output token as an integer; with ``routed_from``, the routed experts of the positions
+    from there to the last but one (of ``prompt_len`` prompt and the output tokens), required."""
     if result.output_logprobs is None:
         raise EngineError(url, "/generate", "/generate reply has no output_token_logprobs (return_logprob)")
+    routed = None
+    # a request aborted while it waited has no rows (SGLang answers no key): the next request asks again from there
+    waited = result.aborted and not result.output_ids and "routed_experts" not in result.meta_info
+    if routed_from is not None and not waited:
+        rows = prompt_len + len(result.output_ids) - 1 - routed_from
+        routed = decode_routed_experts(result.meta_info, max(rows, 0), url)
     finish = result.finish_reason
     return GenOutput(
         output_ids=result.output_ids,
@@ -80,6 +94,7 @@ def gen_output(result: GenerateResult, url: str) -> GenOutput:
         finish_matched=finish.get("matched"),
         num_retractions=result.num_retractions,
         cached_tokens=result.cached_tokens,
+        routed_experts=routed,
     )
 
 
@@ -88,8 +103,9 @@ class EngineHandle:
 
     ``client`` is the engine's ``asyncrl.engine.client.SGLangClient`` (its typed answer is used as is);
     ``generate_raw`` (tests, other transports) replaces its ``generate`` by a coroutine ``(input_ids,
-    sampling_params, rid) -> raw /generate JSON``, parsed by the same client parser. Any failure (client error,
-    timeout, HTTP status, malformed reply) is ``asyncrl.engine.client.EngineError`` naming the URL.
+    sampling_params, rid, **routing) -> raw /generate JSON`` (``routing``: ``routed_experts_start_len`` when
+    asked), parsed by the same client parser. Any failure (client error, timeout, HTTP status, malformed reply) is
+    ``asyncrl.engine.client.EngineError`` naming the URL.
     """
 
     def __init__(
@@ -110,20 +126,24 @@ class EngineHandle:
         self.load = 0
         """Trajectories assigned now (for least-loaded placement of groups)."""
 
-    async def _call(self, input_ids, sampling_params, rid) -> GenerateResult:
+    async def _call(self, input_ids, sampling_params, rid, routing: dict) -> GenerateResult:
         if self._generate_raw is not None:
-            return parse_reply(await self._generate_raw(input_ids, sampling_params, rid), self.url)
-        return await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True)
+            return parse_reply(await self._generate_raw(input_ids, sampling_params, rid, **routing), self.url)
+        return await self.client.generate(input_ids, sampling_params, rid=rid, return_logprob=True, **routing)
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, *, rid: str) -> GenOutput:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, *, rid: str, routed_from: Optional[int] = None
+    ) -> GenOutput:
+        """One ``/generate``; ``routed_from``: also the routed experts of the positions from there on."""
+        routing = {} if routed_from is None else {"routed_experts_start_len": routed_from}
         async with self._sem:
             self.in_flight += 1
             try:
-                result = await self._call(input_ids, sampling_params, rid)
+                result = await self._call(input_ids, sampling_params, rid, routing)
             except EngineError:
                 raise
             except (asyncio.TimeoutError, OSError, ValueError, RuntimeError) as exc:  # a generate_raw transport
                 raise EngineError(self.url, "/generate", f"generate failed: {type(exc).__name__}: {exc}") from exc
             finally:
                 self.in_flight -= 1
-        return gen_output(result, self.url)
+        return gen_output(result, self.url, prompt_len=len(input_ids), routed_from=routed_from)

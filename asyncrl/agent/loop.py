@@ -22,6 +22,12 @@ Contract
   ``RetrieverOutageError`` out of the group (the worker fails, naming the URL); a finished trajectory's
   ``extra["tool_errors"]`` counts its failed retrieval attempts. An engine-side ``abort`` finish (pause mode ``abort``) keeps the partial output and
   re-issues the rest of the turn, a bounded number of times.
+- Routing replay (``routed_experts=True``: ``actor.moe_routing_replay``): every ``/generate`` asks for the routed
+  experts of the positions not yet known (``routed_experts_start_len`` = the positions known so far), so each
+  position's experts are those the engine used when it computed that position (a sampled token's were what
+  sampled the next one; a tool observation's come from the next turn's prefill), and each reply carries only
+  new rows. The trajectory's ``routed_experts`` holds them, one row per position; the last position (the engine
+  never routes it: nothing follows it in any request) is -1. A reply without them aborts the trajectory.
 
     loop = AgentLoop(task=get_task("searchr1"), tokenizer=tok, retriever=retriever,
                      agent_cfg=cfg.agentloop, sampling=cfg.rollout.sampling)
@@ -38,6 +44,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import numpy as np
 
 from asyncrl.agent.engine_handle import EngineHandle
 from asyncrl.agent.tasks import Task
@@ -99,6 +107,9 @@ class TrajectoryBuilder:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed: Optional[list[np.ndarray]] = None
+    """Routing replay: the routed experts of positions ``0 .. routed_len - 1``, one array per reply (None: off)."""
+    routed_len: int = 0
 
     @property
     def room(self) -> int:
@@ -117,8 +128,22 @@ class TrajectoryBuilder:
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([-1] * len(ids))
 
+    def add_routed(self, rows: np.ndarray) -> None:
+        """The routed experts of the next ``len(rows)`` positions."""
+        self.routed.append(rows)
+        self.routed_len += len(rows)
+
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
+
+    def routed_experts(self) -> Optional[np.ndarray]:
+        """One row per position (-1 where unknown: the last position), or None (off, or no row known)."""
+        rows = [r for r in self.routed or () if r.size]
+        if not rows:
+            return None
+        out = np.full((len(self.prompt_ids) + len(self.response_ids), rows[0].shape[1]), -1, np.int32)
+        out[: self.routed_len] = np.concatenate(rows)
+        return out
 
     def build(self, **fields: Any) -> Trajectory:
         gen_versions = [v for v in self.versions if v >= 0]
@@ -130,6 +155,7 @@ class TrajectoryBuilder:
             weight_versions=self.versions,
             min_version=min(gen_versions, default=0),
             max_version=max(gen_versions, default=0),
+            routed_experts=self.routed_experts(),
             **fields,
         )
 
@@ -166,6 +192,7 @@ class AgentLoop:
         sampling: SamplingConfig,
         gate: Optional[TurnGate] = None,
         rid_prefix: str = "agent",
+        routed_experts: bool = False,
     ):
         self.task = task
         self.tokenizer = tokenizer
@@ -174,6 +201,7 @@ class AgentLoop:
         self.sampling = sampling
         self.gate = gate or TurnGate()
         self.rid_prefix = rid_prefix
+        self.routed_experts = routed_experts
         self._rids = itertools.count()
         self._invalid_ids = tokenizer.encode(task.invalid_action_message)
         self._obs_tail_ids = tokenizer.encode(getattr(task, "observation_tail", ""))
@@ -235,7 +263,9 @@ class AgentLoop:
     ) -> Trajectory:
         run = _Run(
             TrajectoryBuilder(
-                list(prompt_ids if prompt_ids is not None else self.prompt_ids(item)), self.cfg.max_total_tokens
+                list(prompt_ids if prompt_ids is not None else self.prompt_ids(item)),
+                self.cfg.max_total_tokens,
+                routed=[] if self.routed_experts else None,
             )
         )
         try:
@@ -326,10 +356,13 @@ class AgentLoop:
                 b.input_ids(),
                 self.sampling_params(max_new - len(turn_ids), greedy=greedy),
                 rid=self._new_rid(f"{rid}-{attempt}"),
+                routed_from=b.routed_len if b.routed is not None else None,
             )
             stats["generate_s"] += time.perf_counter() - t0
             attempt += 1
             b.add_generated(out.output_ids, out.logprobs, out.versions)
+            if out.routed_experts is not None:
+                b.add_routed(out.routed_experts)
             turn_ids.extend(out.output_ids)
             retractions += out.num_retractions
             if out.finish_type != "abort":

@@ -148,6 +148,7 @@ class AgentWorker:
             sampling=cfg.rollout.sampling,
             gate=self.gate,
             rid_prefix=worker_id,
+            routed_experts=cfg.actor.moe_routing_replay,
         )
         self.version = 0
         self.watch = watch

@@ -3,8 +3,8 @@
 ``RECORD`` lists every field that travels worker -> broker -> actor, one ``Field`` a line. Both encodings
 of the record are derived from it:
 
-- the wire (``asyncrl.broker.wire``): every ``PROMPT``/``RESPONSE`` field is an array laid into the token
-  frames in the declared order, in its ``dtype`` (little-endian), decoded zero-copy; every ``SCALAR`` field is
+- the wire (``asyncrl.broker.wire``): every ``PROMPT``/``RESPONSE``/``POSITION`` field is an array laid into the
+  token frames in the declared order, in its ``dtype`` (little-endian), decoded zero-copy; every ``SCALAR`` field is
   a column of the ``traj`` table whose msgpack type follows its ``dtype``'s kind (``SCALAR_TYPES``);
 - the actor (``asyncrl.actor.batch`` and ``asyncrl.actor.scatter``): every field with a ``sample`` dtype is the
   field of that name in the actor's ``Sample`` (that dtype there), and so reaches every data-parallel rank.
@@ -15,7 +15,9 @@ and, when the actor trains on it, the ``Sample`` attribute its loss reads.
 
 Two rules hold the layout (``_check`` enforces them at import):
 - the token ids fix the lengths: every ``PROMPT`` field holds one value per prompt token, every ``RESPONSE`` one
-  per response token; the ids themselves become the ``Sample``'s ``tokens`` and ``prompt_len``, not a field of it;
+  per response token, every ``POSITION`` field one row per token position (prompt then response) of a width the
+  trajectory gives (``width_column``: a column of the table; 0 = the field is absent, None); the ids themselves
+  become the ``Sample``'s ``tokens`` and ``prompt_len``, not a field of it;
 - token fields come in non-increasing item size and a trajectory's token data is padded to the first one's
   (``ALIGN``), so every field of every trajectory starts aligned in its frame, whatever the lengths.
 
@@ -30,8 +32,9 @@ from typing import Optional
 
 import numpy as np
 
-PROMPT, RESPONSE, SCALAR = "prompt", "response", "scalar"
-"""What a field holds: one value per prompt token, one per response token, or one per trajectory."""
+PROMPT, RESPONSE, POSITION, SCALAR = "prompt", "response", "position", "scalar"
+"""What a field holds: one value per prompt token, one per response token, an optional ``[prompt + response,
+width]`` array (one row per token position), or one value per trajectory."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Field:
     name: str
     """The ``Trajectory`` attribute (or ``extra`` key) and the ``Sample`` attribute of the same name."""
     per: str
-    """``PROMPT``, ``RESPONSE`` or ``SCALAR``."""
+    """``PROMPT``, ``RESPONSE``, ``POSITION`` or ``SCALAR``."""
     dtype: np.dtype
     """The values' type: a token field's element type in the frames; a scalar's kind picks its column's type."""
     sample: Optional[np.dtype] = None
@@ -57,6 +60,8 @@ RECORD: tuple[Field, ...] = (
     # token fields, in their order in a frame (non-increasing item size: every view is aligned)
     Field("prompt_ids", PROMPT, _I4),
     Field("response_ids", RESPONSE, _I4),
+    # routing replay: each position's experts in every layer (layer-major, -1 unknown); absent unless asked
+    Field("routed_experts", POSITION, _I4, sample=np.dtype(np.int32)),
     Field("rollout_logprobs", RESPONSE, _F4, sample=np.dtype(np.float32)),  # the behaviour policy
     Field("loss_mask", RESPONSE, _U1, sample=_BOOL),
     # one value per trajectory, in their order in the table
@@ -77,16 +82,24 @@ SCALAR_TYPES: dict[str, type] = {"i": int, "u": int, "f": float, "b": bool, "U":
 
 TOKEN_FIELDS = tuple(f for f in RECORD if f.per != SCALAR)
 SCALAR_FIELDS = tuple(f for f in RECORD if f.per == SCALAR)
+POSITION_FIELDS = tuple(f for f in RECORD if f.per == POSITION)
 ALIGN = TOKEN_FIELDS[0].dtype.itemsize
 PROMPT_BYTES = sum(f.dtype.itemsize for f in TOKEN_FIELDS if f.per == PROMPT)
-"""Bytes per prompt token in a frame, all prompt fields together."""
+"""Bytes per prompt token in a frame, all prompt fields together (``POSITION`` fields aside)."""
 RESPONSE_BYTES = sum(f.dtype.itemsize for f in TOKEN_FIELDS if f.per == RESPONSE)
-"""Bytes per response token in a frame."""
+"""Bytes per response token in a frame (``POSITION`` fields aside)."""
 
 
-def token_nbytes(n_prompt: int, n_resp: int) -> int:
-    """Bytes of one trajectory's token data in a frame (padded to ``ALIGN``)."""
+def width_column(f: Field) -> str:
+    """The table column of a ``POSITION`` field's row width, one value per trajectory (0: the field is absent)."""
+    return f"{f.name}_width"
+
+
+def token_nbytes(n_prompt: int, n_resp: int, widths: tuple[int, ...] = ()) -> int:
+    """Bytes of one trajectory's token data in a frame (padded to ``ALIGN``); ``widths``: its ``POSITION`` fields'
+    row widths, in their order (none given: all absent)."""
     n = PROMPT_BYTES * n_prompt + RESPONSE_BYTES * n_resp
+    n += (n_prompt + n_resp) * sum(f.dtype.itemsize * w for f, w in zip(POSITION_FIELDS, widths))
     return n + (-n % ALIGN)
 
 
@@ -103,8 +116,10 @@ def _check() -> None:
     if not any(f.per == PROMPT for f in RECORD) or not any(f.per == RESPONSE for f in RECORD):
         raise ValueError("record: the token ids (a PROMPT and a RESPONSE field) fix the lengths")
     for f in RECORD:
-        if f.per not in (PROMPT, RESPONSE, SCALAR):
-            raise ValueError(f"record: field {f.name!r}: per must be PROMPT, RESPONSE or SCALAR, got {f.per!r}")
+        if f.per not in (PROMPT, RESPONSE, POSITION, SCALAR):
+            raise ValueError(
+                f"record: field {f.name!r}: per must be PROMPT, RESPONSE, POSITION or SCALAR, got {f.per!r}"
+            )
         if f.per == SCALAR and f.dtype.kind not in SCALAR_TYPES:
             raise ValueError(f"record: scalar field {f.name!r}: no column type for dtype {f.dtype}")
         if f.per != SCALAR and (f.dtype.kind not in "iufb" or f.extra):

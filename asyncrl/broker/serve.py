@@ -23,6 +23,7 @@ from asyncrl.broker import wire
 from asyncrl.broker.core import BrokerCore, CoreSettings
 from asyncrl.broker.server import BrokerServer
 from asyncrl.broker.worker_client import MAX_GROUPS_PER_MESSAGE
+from asyncrl.models.spec import ModelSpec
 
 log = logging.getLogger("asyncrl.broker")
 
@@ -37,12 +38,17 @@ def max_message_bytes(cfg) -> int:
     packed back to back): a worker's ``groups`` message carries at most ``MAX_GROUPS_PER_MESSAGE`` groups, an
     actor's ``set_state`` the buffered ones (fewer than ``rollout_buffer.max_buffered_groups``), each of
     ``algorithm.group_size`` trajectories of at most max(``agentloop.max_total_tokens``, ``data.max_prompt_tokens``)
-    tokens (9 bytes a response token, 4 a prompt token). Doubled (a state's header holds each group's prompt text,
+    tokens (9 bytes a response token, 4 a prompt token; with ``actor.moe_routing_replay`` each position's routed
+    experts too, 4 bytes per layer and top-k expert of the actor's model, read from its config.json). Doubled (a state's header holds each group's prompt text,
     less than its token data; a prompt a little longer in the worker's count), plus ``HEADER_ALLOWANCE_BYTES``.
     ``configs/searchr1.toml`` (1,024 buffered groups of 4 x 4,096 tokens): 319 MB; ``configs/tiny.toml``: 92 MB."""
     groups = max(MAX_GROUPS_PER_MESSAGE, cfg.rollout_buffer.max_buffered_groups)
     tokens = max(cfg.agentloop.max_total_tokens, cfg.data.max_prompt_tokens)
-    return 2 * groups * cfg.algorithm.group_size * wire.token_nbytes(0, tokens) + HEADER_ALLOWANCE_BYTES
+    widths = ()
+    if cfg.actor.moe_routing_replay:
+        spec = ModelSpec.from_pretrained(cfg.actor.model_path)
+        widths = (spec.num_layers * spec.num_experts_per_tok,)
+    return 2 * groups * cfg.algorithm.group_size * wire.token_nbytes(0, tokens, widths) + HEADER_ALLOWANCE_BYTES
 
 
 def freeze_setup_objects() -> None:

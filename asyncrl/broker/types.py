@@ -16,7 +16,9 @@ of generated token i (0.0 where the mask is 0). All three are aligned with ``res
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
+
+import numpy as np
 
 
 @dataclass
@@ -30,6 +32,10 @@ class Trajectory:
     rollout_logprobs: list[float]
     """Engine log-prob of each generated token; 0.0 where loss_mask is 0. len == len(response_ids)."""
     reward: float = 0.0
+    routed_experts: Optional[np.ndarray] = None
+    """Routing replay (``actor.moe_routing_replay``): per token position (prompt then response), the experts the
+    engine routed it to in every layer, ``[len(prompt_ids) + len(response_ids), layers * top-k]`` int32, layer-major,
+    -1 where unknown (the last position, which the engine does not route); None when not asked."""
     weight_versions: list[int] = field(default_factory=list)
     """Weight version of each generated token's engine step, aligned with response_ids (-1 for tool tokens).
     Read in the worker's process only (the evaluator); empty after the wire (``min_version``/``max_version``

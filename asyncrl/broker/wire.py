@@ -7,17 +7,19 @@ holds ONE table, ``pack_table``'s output, and its frames:
 
     {"n":      [trajectories per group],          # then the message's group columns, e.g.
      "group_id": [...], "aborted": [...], ...     # (``protocol`` names and types them per message)
-     "traj":   {"np": [...], "nr": [...],         # prompt and response tokens per trajectory, then one column
+     "traj":   {"np": [...], "nr": [...],         # prompt and response tokens per trajectory, the POSITION
+                "routed_experts_width": [...],    # fields' row widths, then one column
                 "reward": [...], ...},            # per ``SCALAR`` field of the record, in its order
      "frames": [trajectories per frame]}
 
 A frame holds its trajectories' token data back to back, each one laid out as the record's token fields in
-their order (today ``prompt_ids int32[np] | response_ids int32[nr] | rollout_logprobs float32[nr] |
-loss_mask uint8[nr]``, little-endian) and zero-padded to a multiple of ``record.ALIGN`` bytes, so every view is
-aligned; the sizes must fill each frame exactly. Decoding is columnar and lazy: a decoded trajectory holds only
-its table and its row; each field is read from the table's columns on first access (token fields: read-only
-``np.frombuffer`` views of the received frame), so a broker that only forwards a trajectory never builds
-them. Consecutive unchanged decoded trajectories of one table are re-sent as slices of its columns and of the
+their order (today ``prompt_ids int32[np] | response_ids int32[nr] | routed_experts int32[np + nr, w] |
+rollout_logprobs float32[nr] | loss_mask uint8[nr]``, little-endian; ``w`` the trajectory's
+``routed_experts_width`` column, 0 when it has none) and zero-padded to a multiple of ``record.ALIGN`` bytes, so
+every view is aligned; the sizes must fill each frame exactly. Decoding is columnar and lazy: a decoded
+trajectory holds only its table and its row; each field is read from the table's columns on first access (token
+fields: read-only ``np.frombuffer`` views of the received frame), so a broker that only forwards a trajectory
+never builds them. Consecutive unchanged decoded trajectories of one table are re-sent as slices of its columns and of the
 frame they came in (one slice per run); one with an assigned field, or whose ``extra`` was read, is packed
 field by field (its token data still forwarded when unchanged).
 
@@ -44,6 +46,8 @@ import numpy as np
 
 from asyncrl.broker.record import (
     ALIGN,
+    POSITION,
+    POSITION_FIELDS,
     PROMPT_BYTES,
     RECORD,
     RESPONSE,
@@ -52,6 +56,7 @@ from asyncrl.broker.record import (
     SCALAR_TYPES,
     TOKEN_FIELDS,
     token_nbytes,
+    width_column,
 )
 from asyncrl.broker.types import PromptItem, Trajectory
 
@@ -68,9 +73,14 @@ echoes back (a version, a step, a group id) can hold (numpy, torch, msgpack's in
 # What the encoder and decoder read of the record, computed once (the hot paths loop over these tuples).
 _TOKEN_NAMES = tuple(f.name for f in TOKEN_FIELDS)  # in their order in a frame
 _TOKEN_DTYPES = tuple(f.dtype for f in TOKEN_FIELDS)
-_PART = tuple(int(f.per == RESPONSE) for f in TOKEN_FIELDS)  # a token field's length is (np, nr)[part]
+# a token field's length is (np, nr)[part]; part 2: a POSITION field, (np + nr) rows of its width
+_PART = tuple(2 if f.per == POSITION else int(f.per == RESPONSE) for f in TOKEN_FIELDS)
 _TOKEN_LAYOUT = tuple(zip(_TOKEN_DTYPES, _PART, (d.itemsize for d in _TOKEN_DTYPES)))  # what ``_views`` reads
 _COLUMNS = tuple((f.name, SCALAR_TYPES[f.dtype.kind]) for f in SCALAR_FIELDS)  # the ``traj`` columns as they travel
+_WIDTHS = tuple(width_column(f) for f in POSITION_FIELDS)  # the POSITION fields' row widths (columns, before those)
+_NO_WIDTHS = (0,) * len(_WIDTHS)
+_WIDTH_ITEMSIZES = np.array([f.dtype.itemsize for f in POSITION_FIELDS], np.int64)
+_MAX_WIDTH = 1 << 16  # values in one row of a POSITION field (a model's layers x top-k is far less)
 _SCALAR_NAMES = tuple(f.name for f in SCALAR_FIELDS if not f.extra)  # the columns held as attributes
 # the columns held in ``extra``: (name, type, the value of an absent one)
 _EXTRA_COLUMNS = tuple((name, typ, typ()) for (name, typ), f in zip(_COLUMNS, SCALAR_FIELDS) if f.extra)
@@ -139,15 +149,18 @@ class _Source:
     """One received table's trajectory columns and token frames, shared by the trajectories decoded from it
     (each holds only ``(source, index)``; a field is read from here on first access)."""
 
-    __slots__ = ("cols", "bases", "frame", "frame_end", "offs", "n_p", "n_r", "finite")
+    __slots__ = ("cols", "bases", "frame", "frame_end", "offs", "n_p", "n_r", "widths", "finite")
 
-    def __init__(self, cols: dict, bases: list, frame: list, frame_end: list, offs: list, n_p: list, n_r: list):
-        self.cols = cols  # column name -> one value per trajectory (``_COLUMNS``)
+    def __init__(
+        self, cols: dict, bases: list, frame: list, frame_end: list, offs: list, n_p: list, n_r: list, widths: list
+    ):
+        self.cols = cols  # column name -> one value per trajectory (``_WIDTHS``, then ``_COLUMNS``)
         self.bases = bases  # the received frames (byte memoryviews)
         self.frame = frame  # trajectory -> its frame's index in ``bases``
         self.frame_end = frame_end  # frame -> one past its last trajectory
         self.offs = offs  # trajectory -> the byte offset of its token data in its frame
         self.n_p, self.n_r = n_p, n_r
+        self.widths = widths  # trajectory -> its POSITION fields' row widths
         self.finite: Optional[list[bool]] = None  # frame -> no NaN/inf float32 in it (``nonfinite_logprobs``)
 
 
@@ -165,7 +178,7 @@ class _Field:
         s, i = d["_s"], d["_i"]
         name = self.name
         if name in _TOKEN_SET:
-            views = _views(s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i])
+            views = _views(s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i], widths=s.widths[i])
             d["_views"] = views
             for f, a in zip(_TOKEN_NAMES, views):
                 d.setdefault(f, a)
@@ -204,7 +217,7 @@ class WireTrajectory(Trajectory):
     def __reduce_ex__(self, protocol):
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(Trajectory)}
         for f in (*_TOKEN_NAMES, "weight_versions"):
-            kw[f] = np.array(kw[f])
+            kw[f] = None if kw[f] is None else np.array(kw[f])
         return Trajectory, tuple(kw[f.name] for f in dataclasses.fields(Trajectory))
 
 
@@ -212,19 +225,26 @@ for _f in dataclasses.fields(Trajectory):
     setattr(WireTrajectory, _f.name, _Field(_f.name))
 
 
-def _views(base, off: int, n_p: int, n_r: int) -> list[np.ndarray]:
-    """The token fields of the trajectory at ``off`` in ``base``, in the record's order: read-only views."""
+def _views(base, off: int, n_p: int, n_r: int, *, widths: tuple) -> list[Optional[np.ndarray]]:
+    """The token fields of the trajectory at ``off`` in ``base``, in the record's order: read-only views (a
+    ``POSITION`` field ``[np + nr, width]``, None where its width is 0)."""
     lens = (n_p, n_r)
-    out = []
+    out: list[Optional[np.ndarray]] = []
+    w = iter(widths)
     for dtype, part, itemsize in _TOKEN_LAYOUT:
-        n = lens[part]
-        out.append(np.frombuffer(base, dtype, n, off))
+        if part == 2:
+            width = next(w)
+            n = (n_p + n_r) * width
+            out.append(np.frombuffer(base, dtype, n, off).reshape(n_p + n_r, width) if width else None)
+        else:
+            n = lens[part]
+            out.append(np.frombuffer(base, dtype, n, off))
         off += itemsize * n
     return out
 
 
 def _forwardable(d: dict) -> Optional[tuple]:
-    """``(base, offset, np, nr)`` when ``d`` is a decoded trajectory's ``__dict__`` whose token fields are
+    """``(base, offset, np, nr, widths)`` when ``d`` is a decoded trajectory's ``__dict__`` whose token fields are
     unchanged."""
     s = d.get("_s")
     if s is None:
@@ -236,7 +256,7 @@ def _forwardable(d: dict) -> Optional[tuple]:
     elif not all(d.get(f) is v for f, v in zip(_TOKEN_NAMES, views)):
         return None
     i = d["_i"]
-    return s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i]
+    return s.bases[s.frame[i]], s.offs[i], s.n_p[i], s.n_r[i], s.widths[i]
 
 
 # ---------------------------------------------------------------- encoding
@@ -244,20 +264,28 @@ _TOKEN_VALUES = operator.attrgetter(*_TOKEN_NAMES)  # a trajectory's token field
 _FIRST_PROMPT, _FIRST_RESPONSE = _PART.index(0), _PART.index(1)  # the fields whose lengths are (np, nr)
 
 
-def _fresh_pieces(t: Trajectory, pieces: list) -> tuple[int, int]:
-    """Appends ``t``'s token data (its fields in the record's order, then the padding); its ``(np, nr)``. Raises
-    ValueError before appending anything when a field's length is not its part's."""
-    arrays = list(map(np.ascontiguousarray, _TOKEN_VALUES(t), _TOKEN_DTYPES))
-    lens = len(arrays[_FIRST_PROMPT]), len(arrays[_FIRST_RESPONSE])
-    for a, part in zip(arrays, _PART):  # a loop, not any(...): this runs once per trajectory a worker sends
-        if len(a) != lens[part]:
-            got = ", ".join(f"{len(x)} {name}" for name, x in zip(_TOKEN_NAMES, arrays))
-            raise ValueError(f"trajectory arrays do not align (one entry per prompt or response token): {got}")
+def _fresh_pieces(t: Trajectory, pieces: list) -> tuple[int, int, tuple]:
+    """Appends ``t``'s token data (its fields in the record's order, then the padding); its ``(np, nr, widths)``.
+    Raises ValueError before appending anything when a field's length is not its part's (a ``POSITION`` field: a
+    ``[np + nr, width]`` array of 1 to ``_MAX_WIDTH`` columns, or None: width 0)."""
+    arrays = [v if v is None else np.ascontiguousarray(v, d) for v, d in zip(_TOKEN_VALUES(t), _TOKEN_DTYPES)]
+    n_p, n_r = len(arrays[_FIRST_PROMPT]), len(arrays[_FIRST_RESPONSE])
+    lens, widths = (n_p, n_r, n_p + n_r), []
+    for a, part, name in zip(arrays, _PART, _TOKEN_NAMES):  # a loop: this runs once per trajectory a worker sends
+        if part == 2 and a is not None and (a.ndim != 2 or not 0 < a.shape[1] <= _MAX_WIDTH):
+            raise ValueError(f"trajectory field {name!r} must be [positions, 1..{_MAX_WIDTH}], got {a.shape}")
+        if part == 2:
+            widths.append(0 if a is None else a.shape[1])
+        if a is not None and len(a) != lens[part]:
+            got = ", ".join(f"{0 if x is None else len(x)} {n}" for n, x in zip(_TOKEN_NAMES, arrays))
+            raise ValueError(f"trajectory arrays do not align (one entry per token, one row per position): {got}")
+    size = 0
     for a in arrays:
-        pieces.append(a.tobytes())
-    n_p, n_r = lens
-    pieces.append(b"\0" * (-(PROMPT_BYTES * n_p + RESPONSE_BYTES * n_r) % ALIGN))
-    return lens
+        if a is not None:
+            pieces.append(a.tobytes())
+            size += a.nbytes
+    pieces.append(b"\0" * (-size % ALIGN))
+    return n_p, n_r, tuple(widths)
 
 
 class _Frames:
@@ -288,7 +316,7 @@ class _Frames:
         self._hi = hi
         self.counts[-1] += count
 
-    def fresh(self, t: Trajectory) -> tuple[int, int]:
+    def fresh(self, t: Trajectory) -> tuple[int, int, tuple]:
         if self._base is not None or not self.counts:
             self._close()
             self.counts.append(0)
@@ -306,21 +334,21 @@ class _Table:
     def __init__(self):
         self.np: list[int] = []
         self.nr: list[int] = []
-        self.cols: dict[str, list] = {name: [] for name, _ in _COLUMNS}
+        self.cols: dict[str, list] = {name: [] for name in (*_WIDTHS, *(name for name, _ in _COLUMNS))}
         self.frames = _Frames()
 
     def run(self, s: _Source, lo: int, hi: int) -> None:
         """Trajectories ``lo:hi`` of a received table, unchanged: slices of its columns and frames."""
         for name, col in self.cols.items():
             col += s.cols[name][lo:hi]
-        n_p, n_r, offs, frame = s.n_p, s.n_r, s.offs, s.frame
+        n_p, n_r, widths, offs, frame = s.n_p, s.n_r, s.widths, s.offs, s.frame
         self.np += n_p[lo:hi]
         self.nr += n_r[lo:hi]
         i = lo
         while i < hi:  # one slice per received frame the run spans
             k = frame[i]
             j = min(hi, s.frame_end[k])
-            end = offs[j - 1] + token_nbytes(n_p[j - 1], n_r[j - 1])
+            end = offs[j - 1] + token_nbytes(n_p[j - 1], n_r[j - 1], widths[j - 1])
             self.frames.slice(s.bases[k], offs[i], end, j - i)
             i = j
 
@@ -328,14 +356,16 @@ class _Table:
         """A changed, accessed or fresh trajectory: its columns read one by one."""
         src = _forwardable(t.__dict__)
         if src is not None:
-            base, off, a, b = src
-            self.frames.slice(base, off, off + token_nbytes(a, b), 1)
+            base, off, a, b, widths = src
+            self.frames.slice(base, off, off + token_nbytes(a, b, widths), 1)
         else:
-            a, b = self.frames.fresh(t)
+            a, b, widths = self.frames.fresh(t)
         self.np.append(a)
         self.nr.append(b)
         d = t.__dict__
         cols = self.cols
+        for name, w in zip(_WIDTHS, widths):
+            cols[name].append(w)
         for name in _SCALAR_NAMES:
             cols[name].append(d[name] if name in d else getattr(t, name))
         ex = t.extra
@@ -391,7 +421,8 @@ def unpack_table(table: Any, frames: Sequence[Any], where: str) -> tuple[list[in
     n = sum(sizes)
     n_p = column(tc, "np", int, n, where)
     n_r = column(tc, "nr", int, n, where)
-    cols = {name: column(tc, name, typ, n, where) for name, typ in _COLUMNS}
+    cols = {name: column(tc, name, int, n, where) for name in _WIDTHS}
+    cols.update({name: column(tc, name, typ, n, where) for name, typ in _COLUMNS})
     counts = column(table, "frames", int, _len(table.get("frames")), where)
     if sum(counts) != n or len(counts) != len(frames):
         raise ProtocolError(
@@ -408,10 +439,12 @@ def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list
     """One WireTrajectory per row over the frames' token data; the frames must be filled exactly."""
     bases = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in frames]
     n = len(n_p)
-    for key, v in (("np", n_p), ("nr", n_r)):
-        if n and max(v) > _MAX_LEN:
-            raise ProtocolError(f"{where}: column {key!r} holds a length over {_MAX_LEN}: {max(v)}")
+    for key, v, most in (("np", n_p, _MAX_LEN), ("nr", n_r, _MAX_LEN), *((w, cols[w], _MAX_WIDTH) for w in _WIDTHS)):
+        if n and max(v) > most:
+            raise ProtocolError(f"{where}: column {key!r} holds a length or width over {most}: {max(v)}")
     size = PROMPT_BYTES * np.array(n_p, np.int64) + RESPONSE_BYTES * np.array(n_r, np.int64)
+    widths = np.array([cols[name] for name in _WIDTHS], np.int64).reshape(len(_WIDTHS), n)  # [fields, n]
+    size += (np.array(n_p, np.int64) + np.array(n_r, np.int64)) * (_WIDTH_ITEMSIZES @ widths)
     size += -size % ALIGN  # ``token_nbytes`` of every row at once
     end = np.cumsum(size)  # each trajectory's end in the frames laid back to back
     frame_end = np.cumsum(counts, dtype=np.int64)  # frame -> one past its last trajectory
@@ -423,7 +456,7 @@ def _trajectories(frames: Sequence[Any], counts: list[int], n_p: list, n_r: list
             raise ProtocolError(f"{where}: a frame of {base.nbytes} bytes holds trajectories of {hi - lo} bytes")
     frame = np.repeat(np.arange(len(counts)), counts)
     offs = (end - size - frame_lo[frame]).tolist()
-    s = _Source(cols, bases, frame.tolist(), frame_end.tolist(), offs, n_p, n_r)
+    s = _Source(cols, bases, frame.tolist(), frame_end.tolist(), offs, n_p, n_r, list(zip(*widths.tolist())))
     out: list[WireTrajectory] = []
     new = WireTrajectory.__new__
     for i in range(n):

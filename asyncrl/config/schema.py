@@ -173,6 +173,11 @@ class ActorConfig:
     moe_aux_loss_coeff: Optional[float] = None
     """Weight of the router's load-balancing loss in the training loss (MoE models only); default: the model's
     ``router_aux_loss_coef`` (config.json). 0 reports the loss without training on it."""
+    moe_routing_replay: bool = False
+    """Routing replay (MoE models only): the engines return every token's routed experts
+    (``--enable-return-routed-experts``), the trajectories carry them, and every actor forward that computes
+    log-probs or the loss routes each token to the experts the engine chose (megatron-core's routing replay), so
+    the actor trains the experts that sampled the tokens. Not with full activation recompute at PP > 1."""
     params_dtype: Literal["fp32", "bf16"] = "bf16"
     """Training dtype; CPU runs always use fp32."""
     lr: float = 1e-6

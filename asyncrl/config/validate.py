@@ -207,9 +207,17 @@ def _validate_broker_host(cfg: Config, world: int) -> None:
 
 
 def _validate_recompute(cfg: Config) -> None:
-    """``actor.recompute_method`` / ``recompute_num_layers`` only mean something with full recompute."""
+    """``actor.recompute_method`` / ``recompute_num_layers`` only mean something with full recompute; routing replay
+    sets one micro-batch's experts at a time, so a layer's recompute must follow its forward (PP = 1)."""
     a = cfg.actor
     if a.recompute_granularity == "full":
+        if a.moe_routing_replay and a.pipeline_model_parallel_size > 1:
+            raise ConfigError(
+                "actor.moe_routing_replay: not with full activation recompute at "
+                f"actor.pipeline_model_parallel_size = {a.pipeline_model_parallel_size} (the pipeline recomputes a "
+                "micro-batch's layers after later micro-batches' forwards, which replay their own experts); "
+                'use actor.recompute_granularity = "selective" or "none"'
+            )
         return
     for key in ("recompute_method", "recompute_num_layers"):
         if getattr(a, key) is not None:

@@ -24,6 +24,8 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import re
 from collections.abc import Sequence
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, get_args
 
 import aiohttp
+import numpy as np
 
 from asyncrl.cluster.auth import auth_headers
 from asyncrl.config.schema import PAUSE_MODES
@@ -121,6 +124,30 @@ def parse_generate_response(data: Any, url: str = "") -> GenerateResult:
         cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         meta_info=meta,
     )
+
+
+def decode_routed_experts(meta: dict, rows: int, url: str = "") -> np.ndarray:
+    """``meta_info["routed_experts"]`` (SGLang's base64 of the int32 ``[positions, layers, top-k]`` array, positions
+    ``routed_experts_start_len .. prompt + output - 2``) as ``[rows, layers * top-k]`` int32 (read-only). Raises
+    ``EngineError`` naming ``url`` when it is missing, not base64, or not ``rows`` rows of one width."""
+    value = meta.get("routed_experts")
+    if not isinstance(value, str):
+        raise EngineError(
+            url,
+            "/generate",
+            f"reply has no routed_experts (got {type(value).__name__}); "
+            "the engine needs --enable-return-routed-experts",
+        )
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise EngineError(url, "/generate", f"routed_experts is not base64 ({exc})") from None
+    n = len(raw) // 4
+    if len(raw) % 4 or (rows and n % rows) or (not rows and n):
+        raise EngineError(url, "/generate", f"routed_experts: {len(raw)} bytes are not {rows} rows of int32")
+    if rows and not n:
+        raise EngineError(url, "/generate", f"routed_experts: empty, {rows} rows expected")
+    return np.frombuffer(raw, np.dtype("<i4")).reshape(rows, n // rows if rows else 0)
 
 
 _SAMPLE = re.compile(r"^sglang:([A-Za-z_][A-Za-z0-9_]*)(\{[^}]*\})?\s+(\S+)")
@@ -256,11 +283,14 @@ class SGLangClient:
         rid: Optional[str] = None,
         return_logprob: bool = True,
         logprob_start_len: Optional[int] = None,
+        routed_experts_start_len: Optional[int] = None,
         timeout_s: Optional[float] = None,
     ) -> GenerateResult:
         """POST /generate for one prompt of token ids. An aborted request is returned (not raised):
         check ``result.aborted``. ``logprob_start_len >= 0`` also asks for prompt log-probs
-        (``meta_info["input_token_logprobs"]``)."""
+        (``meta_info["input_token_logprobs"]``); ``routed_experts_start_len`` (an engine started with
+        ``--enable-return-routed-experts``) for the routed experts of positions from there on
+        (``meta_info["routed_experts"]``, ``decode_routed_experts``)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params or {}),
@@ -271,6 +301,9 @@ class SGLangClient:
             body["rid"] = rid
         if logprob_start_len is not None:
             body["logprob_start_len"] = logprob_start_len
+        if routed_experts_start_len is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts_start_len
         data = await self._request(
             "POST", "/generate", body, timeout_s=self.request_timeout_s if timeout_s is None else timeout_s
         )

@@ -135,6 +135,12 @@ def _model_path(cfg: Config) -> str:
     return cfg.rollout.model_path or cfg.actor.model_path
 
 
+def routed_experts_args(cfg: Config) -> list[str]:
+    """SGLang's flag that lets ``/generate`` return each token's routed experts, when the actor replays them
+    (``actor.moe_routing_replay``); the CPU engine takes it alike."""
+    return ["--enable-return-routed-experts"] if cfg.actor.moe_routing_replay else []
+
+
 def sglang_command(
     cfg: Config,
     *,
@@ -174,6 +180,7 @@ def sglang_command(
         str(cfg.runner.seed),
         "--skip-server-warmup",
     ]
+    cmd += routed_experts_args(cfg)
     if auth.current():  # SGLang reads its key from the command line only; one token, so a key that starts
         cmd.append(f"{auth.API_KEY_FLAG}={auth.current()}")  # with '-' is not taken for a flag by its argparse
     return cmd + [str(a) for a in r.sglang.extra_args]
@@ -189,7 +196,7 @@ def cpu_engine_command(
 ) -> list[str]:
     """argv of the CPU engine for one engine (TP is always 1 on CPU)."""
     r = cfg.rollout
-    return [
+    cmd = [
         python,
         "-m",
         "asyncrl.cpu_engine.server",
@@ -206,6 +213,7 @@ def cpu_engine_command(
         "--seed",
         str(cfg.runner.seed),
     ]
+    return cmd + routed_experts_args(cfg)
 
 
 def engine_command(

@@ -11,8 +11,9 @@ Contract
 - A model the actor cannot run (``actor.model_path``: a ``model_type`` other than qwen2, qwen3, llama, qwen3_moe,
   or a feature ``asyncrl.models.spec.require`` refuses), or the CPU engine cannot (``rollout.model_path``), is a
   config error too, dry run or not, naming the key and the field (``check_models``); so are the expert settings
-  the actor's model does not fit: ``actor.expert_model_parallel_size`` not dividing its ``num_experts``, or EP > 1
-  or ``actor.moe_aux_loss_coeff`` set for a dense model (MoE models only, never accepted and ignored). The model
+  the actor's model does not fit: ``actor.expert_model_parallel_size`` not dividing its ``num_experts``, or EP > 1,
+  ``actor.moe_aux_loss_coeff`` or ``actor.moe_routing_replay`` set for a dense model (MoE models only, never accepted
+  and ignored). The model
   is read from ``actor.model_path``'s config.json, or known by name (``asyncrl.actor.memory.known_shape``).
 - A GPU job (``rollout.rollout_backend = "sglang"``) whose actor estimate exceeds
   ``cluster.device_memory_gb`` (times ``asyncrl.actor.memory.USABLE_FRACTION``) is refused like a
@@ -255,9 +256,9 @@ def _check_sglang_moe(path: str) -> None:
 def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:
     """The expert settings against the actor's model (``source`` names where its shape was read): EP must divide
     ``num_experts`` (megatron-core places ``num_experts / EP`` experts on each rank of an EP group); an MoE model trains
-    at TP 1 only (megatron-core needs sequence parallelism for MoE at TP > 1, which the actor does not use); EP > 1 and
-    ``actor.moe_aux_loss_coeff`` are for MoE models only. The grid (TP x EP x PP dividing the actor ranks) needs no
-    model and is ``asyncrl.config.validate``'s."""
+    at TP 1 only (megatron-core needs sequence parallelism for MoE at TP > 1, which the actor does not use); EP > 1,
+    ``actor.moe_aux_loss_coeff`` and ``actor.moe_routing_replay`` are for MoE models only. The grid (TP x EP x PP
+    dividing the actor ranks) needs no model and is ``asyncrl.config.validate``'s."""
     a = cfg.actor
     ep = a.expert_model_parallel_size
     if shape.num_experts and shape.num_experts % ep:
@@ -280,6 +281,11 @@ def check_experts(cfg: Config, shape: ModelShape, source: str) -> None:
         raise ConfigError(
             f"actor.moe_aux_loss_coeff: {a.moe_aux_loss_coeff} is for MoE models only (the router's "
             f"load-balancing loss); {source} is a dense model (no num_experts); remove it"
+        )
+    if not shape.num_experts and a.moe_routing_replay:
+        raise ConfigError(
+            f"actor.moe_routing_replay: routing replay is for MoE models only; {source} is a dense model "
+            f"(no num_experts, no routed experts to replay); remove it"
         )
 
 

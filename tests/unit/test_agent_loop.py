@@ -325,3 +325,39 @@ def test_generate_reply_parsing_errors_name_the_engine():
     ) == [4, 5, 5]
     with pytest.raises(EngineError, match="not an integer"):
         token_versions({"weight_version": "abc"}, 1, "http://e")
+
+
+def test_routed_experts_replies_are_checked():
+    """``routed_from``: the reply's ``meta_info["routed_experts"]`` (base64 of int32 [rows, layers, top-k]) must hold
+    the rows of positions ``routed_from .. prompt + output - 2``; a request aborted while it waited has none."""
+    import base64
+
+    import numpy as np
+
+    rows = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)  # prompt 3 + output 2 - 1 - start 1 = 3 rows
+
+    def reply(meta_extra: dict, output_ids=(5, 6), finish="stop") -> dict:
+        return {
+            "output_ids": list(output_ids),
+            "meta_info": {
+                "finish_reason": {"type": finish},
+                "output_token_logprobs": [[-1.0, t, None] for t in output_ids],
+                **meta_extra,
+            },
+        }
+
+    def parse(resp, routed_from=1):
+        return gen_output(parse_generate_response(resp, "http://e"), "http://e", prompt_len=3, routed_from=routed_from)
+
+    good = reply({"routed_experts": base64.b64encode(rows.tobytes()).decode()})
+    assert parse(good).routed_experts.tolist() == rows.reshape(3, 4).tolist()
+    assert parse(good, routed_from=None).routed_experts is None  # not asked: not read
+    for meta, match in (
+        ({}, "no routed_experts.*--enable-return-routed-experts"),
+        ({"routed_experts": "!!"}, "not base64"),
+        ({"routed_experts": base64.b64encode(rows[:2].tobytes()).decode()}, "are not 3 rows"),
+        ({"routed_experts": base64.b64encode(b"\0" * 10).decode()}, "are not 3 rows"),
+    ):
+        with pytest.raises(EngineError, match=match):
+            parse(reply(meta))
+    assert parse(reply({}, output_ids=(), finish="abort")).routed_experts is None  # aborted while waiting

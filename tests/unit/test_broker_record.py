@@ -21,12 +21,14 @@ from asyncrl.actor import scatter
 from asyncrl.actor.batch import SAMPLE_FIELDS, Sample, groups_to_samples, split_balanced
 from asyncrl.broker import protocol as P
 from asyncrl.broker import record, wire
-from asyncrl.broker.record import PROMPT, RECORD, SCALAR, SCALAR_TYPES
+from asyncrl.broker.record import POSITION, PROMPT, RECORD, SCALAR, SCALAR_TYPES
 from asyncrl.broker.types import Group, PromptItem, Trajectory
 
 
 def _value(rng: random.Random, f: record.Field, n_p: int, n_r: int):
     """A value of field ``f`` that is not its type's default (a dropped field cannot pass for a carried one)."""
+    if f.per == POSITION:  # rows of the trajectory's width, -1 among the values (unknown)
+        return np.asarray([[rng.randrange(-1, 8) for _ in range(6)] for _ in range(n_p + n_r)], f.dtype)
     if f.per != SCALAR:
         n = n_p if f.per == PROMPT else n_r
         if f.dtype.kind in "ub":
@@ -54,14 +56,16 @@ def test_the_wire_and_the_scatter_are_the_declarations_fields():
     t = _trajectory(random.Random(0))
     head, frame = P.finished_groups_frames([(1, [t], False, "")])
     traj = msgpack.unpackb(head, raw=False)["groups"]["traj"]
-    assert list(traj) == ["np", "nr", *(f.name for f in RECORD if f.per == SCALAR)]  # the columns, in order
+    widths = [record.width_column(f) for f in RECORD if f.per == POSITION]
+    assert list(traj) == ["np", "nr", *widths, *(f.name for f in RECORD if f.per == SCALAR)]  # the columns, in order
+    assert [traj[w] for w in widths] == [[6]]
     # the frame: each token field in its declared dtype, in the declared order, padded to the declared alignment
     data = b"".join(np.asarray(getattr(t, f.name), f.dtype).tobytes() for f in RECORD if f.per != SCALAR)
     assert bytes(frame) == data + b"\0" * (-len(data) % record.ALIGN)
     assert (
         len(frame)
-        == wire.token_nbytes(len(t.prompt_ids), len(t.response_ids))
-        == record.token_nbytes(len(t.prompt_ids), len(t.response_ids))
+        == wire.token_nbytes(len(t.prompt_ids), len(t.response_ids), (6,))
+        == record.token_nbytes(len(t.prompt_ids), len(t.response_ids), (6,))
     )
     # the scatter sends the Sample's fields: the record's trained ones (in their Sample dtype), then the derived
     trained = [(f.name, f.per, f.sample) for f in RECORD if f.sample is not None]

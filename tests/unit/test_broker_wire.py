@@ -221,6 +221,11 @@ def _worker_table():
         (("groups", "traj", "finish_reason"), ["stop", None], "finish_reason"),
         (("groups", "traj", "reward"), ["1", 0.0], "reward"),
         (("groups", "traj", "nr"), [30, 2], "frame"),  # past the end of the frame
+        (("groups", "traj", "routed_experts_width"), [2, 0], "frame"),  # rows the frame does not hold
+        (("groups", "traj", "routed_experts_width"), [-1, 0], "routed_experts_width"),
+        (("groups", "traj", "routed_experts_width"), [1.0, 0], "routed_experts_width"),  # a float is no width
+        (("groups", "traj", "routed_experts_width"), [2**40, 0], "routed_experts_width"),  # past any model's
+        (("groups", "traj", "routed_experts_width"), None, "routed_experts_width"),
         (("groups", "traj", "np"), None, "np"),
         (("groups", "traj", "np"), [2**63, 4], "np"),  # a length past int64: refused before any offset is computed
         (("groups", "frames"), [0, 2], "frames"),  # an empty frame that is not there
@@ -255,3 +260,30 @@ def test_misaligned_trajectory_is_refused_by_the_sender():
     bad.loss_mask = [1]
     with pytest.raises(ValueError, match="do not align"):
         P.finished_groups_frames([(1, [bad], False, "")])
+    short = traj(routed_experts=np.zeros((6, 4), np.int32))  # 7 positions (4 prompt + 3 response), 6 rows
+    with pytest.raises(ValueError, match="do not align"):
+        P.finished_groups_frames([(1, [short], False, "")])
+    for shape in ((7,), (7, 0)):  # one row per position, of at least one value
+        with pytest.raises(ValueError, match=r"'routed_experts' must be \[positions, 1\.\."):
+            P.finished_groups_frames([(1, [traj(routed_experts=np.zeros(shape, np.int32))], False, "")])
+
+
+def test_routed_experts_travel_only_where_given():
+    rows = np.arange(7 * 4, dtype=np.int32).reshape(7, 4) - 1  # -1 (unknown) among them
+    sent = [traj(routed_experts=rows), traj(n=2), traj(n=1, routed_experts=rows[:5, :2].copy())]
+    _, ((_, got, _, _),) = P.unpack_finished_groups(worker_message([(1, sent, False, "")]))
+    assert got[0].routed_experts.dtype == np.int32 and got[0].routed_experts.tolist() == rows.tolist()
+    assert got[1].routed_experts is None and got[2].routed_experts.tolist() == rows[:5, :2].tolist()
+    assert got[0].loss_mask.tolist() == [1, 1, 1] and got[2].rollout_logprobs.tolist() == [-0.5]  # after the rows
+    # forwarded as received (slices of the frame), a changed one packed afresh; pickled: a plain Trajectory
+    got[1].routed_experts = rows[:6].copy()
+    msg = batch_message([Group(1, PromptItem(1, "q"), 0, got)])
+    (g,) = P.unpack_groups(msg.body["groups"], msg.blobs)
+    assert [t.routed_experts.tolist() for t in g.trajectories] == [
+        rows.tolist(),
+        rows[:6].tolist(),
+        rows[:5, :2].tolist(),
+    ]
+    plain = pickle.loads(pickle.dumps(g.trajectories[0]))
+    assert type(plain) is Trajectory and plain.routed_experts.tolist() == rows.tolist()
+    assert pickle.loads(pickle.dumps(got[1])).routed_experts.tolist() == rows[:6].tolist()

@@ -191,9 +191,30 @@ def test_check_models_refuses_expert_settings_the_model_does_not_fit(models):
     with pytest.raises(ConfigError, match=r"^actor.tensor_model_parallel_size: TP 2 with the mixture-of-experts model"):
         launcher.check_models(_cfg(f'actor.model_path="{moe}"', "actor.tensor_model_parallel_size=2"))
     launcher.check_models(_cfg(f'actor.model_path="{dense}"', "actor.tensor_model_parallel_size=2"))
+    launcher.check_models(_cfg(f'actor.model_path="{moe}"', "actor.moe_routing_replay=true"))
+    with pytest.raises(ConfigError, match=r"^actor.moe_routing_replay: routing replay is for MoE models only; .*dense"):
+        launcher.check_models(_cfg(f'actor.model_path="{dense}"', "actor.moe_routing_replay=true"))
     # a known public model is checked by name before it is downloaded
     with pytest.raises(ConfigError, match=r"the known shape of Qwen3-8B is a dense model"):
         launcher.check_models(_cfg('actor.model_path="models/Qwen3-8B"', "actor.expert_model_parallel_size=2"))
+
+
+def test_the_brokers_frame_cap_counts_the_routed_experts(models):
+    from asyncrl.broker.serve import max_message_bytes
+
+    off = _cfg(f'actor.model_path="{models["moe"]}"')
+    on = _cfg(f'actor.model_path="{models["moe"]}"', "actor.moe_routing_replay=true")
+    tokens = max(off.agentloop.max_total_tokens, off.data.max_prompt_tokens)
+    trajectories = 2 * max(256, off.rollout_buffer.max_buffered_groups) * off.algorithm.group_size  # doubled
+    # the fixture's model: 1 layer, top-2 of 8 experts: 8 bytes a position
+    assert max_message_bytes(on) - max_message_bytes(off) == pytest.approx(trajectories * tokens * 8, abs=4 * 4096)
+
+
+def test_routing_replay_refuses_full_recompute_under_a_pipeline():
+    replay = ("actor.moe_routing_replay=true", 'actor.recompute_granularity="full"')
+    validate(_cfg(*replay), world_size=5)  # PP = 1: a layer's recompute follows its forward
+    with pytest.raises(ConfigError, match=r"^actor.moe_routing_replay: not with full activation recompute at "):
+        validate(_cfg(*replay, "actor.pipeline_model_parallel_size=2"), world_size=5)
 
 
 def test_dry_run_prints_the_expert_grid_and_the_experts_per_rank(models, capsys, monkeypatch):
