@@ -120,7 +120,7 @@ _UNPAIRED = [  # an update before the begin, a second begin, two ends
 @needs_sglang
 def test_our_command_lines_parse_as_we_mean_them(tool):
     results = tool.check_commands()
-    assert len(results) == 3 + 2 * len(tool.run_secrets())
+    assert len(results) == 4 + 2 * len(tool.run_secrets())  # rollout, with routing replay, TP 2, eval fleet; secrets
     assert [r for r in results if r["problems"]] == []
 
 
