@@ -46,3 +46,15 @@ def test_positional_parameters_count_neither_self_nor_keyword_only(tmp_path):
 
 def test_the_report_runs_and_exits_0():
     assert house.main([]) == 0
+
+
+def test_test_modules_have_unique_names():
+    """The test folders are not packages, so pytest imports each test module by its file name: two with one name
+    (tests/unit/x.py and tests/integration/x.py) stop the README's ``pytest tests`` at collection, though each folder
+    alone passes."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, list[str]] = {}
+    for p in tests.rglob("test_*.py"):
+        if "__pycache__" not in p.parts:
+            seen.setdefault(p.name, []).append(str(p.relative_to(tests)))
+    assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}
