@@ -163,9 +163,11 @@ class SchedulerLink:
         (at most ``grace_s`` s), then reaped."""
         self._stopping = True
         if self._closed is not None and self.proc is not None and self.proc.is_alive():
-            self._send(("stop",))
             try:
+                self._send(("stop",))
                 await asyncio.wait_for(asyncio.shield(self._closed), grace_s)
+            except OSError:  # its end is gone: it is exiting, reaped below
+                pass
             except asyncio.TimeoutError:
                 log.warning("the scheduler process %d did not stop within %g s: killing it", self.proc.pid, grace_s)
         closed = self._closed is not None and self._closed.done()  # it is exiting: reap it; else kill it now
