@@ -19,6 +19,9 @@ Contract
 - A scheduler process that exits unexpectedly (its engine thread crashed: status 1) takes this process with it:
   a watcher thread logs its exit status and exits with status 1, as one engine process did (the launcher restarts
   it). ``stop`` asks it to stop and waits; it never outlives this process (``PR_SET_PDEATHSIG``).
+- On the event loop, ``aclose`` stops it without blocking the loop: its answers keep being read until it exits
+  (``stop``'s blocking wait, run there, deadlocked: the scheduler process blocked sending answers nobody read and
+  never read "stop"), then ``stop`` reaps it (killed if it did not exit in time).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class SchedulerLink:
         self.last_receive = time.monotonic()
         """When the last message of the scheduler process arrived (SGLang's ``last_receive_tstamp``)."""
         self._receive_waiters: list[asyncio.Future] = []
+        self._closed: Optional[asyncio.Future] = None
+        """Set once the scheduler process's end of the pair closed (it exited), while open on the event loop."""
 
     # ---- start / stop (the main thread) -----------------------------------------------------------
     @classmethod
@@ -129,14 +134,15 @@ class SchedulerLink:
             sys.stderr.flush()
             os._exit(1)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_WAIT_S) -> None:
+        """Ask the scheduler process to stop, wait up to ``grace_s`` s, kill it if it did not; close the pair."""
         self._stopping = True
         if self.proc is not None and self.proc.is_alive():
             try:
                 self._send(("stop",))
             except OSError:  # its end is gone or full: killed below if it does not stop
                 pass
-            self.proc.join(STOP_WAIT_S)
+            self.proc.join(grace_s)
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(STOP_WAIT_S)
@@ -149,7 +155,23 @@ class SchedulerLink:
     async def open(self) -> None:
         """Start reading the scheduler process's answers on the running loop (and sending through its transport)."""
         loop = asyncio.get_running_loop()
+        self._closed = loop.create_future()
         self._transport, _ = await loop.connect_accepted_socket(lambda: _Reader(self), self.sock)
+
+    async def aclose(self, grace_s: float) -> None:
+        """``stop`` from the event loop (see module contract): "stop" sent, its answers read until its end closes
+        (at most ``grace_s`` s), then reaped."""
+        self._stopping = True
+        if self._closed is not None and self.proc is not None and self.proc.is_alive():
+            try:
+                self._send(("stop",))
+                await asyncio.wait_for(asyncio.shield(self._closed), grace_s)
+            except OSError:  # its end is gone: it is exiting, reaped below
+                pass
+            except asyncio.TimeoutError:
+                log.warning("the scheduler process %d did not stop within %g s: killing it", self.proc.pid, grace_s)
+        closed = self._closed is not None and self._closed.done()  # it is exiting: reap it; else kill it now
+        self.stop(grace_s=STOP_WAIT_S if closed else 0.0)
 
     def received(self, data: bytes) -> None:
         """Bytes from the scheduler process: every whole message, in order; one that cannot be read is logged and
@@ -255,5 +277,7 @@ class _Reader(asyncio.Protocol):
         self.link.received(data)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
+        if self.link._closed is not None and not self.link._closed.done():
+            self.link._closed.set_result(None)
         if not self.link._stopping:  # the watcher exits this process once the scheduler process is reaped
             log.error("the scheduler process closed its end of the socket pair (%s)", exc or "end of stream")

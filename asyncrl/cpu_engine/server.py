@@ -22,7 +22,7 @@ Contract (see shared/notes/sglang-http-protocol.md; the same client and trainer 
   on ``/metrics`` (ours: SGLang has no separate series).
 - Start-up as SGLang's: the port answers only once the model is loaded; a model that fails to load exits the
   process with status 1 naming why. A crash of the engine thread (the scheduler process exits 1) exits this
-  process with status 1 (the launcher restarts it).
+  process with status 1 (the launcher restarts it). SIGTERM/SIGINT: a bounded stop, status 0 (``serving``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from asyncrl.cpu_engine.request import Request
 from asyncrl.cpu_engine.sampling_params import RequestError, parse_sampling_params
 from asyncrl.cpu_engine.scheduler import PAUSE_MODES
 from asyncrl.cpu_engine.scheduler_link import SchedulerFailed, SchedulerLink
+from asyncrl.cpu_engine.serving import SCHEDULER_STOP_S, serve
 from asyncrl.cpu_engine.weight_updates import WEIGHT_ROUTES
 from asyncrl.models.spec import load_hf_config
 
@@ -112,8 +113,11 @@ class CpuEngine:
         self.update_lock = ModelUpdateLock()
         self.num_disconnect_aborts = 0
         """Requests aborted because their HTTP client disconnected before the answer."""
-        self._waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
-        """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id."""
+        self.waiting: dict[int, tuple[web.Request, list[Request], asyncio.Future]] = {}
+        """Waiting ``/generate`` calls (request, its requests, set when its client went away), by id; ``none_waiting``
+        is set while there are none (``serving`` drains them at a stop)."""
+        self.none_waiting = asyncio.Event()
+        self.none_waiting.set()
         self._flush_waiting = False
         """A ``/flush_cache?timeout=`` is waiting for the engine to be idle (SGLang: its pending flush)."""
         self._abortable: set[str] = set()
@@ -169,11 +173,8 @@ class CpuEngine:
             get(path, self.server_info)
         r.add_route("*", "/metrics", self.metrics)  # SGLang mounts its metrics app there: any method
         app.on_startup.append(self._open)
-        app.on_cleanup.append(self._on_cleanup)
+        app.on_cleanup.append(lambda app: self.link.aclose(SCHEDULER_STOP_S))  # never blocks the loop: see serving
         return app
-
-    async def _on_cleanup(self, app: web.Application) -> None:
-        self.link.stop()
 
     def _weight_op(self, op: str):
         """The handler of one weight call: its body to the scheduler process's op, SGLang's answer back."""
@@ -277,7 +278,8 @@ class CpuEngine:
         (``_watch_disconnects`` notices; None is returned)."""
         gathered = asyncio.gather(*futs)
         gone = asyncio.get_running_loop().create_future()
-        self._waiting[id(gone)] = (request, reqs, gone)
+        self.waiting[id(gone)] = (request, reqs, gone)
+        self.none_waiting.clear()
         if self._watcher is None:
             self._watcher = asyncio.create_task(self._watch_disconnects())
         try:
@@ -287,7 +289,9 @@ class CpuEngine:
             self._abort(reqs)
             raise
         finally:
-            self._waiting.pop(id(gone), None)
+            self.waiting.pop(id(gone), None)
+            if not self.waiting:
+                self.none_waiting.set()
             if not gathered.done():
                 gathered.cancel()
                 gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no asyncio warning
@@ -296,9 +300,9 @@ class CpuEngine:
         """One task for every waiting ``/generate`` (not one timer per request): every ``DISCONNECT_POLL_S``, the
         requests of clients that went away are aborted and their handlers woken. Ends when none waits."""
         try:
-            while self._waiting:
+            while self.waiting:
                 await asyncio.sleep(DISCONNECT_POLL_S)
-                for request, reqs, gone in list(self._waiting.values()):
+                for request, reqs, gone in list(self.waiting.values()):
                     transport = request.transport
                     if (transport is None or transport.is_closing()) and not gone.done():
                         rid = reqs[0].rid if reqs else "?"
@@ -485,14 +489,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("cannot listen on %s:%d: %s (another process holds the port? change --port)", args.host, args.port, e)
         link.stop()
         return 1
-    app = CpuEngine(args, link, tokenizer).build_app()
-
-    async def _ready(app: web.Application) -> None:
-        log.info("The server is fired up and ready to roll! http://%s:%d", args.host, args.port)
-
-    app.on_startup.append(_ready)
-    web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=2.0)
-    return 0
+    engine = CpuEngine(args, link, tokenizer)
+    try:
+        return serve(engine, engine.build_app(), sock, f"http://{args.host}:{args.port}")
+    finally:
+        link.stop(SCHEDULER_STOP_S)  # already stopped unless serving failed: never left to multiprocessing's join
 
 
 if __name__ == "__main__":
