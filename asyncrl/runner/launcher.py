@@ -340,12 +340,33 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
     return line + f" [fits {budget:.1f} GiB = {USABLE_FRACTION:g} x cluster.device_memory_gb]"
 
 
-def _mark_preempted(run_dir: Path, e: Preempted) -> None:
-    """``<run_dir>/PREEMPTED_MARKER``: this job stopped for a preemption with its checkpoint written (the Slurm
-    script requeues the job on it; torchrun reports a rank's exit 75 as its own 1). Written atomically."""
+def _inputs_ok(cfg: Config, rank: int) -> bool:
+    """The paths, the hooks and the resume decision (rank 0 logs it); False after printing a config error."""
+    try:
+        check_inputs(cfg)
+        resume_line = check_resume(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return False
+    if rank == 0:
+        log.info("%s", resume_line)
+    return True
+
+
+def _preempted(run_dir: Path, e: Preempted) -> int:
+    """Write ``<run_dir>/PREEMPTED_MARKER`` (atomically): this job stopped for a preemption with its checkpoint
+    written (the Slurm script requeues the job on it; torchrun reports a rank's exit 75 as its own 1); say so and
+    return ``PREEMPT_EXIT_CODE``."""
     tmp = run_dir / f"{PREEMPTED_MARKER}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"step": e.step, "checkpoint": e.path, "signal": e.signame}) + "\n")
     tmp.replace(run_dir / PREEMPTED_MARKER)
+    print(
+        f'asyncrl: {e}; exit {PREEMPT_EXIT_CODE}; resume with runner.resume = "auto" (or true) and the same '
+        f"logging.run_dir",
+        file=sys.stderr,
+        flush=True,
+    )
+    return PREEMPT_EXIT_CODE
 
 
 def _setup_logging(rank: int) -> None:
@@ -389,14 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:  # paths and hooks, before any process (broker, engine) starts; not on --dry-run (no data needed)
-        check_inputs(cfg)
-        resume_line = check_resume(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    if not _inputs_ok(cfg, rank):  # before any process (broker, engine) starts; not on --dry-run (no data needed)
         return 2
-    if rank == 0:
-        log.info("%s", resume_line)
     ctx = RankContext(
         cfg=cfg,
         config_path=str(args.config),
@@ -413,13 +428,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return roles.run_role(ctx)
     except Preempted as e:
-        _mark_preempted(ctx.run_dir, e)
-        print(
-            f'asyncrl: {e}; exit {PREEMPT_EXIT_CODE}; resume with runner.resume = "auto" (or true) and the same '
-            f"logging.run_dir",
-            file=sys.stderr,
-            flush=True,
-        )
-        return PREEMPT_EXIT_CODE
+        return _preempted(ctx.run_dir, e)
     finally:
         process.stop_all(cfg.cluster.shutdown_grace_s)
