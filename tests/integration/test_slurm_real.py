@@ -207,7 +207,7 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(cluster, prepared, tmp_p
         RUN_DIR=str(run_dir),
         RDZV_PORT=str(free_port()),
         PYTHON=sys.executable,
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]),
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]),  # this Python's torchrun
     )
     overrides = tiny_overrides(prepared, run_dir, f"runner.max_steps={MAX_STEPS}")
     sub = subprocess.run(
