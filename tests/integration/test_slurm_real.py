@@ -202,7 +202,7 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(cluster, prepared, tmp_p
 
     mark("cluster up")
     run_dir, out = tmp_path / "run", tmp_path / "job-%j.out"
-    env = tiny_env(**cluster.env)
+    env = tiny_env(SLURM_CONF=cluster.env["SLURM_CONF"])
     env.update(
         RUN_DIR=str(run_dir),
         RDZV_PORT=str(free_port()),
