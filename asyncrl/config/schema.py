@@ -19,7 +19,7 @@ The sections live in ``schema.py`` (run, cluster, training, sync, evaluation, lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from asyncrl.config.checks import ConfigError, non_negative, positive, require
 from asyncrl.config.schema_rollout import (
@@ -49,8 +49,12 @@ class RunnerConfig:
     """Save a checkpoint every N steps (0 = only at the end when ``save_at_end``)."""
     save_at_end: bool = False
     """Save a checkpoint after the last step."""
-    resume: bool = False
-    """Resume from this run's newest complete checkpoint (same run id and config hash) if one exists."""
+    resume: Union[Literal["auto"], bool] = False
+    """``"auto"``: resume from this run's newest complete checkpoint (same run id and config hash) when it has one,
+    else start at step 1 (the Slurm script's default); ``true``: resume, and fail naming the checkpoint directory
+    when this run has no checkpoint there (and no ``resume_from``); ``false``: start at step 1, refusing a
+    checkpoint directory that already holds complete checkpoints (another run's: choose another
+    ``logging.run_dir``)."""
     resume_from: Optional[str] = None
     """A checkpoint directory to start from when this run has no checkpoint of its own yet (any run's)."""
     max_nonfinite_steps: int = 3

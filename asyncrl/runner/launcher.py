@@ -23,6 +23,12 @@ Contract
   ``asyncrl.cluster.process``: SIGTERM/Ctrl-C stop them; if any rank fails, torchrun stops the
   others and their children go with them; if torchrun itself dies (SIGKILL), every rank notices
   its parent is gone (``start_parent_watchdog``), stops its children and exits.
+- ``runner.resume`` is decided before any process starts (``asyncrl.trainer.resume.check_resume``): rank 0 logs
+  the decision (resuming which checkpoint, or starting at step 1); one it cannot honour is a config error (exit 2)
+  naming the checkpoint directory.
+- A rank stopped by a preemption (``Preempted``: its checkpoint is written) writes ``<run dir>/preempted.json``
+  (step, checkpoint, signal) and exits ``PREEMPT_EXIT_CODE`` (75); torchrun turns that into its own exit 1, so the
+  Slurm script (``launch/slurm/searchr1.sbatch``) reads the file to requeue the job.
 - Every rank first keeps its freed heap memory for reuse (``asyncrl.cluster.malloc``: no page faults
   re-touching each step's activations; the warm start ran ~15% faster a step, measured).
 
@@ -51,7 +57,8 @@ from asyncrl.config.render import render_config
 from asyncrl.config.validate import check_inputs, job_world_size
 from asyncrl.models.spec import ACTOR, CPU_ENGINE, ModelSpec, require
 from asyncrl.runner import roles
-from asyncrl.trainer.guards import PREEMPT_EXIT_CODE, Preempted, ignore_preempt_signal
+from asyncrl.trainer.guards import PREEMPT_EXIT_CODE, PREEMPTED_MARKER, Preempted, ignore_preempt_signal
+from asyncrl.trainer.resume import check_resume
 
 log = logging.getLogger("asyncrl.launcher")
 
@@ -333,6 +340,35 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
     return line + f" [fits {budget:.1f} GiB = {USABLE_FRACTION:g} x cluster.device_memory_gb]"
 
 
+def _inputs_ok(cfg: Config, rank: int) -> bool:
+    """The paths, the hooks and the resume decision (rank 0 logs it); False after printing a config error."""
+    try:
+        check_inputs(cfg)
+        resume_line = check_resume(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return False
+    if rank == 0:
+        log.info("%s", resume_line)
+    return True
+
+
+def _preempted(run_dir: Path, e: Preempted) -> int:
+    """Write ``<run_dir>/PREEMPTED_MARKER`` (atomically): this job stopped for a preemption with its checkpoint
+    written (the Slurm script requeues the job on it; torchrun reports a rank's exit 75 as its own 1); say so and
+    return ``PREEMPT_EXIT_CODE``."""
+    tmp = run_dir / f"{PREEMPTED_MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"step": e.step, "checkpoint": e.path, "signal": e.signame}) + "\n")
+    tmp.replace(run_dir / PREEMPTED_MARKER)
+    print(
+        f'asyncrl: {e}; exit {PREEMPT_EXIT_CODE}; resume with runner.resume = "auto" (or true) and the same '
+        f"logging.run_dir",
+        file=sys.stderr,
+        flush=True,
+    )
+    return PREEMPT_EXIT_CODE
+
+
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s rank{rank} %(name)s] %(message)s", datefmt="%H:%M:%S")
     # megatron-core logs at INFO every parameter name of each gradient bucket (a line per tensor: hundreds for a real
@@ -374,10 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:  # paths and hooks, before any process (broker, engine) starts; not on --dry-run (no data needed)
-        check_inputs(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    if not _inputs_ok(cfg, rank):  # before any process (broker, engine) starts; not on --dry-run (no data needed)
         return 2
     ctx = RankContext(
         cfg=cfg,
@@ -395,7 +428,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return roles.run_role(ctx)
     except Preempted as e:
-        print(f"asyncrl: {e}; exit {PREEMPT_EXIT_CODE}; resume with runner.resume = true", file=sys.stderr, flush=True)
-        return PREEMPT_EXIT_CODE
+        return _preempted(ctx.run_dir, e)
     finally:
         process.stop_all(cfg.cluster.shutdown_grace_s)

@@ -17,7 +17,7 @@ Contract
   then skipped, and a sync that failed because the engines stopped is abandoned), actor rank 0's also while it
   waits for a batch; then every actor rank writes the checkpoint of the last trained step (with the broker's
   state: buffered groups, in-flight prompts) and raises ``Preempted``: the rank exits with ``PREEMPT_EXIT_CODE``
-  (75) and ``runner.resume`` continues. The engines are not needed for that checkpoint.
+  (75), leaving ``PREEMPTED_MARKER`` in the run directory, and ``runner.resume`` continues. The engines are not needed for that checkpoint.
 
     guard = NonFiniteGuard(3); msg = guard.update(m); if msg: raise NonFiniteError(msg)
 """
@@ -31,6 +31,9 @@ PREEMPT_SIGNAL = signal.SIGUSR1
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 PREEMPT_EXIT_CODE = 75
 """Exit status of a rank that wrote its checkpoint on a preemption signal (EX_TEMPFAIL: run it again)."""
+PREEMPTED_MARKER = "preempted.json"
+"""Written in the run directory by a rank that exits with ``PREEMPT_EXIT_CODE`` (``asyncrl.runner.launcher``): what
+a job script reads, since torchrun reports a rank's 75 as its own exit 1."""
 
 
 class NonFiniteError(RuntimeError):

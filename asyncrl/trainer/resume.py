@@ -8,6 +8,13 @@ Contract
   ``run.json``. Every checkpoint gets the same ``run.json`` before its ``complete``, and
   ``asyncrl.actor.checkpoint.CheckpointManager.pick`` resumes only checkpoints with this identity (other runs'
   in the directory are skipped and logged); when the run has none yet, ``runner.resume_from``; else None.
+- ``check_resume(cfg)`` (every rank, at launch, before any process starts; reads only): ``runner.resume``'s decision
+  as one line to log, or a ``ConfigError`` naming the directory. ``"auto"``: resume this run's newest complete
+  checkpoint when the checkpoint directory holds one (same run id and config hash as ``<run_dir>/run.json``), else
+  start at step 1 (or from ``runner.resume_from``) and say so; ``true``: the same, but no checkpoint of this run
+  and no ``resume_from`` is an error; ``false``: start at step 1, and a checkpoint directory that already holds
+  complete checkpoints (of any run: a fresh run would write beside them and over its metrics) is an error.
+  Which checkpoints exist is asked of ``CheckpointManager`` (its root, ``complete_checkpoints``, ``is_complete``).
 - ``purge_jsonl(path, after_step)``: drops the records of steps after the resumed one (they are
   written again), atomically; TensorBoard does the same through ``SummaryWriter(purge_step=...)``.
 
@@ -23,7 +30,8 @@ import logging
 import uuid
 from pathlib import Path
 
-from asyncrl.actor.checkpoint import read_identity, write_identity
+from asyncrl.actor.checkpoint import CheckpointManager, read_identity, write_identity
+from asyncrl.config import ConfigError
 from asyncrl.config.loader import to_dict
 
 log = logging.getLogger("asyncrl.trainer")
@@ -73,6 +81,46 @@ def establish_identity(cfg, run_dir: Path) -> dict:
     ident = {"run_id": uuid.uuid4().hex[:12], "config_hash": h}
     write_identity(run_dir, ident)
     return ident
+
+
+def checkpoint_root(cfg) -> Path:
+    """Where the run's checkpoints live: ``actor.checkpoint_dir``, default ``<logging.run_dir>/checkpoints``."""
+    return Path(cfg.actor.checkpoint_dir or Path(cfg.logging.run_dir) / "checkpoints")
+
+
+def check_resume(cfg) -> str:
+    """``runner.resume``'s decision for this config and its run directory, as a line to log; a ``ConfigError``
+    naming the directory when it cannot be honoured (see the module contract). Reads only."""
+    mode, run_dir = cfg.runner.resume, Path(cfg.logging.run_dir)
+    ckpts = CheckpointManager(checkpoint_root(cfg))
+    old = read_identity(run_dir)
+    own = ckpts.complete_checkpoints(old) if old is not None and old["config_hash"] == config_hash(cfg) else []
+    if mode is False:
+        present = (
+            sorted(p.name for p in ckpts.root.glob("step_*") if ckpts.is_complete(p)) if ckpts.root.is_dir() else []
+        )
+        if present:
+            raise ConfigError(
+                f"runner.resume = false, but {ckpts.root} already holds complete checkpoints ({', '.join(present)}) "
+                f"of run {old['run_id'] if old else '(unknown)'}: a fresh run would write beside them and over their "
+                f'metrics. Set runner.resume = "auto" (or true) to continue that run, or choose another '
+                f"logging.run_dir (RUN_NAME with launch/slurm/searchr1.sbatch), or move those checkpoints away"
+            )
+        return "runner.resume = false: starting at step 1"
+    if own:
+        return f"runner.resume = {_mode(mode)}: resuming run {old['run_id']} from its checkpoint {own[-1]}"
+    start = f"from runner.resume_from = {cfg.runner.resume_from}" if cfg.runner.resume_from else "at step 1"
+    if mode is True and not cfg.runner.resume_from:
+        raise ConfigError(
+            f"runner.resume = true, but {ckpts.root} holds no complete checkpoint of this run (run.json in "
+            f'{run_dir}: {old or "none"}); set runner.resume = "auto" to start at step 1 when there is none, '
+            f"runner.resume_from to start from a checkpoint, or logging.run_dir to the run to continue"
+        )
+    return f"runner.resume = {_mode(mode)}: no complete checkpoint of this run in {ckpts.root}; starting {start}"
+
+
+def _mode(mode) -> str:
+    return '"auto"' if mode == "auto" else "true"
 
 
 def purge_jsonl(path: Path, after_step: int) -> int:

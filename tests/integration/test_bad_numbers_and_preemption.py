@@ -77,7 +77,7 @@ def test_preemption_signal_checkpoints_the_last_step_and_the_run_resumes_from_it
     the signal until actor rank 0 checkpointed, torchrun never has to SIGKILL a rank, and nothing of the job is
     left."""
     run_dir = tmp_path / "run"
-    job = _start(prepared, run_dir, "runner.max_steps=30", "runner.resume=true")
+    job = _start(prepared, run_dir, "runner.max_steps=30", 'runner.resume="auto"')
     try:
         deadline = time.monotonic() + 240
         while not _steps(run_dir) or max(_steps(run_dir)) < 2:
@@ -132,7 +132,7 @@ def test_sigterm_during_a_step_checkpoints_that_step_without_its_sync(prepared, 
     monkeypatch.setenv("ASYNCRL_TEST_SIGTERM_MARK", str(tmp_path / "sigterm.fired"))
     run_dir = tmp_path / "run"
     hook = 'rollout_buffer.sample_filter_path="preempt_hooks:sigterm_on_third_batch"'
-    job = _start(prepared, run_dir, "runner.max_steps=6", "runner.resume=true", hook)
+    job = _start(prepared, run_dir, "runner.max_steps=6", 'runner.resume="auto"', hook)
     try:
         out, _ = job.communicate(timeout=400)
         (tmp_path / "job.out").write_text(out)

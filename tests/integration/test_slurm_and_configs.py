@@ -21,8 +21,12 @@ SBATCH = ROOT / "launch/slurm/searchr1.sbatch"
 TRAIN = str(ROOT / "launch/train.py")
 
 FAKE_SCONTROL = """#!/bin/bash
-# stand-in for Slurm's scontrol: only 'show hostnames LIST' is used by the script
+# stand-in for Slurm's scontrol: 'show hostnames LIST', and 'requeue JOB' (fails with FAKE_REQUEUE_FAILS set)
 echo "$@" >> "$FAKE_LOG_DIR/scontrol.args"
+if [ "$1" = "requeue" ]; then
+    if [ -n "${FAKE_REQUEUE_FAILS:-}" ]; then echo "scontrol: error: Requested operation is disabled" >&2; exit 1; fi
+    exit 0
+fi
 if [ "$1 $2" != "show hostnames" ]; then echo "fake scontrol: unexpected $*" >&2; exit 1; fi
 printf "${FAKE_NODES:-gpu-node07\\ngpu-node08}\\n"
 """
@@ -36,6 +40,11 @@ if [ -n "${FAKE_PROBE_URL:-}" ]; then  # what a rank would do: ask the retriever
         "$FAKE_PROBE_URL" > "$FAKE_LOG_DIR/probe.out"
 fi
 echo "fake srun ran"
+if [ -n "${FAKE_PREEMPT:-}" ]; then  # what a preempted job's rank leaves (the launcher), and torchrun's exit 1
+    echo '{"step": 3, "checkpoint": "ckpt", "signal": "SIGUSR1"}' > "$RUN_DIR_SEEN/preempted.json"
+    exit 1
+fi
+exit "${FAKE_SRUN_RC:-0}"
 """
 
 
@@ -52,6 +61,7 @@ def _clean_env() -> dict[str, str]:
                 "WORLD_SIZE",
                 "LOCAL_WORLD_SIZE",
                 "RUN_DIR",
+                "RUN_NAME",
                 "RDZV_PORT",
                 "NPROC_PER_NODE",
                 "TORCHRUN",
@@ -84,8 +94,9 @@ def fake_slurm(tmp_path):
             SLURM_JOB_NODELIST="gpu-node[07-08]",
             SLURM_JOB_NUM_NODES="2",
             SLURM_SUBMIT_DIR=str(submit),
-            SLURM_CPUS_PER_TASK="64",
-        )  # sbatch sets it from #SBATCH
+            SLURM_CPUS_PER_TASK="64",  # sbatch sets these from its options
+            SLURM_GPUS_ON_NODE="8",
+        )
         env.update(env_extra)
         return subprocess.run(
             ["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
@@ -108,11 +119,47 @@ def test_sbatch_passes_bash_syntax_check():
     assert r.returncode == 0, r.stderr
 
 
-def test_sbatch_asks_for_two_nodes_of_eight_gpus_and_a_log_per_job():
+def test_sbatch_header_fixes_no_shape_is_requeueable_and_logs_per_job():
+    """The shape (nodes, GPUs) comes from the config's plan (submit.sh asks for it, the script checks it): the
+    header asks for none, so a CPU cluster takes the script; it is requeueable (preemption requeues it)."""
     heads = [line.split(None, 1)[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH ")]
-    assert "--nodes=2" in heads and "--ntasks-per-node=1" in heads and "--gpus-per-node=8" in heads
+    assert "--ntasks-per-node=1" in heads and "--requeue" in heads and "--signal=USR1@180" in heads
+    assert not [h for h in heads if h.startswith(("--nodes", "--gpus", "--gres", "--cpus-per-task", "--exclusive"))]
     output = [h for h in heads if h.startswith("--output=")]
     assert len(output) == 1 and "%j" in output[0]
+
+
+@pytest.mark.parametrize(
+    "config, shape",
+    [
+        ("configs/searchr1.toml", "--nodes=2 --gpus-per-node=8 --exclusive --cpus-per-task=64"),
+        ("configs/tiny.toml", "--nodes=1 --cpus-per-task=2"),
+    ],
+)
+def test_submit_asks_sbatch_for_the_plans_shape(tmp_path, config, shape):
+    """submit.sh runs the dry run and calls sbatch with the plan's nodes, and GPUs only for a GPU config; the
+    user's sbatch options after ``--`` come after (they win), the overrides go to the script."""
+    fake = tmp_path / "sbatch"
+    fake.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$@\" > {tmp_path}/sbatch.args\n")
+    fake.chmod(0o755)
+    env = dict(_clean_env(), SBATCH=str(fake), PYTHON=sys.executable, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        ["bash", "launch/slurm/submit.sh", config, "runner.max_steps=3", "--", "--requeue"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "sbatch.args").read_text().splitlines()
+    assert argv == [
+        *shape.split(),
+        "--requeue",
+        str(Path("launch/slurm/searchr1.sbatch")),
+        config,
+        "runner.max_steps=3",
+    ]
 
 
 @pytest.mark.slow
@@ -147,8 +194,8 @@ def test_sbatch_builds_one_torchrun_per_node_with_a_job_rendezvous(fake_slurm, c
     assert _value_after(torchrun, "--rdzv-id") == "4242"
     # the program, its config, the per-job run directory, then the extra overrides in order
     p = torchrun.index("launch/train.py")
-    run_dir = submit / "runs" / f"{Path(config).stem}-4242"
-    assert torchrun[p + 1 :] == [config, f'logging.run_dir="{run_dir}"', "runner.max_steps=5"]
+    run_dir = submit / "runs" / Path(config).stem  # named by the run: a requeue or a resubmit continues it
+    assert torchrun[p + 1 :] == [config, f'logging.run_dir="{run_dir}"', 'runner.resume="auto"', "runner.max_steps=5"]
     assert run_dir.is_dir()
     # the config was validated before srun: the plan of the dry run is in the run directory
     plan = (run_dir / "plan.txt").read_text()
@@ -156,20 +203,71 @@ def test_sbatch_builds_one_torchrun_per_node_with_a_job_rendezvous(fake_slurm, c
 
 
 @pytest.mark.slow
-def test_two_jobs_get_their_own_rendezvous_and_run_directory(fake_slurm):
+def test_jobs_get_their_own_rendezvous_and_the_runs_directory(fake_slurm):
+    """Two jobs of one run (a resubmit: same RUN_NAME) share its run directory, each with its own rendezvous;
+    another RUN_NAME is another directory."""
     run, submit, logs = fake_slurm
     seen = []
-    for job in ("101", "102"):
-        r = run(job_id=job, RDZV_PORT="29611")
+    for job, name in (("101", ""), ("102", ""), ("103", "second")):
+        r = run(job_id=job, RDZV_PORT="29611", **({"RUN_NAME": name} if name else {}))
         assert r.returncode == 0, r.stderr
         argv = _srun_argv(logs)
-        seen.append((_value_after(argv, "--rdzv-id"), argv[-1]))
+        seen.append((_value_after(argv, "--rdzv-id"), argv[argv.index("launch/train.py") + 2]))
         assert _value_after(argv, "--rdzv-endpoint") == "gpu-node07:29611"
         assert argv[argv.index("launch/train.py") + 1] == "configs/searchr1.toml"  # the default config
     assert seen == [
-        ("101", f'logging.run_dir="{submit}/runs/searchr1-101"'),
-        ("102", f'logging.run_dir="{submit}/runs/searchr1-102"'),
+        ("101", f'logging.run_dir="{submit}/runs/searchr1"'),
+        ("102", f'logging.run_dir="{submit}/runs/searchr1"'),
+        ("103", f'logging.run_dir="{submit}/runs/second"'),
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "env, error",
+    [
+        ({"SLURM_JOB_NUM_NODES": "1"}, "the job has 1 node(s), the config's plan cluster.num_nodes = 2"),
+        ({"NPROC_PER_NODE": "4"}, "NPROC_PER_NODE=4, the config's plan cluster.num_devices_per_node = 8"),
+        ({"SLURM_GPUS_ON_NODE": ""}, "the job has no GPU(s) per node, the config"),
+    ],
+    ids=["nodes", "nproc", "gpus"],
+)
+def test_sbatch_checks_the_allocation_against_the_plan(fake_slurm, env, error):
+    run, _, logs = fake_slurm
+    r = run(**env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert error in r.stderr and "submit it as `sbatch --nodes=2 --gpus-per-node=8 ...`" in r.stderr, r.stderr
+    assert not (logs / "srun.args").exists()
+
+
+@pytest.mark.slow
+def test_sbatch_runs_a_cpu_config_on_one_node_with_its_rank_count(fake_slurm):
+    run, _, logs = fake_slurm
+    r = run("configs/tiny.toml", SLURM_JOB_NUM_NODES="1", SLURM_GPUS_ON_NODE="", SLURM_CPUS_PER_TASK="2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    argv = _srun_argv(logs)
+    assert _value_after(argv, "--nnodes") == "1" and _value_after(argv, "--nproc_per_node") == "2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("requeue_fails", [False, True], ids=["requeued", "not-requeueable"])
+def test_sbatch_requeues_a_preempted_job(fake_slurm, requeue_fails):
+    """The ranks' preempted.json (torchrun's exit is 1) makes the script requeue its own job; where Slurm refuses,
+    the job exits 75 naming the RUN_NAME to resubmit. A stale file from an earlier job is removed before srun."""
+    run, submit, logs = fake_slurm
+    run_dir = submit / "runs" / "searchr1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "preempted.json").write_text("{}\n")
+    r = run(FAKE_SRUN_RC="1")  # a job that failed for another reason: no requeue, its own status
+    assert r.returncode == 1 and "requeue" not in (logs / "scontrol.args").read_text(), r.stdout + r.stderr
+    extra = {"FAKE_REQUEUE_FAILS": "1"} if requeue_fails else {}
+    r = run(FAKE_PREEMPT="1", RUN_DIR_SEEN=str(run_dir), **extra)
+    assert "preempted with its checkpoint written" in r.stdout, r.stdout + r.stderr
+    assert "requeue 4242" in (logs / "scontrol.args").read_text()
+    if requeue_fails:
+        assert r.returncode == 75 and "submit it again with RUN_NAME=searchr1" in r.stderr, r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.slow
@@ -234,10 +332,11 @@ def test_sbatch_starts_the_retriever_where_both_nodes_reach_it(fake_slurm, tmp_p
     assert f"retriever ready at {url}" in r.stdout and "loopback" not in r.stderr
     torchrun = _srun_argv(logs)
     p = torchrun.index("launch/train.py")
-    run_dir = submit / "runs" / "searchr1-4242"
+    run_dir = submit / "runs" / "searchr1"
     assert torchrun[p + 1 :] == [
         "configs/searchr1.toml",
         f'logging.run_dir="{run_dir}"',
+        'runner.resume="auto"',
         f'agentloop.tool.retriever_url="{url}"',
         "runner.max_steps=3",
     ]

@@ -121,7 +121,7 @@ def test_broker_sigkill_fails_fast_and_resumes_under_max_restarts(prepared, tmp_
         run_dir,
         "runner.max_steps=7",
         "runner.checkpoint_interval=2",
-        "runner.resume=true",
+        'runner.resume="auto"',
         torchrun_args=("--max-restarts", "1"),
     )
     try:
