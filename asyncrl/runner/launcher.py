@@ -52,6 +52,7 @@ from asyncrl.config.validate import check_inputs, job_world_size
 from asyncrl.models.spec import ACTOR, CPU_ENGINE, ModelSpec, require
 from asyncrl.runner import roles
 from asyncrl.trainer.guards import PREEMPT_EXIT_CODE, Preempted, ignore_preempt_signal
+from asyncrl.trainer.resume import check_run_dir
 
 log = logging.getLogger("asyncrl.launcher")
 
@@ -376,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:  # paths and hooks, before any process (broker, engine) starts; not on --dry-run (no data needed)
         check_inputs(cfg)
+        check_run_dir(cfg)  # nothing of another run is written into (read only: every rank)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
