@@ -383,13 +383,14 @@ class CheckpointManager:
                 seal_checkpoint(part)
                 self._publish(part, final, ident)
         except Exception as e:  # noqa: BLE001 - any writer's error (a full disk), re-raised naming the place
+            err = CheckpointError(
+                f"writing the checkpoint of step {step} into {str(part)!r} failed: {type(e).__name__}: {e}; "
+                f"the file system of {str(self.root)!r} has {_free_space(self.root)} (the partial checkpoint is "
+                "removed, the previous ones are kept)"
+            )
             if leader:
                 shutil.rmtree(part, ignore_errors=True)
-            raise CheckpointError(
-                f"writing the checkpoint of step {step} into {str(part)!r} failed: {type(e).__name__}: {e}; "
-                f"the file system of {str(self.root)!r} has {_free_space(self.root)} (the previous checkpoints "
-                "are kept)"
-            ) from e
+            raise err from e
         if leader and prune and self.keep:
             self.prune(ident)
         return final
