@@ -402,13 +402,13 @@ class CheckpointManager:
             shutil.rmtree(p, ignore_errors=True)
 
     def _publish(self, part: Path, final: Path, ident: dict) -> None:
-        """Rename the sealed ``part`` to ``final``; an older save of the same step by this run is replaced, another
-        run's checkpoint never."""
+        """Rename the sealed ``part`` to ``final``; an earlier save of the same step by this run (or an incomplete
+        one) is replaced, another run's complete checkpoint never."""
         if final.exists():
             owner = read_identity(final)
-            if owner != ident:
+            if self.is_complete(final) and owner != ident:
                 raise CheckpointError(f"{str(final)!r} holds a checkpoint of another run ({owner}): not replacing it")
-            log.warning("replacing %s, an earlier checkpoint of this step by this run", final)
+            log.warning("replacing %s, an earlier (or unfinished) save of this step by this run", final)
             old = self.root / f"{PARTIAL}old_{final.name}"
             final.rename(old)
             part.rename(final)
