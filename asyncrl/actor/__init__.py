@@ -19,7 +19,8 @@
 - ``moe``: mixture of experts: filler micro-batches (every DP rank runs as many), routing metrics (``moe/*``).
 - ``schedule``: how micro-batches run through the model, one interface for PP = 1 (plain loop) and PP > 1.
 - ``optim``: Megatron's DDP, Adam and the learning-rate schedule.
-- ``checkpoint``: the checkpoint layout and its one owner (``CheckpointManager``), the actor's state in a
-  checkpoint, offline HF <-> actor conversion.
+- ``checkpoint``: the checkpoint layout and its one owner (``CheckpointManager``: atomic saves sealed by a manifest
+  of checksums, verified resume, retention), offline HF <-> actor conversion; ``checkpoint_state``: the actor's
+  state in a checkpoint.
 - ``synthetic``: deterministic synthetic groups and configs for tests and benchmarks.
 """

@@ -21,50 +21,52 @@ The run's checkpoints live under one root (``actor.checkpoint_dir``, default ``<
       hf_export/            optional full HF export (runner.save_hf; the eval snapshots may reuse it)
       broker_state.bin      the broker's counters and buffered groups (written by actor rank 0)
       run.json              the run's identity ``{"run_id", "config_hash"}`` (``asyncrl.trainer.resume``)
-      complete              written last by actor rank 0: only a complete checkpoint is resumed
+      manifest.json         size and sha256 of every other file (written by actor rank 0 after them, each fsynced)
+      complete              written last by actor rank 0: ``sha256 <hex of manifest.json>``; only a complete
+                            checkpoint is resumed (``ok`` in checkpoints older than the manifest: not verified)
+    .partial_step_{N:06d}/  a checkpoint being written: renamed to ``step_{N:06d}`` once complete (atomic); a
+                            crashed save's leftover is removed by the next save
 
 Contract
 - ``CheckpointManager(root)`` owns the paths, the markers, the listing and the pick (``pick``: with
   ``runner.resume`` this run's newest complete checkpoint, else ``runner.resume_from``), the writing
-  (``save``, collective: the actor's state on every rank, then on actor rank 0 the broker state, the identity
-  and ``complete``) and the reading (``load``, collective: the actor's state, and the broker state if any).
-  Nobody else builds a path inside the root.
-- The actor's own state (``save_actor_state`` / ``load_actor_state``, what ``Actor.save_checkpoint`` /
-  ``load_checkpoint`` call): model/optimizer files are written by the first DP replica of each TP/EP/PP
-  shard (expert-DP rank 0; DP replicas are identical with the non-distributed optimizer); every rank writes
-  its RNG file; ``meta.json`` is written last of the actor's files. Resuming the optimizer needs the TP, PP
-  and EP it was saved at; the model loads at any PP and EP. A checkpoint converted from HF (``hf_to_actor_checkpoint``) has only meta, hf/ and
-  model files: loading it starts a fresh optimizer.
+  (``save``, collective: the actor's state on every rank into ``.partial_step_N``, then on actor rank 0 the
+  broker state, the identity, the manifest and ``complete``, and the rename to ``step_N``; then the retention:
+  only this run's newest ``keep`` complete checkpoints are kept, 0 keeps all) and the reading (``load``,
+  collective: the actor's state, and the broker state if any). Nobody else builds a path inside the root.
+- Nothing at rest is lost: a save never replaces another run's checkpoint (``CheckpointError``); ``pick``
+  verifies the candidate against its manifest (``verify_checkpoint``) and skips a damaged one with a warning
+  naming it and what is wrong, in favour of the newest intact one (``CheckpointError`` when every one of the
+  run's checkpoints is damaged and no ``resume_from`` is given); a file that cannot be read at load raises
+  ``CheckpointError`` naming it; a save that fails (a full disk) raises ``CheckpointError`` naming the directory
+  and its file system's free space, after actor rank 0 removed the partial checkpoint (the previous ones stay).
+- The actor's own state (model, optimizer, scheduler, RNG: what ``Actor.save_checkpoint`` / ``load_checkpoint``
+  write and read) is ``asyncrl.actor.checkpoint_state``'s; a checkpoint converted from HF (``hf_to_actor_checkpoint``)
+  has only meta, hf/ and model files: loading it starts a fresh optimizer.
 
-    mgr = CheckpointManager(run_dir / "checkpoints")
+    mgr = CheckpointManager(run_dir / "checkpoints", keep=3)
     mgr.save(actor, 10, broker_state=broker.get_state if rank == 0 else None, ident=ident)
     meta, broker_state = mgr.load(actor, mgr.pick(ident, resume=True, resume_from=None))
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import random
+import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from asyncrl.actor.convert import hf_state_to_megatron, megatron_state_to_hf, tp_merge, tp_shard
 from asyncrl.actor.model import actor_spec, padded_vocab_size
-from asyncrl.actor.names import is_expert
-from asyncrl.actor.weights import is_tied_output_copy, local_params
-from asyncrl.cluster.megatron_cpu import cuda_as_cpu
 from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
-
-# Lazy imports: megatron-core (the RNG tracker, the parallel state) is imported inside the functions that save and
-# restore the actor's state; its import takes seconds and probes CUDA, and the converter and the manager's listing
-# must import without it.
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,11 @@ HF_EXPORT = "hf_export"
 BROKER_STATE = "broker_state.bin"
 IDENTITY_FILE = "run.json"
 COMPLETE = "complete"
+MANIFEST = "manifest.json"
+PARTIAL = ".partial_"
+"""Prefix of a checkpoint being written (``.partial_step_000010``); the listing never sees it."""
+HASH_THREADS = 8
+"""Files hashed at once (sha256 releases the GIL: ~1.7 GB/s a thread)."""
 HF_SIDE_FILES = (
     "config.json",
     "generation_config.json",
@@ -131,11 +138,28 @@ def write_meta(ckpt: Path, meta: dict[str, Any]) -> None:
     tmp.replace(ckpt / META_FILE)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, read or trusted; the message names its path."""
+
+
+@contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Re-raise what reading ``path`` raises (a truncated JSON, a corrupt safetensors or pickle) as
+    ``CheckpointError`` naming the file."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any reader's error, re-raised with the path it concerns
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {type(e).__name__}: {e}") from e
+
+
 def read_meta(ckpt: str | Path) -> dict[str, Any]:
     p = Path(ckpt) / META_FILE
     if not p.is_file():
         raise ValueError(f"{str(ckpt)!r} is not an actor checkpoint (no {META_FILE})")
-    meta = json.loads(p.read_text())
+    with reading(p):
+        meta = json.loads(p.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(p)!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
@@ -151,19 +175,112 @@ def read_identity(directory: str | Path) -> dict | None:
     return d if isinstance(d, dict) and "run_id" in d and "config_hash" in d else None
 
 
-def write_identity(directory: str | Path, ident: dict) -> None:
+def write_identity(directory: str | Path, ident: dict, *, config: dict | None = None) -> None:
+    """``run.json``: the identity (and, in the run dir, the hashed ``config``: a changed key is then named)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (IDENTITY_FILE + ".tmp")
-    tmp.write_text(json.dumps(ident) + "\n")
+    body = {"run_id": ident["run_id"], "config_hash": ident["config_hash"]}
+    tmp.write_text(json.dumps(body if config is None else {**body, "config": config}) + "\n")
     tmp.replace(directory / IDENTITY_FILE)
 
 
-class CheckpointManager:
-    """The run's checkpoints under ``root`` (see the module contract): paths, markers, listing, pick, save, load."""
+def read_run_config(directory: str | Path) -> dict | None:
+    """The hashed config ``write_identity`` recorded in ``directory``, or None (absent, unreadable, older runs)."""
+    try:
+        d = json.loads((Path(directory) / IDENTITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return d.get("config") if isinstance(d, dict) and isinstance(d.get("config"), dict) else None
 
-    def __init__(self, root: str | Path):
+
+# ------------------------------------------------------------------ integrity at rest
+def _digest(path: Path) -> tuple[int, str]:
+    """Size and sha256 of ``path``, fsynced first (a power loss cannot leave it shorter than the manifest)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _hash_files(ckpt: Path, names: list[str]) -> dict[str, tuple[int, str]]:
+    with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda n: _digest(ckpt / n), names)))
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal_checkpoint(ckpt: str | Path) -> None:
+    """``manifest.json`` (size and sha256 of every file in ``ckpt``), then ``complete`` naming its sha256."""
+    ckpt = Path(ckpt)
+    names = sorted(
+        str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name not in (MANIFEST, COMPLETE)
+    )
+    files = {n: {"size": size, "sha256": h} for n, (size, h) in _hash_files(ckpt, names).items()}
+    blob = (json.dumps({"format": FORMAT, "files": files}, indent=1, sort_keys=True) + "\n").encode()
+    _write_durable(ckpt / MANIFEST, blob)
+    _write_durable(ckpt / COMPLETE, f"sha256 {hashlib.sha256(blob).hexdigest()}\n".encode())
+
+
+def verify_checkpoint(ckpt: str | Path) -> str | None:
+    """What is wrong with a complete checkpoint (a file missing, of another size or checksum than its manifest
+    says, the manifest itself damaged), or None when it is intact or predates manifests (``complete`` = ``ok``)."""
+    ckpt = Path(ckpt)
+    try:
+        marker = (ckpt / COMPLETE).read_text().split()
+    except OSError as e:
+        return f"its {COMPLETE} marker cannot be read ({e})"
+    if marker[:1] != ["sha256"]:
+        return None  # written before checkpoints carried a manifest
+    try:
+        blob = (ckpt / MANIFEST).read_bytes()
+    except OSError:
+        return f"{MANIFEST} is missing"
+    if len(marker) != 2 or hashlib.sha256(blob).hexdigest() != marker[1]:
+        return f"{MANIFEST} does not match the checksum in {COMPLETE}"
+    files = json.loads(blob)["files"]
+    for name, want in files.items():
+        p = ckpt / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != want["size"]:
+            return f"{name} has {p.stat().st_size} bytes, its manifest says {want['size']}"
+    for name, (_, h) in _hash_files(ckpt, sorted(files)).items():
+        if h != files[name]["sha256"]:
+            return f"{name} does not match its sha256 in {MANIFEST}"
+    return None
+
+
+def _free_space(path: Path) -> str:
+    """``path``'s file system: free and total bytes, in words."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        u = shutil.disk_usage(path)
+    except OSError as e:
+        return f"free space unknown ({e})"
+    return f"{u.free / 2**20:.1f} MiB free of {u.total / 2**20:.1f} MiB"
+
+
+class CheckpointManager:
+    """The run's checkpoints under ``root`` (see the module contract): paths, markers, listing, pick, save, load;
+    ``keep``: how many of this run's newest complete checkpoints a save keeps (0: all)."""
+
+    def __init__(self, root: str | Path, *, keep: int = 0):
         self.root = Path(root)
+        self.keep = int(keep)
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{int(step):06d}"
@@ -194,47 +311,133 @@ class CheckpointManager:
         except (ValueError, TypeError, KeyError, OSError):
             return None
 
-    def complete_checkpoints(self, ident: dict) -> list[Path]:
-        """This run's (``ident``) complete checkpoints, oldest first; other runs' are skipped and logged."""
+    def _complete_step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
             return []
+        found = [p for p in self.root.glob("step_*") if p.name[5:].isdigit() and self.is_complete(p)]
+        return sorted(found, key=lambda p: int(p.name[5:]))
+
+    def complete_checkpoints(self, ident: dict) -> list[Path]:
+        """This run's (``ident``) complete checkpoints, oldest first; other runs' are skipped and logged."""
         out = []
-        for p in self.root.glob("step_*"):
-            if not self.is_complete(p) or not p.name.split("_")[1].isdigit():
-                continue
+        for p in self._complete_step_dirs():
             if read_identity(p) == ident:
                 out.append(p)
             else:
                 log.info("checkpoint %s belongs to another run (%s); not resuming from it", p, read_identity(p))
-        return sorted(out, key=lambda p: int(p.name.split("_")[1]))
+        return out
+
+    def foreign_checkpoints(self, ident: dict | None) -> list[Path]:
+        """The complete checkpoints under the root that are not of the run ``ident`` (all of them for None)."""
+        return [p for p in self._complete_step_dirs() if ident is None or read_identity(p) != ident]
 
     def pick(self, ident: dict, *, resume: bool, resume_from: str | None) -> Path | None:
-        """The checkpoint to resume from: this run's newest complete one (with ``resume`` or ``resume_from``),
-        else ``resume_from`` (any run's checkpoint), else None (start at step 0)."""
+        """The checkpoint to resume from: this run's newest intact complete one (with ``resume`` or
+        ``resume_from``; a damaged one is skipped with a warning), else ``resume_from`` (any run's checkpoint;
+        verified when it has a manifest), else None (start at step 0)."""
         if not (resume or resume_from):
             return None
-        own = self.complete_checkpoints(ident)
-        if own:
-            return own[-1]
-        return Path(resume_from) if resume_from else None
+        damaged = []
+        for p in reversed(self.complete_checkpoints(ident)):
+            why = verify_checkpoint(p)
+            if why is None:
+                return p
+            log.warning("checkpoint %s is damaged (%s): skipped, resuming from an older checkpoint if any", p, why)
+            damaged.append(f"{p} ({why})")
+        if resume_from:
+            why = verify_checkpoint(resume_from) if self.is_complete(resume_from) else None
+            if why is not None:
+                raise CheckpointError(f"runner.resume_from = {resume_from!r}: the checkpoint is damaged ({why})")
+            return Path(resume_from)
+        if damaged:
+            raise CheckpointError(
+                f"every checkpoint of this run under {str(self.root)!r} is damaged: {'; '.join(damaged)}. "
+                "Set runner.resume_from to a checkpoint you trust, or move them away to start from step 0"
+            )
+        return None
 
-    def save(self, actor: Any, step: int, *, broker_state: Callable[[], bytes] | None, ident: dict | None) -> Path:
-        """The checkpoint of ``step`` (collective over the actor ranks). Actor rank 0 passes ``broker_state`` (the
-        broker client's ``get_state``) and ``ident``: after the actor's state it writes them, then ``complete``."""
-        d = self.step_dir(step)
-        actor.save_checkpoint(d, step=step)
-        if broker_state is not None:
-            assert ident is not None, "the leader writes the run identity with the broker state"
-            (d / BROKER_STATE).write_bytes(broker_state())
-            write_identity(d, ident)
-            (d / COMPLETE).write_text("ok\n")
-        return d
+    def save(
+        self,
+        actor: Any,
+        step: int,
+        *,
+        broker_state: Callable[[], bytes] | None,
+        ident: dict | None,
+        prune: bool = True,
+    ) -> Path:
+        """The checkpoint of ``step`` (collective over the actor ranks), written into ``.partial_step_N``. Actor
+        rank 0 passes ``broker_state`` (the broker client's ``get_state``) and ``ident``: after the actor's state
+        it writes them, the manifest and ``complete``, renames the directory to ``step_N`` and (``prune``, with
+        ``keep``) deletes this run's older checkpoints beyond the newest ``keep``."""
+        final = self.step_dir(step)
+        part = self.root / f"{PARTIAL}{final.name}"
+        leader = broker_state is not None
+        try:
+            if leader:
+                self._clear_partials()
+            actor.save_checkpoint(part, step=step)
+            if leader:
+                assert ident is not None, "the leader writes the run identity with the broker state"
+                (part / BROKER_STATE).write_bytes(broker_state())
+                write_identity(part, ident)
+                seal_checkpoint(part)
+                self._publish(part, final, ident)
+        except Exception as e:  # noqa: BLE001 - any writer's error (a full disk), re-raised naming the place
+            err = CheckpointError(
+                f"writing the checkpoint of step {step} into {str(part)!r} failed: {type(e).__name__}: {e}; "
+                f"the file system of {str(self.root)!r} has {_free_space(self.root)} (the partial checkpoint is "
+                "removed, the previous ones are kept)"
+            )
+            if leader:
+                shutil.rmtree(part, ignore_errors=True)
+            raise err from e
+        if leader and prune and self.keep:
+            self.prune(ident)
+        return final
+
+    def _clear_partials(self) -> None:
+        """Remove what crashed saves left (``.partial_step_*``): never resumed, only taking space."""
+        for p in self.root.glob(f"{PARTIAL}*") if self.root.is_dir() else []:
+            log.warning("removing %s: the leftover of a checkpoint save that did not finish", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _publish(self, part: Path, final: Path, ident: dict) -> None:
+        """Rename the sealed ``part`` to ``final``; an earlier save of the same step by this run (or an incomplete
+        one) is replaced, another run's complete checkpoint never."""
+        if final.exists():
+            owner = read_identity(final)
+            if self.is_complete(final) and owner != ident:
+                raise CheckpointError(f"{str(final)!r} holds a checkpoint of another run ({owner}): not replacing it")
+            log.warning("replacing %s, an earlier (or unfinished) save of this step by this run", final)
+            old = self.root / f"{PARTIAL}old_{final.name}"
+            final.rename(old)
+            part.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            part.rename(final)
+        _fsync_dir(self.root)
+
+    def prune(self, ident: dict, keep: int | None = None) -> list[Path]:
+        """Delete this run's complete checkpoints older than its newest ``keep`` (default the manager's; 0: none);
+        other runs' are never touched. The deleted ones (renamed out of the listing first)."""
+        keep = self.keep if keep is None else int(keep)
+        own = self.complete_checkpoints(ident)
+        if keep <= 0 or len(own) <= keep:
+            return []
+        gone = own[:-keep]
+        for p in gone:
+            doomed = self.root / f"{PARTIAL}deleted_{p.name}"
+            p.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            log.info("deleted %s (actor.keep_checkpoints = %d)", p, keep)
+        return gone
 
     def load(self, actor: Any, ckpt: str | Path) -> tuple[dict[str, Any], bytes | None]:
         """Restore the actor from ``ckpt`` (collective); its meta and the broker state it holds (None if none)."""
         meta = actor.load_checkpoint(ckpt)
         p = Path(ckpt) / BROKER_STATE
-        return meta, (p.read_bytes() if p.is_file() else None)
+        with reading(p):
+            return meta, (p.read_bytes() if p.is_file() else None)
 
 
 def hf_to_actor_checkpoint(hf_dir: str | Path, out: str | Path, *, tp: int = 1) -> Path:
@@ -288,181 +491,3 @@ def actor_checkpoint_to_hf(ckpt: str | Path, out: str | Path) -> Path:
     save_safetensors(dict(megatron_state_to_hf(full, spec)), out / "model.safetensors")
     copy_hf_side_files(ckpt / HF_DIR, out)
     return out
-
-
-# ------------------------------------------------------------------ the actor's state in a checkpoint
-def save_actor_state(actor: Any, directory: str | Path, *, step: int) -> Path:
-    """Model, optimizer, scheduler, RNG, step and weight version of an ``asyncrl.actor.megatron_actor.Actor``
-    (collective: every actor rank calls it; ``meta.json`` last)."""
-    from megatron.core import parallel_state as ps
-
-    d = Path(directory)
-    if actor.rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dopt = actor.cfg.actor.use_distributed_optimizer
-    if ps.get_expert_data_parallel_rank() == 0:  # the first DP replica of this TP/EP/PP shard
-        ex = actor.experts
-        params = local_params(actor.model, actor.layer_offset, ex.offset)
-        shard = {name: p.detach() for name, p in params if ex.rank == 0 or is_expert(name)}
-        where = (actor.tp_rank, actor.pp_rank, actor.pp, ex.rank, ex.ep)
-        save_safetensors(shard, d / model_file(*where))
-        if not dopt:
-            _atomic_save(actor.optimizer.state_dict(), d / optim_file(*where))
-    if dopt:  # each DP rank holds its own shard of the state
-        _atomic_save(_optimizer_shard_state(actor.optimizer), d / optim_shard_file(actor.rank))
-    torch.save(_rng_state(), d / rng_file(actor.rank))
-    if actor.cfg.runner.save_hf:
-        actor.export_hf(d / HF_EXPORT)
-    if actor.rank == 0:
-        (d / SCHED_FILE).write_text(json.dumps(actor.scheduler.state_dict()) + "\n")
-        copy_hf_side_files(actor.model_path, d / HF_DIR)
-        write_meta(
-            d,
-            {
-                "step": int(step),
-                "weight_version": actor.version,
-                "tp": actor.tp,
-                "pp": actor.pp,
-                "ep": actor.ep,
-                "dp": actor.dp,
-                "padded_vocab_size": actor.padded_vocab,
-                "num_skipped_steps": actor.num_skipped_steps,
-                "has_optimizer": True,
-                "distributed_optimizer": dopt,
-                "model_path": str(actor.model_path),
-            },
-        )
-    dist.barrier()
-    return d
-
-
-def load_actor_state(actor: Any, directory: str | Path) -> dict[str, Any]:
-    """Restore what ``save_actor_state`` wrote (or the model of a converted checkpoint) into ``actor``; its meta
-    (the caller takes the step, weight version and skipped steps from it). Collective."""
-    d = Path(directory)
-    meta = read_meta(d)
-    if int(meta["tp"]) != actor.tp:
-        raise ValueError(
-            f"checkpoint {str(d)!r} has TP={meta['tp']} but actor.tensor_model_parallel_size={actor.tp}: "
-            "convert it with `python -m asyncrl.actor.convert_cli actor-to-hf` and start from the HF export"
-        )
-    _load_model(actor, d, int(meta.get("pp", 1)), int(meta.get("ep", 1)))
-    if meta.get("has_optimizer"):
-        _check_optimizer_layout(actor, d, meta)
-        _load_optimizer(actor, d, meta)
-    dist.barrier()
-    return meta
-
-
-def _load_model(actor: Any, d: Path, pp_saved: int, ep_saved: int) -> None:
-    params = local_params(actor.model, actor.layer_offset, actor.experts.offset)
-    if actor.pp == 1 and pp_saved == 1 and actor.ep == 1 and ep_saved == 1:
-        shard = SafetensorsReader(d / model_file(actor.tp_rank)).to_dict()
-    else:  # this rank's tensors, from whichever stage / EP file holds them (any saved PP and EP)
-        shard = read_model_tensors(d, actor.tp_rank, pp_saved, [n for n, _ in params], ep=ep_saved)
-    with torch.no_grad():
-        for name, p in params:
-            if name not in shard and is_tied_output_copy(name, actor.spec):
-                name = "embedding.word_embeddings.weight"  # a checkpoint saved at PP=1
-            if name not in shard:
-                raise KeyError(f"checkpoint {str(d)!r} lacks {name}")
-            p.copy_(shard[name].to(p.dtype))
-
-
-def _check_optimizer_layout(actor: Any, d: Path, meta: dict[str, Any]) -> None:
-    """An optimizer state resumes only at the PP and EP it was saved at (and the DP, with the distributed
-    optimizer)."""
-    for size, key, have in (("pp", "pipeline", actor.pp), ("ep", "expert", actor.ep)):
-        saved = int(meta.get(size, 1))
-        if saved != have:
-            raise ValueError(
-                f"checkpoint {str(d)!r} has {size.upper()}={saved} but actor.{key}_model_parallel_size={have}: "
-                "its optimizer state cannot be resumed; convert it with `python -m asyncrl.actor.convert_cli "
-                "actor-to-hf` and start from the HF export"
-            )
-    dopt, want = bool(meta.get("distributed_optimizer", False)), actor.cfg.actor.use_distributed_optimizer
-    if dopt != want or (dopt and meta.get("dp") != actor.dp):
-        raise ValueError(
-            f"checkpoint {str(d)!r} was saved with distributed_optimizer={dopt}, dp={meta.get('dp')}; "
-            f"actor.use_distributed_optimizer={want}, dp={actor.dp} cannot resume its optimizer state"
-        )
-
-
-def _load_optimizer(actor: Any, d: Path, meta: dict[str, Any]) -> None:
-    """Optimizer (or this rank's shard of it), scheduler and RNG."""
-    if meta.get("distributed_optimizer", False):
-        shard = torch.load(d / optim_shard_file(actor.rank), map_location="cpu", weights_only=False)
-        _load_optimizer_shard_state(actor.optimizer, shard)
-    else:
-        path = d / optim_file(actor.tp_rank, actor.pp_rank, actor.pp, actor.experts.rank, actor.ep)
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        with cuda_as_cpu():
-            actor.optimizer.load_state_dict(state)
-    # Megatron's load_state_dict *adds* the saved step count to the current one
-    actor.scheduler.num_steps = 0
-    actor.scheduler.load_state_dict(json.loads((d / SCHED_FILE).read_text()))
-    rng = d / rng_file(actor.rank)
-    if rng.is_file() and meta.get("dp") == actor.dp:
-        _set_rng_state(torch.load(rng, weights_only=False))
-    else:
-        log.warning("checkpoint %s: no RNG state for rank %d (or another DP size): RNG not restored", d, actor.rank)
-
-
-def _sub_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _optimizer_shard_state(optimizer: Any) -> list[dict[str, Any]]:
-    """This rank's torch optimizer state and main (fp32) params, per Megatron sub-optimizer."""
-    return [
-        {
-            "inner": o.optimizer.state_dict(),
-            "main": [p.detach().cpu().clone() for g in o.optimizer.param_groups for p in g["params"]],
-        }
-        for o in _sub_optimizers(optimizer)
-    ]
-
-
-@torch.no_grad()
-def _load_optimizer_shard_state(optimizer: Any, states: list[dict[str, Any]]) -> None:
-    subs = _sub_optimizers(optimizer)
-    if len(states) != len(subs):
-        raise ValueError(f"optimizer checkpoint has {len(states)} sub-optimizers, the actor {len(subs)}")
-    for o, st in zip(subs, states):
-        o.optimizer.load_state_dict(st["inner"])
-        params = [p for g in o.optimizer.param_groups for p in g["params"]]
-        for p, t in zip(params, st["main"], strict=True):
-            p.copy_(t.to(p.device, p.dtype))
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
-
-
-def _rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-        "numpy": np.random.get_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        np.random.set_state(state["numpy"])

@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
-from asyncrl.actor import checkpoint as ckpt_io
+from asyncrl.actor import checkpoint_state as ckpt_io
 from asyncrl.actor.batch import (
     PackedBatch,
     Sample,

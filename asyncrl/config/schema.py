@@ -57,6 +57,12 @@ class RunnerConfig:
     ``logging.run_dir``)."""
     resume_from: Optional[str] = None
     """A checkpoint directory to start from when this run has no checkpoint of its own yet (any run's)."""
+    archive_previous: bool = False
+    """Start a new run in a run dir (or ``actor.checkpoint_dir``) that holds another run's checkpoints, or resume one
+    with a changed config: that run's checkpoints move to ``<checkpoint dir>/previous/<run id>/`` and its metrics,
+    TensorBoard events and summary to ``<run_dir>/previous/<run id>/`` (nothing is deleted). Without it such a start
+    is refused, naming the run and the differing keys (a previous run with metrics but no checkpoint is archived
+    anyway)."""
     max_nonfinite_steps: int = 3
     """Consecutive steps with a non-finite loss, grad norm or reward after which the run fails (exit 1)."""
     save_hf: bool = False
@@ -199,6 +205,9 @@ class ActorConfig:
     use_distributed_optimizer: bool = False
     checkpoint_dir: Optional[str] = None
     """Where checkpoints go; defaults to ``<run_dir>/checkpoints``."""
+    keep_checkpoints: int = 3
+    """How many of the run's newest complete checkpoints are kept: a save deletes the older ones (0: keep all).
+    More than 1 leaves an intact checkpoint to resume from when the newest is found damaged at resume."""
     attention_backend: Literal["auto", "te", "sdpa", "unfused"] = "auto"
     """Core attention: ``auto`` = TransformerEngine on CUDA when it imports, else ``sdpa`` (PyTorch fused
     attention, per packed sequence); ``unfused`` = Megatron's local attention (S x S probabilities, CPU reference)."""
@@ -224,6 +233,7 @@ class ActorConfig:
             f"must be in [0, actor.lr = {self.lr!r}], got {self.min_lr!r}",
         )
         non_negative(self.lr_warmup_steps, "actor.lr_warmup_steps")
+        non_negative(self.keep_checkpoints, "actor.keep_checkpoints")
         non_negative(self.grad_clip, "actor.grad_clip")
         positive(self.max_tokens_per_microbatch, "actor.max_tokens_per_microbatch")
 

@@ -58,7 +58,7 @@ from asyncrl.config.validate import check_inputs, job_world_size
 from asyncrl.models.spec import ACTOR, CPU_ENGINE, ModelSpec, require
 from asyncrl.runner import roles
 from asyncrl.trainer.guards import PREEMPT_EXIT_CODE, PREEMPTED_MARKER, Preempted, ignore_preempt_signal
-from asyncrl.trainer.resume import check_resume
+from asyncrl.trainer.resume import check_resume, check_run_dir
 
 log = logging.getLogger("asyncrl.launcher")
 
@@ -341,9 +341,11 @@ def actor_memory(cfg: Config, placement: Placement) -> str:
 
 
 def _inputs_ok(cfg: Config, rank: int) -> bool:
-    """The paths, the hooks and the resume decision (rank 0 logs it); False after printing a config error."""
+    """The paths, the hooks, the run directory (nothing of another run written into) and the resume decision (rank 0
+    logs it); False after printing a config error."""
     try:
         check_inputs(cfg)
+        check_run_dir(cfg)  # read only, every rank
         resume_line = check_resume(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -46,8 +46,10 @@ Contract
   the engines stopped is abandoned); then every actor rank writes the checkpoint of the last trained step and
   raises ``Preempted`` (the rank exits 75).
 - Resume (``asyncrl.trainer.resume``, ``CheckpointManager.pick``): only this run's checkpoints (run id + config
-  hash, ``run.json`` in the run dir and in each checkpoint) or ``runner.resume_from``; resumed steps are purged
-  from the metrics.
+  hash, ``run.json`` in the run dir and in each checkpoint), the newest intact one (checked against its manifest), or
+  ``runner.resume_from``; resumed steps are purged from the metrics. A run never writes into another run's
+  checkpoints or metrics (``resume.check_run_dir``). Retention: ``actor.keep_checkpoints``, held while an
+  external eval reads a checkpoint's ``hf_export``.
 
     rc = run_training(ctx, broker_address=..., engine_urls=[...], broker_child=child, actor_rank=0)
 """
@@ -123,7 +125,9 @@ class Trainer:
         cfg = self.cfg = ctx.cfg
         self.ctx, self.phases, self.broker_child = ctx, phases, broker_child
         self.actor = Actor(cfg)
-        self.ckpts = CheckpointManager(cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints")
+        self.ckpts = CheckpointManager(
+            cfg.actor.checkpoint_dir or ctx.run_dir / "checkpoints", keep=cfg.actor.keep_checkpoints
+        )
         plan = _resume_plan(cfg, ctx.run_dir, self.ckpts) if actor_rank == 0 else None
         self.ident, self.latest, purge_step = _bcast_obj(plan)
         leader = phases.run(
@@ -263,7 +267,9 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         """The checkpoint of ``step`` (collective); the leader adds the broker's state and the run identity."""
-        self.ckpts.save(self.actor, step, broker_state=self.leader.broker_state, ident=self.ident)
+        disp = self.periodic.dispatcher  # an external eval still reading a checkpoint's hf_export holds the retention
+        reading = disp is not None and not self.cfg.eval.eval_hf_dir and disp.num_pending > 0
+        self.ckpts.save(self.actor, step, broker_state=self.leader.broker_state, ident=self.ident, prune=not reading)
 
     def _preempted(self, step: int) -> None:
         """Every actor rank: the checkpoint of the last finished ``step`` (unless written already), then raise
@@ -282,7 +288,7 @@ class Trainer:
 def _resume_plan(cfg, run_dir: Path, ckpts: CheckpointManager) -> tuple[dict, str | None, int | None]:
     """Actor rank 0: this run's identity (``asyncrl.trainer.resume``), the checkpoint to resume from and the first
     step whose old metrics are purged (None when not resuming)."""
-    ident = establish_identity(cfg, run_dir)
+    ident = establish_identity(cfg, run_dir, ckpts)
     ckpt = ckpts.pick(ident, resume=cfg.runner.resume, resume_from=cfg.runner.resume_from)
     if not (cfg.runner.resume or cfg.runner.resume_from):
         return ident, None, None

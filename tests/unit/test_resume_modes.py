@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.actor.checkpoint import CheckpointManager, write_identity, write_meta
 from asyncrl.config import ConfigError, load_config
-from asyncrl.trainer.resume import check_resume, config_hash
+from asyncrl.trainer.resume import check_resume, check_run_dir, config_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,17 +74,21 @@ def test_true_with_resume_from_starts_from_it(tmp_path):
 
 
 def test_false_refuses_a_directory_with_another_runs_checkpoints(tmp_path):
+    """``false`` starts at step 1; a directory holding a complete checkpoint of another run (the earlier run of the
+    same config included: a new run gets a new run id) is refused by ``check_run_dir``, which the launcher runs
+    before ``check_resume``."""
     cfg = _cfg(tmp_path)
     assert check_resume(cfg) == "runner.resume = false: starting at step 1"
     ident = _run(tmp_path, cfg)
     _ckpt(tmp_path, 1, ident, complete=False)
-    assert check_resume(cfg) == "runner.resume = false: starting at step 1"  # nothing complete to lose
+    check_run_dir(cfg)  # nothing complete to lose
     _ckpt(tmp_path, 3, ident)
     with pytest.raises(ConfigError) as e:
-        check_resume(cfg)
+        check_run_dir(cfg)
     msg = str(e.value)
-    assert f"{tmp_path / 'checkpoints'} already holds complete checkpoints (step_000003) of run abc123" in msg
-    assert "another logging.run_dir" in msg
+    assert msg.startswith(f"runner.resume: {str(tmp_path / 'checkpoints')!r} holds checkpoints of run abc123"), msg
+    assert "this is a new run" in msg
+    assert check_resume(cfg) == "runner.resume = false: starting at step 1"
 
 
 def test_checkpoint_dir_setting_is_where_resume_looks(tmp_path):
