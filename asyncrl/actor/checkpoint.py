@@ -172,7 +172,9 @@ def read_identity(directory: str | Path) -> dict | None:
         d = json.loads(p.read_text())
     except (OSError, ValueError):
         return None
-    return d if isinstance(d, dict) and "run_id" in d and "config_hash" in d else None
+    if not (isinstance(d, dict) and "run_id" in d and "config_hash" in d):
+        return None
+    return {"run_id": d["run_id"], "config_hash": d["config_hash"]}  # a run dir's run.json also holds the config
 
 
 def write_identity(directory: str | Path, ident: dict, *, config: dict | None = None) -> None:

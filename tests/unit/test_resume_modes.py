@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.actor.checkpoint import CheckpointManager, write_identity, write_meta
 from asyncrl.config import ConfigError, load_config
-from asyncrl.trainer.resume import check_resume, check_run_dir, config_hash
+from asyncrl.trainer.resume import check_resume, check_run_dir, config_hash, hashed_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,9 +29,10 @@ def _ckpt(run_dir: Path, step: int, ident: dict, *, complete: bool = True) -> Pa
 
 
 def _run(run_dir: Path, cfg) -> dict:
-    """A run that wrote its identity in ``run_dir`` (as ``establish_identity`` does)."""
+    """A run that wrote its identity in ``run_dir`` as ``establish_identity`` does: with its hashed config (a resume
+    must still find the run's checkpoints, whose run.json holds the identity alone)."""
     ident = {"run_id": "abc123", "config_hash": config_hash(cfg)}
-    write_identity(run_dir, ident)
+    write_identity(run_dir, ident, config=hashed_config(cfg))
     return ident
 
 
