@@ -1,9 +1,7 @@
-"""Qwen3-MoE's sparse MLP for the CPU engine's decoder (``model``): the router and the experts' products.
+"""Qwen3-MoE's sparse MLP for the CPU engine's decoder (``model``): the experts' products (the router is
+``asyncrl.models.routing.route``, shared with the plain decoder).
 
 Contract
-- ``route(hdn, router_w, k, renormalize=...)``: each token's top-k experts and their weights, as transformers'
-  ``Qwen3MoeTopKRouter`` and SGLang's ``TopK`` compute them (fp32 softmax of the router logits, top-k, renormalised
-  to sum 1 when ``norm_topk_prob``).
 - ``experts_mlp(hdn, gate_up, down, weights, experts)``: the sum over each token's experts of ``weight *
   down(silu(gate(x)) * up(x))``, the tokens sorted by expert so that each expert hit runs one pair of matrix
   products over all its tokens (never a loop per token).
@@ -18,17 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-
-def route(hdn: torch.Tensor, router_w: torch.Tensor, k: int, *, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE's router over tokens ``hdn`` [T, H]: (weights [T, k], experts [T, k]), the experts in order of
-    falling probability. Probabilities are the fp32 softmax of ``hdn @ router_w.T``; the top-k of them,
-    renormalised to sum to 1 when ``renormalize`` (``norm_topk_prob``)."""
-    probs = torch.softmax(F.linear(hdn, router_w), dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
 
 
 def experts_mlp(

@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-from asyncrl.cpu_engine.experts import experts_mlp, route
+from asyncrl.cpu_engine.experts import experts_mlp
 from asyncrl.cpu_engine.kv_pool import KVPool
 from asyncrl.models.rope import rope_inv_freq
+from asyncrl.models.routing import route
 from asyncrl.models.safetensors_io import SafetensorsReader
 from asyncrl.models.spec import CPU_ENGINE, ModelSpec, require
 

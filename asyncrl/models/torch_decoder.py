@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.models.rope import rope_inv_freq
+from asyncrl.models.routing import route
 from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
 from asyncrl.models.spec import TORCH_DECODER, ModelSpec, load_hf_config, require
 
@@ -171,10 +172,7 @@ class _SparseMoE(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
-        probs = F.softmax(self.gate(flat).float(), dim=-1)
-        weight, chosen = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight, chosen = route(flat, self.gate.weight, self.top_k, renormalize=self.renormalize)
         weight = weight.to(flat.dtype)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):

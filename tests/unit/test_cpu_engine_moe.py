@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from asyncrl.cpu_engine.experts import route
 from asyncrl.cpu_engine.kv_pool import KVPool
 from asyncrl.cpu_engine.model import CausalLM, iter_safetensors, load_model, read_checkpoint
+from asyncrl.models.routing import route
 from asyncrl.models.tiny import make_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
