@@ -4,7 +4,9 @@ A one-node cluster made here: Debian's ``slurm-wlm`` and ``munge`` (installed wi
 saying why, only where apt cannot install them), ``munged`` (unless one already answers), ``slurmctld`` and
 ``slurmd`` started by this test with a ``slurm.conf`` it writes under its temporary directory, and stopped by PID at
 the end (with any job left). The job is submitted as a user would (``launch/slurm/submit.sh configs/tiny.toml``
-with ``--requeue``); after step 3 ``scancel -s USR1`` sends Slurm's preemption notice to the job's step. The job
+with ``--requeue``); after step 3 ``scancel -s USR1`` sends Slurm's preemption notice to the job's step (the first
+run holds its fourth batch until the notice arrived, ``preempt_hooks``, so it checkpoints step 3 or 4 however fast
+the machine; CI once saw step 6 of 6 trained before the notice without it). The job
 must write its checkpoint, requeue itself (``scontrol requeue`` in the script: Restarts=1, same job id, same run
 directory), resume from that checkpoint (the launcher's and the leader's log lines), log every step once in
 metrics.jsonl and end COMPLETED 0:0.
@@ -211,7 +213,9 @@ def test_preempted_job_is_requeued_by_slurm_and_resumes(cluster, prepared, tmp_p
         PYTHON=sys.executable,
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]),  # this Python's torchrun
     )
-    overrides = tiny_overrides(prepared, run_dir, f"runner.max_steps={MAX_STEPS}")
+    env["ASYNCRL_TEST_HOLD_MARK"] = str(tmp_path / "held")  # the first run holds batch 4 until the notice came
+    hold = 'rollout_buffer.sample_filter_path="preempt_hooks:hold_fourth_batch_until_sigusr1"'
+    overrides = tiny_overrides(prepared, run_dir, f"runner.max_steps={MAX_STEPS}", hold)
     sub = subprocess.run(
         ["bash", "launch/slurm/submit.sh", "configs/tiny.toml", *overrides, "--"]
         + ["--requeue", "--open-mode=append", f"--output={out}", "--job-name=asyncrl-slurm-test"],
