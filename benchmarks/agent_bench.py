@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncrl.agent.envs import get_env  # noqa: E402
 from asyncrl.agent.loop import AgentLoop, EngineHandle  # noqa: E402
-from asyncrl.agent.tasks import get_task  # noqa: E402
 from asyncrl.agent.tokenizer import AgentTokenizer  # noqa: E402
 from asyncrl.agent.tools.bm25 import BM25Retriever  # noqa: E402
 from asyncrl.broker.types import Group, PromptItem  # noqa: E402
@@ -116,7 +116,7 @@ def bench_overhead(tok: AgentTokenizer, data: dict, *, num_groups: int, group_si
         tool=ToolConfig(topk=3, max_obs_tokens=200),
     )
     loop = AgentLoop(
-        task=get_task("searchr1"), tokenizer=tok, retriever=retriever, agent_cfg=cfg, sampling=SamplingConfig()
+        env=get_env("searchr1"), tokenizer=tok, retriever=retriever, agent_cfg=cfg, sampling=SamplingConfig()
     )
     handle = EngineHandle(None, max_in_flight=64, url="bench", generate_raw=engine)
     items = [

@@ -392,11 +392,11 @@ def _client_bodies() -> list[tuple[str, Any]]:
 
 
 def _agent_sampling_params(*, greedy: bool) -> dict:
+    from asyncrl.agent.envs.searchr1 import SearchR1Env
     from asyncrl.agent.loop import AgentLoop
-    from asyncrl.agent.tasks.searchr1 import SearchR1Task
     from asyncrl.config.schema import SamplingConfig
 
-    me = types.SimpleNamespace(sampling=SamplingConfig(temperature=1.0, top_p=0.9, top_k=20), task=SearchR1Task())
+    me = types.SimpleNamespace(sampling=SamplingConfig(temperature=1.0, top_p=0.9, top_k=20), env=SearchR1Env())
     return AgentLoop.sampling_params(me, 500, greedy=greedy)
 
 

@@ -1,8 +1,8 @@
 """The multi-turn agent loop: token in, token out, against one engine per trajectory.
 
 Contract
-- Wires: a task (prompt, action parser, observation format, reward), a tokenizer, a retriever and
-  an engine (``EngineHandle``: SGLang ``/generate`` through a client, with a semaphore bounding the
+- Wires: an environment (``asyncrl.agent.envs``: prompt, turn parser, observation text, score), its tools
+  (``{name: Tool}``), a tokenizer and an engine (``EngineHandle``: SGLang ``/generate`` through a client, with a semaphore bounding the
   generate calls in flight on that engine). The agent worker calls ``AgentLoop.run_group``; the
   end-to-end summary calls ``AgentLoop.evaluate``.
 - Invariant: ``prompt_ids + response_ids`` is exactly the prompt tokenized once, then each turn's
@@ -14,9 +14,14 @@ Contract
   ``max_total_tokens`` for prompt + response: a generate call never asks for more than fits, and
   an observation that would leave no room for another generated token is not appended; either
   way the trajectory ends ``truncated`` with finish reason ``length``.
+- Tools: every call of a turn runs concurrently, each under its deadline (the tool's ``timeout_s`` + 5 s, or
+  ``agentloop.tool_timeout_s``; the ``search`` tool bounds itself). A call that raises ``ToolError`` or anything
+  else, that times out, or that names an unknown tool gives an error result: the policy sees it in the observation
+  and ``tool/<name>/errors`` counts it (``extra["metrics"]``, with ``tool/<name>/calls`` and the environment's
+  ``env/<name>`` metrics, as JSON: the record's ``metrics`` field).
 - Failures: a generate call that fails (connection, timeout, HTTP error, malformed reply) or a
-  retrieval that fails after its retries makes the trajectory ``aborted`` with an error naming
-  the URL; it is never scored. A group with an aborted trajectory is aborted (the broker retries
+  tool that raises ``ToolUnavailable`` (a retrieval that fails after its retries) makes the trajectory ``aborted``
+  with an error naming the URL; it is never scored. A group with an aborted trajectory is aborted (the broker retries
   it). A retriever outage (``HttpRetriever`` with ``agentloop.tool.max_outage_s``) instead holds every new
   turn until the retriever answers (``wait_available``), and past the outage budget raises
   ``RetrieverOutageError`` out of the group (the worker fails, naming the URL); a finished trajectory's
@@ -29,7 +34,7 @@ Contract
   new rows. The trajectory's ``routed_experts`` holds them, one row per position; the last position (the engine
   never routes it: nothing follows it in any request) is -1. A reply without them aborts the trajectory.
 
-    loop = AgentLoop(task=get_task("searchr1"), tokenizer=tok, retriever=retriever,
+    loop = AgentLoop(env=get_env("searchr1"), tokenizer=tok, tools={"search": SearchTool(retriever, 3)},
                      agent_cfg=cfg.agentloop, sampling=cfg.rollout.sampling)
     engine = EngineHandle(client, max_in_flight=32)
     group = await loop.run_group(group, engine, on_trajectory=lambda i, t: ...)
@@ -39,125 +44,39 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
-
 from asyncrl.agent.engine_handle import EngineHandle
-from asyncrl.agent.tasks import Task
-from asyncrl.agent.tools import Retriever, RetrieverError, RetrieverOutageError
+from asyncrl.agent.envs.base import Environment, Score, ToolCall, ToolResult, as_score
+from asyncrl.agent.tools.base import Retriever, RetrieverOutageError, ToolError, ToolUnavailable
+from asyncrl.agent.tools.search import SearchTool, call_stats
+from asyncrl.agent.trajectory import TrajectoryBuilder, TurnGate, summarize_eval, trajectory_metrics
 from asyncrl.broker.types import Group, PromptItem, Trajectory
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig
 from asyncrl.engine.client import EngineError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentLoop", "EngineError", "EngineHandle", "TrajectoryBuilder", "TurnGate", "summarize_eval"]
+__all__ = [
+    "AgentLoop",
+    "EngineError",
+    "EngineHandle",
+    "TrajectoryBuilder",
+    "TurnGate",
+    "summarize_eval",
+    "trajectory_metrics",
+]
 
 # Consecutive engine-side aborts of one turn that returned no new token before the trajectory
 # gives up (an engine stuck aborting would otherwise spin forever).
 MAX_ABORTS_WITHOUT_PROGRESS = 3
-
-
-# ---------------------------------------------------------------- gate (drain)
-
-
-class TurnGate:
-    """Holds new turns while closed (``pause_mode = "drain"``: no new generate calls start)."""
-
-    def __init__(self):
-        self._open = asyncio.Event()
-        self._open.set()
-        self._num_waiting = 0
-
-    @property
-    def num_waiting(self) -> int:
-        """Turns held at the gate right now (observable, e.g. by a test waiting for a turn to reach it)."""
-        return self._num_waiting
-
-    def hold(self) -> None:
-        self._open.clear()
-
-    def release(self) -> None:
-        self._open.set()
-
-    async def wait_open(self) -> None:
-        if not self._open.is_set():
-            self._num_waiting += 1
-            try:
-                await self._open.wait()
-            finally:
-                self._num_waiting -= 1
-
-
-# ---------------------------------------------------------------- the trajectory accumulator (pure)
-
-
-@dataclass
-class TrajectoryBuilder:
-    """Keeps ids, masks, log-probs and versions aligned; knows the room left."""
-
-    prompt_ids: list[int]
-    max_total_tokens: int
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    routed: Optional[list[np.ndarray]] = None
-    """Routing replay: the routed experts of positions ``0 .. routed_len - 1``, one array per reply (None: off)."""
-    routed_len: int = 0
-
-    @property
-    def room(self) -> int:
-        return self.max_total_tokens - len(self.prompt_ids) - len(self.response_ids)
-
-    def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
-        assert len(ids) == len(logprobs) == len(versions)
-        self.response_ids.extend(ids)
-        self.loss_mask.extend([1] * len(ids))
-        self.logprobs.extend(logprobs)
-        self.versions.extend(versions)
-
-    def add_tool(self, ids: Sequence[int]) -> None:
-        self.response_ids.extend(ids)
-        self.loss_mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
-        self.versions.extend([-1] * len(ids))
-
-    def add_routed(self, rows: np.ndarray) -> None:
-        """The routed experts of the next ``len(rows)`` positions."""
-        self.routed.append(rows)
-        self.routed_len += len(rows)
-
-    def input_ids(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
-
-    def routed_experts(self) -> Optional[np.ndarray]:
-        """One row per position (-1 where unknown: the last position), or None (off, or no row known)."""
-        rows = [r for r in self.routed or () if r.size]
-        if not rows:
-            return None
-        out = np.full((len(self.prompt_ids) + len(self.response_ids), rows[0].shape[1]), -1, np.int32)
-        out[: self.routed_len] = np.concatenate(rows)
-        return out
-
-    def build(self, **fields: Any) -> Trajectory:
-        gen_versions = [v for v in self.versions if v >= 0]
-        return Trajectory(
-            prompt_ids=list(self.prompt_ids),
-            response_ids=self.response_ids,
-            loss_mask=self.loss_mask,
-            rollout_logprobs=self.logprobs,
-            weight_versions=self.versions,
-            min_version=min(gen_versions, default=0),
-            max_version=max(gen_versions, default=0),
-            routed_experts=self.routed_experts(),
-            **fields,
-        )
+TOOL_GRACE_S = 5.0
+"""Added to a tool's own ``timeout_s`` for the loop's deadline (the tool reports its own timeout first)."""
 
 
 # ---------------------------------------------------------------- the loop
@@ -172,6 +91,8 @@ class _Run:
     stats: dict = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0})
     tool: dict = field(default_factory=dict)
     """Failed retrieval attempts of this trajectory (``tool/errors``)."""
+    metrics: dict = field(default_factory=dict)
+    """``tool/<name>/calls`` and ``tool/<name>/errors`` of this trajectory."""
     turn_finishes: list[str] = field(default_factory=list)
     gen_texts: list[str] = field(default_factory=list)
     num_turns: int = 0
@@ -185,67 +106,95 @@ class AgentLoop:
     def __init__(
         self,
         *,
-        task: Task,
+        env: Environment,
         tokenizer: Any,
-        retriever: Retriever,
         agent_cfg: AgentLoopConfig,
         sampling: SamplingConfig,
+        tools: Optional[dict[str, Any]] = None,
+        retriever: Optional[Retriever] = None,
+        reward: Optional[Callable[[PromptItem, str], Score]] = None,
         gate: Optional[TurnGate] = None,
         rid_prefix: str = "agent",
         routed_experts: bool = False,
     ):
-        self.task = task
+        """``tools``: ``{name: Tool}`` (``asyncrl.agent.envs.make_tools``); ``retriever``: a Search-R1 retriever,
+        served as the ``search`` tool (``agentloop.tool.topk``). ``reward``: replaces ``env.score``
+        (``agentloop.reward_path``)."""
+        self.env = env
         self.tokenizer = tokenizer
-        self.retriever = retriever
         self.cfg = agent_cfg
+        self.tools: dict[str, Any] = dict(tools or {})
+        if retriever is not None:
+            self.retriever = retriever
+        self.reward = reward
         self.sampling = sampling
         self.gate = gate or TurnGate()
         self.rid_prefix = rid_prefix
         self.routed_experts = routed_experts
         self._rids = itertools.count()
-        self._invalid_ids = tokenizer.encode(task.invalid_action_message)
-        self._obs_tail_ids = tokenizer.encode(getattr(task, "observation_tail", ""))
+        self._encoded: dict[str, list[int]] = {}
         self._eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._encode_prompt = tokenizer.prefix_encoder(self._template_head())
 
+    @property
+    def retriever(self) -> Optional[Retriever]:
+        """The ``search`` tool's retriever (None without one)."""
+        tool = self.tools.get("search")
+        return getattr(tool, "retriever", None)
+
+    @retriever.setter
+    def retriever(self, retriever: Retriever) -> None:
+        self.tools["search"] = SearchTool(retriever, self.cfg.tool.topk)
+
     def _template_head(self) -> str:
-        """The text every prompt of this task starts with (the template before the question): the common start
-        of two prompts built from different questions."""
-        a, b = (self._prompt_text(q) for q in ("a", "b"))
+        """The text every prompt of this environment starts with (the template before the question): the common
+        start of two prompts built from different questions."""
+        a, b = (self._prompt_text(PromptItem(-1, q, [])) for q in ("a", "b"))
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         return a[:n]
 
-    def _prompt_text(self, question: str) -> str:
-        return self.task.build_prompt(question, chat_template=self.cfg.chat_template, tokenizer=self.tokenizer)
+    def _prompt_text(self, item: PromptItem) -> str:
+        return self.env.prompt(
+            item, tools=list(self.tools.values()), chat_template=self.cfg.chat_template, tokenizer=self.tokenizer
+        )
 
     # -- pieces
     def prompt_ids(self, item: PromptItem) -> list[int]:
         """``tokenizer.encode`` of the prompt text; the template's fixed head is tokenized once
         (``AgentTokenizer.prefix_encoder``: the same ids)."""
-        return self._encode_prompt(self._prompt_text(item.prompt))
+        return self._encode_prompt(self._prompt_text(item))
 
     def sampling_params(self, max_new_tokens: int, *, greedy: bool = False) -> dict:
         params: dict[str, Any] = {
             "max_new_tokens": int(max_new_tokens),
             "temperature": 0.0 if greedy else float(self.sampling.temperature),
             "top_p": 1.0 if greedy else float(self.sampling.top_p),
-            "stop": list(self.task.stop),
+            "stop": list(self.env.stop),
         }
         if self.sampling.top_k > 0 and not greedy:
             params["top_k"] = int(self.sampling.top_k)
         return params
 
-    def observation_ids(self, docs: Sequence[dict]) -> list[int]:
-        """The information block, tokenized, cut to ``max_obs_tokens`` keeping its closing tag."""
-        ids = self.tokenizer.encode(self.task.format_observation(docs))
+    def _encode(self, text: str) -> list[int]:
+        """Tokenized text, cached for texts that repeat (invalid-turn messages, observation tails)."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = self.tokenizer.encode(text)
+            if len(self._encoded) < 64:
+                self._encoded[text] = ids
+        return list(ids)
+
+    def observation_ids(self, text: str) -> list[int]:
+        """An observation's text, tokenized, cut to ``max_obs_tokens`` keeping its closing text
+        (``env.observation_tail()``)."""
+        ids = self.tokenizer.encode(text)
         limit = self.cfg.tool.max_obs_tokens
         if len(ids) <= limit:
             return ids
-        tail = self._obs_tail_ids if len(self._obs_tail_ids) < limit else []
-        if tail:
-            text = self.task.format_observation(docs)
-            head_text = text[: len(text) - len(self.task.observation_tail)]
-            return self.tokenizer.encode(head_text)[: limit - len(tail)] + tail
+        tail_text = self.env.observation_tail()
+        tail = self._encode(tail_text) if tail_text and text.endswith(tail_text) else []
+        if tail and len(tail) < limit:
+            return self.tokenizer.encode(text[: len(text) - len(tail_text)])[: limit - len(tail)] + tail
         return ids[:limit]
 
     def _new_rid(self, prefix: str) -> str:
@@ -268,17 +217,23 @@ class AgentLoop:
                 routed=[] if self.routed_experts else None,
             )
         )
+        token = call_stats().set(run.tool)
         try:
             await self._turns(run, engine, greedy=greedy, rid=rid)
         except EngineError as exc:
             return self._aborted(run, str(exc))
         except RetrieverOutageError:  # fatal: the worker stops and the run fails naming the URL
             raise
-        except RetrieverError as exc:  # marked: an eval must fail on it, not count it as a wrong answer
+        except ToolUnavailable as exc:  # marked: an eval must fail on it, not count it as a wrong answer
             return self._aborted(run, str(exc), kind="tool")
+        finally:
+            call_stats().reset(token)
         run.stats["total_s"] = time.perf_counter() - run.t_start
+        score = self._score(item, "".join(run.gen_texts))
+        metrics = dict(run.metrics)
+        metrics.update((f"env/{k}", float(v)) for k, v in score.metrics.items())
         return run.b.build(
-            reward=float(self.task.reward("".join(run.gen_texts), item.answers)),
+            reward=float(score.reward),
             num_turns=run.num_turns,
             num_tool_calls=run.num_tool_calls,
             num_retractions=run.num_retractions,
@@ -289,8 +244,14 @@ class AgentLoop:
                 "turn_finish_reasons": run.turn_finishes,
                 "engine": engine.url,
                 "tool_errors": run.tool.get("tool_errors", 0),
+                "metrics": json.dumps(metrics, separators=(",", ":")) if metrics else "",
             },
         )
+
+    def _score(self, item: PromptItem, text: str) -> Score:
+        if self.reward is not None:
+            return self.reward(item, text)
+        return as_score(self.env.score(item, text), where=f"environment {self.env.name!r}: score()")
 
     async def _turns(self, run: _Run, engine: EngineHandle, *, greedy: bool, rid: str) -> None:
         """Generate, parse, call the tool, append its observation, until a finish (set on ``run``)."""
@@ -308,23 +269,62 @@ class AgentLoop:
             run.turn_finishes.append(finish_type)
             text = self.tokenizer.decode(ids)
             run.gen_texts.append(text)
-            action = self.task.parse_action(text)
-            finish = self._turn_finish(action.kind, finish_type, matched, max_new, last=turn == self.cfg.max_turns - 1)
+            parsed = self.env.parse(text)
+            finish = self._turn_finish(parsed.kind, finish_type, matched, max_new, last=turn == self.cfg.max_turns - 1)
             if finish is not None:
                 run.finish_reason, run.truncated = finish
                 return
-            if action.kind == "search":
+            if parsed.kind == "tool":
                 t0 = time.perf_counter()
-                docs = (await self.retriever.retrieve([action.content], self.cfg.tool.topk, stats=run.tool))[0]
+                results = await self._call_tools(parsed.calls, run)
                 run.stats["tool_s"] += time.perf_counter() - t0
-                run.num_tool_calls += 1
-                obs = self.observation_ids(docs)
+                run.num_tool_calls += len(results)
+                turn_end = self.tokenizer.decode([matched]) if finish_type == "stop" and matched in self._eos else ""
+                obs = self.observation_ids(
+                    self.env.observe(
+                        results, turn_end=turn_end, chat_template=self.cfg.chat_template, tokenizer=self.tokenizer
+                    )
+                )
             else:
-                obs = self._invalid_ids
+                obs = self._encode(self.env.invalid_observation(parsed))
             if len(obs) + 1 > b.room:
                 run.finish_reason, run.truncated = "length", True
                 return
             b.add_tool(obs)
+
+    async def _call_tools(self, calls: Sequence[ToolCall], run: _Run) -> list[ToolResult]:
+        """Every call of the turn, concurrently; each result or error (module docstring), in call order."""
+        if len(calls) == 1:
+            return [await self._call_tool(calls[0], run)]
+        return list(await asyncio.gather(*(self._call_tool(c, run) for c in calls)))
+
+    async def _call_tool(self, call: ToolCall, run: _Run) -> ToolResult:
+        tool = self.tools.get(call.name)
+        name = call.name if tool is not None else "unknown"
+        m = run.metrics
+        m[f"tool/{name}/calls"] = m.get(f"tool/{name}/calls", 0) + 1
+        if tool is None:
+            error = f"unknown tool {call.name!r}; tools: {', '.join(self.tools) or 'none'}"
+        else:
+            own = getattr(tool, "timeout_s", None)
+            deadline = (
+                None if isinstance(tool, SearchTool) else (own + TOOL_GRACE_S if own else self.cfg.tool_timeout_s)
+            )
+            try:
+                coro = tool.call(dict(call.arguments), timeout_s=own or self.cfg.tool_timeout_s)
+                output = await (asyncio.wait_for(coro, deadline) if deadline else coro)
+                return ToolResult(call, output)
+            except (ToolUnavailable, asyncio.CancelledError):
+                raise
+            except asyncio.TimeoutError:
+                error = f"{call.name} timed out after {deadline:g} s"
+            except ToolError as e:
+                error = str(e) or type(e).__name__
+            except Exception as e:  # a tool's bug is the episode's error, never the worker's
+                error = f"{call.name} raised {type(e).__name__}: {e}"
+                log.warning("tool %s raised %s: %s", call.name, type(e).__name__, e)
+        m[f"tool/{name}/errors"] = m.get(f"tool/{name}/errors", 0) + 1
+        return ToolResult(call, error=error)
 
     def _turn_finish(
         self, action_kind: str, finish_type: str, matched: Any, max_new: int, *, last: bool
@@ -332,7 +332,12 @@ class AgentLoop:
         """(finish reason, truncated) when the trajectory ends after this turn, else None (a tool turn follows)."""
         if action_kind == "answer":
             return "answer", False
-        if finish_type == "stop" and isinstance(matched, int) and (matched in self._eos or not self._eos):
+        if (
+            action_kind != "tool"
+            and finish_type == "stop"
+            and isinstance(matched, int)
+            and (matched in self._eos or not self._eos)
+        ):
             return "eos", False
         if finish_type == "length" and max_new < self.cfg.max_tokens_per_turn:
             return "length", True  # the total limit, not the per-turn one
@@ -350,7 +355,10 @@ class AgentLoop:
         attempt = 0
         while True:
             await self.gate.wait_open()
-            await self.retriever.wait_available()  # an outage holds new turns (no sample biased to non-searchers)
+            for tool in self.tools.values():  # an outage holds new turns (no sample biased to non-searchers)
+                wait = getattr(tool, "wait_available", None)
+                if wait is not None:
+                    await wait()
             t0 = time.perf_counter()
             out = await engine.generate(
                 b.input_ids(),
@@ -445,7 +453,8 @@ class AgentLoop:
 
     # -- evaluation
     async def evaluate(self, items: Sequence[PromptItem], engines: Sequence[EngineHandle]) -> dict:
-        """Greedy, one trajectory per prompt, spread over ``engines`` -> accuracy and counts."""
+        """Greedy, one trajectory per prompt, spread over ``engines`` -> the mean reward (named by the
+        environment's ``reward_name``) and counts."""
         if not engines:
             raise ValueError("evaluate: no engines")
 
@@ -453,18 +462,4 @@ class AgentLoop:
             return await self.run_trajectory(item, engines[k % len(engines)], greedy=True, rid=f"eval{k}")
 
         trajs = await asyncio.gather(*(one(k, it) for k, it in enumerate(items)))
-        return summarize_eval(trajs)
-
-
-def summarize_eval(trajs: Sequence[Trajectory]) -> dict:
-    done = [t for t in trajs if not t.aborted]
-    n = len(done)
-    return {
-        "accuracy": sum(t.reward for t in done) / n if n else 0.0,
-        "num_prompts": len(trajs),
-        "num_aborted": len(trajs) - n,
-        "mean_turns": sum(t.num_turns for t in done) / n if n else 0.0,
-        "mean_tool_calls": sum(t.num_tool_calls for t in done) / n if n else 0.0,
-        "answer_rate": sum(t.finish_reason == "answer" for t in done) / n if n else 0.0,
-        "errors": sorted({t.error for t in trajs if t.aborted})[:5],
-    }
+        return summarize_eval(trajs, reward_name=getattr(self.env, "reward_name", "mean_reward"))

@@ -2,8 +2,9 @@
 
 Contract
 - Wires: the broker (``AsyncWorkerConnection``: hello, heartbeats from a background task, events),
-  one ``SGLangClient`` + ``EngineHandle`` per engine URL, the task, the tokenizer and the
-  retriever, and an ``AgentLoop`` that runs groups.
+  one ``SGLangClient`` + ``EngineHandle`` per engine URL, the environment (``agentloop.task_name``), its tools
+  (made at ``run``'s start: a tool server is asked for its list), the tokenizer, and an ``AgentLoop`` that runs
+  groups; the tools are closed when the worker ends.
 - Who calls whom: the broker issues ``Assignment``s; each becomes an asyncio task that runs the
   group's ``group_size`` trajectories concurrently on the least-loaded engine (all turns of a
   trajectory on that engine) and reports the finished group with its trajectories in one message
@@ -41,10 +42,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from asyncrl.agent.envs import get_env, load_reward, make_tools, tool_specs
 from asyncrl.agent.loop import AgentLoop, EngineHandle, TurnGate
-from asyncrl.agent.tasks import get_task
 from asyncrl.agent.tokenizer import AgentTokenizer
-from asyncrl.agent.tools import Retriever, RetrieverOutageError, make_retriever
+from asyncrl.agent.tools import Retriever, RetrieverOutageError
 from asyncrl.broker.types import Group
 from asyncrl.broker.worker_client import Assignment, AsyncWorkerConnection, Cancel, Control, Shutdown
 from asyncrl.config.schema import Config
@@ -136,20 +137,14 @@ class AgentWorker:
         if task_name is None:
             log.warning("agentloop.task_name is unset; using 'searchr1'")
             task_name = "searchr1"
-        self.task = get_task(task_name)
+        self.env = get_env(task_name)
+        self.reward = load_reward(cfg.agentloop.reward_path) if cfg.agentloop.reward_path else None
         self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
-        self.retriever = retriever if retriever is not None else make_retriever(cfg.agentloop.tool)
+        self.retriever = retriever
+        self.tools: dict = {}
         self.gate = TurnGate()
-        self.loop = AgentLoop(
-            task=self.task,
-            tokenizer=self.tokenizer,
-            retriever=self.retriever,
-            agent_cfg=cfg.agentloop,
-            sampling=cfg.rollout.sampling,
-            gate=self.gate,
-            rid_prefix=worker_id,
-            routed_experts=cfg.actor.moe_routing_replay,
-        )
+        self.loop: Optional[AgentLoop] = None
+        """Made at ``run``'s start, with the tools."""
         self.version = 0
         self.watch = watch
         self._watch_task: Optional[asyncio.Task] = None
@@ -173,6 +168,18 @@ class AgentWorker:
         per_engine = requests_per_engine(self.cfg)
         self.engines = [EngineHandle(c, max_in_flight=per_engine, url=c.url) for c in clients]
         try:
+            self.tools = await make_tools(tool_specs(self.cfg, self.env), self.cfg, retriever=self.retriever)
+            self.loop = AgentLoop(
+                env=self.env,
+                tokenizer=self.tokenizer,
+                tools=self.tools,
+                reward=self.reward,
+                agent_cfg=self.cfg.agentloop,
+                sampling=self.cfg.rollout.sampling,
+                gate=self.gate,
+                rid_prefix=self.worker_id,
+                routed_experts=self.cfg.actor.moe_routing_replay,
+            )
             await self._connect()
             self._start_watch()
             await self._event_loop()
@@ -183,7 +190,8 @@ class AgentWorker:
             await self._cancel_all()
             for c in clients:
                 await c.close()
-            await self.retriever.close()
+            for tool in self.tools.values():
+                await tool.close()
         return dict(self.stats)
 
     async def _connect(self) -> None:

@@ -75,6 +75,7 @@ RECORD: tuple[Field, ...] = (
     Field("aborted", SCALAR, _BOOL),  # the buffer drops the group
     Field("finish_reason", SCALAR, _STR),
     Field("tool_errors", SCALAR, _INT, extra=True),
+    Field("metrics", SCALAR, _STR, extra=True),  # JSON {name: number}: tool/<name>/{calls,errors}, env/<name>
 )
 
 SCALAR_TYPES: dict[str, type] = {"i": int, "u": int, "f": float, "b": bool, "U": str}

@@ -139,9 +139,41 @@ class ToolConfig:
 
 
 @dataclass(frozen=True)
+class PythonToolConfig:
+    """The sandboxed ``python`` tool (``asyncrl.agent.tools.python_sandbox``): limits of one call's subprocess."""
+
+    timeout_s: float = 10.0
+    """Wall-clock limit of one call (its process group is killed)."""
+    cpu_s: int = 10
+    """CPU-time limit (RLIMIT_CPU)."""
+    memory_mb: int = 1024
+    """Address-space limit (RLIMIT_AS)."""
+    max_output_bytes: int = 8192
+    """stdout + stderr kept; past it the program is killed and the observation says so."""
+    max_concurrent: Optional[int] = None
+    """Calls running at once per worker (unset: the CPU count)."""
+
+    def __post_init__(self):
+        positive(self.timeout_s, "agentloop.python.timeout_s")
+        positive(self.cpu_s, "agentloop.python.cpu_s")
+        positive(self.memory_mb, "agentloop.python.memory_mb")
+        positive(self.max_output_bytes, "agentloop.python.max_output_bytes")
+        positive(self.max_concurrent, "agentloop.python.max_concurrent")
+
+
+@dataclass(frozen=True)
 class AgentLoopConfig:
     task_name: Optional[str] = None
-    """Agent task (``searchr1``); required in async mode."""
+    """The environment (``searchr1``, ``arith``, or ``module:attr`` of your own: docs/environments.md); required in
+    async mode."""
+    tools: Optional[list[str]] = None
+    """Tools given to the environment, replacing its own list: ``search``, ``python``, ``calculator``,
+    ``http:<url>`` (a tool server's), ``module:attr``."""
+    reward_path: Optional[str] = None
+    """``module:function(item, generated_text) -> float | Score`` replacing the environment's ``score``."""
+    tool_timeout_s: float = 30.0
+    """Deadline of one tool call for tools without their own (``search`` keeps ``agentloop.tool``'s timeouts and
+    retries; ``python`` its ``agentloop.python.timeout_s``). A call past it is an error observation."""
     max_actor_accept_staleness: Optional[int] = None
     """Drop groups staler than this before training (Miles ``--max-weight-staleness``): the engines' current
     weight version minus the group's oldest (stalest trajectory's) version. Unset: measured, not capped."""
@@ -158,9 +190,11 @@ class AgentLoopConfig:
     heartbeat_interval_s: float = 2.0
     """How often an agent worker heartbeats to the broker."""
     tool: ToolConfig = field(default_factory=ToolConfig)
+    python: PythonToolConfig = field(default_factory=PythonToolConfig)
 
     def __post_init__(self):
         non_negative(self.max_actor_accept_staleness, "agentloop.max_actor_accept_staleness")
+        positive(self.tool_timeout_s, "agentloop.tool_timeout_s")
         positive(self.max_turns, "agentloop.max_turns")
         positive(self.max_tokens_per_turn, "agentloop.max_tokens_per_turn")
         positive(self.max_total_tokens, "agentloop.max_total_tokens")

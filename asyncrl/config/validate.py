@@ -356,9 +356,15 @@ def check_inputs(cfg: Config) -> None:
                 raise ConfigError(f"{key}: {path!r} has no config.json; is it a HF checkpoint directory?")
         elif not p.is_file():
             raise ConfigError(f"{key}: {path!r} does not exist or is not a file")
+    check_hooks(cfg)
+    check_wandb(cfg)
+
+
+def check_hooks(cfg: Config) -> None:
+    """Every ``module:attr`` hook the config names imports and is callable (``ConfigError`` naming the key): run by
+    the dry run too, before anything starts."""
     for key, spec in _hooks(cfg):
         import_hook(spec, key)
-    check_wandb(cfg)
 
 
 def check_wandb(cfg: Config) -> None:
@@ -393,8 +399,8 @@ def resolve_hook(spec: str, key: str):
         raise ConfigError(f"{key}: expected 'module:attr' (e.g. 'my_pkg.filters:drop_easy'), got {spec!r}")
     try:
         mod = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"{key}: cannot import module {module!r} of {spec!r}: {e}") from None
+    except Exception as e:  # ImportError, or the module's own error (a SyntaxError, a failing import inside it)
+        raise ConfigError(f"{key}: cannot import module {module!r} of {spec!r}: {type(e).__name__}: {e}") from None
     obj = mod
     for part in attr.split("."):
         if not hasattr(obj, part):

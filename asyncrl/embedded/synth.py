@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.agent.tasks import searchr1
+from asyncrl.agent.envs import searchr1
 from asyncrl.agent.tools.bm25 import BM25Retriever
 
 # Small, regular syllable sets: names stay short in a tokenizer trained on this corpus.

@@ -60,8 +60,8 @@ from typing import Any, Literal, Optional
 
 from asyncrl.actor.checkpoint import CheckpointManager
 from asyncrl.agent.data.loaders import load_prompts
+from asyncrl.agent.envs import get_env, load_reward, make_tools, tool_specs
 from asyncrl.agent.loop import AgentLoop, EngineHandle, summarize_eval
-from asyncrl.agent.tasks import get_task
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import check_retriever, make_retriever
 from asyncrl.config.validate import resolve_hook as import_path
@@ -144,8 +144,13 @@ class EngineEvaluator:
     def __init__(self, cfg: Any, engine_urls: list[str], *, tokenizer_path: str, role: str = "actor rank 0 (eval)"):
         self.cfg, self.engine_urls = cfg, engine_urls
         self.tokenizer = AgentTokenizer.from_pretrained(tokenizer_path)
-        self.retriever = make_retriever(cfg.agentloop.tool)
-        check_retriever(cfg.agentloop.tool, role=role)  # an unreachable tool URL fails here, not as accuracy 0
+        self.env = get_env(cfg.agentloop.task_name)
+        self.reward = load_reward(cfg.agentloop.reward_path) if cfg.agentloop.reward_path else None
+        self.specs = tool_specs(cfg, self.env)
+        self.retriever = None
+        if "search" in self.specs:
+            self.retriever = make_retriever(cfg.agentloop.tool)
+            check_retriever(cfg.agentloop.tool, role=role)  # an unreachable tool URL fails here, not as accuracy 0
         self._items: dict[str, list] = {}
 
     def items(self, name: str, path: str) -> list:
@@ -162,11 +167,14 @@ class EngineEvaluator:
 
         async def run() -> dict[str, dict]:
             clients = [SGLangClient.from_config(u, cfg.rollout) for u in self.engine_urls]
+            tools: dict = {}
             try:
+                tools = await make_tools(self.specs, cfg, retriever=self.retriever)
                 loop = AgentLoop(
-                    task=get_task(cfg.agentloop.task_name),
+                    env=self.env,
                     tokenizer=self.tokenizer,
-                    retriever=self.retriever,
+                    tools=tools,
+                    reward=self.reward,
                     agent_cfg=cfg.agentloop,
                     sampling=cfg.rollout.sampling,
                     rid_prefix="eval",
@@ -185,7 +193,7 @@ class EngineEvaluator:
                         )
                     )
                     raise_tool_failures(trajs, name)
-                    summary = summarize_eval(trajs)
+                    summary = summarize_eval(trajs, reward_name=self.env.reward_name)
                     done = [t for t in trajs if not t.aborted]
                     summary["response_len"] = sum(len(t.response_ids) for t in done) / len(done) if done else 0.0
                     summary.update(weight_version_summary(done))
@@ -194,6 +202,9 @@ class EngineEvaluator:
             finally:
                 for c in clients:
                     await c.close()
+                for t in tools.values():  # the search tool's retriever serves the next eval too
+                    if t.name != "search":
+                        await t.close()
 
         return asyncio.run(run())
 
@@ -227,9 +238,9 @@ def raise_tool_failures(trajs: list, dataset: str) -> None:
 
 
 def engine_eval_metrics(results: dict[str, dict]) -> dict[str, float]:
-    """``{name: summary}`` -> ``eval/<name>/accuracy``, ``response_len``, ``num_turns``, ``num_tool_calls``, ..."""
+    """``{name: summary}`` -> ``eval/<name>/<reward name>`` (``accuracy`` for Search-R1, else ``mean_reward`` or the
+    environment's own), ``response_len``, ``num_turns``, ``num_tool_calls``, ..., ``env/<metric>``."""
     keys = {
-        "accuracy": "accuracy",
         "response_len": "response_len",
         "mean_turns": "num_turns",
         "mean_tool_calls": "num_tool_calls",
@@ -241,9 +252,11 @@ def engine_eval_metrics(results: dict[str, dict]) -> dict[str, float]:
     }
     out = {}
     for name, summary in results.items():
-        for src, dst in keys.items():
+        reward = summary.get("reward_name", "accuracy")
+        for src, dst in {reward: reward, **keys}.items():
             if src in summary:
                 out[f"eval/{name}/{dst}"] = float(summary[src])
+        out.update((f"eval/{name}/{k}", float(v)) for k, v in summary.items() if k.startswith("env/"))
     return out
 
 
@@ -333,7 +346,7 @@ class PeriodicEval:
         log.info(
             "eval at step %d on the shared engines: %s",
             step,
-            {k: round(v, 4) for k, v in m.items() if k.endswith("/accuracy")},
+            {k: round(v, 4) for k, v in m.items() if k.endswith(("/accuracy", "/mean_reward"))},
         )
         return m
 

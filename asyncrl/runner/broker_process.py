@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from asyncrl.agent.data.loaders import load_prompts
-from asyncrl.agent.tasks import get_task
+from asyncrl.agent.envs import get_env, tool_cards, tool_specs
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.broker.dataloader import drop_long_prompts
 from asyncrl.broker.serve import run_broker
@@ -119,7 +119,8 @@ def skip_long_prompts(cfg, prompts: list) -> tuple[list, list[tuple[int, int]]]:
     run on its own) there is nothing to count with: nothing is skipped, with a warning for a missing tokenizer."""
     if not cfg.agentloop.task_name:
         return prompts, []
-    task = get_task(cfg.agentloop.task_name)
+    env = get_env(cfg.agentloop.task_name)
+    cards = tool_cards(tool_specs(cfg, env))
     path = cfg.rollout.model_path or cfg.actor.model_path
     try:
         tok = AgentTokenizer.from_pretrained(path)
@@ -129,7 +130,7 @@ def skip_long_prompts(cfg, prompts: list) -> tuple[list, list[tuple[int, int]]]:
     chat = cfg.agentloop.chat_template
 
     def count(item) -> int:
-        return len(tok.encode(task.build_prompt(item.prompt, chat_template=chat, tokenizer=tok)))
+        return len(tok.encode(env.prompt(item, tools=cards, chat_template=chat, tokenizer=tok)))
 
     kept, skipped = drop_long_prompts(prompts, count, cfg.data.max_prompt_tokens)
     if skipped:

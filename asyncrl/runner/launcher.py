@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.actor.memory import GIB, USABLE_FRACTION, ModelShape, estimate_actor_memory, known_shape
+from asyncrl.agent.envs import check_agent
 from asyncrl.cluster import process
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.config import Config, ConfigError, load_config, validate
@@ -54,7 +55,7 @@ from asyncrl.config.derive import explain
 from asyncrl.config.flags import flag_answer, unknown_flags
 from asyncrl.config.placement import Placement, parse_placement
 from asyncrl.config.render import render_config
-from asyncrl.config.validate import check_inputs, job_world_size
+from asyncrl.config.validate import check_hooks, check_inputs, job_world_size
 from asyncrl.models.spec import ACTOR, CPU_ENGINE, ModelSpec, require
 from asyncrl.runner import roles
 from asyncrl.trainer.guards import PREEMPT_EXIT_CODE, PREEMPTED_MARKER, Preempted, ignore_preempt_signal
@@ -392,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         check_models(cfg)  # before the memory estimate, which reads the same config.json
         memory_line = actor_memory(cfg, placement)
+        check_hooks(cfg)  # every module:attr imports, and the environment, its tools and reward: dry run or not
+        agent_lines = check_agent(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -400,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config warning: {w}", file=sys.stderr)
     if args.dry_run:
         try:
-            _print_dry_run(args, cfg, placement, memory_line)
+            _print_dry_run(args, cfg, placement, memory_line + "".join(f"\n# {x}" for x in agent_lines))
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

@@ -224,7 +224,8 @@ class Leader:
             m = engine_eval_metrics({"test": result})
             m["eval/time_seconds"] = time.perf_counter() - t0
             self.writer.log(self.hooks.eval(step, m), step)
-        log.info("held-out accuracy %s training: %s", "before" if release else "after", json.dumps(result))
+        name = result.get("reward_name", "score").replace("_", " ")
+        log.info("held-out %s %s training: %s", name, "before" if release else "after", json.dumps(result))
         self.summary["eval_before" if release else "eval_after"] = result
         return result
 

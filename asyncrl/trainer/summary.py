@@ -63,13 +63,23 @@ def record_step(summary: dict, m: dict) -> None:
     )
 
 
-def _accuracy(cfg, before: float | None, after: float | None) -> str:
-    """The summary's held-out accuracy: ``n/a`` for a point not measured (a resumed run has no "before")."""
+def _held_out(cfg, before: float | None, after: float | None) -> str:
+    """The summary's held-out score: ``n/a`` for a point not measured (a resumed run has no "before")."""
     if not cfg.runner.eval_before_after:
         return "not measured (runner.eval_before_after = false)"
     return " -> ".join(
         f"{when} {'n/a' if v is None else f'{v:.3f}'}" for when, v in (("before", before), ("after", after))
     )
+
+
+def _reward_name(cfg) -> str:
+    """The environment's name for its mean reward (``accuracy``, ``mean_reward``, ...); unset: Search-R1's, as the worker."""
+    try:
+        from asyncrl.agent.envs import get_env
+
+        return getattr(get_env(cfg.agentloop.task_name or "searchr1"), "reward_name", "mean_reward")
+    except Exception:  # no environment (a broker-only run): the generic name
+        return "mean_reward"
 
 
 def print_summary(cfg, summary: dict, run_dir: Path) -> None:
@@ -82,14 +92,18 @@ def print_summary(cfg, summary: dict, run_dir: Path) -> None:
         vals = [s[key] for s in steps if s.get(key) is not None]
         return statistics.mean(vals) if vals else 0.0
 
+    evals = [summary.get("eval_before") or {}, summary.get("eval_after") or {}]
+    name = next((e["reward_name"] for e in evals if e.get("reward_name")), None)
+    name = name or ("accuracy" if any("accuracy" in e for e in evals) else _reward_name(cfg))
     out = {
         "mode": "async" if cfg.runner.async_mode else "sync",
         "steps": len(steps),
         "reward_first5": first,
         "reward_last5": last,
         "reward_gain": last - first,
-        "test_accuracy_before": summary.get("eval_before", {}).get("accuracy"),
-        "test_accuracy_after": summary.get("eval_after", {}).get("accuracy"),
+        "test_score_name": name,
+        f"test_{name}_before": evals[0].get(name),
+        f"test_{name}_after": evals[1].get(name),
         "staleness_mean": avg("rollout/data_staleness/mean"),
         "staleness_max": summary["staleness_max"],
         "dropped_groups": summary["drops"],
@@ -107,7 +121,8 @@ def print_summary(cfg, summary: dict, run_dir: Path) -> None:
         "=" * 72,
         f"asyncrl summary ({out['mode']}, {out['steps']} steps, run dir {run_dir})",
         f"  reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f} (gain {last - first:+.3f})",
-        "  held-out accuracy: " + _accuracy(cfg, out["test_accuracy_before"], out["test_accuracy_after"]),
+        f"  held-out {name.replace('_', ' ')}: "
+        + _held_out(cfg, out[f"test_{name}_before"], out[f"test_{name}_after"]),
         f"  staleness: mean {out['staleness_mean']:.2f}, max {out['staleness_max']:.0f}; "
         f"dropped groups {out['dropped_groups']:.0f}",
         f"  time/step {out['time/step']:.2f}s = training {out['time/training']:.2f}s + wait_data "

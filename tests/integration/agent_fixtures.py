@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.agent.tasks import searchr1
+from asyncrl.agent.envs import searchr1
 from asyncrl.cluster.ports import free_port
 
 LOGIT_SCALE = 30.0

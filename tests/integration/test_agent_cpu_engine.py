@@ -11,8 +11,8 @@ import asyncio
 import pytest
 from agent_fixtures import make_scripted_model, start_cpu_engine, start_retrieval_server
 
+from asyncrl.agent.envs import get_env, searchr1
 from asyncrl.agent.loop import AgentLoop, EngineHandle
-from asyncrl.agent.tasks import get_task, searchr1
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools.bm25 import BM25Retriever
 from asyncrl.agent.tools.http_retriever import HttpRetriever
@@ -44,7 +44,7 @@ def make_loop(model, retriever, **kw):
         **kw,
     )
     return AgentLoop(
-        task=get_task("searchr1"),
+        env=get_env("searchr1"),
         tokenizer=AgentTokenizer.from_pretrained(model.path),
         retriever=retriever,
         agent_cfg=cfg,

@@ -12,8 +12,8 @@ import pytest
 from proc_helpers import free_port
 from test_retrieval_server import DOCS, start_server
 
+from asyncrl.agent.envs import get_env, searchr1
 from asyncrl.agent.loop import AgentLoop, EngineHandle
-from asyncrl.agent.tasks import get_task, searchr1
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import RetrieverError, check_retriever
 from asyncrl.agent.tools.http_retriever import HttpRetriever
@@ -87,7 +87,7 @@ def test_eval_with_the_retriever_gone_is_an_error_naming_the_url(server, tok):
         tool=ToolConfig(retriever="http", retriever_url=url, topk=1),
     )
     loop = AgentLoop(
-        task=get_task("searchr1"),
+        env=get_env("searchr1"),
         tokenizer=tok,
         retriever=retriever,
         agent_cfg=cfg,

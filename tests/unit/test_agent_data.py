@@ -5,7 +5,7 @@ import json
 import pytest
 
 from asyncrl.agent.data.loaders import load_prompts
-from asyncrl.agent.tasks import searchr1
+from asyncrl.agent.envs import searchr1
 from asyncrl.agent.tools.bm25 import BM25Retriever
 from asyncrl.embedded.synth import make_sft_demos, write_dataset
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from asyncrl.agent.engine_handle import gen_output, token_versions
+from asyncrl.agent.envs import get_env, searchr1
 from asyncrl.agent.loop import AgentLoop, EngineError, EngineHandle
-from asyncrl.agent.tasks import get_task, searchr1
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.agent.tools import RetrieverError
 from asyncrl.agent.tools.bm25 import BM25Retriever
@@ -109,7 +109,7 @@ def make_loop(tok, **agent_kw):
         **{"max_turns": 3, "max_tokens_per_turn": 24, "max_total_tokens": 400, **agent_kw},
     )
     return AgentLoop(
-        task=get_task("searchr1"),
+        env=get_env("searchr1"),
         tokenizer=tok,
         retriever=BM25Retriever(DOCS),
         agent_cfg=cfg,
@@ -201,7 +201,7 @@ def test_total_length_limit_cuts_cleanly(tok):
 
 def test_observation_cut_keeps_closing_tag(tok):
     loop = make_loop(tok, max_obs_tokens=12)
-    obs = loop.observation_ids(DOCS)
+    obs = loop.observation_ids(searchr1.format_observation(DOCS))
     assert len(obs) == 12
     assert tok.decode(obs).endswith("</information>\n\n") and tok.decode(obs).startswith("\n\n<information>")
 

@@ -4,8 +4,8 @@ and the cut is refused where ``tokenizers`` would not split there."""
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
+from asyncrl.agent.envs import get_env, searchr1
 from asyncrl.agent.loop import AgentLoop
-from asyncrl.agent.tasks import get_task, searchr1
 from asyncrl.agent.tokenizer import AgentTokenizer
 from asyncrl.broker.types import PromptItem
 from asyncrl.config.schema import AgentLoopConfig, SamplingConfig
@@ -34,7 +34,7 @@ def tok(tmp_path_factory):
 @pytest.mark.parametrize("chat", [False, True])
 def test_prompt_ids_equal_a_full_encode_and_skip_the_head(tok, chat):
     loop = AgentLoop(
-        task=get_task("searchr1"),
+        env=get_env("searchr1"),
         tokenizer=tok,
         retriever=None,
         agent_cfg=AgentLoopConfig(chat_template=chat),

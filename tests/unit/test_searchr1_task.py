@@ -2,16 +2,17 @@
 
 import pytest
 
-from asyncrl.agent.tasks import Action, available_tasks, get_task
-from asyncrl.agent.tasks import searchr1 as s
+from asyncrl.agent.envs import available_envs, get_env
+from asyncrl.agent.envs import searchr1 as s
+from asyncrl.agent.envs.searchr1 import Action
 
 
 def test_registry_finds_searchr1_and_rejects_unknown():
-    assert get_task("searchr1") is s.TASK
-    assert "searchr1" in available_tasks()
+    assert get_env("searchr1") is s.TASK
+    assert "searchr1" in available_envs()
     with pytest.raises(ValueError, match="agentloop.task_name"):
-        get_task("no_such_task")
-    assert get_task("asyncrl.agent.tasks.searchr1:TASK") is s.TASK
+        get_env("no_such_task")
+    assert get_env("asyncrl.agent.envs.searchr1:TASK") is s.TASK
 
 
 def test_base_prompt_is_search_r1_template():

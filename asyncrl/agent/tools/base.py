@@ -1,4 +1,10 @@
-"""The retriever interface both implementations share (``bm25``, ``http``) and its one error type.
+"""The tool interface every tool satisfies, its two error types, and the retriever interface (``bm25``, ``http``).
+
+- ``Tool``: a name the model calls it by, a description and JSON schema (what chat templates render), and an async
+  ``call`` with a deadline. ``ToolError``: a failure the policy sees (the message is the observation, counted in
+  ``tool/<name>/errors``); ``ToolUnavailable``: the tool's infrastructure failed, the trajectory is aborted and
+  its group retried (``RetrieverError`` is one).
+- ``Retriever``: what the ``search`` tool (``asyncrl.agent.tools.search``) calls.
 
 class MyRetriever:  # satisfies Retriever
     name = "my-index"
@@ -9,10 +15,36 @@ class MyRetriever:  # satisfies Retriever
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
-class RetrieverError(RuntimeError):
+class ToolError(RuntimeError):
+    """A tool call failed in a way the policy should see: the message becomes the observation (and counts in the
+    metric tool/<name>/errors). Never aborts the trajectory."""
+
+
+class ToolUnavailable(RuntimeError):
+    """The tool's infrastructure failed (not the call's arguments): the trajectory is aborted, never scored, and
+    the broker retries the group (RetrieverError is one)."""
+
+
+class Tool(Protocol):
+    name: str
+    """What the model calls it by (a tag name or a function name): [A-Za-z_][A-Za-z0-9_]*"""
+    description: str
+    parameters: dict
+    """JSON schema of the arguments object, e.g. {"type": "object", "properties": {"code": {"type": "string"}},
+    "required": ["code"]}"""
+
+    async def call(self, arguments: dict, *, timeout_s: float) -> Any:
+        """The result (the environment formats it into observation text; str is the common case). Raises ToolError
+        for a failure the policy should see. Must return or raise within timeout_s (the agent loop also enforces
+        it with asyncio.wait_for and counts a timeout as an error)."""
+
+    async def close(self) -> None: ...
+
+
+class RetrieverError(ToolUnavailable):
     """A retrieval failed for good (after retries); the message names the URL or corpus."""
 
 

@@ -1,4 +1,4 @@
-"""The Search-R1 task: prompt template, action parser, observation format, exact-match reward.
+"""The Search-R1 environment: prompt template, action parser, observation format, exact-match reward.
 
 Texts and rules as in the Search-R1 repository (see shared/notes/search-r1.md):
 - prompt: the base template with the question (``?`` appended when missing) and a trailing
@@ -12,6 +12,10 @@ Texts and rules as in the Search-R1 repository (see shared/notes/search-r1.md):
   no punctuation, no a/an/the, single spaces), equals a normalized gold answer, else 0.0. Only
   generated text is ever scored, so the example ``<answer> Beijing </answer>`` of the prompt
   cannot count.
+
+``ENV`` (``SearchR1Env``) is this on the environment interface (``asyncrl.agent.envs.base``): the ``search`` tool,
+``TagFormat`` with Search-R1's tags and texts, ``reward_name = "accuracy"``. A custom reward is a subclass that
+overrides ``reward(generated_text, answers)``, or ``agentloop.reward_path``.
 """
 
 from __future__ import annotations
@@ -19,9 +23,20 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from asyncrl.agent.tasks import Action
+from asyncrl.agent.envs.base import Environment, Parsed, Score, ToolCall, ToolResult
+from asyncrl.agent.envs.formats import TagFormat, result_text
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["search", "answer", "invalid"]
+    """``search``/``answer`` when a complete tag pair was found, else ``invalid``."""
+    content: str = ""
+    """The stripped text between the tags (empty for ``invalid``)."""
+
 
 PROMPT_TEMPLATE = (
     "Answer the given question. "
@@ -128,12 +143,48 @@ def compute_reward(generated_text: str, answers: Sequence[str]) -> float:
     return 1.0 if exact_match(answer, answers) else 0.0
 
 
-class SearchR1Task:
+class SearchR1Env(Environment):
     name = "searchr1"
+    tools = ("search",)
+    reward_name = "accuracy"
+    format = TagFormat(
+        calls={"search": ("search", "query")},
+        answer_tag="answer",
+        result_open=OBSERVATION_HEAD,
+        result_close=OBSERVATION_TAIL,
+        invalid=INVALID_ACTION_MESSAGE,
+    )
     stop = STOP
     invalid_action_message = INVALID_ACTION_MESSAGE
-    observation_tail = OBSERVATION_TAIL
 
+    def prompt(self, item, *, tools=(), chat_template: bool = False, tokenizer: Any = None) -> str:
+        return self.build_prompt(item.prompt, chat_template=chat_template, tokenizer=tokenizer)
+
+    def parse(self, generated_text: str) -> Parsed:
+        action = self.parse_action(generated_text)
+        if action.kind == "answer":
+            return Parsed(answer=action.content)
+        if action.kind == "search":
+            return Parsed(calls=(ToolCall("search", {"query": action.content}),))
+        return Parsed()
+
+    def observe(self, results: Sequence[ToolResult], **_) -> str:
+        """The information block of the search's documents (an error, e.g. a call of another tool, in its place)."""
+        return "".join(
+            self.format_observation(r.output) if r.ok else f"{OBSERVATION_HEAD}{result_text(r)}{OBSERVATION_TAIL}"
+            for r in results
+        )
+
+    def observation_tail(self) -> str:
+        return OBSERVATION_TAIL
+
+    def invalid_observation(self, parsed: Parsed) -> str:
+        return self.invalid_action_message
+
+    def score(self, item, generated_text: str) -> Score:
+        return Score(float(self.reward(generated_text, item.answers)))
+
+    # Search-R1's own API, kept for subclasses and tests
     def build_prompt(self, question: str, *, chat_template: bool = False, tokenizer: Any = None) -> str:
         return build_prompt(question, chat_template=chat_template, tokenizer=tokenizer)
 
@@ -147,4 +198,8 @@ class SearchR1Task:
         return compute_reward(generated_text, answers)
 
 
-TASK = SearchR1Task()
+SearchR1Task = SearchR1Env
+"""The name custom Search-R1 rewards subclassed before environments existed."""
+
+ENV = SearchR1Env()
+TASK = ENV
