@@ -18,7 +18,8 @@ no test answer appears as a training answer. The same seed gives byte-identical 
 
 ``make_sft_demos(rows, retriever, ...)`` builds demonstration trajectories as text segments
 (some search and copy correctly, some answer a wrong span, some guess without searching) for a
-supervised warm start.
+supervised warm start; ``warm_start_demos(cfg, ...)`` and ``prepare_data(cfg, ...)`` are what the embedded
+default's preparation calls (``asyncrl.embedded.DATA_MODULES``).
 """
 
 from __future__ import annotations
@@ -286,7 +287,40 @@ def _wrong_answer(rng: random.Random, answers: list[str], pool: list[str]) -> st
     raise RuntimeError("no wrong answer candidate in the pool")
 
 
+def warm_start_demos(cfg, *, data_dir: Path, num_demos: int) -> list[dict]:
+    """The warm start's demonstrations (``asyncrl.embedded.warm_start``): ``make_sft_demos`` over the training rows,
+    BM25 over the corpus (each query searched once), ``prepare.sft_*`` fractions."""
+    from asyncrl.agent.data.loaders import load_rows
+    from asyncrl.agent.tools.bm25 import read_corpus
+
+    rows = load_rows(Path(data_dir) / "train.jsonl")
+    bm25 = BM25Retriever(read_corpus(Path(data_dir) / "corpus.jsonl"))
+    cache: dict[tuple[str, int], list[dict]] = {}
+
+    def search(queries: list[str], k: int) -> list[list[dict]]:  # demos repeat queries: search each once
+        missing = [q for q in dict.fromkeys(queries) if (q, k) not in cache]
+        if missing:
+            for q, docs in zip(missing, bm25.search(missing, k)[0]):
+                cache[(q, k)] = docs
+        return [cache[(q, k)] for q in queries]
+
+    return make_sft_demos(
+        rows,
+        search,
+        num_demos=num_demos,
+        seed=cfg.prepare.seed + 1,
+        topk=cfg.agentloop.tool.topk,
+        correct_fraction=cfg.prepare.sft_correct_fraction,
+        wrong_copy_fraction=cfg.prepare.sft_wrong_copy_fraction,
+    )
+
+
 # ---------------------------------------------------------------- files
+
+
+def prepare_data(cfg, out_dir: Path) -> dict[str, Path]:
+    """``prepare_if_needed``'s data stage: ``prepare.num_entities`` countries, ``prepare.seed``."""
+    return write_dataset(out_dir, seed=cfg.prepare.seed, num_countries=cfg.prepare.num_entities)
 
 
 def write_dataset(

@@ -1,13 +1,14 @@
 """The embedded default's supervised warm start: demonstrations of the tool format, and the loop that trains on them.
 
 Contract
-- ``build_demo_examples(cfg, data_dir=, tokenizer=, num_demos=)``: demonstration trajectories of the synthetic
-  search-QA (``asyncrl.embedded.synth.make_sft_demos``, BM25 over the corpus) as ``(ids, loss_mask)``, each
-  segment tokenized on its own as the agent loop does (generated turns mask 1, prompt and information blocks 0).
+- ``build_demo_examples(cfg, data_dir=, tokenizer=, num_demos=)``: demonstration trajectories of the config's
+  environment (``asyncrl.embedded.DATA_MODULES``: the synthetic search-QA's ``synth.make_sft_demos`` with BM25 over
+  the corpus, or ``arith.make_demos``) as ``(ids, loss_mask)``, each segment tokenized on its own as the agent loop
+  does (generated turns mask 1, prompt and observations 0).
 - ``warm_start(cfg, data_dir=, base_dir=, out_dir=)``: trains the plain-PyTorch decoder
   (``asyncrl.models.torch_decoder``, one process, before any Megatron world exists) on fresh demonstrations
   (``prepare.sft_*``), writes the HF checkpoint into ``out_dir`` and returns its loss figures. Only
-  ``prepare.sft_correct_fraction`` of the demos search and copy the right answer, so RL has room to improve.
+  ``prepare.sft_correct_fraction`` of the demos use the tool and copy the right answer, so RL has room to improve.
   Deterministic for a given ``prepare.seed``. Its torch threads: ``choose_threads`` (pure) from the load average at
   its start, unless ``prepare.num_threads`` sets them; one log line says how many and why.
 
@@ -30,10 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from asyncrl.agent.data.loaders import load_rows
 from asyncrl.agent.tokenizer import AgentTokenizer
-from asyncrl.agent.tools.bm25 import BM25Retriever, read_corpus
-from asyncrl.embedded.synth import make_sft_demos
+from asyncrl.embedded import data_module
 from asyncrl.models.torch_decoder import TorchDecoder
 
 log = logging.getLogger("asyncrl.prepare")
@@ -42,29 +41,10 @@ MAX_DEMOS = 25_000  # bounds the demo set's memory and build time (~1 KB and ~0.
 
 
 def build_demo_examples(cfg, *, data_dir: Path, tokenizer, num_demos: int) -> list[tuple[list[int], list[int]]]:
-    """Demonstrations as (ids, loss_mask): prompt (mask 0), each segment tokenized on its own as
-    the agent loop does (generated turns mask 1, information blocks mask 0)."""
-    rows = load_rows(data_dir / "train.jsonl")
-    bm25 = BM25Retriever(read_corpus(data_dir / "corpus.jsonl"))
-    topk = cfg.agentloop.tool.topk
-    cache: dict[tuple[str, int], list[dict]] = {}
-
-    def search(queries: list[str], k: int) -> list[list[dict]]:  # demos repeat queries: search each once
-        missing = [q for q in dict.fromkeys(queries) if (q, k) not in cache]
-        if missing:
-            for q, docs in zip(missing, bm25.search(missing, k)[0]):
-                cache[(q, k)] = docs
-        return [cache[(q, k)] for q in queries]
-
-    demos = make_sft_demos(
-        rows,
-        search,
-        num_demos=num_demos,
-        seed=cfg.prepare.seed + 1,
-        topk=topk,
-        correct_fraction=cfg.prepare.sft_correct_fraction,
-        wrong_copy_fraction=cfg.prepare.sft_wrong_copy_fraction,
-    )
+    """Demonstrations of the config's environment (``asyncrl.embedded.data_module``: its ``warm_start_demos``) as
+    (ids, loss_mask): prompt (mask 0), each segment tokenized on its own as the agent loop does (generated turns
+    mask 1, observations mask 0, cut to ``agentloop.tool.max_obs_tokens``)."""
+    demos = data_module(cfg.agentloop.task_name).warm_start_demos(cfg, data_dir=data_dir, num_demos=num_demos)
     encoded: dict[str, list[int]] = {}  # prompts, queries and retrieved blocks repeat across demos
 
     def encode(text: str) -> list[int]:

@@ -1,6 +1,9 @@
 """Preparation of the embedded default, made on first use and cached under ``prepare.dir``.
 
-    dir/data/{corpus,train,test}.jsonl (+ .parquet, tokenizer_text.txt)   synthetic search-QA
+    dir/data/{corpus,train,test}.jsonl (+ .parquet, tokenizer_text.txt)   synthetic search-QA (``searchr1``), or
+                                                                          the config's environment's own data
+                                                                          (``asyncrl.embedded.DATA_MODULES``:
+                                                                          ``arith``: train/test word problems)
     dir/model/                                                            tiny Qwen2 (or Qwen3-MoE:
                                                                           ``prepare.arch``), random weights,
                                                                           tokenizer trained on the data
@@ -14,10 +17,12 @@ output depends on). A cached stage made by another recipe, or by an asyncrl that
 again, with a warning that names the settings that differ: a changed ``prepare`` key takes effect, it is never
 accepted and ignored. A stage's recipe includes the ones before it, so the stages after a remade one are remade
 too. ``upto`` stops after a stage (``tools/warm_start_curve.py`` needs the data and the random model only). The
-stages themselves live below the
-runner: the data generator ``asyncrl.embedded.synth``, the tiny checkpoint ``asyncrl.models.tiny`` and the
-warm start ``asyncrl.embedded.warm_start`` (which teaches the tool format from demonstrations of which only
-``prepare.sft_correct_fraction`` search and copy the right answer, so RL has room to improve).
+stages themselves live below the runner: the data generators (``asyncrl.embedded.DATA_MODULES`` by
+``agentloop.task_name``: ``synth`` for ``searchr1`` and any environment without data of its own, ``arith`` for
+``arith``; the data recipe records ``env`` when it is not ``searchr1``), the tiny checkpoint
+``asyncrl.models.tiny`` and the warm start ``asyncrl.embedded.warm_start`` (which teaches the tool format from
+demonstrations of which only ``prepare.sft_correct_fraction`` call the tool and copy the right answer, so RL has
+room to improve).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from asyncrl.embedded.synth import write_dataset
+from asyncrl.embedded import DEFAULT_ENV, data_env, data_module
 from asyncrl.embedded.warm_start import warm_start
 from asyncrl.models.tiny import make_tiny_checkpoint
 
@@ -41,6 +46,9 @@ def recipes(cfg) -> dict[str, dict]:
     recorded in its ``.done`` marker, compared on later runs (``prepare_if_needed``)."""
     p, a = cfg.prepare, cfg.agentloop
     data = {"seed": p.seed, "num_entities": p.num_entities}
+    env = data_env(a.task_name)
+    if env != DEFAULT_ENV:  # recorded only when not Search-R1's data: its cached stages stay valid
+        data["env"] = env
     model = data | {"vocab_size": p.vocab_size, "hidden_size": p.hidden_size, "num_layers": p.num_layers}
     if p.arch != "qwen2":  # recorded only when not the default: the dense default's cached stages stay valid
         model["arch"] = p.arch
@@ -97,9 +105,9 @@ def prepare_if_needed(cfg, *, upto: str = "model_sft") -> dict[str, Path]:
             _drop_if_drifted(stage, made[stage.name])
     if not _done(data):
         t0 = time.time()
-        write_dataset(data, seed=p.seed, num_countries=p.num_entities)
+        data_module(cfg.agentloop.task_name).prepare_data(cfg, data)
         _mark(data, made["data"])
-        log.info("prepare: synthetic data in %s (%.1fs)", data, time.time() - t0)
+        log.info("prepare: synthetic %s data in %s (%.1fs)", data_env(cfg.agentloop.task_name), data, time.time() - t0)
     if base in stages and not _done(base):
         t0 = time.time()
         moe = {"moe_intermediate_size": p.hidden_size // 2} if p.arch == "qwen3_moe" else {}
