@@ -132,8 +132,15 @@ class AgentTokenizer:
         return self.tokenizer.get_vocab_size()
 
     def apply_chat_template(
-        self, messages: list[dict], *, add_generation_prompt: bool = True, tokenize: bool = False
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        tools: list[dict] | None = None,
     ) -> Any:
+        """The rendered conversation; ``tools``: function schemas (``asyncrl.agent.envs.tool_schemas``), which a
+        template that supports them (Qwen2.5/Qwen3) renders into its system prompt, as HF's ``tools=``."""
         if not self.chat_template:
             raise ValueError(f"agentloop.chat_template = true but the tokenizer at {self.path!r} has no chat_template")
         if self._template is None:
@@ -143,11 +150,19 @@ class AgentTokenizer:
             def raise_exception(message):
                 raise jinja2.exceptions.TemplateError(message)
 
+            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+                # as HF's: plain JSON (jinja's own filter escapes <, >, & for HTML)
+                return json.dumps(
+                    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+                )
+
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
+            env.filters["tojson"] = tojson
             self._template = env.from_string(self.chat_template)
+        extra = {"tools": tools} if tools else {}
         text = self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages=messages, add_generation_prompt=add_generation_prompt, **extra, **self.special_tokens
         )
         return self.encode(text) if tokenize else text
 

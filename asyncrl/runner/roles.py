@@ -41,6 +41,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from asyncrl.agent.envs import get_env, tool_specs
 from asyncrl.agent.tools import check_retriever
 from asyncrl.agent.worker import EngineWatch, run_worker
 from asyncrl.broker.client import BrokerPing
@@ -280,7 +281,8 @@ def run_rollout(ctx, disc: Discovery) -> int:
     model_path = Path(cfg.rollout.model_path)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"rollout.model_path: no HF checkpoint (config.json) at {str(model_path)!r}")
-    check_retriever(cfg.agentloop.tool, role=f"rollout rank {ctx.rank} (engine {e})")
+    if "search" in tool_specs(cfg, get_env(cfg.agentloop.task_name or "searchr1")):
+        check_retriever(cfg.agentloop.tool, role=f"rollout rank {ctx.rank} (engine {e})")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
     base_gpu = ranks[0] % per_node
     host = local_address()

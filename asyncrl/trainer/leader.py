@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncrl.agent.trajectory import trajectory_metrics
 from asyncrl.broker.client import BrokerClient
 from asyncrl.cluster.discovery import read_count, restarts_key, synced_key
 from asyncrl.config.loader import to_dict
@@ -297,14 +298,16 @@ def wait_batch(broker, recovery, *, step: int, version: int, timeout_s: float, t
 
 def rollout_metrics(groups) -> dict[str, float]:
     """reward/mean, response length, turns and tool calls per trajectory of the trained batch (token fields
-    are the broker's arrays: counted with numpy, never element by element)."""
+    are the broker's arrays: counted with numpy, never element by element); each tool's ``tool/<name>/calls`` and
+    ``tool/<name>/errors`` summed over the batch (``tool/errors``: all of them, and failed retrieval attempts), and
+    the environment's ``env/<name>`` metrics averaged over the trajectories that report them."""
     trajs = [t for g in groups for t in g.trajectories]
     if not trajs:
         return {}
     n = len(trajs)
     bad = sum(not math.isfinite(t.reward) for t in trajs)
     gen_lens = [int(np.count_nonzero(t.loss_mask)) for t in trajs]
-    return {
+    out = {
         "reward/mean": sum(t.reward for t in trajs) / n,
         "rollout/response_length/mean": sum(len(t.response_ids) for t in trajs) / n,
         "rollout/generated_tokens/mean": sum(gen_lens) / n,
@@ -316,6 +319,18 @@ def rollout_metrics(groups) -> dict[str, float]:
         "rollout/nonfinite_rewards": float(bad),
         "tool/errors": float(sum(t.extra.get("tool_errors", 0) for t in trajs)),
     }
+    sums: dict[str, float] = {}
+    env: dict[str, list[float]] = {}
+    for t in trajs:
+        for k, v in trajectory_metrics(t).items():
+            if k.startswith("env/"):
+                env.setdefault(k, []).append(v)
+            else:
+                sums[k] = sums.get(k, 0.0) + v
+    out["tool/errors"] += sum(v for k, v in sums.items() if k.endswith("/errors"))
+    out.update(sums)
+    out.update((k, sum(v) / len(v)) for k, v in env.items())
+    return out
 
 
 def make_recovery(cfg, group, discovery):

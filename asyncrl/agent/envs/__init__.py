@@ -7,7 +7,7 @@ lookup of environments, tools and rewards by name (``registry``).
 """
 
 from asyncrl.agent.envs.base import Environment, Parsed, Score, ToolCall, ToolResult, as_score
-from asyncrl.agent.envs.formats import QwenFormat, TagFormat, describe_tools, tool_schemas
+from asyncrl.agent.envs.formats import QwenFormat, TagFormat, chat_prompt, describe_tools, tool_schemas
 from asyncrl.agent.envs.registry import (
     available_envs,
     check_agent,
@@ -28,6 +28,7 @@ __all__ = [
     "ToolResult",
     "as_score",
     "available_envs",
+    "chat_prompt",
     "check_agent",
     "describe_tools",
     "get_env",

@@ -14,7 +14,8 @@ Contract
   ``tool`` message rendered by the tokenizer's own chat template (``chat_tool_turn``), so the observation is
   exactly what the template would put between the assistant's turn and the next one.
 - ``tool_schemas(tools)``: OpenAI-style function schemas, what chat templates take as ``tools=``;
-  ``describe_tools(tools)``: the same as plain text, for prompts of base models.
+  ``describe_tools(tools)``: the same as plain text, for prompts of base models; ``chat_prompt(tokenizer, content,
+  tools=...)``: a chat model's prompt with the tools rendered by its own template.
 
     fmt = QwenFormat()
     fmt.parse('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>')
@@ -31,7 +32,16 @@ from typing import Any, Optional
 
 from asyncrl.agent.envs.base import Parsed, ToolCall, ToolResult
 
-__all__ = ["QwenFormat", "TagFormat", "ToolCallFormat", "chat_tool_turn", "describe_tools", "result_text"]
+__all__ = [
+    "QwenFormat",
+    "TagFormat",
+    "ToolCallFormat",
+    "chat_prompt",
+    "chat_tool_turn",
+    "describe_tools",
+    "result_text",
+    "tool_schemas",
+]
 
 
 def result_text(result: ToolResult) -> str:
@@ -200,6 +210,16 @@ def tool_schemas(tools: Sequence[Any]) -> list[dict]:
 def describe_tools(tools: Sequence[Any]) -> str:
     """The tools as plain text (for prompts that do not go through a chat template)."""
     return "\n".join(json.dumps(s["function"], ensure_ascii=False) for s in tool_schemas(tools))
+
+
+def chat_prompt(tokenizer, content: str, *, tools: Sequence[Any] = (), system: Optional[str] = None) -> str:
+    """``content`` as the user message (after ``system`` when given), the tools rendered by the tokenizer's chat
+    template (``tools=``, as HF's), and the generation prompt."""
+    if tokenizer is None:
+        raise ValueError("agentloop.chat_template = true needs a tokenizer with a chat template")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    schemas = tool_schemas(tools) or None
+    return tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
 
 
 _SENTINEL = "\u2063ASSISTANT\u2063"

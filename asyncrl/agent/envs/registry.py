@@ -136,7 +136,8 @@ def check_agent(cfg) -> list[str]:
         return []
     env = get_env(a.task_name)
     key = "agentloop.tools" if a.tools is not None else f"agentloop.task_name ({a.task_name!r}: its tools)"
-    names = [_check_spec(s, key) for s in tool_specs(cfg, env)]
+    specs = tool_specs(cfg, env)
+    names = [_check_spec(s, key) for s in specs]
     known = [n for n in names if n]
     dup = sorted({n for n in known if known.count(n) > 1})
     if dup:
@@ -149,7 +150,8 @@ def check_agent(cfg) -> list[str]:
     if a.reward_path:
         load_reward(a.reward_path)
     return [
-        f"environment {a.task_name!r} ({type(env).__name__}), tools: {', '.join(map(str, names)) or 'none'}"
+        f"environment {a.task_name!r} ({type(env).__name__}), tools: "
+        + (", ".join(n or str(s) for n, s in zip(names, specs)) or "none")
         + (f", reward {a.reward_path}" if a.reward_path else "")
     ]
 
