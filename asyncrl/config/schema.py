@@ -364,7 +364,8 @@ class PrepareConfig:
     """Layout: ``dir/data/{corpus,train,test}.jsonl``, ``dir/model`` (random), ``dir/model_sft`` (warm start)."""
     seed: int = 0
     num_entities: int = 200
-    """Synthetic knowledge-base size (entities with facts)."""
+    """Synthetic data size: the knowledge base's made-up countries (``searchr1``'s search-QA), or the training
+    problems of ``arith`` (``agentloop.task_name`` picks the data: ``asyncrl.embedded.DATA_MODULES``)."""
     vocab_size: int = 1024
     """Tokenizer size. Small on purpose: made-up names split into syllable pieces shared by all
     names, so copying a name is learned once for all of them (measured: with 4096, where most
