@@ -172,9 +172,7 @@ def make_demos(
             kind, segments, final = "correct", calc_turn(expression), format_number(evaluate(expression))
         else:
             kind, segments = "guess", []
-            final = answers[0]
-            while final in answers:
-                final = rows[rng.randrange(len(rows))]["golden_answers"][0]
+            final = _wrong_answer(rng, rows, answers)
         segments.append({"text": f"<answer> {final} </answer>", "generated": True})
         generated = "".join(s["text"] for s in segments if s["generated"])
         demos.append(
@@ -188,6 +186,15 @@ def make_demos(
             }
         )
     return demos
+
+
+def _wrong_answer(rng: random.Random, rows: Sequence[dict], answers: list[str]) -> str:
+    """Another row's answer, not one of ``answers``."""
+    for _ in range(100):
+        cand = rows[rng.randrange(len(rows))]["golden_answers"][0]
+        if cand not in answers:
+            return cand
+    raise ValueError("make_demos: no wrong answer among the rows (every row has the same answer?)")
 
 
 def warm_start_demos(cfg, *, data_dir: Path, num_demos: int) -> list[dict]:

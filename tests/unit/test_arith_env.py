@@ -19,6 +19,7 @@ from asyncrl.agent.tools.calculator import CalculatorTool
 from asyncrl.broker.types import PromptItem
 from asyncrl.config import load_config
 from asyncrl.embedded import arith as data
+from asyncrl.embedded import data_env
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.runner import prepare
 
@@ -185,3 +186,8 @@ def test_preparation_makes_the_environments_data_and_records_it(tmp_path):
     assert len(_rows(out["data"] / "train.jsonl")) == 200 and not (out["data"] / "corpus.jsonl").exists()
     assert (out["model_sft"] / "config.json").is_file()
     assert prepare.recipe_drift(out["data"], prepare.recipes(tiny)["data"]) is not None
+
+
+def test_environments_without_data_of_their_own_train_on_the_search_qa():
+    assert data_env("arith") == "arith" and data_env("searchr1") == "searchr1"
+    assert data_env("my_pkg.my_env:ENV") == "searchr1" and data_env(None) == "searchr1"
