@@ -67,6 +67,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 REF_STEPS = 16  # held steps the settled reference throughput averages (long enough to average noise out)
+TRAINING, GENERATION = "training", "generation"  # the side that set a step's pace (``binding_side``)
+
+
+def binding_side(wait_data_s: Optional[float], step_s: Optional[float], *, fed_frac: float = 0.02) -> Optional[str]:
+    """Which side set the pace of a step, from the broker's own clock: ``TRAINING`` when the actor waited at most
+    ``fed_frac`` of the step for its batch (the batch was ready: generation has slack), else ``GENERATION``;
+    None when the wait is not known. Step time alone cannot tell (a loaded machine slows both sides)."""
+    if wait_data_s is None or not step_s or step_s <= 0:
+        return None
+    return TRAINING if wait_data_s <= fed_frac * step_s else GENERATION
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,14 @@ class StepFigures:
     """Requests running in all engines (SGLang ``num_running_reqs``, summed), when reported."""
     queue_reqs: Optional[float] = None
     """Requests queued in all engines (SGLang ``num_queue_reqs``, summed), when reported."""
+    wait_data_s: Optional[float] = None
+    """``time/wait_data``: seconds the actor waited for this step's batch (None: not known, the side is not told)."""
+    step_s: Optional[float] = None
+    """Seconds since the previous hand-off (``rollout/buffer/step_duration_s``)."""
+    arrived_groups: Optional[float] = None
+    """Groups that finished generating during the step."""
+    trained_groups: Optional[int] = None
+    """Groups handed to the actor at this hand-off (``rollout_batch_size``)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,10 @@ class AutotuneSettings:
     """... (the two admission waits together under this fraction) is a ramp, not a point."""
     merge: float = 0.04
     """Points whose x differ by less than this fraction are one point (their T averaged)."""
+    fed_frac: float = 0.02
+    """The actor waiting at most this share of a step for its batch: training set the pace (``binding_side``)."""
+    fed_margin: float = 0.03
+    """Training-bound: trim to this far above the in-flight count that supplies a batch a step (Little's law)."""
 
 
 @dataclass
@@ -165,6 +187,11 @@ class InflightAutotuner:
         self._max_running = 0.0  # the most requests the engines ran on a step so far
         self._queued_at_settle: Optional[bool] = None  # the engines queued at the settled limit
         self._backed_off: Optional[tuple[_Point, int]] = None  # the point and limit that queued, while it drains
+        self._fed: Optional[int] = None  # the smallest limit at which training set the pace (since the last reset)
+        self._starved = 0  # the largest limit below ``_fed`` at which the actor waited while the limit bound
+        self._down_ok = True  # this step may lower the limit by the throughput search (not while the actor waits)
+        self.side: Optional[str] = None
+        """The side that set the last step's pace (``TRAINING``, ``GENERATION``; None: not told)."""
         self.history: list[Change] = []
 
     # ----------------------------------------------------------------- the one entry point
@@ -174,10 +201,20 @@ class InflightAutotuner:
         if self.steps <= self.settings.warmup_steps or f.tokens_per_s <= 0 or f.mean_inflight <= 0:
             return None
         s = self.settings
+        self.side = binding_side(f.wait_data_s, f.step_s, fed_frac=s.fed_frac)
         if self._changed:  # the step right after a change still shows the old limit: not a figure
             self._changed = False
             return None
         draining = f.mean_inflight > f.limit * (1 + s.merge)
+        # generation sets the pace: with the in-flight limit binding, a lower limit can only make the actor wait longer
+        # unless the engines are past saturation, which their queue shows; a throughput that reads flat at a lower
+        # limit, measured at another time, may be a loaded machine (CPU contention), not over-admission
+        self._down_ok = self.side != GENERATION
+        if self.side == GENERATION and self._fed is not None and not draining:
+            if f.limit >= self._fed:
+                self._fed, self._starved = None, 0  # generation got slower at a limit that fed the actor: search again
+            elif f.wait_inflight >= s.binds:
+                return self._starved_at(f)
         self._max_running = max(self._max_running, f.running_reqs or 0.0)
         # queued while the engines run as many requests as they ever did: slots full. A queue while they run far
         # fewer than before is requests waiting for their prefill (the CPU engine's queue at 4 groups of 24 slots)
@@ -191,6 +228,7 @@ class InflightAutotuner:
         if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
+            self._down_ok = True  # the engines' own evidence of over-admission
             point = self._add(f, queued=True)  # a point too: if the lower limit loses throughput, this one was needed
             change = self._move(
                 min(self.limit - 1, math.floor(self.limit * share)),
@@ -199,6 +237,8 @@ class InflightAutotuner:
             self._ceiling = f.limit  # no probe back up to the limit that made the engines queue
             self._backed_off = (point, f.limit) if change is not None else None
             return change
+        if self.side == TRAINING:  # the engines have slack: trim toward the batch supply, never raise
+            return None if draining else self._trim(f)
         if self.settled:
             return self._hold(f)
         if draining:  # a lowered limit takes effect only as groups finish: measure once it has, unless ...
@@ -243,6 +283,39 @@ class InflightAutotuner:
             f"(elasticity {e:.2f}): the queue at {queued_limit} is bursty, not saturation; "
         )
         return self._settle(q, self._add(f), queued_limit, why)
+
+    def _trim(self, f: StepFigures) -> Optional[Change]:
+        """Training set the pace: never raise; lower toward the in-flight count that supplies a batch a step.
+        Little's law: ``mean_inflight = arrival rate x group latency``, so at this step's latency a batch a step
+        (``trained_groups``) takes ``mean_inflight x trained / arrived`` groups in flight (the buffer limit binds
+        while more arrive than training takes); ``fed_margin`` above it, never below a limit that starved."""
+        s = self.settings
+        self._fed = f.limit if self._fed is None else min(self._fed, f.limit)
+        if not f.arrived_groups or not f.trained_groups:
+            return None
+        need = f.mean_inflight * f.trained_groups / f.arrived_groups
+        target = max(need * (1 + s.fed_margin), self._starved + 1)
+        if target >= f.limit * (1 - s.merge):
+            return None  # holds: about what a batch a step takes
+        self.settled = False
+        return self._move(
+            target,
+            f"training sets the pace (the actor waited {f.wait_data_s:.2f} s of a {f.step_s:.1f} s step, the buffer "
+            f"limit bound {f.wait_buffer:.0%} of it): {f.arrived_groups:.0f} groups arrived at {f.mean_inflight:.1f} "
+            f"in flight, {need:.1f} supply a batch of {f.trained_groups}",
+        )
+
+    def _starved_at(self, f: StepFigures) -> Optional[Change]:
+        """The actor waited at a limit trimmed below one that fed it: back up, halfway (geometric) or all the way."""
+        assert self._fed is not None
+        self._starved = max(self._starved, f.limit)
+        fed = self._fed
+        target = math.sqrt(f.limit * fed) if fed / f.limit > self.settings.resolution else fed
+        return self._move(
+            max(target, f.limit + 1),
+            f"generation sets the pace (the actor waited {f.wait_data_s:.2f} s of a {f.step_s:.1f} s step while the "
+            f"in-flight limit bound {f.wait_inflight:.0%} of it): back toward {fed}, which fed it",
+        )
 
     def _forget(self) -> None:
         self._points = []
@@ -350,7 +423,7 @@ class InflightAutotuner:
         new = math.ceil(target - 1e-9)
         new = max(new, math.floor(self.limit / s.max_factor), self.lower)
         new = min(new, math.ceil(self.limit * s.max_factor), self.upper)
-        if new == self.limit:
+        if new == self.limit or (new < self.limit and not self._down_ok):
             return None
         change = Change(self.limit, new, reason)
         self._changed = True

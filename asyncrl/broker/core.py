@@ -86,7 +86,7 @@ from typing import Optional
 
 import numpy as np
 
-from asyncrl.broker.autotune import InflightAutotuner
+from asyncrl.broker.autotune import TRAINING, InflightAutotuner, binding_side
 from asyncrl.broker.buffer import (
     BufferSettings,
     DataBuffer,
@@ -172,6 +172,7 @@ class BrokerCore:
             else None
         )
         self._engines: Optional[tuple[float, float, float]] = None
+        self._side: Optional[str] = None  # the side that set the pace, as last logged (auto)
         self._meter = StepMeter(now=now)
 
     # ----------------------------------------------------------------- read-only state
@@ -328,6 +329,7 @@ class BrokerCore:
             self.counters[problem] += 1
         trajectories = group.trajectories
         self._last_arrival_t = self._last_t
+        self._meter.counts["arrived"] += 1
         if self.autotuner is not None:  # generated tokens of the step, when the engines report nothing
             self._meter.arrived_tokens += sum(int(np.count_nonzero(t.loss_mask)) for t in trajectories if t is not None)
         rej = self.buffer.put(group)
@@ -604,18 +606,33 @@ class BrokerCore:
             "time/wait_data": wait_s,
         }
         m.update(self.buffer.get_metrics())
-        m.update(self._autotune(dur))
+        m.update(self._autotune(dur, wait_s, len(groups)))
         return m
 
-    def _autotune(self, dur: float) -> dict[str, float]:
-        """The step's figures for the in-flight autotuner (when on); the limit in force next."""
+    def _autotune(self, dur: float, wait_s: float, n_groups: int) -> dict[str, float]:
+        """The step's figures for the in-flight autotuner (when on); the limit in force next; the side that set the
+        step's pace (``autotune.binding_side``: did the actor wait for its batch?)."""
+        side = binding_side(wait_s, dur)
         m = {
             "rollout/buffer/inflight_limit": float(self.inflight_limit),
             "rollout/buffer/mean_inflight_groups": self._meter.area[0] / dur if dur > 0 else self._inflight_used(),
         }
+        if side is not None:
+            m["rollout/buffer/training_bound"] = float(side == TRAINING)
         if self.autotuner is None or dur <= 0:
             return m
-        change = self.autotuner.observe(self._meter.figures(limit=self.inflight_limit, dur=dur))
+        if side != self._side and side is not None:
+            log.info(
+                "rollout_buffer.max_inflight_groups (auto): %s sets the pace (the actor waited %.2f s of a %.1f s step "
+                "for its batch) at a limit of %d",
+                side,
+                wait_s,
+                dur,
+                self.inflight_limit,
+            )
+            self._side = side
+        figures = self._meter.figures(limit=self.inflight_limit, dur=dur, wait_data_s=wait_s, trained_groups=n_groups)
+        change = self.autotuner.observe(figures)
         if change is not None:
             log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)
             self.inflight_limit = change.new

@@ -55,6 +55,8 @@ class SimConfig:
     seed: int = 0
     measure_from: int = 10
     """Throughput and staleness are measured over steps measure_from.. (after the settling deadline)."""
+    auto_start: Optional[int] = None
+    """Where auto starts (None: the derived limit); within the buffer bound either way."""
 
     def derived_inflight(self) -> int:
         return max(1, math.ceil(self.engine.max_running * self.engines * 1.2 / self.group_size))
@@ -126,7 +128,9 @@ class _Sim:
         self.now = 0.0
         auto = cfg.inflight == "auto"
         buffered = cfg.resolved_buffered()
-        start = min(cfg.derived_inflight(), max(1, buffered - cfg.batch)) if auto else int(cfg.inflight)
+        start = (
+            min(cfg.auto_start or cfg.derived_inflight(), max(1, buffered - cfg.batch)) if auto else int(cfg.inflight)
+        )
         self.core = BrokerCore(
             [PromptItem(i, f"q{i}") for i in range(4096)],
             clock=lambda: self.now,
