@@ -7,7 +7,24 @@ The goal (RLinf's tuning advice, done by the broker): the *smallest* in-flight l
 engines saturated. More in-flight groups than that only queue inside the engines and age the data
 (same throughput, higher staleness); fewer starve the engines.
 
-How it decides (a bracketing search on the measured curve throughput(mean in-flight groups)):
+First, which side set the step's pace (``binding_side``, from the broker's own clock, never from step time alone:
+a loaded machine slows both sides): training when the actor waited at most ``fed_frac`` of the step for its batch
+(``time/wait_data``), else generation. The core writes it (``rollout/buffer/training_bound``) and logs each change.
+- training sets the pace: the engines have slack, so more in flight only ages the data. It never raises the limit;
+  it lowers it toward the in-flight count that supplies a batch a step at the step's group latency (Little's law:
+  ``mean_inflight x trained_groups / arrived_groups``, ``fed_margin`` above; the buffer limit binds while more
+  arrive than training takes), never to or below a limit at which the actor waited. If a trim starves the actor
+  (it waits while the in-flight limit binds), it backs up toward the limit that fed it (``_starved_at``).
+  Staleness already in the buffer (groups generated under a larger limit) drains only as training takes them.
+- generation sets the pace (the actor waits) and the in-flight limit binds: a lower limit can only make the actor
+  wait longer unless the engines are past saturation, which their queue shows (the rule below). The search below
+  may raise the limit but lowers it only on that evidence: a throughput that reads flat at a lower limit, measured
+  at another time, may be CPU contention (the CPU default at load 6.5 went 8 -> 2-3 and ran at 0.73x). A curve
+  flat without a queue (compute-bound engines with free slots) keeps its limit: cap ``max_running_requests`` at
+  the knee and the engines' queue shows it.
+- not told (figures without the actor's wait: the unit tests of the search): the search alone, both ways.
+
+How it searches (a bracketing search on the measured curve throughput(mean in-flight groups)):
 - every step adds a point ``(x, T)``: x = time-averaged in-flight groups of the step (not the
   limit: a lowered limit takes effect only as groups finish), T = generated tokens/s (the engines'
   ``gen_throughput`` when the shell reports it, else the tokens of the groups that arrived);
@@ -53,7 +70,7 @@ Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), c
 rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
 ``rollout/buffer/inflight_limit`` every step).
 
-    tuner = InflightAutotuner(start=96, upper=224)
+    tuner = InflightAutotuner(start=96, upper=224)  # figures without the actor's wait: the search alone
     step = StepFigures(limit=96, mean_inflight=95.2, tokens_per_s=8000.0, wait_inflight=0.9, wait_buffer=0.0)
     tuner.observe(step); tuner.observe(step)  # None: the first two steps are a warm-up
     change = tuner.observe(step)             # no engine figures, no point below: probe down
@@ -105,6 +122,8 @@ class StepFigures:
     """Groups that finished generating during the step."""
     trained_groups: Optional[int] = None
     """Groups handed to the actor at this hand-off (``rollout_batch_size``)."""
+    surplus_groups: Optional[float] = None
+    """Groups left in the buffer after the hand-off (made ahead of need: they wait a step and age)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +169,10 @@ class AutotuneSettings:
     """The actor waiting at most this share of a step for its batch: training set the pace (``binding_side``)."""
     fed_margin: float = 0.03
     """Training-bound: trim to this far above the in-flight count that supplies a batch a step (Little's law)."""
+    drain_steps: float = 2.0
+    """Training-bound: a surplus left in the buffer is drained over this many steps (at most half a batch a step) ..."""
+    reserve: float = 0.1
+    """... down to this share of a batch (slack against a slow step: drained to 0, the actor waits now and then)."""
 
 
 @dataclass
@@ -210,11 +233,8 @@ class InflightAutotuner:
         # unless the engines are past saturation, which their queue shows; a throughput that reads flat at a lower
         # limit, measured at another time, may be a loaded machine (CPU contention), not over-admission
         self._down_ok = self.side != GENERATION
-        if self.side == GENERATION and self._fed is not None and not draining:
-            if f.limit >= self._fed:
-                self._fed, self._starved = None, 0  # generation got slower at a limit that fed the actor: search again
-            elif f.wait_inflight >= s.binds:
-                return self._starved_at(f)
+        if self.side == GENERATION and self._fed is not None and not draining and f.wait_inflight >= s.binds:
+            return self._starved_at(f)
         self._max_running = max(self._max_running, f.running_reqs or 0.0)
         # queued while the engines run as many requests as they ever did: slots full. A queue while they run far
         # fewer than before is requests waiting for their prefill (the CPU engine's queue at 4 groups of 24 slots)
@@ -290,10 +310,14 @@ class InflightAutotuner:
         (``trained_groups``) takes ``mean_inflight x trained / arrived`` groups in flight (the buffer limit binds
         while more arrive than training takes); ``fed_margin`` above it, never below a limit that starved."""
         s = self.settings
-        self._fed = f.limit if self._fed is None else min(self._fed, f.limit)
         if not f.arrived_groups or not f.trained_groups:
             return None
-        need = f.mean_inflight * f.trained_groups / f.arrived_groups
+        if self._fed is None or f.arrived_groups >= f.trained_groups:  # this limit's own generation supplied a batch
+            self._fed = f.limit if self._fed is None else min(self._fed, f.limit)
+        surplus = f.surplus_groups or 0.0
+        drain = max(0.0, surplus - s.reserve * f.trained_groups) / s.drain_steps
+        want = max(f.trained_groups - drain, f.trained_groups / 2)  # arrivals the next step needs
+        need = f.mean_inflight * want / f.arrived_groups
         target = max(need * (1 + s.fed_margin), self._starved + 1)
         if target >= f.limit * (1 - s.merge):
             return None  # holds: about what a batch a step takes
@@ -302,19 +326,33 @@ class InflightAutotuner:
             target,
             f"training sets the pace (the actor waited {f.wait_data_s:.2f} s of a {f.step_s:.1f} s step, the buffer "
             f"limit bound {f.wait_buffer:.0%} of it): {f.arrived_groups:.0f} groups arrived at {f.mean_inflight:.1f} "
-            f"in flight, {need:.1f} supply a batch of {f.trained_groups}",
+            f"in flight and {surplus:.0f} are left over, {need:.1f} supply the {want:.0f} a batch of "
+            f"{f.trained_groups} still needs",
         )
 
     def _starved_at(self, f: StepFigures) -> Optional[Change]:
-        """The actor waited at a limit trimmed below one that fed it: back up, halfway (geometric) or all the way."""
-        assert self._fed is not None
-        self._starved = max(self._starved, f.limit)
+        """The actor waited while the in-flight limit bound, after training had set the pace: up to the in-flight
+        count that supplies a batch per training time, ``step_s - wait_data_s`` (Little's law, ``fed_margin`` above),
+        at least one more. Below the limit that fed it (a trim went too far, or drained the surplus): at most back
+        to that limit, and never again down to this one. At or above it (generation got slower): once; then the
+        search takes over (its raises, the engines' queue)."""
+        assert self._fed is not None and f.wait_data_s is not None and f.step_s is not None
+        s = self.settings
         fed = self._fed
-        target = math.sqrt(f.limit * fed) if fed / f.limit > self.settings.resolution else fed
+        if f.limit < fed:
+            self._starved = max(self._starved, f.limit)
+        else:
+            self._fed, self._starved = None, 0
+        if not f.arrived_groups or not f.trained_groups or f.step_s <= f.wait_data_s:
+            return None
+        need = f.mean_inflight * f.trained_groups * f.step_s / (f.arrived_groups * (f.step_s - f.wait_data_s))
+        target = max(need * (1 + s.fed_margin), f.limit + 1)
         return self._move(
-            max(target, f.limit + 1),
+            min(target, fed) if f.limit < fed else target,
             f"generation sets the pace (the actor waited {f.wait_data_s:.2f} s of a {f.step_s:.1f} s step while the "
-            f"in-flight limit bound {f.wait_inflight:.0%} of it): back toward {fed}, which fed it",
+            f"in-flight limit bound {f.wait_inflight:.0%} of it): {f.arrived_groups:.0f} groups arrived at "
+            f"{f.mean_inflight:.1f} in flight, {need:.1f} supply a batch of {f.trained_groups} per "
+            f"{f.step_s - f.wait_data_s:.1f} s of training",
         )
 
     def _forget(self) -> None:

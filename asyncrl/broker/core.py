@@ -631,7 +631,13 @@ class BrokerCore:
                 self.inflight_limit,
             )
             self._side = side
-        figures = self._meter.figures(limit=self.inflight_limit, dur=dur, wait_data_s=wait_s, trained_groups=n_groups)
+        figures = self._meter.figures(
+            limit=self.inflight_limit,
+            dur=dur,
+            wait_data_s=wait_s,
+            trained_groups=n_groups,
+            surplus_groups=len(self.buffer),
+        )
         change = self.autotuner.observe(figures)
         if change is not None:
             log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)

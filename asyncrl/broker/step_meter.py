@@ -60,7 +60,9 @@ class StepMeter:
             "rollout/buffer/step_duration_s": dur,
         }
 
-    def figures(self, *, limit: int, dur: float, wait_data_s: float, trained_groups: int) -> StepFigures:
+    def figures(
+        self, *, limit: int, dur: float, wait_data_s: float, trained_groups: int, surplus_groups: int
+    ) -> StepFigures:
         """The step's figures for the in-flight autotuner (``dur > 0``): the engines' own when they reported, and
         the broker's own (the actor's wait for this batch, groups arrived and trained) that tell which side binds."""
         a = self.area
@@ -77,6 +79,7 @@ class StepMeter:
             step_s=dur,
             arrived_groups=float(self.counts["arrived"]),
             trained_groups=trained_groups,
+            surplus_groups=float(surplus_groups),
         )
 
     @staticmethod
