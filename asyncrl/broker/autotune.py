@@ -13,9 +13,11 @@ a loaded machine slows both sides): training when the actor waited at most ``fed
 - training sets the pace: the engines have slack, so more in flight only ages the data. It never raises the limit;
   it lowers it toward the in-flight count that supplies a batch a step at the step's group latency (Little's law:
   ``mean_inflight x trained_groups / arrived_groups``, ``fed_margin`` above; the buffer limit binds while more
-  arrive than training takes), never to or below a limit at which the actor waited. If a trim starves the actor
-  (it waits while the in-flight limit binds), it backs up toward the limit that fed it (``_starved_at``).
-  Staleness already in the buffer (groups generated under a larger limit) drains only as training takes them.
+  arrive than training takes), never to or below a limit at which the actor waited. Groups left in the buffer
+  after the hand-off were made ahead of need and age there: it supplies that much less, over ``drain_steps``, down
+  to a ``reserve`` of a batch (so a larger start comes down to a lower staleness, not just a lower limit). When a
+  trim starves the actor (it waits while the in-flight limit binds), it backs up to the in-flight count that
+  supplies a batch per training time (Little's law again), at most to the limit that fed it (``_starved_at``).
 - generation sets the pace (the actor waits) and the in-flight limit binds: a lower limit can only make the actor
   wait longer unless the engines are past saturation, which their queue shows (the rule below). The search below
   may raise the limit but lowers it only on that evidence: a throughput that reads flat at a lower limit, measured

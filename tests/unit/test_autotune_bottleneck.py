@@ -92,6 +92,23 @@ def test_a_trim_that_starves_the_actor_backs_up_and_stays_above():
     assert SUPPLY <= tuner.limit <= 400
 
 
+def test_a_surplus_in_the_buffer_is_drained_then_the_supply_restored():
+    """Groups left over after the hand-off age a step in the buffer: it supplies less until they are down to a tenth
+    of a batch (below the supply: the buffer makes up the rest), and when the actor then waits it goes back up to what
+    Little's law says supplies a batch per training time, not above the limit that fed it."""
+    tuner = InflightAutotuner(start=300, upper=512)
+    for _ in range(2):  # warm-up
+        tuner.observe(_training_step(300))
+    drain = tuner.observe(replace(_training_step(300), surplus_groups=0.6 * BATCH))  # 307 left over
+    want = BATCH - (0.6 - 0.1) * BATCH / 2  # drained over 2 steps, down to a tenth of a batch
+    assert drain is not None and drain.new == round(300 * want / BATCH * 1.03 + 0.5) and "left over" in drain.reason
+    low = tuner.limit
+    tuner.observe(_training_step(low))  # the step right after a change: no figure
+    back = tuner.observe(_training_step(low))  # the surplus is gone: the actor waits while the limit binds
+    assert back is not None and back.new == 300 and "generation sets the pace" in back.reason  # capped at the fed 300
+    assert tuner._starved == low
+
+
 def _loaded_cpu_step(limit: int, rng: random.Random, *, queue: bool = False) -> StepFigures:
     """The CPU default on a loaded machine: the in-flight limit binds, the actor waits ~1.1 s of a ~2.3 s step, and
     the engines' tokens/s swing with the machine's load, whatever the limit (here: the same at every limit)."""
