@@ -230,7 +230,7 @@ def _real_run(prep_dir: Path, run_dir: Path, inflight: str, steps: int) -> dict:
     }
 
 
-def real(argv: list[str], reps: int, steps: int, prep: str | None) -> int:
+def real(argv: list[str], reps: int, steps: int, prep: str | None, save: bool) -> int:
     rep = harness.Report("autotune", argv)
     with tempfile.TemporaryDirectory(prefix="autotune_") as tmp:
         prep_dir = Path(prep).resolve() if prep else Path(tmp) / "prep"
@@ -246,7 +246,7 @@ def real(argv: list[str], reps: int, steps: int, prep: str | None) -> int:
                 )
     step = {k: [r["time_step_s"] for r in v] for k, v in runs.items()}
     rep.ratio("real_step_time_ratio", step["auto"], step[f"derived={d}"], target=1 / GOAL_THROUGHPUT, at_least=False)
-    rep.emit(
+    doc = rep.emit(
         {
             "real": {
                 "steps": steps,
@@ -256,6 +256,8 @@ def real(argv: list[str], reps: int, steps: int, prep: str | None) -> int:
             }
         }
     )
+    if save:
+        _save(doc)
     return 0
 
 
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     reps = a.reps or (2 if a.quick else 5)
     if a.real:
-        return real(argv, reps, a.steps, a.prep_dir)
+        return real(argv, reps, a.steps, a.prep_dir, a.save)
     return simulated(argv, reps, a.save)
 
 
