@@ -128,7 +128,7 @@ def _loaded_cpu_step(limit: int, rng: random.Random, *, queue: bool = False) -> 
     )
 
 
-def test_cpu_contention_is_not_read_as_over_admission():
+def test_noisy_throughput_while_the_actor_waits_is_not_over_admission():
     """Generation sets the pace and the engines queue nothing: throughput that reads no lower at a lower limit is no
     reason to lower it (before: 8 -> 4 -> 2, the actor waiting longer each step)."""
     tuner = InflightAutotuner(start=8, upper=8)
