@@ -82,7 +82,7 @@ DESCRIPTIONS = {
     "rollout/buffer/inflight_limit": 'the in-flight limit in force during the step (moves with "auto")',
     "rollout/buffer/inflight_limit_change": "the autotuner's change of the limit at this step (reason in the "
     "broker log)",
-    "rollout/buffer/training_bound": "1 when training set the step's pace (the actor waited <= 2% of the step for "
+    "rollout/buffer/training_bound": "1 when training set the step's pace (the actor waited <= 3% of the step for "
     "its batch: time/wait_data), 0 when generation did; auto never raises the limit on a 1",
     "rollout/buffer/mean_inflight_groups": "time-averaged in-flight groups over the step (as the limit counts them)",
     "rollout/buffer/num_inflight_groups": "groups in flight at the hand-off",

@@ -87,9 +87,11 @@ from typing import Optional
 
 REF_STEPS = 16  # held steps the settled reference throughput averages (long enough to average noise out)
 TRAINING, GENERATION = "training", "generation"  # the side that set a step's pace (``binding_side``)
+FED_FRAC = 0.03  # the actor waiting at most 3% of a step still runs at >= 97% of the rate training alone sets (the
+# bar auto is held to); at 2% the Search-R1 simulation's derived limit read as starved on a noisy step now and then
 
 
-def binding_side(wait_data_s: Optional[float], step_s: Optional[float], *, fed_frac: float = 0.02) -> Optional[str]:
+def binding_side(wait_data_s: Optional[float], step_s: Optional[float], *, fed_frac: float = FED_FRAC) -> Optional[str]:
     """Which side set the pace of a step, from the broker's own clock: ``TRAINING`` when the actor waited at most
     ``fed_frac`` of the step for its batch (the batch was ready: generation has slack), else ``GENERATION``;
     None when the wait is not known. Step time alone cannot tell (a loaded machine slows both sides)."""
@@ -126,6 +128,16 @@ class StepFigures:
     """Groups handed to the actor at this hand-off (``rollout_batch_size``)."""
     surplus_groups: Optional[float] = None
     """Groups left in the buffer after the hand-off (made ahead of need: they wait a step and age)."""
+
+
+def _supply(f: StepFigures) -> Optional[float]:
+    """Little's law: the in-flight count that supplies a batch per training time (``step_s - wait_data_s``) at this
+    step's group latency (``mean_inflight x step_s / arrived_groups``); None without the figures."""
+    if not f.arrived_groups or not f.trained_groups or f.wait_data_s is None or not f.step_s:
+        return None
+    if f.step_s <= f.wait_data_s:
+        return None
+    return f.mean_inflight * f.trained_groups * f.step_s / (f.arrived_groups * (f.step_s - f.wait_data_s))
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,7 @@ class AutotuneSettings:
     """... (the two admission waits together under this fraction) is a ramp, not a point."""
     merge: float = 0.04
     """Points whose x differ by less than this fraction are one point (their T averaged)."""
-    fed_frac: float = 0.02
+    fed_frac: float = FED_FRAC
     """The actor waiting at most this share of a step for its batch: training set the pace (``binding_side``)."""
     fed_margin: float = 0.03
     """Training-bound: trim to this far above the in-flight count that supplies a batch a step (Little's law)."""
@@ -345,9 +357,9 @@ class InflightAutotuner:
             self._starved = max(self._starved, f.limit)
         else:
             self._fed, self._starved = None, 0
-        if not f.arrived_groups or not f.trained_groups or f.step_s <= f.wait_data_s:
+        need = _supply(f)
+        if need is None:
             return None
-        need = f.mean_inflight * f.trained_groups * f.step_s / (f.arrived_groups * (f.step_s - f.wait_data_s))
         target = max(need * (1 + s.fed_margin), f.limit + 1)
         return self._move(
             min(target, fed) if f.limit < fed else target,
@@ -384,9 +396,14 @@ class InflightAutotuner:
         )
         idle = f.queue_reqs is not None and f.queue_reqs <= 0.02 * (f.running_reqs or 0.0)
         if b is None and g is top and idle and g.binds and f.wait_buffer < s.binds and self.limit < self._ceiling:
+            # the actor waited: as far as Little's law says supplies a batch per training time (a step that waited
+            # 3% of it asks for ~3% more, not twice as many); unknown wait: twice
+            need = _supply(f) if self.side == GENERATION else None
+            up = g.x * s.max_factor if need is None else max(need * (1 + s.fed_margin), g.x * (1 + s.merge))
             return self._move(
-                min(g.x * s.max_factor, self._ceiling),
-                f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing",
+                min(up, g.x * s.max_factor, self._ceiling),
+                f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing"
+                + ("" if need is None else f"; {need:.1f} in flight supply a batch per training time"),
             )
         if b is None and g.x > self.lower and self.limit > self.lower:
             return self._move(
