@@ -33,7 +33,8 @@ How it searches (a bracketing search on the measured curve throughput(mean in-fl
 - ``g`` = the smallest x whose T is within ``tol`` of the best T seen: the knee estimate;
   ``b`` = the largest x below it (too few: T fell);
 - no ``b`` yet: probe up when the limit binds and the engines report an empty queue (a raise
-  takes effect at once), else probe down (``g / max_factor``);
+  takes effect at once; x ``max_factor``, or, when the actor waited, as far as Little's law says supplies a
+  batch per training time), else probe down (``g / max_factor``);
 - the curve still rises steeply at the largest x seen (elasticity dlnT/dlnx >= ``rise_elasticity``
   and the limit binds) and a raise would measure a new point: probe up;
 - the curve rises up to the largest limit allowed (``g`` is the largest x and no raise is possible:
