@@ -361,10 +361,18 @@ def check_inputs(cfg: Config) -> None:
 
 
 def check_hooks(cfg: Config) -> None:
-    """Every ``module:attr`` hook the config names imports and is callable (``ConfigError`` naming the key): run by
-    the dry run too, before anything starts."""
+    """Every ``module:attr`` hook the config names imports and is callable, and a custom data buffer meets one of the
+    two buffer contracts (``ConfigError`` naming the key and what is missing): run by the dry run too, before
+    anything starts."""
     for key, spec in _hooks(cfg):
-        import_hook(spec, key)
+        obj = import_hook(spec, key)
+        if key == "rollout_buffer.custom_data_buffer_path":
+            from asyncrl.broker.buffer import buffer_interface  # the broker's own check; no torch behind it
+
+            try:
+                buffer_interface(obj)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {spec!r} {e}") from None
 
 
 def check_wandb(cfg: Config) -> None:
