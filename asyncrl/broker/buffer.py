@@ -234,21 +234,21 @@ def buffer_interface(cls: object) -> Literal["batched", "miles"]:
     for m in ("put", "get", "get_metrics"):
         f = getattr(cls, m, None)
         if not callable(f):
-            problems.append(f"has no {m}()")
+            problems.append(f"no {m}()")
         elif m != "get_metrics" and not inspect.iscoroutinefunction(f):
             problems.append(f"{m}() is not 'async def'")
     if getattr(cls, "__abstractmethods__", None):
-        problems.append(f"leaves {sorted(cls.__abstractmethods__)} abstract")
+        problems.append(f"{sorted(cls.__abstractmethods__)} left abstract")
     try:
         inspect.signature(cls).bind(None)
     except TypeError:
-        problems.append("its constructor does not take the one argument DataBufferConstructorInput(args, on_evict)")
+        problems.append("the constructor does not take the one argument DataBufferConstructorInput(args, on_evict)")
     except ValueError:  # no signature to read (a builtin): constructing it will tell
         pass
     if problems:
         raise ValueError(
-            f"meets neither buffer contract: as Miles' DataBuffer (asyncrl.broker.miles_buffer) it {'; '.join(problems)}"
-            f"; nor is it a subclass of asyncrl.broker.buffer.DataBuffer"
+            f"meets neither buffer contract: as Miles' DataBuffer (asyncrl.broker.miles_buffer): {'; '.join(problems)}"
+            f"; and it is not a subclass of asyncrl.broker.buffer.DataBuffer"
         )
     return "miles"
 

@@ -393,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         check_models(cfg)  # before the memory estimate, which reads the same config.json
         memory_line = actor_memory(cfg, placement)
-        check_hooks(cfg)  # every module:attr imports, and the environment, its tools and reward: dry run or not
-        agent_lines = check_agent(cfg)
+        # every module:attr imports (a buffer meets a contract), the environment, its tools and reward: dry run or not
+        agent_lines = check_hooks(cfg) + check_agent(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

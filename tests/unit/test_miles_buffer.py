@@ -246,8 +246,8 @@ def test_args_carry_miles_names_and_name_what_is_not_passed():
     "cls, missing",
     [
         (SyncMethods, "put() is not 'async def'; get() is not 'async def'"),
-        (NoConstructorArgument, "constructor does not take the one argument DataBufferConstructorInput"),
-        (HalfDone, "leaves ['get', 'get_metrics'] abstract"),
+        (NoConstructorArgument, "the constructor does not take the one argument DataBufferConstructorInput"),
+        (HalfDone, "['get', 'get_metrics'] left abstract"),
         (42, "not a class"),
     ],
 )
