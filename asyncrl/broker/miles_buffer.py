@@ -167,6 +167,8 @@ class MilesBufferAdapter(B.DataBuffer):
         self.name = name or f"{cls.__module__}:{cls.__qualname__}"
         self._loop = asyncio.new_event_loop()
         self._book = _Book()
+        self._putting: dict[int, _Entry] = {}  # id(input) -> entry whose put() has not returned yet
+        self._held = 0  # entries in the book whose put() returned: what get() may hand out
         self._evicted: list[B.Rejection] = []
         self._aborted = 0
         self.inner = cls(DataBufferConstructorInput(miles_args(settings), self._on_evict))
@@ -179,6 +181,7 @@ class MilesBufferAdapter(B.DataBuffer):
         samples = [Sample(t, group_id=group.group_id, index=i) for i, t in enumerate(group.trajectories)]
         entry = _Entry(group, DataBufferInput([group.item] * len(samples), samples, group.finished_version))
         self._book.add(entry)
+        self._putting[id(entry.input)] = entry
         entry.put_task = self._loop.create_task(self.inner.put(entry.input))
         self._settle()
         return None
@@ -189,7 +192,7 @@ class MilesBufferAdapter(B.DataBuffer):
 
     def get(self, num_groups: int, *, engine_version: int) -> tuple[Optional[list[Group]], list[B.Rejection]]:
         self._settle()
-        if self._num_held() < num_groups:
+        if self._held < num_groups:
             return None, []
         return [self._get_one() for _ in range(num_groups)], []
 
@@ -206,21 +209,18 @@ class MilesBufferAdapter(B.DataBuffer):
     def groups(self) -> list[Group]:
         """What the buffer holds, arrival order; refused (``BrokerError``) when the class's ``__len__`` disagrees."""
         self._settle()
-        live = self._book.live()
-        if hasattr(type(self.inner), "__len__"):
-            held = sum(1 for e in live if e.put_task is not None and e.put_task.done())
-            if len(self.inner) != held:
-                raise BrokerError(
-                    f"rollout_buffer.custom_data_buffer_path {self.name}: the buffer says it holds {len(self.inner)} "
-                    f"groups, but {held} were put and neither evicted (on_evict) nor taken (get): it dropped or "
-                    f"invented groups, so what it holds cannot be checkpointed; evict through on_evict"
-                )
-        return [e.group for e in live]
+        if hasattr(type(self.inner), "__len__") and len(self.inner) != self._held:
+            raise BrokerError(
+                f"rollout_buffer.custom_data_buffer_path {self.name}: the buffer says it holds {len(self.inner)} "
+                f"groups, but {self._held} were put and neither evicted (on_evict) nor taken (get): it dropped or "
+                f"invented groups, so what it holds cannot be checkpointed; evict through on_evict"
+            )
+        return [e.group for e in self._book.live()]
 
     def restore(self, groups: list[Group]) -> None:
         """Take everything the buffer holds out (``get``), then put ``groups`` in order."""
         while self._book.by_input:
-            if self._num_held() == 0:  # only waiting puts: nothing was taken to make them room
+            if self._held == 0:  # only waiting puts: nothing was taken to make them room
                 raise BrokerError(f"{self.name}: put() waits with the buffer empty; cannot restore it")
             self._get_one()
         for g in groups:
@@ -237,10 +237,11 @@ class MilesBufferAdapter(B.DataBuffer):
                 f"DataBufferInput.prompt_group it was given, once)"
             )
         self._book.remove(e)
+        if id(e.input) in self._putting:  # evicted by (or while) its own put: never counted held
+            del self._putting[id(e.input)]
+        else:
+            self._held -= 1
         self._evicted.append(B.Rejection(e.group, "evicted", "unused"))
-
-    def _num_held(self) -> int:
-        return sum(1 for e in self._book.by_input.values() if e.put_task.done())
 
     def _get_one(self) -> Group:
         task = self._loop.create_task(self.inner.get())
@@ -250,7 +251,7 @@ class MilesBufferAdapter(B.DataBuffer):
             self._settle()
             raise BrokerError(
                 f"rollout_buffer.custom_data_buffer_path {self.name}: get() did not return within {GET_DEADLINE_S:g}s "
-                f"although {self._num_held()} groups were put and neither evicted (on_evict) nor taken: a buffer "
+                f"although {self._held} groups were put and neither evicted (on_evict) nor taken: a buffer "
                 f"that gives a group up must call on_evict"
             )
         out = self._result(task, "get")
@@ -263,20 +264,30 @@ class MilesBufferAdapter(B.DataBuffer):
                 f"DataBufferInput the buffer holds (put and neither evicted nor taken)"
             )
         self._book.remove(e)
+        if id(e.input) in self._putting:  # handed out before its put() returned (a buffer may do so)
+            del self._putting[id(e.input)]
+        else:
+            self._held -= 1
         self._settle()  # a put waiting for room may finish now
         return e.group
 
     def _settle(self) -> None:
-        """Run the loop until nothing is ready (bounded): finished puts are accounted, failed ones raise."""
+        """Run the loop while puts are waiting (at most ``SETTLE_ROUNDS`` rounds): finished puts count as held,
+        failed ones raise."""
+        putting = self._putting
 
         async def rounds():
             for _ in range(SETTLE_ROUNDS):
                 await asyncio.sleep(0)
+                if all(e.put_task.done() for e in putting.values()):
+                    return
 
         self._loop.run_until_complete(rounds())
-        for e in list(self._book.by_input.values()):
+        for key, e in list(putting.items()):
             if e.put_task.done():
+                del putting[key]
                 self._result(e.put_task, "put")
+                self._held += 1
 
     def _result(self, task: asyncio.Task, method: str) -> Any:
         if task.cancelled():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,18 @@ def test_a_miles_user_setting_max_concurrent_samples_gets_sample_counting():
     )
     s = CoreSettings.from_config(cfg)
     assert (s.submission_granularity, s.max_inflight_samples, s.max_inflight_groups) == ("sample", 8, 2)
+
+
+def test_a_trajectory_budget_below_group_size_is_refused_and_an_ignored_group_limit_is_named():
+    """``sample`` with max_concurrent_samples < group_size would never issue a group: a config error naming the
+    key; an explicit max_inflight_groups next to max_concurrent_samples is not used under ``sample``: a warning."""
+    from asyncrl.config import ConfigError
+    from asyncrl.config.validate import validate
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"  # async, with a task
+    with pytest.raises(ConfigError, match=r"rollout_buffer.max_concurrent_samples: 3 is below algorithm.group_size"):
+        validate(load_config(tiny, ["rollout_buffer.max_concurrent_samples=3", "algorithm.group_size=4"]))
+    warnings = validate(
+        load_config(tiny, ["rollout_buffer.max_concurrent_samples=8", "rollout_buffer.max_inflight_groups=5"])
+    )
+    assert any(w.startswith("rollout_buffer.max_inflight_groups = 5 is ignored") for w in warnings), warnings
