@@ -1,7 +1,7 @@
 """A ``rollout_buffer.custom_data_buffer_path`` plug-in for tests, written to Miles' DataBuffer contract.
 
-``NewestFirst`` is Miles' DefaultDataBuffer in ``lifo`` order with eviction on overflow, written against
-``asyncrl.broker.miles_buffer``. Every put, get and eviction is appended as a JSON line to the file named by
+``Fifo`` is Miles' DefaultDataBuffer in its default ``fifo`` order with eviction on overflow (the stalest group
+first), written against ``asyncrl.broker.miles_buffer``. Every put, get and eviction is appended as a JSON line to the file named by
 ``ASYNCRL_TEST_MILES_BUFFER_LOG`` (with the process id, so a resumed run's events tell apart), which the tests read.
 """
 
@@ -31,7 +31,7 @@ def _log(event: str, entry: DataBufferInput) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-class NewestFirst(DataBuffer):
+class Fifo(DataBuffer):
     def __init__(self, input: DataBufferConstructorInput):
         args = input.args
         self.capacity = int(args.async_data_buffer_capacity_factor * args.rollout_batch_size)
@@ -56,7 +56,7 @@ class NewestFirst(DataBuffer):
         async with self.cond:
             while not self.entries:
                 await self.cond.wait()
-            out = self.entries.pop()
+            out = self.entries.pop(0)
             _log("get", out)
             return out
 
