@@ -42,7 +42,8 @@ Contract
   queue_steps = actor version - finished_version (versions it waited in the buffer).
 - Unused groups (aborted at put time, too stale at get time): ``drop`` -> the prompt comes back in
   the next epoch (every epoch visits every prompt); ``retry`` -> re-queued at once (same epoch).
-  Dynamic-filter rejects are always dropped. More than ``max_dropped_groups_per_step`` drops
+  Dynamic-filter rejects are always dropped; groups a buffer gives up on its own (a Miles buffer's
+  ``on_evict``, read from ``take_evicted`` after every put, get and restore) are unused groups. More than ``max_dropped_groups_per_step`` drops
   between two hand-offs sets ``failure`` (a ``TooManyDropsError``) and stops issuing; the next
   ``request_batch`` / ``take_batch`` raises it.
 - Each group goes to the least-loaded worker (outstanding trajectories / capacity, ties by worker id).
