@@ -17,7 +17,7 @@ Contract
 - ``__len__``, ``groups()`` (arrival order, for metrics and checkpoints) and ``restore(groups)``.
 
 A custom buffer is named by ``rollout_buffer.custom_data_buffer_path = "module:Class"``. Two contracts
-are accepted, told apart by ``buffer_interface`` (the dry run checks it, naming what is missing):
+are accepted, told apart by ``buffer_plugin.buffer_interface`` (the dry run checks it, naming what is missing):
 - this batched one: a ``DataBuffer`` subclass, constructed as ``Class(settings: BufferSettings)``;
 - Miles' own (``asyncrl.broker.miles_buffer``): ``async def put(input: DataBufferInput)``,
   ``async def get() -> DataBufferInput``, ``get_metrics()``, constructed as
@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import abc
 import heapq
-import inspect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from asyncrl.broker.types import Group
-from asyncrl.config.validate import resolve_hook as import_path  # the one module:attr resolver
 
 DynamicFilter = Callable[[Group], Optional[str]]
 
@@ -218,53 +216,3 @@ class DefaultDataBuffer(DataBuffer):
         self._min_version, self._version_heap, self._version_sum = {}, [], 0
         for g in groups:
             self._remember(g.group_id, g.min_version)
-
-
-def buffer_interface(cls: object) -> Literal["batched", "miles"]:
-    """Which of the two accepted buffer contracts ``cls`` meets: ``batched`` (a ``DataBuffer`` subclass) or ``miles``
-    (Miles' ``async def put(input)``, ``async def get()``, ``get_metrics()``, constructed with one argument, the
-    ``DataBufferConstructorInput``). ``ValueError`` naming what is missing otherwise (no import, no construction)."""
-    if not isinstance(cls, type):
-        raise ValueError(f"is a {type(cls).__name__}, not a class")
-    if issubclass(cls, DataBuffer):
-        if cls.__abstractmethods__:
-            raise ValueError(f"is a DataBuffer subclass that leaves {sorted(cls.__abstractmethods__)} abstract")
-        return "batched"
-    problems = []
-    for m in ("put", "get", "get_metrics"):
-        f = getattr(cls, m, None)
-        if not callable(f):
-            problems.append(f"no {m}()")
-        elif m != "get_metrics" and not inspect.iscoroutinefunction(f):
-            problems.append(f"{m}() is not 'async def'")
-    if getattr(cls, "__abstractmethods__", None):
-        problems.append(f"{sorted(cls.__abstractmethods__)} left abstract")
-    try:
-        inspect.signature(cls).bind(None)
-    except TypeError:
-        problems.append("the constructor does not take the one argument DataBufferConstructorInput(args, on_evict)")
-    except ValueError:  # no signature to read (a builtin): constructing it will tell
-        pass
-    if problems:
-        raise ValueError(
-            f"meets neither buffer contract: as Miles' DataBuffer (asyncrl.broker.miles_buffer): {'; '.join(problems)}"
-            f"; and it is not a subclass of asyncrl.broker.buffer.DataBuffer"
-        )
-    return "miles"
-
-
-def make_data_buffer(settings: BufferSettings, custom_path: Optional[str]) -> DataBuffer:
-    """The built-in buffer, a ``DataBuffer`` subclass, or a Miles-contract class wrapped in ``MilesBufferAdapter``."""
-    if custom_path is None:
-        return DefaultDataBuffer(settings)
-    key = "rollout_buffer.custom_data_buffer_path"
-    cls = import_path(custom_path, key)
-    try:
-        kind = buffer_interface(cls)
-    except ValueError as e:
-        raise ValueError(f"{key}: {custom_path!r} {e}") from None
-    if kind == "batched":
-        return cls(settings)
-    from asyncrl.broker.miles_buffer import MilesBufferAdapter  # it subclasses DataBuffer: imported here, not above
-
-    return MilesBufferAdapter(settings, cls, name=custom_path)

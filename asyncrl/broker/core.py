@@ -95,9 +95,8 @@ from asyncrl.broker.buffer import (
     DataBuffer,
     DefaultDataBuffer,
     Rejection,
-    import_path,
-    make_data_buffer,
 )
+from asyncrl.broker.buffer_plugin import import_path, make_data_buffer
 from asyncrl.broker.core_types import (
     Batch,
     BrokerError,

@@ -381,29 +381,11 @@ def check_inputs(cfg: Config) -> None:
     check_wandb(cfg)
 
 
-def check_hooks(cfg: Config) -> list[str]:
-    """Every ``module:attr`` hook the config names imports and is callable, and a custom data buffer meets one of the
-    two buffer contracts (``ConfigError`` naming the key and what is missing): run by the dry run too, before
-    anything starts. Returns what the dry run says of them (the buffer's contract)."""
-    lines = []
+def check_hooks(cfg: Config) -> None:
+    """Every ``module:attr`` hook the config names imports and is callable (``ConfigError`` naming the key): run by
+    the dry run too, before anything starts (the broker's ``check_custom_buffer`` then checks the buffer's contract)."""
     for key, spec in _hooks(cfg):
-        obj = import_hook(spec, key)
-        if key == "rollout_buffer.custom_data_buffer_path":
-            from asyncrl.broker.buffer import buffer_interface  # the broker's own check; no torch behind it
-
-            try:
-                kind = buffer_interface(obj)
-            except ValueError as e:
-                raise ConfigError(f"{key}: {spec!r} {e}") from None
-            lines.append(
-                f"{key} = {spec!r}: "
-                + (
-                    "Miles' DataBuffer contract (async put/get; evictions through on_evict), run by MilesBufferAdapter"
-                    if kind == "miles"
-                    else "a batched asyncrl.broker.buffer.DataBuffer subclass"
-                )
-            )
-    return lines
+        import_hook(spec, key)
 
 
 def check_wandb(cfg: Config) -> None:

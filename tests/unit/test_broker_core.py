@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from asyncrl.broker import protocol as P
-from asyncrl.broker.buffer import BufferSettings, DataBuffer, DefaultDataBuffer, make_data_buffer
+from asyncrl.broker.buffer import BufferSettings, DataBuffer, DefaultDataBuffer
+from asyncrl.broker.buffer_plugin import make_data_buffer
 from asyncrl.broker.core import BrokerCore, CoreSettings, TooManyDropsError
 from asyncrl.broker.dataloader import Dataloader
 from asyncrl.broker.types import PromptItem, Trajectory

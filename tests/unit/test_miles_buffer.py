@@ -8,12 +8,12 @@ import asyncio
 import pytest
 
 from asyncrl.broker import miles_buffer as M
-from asyncrl.broker.buffer import BufferSettings, buffer_interface, make_data_buffer
+from asyncrl.broker.buffer import BufferSettings
+from asyncrl.broker.buffer_plugin import buffer_interface, check_custom_buffer, make_data_buffer
 from asyncrl.broker.core import BrokerCore, BrokerError, CoreSettings
 from asyncrl.broker.miles_buffer import DataBuffer, DataBufferConstructorInput, DataBufferInput
 from asyncrl.broker.types import PromptItem, Trajectory
 from asyncrl.config import ConfigError, load_config
-from asyncrl.config.validate import check_hooks
 
 HERE = __name__
 
@@ -259,8 +259,10 @@ def test_a_class_meeting_neither_contract_is_refused_naming_what_is_missing(cls,
 
 
 def test_the_config_check_refuses_a_buffer_of_neither_contract_naming_the_key():
-    """``check_hooks`` (the dry run and the launch) checks the contract, not only the import."""
+    """``check_custom_buffer`` (the launcher's, dry run or not) checks the contract, not only the import."""
     cfg = load_config(None, [f'rollout_buffer.custom_data_buffer_path="{HERE}:SyncMethods"'])
     with pytest.raises(ConfigError, match=r"rollout_buffer.custom_data_buffer_path: .*SyncMethods.* not 'async def'"):
-        check_hooks(cfg)
-    check_hooks(load_config(None, [f'rollout_buffer.custom_data_buffer_path="{HERE}:StalestEvicting"']))
+        check_custom_buffer(cfg)
+    ok = check_custom_buffer(load_config(None, [f'rollout_buffer.custom_data_buffer_path="{HERE}:StalestEvicting"']))
+    assert len(ok) == 1 and "Miles' DataBuffer contract" in ok[0]
+    assert check_custom_buffer(load_config(None, [])) == []
