@@ -28,8 +28,9 @@ Contract
   them back in that order. A buffer that drops a group without ``on_evict`` breaks this: its ``get`` never
   returns (a ``BrokerError`` naming the class), and when the class defines ``__len__`` a checkpoint is refused
   while ``len`` disagrees with what the adapter counts.
-- An aborted group (or one with a non-finite reward) never reaches the buffer: rejected at put time
-  (``handler="unused"``), as in the built-in buffer.
+- The put-time filters of the built-in buffer stay in front of it: an aborted group (or one with a non-finite
+  reward) never reaches it (``handler="unused"``), nor one ``rollout_buffer.dynamic_sampling_filter_path``
+  rejects (always dropped, ``rollout/dynamic_filter/drop_<reason>``).
 
     class Newest(DataBuffer):                        # Miles' contract, asyncrl's import
         def __init__(self, input: DataBufferConstructorInput): self.q = []
@@ -171,6 +172,7 @@ class MilesBufferAdapter(B.DataBuffer):
         self._held = 0  # entries in the book whose put() returned: what get() may hand out
         self._evicted: list[B.Rejection] = []
         self._aborted = 0
+        self._filter_drops: dict[str, int] = {}
         self.inner = cls(DataBufferConstructorInput(miles_args(settings), self._on_evict))
 
     # ------------------------------------------------------------- the batched interface
@@ -178,6 +180,11 @@ class MilesBufferAdapter(B.DataBuffer):
         if group.aborted or any(t.aborted for t in group.trajectories):
             self._aborted += 1
             return B.Rejection(group, "aborted", "unused")
+        flt = self.settings.dynamic_filter
+        reason = None if flt is None else flt(group)
+        if reason is not None:
+            self._filter_drops[str(reason)] = self._filter_drops.get(str(reason), 0) + 1
+            return B.Rejection(group, str(reason), "drop")
         samples = [Sample(t, group_id=group.group_id, index=i) for i, t in enumerate(group.trajectories)]
         entry = _Entry(group, DataBufferInput([group.item] * len(samples), samples, group.finished_version))
         self._book.add(entry)
@@ -199,7 +206,9 @@ class MilesBufferAdapter(B.DataBuffer):
     def get_metrics(self) -> dict[str, float]:
         m = {str(k): float(v) for k, v in (self.inner.get_metrics() or {}).items()}
         m["rollout/fully_async/aborted_groups_filtered"] = float(self._aborted)
-        self._aborted = 0
+        for reason, n in sorted(self._filter_drops.items()):
+            m[f"rollout/dynamic_filter/drop_{reason}"] = float(n)
+        self._aborted, self._filter_drops = 0, {}
         return m
 
     def __len__(self) -> int:

@@ -266,3 +266,19 @@ def test_the_config_check_refuses_a_buffer_of_neither_contract_naming_the_key():
     ok = check_custom_buffer(load_config(None, [f'rollout_buffer.custom_data_buffer_path="{HERE}:StalestEvicting"']))
     assert len(ok) == 1 and "Miles' DataBuffer contract" in ok[0]
     assert check_custom_buffer(load_config(None, [])) == []
+
+
+def reject_odd_prompts(group):
+    return "odd" if group.item.index % 2 else None
+
+
+def test_the_dynamic_sampling_filter_stays_in_front_of_a_miles_buffer():
+    """A configured put-time filter is not silently ignored when the buffer is Miles': its rejects never reach put()
+    and are counted as with the built-in buffer."""
+    core = make("StalestEvicting", dynamic_sampling_filter_path=f"{HERE}:reject_odd_prompts", max_inflight_groups=4)
+    core.add_worker("w", capacity=16)
+    finish_all(core)
+    assert [e.group[0].group_id for e in core.buffer.inner.entries] == [0, 2]
+    assert sorted(d.reason for d in core.take_drops()) == ["odd", "odd"]
+    core.request_batch(0)
+    assert core.take_batch().metrics["rollout/dynamic_filter/drop_odd"] == 2.0
