@@ -57,22 +57,31 @@ def test_group_granularity_holds_the_slot_until_the_whole_group_returns():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_sample_granularity_stays_within_the_trajectory_budget_and_the_buffer_limit(seed):
-    """Random finishing order over a run: trajectories in flight never exceed max_concurrent_samples, in-flight plus
-    buffered groups never exceed max_buffered_groups, and the engines are kept full: whenever group_size slots are
-    free (and the buffer has room) a group is out."""
+@pytest.mark.parametrize("auto", [False, True])
+def test_sample_granularity_stays_within_the_trajectory_budget_and_the_buffer_limit(seed, auto):
+    """Random finishing order over a run: trajectories in flight never exceed max_concurrent_samples (under "auto":
+    the in-flight limit x group_size, as the autotuner moves it), in-flight plus buffered groups never exceed max_buffered_groups, and the engines are
+    kept full: whenever group_size slots are free (and the buffer has room) a group is out."""
     rng = random.Random(seed)
     budget, gs, cap = 7, 3, 9
-    core = make(submission_granularity="sample", max_inflight_samples=budget, group_size=gs, max_buffered_groups=cap)
+    core = make(
+        submission_granularity="sample",
+        max_inflight_samples=budget,
+        group_size=gs,
+        max_buffered_groups=cap,
+        inflight_autotune=auto,
+        max_inflight_groups=2,
+    )
     core.add_worker("w", capacity=64)
     open_ = {}  # group_id -> trajectory indices not yet finished
     most_groups = 0
     for step in range(300):
         for iss in core.take_issues():
             open_[iss.group_id] = list(range(gs))
-        assert core.num_inflight_samples <= budget
+        limit = core.inflight_limit * gs if auto else budget
+        assert core.num_inflight_samples <= limit
         assert core.num_inflight_groups + core.num_buffered_groups <= cap
-        room = (budget - core.num_inflight_samples) // gs
+        room = (limit - core.num_inflight_samples) // gs
         assert room <= 0 or core.num_inflight_groups + core.num_buffered_groups == cap
         most_groups = max(most_groups, core.num_inflight_groups)
         if open_:
@@ -85,7 +94,7 @@ def test_sample_granularity_stays_within_the_trajectory_budget_and_the_buffer_li
         if core.num_buffered_groups >= 2 and (not open_ or rng.random() < 0.3):
             core.request_batch(step)
             assert core.take_batch() is not None
-    assert most_groups > budget // gs  # groups in flight beyond the group-count limit: slots freed per trajectory
+    assert most_groups > 2  # groups in flight beyond max_inflight_groups: slots freed per trajectory
 
 
 def test_a_miles_user_setting_max_concurrent_samples_gets_sample_counting():
