@@ -140,7 +140,7 @@ class _Sim:
                 max_inflight_groups=start,
                 max_buffered_groups=buffered,
                 max_dropped_groups_per_step=10 * cfg.batch,
-                submission_granularity="sample",
+                submission_granularity="group",  # RLinf's counting, the derived default
                 seed=cfg.seed,
                 no_data_warning_s=1e9,
                 worker_heartbeat_timeout_s=1e9,
