@@ -217,6 +217,28 @@ def test_at_most_max_concurrent_programs_run(tmp_path):
     assert most <= 2
 
 
+def test_waiting_for_a_slot_counts_against_the_timeout(tmp_path):
+    tool = PythonTool(timeout_s=60.0, max_concurrent=1)
+    started = tmp_path / "started"
+
+    async def main():
+        busy = asyncio.create_task(
+            tool.call({"code": f"import time\nopen({str(started)!r}, 'w')\ntime.sleep(60)"}, timeout_s=60.0)
+        )
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        try:
+            with pytest.raises(ToolError, match=r"^timed out after 0\.5 s waiting for a free sandbox$"):
+                await tool.call({"code": "print(1)"}, timeout_s=0.5)
+        finally:
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+
+    asyncio.run(main())
+    assert (tool.num_running, tool.num_waiting) == (0, 0)
+
+
 def test_cancelling_the_caller_kills_the_group(tmp_path):
     tool = PythonTool(timeout_s=60.0)
     pid_file = tmp_path / "pids"

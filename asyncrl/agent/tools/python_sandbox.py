@@ -127,10 +127,13 @@ class _Capture:
         self._loop = asyncio.get_running_loop()
         self._open: dict[int, str] = {}
 
-    def watch(self, fd: int, stream: str) -> None:
-        os.set_blocking(fd, False)
-        self._open[fd] = stream
-        self._loop.add_reader(fd, self._on_readable, fd)
+    def pipe(self, stream: str) -> int:
+        """A new pipe whose read end is watched as ``stream`` (out | err); returns the write end, for the child."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        self._open[read_fd] = stream
+        self._loop.add_reader(read_fd, self._on_readable, read_fd)
+        return write_fd
 
     def _on_readable(self, fd: int) -> None:
         try:
@@ -238,9 +241,7 @@ class PythonTool:
         try:
             await asyncio.wait_for(self._slots.acquire(), max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
-            raise ToolError(
-                f"timed out after {min(self.timeout_s, timeout_s):.1f} s waiting for a free sandbox"
-            ) from None
+            raise ToolError(f"timed out after {limit_s:.1f} s waiting for a free sandbox") from None
         finally:
             self.num_waiting -= 1
         self.num_running += 1
@@ -279,8 +280,12 @@ class PythonTool:
         cfg = json.dumps({"ppid": os.getpid(), "network": mode, "probe": True})
         proc = await asyncio.create_subprocess_exec(
             *[sys.executable, "-I", "-c", _PRELUDE, cfg],
-            **dict(stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE),
-            **dict(cwd="/", env={"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}, start_new_session=True),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            cwd="/",
+            env={"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"},
+            start_new_session=True,
         )
         try:
             _, err = await asyncio.wait_for(proc.communicate(), PROBE_TIMEOUT_S)
@@ -304,18 +309,20 @@ class PythonTool:
                 "file_size_bytes": self.file_size_mb << 20,
             }
             env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-            out_r, out_w = os.pipe()
-            capture.watch(out_r, "out")
-            err_r, err_w = os.pipe()
-            capture.watch(err_r, "err")
+            out_w = capture.pipe("out")
+            err_w = capture.pipe("err")
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *[sys.executable, "-I", "-c", _PRELUDE, json.dumps(cfg)],
-                    **dict(stdin=asyncio.subprocess.DEVNULL, stdout=out_w, stderr=err_w),
-                    **dict(cwd=workdir, env=env, start_new_session=True),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out_w,
+                    stderr=err_w,
+                    cwd=workdir,
+                    env=env,
+                    start_new_session=True,
                 )
             finally:
-                os.close(out_w)
+                os.close(out_w)  # the child holds its copies; EOF comes when every writer is gone
                 os.close(err_w)
             return await self._collect(proc, capture, deadline, limit_s)
         finally:
@@ -361,6 +368,6 @@ class PythonTool:
 
 def _make_workdir(code: str) -> str:
     workdir = tempfile.mkdtemp(prefix="asyncrl-python-")
-    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
         f.write(code)
     return workdir
