@@ -43,6 +43,14 @@ class Stuck(Echo):
 
 def make_stuck():
     return Stuck()
+
+class Broken(Echo):
+    name = "broken"
+    async def call(self, arguments, *, timeout_s):
+        from asyncrl.agent.tools.base import ToolUnavailable
+        if arguments.get("how") == "unavailable":
+            raise ToolUnavailable("its backend is down")
+        raise RuntimeError("a bug in the tool")
 """
 
 
@@ -107,7 +115,9 @@ def stop(proc):
 
 @pytest.fixture
 def server(tmp_path):
-    proc, url = start_server(tmp_path, "python", "calculator", "user_tools:Echo", "user_tools:make_stuck")
+    proc, url = start_server(
+        tmp_path, "python", "calculator", "user_tools:Echo", "user_tools:make_stuck", "user_tools:Broken"
+    )
     yield url
     stop(proc)
 
@@ -117,7 +127,7 @@ def test_discover_and_call_through_the_server(server):
         tools = await HttpTool.discover(server, timeout_s=10.0, call_timeout_s=20.0)
         by_name = {t.name: t for t in tools}
         try:
-            assert sorted(by_name) == ["calculator", "echo", "python", "stuck"]
+            assert sorted(by_name) == ["broken", "calculator", "echo", "python", "stuck"]
             assert by_name["python"].parameters["required"] == ["code"]
             assert "arithmetic" in by_name["calculator"].description
             assert await by_name["python"].call({"code": "print(6 * 7)"}, timeout_s=20.0) == "42\n"
@@ -132,6 +142,10 @@ def test_discover_and_call_through_the_server(server):
             with pytest.raises(ToolError, match=r"^stuck: timed out after 1\.5 s$"):
                 await by_name["stuck"].call({}, timeout_s=2.0)
             assert time.monotonic() - start < 2.0 + 1.0
+            with pytest.raises(ToolError, match=r"failed \(HTTP 503\): broken unavailable: its backend is down$"):
+                await by_name["broken"].call({"how": "unavailable"}, timeout_s=5.0)
+            with pytest.raises(ToolError, match=rf"^tool server {server}/call failed \(HTTP 500\)"):
+                await by_name["broken"].call({}, timeout_s=5.0)  # aiohttp's own 500 page: not JSON, quoted
         finally:
             for t in tools:
                 await t.close()
@@ -141,7 +155,7 @@ def test_discover_and_call_through_the_server(server):
 
 def test_protocol_errors(server):
     status, body = http("GET", server + "/tools")
-    assert status == 200 and {t["name"] for t in body["tools"]} == {"python", "calculator", "echo", "stuck"}
+    assert status == 200 and {t["name"] for t in body["tools"]} == {"python", "calculator", "echo", "stuck", "broken"}
     status, body = http("POST", server + "/call", {"name": "nope", "arguments": {}})
     assert status == 404 and "unknown tool 'nope'" in body["error"] and "calculator" in body["error"]
     for bad, field in [

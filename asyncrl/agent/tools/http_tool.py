@@ -7,7 +7,8 @@ Protocol (JSON bodies, UTF-8):
   200 ``{"output": <any JSON value>}`` (the tool's result), or 200 ``{"error": str}`` (the tool raised ``ToolError``,
   or did not finish in ``timeout_s``: the policy sees the message); 404 ``{"error"}`` for a tool this server does not
   have (the message lists the ones it has); 400 ``{"error"}`` for a malformed request, naming the field (``name``,
-  ``arguments``, ``timeout_s``); 503 ``{"error"}`` when the tool's own infrastructure failed (``ToolUnavailable``).
+  ``arguments``, ``timeout_s``); 503 ``{"error"}`` when the tool's own infrastructure failed (``ToolUnavailable``);
+  500 when the tool raised anything else or returned what JSON cannot hold (a bug: the server logs it).
   ``timeout_s`` defaults to, and is capped at, the server's ``--max-timeout-s``; the server bounds each call by it.
 - ``GET /health`` -> 200 ``{"status": "ok", "tools": [names]}``
 
