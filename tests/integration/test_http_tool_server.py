@@ -21,6 +21,7 @@ import pytest
 
 from asyncrl.agent.tools.base import ToolError, ToolUnavailable
 from asyncrl.agent.tools.http_tool import HttpTool, parse_call, server_timeout_s
+from asyncrl.agent.tools.python_sandbox import sweep_stale_workdirs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -184,13 +185,13 @@ def test_protocol_errors(server):
 def test_a_server_killed_mid_call_is_a_tool_error_naming_the_url(tmp_path):
     proc, url = start_server(tmp_path, "python")
     marker = tmp_path / "sandbox.pid"
-    code = f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    code = f"import os, time\nopen({str(marker)!r}, 'w').write(f'{{os.getpid()}} {{os.getcwd()}}')\ntime.sleep(60)\n"
     tool = HttpTool(url, "python", timeout_s=30.0)
 
     async def main():
         call = asyncio.create_task(tool.call({"code": code}, timeout_s=30.0))
         deadline = time.monotonic() + 30
-        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        while not (marker.exists() and len(marker.read_text().split()) == 2) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         killed_at = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)  # the server alone: its sandbox has a session of its own
@@ -207,11 +208,15 @@ def test_a_server_killed_mid_call_is_a_tool_error_naming_the_url(tmp_path):
         stop(proc)
     assert str(err).startswith(f"tool server unreachable: {url}/call")
     assert after_s < 10.0  # the client's timeout is 30 s: the broken connection was seen, not waited out
-    sandbox_pid = int(marker.read_text())
+    sandbox_pid, workdir = marker.read_text().split()
+    sandbox_pid = int(sandbox_pid)
     deadline = time.monotonic() + 10
     while alive(sandbox_pid) and time.monotonic() < deadline:  # PR_SET_PDEATHSIG: it dies with the server
         time.sleep(0.05)
     assert not alive(sandbox_pid)
+    assert os.path.isdir(workdir)  # the SIGKILLed server could not remove it: the next tool's first call does
+    assert workdir in sweep_stale_workdirs()
+    assert not os.path.exists(workdir)
 
 
 def test_no_server_at_all():

@@ -9,12 +9,13 @@ import asyncio
 import os
 import resource
 import socket
+import subprocess
 import time
 
 import pytest
 
 from asyncrl.agent.tools.base import ToolError, ToolUnavailable
-from asyncrl.agent.tools.python_sandbox import ISOLATION_MODES, PythonTool
+from asyncrl.agent.tools.python_sandbox import ISOLATION_MODES, WORKDIR_PREFIX, PythonTool, sweep_stale_workdirs
 
 FORK_THEN = """
 import os, time
@@ -262,6 +263,19 @@ def test_cancelling_the_caller_kills_the_group(tmp_path):
     assert wait_dead([int(grandchild)]) == []
     assert not os.path.exists(workdir)
     assert tool.num_running == 0
+
+
+def test_the_sweep_removes_only_dead_owners_dirs(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{WORKDIR_PREFIX}{dead.pid}-abc"
+    mine = tmp_path / f"{WORKDIR_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / "asyncrl-python-notapid-abc"
+    for d in (stale, mine, other):
+        d.mkdir()
+        (d / "main.py").write_text("print(1)")
+    assert sweep_stale_workdirs(str(tmp_path)) == [str(stale)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,17 @@
 """``PythonTool``: the policy's Python code, run in a limited subprocess that nothing it does can escape into the caller.
 
 Contract: ``call({"code": "print(6 * 7)"}, timeout_s=...)`` returns the program's stdout as text (at most
-``max_output_bytes``), or raises ``ToolError`` with a short message the policy reads: the last lines of the traceback
-and the exit code for a program that failed; ``timed out after 5.0 s``; ``killed: CPU time limit 5 s``;
-``killed: file size limit 64 MB``; ``output exceeded 8192 bytes: the program was killed, its output cut there: ...`` (each with the output it had made). A
-``MemoryError`` is the usual traceback. It raises ``ToolUnavailable`` only when the network isolation asked for
-cannot be had on this machine (at the first call). It returns or raises within ``timeout_s`` (plus the time to kill
-and reap: milliseconds), never hangs or crashes the event loop (all its waiting is async), and always kills the
-program's whole process group and reaps it, also when the awaiting task is cancelled.
+``max_output_bytes``), or raises ``ToolError`` with a short message the policy reads, its first line saying how the
+program ended and the rest its output (stdout, then stderr: the traceback's last lines): ``exit code 1`` (a raise,
+a ``MemoryError``), ``timed out after 5.0 s``, ``killed: CPU time limit 5 s``, ``killed: file size limit 64 MB``,
+``output exceeded 8192 bytes: the program was killed, its output cut there:``. It raises ``ToolUnavailable`` only
+when the network isolation asked for cannot be had on this machine (at the first call). It returns or raises within
+``timeout_s`` (plus the time to kill and reap: milliseconds), never hangs or crashes the event loop (all its waiting
+is async), and always kills the program's whole process group and reaps it, also when the awaiting task is
+cancelled.
 
-Each run, in a fresh temporary directory (its working directory, ``HOME`` and ``TMPDIR``; removed afterwards):
+Each run, in a fresh temporary directory (its working directory, ``HOME`` and ``TMPDIR``; removed afterwards, or,
+when this process was SIGKILLed first, by the first call of a later tool: ``sweep_stale_workdirs``):
 ``python -I`` (isolated: no user site, no ``PYTHON*`` variables, no cwd on ``sys.path``) with stdin closed, an
 environment of ``PATH``, ``LANG``, ``HOME``, ``TMPDIR`` only (no inherited secrets), its own session and process
 group (``start_new_session``), ``RLIMIT_CPU`` (``cpu_s``; SIGKILL one second later), ``RLIMIT_AS`` (``memory_mb``),
@@ -18,12 +20,14 @@ stdout and stderr are read as they come; past ``max_output_bytes`` (both togethe
 ``max_concurrent`` programs run at once (an ``asyncio.Semaphore``; the wait counts against ``timeout_s``).
 
 No network: the first call picks, and logs in one line, the strongest isolation this machine allows, kept in
-``tool.network_isolation``: ``netns`` (a new, empty network namespace: ``unshare(CLONE_NEWNET)``, needs root),
+``tool.network_isolation``: ``netns`` (a new network namespace, only a loopback that is down:
+``unshare(CLONE_NEWNET)``, needs CAP_SYS_ADMIN, e.g. root),
 ``userns`` (``CLONE_NEWUSER | CLONE_NEWNET``, where unprivileged user namespaces are allowed), else
 ``socket-guard`` (a prelude that refuses ``connect``/``sendto``/``bind`` on IPv4/IPv6 sockets: a guard against
 accidents, not a wall; code that calls ``_socket`` or ``ctypes`` directly gets past it). Not isolated: the file
 system (a program can read what this user can; writes are bounded by ``RLIMIT_FSIZE`` per file only), and a
-grandchild that calls ``setsid()`` leaves the process group (killing needs a PID namespace or cgroup, not used here).
+grandchild that calls ``setsid()`` leaves the process group, and the number of processes is not bounded
+(``RLIMIT_NPROC`` counts all of a user's processes; both need a PID namespace or a cgroup, not used here).
 
     tool = PythonTool(timeout_s=5.0, memory_mb=512)
     await tool.call({"code": "print(sum(range(10)))"}, timeout_s=5.0)   # "45\\n"
@@ -51,6 +55,7 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"  # the child's PATH: system binari
 READ_GRACE_S = 2.0  # after the kill, how long the pipes may take to close (a setsid() grandchild may hold them)
 PROBE_TIMEOUT_S = 30.0  # the isolation probe is one interpreter start; generous for a loaded machine
 CHUNK_BYTES = 65536  # one pipe read
+WORKDIR_PREFIX = "asyncrl-python-"  # + the owning process's pid + "-": how a later sweep knows a dir is stale
 
 # Runs in the child before the policy's code: argv[1] is the JSON settings. Limits last, so the set-up is not
 # bound by them; the policy's code runs in a fresh namespace with the prelude's frame cut from its tracebacks.
@@ -258,6 +263,9 @@ class PythonTool:
         async with self._isolation_lock:
             if self.network_isolation is None:
                 self.network_isolation = await self._pick_isolation()
+                removed = await asyncio.to_thread(sweep_stale_workdirs)
+                if removed:
+                    log.info("python tool: removed %d working directories of dead tool processes", len(removed))
         return self.network_isolation
 
     async def _pick_isolation(self) -> str:
@@ -366,8 +374,37 @@ class PythonTool:
         raise ToolError(f"{how}\n{text}" if text else how)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale_workdirs(base: str | None = None) -> list[str]:
+    """Remove the working directories (under ``base``, the temp dir by default) of tool processes that died without
+    cleaning up (a SIGKILL); a directory whose owner pid is alive is left alone. Returns what it removed."""
+    base = base or tempfile.gettempdir()
+    removed = []
+    for entry in os.scandir(base):
+        pid_text = entry.name[len(WORKDIR_PREFIX) :].split("-", 1)[0]
+        if (
+            not entry.name.startswith(WORKDIR_PREFIX)
+            or not pid_text.isdigit()
+            or not entry.is_dir(follow_symlinks=False)
+        ):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid == os.getuid() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
 def _make_workdir(code: str) -> str:
-    workdir = tempfile.mkdtemp(prefix="asyncrl-python-")
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
     with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
         f.write(code)
     return workdir
