@@ -1,4 +1,4 @@
-"""``PythonTool``: the policy's Python code, run in a limited subprocess that nothing it does can escape into the caller.
+"""``PythonTool``: the policy's Python code in a limited subprocess; nothing it does can reach into the caller.
 
 Contract: ``call({"code": "print(6 * 7)"}, timeout_s=...)`` returns the program's stdout as text (at most
 ``max_output_bytes``), or raises ``ToolError`` with a short message the policy reads, its first line saying how the
