@@ -152,6 +152,26 @@ def test_the_network_is_out_of_reach(isolated_tool):
             listener.accept()
 
 
+def test_a_program_cannot_rejoin_the_callers_network():
+    """In a user namespace the program holds no capability outside it: setns() into the caller's network fails
+    (``netns`` alone, as root, allows it: why ``auto`` prefers ``userns``)."""
+    tool = PythonTool(timeout_s=30.0, network_isolation="userns")
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "fd = os.open(f'/proc/{os.getppid()}/ns/net', os.O_RDONLY)\n"
+        "print(libc.setns(fd, 0x40000000), os.strerror(ctypes.get_errno()))\n"
+    )
+    try:
+        out = run(tool, code)
+    except ToolUnavailable:
+        pytest.skip("user namespaces are not available here")
+    except ToolError as exc:  # /proc/<pid>/ns/net not even readable: refused earlier, as good
+        assert "Permission denied" in str(exc)
+        return
+    assert out.startswith("-1 ")
+
+
 def test_a_4_gb_allocation_is_a_memory_error():
     with pytest.raises(ToolError, match="MemoryError"):
         run(PythonTool(timeout_s=30.0, memory_mb=512), "b = bytearray(4 * 1024 ** 3)\nprint(len(b))")

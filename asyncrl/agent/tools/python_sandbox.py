@@ -20,18 +20,19 @@ stdout and stderr are read as they come; past ``max_output_bytes`` (both togethe
 ``max_concurrent`` programs run at once (an ``asyncio.Semaphore``; the wait counts against ``timeout_s``).
 
 No network: the first call picks, and logs in one line, the strongest isolation this machine allows, kept in
-``tool.network_isolation``: ``netns`` (a new network namespace, only a loopback that is down:
-``unshare(CLONE_NEWNET)``, needs CAP_SYS_ADMIN, e.g. root),
-``userns`` (``CLONE_NEWUSER | CLONE_NEWNET``, where unprivileged user namespaces are allowed), else
-``socket-guard`` (a prelude that refuses ``connect``/``sendto``/``bind`` on IPv4/IPv6 sockets: a guard against
-accidents, not a wall; code that calls ``_socket`` or ``ctypes`` directly gets past it). Not isolated: the file
-system (a program can read what this user can; writes are bounded by ``RLIMIT_FSIZE`` per file only), and a
-grandchild that calls ``setsid()`` leaves the process group, and the number of processes is not bounded
-(``RLIMIT_NPROC`` counts all of a user's processes; both need a PID namespace or a cgroup, not used here).
+``tool.network_isolation``: ``userns`` (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``: a new network namespace, only a
+loopback that is down, inside a new user namespace, so the program holds no capability outside it and cannot
+``setns()`` back; needs unprivileged user namespaces, or root), else ``netns`` (``unshare(CLONE_NEWNET)`` alone, for
+root where user namespaces are disabled; a root program can undo it with ``setns()`` into this process's namespace,
+so it is second), else ``socket-guard`` (a prelude that refuses ``connect``/``sendto``/``bind`` on IPv4/IPv6
+sockets: a guard against accidents, not a wall; code that calls ``_socket`` or ``ctypes`` directly gets past it).
+Not isolated: the file system (a program can read what this user can; writes are bounded by ``RLIMIT_FSIZE`` per
+file only), a grandchild that calls ``setsid()`` leaves the process group, and the number of processes is not
+bounded (``RLIMIT_NPROC`` counts all of a user's processes; both need a PID namespace or a cgroup, not used here).
 
     tool = PythonTool(timeout_s=5.0, memory_mb=512)
     await tool.call({"code": "print(sum(range(10)))"}, timeout_s=5.0)   # "45\\n"
-    tool.network_isolation                                              # "netns" (as root), after the first call
+    tool.network_isolation                                              # "userns", after the first call
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from asyncrl.agent.tools.base import ToolError, ToolUnavailable
 
 log = logging.getLogger("asyncrl.tools.python")
 
-ISOLATION_MODES = ("netns", "userns", "socket-guard")  # strongest first: "auto" takes the first that works
+ISOLATION_MODES = ("userns", "netns", "socket-guard")  # strongest first: "auto" takes the first that works
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"  # the child's PATH: system binaries only, nothing of the caller's
 READ_GRACE_S = 2.0  # after the kill, how long the pipes may take to close (a setsid() grandchild may hold them)
 PROBE_TIMEOUT_S = 30.0  # the isolation probe is one interpreter start; generous for a loaded machine
@@ -229,7 +230,7 @@ class PythonTool:
         self.max_concurrent = max_concurrent or os.cpu_count() or 1
         self.requested_isolation = network_isolation
         self.network_isolation: str | None = None
-        """The isolation in use (``netns`` | ``userns`` | ``socket-guard``); None until the first call."""
+        """The isolation in use (``userns`` | ``netns`` | ``socket-guard``); None until the first call."""
         self.num_running = 0
         self.num_waiting = 0
         self._slots = asyncio.Semaphore(self.max_concurrent)
