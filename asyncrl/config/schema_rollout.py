@@ -152,8 +152,14 @@ class PythonToolConfig:
     """stdout + stderr kept; past it the program is killed and the observation says so."""
     max_concurrent: Optional[int] = None
     """Calls running at once per worker (unset: the CPU count)."""
+    file_size_mb: int = 64
+    """Largest file a program may write (RLIMIT_FSIZE) in its temporary directory."""
+    network_isolation: Literal["auto", "userns", "netns", "socket-guard"] = "auto"
+    """How the network is cut off: ``auto`` takes the strongest this machine allows (a network namespace inside a
+    user namespace, a bare network namespace, else a guard on Python's sockets) and logs which."""
 
     def __post_init__(self):
+        positive(self.file_size_mb, "agentloop.python.file_size_mb")
         positive(self.timeout_s, "agentloop.python.timeout_s")
         positive(self.cpu_s, "agentloop.python.cpu_s")
         positive(self.memory_mb, "agentloop.python.memory_mb")
