@@ -222,52 +222,52 @@ def policy_loss(
     maskf = mask_b.to(logp.dtype)
     params = correction_params if correction_params is not None else CorrectionParams(tis_cap=tis_cap)
     old, iw, keep, raw = _old_policy(
-        logp,
-        behav_logp,
-        prox_logp,
-        mask_b,
-        correction=off_policy_correction,
-        params=params,
-        seq=seq,
+        logp, behav_logp, prox_logp, mask_b, correction=off_policy_correction, params=params, seq=seq,
         advantages=advantages,
-    )
+    )  # fmt: skip
     fresh = stale_mask(staleness, max_token_staleness) if staleness is not None else torch.ones_like(mask_b)
     pg, ratio, clipped, dual = ppo_clip(
         logp, old, advantages, clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=dual_clip
     )
     w = agg_weight * (keep & fresh).to(logp.dtype)
     pg_loss = (w * (pg * iw)).sum()  # per token: pg * iw
-    total = pg_loss
-    kl_sum = 0.0
+    reg, kl_sum, ent_sum = _regularizers(
+        logp, w, maskf, entropy=entropy, entropy_coef=entropy_coef, ref_logp=ref_logp, kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+    )  # fmt: skip
+    total = pg_loss + reg
+    sums = _loss_sums(
+        logp, total=total, pg_loss=pg_loss, ratio=ratio, clipped=clipped, dual=dual, raw=raw, keep=keep,
+        fresh=fresh, mask_b=mask_b, behav_logp=behav_logp, prox_logp=prox_logp, ent_sum=ent_sum, kl_sum=kl_sum,
+        tis_cap=params.tis_cap if off_policy_correction == "tis" else None, staleness=staleness,
+    )  # fmt: skip
+    return LossOutput(loss=total, sums=sums)
+
+
+def _regularizers(
+    logp: torch.Tensor,
+    w: torch.Tensor,
+    maskf: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+    ref_logp: torch.Tensor | None,
+    kl_coef: float,
+    kl_estimator: Literal["k1", "k3"],
+) -> tuple[torch.Tensor | float, float, float]:
+    """The KL penalty minus the entropy bonus (weighted like the policy loss), and the KL and entropy sums."""
+    total: torch.Tensor | float = 0.0
+    kl_sum = ent_sum = 0.0
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, kl_estimator)
         if kl_coef:
             total = total + kl_coef * (w * kl).sum()
         kl_sum = float((kl.detach() * maskf).sum())
-    ent_sum = 0.0
     if entropy is not None:
         if entropy_coef:
             total = total - entropy_coef * (w * entropy).sum()
         ent_sum = float((entropy.detach() * maskf).sum())
-    sums = _loss_sums(
-        logp,
-        total=total,
-        pg_loss=pg_loss,
-        ratio=ratio,
-        clipped=clipped,
-        dual=dual,
-        raw=raw,
-        keep=keep,
-        fresh=fresh,
-        mask_b=mask_b,
-        behav_logp=behav_logp,
-        prox_logp=prox_logp,
-        ent_sum=ent_sum,
-        kl_sum=kl_sum,
-        tis_cap=params.tis_cap if off_policy_correction == "tis" else None,
-        staleness=staleness,
-    )
-    return LossOutput(loss=total, sums=sums)
+    return total, kl_sum, ent_sum
 
 
 def _loss_sums(

@@ -155,21 +155,18 @@ class AlgorithmConfig:
     off_policy_correction: Literal[
         "none", "tis", "decoupled", "token_mis", "seq_mis", "geo_mask", "icepop", "dppo", "m2po"
     ] = "none"
-    """``none`` (rollout log-prob is the old log-prob, the RLinf default), ``tis`` (truncated
-    importance sampling vs the recomputed policy), ``decoupled`` (AReaL's decoupled PPO), ``token_mis`` /
-    ``seq_mis`` (masked IS per token / per sequence), ``geo_mask`` (geometric-mean sequence mask), ``icepop``,
-    ``dppo`` (prime-rl's default binary-TV mask), ``m2po`` (second-moment mask); ``asyncrl.actor.corrections``."""
+    """``none`` (rollout log-prob is the old log-prob, the RLinf default), ``tis`` (truncated IS vs the recomputed
+    policy), ``decoupled`` (AReaL), masked IS per token / sequence, a geometric-mean sequence mask, IcePop, DPPO
+    (prime-rl's default), M2PO: ``asyncrl.actor.corrections``."""
     tis_cap: float = 2.0
     """Upper bound of the importance weight: truncation under ``tis``, the mask under ``decoupled``,
     ``token_mis`` and (on the sequence's product of ratios) ``seq_mis``."""
     geo_mask_low: float = 0.9
-    """``geo_mask``: sequences whose geometric-mean ratio is below this are dropped."""
+    """``geo_mask``: sequences whose geometric-mean ratio is out of [low, high] are dropped."""
     geo_mask_high: float = 1.1
-    """``geo_mask``: sequences whose geometric-mean ratio is above this are dropped."""
     icepop_low: float = 0.5
-    """``icepop``: tokens whose ratio (recomputed / rollout probability) is below this are dropped."""
+    """``icepop``: tokens whose ratio (recomputed / rollout probability) is out of [low, high] are dropped."""
     icepop_high: float = 5.0
-    """``icepop``: tokens whose ratio is above this are dropped."""
     dppo_mask_low: float = 0.2
     """``dppo``: a negative-advantage token whose probability fell by more than this since the rollout is dropped."""
     dppo_mask_high: float = 0.2
@@ -190,18 +187,12 @@ class AlgorithmConfig:
             require(self.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {self.dual_clip!r}")
         non_negative(self.kl_coef, "algorithm.kl_coef")
         positive(self.tis_cap, "algorithm.tis_cap")
-        for lo, hi in (("geo_mask_low", "geo_mask_high"), ("icepop_low", "icepop_high")):
+        for lo, hi in (("geo_mask_low", "geo_mask_high"), ("icepop_low", "icepop_high")):  # 1: on-policy
             a, b = getattr(self, lo), getattr(self, hi)
-            require(
-                0 < a <= 1 <= b,
-                f"algorithm.{lo}",
-                f"must satisfy 0 < {lo} <= 1 <= {hi} (a ratio of 1 is on-policy), got {a!r} and {b!r}",
-            )
-        positive(self.dppo_mask_low, "algorithm.dppo_mask_low")
-        positive(self.dppo_mask_high, "algorithm.dppo_mask_high")
-        positive(self.m2po_tau, "algorithm.m2po_tau")
-        if self.max_token_staleness is not None:
-            non_negative(self.max_token_staleness, "algorithm.max_token_staleness")
+            require(0 < a <= 1 <= b, f"algorithm.{lo}", f"must satisfy 0 < {lo} <= 1 <= {hi}, got {a!r} and {b!r}")
+        for key in ("dppo_mask_low", "dppo_mask_high", "m2po_tau"):
+            positive(getattr(self, key), f"algorithm.{key}")
+        non_negative(self.max_token_staleness, "algorithm.max_token_staleness")
 
 
 @dataclass(frozen=True)
