@@ -134,6 +134,28 @@ def aggregate(runs: list[dict], arms: list[str]) -> dict:
     return out
 
 
+def pooled(files: list[dict]) -> dict:
+    """One A/B from several runs of this benchmark, their runs together (a baselines file: each of its kept runs
+    with the arms and steps of its latest, e.g. seeds 1-3 and 4-6 run apart)."""
+    docs = []
+    for f in files:
+        last = f.get("latest", f)
+        docs += [d for d in f.get("runs", [f]) if (d.get("arms"), d.get("steps")) == (last["arms"], last["steps"])]
+    arms = docs[0]["arms"]
+    runs = [r for d in docs for r in d["ab_runs"] if r["arm"] in arms]
+    dates = sorted(d["date"] for d in docs)
+    agg = aggregate(runs, arms)
+    for arm in arms[1:]:
+        seeds = sorted({r["seed"] for r in runs if r["arm"] == arm} & {r["seed"] for r in runs if r["arm"] == arms[0]})
+        diff = [_heldout(runs, arm, s) - _heldout(runs, arms[0], s) for s in seeds]
+        agg[arm][f"heldout_after_minus_{arms[0]}"] = harness.summary(diff) | {"note": "paired by seed"}
+    return {"arms": arms, "ab_runs": runs, "per_arm": agg, "date": " + ".join(dates)}
+
+
+def _heldout(runs: list[dict], arm: str, seed: int) -> float:
+    return next(r["heldout_after"] for r in runs if r["arm"] == arm and r["seed"] == seed)
+
+
 def plot(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -184,13 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prep", type=Path, default=Path("/tmp/offpolicy_prep"), help="the prepared default (shared)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/offpolicy_runs"), help="run directories")
     ap.add_argument("--screen", action="store_true", help="every correction once, on --seeds[0]")
-    ap.add_argument("--plot", type=Path, help="only draw docs/offpolicy_ab.png from this JSON")
+    ap.add_argument("--plot", type=Path, nargs="+", help="only draw the plot from these JSONs (their runs pooled)")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "offpolicy_ab.png")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/baselines/offpolicy_ab.json")
     a = ap.parse_args(argv)
     if a.plot:
-        doc = json.loads(a.plot.read_text())
-        plot(doc.get("latest", doc), a.png)  # a baselines file keeps its last runs and the latest
+        doc = pooled([json.loads(p.read_text()) for p in a.plot])
+        plot(doc, a.png)
+        print(json.dumps({"pooled": [str(p) for p in a.plot], "per_arm": doc["per_arm"]}, default=float))
         return 0
     arms, seeds = (list(ALL_CORRECTIONS), a.seeds[:1]) if a.screen else (a.arms, a.seeds)
     rep = harness.Report("offpolicy_ab", argv)
