@@ -164,8 +164,34 @@ def _validate_paths_tools_eval(cfg: Config, placement) -> list[str]:
             f"algorithm.off_policy_correction = {cfg.algorithm.off_policy_correction!r} in synchronous mode: "
             f"data is on-policy up to engine/actor numerics; the correction only guards that mismatch"
         )
+    warnings += _warn_correction_params(cfg)
 
     return warnings
+
+
+# the algorithm keys each correction reads (beyond off_policy_correction): any other one set is ignored
+_CORRECTION_KEYS = {
+    "tis_cap": ("tis", "decoupled", "token_mis", "seq_mis"),
+    "geo_mask_low": ("geo_mask",),
+    "geo_mask_high": ("geo_mask",),
+    "icepop_low": ("icepop",),
+    "icepop_high": ("icepop",),
+    "dppo_mask_low": ("dppo",),
+    "dppo_mask_high": ("dppo",),
+    "m2po_tau": ("m2po",),
+}
+
+
+def _warn_correction_params(cfg: Config) -> list[str]:
+    """A warning per correction bound set away from its default that the chosen correction does not read."""
+    a, default = cfg.algorithm, type(cfg.algorithm)()
+    used = a.off_policy_correction
+    return [
+        f"algorithm.{key} = {getattr(a, key)!r} is ignored: algorithm.off_policy_correction = {used!r} does not "
+        f"read it (it is read by {', '.join(by)})"
+        for key, by in _CORRECTION_KEYS.items()
+        if used not in by and getattr(a, key) != getattr(default, key)
+    ]
 
 
 def _warn_limits(cfg: Config) -> list[str]:
