@@ -19,7 +19,7 @@ Contract (all pure functions of ``SyncSetup``; no clocks, no sockets):
     engine replica takes the whole model through its own ``engine_nics`` NICs, in parallel with the others).
   * ``control_s``: the fixed cost of a sync (pause, begin, the engines' HTTP-to-scheduler hops, end, continue),
     MEASURED by ``benchmarks/weight_sync_bench.py``: ``overhead_s`` (median sync - median bare broadcast) of the
-    latest run in ``benchmarks/baselines/weight_sync_bench.json`` that has it, for 1 and 2 CPU engines, taken
+    latest run in ``benchmarks/baselines/weight_sync_bench.json`` that has it (idle), for 1 and 2 CPU engines, taken
     linearly in the engine count beyond (the control calls to engines run concurrently; the measured slope is
     the per-engine share). ``--control-ms`` overrides it.
   * ``sync_s = gather_s + transfer_s + control_s``. Not modelled: format conversion and quantisation (BF16 ->
@@ -112,12 +112,13 @@ def sync_time(s: SyncSetup) -> dict[str, float]:
 
 
 def control_from_runs(doc: dict[str, Any]) -> dict[str, Any]:
-    """From a ``weight_sync_bench`` baseline document: the latest run with ``overhead_s`` for 1 and 2 engines ->
+    """From a ``weight_sync_bench`` baseline document: the latest run with ``overhead_s`` for 1 and 2 engines (its
+    ``idle`` condition where it has one) ->
     ``{"at1_s", "per_engine_s", "date", "command"}`` (slope clamped at 0: a noisy pair must not give a negative
     cost). A missing figure names the key."""
     runs = doc.get("runs") or [doc.get("latest", {})]
     for run in reversed(runs):
-        res = run.get("results", {})
+        res = run.get("idle", run).get("results", {})  # the idle condition where a run has one (harness --load)
         if all("overhead_s" in res.get(f"engines{n}", {}) for n in (1, 2)):
             at1, at2 = res["engines1"]["overhead_s"], res["engines2"]["overhead_s"]
             return {"at1_s": at1, "per_engine_s": max(0.0, at2 - at1), "date": run["date"], "command": run["command"]}

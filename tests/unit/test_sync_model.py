@@ -83,6 +83,9 @@ def test_control_cost_comes_from_the_latest_run_that_measured_it():
     assert sm.control_from_runs(doc)["per_engine_s"] == 0.0
     with pytest.raises(ValueError, match="overhead_s"):
         sm.control_from_runs({"runs": doc["runs"][1:]})
+    idle = {"results": {"engines1": {"overhead_s": 0.02}, "engines2": {"overhead_s": 0.03}}}
+    doc["runs"].append({"date": "c", "command": "c3", "idle": idle, "loaded": {"results": {}}})  # harness --load
+    assert sm.control_from_runs(doc)["at1_s"] == 0.02
 
 
 def test_bad_setups_name_the_field():
