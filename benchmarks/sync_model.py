@@ -19,7 +19,7 @@ Contract (all pure functions of ``SyncSetup``; no clocks, no sockets):
     engine replica takes the whole model through its own ``engine_nics`` NICs, in parallel with the others).
   * ``control_s``: the fixed cost of a sync (pause, begin, the engines' HTTP-to-scheduler hops, end, continue),
     MEASURED by ``benchmarks/weight_sync_bench.py``: ``overhead_s`` (median sync - median bare broadcast) of the
-    latest run in ``benchmarks/baselines/weight_sync_bench.json`` that has it (idle), for 1 and 2 CPU engines, taken
+    least-loaded run in ``benchmarks/baselines/weight_sync_bench.json`` that has it (idle), for 1 and 2 CPU engines, taken
     linearly in the engine count beyond (the control calls to engines run concurrently; the measured slope is
     the per-engine share). ``--control-ms`` overrides it.
   * ``sync_s = gather_s + transfer_s + control_s``. Not modelled: format conversion and quantisation (BF16 ->
@@ -112,17 +112,29 @@ def sync_time(s: SyncSetup) -> dict[str, float]:
 
 
 def control_from_runs(doc: dict[str, Any]) -> dict[str, Any]:
-    """From a ``weight_sync_bench`` baseline document: the latest run with ``overhead_s`` for 1 and 2 engines (its
-    ``idle`` condition where it has one) ->
-    ``{"at1_s", "per_engine_s", "date", "command"}`` (slope clamped at 0: a noisy pair must not give a negative
-    cost). A missing figure names the key."""
-    runs = doc.get("runs") or [doc.get("latest", {})]
-    for run in reversed(runs):
-        res = run.get("idle", run).get("results", {})  # the idle condition where a run has one (harness --load)
+    """From a ``weight_sync_bench`` baseline document: of the runs with ``overhead_s`` for 1 and 2 engines (their
+    ``idle`` condition where they have one), the one whose machine was least loaded at its start (the overhead is a
+    difference of two medians, and load inflates it: 7 ms at load 0.4, 28 ms at load 5.6, measured) ->
+    ``{"at1_s", "per_engine_s", "date", "command", "load_1m"}`` (slope clamped at 0: a noisy pair must not give a
+    negative cost). A missing figure names the key."""
+    found = []
+    for i, run in enumerate(doc.get("runs") or [doc.get("latest", {})]):
+        cond = run.get("idle", run)  # the idle condition where a run has one (harness --load)
+        res = cond.get("results", {})
         if all("overhead_s" in res.get(f"engines{n}", {}) for n in (1, 2)):
-            at1, at2 = res["engines1"]["overhead_s"], res["engines2"]["overhead_s"]
-            return {"at1_s": at1, "per_engine_s": max(0.0, at2 - at1), "date": run["date"], "command": run["command"]}
-    raise ValueError(f"{BASELINE.name}: no run has results.engines1.overhead_s and results.engines2.overhead_s")
+            load = cond.get("load_start", run.get("load_start", {})).get("1m", float("inf"))
+            found.append((load, -i, run, res))
+    if not found:
+        raise ValueError(f"{BASELINE.name}: no run has results.engines1.overhead_s and results.engines2.overhead_s")
+    load, _, run, res = min(found, key=lambda f: f[:2])  # least loaded; the latest of equals
+    at1, at2 = res["engines1"]["overhead_s"], res["engines2"]["overhead_s"]
+    return {
+        "at1_s": at1,
+        "per_engine_s": max(0.0, at2 - at1),
+        "date": run["date"],
+        "command": run["command"],
+        "load_1m": load,
+    }
 
 
 def control_for(engines: int, ctl: dict[str, Any]) -> float:
@@ -213,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     ctl = control_from_runs(json.loads(BASELINE.read_text()))
     if a.control_ms is not None:
-        ctl = {"at1_s": a.control_ms / 1e3, "per_engine_s": 0.0, "date": None, "command": "--control-ms"}
+        ctl = {
+            "at1_s": a.control_ms / 1e3,
+            "per_engine_s": 0.0,
+            "date": None,
+            "command": "--control-ms",
+            "load_1m": None,
+        }
     print(
         f"control cost: {ctl['at1_s'] * 1e3:.2f} ms at 1 engine + {ctl['per_engine_s'] * 1e3:.2f} ms per further "
-        f"engine (overhead_s, median sync - median bare, of {BASELINE.name} run {ctl['date']}: {ctl['command']})"
+        f"engine (overhead_s, median sync - median bare, of {BASELINE.name} run {ctl['date']} at load {ctl['load_1m']}: {ctl['command']})"
     )
     if a.params:
         setup = SyncSetup(

@@ -65,27 +65,25 @@ def test_sharded_delta_by_hand():
     assert sm.sync_time(replace(CASE, density=0.01))["gather_s"] == pytest.approx(0.075)
 
 
-def test_control_cost_comes_from_the_latest_run_that_measured_it():
-    doc = {
-        "runs": [
-            {
-                "date": "a",
-                "command": "c1",
-                "results": {"engines1": {"overhead_s": 0.007}, "engines2": {"overhead_s": 0.01}},
-            },
-            {"date": "b", "command": "c2", "results": {"engines1": {}, "engines2": {}}},  # an older format: skipped
-        ]
-    }
+def _run(date, at1, at2, load, *, conditioned=False):
+    res = {"engines1": {"overhead_s": at1}, "engines2": {"overhead_s": at2}}
+    if conditioned:  # harness --load: figures under idle and loaded
+        return {"date": date, "command": date, "idle": {"results": res, "load_start": {"1m": load}}, "loaded": {}}
+    return {"date": date, "command": date, "results": res, "load_start": {"1m": load}}
+
+
+def test_control_cost_comes_from_the_least_loaded_run_that_measured_it():
+    old_format = {"date": "x", "command": "x", "results": {"engines1": {}, "engines2": {}}, "load_start": {"1m": 0.0}}
+    doc = {"runs": [_run("a", 0.007, 0.01, 0.4), old_format, _run("b", 0.03, 0.08, 5.6, conditioned=True)]}
     ctl = sm.control_from_runs(doc)
-    assert (ctl["date"], ctl["at1_s"], ctl["per_engine_s"]) == ("a", 0.007, pytest.approx(0.003))
+    assert (ctl["date"], ctl["at1_s"], ctl["per_engine_s"], ctl["load_1m"]) == ("a", 0.007, pytest.approx(0.003), 0.4)
     assert sm.control_for(5, ctl) == pytest.approx(0.019)
-    doc["runs"][0]["results"]["engines2"]["overhead_s"] = 0.005  # noisy pair: no negative per-engine cost
-    assert sm.control_from_runs(doc)["per_engine_s"] == 0.0
+    doc["runs"].append(_run("c", 0.02, 0.03, 0.1, conditioned=True))  # the idle condition's load is read
+    assert sm.control_from_runs(doc)["date"] == "c"
+    doc["runs"].append(_run("d", 0.007, 0.005, 0.1))  # as quiet, later; a noisy pair: no negative per-engine cost
+    assert sm.control_from_runs(doc)["date"] == "d" and sm.control_from_runs(doc)["per_engine_s"] == 0.0
     with pytest.raises(ValueError, match="overhead_s"):
-        sm.control_from_runs({"runs": doc["runs"][1:]})
-    idle = {"results": {"engines1": {"overhead_s": 0.02}, "engines2": {"overhead_s": 0.03}}}
-    doc["runs"].append({"date": "c", "command": "c3", "idle": idle, "loaded": {"results": {}}})  # harness --load
-    assert sm.control_from_runs(doc)["at1_s"] == 0.02
+        sm.control_from_runs({"runs": [old_format]})
 
 
 def test_bad_setups_name_the_field():
