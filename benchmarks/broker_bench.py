@@ -403,7 +403,7 @@ def main(argv=None) -> int:
         return raw_server_main(argv[1], int(argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 9 by default: one hand-off in 5 took 10-20x the median on 2 idle cores (measured), which moves a 5-run median
-    harness.add_args(ap, reps=9)
+    harness.add_args(ap, reps=9, load=True)
     ap.add_argument("--workers", type=int, default=2)
     # 21 by default: the per-repetition hand-off/raw ratio ranges 0.95-2.3 on 2 cores, and the median of 9 printed
     # 1.27, 1.32 and 1.78 within ten minutes (2026-12-05); a repetition costs ~0.5 s (the buffer refills)

@@ -141,17 +141,19 @@ def fmt(s: dict[str, Any], unit: str = "", scale: float = 1.0) -> str:
     )
 
 
-def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS) -> None:
-    """The options every benchmark takes: ``--quick``, ``--reps``, ``--save``, ``--load``."""
+def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS, load: bool = False) -> None:
+    """The options every benchmark takes: ``--quick``, ``--reps``, ``--save``; and ``--load`` where the benchmark
+    runs under ``Report.condition`` (``load=True``; elsewhere there is no such flag to be silently ignored)."""
     ap.add_argument("--quick", action="store_true", help="the small workload (under 2 minutes)")
     ap.add_argument("--reps", type=int, default=reps, help=f"timed repetitions of each side (default {reps})")
     ap.add_argument("--save", action="store_true", help="also write the JSON to benchmarks/baselines/<name>.json")
-    ap.add_argument(
-        "--load",
-        choices=("both", "idle", "loaded"),
-        default="both",
-        help=f"measure idle, under the fixed background load ({LOAD_PROCS} busy processes), or both (default)",
-    )
+    if load:
+        ap.add_argument(
+            "--load",
+            choices=("both", "idle", "loaded"),
+            default="both",
+            help=f"measure idle, under the fixed background load ({LOAD_PROCS} busy processes), or both (default)",
+        )
 
 
 LOAD_PROCS = 2  # the fixed background load: one busy process per core of the 2-core machine the baselines come from

@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 31 by default: a quick sync is ~0.2 s and one repetition's ratio swings 0.7-1.3 on 2 idle cores (measured); the
     # median of 15 still moved by +-0.04 from run to run (2026-12-04/05)
-    harness.add_args(ap, reps=31)
+    harness.add_args(ap, reps=31, load=True)
     ap.add_argument("--hidden-size", type=int, help="default 1024 (768 with --quick)")
     ap.add_argument("--intermediate-size", type=int, help="default 2816 (2048 with --quick)")
     ap.add_argument("--layers", type=int, help="default 12 (4 with --quick)")

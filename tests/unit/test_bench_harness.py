@@ -139,3 +139,14 @@ def test_conditions_file_ratios_and_figures_under_idle_and_loaded(harness, capsy
     assert {"load_start", "load_end", "speed_start"} <= set(doc["loaded"])
     assert doc["targets_missed"] == [] and doc["targets_missed_loaded"] == ["speed_ratio"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["common"] is True
+
+
+def test_only_a_benchmark_that_runs_conditions_takes_load(harness):
+    import argparse
+
+    with_load, without = argparse.ArgumentParser(), argparse.ArgumentParser()
+    harness.add_args(with_load, load=True)
+    harness.add_args(without)
+    assert with_load.parse_args([]).load == "both" and with_load.parse_args(["--load", "idle"]).load == "idle"
+    with pytest.raises(SystemExit):  # not silently ignored where the benchmark has no idle/loaded split
+        without.parse_args(["--load", "idle"])
