@@ -17,6 +17,12 @@ attention - but also takes the log-softmax of response positions only (not of ev
 logits), so it does no more loss-side work than the actor. Neither side runs a reference model or a
 separate old-log-prob pass (the rollout log-prob is the old log-prob). The last stdout line is one
 JSON object.
+
+A second baseline (issue 45): the same plain loop with the batch sorted by length before it is cut into
+micro-batches (``plain_sorted``), so rows of like length share a micro-batch and little is padded: the actor's
+lead over the unsorted loop at a small budget is mostly that padding, and the sorted loop shows how much is
+left (``budget*_actor_over_sorted_ratio``). Everything runs idle and under the harness's fixed background load
+(``--load``; both by default, under ``idle`` and ``loaded`` in the JSON).
 """
 
 from __future__ import annotations
@@ -37,6 +43,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 from asyncrl.cluster.ports import free_port
+
+
+def length_sorted(samples: list) -> list:
+    """The samples shortest first (stable): micro-batches cut from it pad little."""
+    return sorted(samples, key=lambda s: s.num_tokens)
+
+
+def padded_tokens(samples: list, budget: int) -> int:
+    """Tokens the plain loop computes (each micro-batch right-padded to its longest row)."""
+    from asyncrl.actor.batch import make_microbatches
+
+    return sum(
+        len(idx) * max(samples[i].num_tokens for i in idx)
+        for idx in make_microbatches([s.num_tokens for s in samples], budget)
+    )
 
 
 def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
@@ -84,17 +105,15 @@ def plain_pytorch_step(model, opt, samples, budget: int, algo) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_args(ap)
+    harness.add_args(ap, load=True)
     args = ap.parse_args(argv)
     rep = harness.Report("actor_bench", argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
-    from asyncrl.actor.batch import groups_to_samples, make_microbatches
-    from asyncrl.actor.megatron_actor import Actor
-    from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
+    from asyncrl.actor.batch import groups_to_samples
+    from asyncrl.actor.synthetic import synthetic_groups
     from asyncrl.models.spec import load_hf_config
     from asyncrl.models.tiny import make_tiny_checkpoint
 
@@ -123,46 +142,63 @@ def main(argv: list[str] | None = None) -> int:
         "batch_tokens": num_tokens,
         "reps": args.reps,
     }
-    from megatron.core import parallel_state as ps
-
     samples = groups_to_samples(groups, normalize_adv_by_std=True, loss_agg_mode="token_mean")
 
+    for cond in harness.conditions(args.load):
+        with rep.condition(cond):
+            rep.record(_one_condition(rep, hf=hf, groups=groups, samples=samples, budgets=budgets, args=args))
+    dist.destroy_process_group()
+    rep.emit(figures, save=args.save)
+    return 0
+
+
+def _one_condition(rep, *, hf, groups, samples, budgets, args) -> dict:
+    """Both budgets under the current condition: actor, plain and length-sorted plain, interleaved."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.actor.megatron_actor import Actor
+    from asyncrl.actor.synthetic import tiny_actor_config
+
+    num_tokens = sum(s.num_tokens for s in samples)
+    by_length = length_sorted(samples)
+    figures: dict[str, object] = {}
     for budget in budgets:
         cfg = tiny_actor_config(str(hf), actor={"max_tokens_per_microbatch": budget}, runner={"max_steps": 100})
         actor = Actor(cfg)
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, weight_decay=0.0)
+        models = [AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32) for _ in range(2)]
+        opts = [
+            torch.optim.AdamW(m.parameters(), lr=cfg.actor.lr, eps=cfg.actor.adam_eps, weight_decay=0.0) for m in models
+        ]
+        algo = cfg.algorithm
         t = harness.interleave(
             {
                 "actor": lambda a=actor: a.train_step(groups)["time/training"],
-                "plain": lambda m=model, o=opt, b=budget, c=cfg: plain_pytorch_step(m, o, samples, b, c.algorithm),
+                "plain": lambda b=budget, m=models[0], o=opts[0], c=algo: plain_pytorch_step(m, o, samples, b, c),
+                "plain_sorted": lambda b=budget, m=models[1], o=opts[1], c=algo: plain_pytorch_step(
+                    m, o, by_length, b, c
+                ),
             },
             reps=args.reps,
             warmup=1,
         )
         ps.destroy_model_parallel()
-        padded = sum(
-            len(idx) * max(samples[i].num_tokens for i in idx)
-            for idx in make_microbatches([s.num_tokens for s in samples], budget)
-        )
-        rep.ratio(
-            f"budget{budget}_actor_over_plain_ratio",
-            t["plain"],
-            t["actor"],
-            target=1.0,
-            note="plain PyTorch s / Megatron actor s per step, same micro-batches",
-        )
+        for side, note in (("plain", "same micro-batches"), ("sorted", "the batch sorted by length first")):
+            rep.ratio(
+                f"budget{budget}_actor_over_{side}_ratio",
+                t["plain" if side == "plain" else "plain_sorted"],
+                t["actor"],
+                target=1.0,
+                note=f"plain PyTorch s / Megatron actor s per step, {note}",
+            )
         figures[f"budget{budget}"] = {
-            "actor_s": harness.summary(t["actor"]),
-            "plain_s": harness.summary(t["plain"]),
-            "actor_tokens_per_s": num_tokens / statistics.median(t["actor"]),
-            "plain_tokens_per_s": num_tokens / statistics.median(t["plain"]),
-            "plain_padded_tokens": padded,
-            "plain_padded_over_real": padded / num_tokens,
+            **{f"{k}_s": harness.summary(v) for k, v in t.items()},
+            **{f"{k}_tokens_per_s": num_tokens / statistics.median(v) for k, v in t.items()},
+            "plain_padded_tokens": padded_tokens(samples, budget),
+            "plain_padded_over_real": padded_tokens(samples, budget) / num_tokens,
+            "plain_sorted_padded_over_real": padded_tokens(by_length, budget) / num_tokens,
         }
-    dist.destroy_process_group()
-    rep.emit(figures, save=args.save)
-    return 0
+    return figures
 
 
 if __name__ == "__main__":

@@ -13,9 +13,13 @@ Measures over loopback TCP:
      same fetch (under the actor's GC settings, the interpreter's defaults), and a raw ZeroMQ round trip
      of the same number of bytes (DEALER -> ROUTER, one small request, one one-frame reply), both in each repetition, the order alternating, under the same
      load: issuing is paused (a ``drain`` sync) while both run, and resumed after; ``--handoff-reps`` repetitions.
-Targets (issue 16): >= 20,000 small groups/s (median); hand-off <= 1.5x the raw round trip.
+Targets: the CPU spent per small group, over all processes (broker, workers, consumer; every thread), at most
+``CPU_US_PER_GROUP_TARGET`` (issue 45: issue 16's 20,000 groups/s on 2 cores, written as CPU so that the
+absolute groups/s follows from the cores one has, and so that other jobs on the machine do not move it by taking
+the cores); hand-off <= 1.5x the raw round trip. Groups/s is still printed, a figure, not a target.
 Also printed: the CPU each process spent per group during the throughput run, and the broker's CPU per
-group in process (no sockets; CPU time, so the machine's other load does not inflate it).
+group in process (no sockets; CPU time). Everything runs idle and under the harness's fixed background load
+(``--load``; both by default, under ``idle`` and ``loaded`` in the JSON).
 
     python benchmarks/broker_bench.py --quick
 The last stdout line is one JSON object with the figures (``benchmarks/harness.py``).
@@ -76,6 +80,7 @@ def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int, model_
     ``run_trajectory`` returns a ready trajectory at once."""
     import asyncio
 
+    from asyncrl.agent.loop import AgentLoop
     from asyncrl.agent.worker import AgentWorker
     from asyncrl.config import load_config
 
@@ -94,10 +99,12 @@ def worker_main(address: str, worker_id: str, n_prompt: int, n_resp: int, model_
     )
     traj = _traj(n_prompt, n_resp, 0)
 
-    async def run_trajectory(item, engine, *, prompt_ids, rid):
+    async def run_trajectory(self, item, engine, *, prompt_ids, rid):
         return traj
 
-    w.loop.run_trajectory = run_trajectory
+    # the worker builds its AgentLoop inside run() (since the environment interface): stub the class, in this
+    # benchmark-only worker process
+    AgentLoop.run_trajectory = run_trajectory
     asyncio.run(w.run())
     return 0
 
@@ -146,6 +153,7 @@ def _stop(broker, workers, client) -> None:
     broker.stop()
 
 
+CPU_US_PER_GROUP_TARGET = 100.0  # 2 cores x 1e6 us / 20,000 groups/s (issue 16's target, on our 2-core machine)
 FETCH_TIMEOUT_S = 120.0  # the first fetch waits for the workers to start (imports); later ones are quick
 
 
@@ -165,6 +173,7 @@ def bench_throughput(tmp: Path, model_dir: Path, *, n_workers: int, window_s: fl
     client = BrokerClient(broker.address, timeout_s=30)
     pids = {"broker": [broker.proc.pid], "workers": [w.pid for w in workers]}
     rates: list[float] = []
+    window_cpu_us: list[float] = []  # CPU us per group of each window, all processes
     step, n_all = 1, 0
     try:
         _fetch(client, step)  # warm-up: workers connected and flowing
@@ -172,11 +181,12 @@ def bench_throughput(tmp: Path, model_dir: Path, *, n_workers: int, window_s: fl
         c0 = time.process_time()
         t_all = time.perf_counter()
         for _ in range(reps):
-            t0, n = time.perf_counter(), 0
+            t0, n, w0 = time.perf_counter(), 0, _all_cpu_s(pids)
             while time.perf_counter() - t0 < window_s:
                 step += 1
                 n += len(_fetch(client, step).groups)
             rates.append(n / (time.perf_counter() - t0))
+            window_cpu_us.append((_all_cpu_s(pids) - w0) / n * 1e6)
             n_all += n
         dt = time.perf_counter() - t_all
         consumer_s = time.process_time() - c0
@@ -194,7 +204,13 @@ def bench_throughput(tmp: Path, model_dir: Path, *, n_workers: int, window_s: fl
         "workers": n_workers,
         "group_size": 2,
         "cpu_us_per_group": cpu_us,
+        "window_cpu_us_per_group": window_cpu_us,
     }
+
+
+def _all_cpu_s(pids: dict[str, list[int]]) -> float:
+    """CPU seconds so far of this process and every process in ``pids`` (0 for one /proc cannot read)."""
+    return time.process_time() + sum(_cpu_s(p) or 0.0 for v in pids.values() for p in v)
 
 
 def bench_handoff(tmp: Path, model_dir: Path, *, reps: int) -> dict:
@@ -387,37 +403,48 @@ def main(argv=None) -> int:
         return raw_server_main(argv[1], int(argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 9 by default: one hand-off in 5 took 10-20x the median on 2 idle cores (measured), which moves a 5-run median
-    harness.add_args(ap, reps=9)
+    harness.add_args(ap, reps=9, load=True)
     ap.add_argument("--workers", type=int, default=2)
     # 21 by default: the per-repetition hand-off/raw ratio ranges 0.95-2.3 on 2 cores, and the median of 9 printed
     # 1.27, 1.32 and 1.78 within ten minutes (2026-12-05); a repetition costs ~0.5 s (the buffer refills)
     ap.add_argument("--handoff-reps", type=int, default=21, help="timed hand-off repetitions (default 21)")
     args = ap.parse_args(argv)
     rep = harness.Report("broker_bench", argv)
-    window = 1.5 if args.quick else 4.0
-    tune_gc()  # the consumer (an actor stand-in), like the broker and the workers: see serve.tune_gc
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
         model_dir = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # the workers' tokenizer
-        tp = bench_throughput(Path(d), model_dir, n_workers=args.workers, window_s=window, reps=args.reps)
-        gps = tp["groups_per_s"]
-        print(
-            f"throughput (production worker and fetch): {harness.fmt(gps, ' groups/s')} target >= 20000; "
-            "CPU us/group " + ", ".join(f"{k} {v:.1f}" for k, v in tp["cpu_us_per_group"].items()),
-            flush=True,
-        )
-        cpu = bench_broker_cpu(20000 if args.quick else 100000)
-        print(
-            f"broker CPU per small group (in process, no sockets): {cpu['us_per_group']:.1f} us "
-            f"-> ceiling {cpu['ceiling_groups_per_s']:.0f} groups/s on one core of this machine",
-            flush=True,
-        )
-        # the hand-off is fetched under the actor's own GC settings (the interpreter's thresholds, the set-up
-        # heap frozen: ``freeze_setup_objects`` in bench_handoff), so the figure is what production gets
-        gc.unfreeze()
-        gc.set_threshold(*_DEFAULT_GC_THRESHOLD)
-        ho = bench_handoff(Path(d), model_dir, reps=args.handoff_reps)
+        for cond in harness.conditions(args.load):
+            with rep.condition(cond):
+                rep.record(_one_condition(rep, Path(d) / cond, model_dir, args))
+    rep.emit({"zmq": zmq.zmq_version(), "cpu_us_per_group_target": CPU_US_PER_GROUP_TARGET}, save=args.save)
+    return 0
+
+
+def _one_condition(rep, tmp: Path, model_dir: Path, args) -> dict:
+    """Throughput, the broker's CPU in process and the hand-off, under the current condition; ratios to ``rep``."""
+    tmp.mkdir()
+    window = 1.5 if args.quick else 4.0
+    tune_gc()  # the consumer's GC for the throughput run (again: the previous condition's hand-off undid it)
+    tp = bench_throughput(tmp, model_dir, n_workers=args.workers, window_s=window, reps=args.reps)
+    gps, cpu_w = tp["groups_per_s"], tp["window_cpu_us_per_group"]
+    print(
+        f"throughput (production worker and fetch): {harness.fmt(gps, ' groups/s')}; CPU per group, all processes: "
+        f"{harness.fmt(harness.summary(cpu_w), ' us')} (target <= {CPU_US_PER_GROUP_TARGET:g}); CPU us/group "
+        + ", ".join(f"{k} {v:.1f}" for k, v in tp["cpu_us_per_group"].items()),
+        flush=True,
+    )
+    cpu = bench_broker_cpu(20000 if args.quick else 100000)
+    print(
+        f"broker CPU per small group (in process, no sockets): {cpu['us_per_group']:.1f} us "
+        f"-> ceiling {cpu['ceiling_groups_per_s']:.0f} groups/s on one core of this machine",
+        flush=True,
+    )
+    # the hand-off is fetched under the actor's own GC settings (the interpreter's thresholds, the set-up
+    # heap frozen: ``freeze_setup_objects`` in bench_handoff), so the figure is what production gets
+    gc.unfreeze()
+    gc.set_threshold(*_DEFAULT_GC_THRESHOLD)
+    ho = bench_handoff(tmp, model_dir, reps=args.handoff_reps)
     print(
         f"hand-off of {ho['batch_groups']} groups x {ho['group_size']} x {ho['tokens_per_traj']} tokens "
         f"({ho['bytes'] / 1e6:.1f} MB): {harness.fmt(ho['handoff_s'], ' ms', 1e3)}; raw ZeroMQ "
@@ -425,11 +452,12 @@ def main(argv=None) -> int:
         flush=True,
     )
     rep.ratio(
-        "throughput_over_target_ratio",
-        gps["values"],
-        [20000.0] * len(gps["values"]),
+        "cpu_us_per_group_over_target_ratio",
+        cpu_w,
+        [CPU_US_PER_GROUP_TARGET] * len(cpu_w),
         target=1.0,
-        note="groups/s per window / 20,000 (the issue's target: >= 20k groups/s median)",
+        at_least=False,
+        note=f"CPU us per group per window, all processes / {CPU_US_PER_GROUP_TARGET:g} (issue 45)",
     )
     rep.ratio(
         "handoff_over_raw_ratio",
@@ -439,8 +467,7 @@ def main(argv=None) -> int:
         at_least=False,
         note="hand-off s / raw ZeroMQ round trip s of the same bytes, same repetition, issuing paused",
     )
-    rep.emit({"throughput": tp, "broker_cpu": cpu, "handoff": ho, "zmq": zmq.zmq_version()}, save=args.save)
-    return 0
+    return {"throughput": tp, "broker_cpu": cpu, "handoff": ho}
 
 
 if __name__ == "__main__":

@@ -13,25 +13,39 @@ machine shared with other jobs the load changes from second to second, so:
     in the benchmark's process does not pay the page faults the project's processes no longer pay;
   * the last stdout line is one JSON object: the figures, every ratio under a key ending ``_ratio`` with
     its target beside it, the command, the date and the load; ``--save`` also writes it to
-    ``benchmarks/baselines/<name>.json`` (the last few runs are kept).
+    ``benchmarks/baselines/<name>.json`` (the last few runs are kept);
+  * a benchmark that runs under ``Report.condition`` measures twice: ``idle`` (whatever else the machine runs:
+    its load is recorded, not controlled) and ``loaded``, under a FIXED background load that the harness adds
+    itself (``background_load``: ``LOAD_PROCS`` busy-looping Python processes, started before and stopped by
+    PID after, each ending by itself if the benchmark dies); each condition's ratios and figures go under
+    ``idle`` and ``loaded`` in the JSON, with the load measured during it. Targets hold at ``idle``
+    (``targets_missed``); the ``loaded`` misses are listed apart (``targets_missed_loaded``). ``--load``
+    picks ``both`` (default), ``idle`` or ``loaded``.
 
     rep = Report("engine_bench", argv)
     t = interleave({"engine": run_engine, "hf": run_hf}, reps=5)   # seconds of each repetition
     rep.ratio("c64_speedup_ratio", t["hf"], t["engine"], target=1.5)  # hf / engine per repetition
     rep.emit({"times_s": {k: summary(v) for k, v in t.items()}})
+
+    for cond in conditions(args.load):                      # "idle", then "loaded"
+        with rep.condition(cond):                           # "loaded": two busy processes run meanwhile
+            rep.ratio(...); rep.record({"times_s": ...})   # filed under doc[cond]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +141,62 @@ def fmt(s: dict[str, Any], unit: str = "", scale: float = 1.0) -> str:
     )
 
 
-def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS) -> None:
-    """The options every benchmark takes: ``--quick``, ``--reps``, ``--save``."""
+def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS, load: bool = False) -> None:
+    """The options every benchmark takes: ``--quick``, ``--reps``, ``--save``; and ``--load`` where the benchmark
+    runs under ``Report.condition`` (``load=True``; elsewhere there is no such flag to be silently ignored)."""
     ap.add_argument("--quick", action="store_true", help="the small workload (under 2 minutes)")
     ap.add_argument("--reps", type=int, default=reps, help=f"timed repetitions of each side (default {reps})")
     ap.add_argument("--save", action="store_true", help="also write the JSON to benchmarks/baselines/<name>.json")
+    if load:
+        ap.add_argument(
+            "--load",
+            choices=("both", "idle", "loaded"),
+            default="both",
+            help=f"measure idle, under the fixed background load ({LOAD_PROCS} busy processes), or both (default)",
+        )
+
+
+LOAD_PROCS = 2  # the fixed background load: one busy process per core of the 2-core machine the baselines come from
+# A busy loop that also ends when its parent (the benchmark, whose PID it is given: reading getppid() at its own start
+# would miss a parent that died while it started) is gone: re-parented, getppid() changes.
+_BUSY = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    for _ in range(200_000):\n        pass\n"
+LOAD_STOP_S = 10.0  # SIGTERM, then SIGKILL after this
+
+
+def conditions(load: str) -> list[str]:
+    """``--load`` -> the conditions to run, in order."""
+    if load not in ("both", "idle", "loaded"):
+        raise ValueError(f"--load {load!r}: expected 'both', 'idle' or 'loaded'")
+    return ["idle", "loaded"] if load == "both" else [load]
+
+
+@contextlib.contextmanager
+def background_load(n: int = LOAD_PROCS) -> Iterator[list[int]]:
+    """``n`` busy-looping Python processes (one thread each, each its own process group) for the duration; yields
+    their PIDs. Stopped by PID (SIGTERM to its group, SIGKILL after ``LOAD_STOP_S``); each also ends by itself
+    within a moment of its parent's death."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _BUSY, str(os.getpid())],
+                    start_new_session=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )
+            )
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(LOAD_STOP_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(LOAD_STOP_S)
 
 
 class Report:
@@ -145,6 +210,34 @@ class Report:
         self.load_start = loadavg()
         self.speed_start = speed()
         self.ratios: dict[str, dict[str, Any]] = {}
+        self.conditions: dict[str, dict[str, Any]] = {}  # "idle"/"loaded" -> its ratios, figures and load
+        self._cond: str | None = None
+
+    @contextlib.contextmanager
+    def condition(self, name: str) -> Iterator[None]:
+        """Within it, ``ratio`` and ``record`` file under ``doc[name]``; ``loaded`` runs ``background_load``
+        meanwhile (its PIDs and the load during it recorded)."""
+        if name not in ("idle", "loaded"):
+            raise ValueError(f"condition {name!r}: expected 'idle' or 'loaded'")
+        if self._cond is not None:
+            raise RuntimeError(f"condition {name!r} inside {self._cond!r}")
+        c = self.conditions.setdefault(name, {"ratios": {}, "figures": {}})
+        self._cond = name
+        print(f"--- {name}" + (f" (fixed background load: {LOAD_PROCS} busy processes)" if name == "loaded" else ""))
+        try:
+            with background_load() if name == "loaded" else contextlib.nullcontext([]) as pids:
+                c["background"] = {"busy_processes": len(pids), "pids": pids}
+                c["load_start"], c["speed_start"] = loadavg(), speed()
+                yield
+                c["load_end"] = loadavg()
+        finally:
+            self._cond = None
+
+    def record(self, figures: dict[str, Any]) -> None:
+        """Figures of the current condition (``doc[condition]``); outside one, an error."""
+        if self._cond is None:
+            raise RuntimeError("record() outside a condition: pass the figures to emit()")
+        self.conditions[self._cond]["figures"].update(figures)
 
     def ratio(
         self,
@@ -170,8 +263,10 @@ class Report:
         )
         if note:
             s["note"] = note
-        self.ratios[key] = s
-        print(f"{key}: {fmt(s)}; target {s['target_op']} {target} -> {'met' if s['met'] else 'MISSED'}", flush=True)
+        (self.conditions[self._cond]["ratios"] if self._cond else self.ratios)[key] = s
+        where = f"[{self._cond}] " if self._cond else ""
+        verdict = "met" if s["met"] else "MISSED"
+        print(f"{where}{key}: {fmt(s)}; target {s['target_op']} {target} -> {verdict}", flush=True)
         return s
 
     def emit(self, figures: dict[str, Any], *, save: bool = False) -> dict[str, Any]:
@@ -190,11 +285,27 @@ class Report:
             "targets_missed": [k for k, v in self.ratios.items() if not v["met"]],
             **figures,
         }
+        if self.conditions:
+            doc["targets_missed_loaded"] = []
+        for name, c in self.conditions.items():
+            doc[name] = {k: v for k, v in c.items() if k not in ("ratios", "figures")} | c["ratios"] | c["figures"]
+            missed = [k for k, v in c["ratios"].items() if not v["met"]]
+            doc["targets_missed" if name == "idle" else "targets_missed_loaded"] += missed
+        if self.conditions:
+            self._print_side_by_side()
         text = json.dumps(doc, default=float)
         if save:
             self._save(doc)
         print(text, flush=True)
         return doc
+
+    def _print_side_by_side(self) -> None:
+        keys = list(dict.fromkeys(k for c in self.conditions.values() for k in c["ratios"]))
+        names = list(self.conditions)
+        print(f"{'ratio (median)':40s}" + "".join(f"{n:>10s}" for n in names))
+        for k in keys:
+            cells = [self.conditions[n]["ratios"].get(k, {}).get("median") for n in names]
+            print(f"{k:40s}" + "".join(f"{c:10.3f}" if c is not None else f"{'-':>10s}" for c in cells))
 
     def _save(self, doc: dict[str, Any]) -> None:
         """Append to ``benchmarks/baselines/<name>.json`` (``runs``, the last ``KEEP_RUNS``): on a shared

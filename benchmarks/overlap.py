@@ -36,6 +36,12 @@ pause mode is the default ``retract``.
     python benchmarks/overlap.py --quick          # 12 steps per run, 5 pairs: ~3-4 min once prepared
     python benchmarks/overlap.py                  # 20 steps per run, 3 pairs
     python benchmarks/overlap.py --quick --save   # also write benchmarks/baselines/overlap.json
+    python benchmarks/overlap.py --quick --workload long_tail   # generation-bound with a long tail (RLinf's regime)
+
+Every mode runs idle and under the harness's fixed background load (``--load``; both by default, under ``idle``
+and ``loaded`` in the JSON): twice the time above; ``--load idle`` for one. The sync baseline still runs one
+core at a time (the CPU engine is started with one thread, ``asyncrl/engine/launch.py``): a sync baseline that
+uses both cores needs a thread setting for the CPU engine and the actor (issue 45, open).
 
 The tiny model and data are prepared once under ``--prep-dir`` (default runs/overlap_bench,
 a short warm start; the first run pays ~1-3 min for it, not counted in the figures).
@@ -64,7 +70,7 @@ import harness  # noqa: E402
 # 0.28 s and training 0.38 s a step (ideal ratio ~1.7); with 16 tokens a turn (this benchmark's
 # earlier setting, balanced for the slower engine of 2026-12-01) generation had dropped to 0.18 s
 # against 0.29 s of training (ideal ~1.5: the benchmark could not show the overlap any more).
-WORKLOAD = [
+BALANCED = [
     "data.rollout_batch_size=4",
     "algorithm.group_size=2",
     "rollout.sampling.temperature=1.0",
@@ -76,6 +82,17 @@ WORKLOAD = [
     "runner.eval_before_after=false",
     "actor.lr_warmup_steps=0",
 ]
+# Issue 45: the balanced workload flatters the overlap (it was chosen where overlapping pays most). RLinf's regime
+# is generation-bound with a long tail: a bigger batch, turns up to 4x longer (the tiny model at temperature 1.0
+# stops some turns at once and runs others to the cap, so a batch waits on its longest trajectories).
+LONG_TAIL = [
+    *(x for x in BALANCED if not x.startswith(("data.rollout_batch_size", "algorithm.group_size"))),
+    "data.rollout_batch_size=8",
+    "algorithm.group_size=2",
+    "agentloop.max_tokens_per_turn=96",
+    "agentloop.max_total_tokens=640",
+]
+WORKLOADS = {"balanced": BALANCED, "long_tail": LONG_TAIL}
 # The preparation: a short warm start (the benchmark measures time, not learning).
 PREPARE = ["prepare.sft_steps=20", "prepare.num_entities=60"]
 RUN_TIMEOUT_S = 600.0  # one torchrun job; a hang fails the benchmark instead of blocking forever
@@ -91,18 +108,22 @@ def prepare(prep_dir: Path) -> float:
     return time.perf_counter() - t0
 
 
-def job_overrides(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> list[str]:
+def job_overrides(
+    prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str], workload: str = "balanced"
+) -> list[str]:
     return [
         *harness.tiny_overrides(prep_dir, run_dir, steps=steps),
         *PREPARE,  # the artefacts' recipe: the job's preparation finds them made by it
-        *WORKLOAD,
+        *WORKLOADS[workload],
         *extra,
         f"runner.async_mode={'true' if async_mode else 'false'}",
     ]
 
 
-def run_job(prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str]) -> dict:
-    overrides = job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra)
+def run_job(
+    prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str], workload: str = "balanced"
+) -> dict:
+    overrides = job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra, workload=workload)
     what = f"overlap: the {'async' if async_mode else 'sync'} job"
     wall_s, recs = harness.run_tiny_job(run_dir, overrides, timeout_s=RUN_TIMEOUT_S, what=what)
     return {"wall_s": wall_s, "records": recs}
@@ -173,9 +194,57 @@ def _round(x):
     return x
 
 
+def _one_condition(rep, prep_dir: Path, *, steps: int, args) -> dict:
+    """``args.reps`` pairs of runs (sync, async) under the current condition; ratios to ``rep``; figures back."""
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="overlap_") as tmp:
+
+        def one(mode: str) -> float:
+            i = len(runs[mode])
+            res = run_job(
+                prep_dir,
+                Path(tmp) / f"{mode}{i}",
+                async_mode=mode == "async",
+                steps=steps,
+                extra=args.extra,
+                workload=args.workload,
+            )
+            runs[mode].append(res)
+            s = summarize(mode, [res])
+            print(
+                f"{mode} run {i}: time/step {s['time_step_s']:.3f}s (steady {s['time_step_steady_s']:.3f}s) "
+                f"split {json.dumps(_round(s['split_s']))} job {res['wall_s']:.1f}s",
+                flush=True,
+            )
+            return s["time_step_s"]
+
+        t = harness.interleave({"sync": lambda: one("sync"), "async": lambda: one("async")}, reps=args.reps, warmup=0)
+    pairs = [figures(summarize("sync", [s]), summarize("async", [x])) for s, x in zip(runs["sync"], runs["async"])]
+    rep.ratio(
+        "sync_over_async_ratio",
+        t["sync"],
+        t["async"],
+        target=1.5,
+        note="sync-mode time/step / async-mode time/step, per pair of runs",
+    )
+    rep.ratio(
+        "overlap_efficiency_ratio",
+        [f["ideal_async_time_step_s"] for f in pairs],
+        t["async"],
+        target=0.9,
+        note="ideal / measured async time/step, ideal = max(generation, training) + sync of the pair's sync run",
+    )
+    return {
+        "pairs": _round(pairs),
+        "sync": _round(summarize("sync", runs["sync"])),
+        "async": _round(summarize("async", runs["async"])),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_args(p, reps=5)
+    harness.add_args(p, reps=5, load=True)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced", help="WORKLOADS (module docstring)")
     p.add_argument("--steps", type=int, help="steps per run (default 12 quick, 20 full)")
     p.add_argument("--prep-dir", default=str(REPO / "runs/overlap_bench"), help="prepared tiny model and data (cached)")
     p.add_argument(
@@ -193,44 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = a.steps or (12 if a.quick else 20)
     prep_dir = Path(a.prep_dir).resolve()
     prep_s = prepare(prep_dir)
-    runs: dict[str, list[dict]] = {"sync": [], "async": []}
-    with tempfile.TemporaryDirectory(prefix="overlap_") as tmp:
-
-        def one(mode: str) -> float:
-            i = len(runs[mode])
-            res = run_job(prep_dir, Path(tmp) / f"{mode}{i}", async_mode=mode == "async", steps=steps, extra=a.extra)
-            runs[mode].append(res)
-            s = summarize(mode, [res])
-            print(
-                f"{mode} run {i}: time/step {s['time_step_s']:.3f}s (steady {s['time_step_steady_s']:.3f}s) "
-                f"split {json.dumps(_round(s['split_s']))} job {res['wall_s']:.1f}s",
-                flush=True,
-            )
-            return s["time_step_s"]
-
-        t = harness.interleave({"sync": lambda: one("sync"), "async": lambda: one("async")}, reps=a.reps, warmup=0)
-    pairs = [figures(summarize("sync", [s]), summarize("async", [x])) for s, x in zip(runs["sync"], runs["async"])]
-    rep.ratio(
-        "sync_over_async_ratio",
-        t["sync"],
-        t["async"],
-        target=1.5,
-        note="sync-mode time/step / async-mode time/step, per pair of runs",
-    )
-    rep.ratio(
-        "overlap_efficiency_ratio",
-        [f["ideal_async_time_step_s"] for f in pairs],
-        t["async"],
-        target=0.9,
-        note="ideal / measured async time/step, ideal = max(generation, training) + sync of the pair's sync run",
-    )
+    for cond in harness.conditions(a.load):
+        with rep.condition(cond):
+            rep.record(_one_condition(rep, prep_dir, steps=steps, args=a))
     result = {
-        "pairs": _round(pairs),
-        "sync": _round(summarize("sync", runs["sync"])),
-        "async": _round(summarize("async", runs["async"])),
         "steps": steps,
         "paired_runs": a.reps,
-        "overrides": WORKLOAD + a.extra,
+        "workload": a.workload,
+        "overrides": WORKLOADS[a.workload] + a.extra,
         "prepare": PREPARE,
         "prepare_s": prep_s,
     }

@@ -51,7 +51,7 @@ class SimSetup:
     inflight: Optional[int] = None  # None: the RLinf default ceil(C x E x 1.2 / G)
     buffered: Optional[int] = None  # None: 2 x batch
     staleness_cap: Optional[int] = None
-    granularity: str = "sample"
+    granularity: str = "group"  # RLinf's counting, the derived default
     engines: int = 2
     max_running: int = 48  # requests an engine runs at once; more wait in its queue
     n_sat: int = 16  # running requests at which an engine's token rate saturates

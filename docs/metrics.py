@@ -82,6 +82,8 @@ DESCRIPTIONS = {
     "rollout/buffer/inflight_limit": 'the in-flight limit in force during the step (moves with "auto")',
     "rollout/buffer/inflight_limit_change": "the autotuner's change of the limit at this step (reason in the "
     "broker log)",
+    "rollout/buffer/training_bound": "1 when training set the step's pace (the actor waited <= 3% of the step for "
+    "its batch: time/wait_data), 0 when generation did; auto never raises the limit on a 1",
     "rollout/buffer/mean_inflight_groups": "time-averaged in-flight groups over the step (as the limit counts them)",
     "rollout/buffer/num_inflight_groups": "groups in flight at the hand-off",
     "rollout/buffer/num_inflight_samples": "trajectories in flight at the hand-off",
@@ -152,8 +154,16 @@ DESCRIPTIONS = {
     "train/ratio_mean": "mean importance ratio (new / old log-prob)",
     "train/behav_ratio_mean": "mean behaviour ratio (old / rollout log-prob; off-policy correction)",
     "train/is_truncated_fraction": "share of tokens whose importance weight was truncated",
-    "train/is_dropped_fraction": "share of tokens dropped by the importance-weight mask",
+    "train/is_dropped_fraction": "share of tokens dropped by the off-policy correction's mask "
+    "(algorithm.off_policy_correction)",
     "train/logprob_mismatch": "mean |actor log-prob - engine log-prob| on generated tokens",
+    "train/masked_logprob_mismatch": "mean |actor log-prob - engine log-prob| on the tokens the correction dropped",
+    "train/mismatch_kl": "KL(engine || actor) on generated tokens (k3 estimate: rho - log rho - 1, rho = actor / "
+    "engine probability)",
+    "train/stale_masked_fraction": "share of tokens left out as older than algorithm.max_token_staleness",
+    "train/token_staleness/mean": "mean per-token staleness of the batch (actor version - the token's weight version)",
+    "train/token_staleness/max": "largest per-token staleness of the batch (16: 16 or more)",
+    "train/token_staleness/ratio_{}": "share of the batch's trained tokens with staleness k (16: 16 or more)",
     "train/num_tokens": "loss tokens in the batch",
     "train/num_seq_tokens": "sequence tokens in the batch",
     "train/num_microbatches": "micro-batches of the step",

@@ -8,7 +8,8 @@
   trip), with its GRPO advantage and the per-token aggregation weights of the *global* batch
   (``global_agg_weights``, the arithmetic of ``asyncrl.actor.loss.aggregation_weights``).
   Aborted groups/trajectories are skipped.
-- ``microbatch_extras``: a micro-batch's loss inputs (behaviour logprobs, mask, weights, advantages).
+- ``microbatch_extras``: a micro-batch's loss inputs (behaviour logprobs, mask, weights, advantages, and each
+  token's staleness against the actor's version, each token's sequence in the micro-batch).
 - ``split_balanced``: DP split that balances tokens (longest first onto the lightest rank); each
   rank's list keeps the global order of its samples.
 - ``make_microbatches``: consecutive samples packed until the token budget would be exceeded (a
@@ -48,6 +49,9 @@ class Sample:
     advantage: float
     agg_weight: torch.Tensor
     """Per response token: weight in the global aggregation (0 where masked; float64)."""
+    weight_versions: torch.Tensor | None = None
+    """Per response token: the weight version that generated it (-1: a tool token; int32). None: unknown (a
+    filler); ``microbatch_extras`` then counts the token as fresh."""
     reward: float = 0.0
     routed_experts: torch.Tensor | None = None
     """Per token position (prompt and response): the experts the engine routed it to in every layer, ``[num_tokens,
@@ -136,9 +140,23 @@ def global_agg_weights(masks: Sequence[np.ndarray], mode: str) -> list[np.ndarra
     return out
 
 
-def microbatch_extras(mb: Sequence[Sample]) -> dict[str, torch.Tensor]:
-    """The loss's per-token inputs of one micro-batch, in its samples' order (CPU tensors)."""
+def token_staleness(versions: torch.Tensor, actor_version: int) -> torch.Tensor:
+    """Per token: ``actor_version - version`` (RLinf's staleness, per token), 0 for a tool token (version -1)."""
+    v = versions.to(torch.int64)
+    return torch.where(v >= 0, actor_version - v, torch.zeros_like(v))
+
+
+def microbatch_extras(mb: Sequence[Sample], *, actor_version: int = 0) -> dict[str, torch.Tensor]:
+    """The loss's per-token inputs of one micro-batch, in its samples' order (CPU tensors); ``staleness`` is each
+    token's against ``actor_version`` (the actor's version at the start of the step)."""
+    versions = [
+        s.weight_versions if s.weight_versions is not None else torch.full((s.response_len,), actor_version) for s in mb
+    ]
     return {
+        "staleness": token_staleness(torch.cat(versions), actor_version),
+        "seq": torch.repeat_interleave(
+            torch.arange(len(mb)), torch.tensor([s.response_len for s in mb], dtype=torch.long)
+        ),
         "behav": torch.cat([s.rollout_logprobs for s in mb]).to(torch.float32),
         "mask": torch.cat([s.loss_mask for s in mb]).to(torch.bool),
         "agg": torch.cat([s.agg_weight for s in mb]).to(torch.float32),

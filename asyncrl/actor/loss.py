@@ -15,9 +15,14 @@ Off-policy correction (``algorithm.off_policy_correction``), with ``behav`` = th
 rollout log-prob and ``prox`` = the log-prob recomputed with the weights before this step:
 
 - ``none``:      old = behav (the RLinf default: the rollout log-prob is the old log-prob).
-- ``tis``:       old = prox; every token's loss is multiplied by ``min(exp(prox - behav), tis_cap)``.
-- ``decoupled``: AReaL's decoupled PPO: old = prox (the proximal policy); loss multiplied by the
-  behaviour weight ``exp(prox - behav)``, and tokens whose weight exceeds ``tis_cap`` are dropped.
+- every other:   old = prox, and each token's loss is multiplied by the behaviour weight and kept or dropped
+  as ``asyncrl.actor.corrections`` says: ``tis`` (truncated IS), ``decoupled`` (AReaL's decoupled PPO),
+  ``token_mis`` / ``seq_mis`` (masked IS, token or sequence level), ``geo_mask`` (geometric-mean sequence mask),
+  ``icepop``, ``dppo`` (prime-rl's default trust-region mask) and ``m2po``.
+
+Per-token staleness (``staleness``: the actor's version at the step minus the token's weight version): with
+``max_token_staleness`` set, older tokens are dropped whatever the correction; the step's distribution is
+reported as ``train/token_staleness/*``.
 
 Example::
 
@@ -34,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from asyncrl.actor.corrections import STALENESS_BUCKETS, CorrectionParams, correct, stale_mask, staleness_histogram
 
 GRPO_STD_EPS = 1e-6
 """Added to the group std before dividing (equal rewards give std 0 and advantage 0)."""
@@ -117,19 +124,18 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k
 def behaviour_weights(
     prox_logp: torch.Tensor, behav_logp: torch.Tensor, mode: Literal["none", "tis", "decoupled"], cap: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Importance weight of each token and which tokens stay in the loss.
+    """Importance weight of each token and which tokens stay in the loss, for the token-level ``none``, ``tis``
+    and ``decoupled`` (the others: ``asyncrl.actor.corrections.correct``).
 
     Returns ``(weight_t, keep_t, raw_ratio_t)`` with ``raw_ratio = exp(prox - behav)`` (detached).
     """
     raw = torch.exp((prox_logp - behav_logp).detach())
     if mode == "none":
         return torch.ones_like(raw), torch.ones_like(raw, dtype=torch.bool), raw
-    if mode == "tis":
-        return torch.clamp(raw, max=cap), torch.ones_like(raw, dtype=torch.bool), raw
-    if mode == "decoupled":
-        keep = raw <= cap
-        return torch.where(keep, raw, torch.zeros_like(raw)), keep, raw
-    raise ValueError(f"algorithm.off_policy_correction={mode!r} is not one of none, tis, decoupled")
+    if mode not in ("tis", "decoupled"):
+        raise ValueError(f"algorithm.off_policy_correction={mode!r} is not one of none, tis, decoupled")
+    c = correct(mode, prox_logp, behav_logp, mask=None, seq=None, advantages=raw, params=CorrectionParams(cap))
+    return c.weight, c.keep, raw
 
 
 SUM_KEYS = (
@@ -145,6 +151,11 @@ SUM_KEYS = (
     "behav_ratio_sum",
     "iw_dropped_sum",
     "iw_truncated_sum",
+    "mismatch_kl_sum",
+    "masked_mismatch_sum",
+    "stale_masked_sum",
+    "staleness_sum",
+    *(f"staleness_count_{k}" for k in range(STALENESS_BUCKETS + 1)),
 )
 """The keys of ``LossOutput.sums`` (fixed, so ranks can all-reduce them as one vector)."""
 
@@ -166,15 +177,17 @@ def _old_policy(
     mask_b: torch.Tensor,
     *,
     correction: str,
-    cap: float,
+    params: CorrectionParams,
+    seq: torch.Tensor | None,
+    advantages: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The PPO ratio's denominator, the behaviour weights, the tokens kept, and the raw behaviour ratio."""
+    """The PPO ratio's denominator, the behaviour weights, the tokens the correction keeps, and the raw ratio."""
     if correction == "none":
         return behav_logp, torch.ones_like(logp), mask_b, torch.exp(logp.detach() - behav_logp)
     if prox_logp is None:
         raise ValueError(f"algorithm.off_policy_correction={correction!r} needs the recomputed log-prob")
-    iw, keep_iw, raw = behaviour_weights(prox_logp, behav_logp, correction, cap)
-    return prox_logp, iw, mask_b & keep_iw, raw
+    c = correct(correction, prox_logp, behav_logp, mask=mask_b, seq=seq, advantages=advantages, params=params)
+    return prox_logp, c.weight, mask_b & c.keep, torch.exp((prox_logp - behav_logp).detach())
 
 
 def policy_loss(
@@ -188,8 +201,12 @@ def policy_loss(
     clip_ratio_low: float,
     clip_ratio_high: float,
     dual_clip: float | None = None,
-    off_policy_correction: Literal["none", "tis", "decoupled"] = "none",
+    off_policy_correction: str = "none",
     tis_cap: float = 2.0,
+    correction_params: CorrectionParams | None = None,
+    seq: torch.Tensor | None = None,
+    staleness: torch.Tensor | None = None,
+    max_token_staleness: int | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     ref_logp: torch.Tensor | None = None,
@@ -198,44 +215,59 @@ def policy_loss(
 ) -> LossOutput:
     """The full per-micro-batch objective; all inputs are flat [T] tensors of response tokens. ``mask`` (bool or
     0/1) marks trained tokens (tool tokens are 0); ``agg_weight`` is already 0 where the mask is 0. ``prox_logp``
-    is required for ``tis``/``decoupled``."""
+    is required for every correction but ``none``; ``correction_params`` (default: the defaults, with ``tis_cap``)
+    bound them; ``seq`` (each token's sequence in the micro-batch) is required for ``seq_mis`` and ``geo_mask``;
+    ``staleness`` (per token, int) feeds ``train/token_staleness/*`` and ``max_token_staleness``."""
     mask_b = mask.bool()
     maskf = mask_b.to(logp.dtype)
-    old, iw, keep, raw = _old_policy(logp, behav_logp, prox_logp, mask_b, correction=off_policy_correction, cap=tis_cap)
+    params = correction_params if correction_params is not None else CorrectionParams(tis_cap=tis_cap)
+    old, iw, keep, raw = _old_policy(
+        logp, behav_logp, prox_logp, mask_b, correction=off_policy_correction, params=params, seq=seq,
+        advantages=advantages,
+    )  # fmt: skip
+    fresh = stale_mask(staleness, max_token_staleness) if staleness is not None else torch.ones_like(mask_b)
     pg, ratio, clipped, dual = ppo_clip(
         logp, old, advantages, clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=dual_clip
     )
-    w = agg_weight * keep.to(logp.dtype)
+    w = agg_weight * (keep & fresh).to(logp.dtype)
     pg_loss = (w * (pg * iw)).sum()  # per token: pg * iw
-    total = pg_loss
-    kl_sum = 0.0
+    reg, kl_sum, ent_sum = _regularizers(
+        logp, w, maskf, entropy=entropy, entropy_coef=entropy_coef, ref_logp=ref_logp, kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+    )  # fmt: skip
+    total = pg_loss + reg
+    sums = _loss_sums(
+        logp, total=total, pg_loss=pg_loss, ratio=ratio, clipped=clipped, dual=dual, raw=raw, keep=keep,
+        fresh=fresh, mask_b=mask_b, behav_logp=behav_logp, prox_logp=prox_logp, ent_sum=ent_sum, kl_sum=kl_sum,
+        tis_cap=params.tis_cap if off_policy_correction == "tis" else None, staleness=staleness,
+    )  # fmt: skip
+    return LossOutput(loss=total, sums=sums)
+
+
+def _regularizers(
+    logp: torch.Tensor,
+    w: torch.Tensor,
+    maskf: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+    ref_logp: torch.Tensor | None,
+    kl_coef: float,
+    kl_estimator: Literal["k1", "k3"],
+) -> tuple[torch.Tensor | float, float, float]:
+    """The KL penalty minus the entropy bonus (weighted like the policy loss), and the KL and entropy sums."""
+    total: torch.Tensor | float = 0.0
+    kl_sum = ent_sum = 0.0
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, kl_estimator)
         if kl_coef:
             total = total + kl_coef * (w * kl).sum()
         kl_sum = float((kl.detach() * maskf).sum())
-    ent_sum = 0.0
     if entropy is not None:
         if entropy_coef:
             total = total - entropy_coef * (w * entropy).sum()
         ent_sum = float((entropy.detach() * maskf).sum())
-    sums = _loss_sums(
-        logp,
-        total=total,
-        pg_loss=pg_loss,
-        ratio=ratio,
-        clipped=clipped,
-        dual=dual,
-        raw=raw,
-        keep=keep,
-        mask_b=mask_b,
-        behav_logp=behav_logp,
-        prox_logp=prox_logp,
-        ent_sum=ent_sum,
-        kl_sum=kl_sum,
-        tis_cap=tis_cap if off_policy_correction != "none" else None,
-    )
-    return LossOutput(loss=total, sums=sums)
+    return total, kl_sum, ent_sum
 
 
 def _loss_sums(
@@ -254,11 +286,22 @@ def _loss_sums(
     ent_sum: float,
     kl_sum: float,
     tis_cap: float | None,
+    fresh: torch.Tensor,
+    staleness: torch.Tensor | None,
 ) -> dict[str, float]:
-    """``LossOutput.sums`` of one micro-batch (``tis_cap`` None: no off-policy correction, nothing truncated)."""
+    """``LossOutput.sums`` of one micro-batch (``tis_cap`` None: nothing truncated, only ``tis`` truncates)."""
     maskf = mask_b.to(logp.dtype)
     mismatch_ref = prox_logp if prox_logp is not None else logp.detach()
+    log_rho = (mismatch_ref - behav_logp).detach()
+    dropped = mask_b & ~keep
+    stale = torch.zeros_like(log_rho, dtype=torch.int64) if staleness is None else staleness.to(torch.int64)
+    hist = staleness_histogram(stale, mask_b)
     return {
+        **{f"staleness_count_{k}": c for k, c in enumerate(hist)},
+        "staleness_sum": float((stale * mask_b).sum()),
+        "stale_masked_sum": float((mask_b & ~fresh).sum()),
+        "mismatch_kl_sum": float(((torch.exp(log_rho) - log_rho - 1.0) * maskf).sum()),
+        "masked_mismatch_sum": float((log_rho.abs() * dropped).sum()),
         "num_tokens": float(maskf.sum()),
         "loss": float(total.detach()),
         "pg_loss": float(pg_loss.detach()),
@@ -269,7 +312,7 @@ def _loss_sums(
         "kl_sum": kl_sum,
         "mismatch_sum": float(((mismatch_ref - behav_logp).abs() * maskf).sum()),
         "behav_ratio_sum": float((raw * maskf).sum()),
-        "iw_dropped_sum": float((mask_b & ~keep).sum()),
+        "iw_dropped_sum": float(dropped.sum()),
         "iw_truncated_sum": float(((raw > tis_cap) & mask_b).sum()) if tis_cap is not None else 0.0,
     }
 
@@ -290,4 +333,26 @@ def finalize_metrics(sums: dict[str, float]) -> dict[str, float]:
         "train/is_dropped_fraction": sums.get("iw_dropped_sum", 0.0) / n,
         "train/is_truncated_fraction": sums.get("iw_truncated_sum", 0.0) / n,
         "train/num_tokens": sums.get("num_tokens", 0.0),
+        "train/mismatch_kl": sums.get("mismatch_kl_sum", 0.0) / n,
+        "train/masked_logprob_mismatch": sums.get("masked_mismatch_sum", 0.0)
+        / max(sums.get("iw_dropped_sum", 0.0), 1.0),
+        "train/stale_masked_fraction": sums.get("stale_masked_sum", 0.0) / n,
+        **token_staleness_metrics(sums),
     }
+
+
+def token_staleness_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """``train/token_staleness/{mean,max,ratio_<k>}`` of the trained tokens (``ratio_<k>``: the values present;
+    ``STALENESS_BUCKETS`` stands for that many versions or more)."""
+    counts = [sums.get(f"staleness_count_{k}", 0.0) for k in range(STALENESS_BUCKETS + 1)]
+    n = sum(counts)
+    if not n:
+        return {}
+    m = {
+        "train/token_staleness/mean": sums.get("staleness_sum", 0.0) / n,
+        "train/token_staleness/max": float(max(k for k, c in enumerate(counts) if c)),
+    }
+    for k, c in enumerate(counts):
+        if c:
+            m[f"train/token_staleness/ratio_{k}"] = c / n
+    return m

@@ -88,6 +88,7 @@ from asyncrl.actor.batch import (
     make_microbatches,
     microbatch_extras,
 )
+from asyncrl.actor.corrections import CorrectionParams
 from asyncrl.actor.layer_spec import attention_path, recompute_settings, resolve_attention, te_available
 from asyncrl.actor.logprobs import logprobs_from_logits
 from asyncrl.actor.loss import SUM_KEYS, finalize_metrics, policy_loss
@@ -145,6 +146,10 @@ class Actor:
         self._version = 0
         self._step = 0
         self.num_skipped_steps = 0
+        a = cfg.algorithm
+        self.correction_params = CorrectionParams(
+            **{f: getattr(a, f) for f in CorrectionParams.__dataclass_fields__}
+        )  # the algorithm keys of the same names
 
     def _init_parallel(self) -> None:
         """Megatron's model parallelism on the actor world (TP x PP, DP = the rest, EP within DP); this rank's
@@ -284,6 +289,10 @@ class Actor:
             dual_clip=a.dual_clip,
             off_policy_correction=a.off_policy_correction,
             tis_cap=a.tis_cap,
+            correction_params=self.correction_params,
+            seq=x["seq"],
+            staleness=x["staleness"],
+            max_token_staleness=a.max_token_staleness,
             entropy=ent,
             entropy_coef=a.entropy_coef,
             ref_logp=item.ref,
@@ -305,7 +314,8 @@ class Actor:
         return scatter_samples(samples, dp=self.dp, dp_rank=self.dp_rank, device=self.device)
 
     def _extras(self, mb: list[Sample]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) for k, v in microbatch_extras(mb).items()}
+        """The loss inputs of a micro-batch; token staleness against the version the step starts from."""
+        return {k: v.to(self.device) for k, v in microbatch_extras(mb, actor_version=self._version).items()}
 
     # ------------------------------------------------------------------ the step (one path for every PP)
     def _train_items(self, samples: list[Sample]) -> list[MicroBatch]:

@@ -154,6 +154,7 @@ def filler_sample() -> Sample:
         rollout_logprobs=torch.zeros(1),
         advantage=0.0,
         agg_weight=torch.zeros(1, dtype=torch.float64),
+        weight_versions=torch.full((1,), -1, dtype=torch.int32),
     )
 
 

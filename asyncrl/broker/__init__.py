@@ -2,7 +2,9 @@
 
 - ``types``      the seam dataclasses (Trajectory, PromptItem, Group)
 - ``core``       the pure decision core (``BrokerCore``; injected clock, no I/O)
-- ``buffer``     the ``DataBuffer`` plug-in interface and ``DefaultDataBuffer``
+- ``buffer``     the ``DataBuffer`` plug-in interface and ``DefaultDataBuffer``; ``miles_buffer`` Miles' own async
+  contract (``DataBuffer``, ``DataBufferInput``, ``DataBufferConstructorInput``) and its adapter;
+  ``buffer_plugin`` which contract a custom buffer meets, and the buffer the core runs
 - ``dataloader`` epochs, seeded shuffle, resumable position
 - ``protocol``   the wire protocol: every message (msgpack headers + raw token frames), used by both ends
 - ``record``     the one declaration of the trajectory record's fields (name, per token or per trajectory,

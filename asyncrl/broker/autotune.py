@@ -7,14 +7,34 @@ The goal (RLinf's tuning advice, done by the broker): the *smallest* in-flight l
 engines saturated. More in-flight groups than that only queue inside the engines and age the data
 (same throughput, higher staleness); fewer starve the engines.
 
-How it decides (a bracketing search on the measured curve throughput(mean in-flight groups)):
+First, which side set the step's pace (``binding_side``, from the broker's own clock, never from step time alone:
+a loaded machine slows both sides): training when the actor waited at most ``fed_frac`` of the step for its batch
+(``time/wait_data``), else generation. The core writes it (``rollout/buffer/training_bound``) and logs each change.
+- training sets the pace: the engines have slack, so more in flight only ages the data. It never raises the limit;
+  it lowers it toward the in-flight count that supplies a batch a step at the step's group latency (Little's law:
+  ``mean_inflight x trained_groups / arrived_groups``, ``fed_margin`` above; the buffer limit binds while more
+  arrive than training takes), never to or below a limit at which the actor waited. Groups left in the buffer
+  after the hand-off were made ahead of need and age there: it supplies that much less, over ``drain_steps``, down
+  to a ``reserve`` of a batch (so a larger start comes down to a lower staleness, not just a lower limit). When a
+  trim starves the actor (it waits while the in-flight limit binds), it backs up to the in-flight count that
+  supplies a batch per training time (Little's law again), at most to the limit that fed it (``_starved_at``).
+- generation sets the pace (the actor waits) and the in-flight limit binds: a lower limit can only make the actor
+  wait longer unless the engines are past saturation, which their queue shows (the rule below). The search below
+  may raise the limit but lowers it only on that evidence: a throughput that reads flat at a lower limit, measured
+  at another time, may be CPU contention (the CPU default at load 6.5 went 8 -> 2-3 and ran at 0.73x). A curve
+  flat without a queue (compute-bound engines with free slots) keeps its limit: cap ``max_running_requests`` at
+  the knee and the engines' queue shows it.
+- not told (figures without the actor's wait: the unit tests of the search): the search alone, both ways.
+
+How it searches (a bracketing search on the measured curve throughput(mean in-flight groups)):
 - every step adds a point ``(x, T)``: x = time-averaged in-flight groups of the step (not the
   limit: a lowered limit takes effect only as groups finish), T = generated tokens/s (the engines'
   ``gen_throughput`` when the shell reports it, else the tokens of the groups that arrived);
 - ``g`` = the smallest x whose T is within ``tol`` of the best T seen: the knee estimate;
   ``b`` = the largest x below it (too few: T fell);
 - no ``b`` yet: probe up when the limit binds and the engines report an empty queue (a raise
-  takes effect at once), else probe down (``g / max_factor``);
+  takes effect at once; x ``max_factor``, or, when the actor waited, as far as Little's law says supplies a
+  batch per training time), else probe down (``g / max_factor``);
 - the curve still rises steeply at the largest x seen (elasticity dlnT/dlnx >= ``rise_elasticity``
   and the limit binds) and a raise would measure a new point: probe up;
 - the curve rises up to the largest limit allowed (``g`` is the largest x and no raise is possible:
@@ -53,7 +73,7 @@ Every change is bounded (``limit / max_factor <= new <= limit x max_factor``), c
 rollout_batch_size``) and returned as a ``Change`` with its reason (the core logs it and writes
 ``rollout/buffer/inflight_limit`` every step).
 
-    tuner = InflightAutotuner(start=96, upper=224)
+    tuner = InflightAutotuner(start=96, upper=224)  # figures without the actor's wait: the search alone
     step = StepFigures(limit=96, mean_inflight=95.2, tokens_per_s=8000.0, wait_inflight=0.9, wait_buffer=0.0)
     tuner.observe(step); tuner.observe(step)  # None: the first two steps are a warm-up
     change = tuner.observe(step)             # no engine figures, no point below: probe down
@@ -67,6 +87,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 REF_STEPS = 16  # held steps the settled reference throughput averages (long enough to average noise out)
+TRAINING, GENERATION = "training", "generation"  # the side that set a step's pace (``binding_side``)
+FED_FRAC = 0.03  # the actor waiting at most 3% of a step still runs at >= 97% of the rate training alone sets (the
+# bar auto is held to); at 2% the Search-R1 simulation's derived limit read as starved on a noisy step now and then
+
+
+def binding_side(wait_data_s: Optional[float], step_s: Optional[float], *, fed_frac: float = FED_FRAC) -> Optional[str]:
+    """Which side set the pace of a step, from the broker's own clock: ``TRAINING`` when the actor waited at most
+    ``fed_frac`` of the step for its batch (the batch was ready: generation has slack), else ``GENERATION``;
+    None when the wait is not known. Step time alone cannot tell (a loaded machine slows both sides)."""
+    if wait_data_s is None or not step_s or step_s <= 0:
+        return None
+    return TRAINING if wait_data_s <= fed_frac * step_s else GENERATION
 
 
 @dataclass(frozen=True)
@@ -87,6 +119,26 @@ class StepFigures:
     """Requests running in all engines (SGLang ``num_running_reqs``, summed), when reported."""
     queue_reqs: Optional[float] = None
     """Requests queued in all engines (SGLang ``num_queue_reqs``, summed), when reported."""
+    wait_data_s: Optional[float] = None
+    """``time/wait_data``: seconds the actor waited for this step's batch (None: not known, the side is not told)."""
+    step_s: Optional[float] = None
+    """Seconds since the previous hand-off (``rollout/buffer/step_duration_s``)."""
+    arrived_groups: Optional[float] = None
+    """Groups that finished generating during the step."""
+    trained_groups: Optional[int] = None
+    """Groups handed to the actor at this hand-off (``rollout_batch_size``)."""
+    surplus_groups: Optional[float] = None
+    """Groups left in the buffer after the hand-off (made ahead of need: they wait a step and age)."""
+
+
+def _supply(f: StepFigures) -> Optional[float]:
+    """Little's law: the in-flight count that supplies a batch per training time (``step_s - wait_data_s``) at this
+    step's group latency (``mean_inflight x step_s / arrived_groups``); None without the figures."""
+    if not f.arrived_groups or not f.trained_groups or f.wait_data_s is None or not f.step_s:
+        return None
+    if f.step_s <= f.wait_data_s:
+        return None
+    return f.mean_inflight * f.trained_groups * f.step_s / (f.arrived_groups * (f.step_s - f.wait_data_s))
 
 
 @dataclass(frozen=True)
@@ -128,6 +180,14 @@ class AutotuneSettings:
     """... (the two admission waits together under this fraction) is a ramp, not a point."""
     merge: float = 0.04
     """Points whose x differ by less than this fraction are one point (their T averaged)."""
+    fed_frac: float = FED_FRAC
+    """The actor waiting at most this share of a step for its batch: training set the pace (``binding_side``)."""
+    fed_margin: float = 0.03
+    """Training-bound: trim to this far above the in-flight count that supplies a batch a step (Little's law)."""
+    drain_steps: float = 2.0
+    """Training-bound: a surplus left in the buffer is drained over this many steps (at most half a batch a step) ..."""
+    reserve: float = 0.1
+    """... down to this share of a batch (slack against a slow step: drained to 0, the actor waits now and then)."""
 
 
 @dataclass
@@ -165,6 +225,11 @@ class InflightAutotuner:
         self._max_running = 0.0  # the most requests the engines ran on a step so far
         self._queued_at_settle: Optional[bool] = None  # the engines queued at the settled limit
         self._backed_off: Optional[tuple[_Point, int]] = None  # the point and limit that queued, while it drains
+        self._fed: Optional[int] = None  # the smallest limit at which training set the pace (since the last reset)
+        self._starved = 0  # the largest limit below ``_fed`` at which the actor waited while the limit bound
+        self._down_ok = True  # this step may lower the limit by the throughput search (not while the actor waits)
+        self.side: Optional[str] = None
+        """The side that set the last step's pace (``TRAINING``, ``GENERATION``; None: not told)."""
         self.history: list[Change] = []
 
     # ----------------------------------------------------------------- the one entry point
@@ -174,10 +239,17 @@ class InflightAutotuner:
         if self.steps <= self.settings.warmup_steps or f.tokens_per_s <= 0 or f.mean_inflight <= 0:
             return None
         s = self.settings
+        self.side = binding_side(f.wait_data_s, f.step_s, fed_frac=s.fed_frac)
         if self._changed:  # the step right after a change still shows the old limit: not a figure
             self._changed = False
             return None
         draining = f.mean_inflight > f.limit * (1 + s.merge)
+        # generation sets the pace: with the in-flight limit binding, a lower limit can only make the actor wait longer
+        # unless the engines are past saturation, which their queue shows; a throughput that reads flat at a lower
+        # limit, measured at another time, may be a loaded machine (CPU contention), not over-admission
+        self._down_ok = self.side != GENERATION
+        if self.side == GENERATION and self._fed is not None and not draining and f.wait_inflight >= s.binds:
+            return self._starved_at(f)
         self._max_running = max(self._max_running, f.running_reqs or 0.0)
         # queued while the engines run as many requests as they ever did: slots full. A queue while they run far
         # fewer than before is requests waiting for their prefill (the CPU engine's queue at 4 groups of 24 slots)
@@ -191,6 +263,7 @@ class InflightAutotuner:
         if queueing and not draining and not (self.settled and self._queued_at_settle is not False):
             share = f.running_reqs / (f.running_reqs + f.queue_reqs)
             self.settled = False
+            self._down_ok = True  # the engines' own evidence of over-admission
             point = self._add(f, queued=True)  # a point too: if the lower limit loses throughput, this one was needed
             change = self._move(
                 min(self.limit - 1, math.floor(self.limit * share)),
@@ -199,6 +272,8 @@ class InflightAutotuner:
             self._ceiling = f.limit  # no probe back up to the limit that made the engines queue
             self._backed_off = (point, f.limit) if change is not None else None
             return change
+        if self.side == TRAINING:  # the engines have slack: trim toward the batch supply, never raise
+            return None if draining else self._trim(f)
         if self.settled:
             return self._hold(f)
         if draining:  # a lowered limit takes effect only as groups finish: measure once it has, unless ...
@@ -244,6 +319,57 @@ class InflightAutotuner:
         )
         return self._settle(q, self._add(f), queued_limit, why)
 
+    def _trim(self, f: StepFigures) -> Optional[Change]:
+        """Training set the pace: never raise; lower toward the in-flight count that supplies a batch a step.
+        Little's law: ``mean_inflight = arrival rate x group latency``, so at this step's latency a batch a step
+        (``trained_groups``) takes ``mean_inflight x trained / arrived`` groups in flight (the buffer limit binds
+        while more arrive than training takes); ``fed_margin`` above it, never below a limit that starved."""
+        s = self.settings
+        if not f.arrived_groups or not f.trained_groups:
+            return None
+        if self._fed is None or f.arrived_groups >= f.trained_groups:  # this limit's own generation supplied a batch
+            self._fed = f.limit if self._fed is None else min(self._fed, f.limit)
+        surplus = f.surplus_groups or 0.0
+        drain = max(0.0, surplus - s.reserve * f.trained_groups) / s.drain_steps
+        want = max(f.trained_groups - drain, f.trained_groups / 2)  # arrivals the next step needs
+        need = f.mean_inflight * want / f.arrived_groups
+        target = max(need * (1 + s.fed_margin), self._starved + 1)
+        if target >= f.limit * (1 - s.merge):
+            return None  # holds: about what a batch a step takes
+        self.settled = False
+        return self._move(
+            target,
+            f"training sets the pace (the actor waited {f.wait_data_s:.2f} s of a {f.step_s:.1f} s step, the buffer "
+            f"limit bound {f.wait_buffer:.0%} of it): {f.arrived_groups:.0f} groups arrived at {f.mean_inflight:.1f} "
+            f"in flight and {surplus:.0f} are left over, {need:.1f} supply the {want:.0f} a batch of "
+            f"{f.trained_groups} still needs",
+        )
+
+    def _starved_at(self, f: StepFigures) -> Optional[Change]:
+        """The actor waited while the in-flight limit bound, after training had set the pace: up to the in-flight
+        count that supplies a batch per training time, ``step_s - wait_data_s`` (Little's law, ``fed_margin`` above),
+        at least one more. Below the limit that fed it (a trim went too far, or drained the surplus): at most back
+        to that limit, and never again down to this one. At or above it (generation got slower): once; then the
+        search takes over (its raises, the engines' queue)."""
+        assert self._fed is not None and f.wait_data_s is not None and f.step_s is not None
+        s = self.settings
+        fed = self._fed
+        if f.limit < fed:
+            self._starved = max(self._starved, f.limit)
+        else:
+            self._fed, self._starved = None, 0
+        need = _supply(f)
+        if need is None:
+            return None
+        target = max(need * (1 + s.fed_margin), f.limit + 1)
+        return self._move(
+            min(target, fed) if f.limit < fed else target,
+            f"generation sets the pace (the actor waited {f.wait_data_s:.2f} s of a {f.step_s:.1f} s step while the "
+            f"in-flight limit bound {f.wait_inflight:.0%} of it): {f.arrived_groups:.0f} groups arrived at "
+            f"{f.mean_inflight:.1f} in flight, {need:.1f} supply a batch of {f.trained_groups} per "
+            f"{f.step_s - f.wait_data_s:.1f} s of training",
+        )
+
     def _forget(self) -> None:
         self._points = []
         self.settled = False
@@ -271,9 +397,14 @@ class InflightAutotuner:
         )
         idle = f.queue_reqs is not None and f.queue_reqs <= 0.02 * (f.running_reqs or 0.0)
         if b is None and g is top and idle and g.binds and f.wait_buffer < s.binds and self.limit < self._ceiling:
+            # the actor waited: as far as Little's law says supplies a batch per training time (a step that waited
+            # 3% of it asks for ~3% more, not twice as many); unknown wait: twice
+            need = _supply(f) if self.side == GENERATION else None
+            up = g.x * s.max_factor if need is None else max(need * (1 + s.fed_margin), g.x * (1 + s.merge))
             return self._move(
-                min(g.x * s.max_factor, self._ceiling),
-                f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing",
+                min(up, g.x * s.max_factor, self._ceiling),
+                f"probe up: the limit binds at {g.x:.1f} in flight and the engines queue nothing"
+                + ("" if need is None else f"; {need:.1f} in flight supply a batch per training time"),
             )
         if b is None and g.x > self.lower and self.limit > self.lower:
             return self._move(
@@ -350,7 +481,7 @@ class InflightAutotuner:
         new = math.ceil(target - 1e-9)
         new = max(new, math.floor(self.limit / s.max_factor), self.lower)
         new = min(new, math.ceil(self.limit * s.max_factor), self.upper)
-        if new == self.limit:
+        if new == self.limit or (new < self.limit and not self._down_ok):
             return None
         change = Change(self.limit, new, reason)
         self._changed = True

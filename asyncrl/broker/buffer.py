@@ -16,15 +16,13 @@ Contract
   core, is against the actor's version instead; they differ when ``rollout.update_weights_interval > 1``).
 - ``__len__``, ``groups()`` (arrival order, for metrics and checkpoints) and ``restore(groups)``.
 
-A custom buffer is named by ``rollout_buffer.custom_data_buffer_path = "module:Class"``. Two interfaces
-are accepted, told apart automatically:
+A custom buffer is named by ``rollout_buffer.custom_data_buffer_path = "module:Class"``. Two contracts
+are accepted, told apart by ``buffer_plugin.buffer_interface`` (the dry run checks it, naming what is missing):
 - this batched one: a ``DataBuffer`` subclass, constructed as ``Class(settings: BufferSettings)``;
-- Miles' per-group one: any class with ``put(group)`` (``False`` rejects the group: dropped; anything
-  else keeps it), ``get()`` returning ONE group and waiting if none is available, and ``get_metrics()``;
-  constructed as ``Class(settings)`` if it takes an argument, else ``Class()``, and wrapped in
-  ``MilesBufferAdapter``. The adapter calls ``get()`` only while a group is available (``len(obj)``
-  when the class defines it, else groups kept minus groups taken), so the broker never blocks on it, and
-  sets ``obj.engine_version`` before each batch for its own staleness decisions.
+- Miles' own (``asyncrl.broker.miles_buffer``): ``async def put(input: DataBufferInput)``,
+  ``async def get() -> DataBufferInput``, ``get_metrics()``, constructed as
+  ``Class(DataBufferConstructorInput(args, on_evict))``, run by ``MilesBufferAdapter``, which knows what it
+  holds (so checkpoints keep its groups) and reports its evictions through ``take_evicted``.
 Either takes over every group-level decision.
 
     buf = DefaultDataBuffer(BufferSettings(max_staleness=2))
@@ -35,14 +33,12 @@ from __future__ import annotations
 
 import abc
 import heapq
-import inspect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from asyncrl.broker.types import Group
-from asyncrl.config.validate import resolve_hook as import_path  # the one module:attr resolver
 
 DynamicFilter = Callable[[Group], Optional[str]]
 
@@ -66,6 +62,12 @@ class BufferSettings:
     """Loaded from ``rollout_buffer.dynamic_sampling_filter_path``."""
     capacity: int = 0
     """``rollout_buffer.max_buffered_groups`` (informational: admission keeps the buffer below it)."""
+    rollout_batch_size: int = 0
+    """``data.rollout_batch_size`` (informational; Miles' ``args.rollout_batch_size``)."""
+    group_size: int = 0
+    """``algorithm.group_size`` (informational; Miles' ``args.n_samples_per_prompt``)."""
+    unused_groups: str = "drop"
+    """``rollout_buffer.unused_groups`` (informational: the core applies it to ``handler="unused"``)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -92,6 +94,11 @@ class DataBuffer(abc.ABC):
     @abc.abstractmethod
     def restore(self, groups: list[Group]) -> None:
         """Replace the content with ``groups`` (oldest first), e.g. from a checkpoint."""
+
+    def take_evicted(self) -> list[Rejection]:
+        """Groups given up since the last call other than by ``put``'s and ``get``'s own results (a Miles buffer's
+        ``on_evict``); the core asks after every ``put``, ``get`` and ``restore``."""
+        return []
 
 
 class DefaultDataBuffer(DataBuffer):
@@ -209,60 +216,3 @@ class DefaultDataBuffer(DataBuffer):
         self._min_version, self._version_heap, self._version_sum = {}, [], 0
         for g in groups:
             self._remember(g.group_id, g.min_version)
-
-
-class MilesBufferAdapter(DataBuffer):
-    """Miles' per-group DataBuffer (``put(group)``, blocking ``get()`` of one group, ``get_metrics()``) behind
-    the batched interface. It never blocks: ``get()`` is called only for groups known to be available."""
-
-    def __init__(self, settings: BufferSettings, inner: object):
-        super().__init__(settings)
-        self.inner = inner
-        self._kept = 0  # put and kept - taken (when the class has no __len__)
-
-    def put(self, group: Group) -> Optional[Rejection]:
-        if self.inner.put(group) is False:
-            return Rejection(group, "rejected", "drop")
-        self._kept += 1
-        return None
-
-    def get(self, num_groups: int, *, engine_version: int) -> tuple[Optional[list[Group]], list[Rejection]]:
-        self.inner.engine_version = engine_version
-        if len(self) < num_groups:
-            return None, []
-        out = [self.inner.get() for _ in range(num_groups)]
-        self._kept -= num_groups
-        return out, []
-
-    def get_metrics(self) -> dict[str, float]:
-        return {str(k): float(v) for k, v in (self.inner.get_metrics() or {}).items()}
-
-    def __len__(self) -> int:
-        return len(self.inner) if hasattr(type(self.inner), "__len__") else self._kept
-
-    def groups(self) -> list[Group]:
-        return []  # opaque: its content is the class's own
-
-    def restore(self, groups: list[Group]) -> None:
-        for g in groups:
-            self.put(g)
-
-
-def _is_miles_buffer(cls: object) -> bool:
-    return isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in ("put", "get", "get_metrics"))
-
-
-def make_data_buffer(settings: BufferSettings, custom_path: Optional[str]) -> DataBuffer:
-    """The built-in buffer, a ``DataBuffer`` subclass, or a Miles-interface class wrapped in the adapter."""
-    if custom_path is None:
-        return DefaultDataBuffer(settings)
-    cls = import_path(custom_path, "rollout_buffer.custom_data_buffer_path")
-    if isinstance(cls, type) and issubclass(cls, DataBuffer):
-        return cls(settings)
-    if _is_miles_buffer(cls):
-        takes_arg = len(inspect.signature(cls).parameters) > 0
-        return MilesBufferAdapter(settings, cls(settings) if takes_arg else cls())
-    raise ValueError(
-        f"rollout_buffer.custom_data_buffer_path: {custom_path!r} is neither a DataBuffer subclass "
-        f"(asyncrl.broker.buffer.DataBuffer) nor a class with Miles' put(group), get() and get_metrics()"
-    )

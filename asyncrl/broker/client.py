@@ -12,8 +12,8 @@ Actor side:
     ping = BrokerPing(address); ping(timeout_s=1.0)    # -> True when the broker answered (process.fail_fast_on_hang)
 
 Batches decode zero-copy: token fields of the returned trajectories are read-only numpy views of the
-received frames (``prompt_ids``/``response_ids`` int32, ``rollout_logprobs`` float32, ``loss_mask`` uint8;
-``weight_versions`` is empty: it does not travel, ``asyncrl.broker.wire``).
+received frames (``prompt_ids``/``response_ids``/``weight_versions`` int32, ``rollout_logprobs`` float32,
+``loss_mask`` uint8; ``asyncrl.broker.wire``).
 """
 
 from __future__ import annotations

@@ -17,12 +17,14 @@ Contract
 - Admission issues a group only while both limits hold (re-checked after every event: a group
   arrives, a group is dropped, a batch is handed over, a trajectory finishes, a worker joins or a
   sync ends):
-    in-flight limit  inflight_groups < max_inflight_groups, in both granularities (RLinf: it counts groups)
-                     ``sample`` adds a trajectory budget: inflight_samples + group_size <= max_inflight_samples
-                     (``rollout_buffer.max_concurrent_samples``, unset: max_inflight_groups * group_size);
-                     ``inflight_samples`` = trajectories issued and not yet reported finished, so each
-                     finished trajectory frees its own slot of that budget (Miles' ``sample`` granularity;
-                     it binds only when max_inflight_groups > max_inflight_samples // group_size)
+    in-flight limit  ``group`` (RLinf's counting, the default): inflight_groups < max_inflight_groups; a group
+                     holds its slot until its last trajectory returns.
+                     ``sample`` (Miles' counting, when asked for): inflight_samples + group_size <= budget,
+                     budget = max_inflight_samples (``rollout_buffer.max_concurrent_samples``), unset (or
+                     autotuned): max_inflight_groups * group_size; ``inflight_samples`` = trajectories issued
+                     and not yet reported finished, so each finished trajectory frees its own slot and a new
+                     group goes out once group_size have finished, whichever groups they came from; the
+                     number of groups in flight is bounded by the buffer limit alone.
     buffer limit     inflight_groups + buffered_groups < max_buffered_groups
   so ``inflight_groups + buffered_groups <= max_buffered_groups`` always holds. The time admission is
   blocked counts once (``rollout/buffer/admission_wait_*``, exclusive, summing to <= 1): to the buffer
@@ -40,7 +42,8 @@ Contract
   queue_steps = actor version - finished_version (versions it waited in the buffer).
 - Unused groups (aborted at put time, too stale at get time): ``drop`` -> the prompt comes back in
   the next epoch (every epoch visits every prompt); ``retry`` -> re-queued at once (same epoch).
-  Dynamic-filter rejects are always dropped. More than ``max_dropped_groups_per_step`` drops
+  Dynamic-filter rejects are always dropped; groups a buffer gives up on its own (a Miles buffer's
+  ``on_evict``, read from ``take_evicted`` after every put, get and restore) are unused groups. More than ``max_dropped_groups_per_step`` drops
   between two hand-offs sets ``failure`` (a ``TooManyDropsError``) and stops issuing; the next
   ``request_batch`` / ``take_batch`` raises it.
 - Each group goes to the least-loaded worker (outstanding trajectories / capacity, ties by worker id).
@@ -86,15 +89,14 @@ from typing import Optional
 
 import numpy as np
 
-from asyncrl.broker.autotune import InflightAutotuner
+from asyncrl.broker.autotune import TRAINING, InflightAutotuner, binding_side
 from asyncrl.broker.buffer import (
     BufferSettings,
     DataBuffer,
     DefaultDataBuffer,
     Rejection,
-    import_path,
-    make_data_buffer,
 )
+from asyncrl.broker.buffer_plugin import import_path, make_data_buffer
 from asyncrl.broker.core_types import (
     Batch,
     BrokerError,
@@ -172,6 +174,7 @@ class BrokerCore:
             else None
         )
         self._engines: Optional[tuple[float, float, float]] = None
+        self._side: Optional[str] = None  # the side that set the pace, as last logged (auto)
         self._meter = StepMeter(now=now)
 
     # ----------------------------------------------------------------- read-only state
@@ -283,7 +286,7 @@ class BrokerCore:
             return False
         self._advance()
         self._inflight.trajectory_done(g, index, trajectory, t=self._last_t)
-        if len(self._inflight) < self.inflight_limit:  # else the group count binds: no room to admit
+        if self._inflight_room() > 0:  # under ``group`` a trajectory frees nothing
             self._admit()
         return True
 
@@ -328,11 +331,13 @@ class BrokerCore:
             self.counters[problem] += 1
         trajectories = group.trajectories
         self._last_arrival_t = self._last_t
+        self._meter.counts["arrived"] += 1
         if self.autotuner is not None:  # generated tokens of the step, when the engines report nothing
             self._meter.arrived_tokens += sum(int(np.count_nonzero(t.loss_mask)) for t in trajectories if t is not None)
         rej = self.buffer.put(group)
         if rej is not None:
             self._reject(rej)
+        self._take_evicted()
 
     # ----------------------------------------------------------------- the actor
     def request_batch(self, step: int, *, actor_version: Optional[int] = None) -> None:
@@ -467,6 +472,7 @@ class BrokerCore:
         self.buffer.restore(list(state["buffered"]))
         self.counters = Counter({k: int(v) for k, v in counters.items()})
         self.counters["reissued"] += len(state["inflight"])
+        self._take_evicted()  # after the counters: a group the buffer gives up on restore counts as dropped
         self._batch = None
         self._admit()
 
@@ -475,16 +481,25 @@ class BrokerCore:
         return self._inflight_room() > 0
 
     def _inflight_room(self) -> int:
-        """Groups the in-flight limit admits now: it counts groups; ``sample`` adds the trajectory budget."""
+        """Groups the in-flight limit admits now: ``group`` counts groups (RLinf), ``sample`` trajectories (Miles:
+        each issue needs ``group_size`` free slots of the trajectory budget, whichever groups freed them)."""
         s = self.s
-        room = self.inflight_limit - len(self._inflight)
         if s.submission_granularity == "sample":
-            budget = s.max_inflight_samples or self.inflight_limit * s.group_size
-            room = min(room, (budget - self._inflight.samples) // s.group_size)  # each issue needs gs free slots
-        return room
+            return (self._sample_budget() - self._inflight.samples) // s.group_size
+        return self.inflight_limit - len(self._inflight)
+
+    def _sample_budget(self) -> int:
+        """Trajectories ``sample`` allows in flight: ``max_inflight_samples``, else (or when autotuned) the in-flight
+        limit in group-sized slots."""
+        s = self.s
+        if s.max_inflight_samples and self.autotuner is None:
+            return s.max_inflight_samples
+        return self.inflight_limit * s.group_size
 
     def _inflight_used(self) -> float:
-        """In-flight groups as the in-flight limit counts them (groups, in both granularities)."""
+        """In flight as the in-flight limit counts it, in groups: groups, or under ``sample`` trajectories / group_size."""
+        if self.s.submission_granularity == "sample":
+            return self._inflight.samples / self.s.group_size
         return float(len(self._inflight))
 
     def _buffer_ok(self) -> bool:
@@ -544,6 +559,11 @@ class BrokerCore:
         self.counters["issued"] += n
         self._meter.counts["issued"] += n
 
+    def _take_evicted(self) -> None:
+        """Groups the buffer gave up on its own (a Miles buffer's ``on_evict``): dropped or retried like unused ones."""
+        for r in self.buffer.take_evicted():
+            self._reject(r)
+
     def _reject(self, rej: Rejection) -> None:
         g = rej.group
         retried = rej.handler == "unused" and self.s.unused_groups == "retry"
@@ -573,6 +593,7 @@ class BrokerCore:
         groups, rejected = self.buffer.get(self.s.rollout_batch_size, engine_version=self.version)
         for r in rejected:
             self._reject(r)
+        self._take_evicted()
         if groups is None or self.failure is not None:
             if groups is not None:  # the limit tripped in this very call: keep the groups out of training
                 self.buffer.restore(groups + self.buffer.groups())
@@ -604,18 +625,39 @@ class BrokerCore:
             "time/wait_data": wait_s,
         }
         m.update(self.buffer.get_metrics())
-        m.update(self._autotune(dur))
+        m.update(self._autotune(dur, wait_s, len(groups)))
         return m
 
-    def _autotune(self, dur: float) -> dict[str, float]:
-        """The step's figures for the in-flight autotuner (when on); the limit in force next."""
+    def _autotune(self, dur: float, wait_s: float, n_groups: int) -> dict[str, float]:
+        """The step's figures for the in-flight autotuner (when on); the limit in force next; the side that set the
+        step's pace (``autotune.binding_side``: did the actor wait for its batch?)."""
+        side = binding_side(wait_s, dur)
         m = {
             "rollout/buffer/inflight_limit": float(self.inflight_limit),
             "rollout/buffer/mean_inflight_groups": self._meter.area[0] / dur if dur > 0 else self._inflight_used(),
         }
+        if side is not None:
+            m["rollout/buffer/training_bound"] = float(side == TRAINING)
         if self.autotuner is None or dur <= 0:
             return m
-        change = self.autotuner.observe(self._meter.figures(limit=self.inflight_limit, dur=dur))
+        if side != self._side and side is not None:
+            log.info(
+                "rollout_buffer.max_inflight_groups (auto): %s sets the pace (the actor waited %.2f s of a %.1f s step "
+                "for its batch) at a limit of %d",
+                side,
+                wait_s,
+                dur,
+                self.inflight_limit,
+            )
+            self._side = side
+        figures = self._meter.figures(
+            limit=self.inflight_limit,
+            dur=dur,
+            wait_data_s=wait_s,
+            trained_groups=n_groups,
+            surplus_groups=len(self.buffer),
+        )
+        change = self.autotuner.observe(figures)
         if change is not None:
             log.info("rollout_buffer.max_inflight_groups (auto): %d -> %d: %s", change.old, change.new, change.reason)
             self.inflight_limit = change.new
@@ -670,5 +712,12 @@ def _default_buffer(s: CoreSettings) -> DataBuffer:
     flt = None
     if s.dynamic_sampling_filter_path:
         flt = import_path(s.dynamic_sampling_filter_path, "rollout_buffer.dynamic_sampling_filter_path")
-    bs = BufferSettings(max_staleness=s.max_staleness, dynamic_filter=flt, capacity=s.max_buffered_groups)
+    bs = BufferSettings(
+        max_staleness=s.max_staleness,
+        dynamic_filter=flt,
+        capacity=s.max_buffered_groups,
+        rollout_batch_size=s.rollout_batch_size,
+        group_size=s.group_size,
+        unused_groups=s.unused_groups,
+    )
     return make_data_buffer(bs, s.custom_data_buffer_path) if s.custom_data_buffer_path else DefaultDataBuffer(bs)

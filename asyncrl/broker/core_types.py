@@ -36,7 +36,8 @@ class CoreSettings:
     max_dropped_groups_per_step: int
     submission_granularity: Literal["group", "sample"] = "group"
     max_inflight_samples: Optional[int] = None
-    """Trajectory budget under ``sample`` (``rollout_buffer.max_concurrent_samples``); None: groups x group_size."""
+    """Trajectory budget under ``sample`` (``rollout_buffer.max_concurrent_samples``); None: max_inflight_groups x
+    group_size. Unused under ``group``, whose limit is max_inflight_groups (derived from it when it is set)."""
     unused_groups: Literal["drop", "retry"] = "drop"
     max_staleness: Optional[int] = None
     sync_mode: bool = False

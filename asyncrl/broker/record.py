@@ -21,8 +21,8 @@ Two rules hold the layout (``_check`` enforces them at import):
 - token fields come in non-increasing item size and a trajectory's token data is padded to the first one's
   (``ALIGN``), so every field of every trajectory starts aligned in its frame, whatever the lengths.
 
-``Trajectory``'s other fields (per-token weight versions, timings, error, the rest of ``extra``) stay in the
-worker; ``extra=True`` marks a field kept in ``Trajectory.extra`` under its name (absent: the type's zero).
+``Trajectory``'s other fields (timings, error, the rest of ``extra``) stay in the worker; ``extra=True`` marks a
+field kept in ``Trajectory.extra`` under its name (absent: the type's zero).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ RECORD: tuple[Field, ...] = (
     # routing replay: each position's experts in every layer (layer-major, -1 unknown); absent unless asked
     Field("routed_experts", POSITION, _I4, sample=np.dtype(np.int32)),
     Field("rollout_logprobs", RESPONSE, _F4, sample=np.dtype(np.float32)),  # the behaviour policy
+    # each generated token's weight version (-1: a tool token): the per-token staleness the loss may use
+    Field("weight_versions", RESPONSE, _I4, sample=np.dtype(np.int32)),
     Field("loss_mask", RESPONSE, _U1, sample=_BOOL),
     # one value per trajectory, in their order in the table
     Field("reward", SCALAR, _FLOAT, sample=_FLOAT),

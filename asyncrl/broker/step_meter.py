@@ -30,7 +30,7 @@ class StepMeter:
     def reset(self, now: float) -> None:
         self.start_t = now
         self.counts: Counter[str] = Counter()
-        """Issued, dropped, retried, reissued, drop_<reason> since the last hand-off."""
+        """Issued, arrived, dropped, retried, reissued, drop_<reason> since the last hand-off."""
         self.wait_inflight = 0.0
         """Seconds admission was held back by the in-flight limit alone (the buffer had room)."""
         self.wait_buffer = 0.0
@@ -60,8 +60,11 @@ class StepMeter:
             "rollout/buffer/step_duration_s": dur,
         }
 
-    def figures(self, *, limit: int, dur: float) -> StepFigures:
-        """The step's figures for the in-flight autotuner (``dur > 0``): the engines' own when they reported."""
+    def figures(
+        self, *, limit: int, dur: float, wait_data_s: float, trained_groups: int, surplus_groups: int
+    ) -> StepFigures:
+        """The step's figures for the in-flight autotuner (``dur > 0``): the engines' own when they reported, and
+        the broker's own (the actor's wait for this batch, groups arrived and trained) that tell which side binds."""
         a = self.area
         eng = a[3] > 0
         return StepFigures(
@@ -72,6 +75,11 @@ class StepMeter:
             wait_buffer=self.wait_buffer / dur,
             running_reqs=a[1] / dur if eng else None,
             queue_reqs=a[2] / dur if eng else None,
+            wait_data_s=wait_data_s,
+            step_s=dur,
+            arrived_groups=float(self.counts["arrived"]),
+            trained_groups=trained_groups,
+            surplus_groups=float(surplus_groups),
         )
 
     @staticmethod

@@ -4,8 +4,8 @@ Both ends import these; which of a trajectory's fields travel, and in what type,
 ``asyncrl.broker.record``, and the one wire encoding of trajectories (typed columns, token fields as raw
 arrays) derived from it lives in ``asyncrl.broker.wire``. The agent loop builds token fields as ``list[int]`` /
 ``list[float]``; what the broker and the actor decode are read-only numpy arrays (zero-copy views of the
-received frames), and ``weight_versions``, ``timings``, ``error`` and ``extra`` (but ``tool_errors``)
-stay in the worker (see ``wire``).
+received frames), and ``timings``, ``error`` and ``extra`` (but the record's ``extra`` fields) stay in the
+worker (see ``wire``).
 
 A trajectory is token-in/token-out: ``prompt_ids + response_ids`` is exactly what the engine saw
 and produced, with the tools' tokens spliced in. ``loss_mask[i]`` is 1 for tokens the engine
@@ -37,9 +37,10 @@ class Trajectory:
     engine routed it to in every layer, ``[len(prompt_ids) + len(response_ids), layers * top-k]`` int32, layer-major,
     -1 where unknown (the last position, which the engine does not route); None when not asked."""
     weight_versions: list[int] = field(default_factory=list)
-    """Weight version of each generated token's engine step, aligned with response_ids (-1 for tool tokens).
-    Read in the worker's process only (the evaluator); empty after the wire (``min_version``/``max_version``
-    carry what the broker needs)."""
+    """Weight version of each generated token's engine step, aligned with response_ids (-1 for tool tokens); it
+    travels to the actor (the per-token staleness of ``train/token_staleness/*`` and
+    ``algorithm.max_token_staleness``). Left empty by whoever builds a trajectory without it, it is filled with
+    ``min_version`` for every generated token (the trajectory's staleness, which is what was known)."""
     min_version: int = 0
     """Earliest weight version any generated token came from (for staleness)."""
     max_version: int = 0
@@ -61,6 +62,8 @@ class Trajectory:
     def __post_init__(self):
         assert len(self.loss_mask) == len(self.response_ids), "loss_mask must align with response_ids"
         assert len(self.rollout_logprobs) == len(self.response_ids), "rollout_logprobs must align with response_ids"
+        if len(self.weight_versions) == 0 and len(self.response_ids):
+            self.weight_versions = [self.min_version if m else -1 for m in self.loss_mask]
 
 
 @dataclass

@@ -14,7 +14,7 @@ holds ONE table, ``pack_table``'s output, and its frames:
 
 A frame holds its trajectories' token data back to back, each one laid out as the record's token fields in
 their order (today ``prompt_ids int32[np] | response_ids int32[nr] | routed_experts int32[np + nr, w] |
-rollout_logprobs float32[nr] | loss_mask uint8[nr]``, little-endian; ``w`` the trajectory's
+rollout_logprobs float32[nr] | weight_versions int32[nr] | loss_mask uint8[nr]``, little-endian; ``w`` the trajectory's
 ``routed_experts_width`` column, 0 when it has none) and zero-padded to a multiple of ``record.ALIGN`` bytes, so
 every view is aligned; the sizes must fill each frame exactly. Decoding is columnar and lazy: a decoded
 trajectory holds only its table and its row; each field is read from the table's columns on first access (token
@@ -23,10 +23,11 @@ never builds them. Consecutive unchanged decoded trajectories of one table are r
 frame they came in (one slice per run); one with an assigned field, or whose ``extra`` was read, is packed
 field by field (its token data still forwarded when unchanged).
 
-What travels is the record (what is read after the worker): the token fields, the reward and versions (buffer,
-staleness), ``aborted`` (buffer), and the per-step rollout metrics' fields (turns, tool calls, retractions,
-truncation, finish reason, ``extra["tool_errors"]``). Per-token ``weight_versions``, ``timings``, ``error`` (the
-group carries its first error) and the rest of ``extra`` stay in the worker: a decoded trajectory has empty ones.
+What travels is the record (what is read after the worker): the token fields (per-token ``weight_versions``
+among them), the reward and versions (buffer, staleness), ``aborted`` (buffer), and the per-step rollout metrics'
+fields (turns, tool calls, retractions, truncation, finish reason, the record's ``extra`` fields). ``timings``,
+``error`` (the group carries its first error) and the rest of ``extra`` stay in the worker: a decoded trajectory
+has empty ones.
 
 Every column is checked at this edge: a list of the table's length holding its type only (an integer column
 takes msgpack integers in [0, ``MAX_INT``], never a float, a bool, ``inf`` or ``NaN``); a wrong one raises
@@ -87,8 +88,6 @@ _EXTRA_COLUMNS = tuple((name, typ, typ()) for (name, typ), f in zip(_COLUMNS, SC
 _FLOAT_COLUMNS = tuple(name for name, typ in _COLUMNS if typ is float)  # sent as floats, ints widened
 # the log-probs' dtype: ``nonfinite_logprobs`` reads whole frames as it (a frame is a multiple of ``ALIGN`` bytes)
 _LOGPROBS = next(f.dtype for f in RECORD if f.name == "rollout_logprobs")
-_NO_VERSIONS = np.empty(0, np.dtype("<i4"))
-_NO_VERSIONS.flags.writeable = False
 
 
 # ---------------------------------------------------------------- columns (the edge's type checks)
@@ -200,7 +199,7 @@ class _Field:
 
 _TOKEN_SET = frozenset(_TOKEN_NAMES)
 _SCALAR_SET = frozenset(_SCALAR_NAMES)
-_STAY = {"weight_versions": lambda: _NO_VERSIONS, "error": str, "timings": dict}
+_STAY = {"error": str, "timings": dict}
 
 
 class WireTrajectory(Trajectory):
@@ -216,7 +215,7 @@ class WireTrajectory(Trajectory):
 
     def __reduce_ex__(self, protocol):
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(Trajectory)}
-        for f in (*_TOKEN_NAMES, "weight_versions"):
+        for f in _TOKEN_NAMES:
             kw[f] = None if kw[f] is None else np.array(kw[f])
         return Trajectory, tuple(kw[f.name] for f in dataclasses.fields(Trajectory))
 

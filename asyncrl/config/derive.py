@@ -6,7 +6,8 @@
 - ``rollout_buffer.max_buffered_groups = floor(async_data_buffer_capacity_factor x data.rollout_batch_size)``,
   the factor 2.0 when unset (Miles' default), i.e. ``2 x data.rollout_batch_size``;
 - ``rollout_buffer.max_dropped_groups_per_step = 10 x data.rollout_batch_size``;
-- ``rollout_buffer.submission_granularity = "sample"`` in async mode (Miles), ``"group"`` otherwise;
+- ``rollout_buffer.submission_granularity = "group"`` (RLinf's group counting), or ``"sample"`` (Miles' per-trajectory
+  counting, Miles' fully-async default) when a Miles user sets ``max_concurrent_samples`` in async mode;
 - ``rollout.model_path = actor.model_path``;
 - ``agentloop.max_requests_per_engine = rollout.max_running_requests``.
 """
@@ -76,7 +77,8 @@ def resolve(cfg: Config) -> Config:
     if rb.max_dropped_groups_per_step is None:
         updates["max_dropped_groups_per_step"] = 10 * B
     if rb.submission_granularity is None:
-        updates["submission_granularity"] = "sample" if cfg.runner.async_mode else "group"
+        miles = cfg.runner.async_mode and rb.max_concurrent_samples is not None
+        updates["submission_granularity"] = "sample" if miles else "group"
     derived |= {f"rollout_buffer.{k}" for k in updates}
     out = replace(cfg, rollout_buffer=replace(rb, **updates))
     if out.rollout.model_path is None:
@@ -90,7 +92,7 @@ def resolve(cfg: Config) -> Config:
 
 def explain(cfg: Config) -> list[str]:
     """What the Miles-style settings map onto, for the dry run (one line each)."""
-    rb, B, gs = cfg.rollout_buffer, cfg.data.rollout_batch_size, cfg.algorithm.group_size
+    rb, B = cfg.rollout_buffer, cfg.data.rollout_batch_size
     lines = []
     if "rollout_buffer.max_buffered_groups" in cfg.derived:
         f = rb.async_data_buffer_capacity_factor
@@ -99,28 +101,39 @@ def explain(cfg: Config) -> list[str]:
             f"rollout_buffer.async_data_buffer_capacity_factor = {f:g} -> rollout_buffer.max_buffered_groups "
             f"= floor({f:g} x rollout_batch_size {B}) = {rb.max_buffered_groups} (in-flight + buffered groups)"
         )
-    how = "derived from runner.async_mode" if "rollout_buffer.submission_granularity" in cfg.derived else "set"
+    lines.append(_counting_line(cfg))
+    return lines
+
+
+def _counting_line(cfg: Config) -> str:
+    """Which counting the in-flight limit uses, and its bound."""
+    rb, gs = cfg.rollout_buffer, cfg.algorithm.group_size
+    if "rollout_buffer.submission_granularity" not in cfg.derived:
+        how = "set"
+    elif rb.submission_granularity == "sample":
+        how = "derived: max_concurrent_samples is set in async mode, Miles' default"
+    else:
+        how = "derived: RLinf's default"
     n = rb.max_inflight_groups
     if n == "auto":  # a number is spelled out only where there is one: the broker's start
         start = inflight_start(cfg)
         limit = f"max_inflight_groups = auto (tuned by the broker, starting at {start})"
-        per_group = f"max_inflight_groups x group_size, starting at {start} x {gs} = {start * gs}"
     else:
-        limit, per_group = f"max_inflight_groups = {n}", f"max_inflight_groups x group_size = {n * gs}"
+        start, limit = n, f"max_inflight_groups = {n}"
     if rb.submission_granularity == "sample":
-        budget = (
-            f"rollout_buffer.max_concurrent_samples = {rb.max_concurrent_samples}"
-            if rb.max_concurrent_samples
-            else per_group
+        if rb.max_concurrent_samples and n != "auto":
+            budget = f"rollout_buffer.max_concurrent_samples = {rb.max_concurrent_samples} trajectories"
+        else:
+            budget = f"{limit} x group_size trajectories, starting at {start} x {gs} = {start * gs}"
+            if n != "auto":
+                budget = f"{limit} x group_size = {start * gs} trajectories"
+        return (
+            f'rollout_buffer.submission_granularity = "sample" ({how}): the in-flight limit counts trajectories '
+            f"(Miles): at most {budget} in flight; each finished trajectory frees its own slot and a new group goes "
+            f"out once {gs} (group_size) have finished; groups in flight are bounded by max_buffered_groups alone"
         )
-        lines.append(
-            f'rollout_buffer.submission_granularity = "sample" ({how}): each finished trajectory frees its slot of '
-            f"the trajectory budget ({budget}); the in-flight limit still counts groups: at most "
-            f"{limit} groups in flight"
-        )
-    else:
-        lines.append(
-            f'rollout_buffer.submission_granularity = "group" ({how}): a group holds its in-flight slot '
-            f"until its last trajectory returns; at most {limit} groups in flight"
-        )
-    return lines
+    return (
+        f'rollout_buffer.submission_granularity = "group" ({how}): the in-flight limit counts groups (RLinf): at '
+        f"most {limit} groups in flight, each holding its slot until its last "
+        f"trajectory returns"
+    )

@@ -152,11 +152,30 @@ class AlgorithmConfig:
     """KL penalty to the reference model (0 = no reference model)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
-    off_policy_correction: Literal["none", "tis", "decoupled"] = "none"
-    """``none`` (rollout log-prob is the old log-prob, the RLinf default), ``tis`` (truncated
-    importance sampling vs the recomputed policy), ``decoupled`` (AReaL's decoupled PPO)."""
+    off_policy_correction: Literal[
+        "none", "tis", "decoupled", "token_mis", "seq_mis", "geo_mask", "icepop", "dppo", "m2po"
+    ] = "none"
+    """``none`` (rollout log-prob is the old log-prob, the RLinf default), ``tis`` (truncated IS vs the recomputed
+    policy), ``decoupled`` (AReaL), masked IS per token / sequence, a geometric-mean sequence mask, IcePop, DPPO
+    (prime-rl's default), M2PO: ``asyncrl.actor.corrections``."""
     tis_cap: float = 2.0
-    """Truncation of the importance weight under ``tis``/``decoupled``."""
+    """Upper bound of the importance weight: truncation under ``tis``, the mask under ``decoupled``,
+    ``token_mis`` and (on the sequence's product of ratios) ``seq_mis``."""
+    geo_mask_low: float = 0.9
+    """``geo_mask``: sequences whose geometric-mean ratio is out of [low, high] are dropped."""
+    geo_mask_high: float = 1.1
+    icepop_low: float = 0.5
+    """``icepop``: tokens whose ratio (recomputed / rollout probability) is out of [low, high] are dropped."""
+    icepop_high: float = 5.0
+    dppo_mask_low: float = 0.2
+    """``dppo``: a negative-advantage token whose probability fell by more than this since the rollout is dropped."""
+    dppo_mask_high: float = 0.2
+    """``dppo``: a positive-advantage token whose probability rose by more than this is dropped."""
+    m2po_tau: float = 0.04
+    """``m2po``: bound on the mean squared log-ratio of the tokens kept (the largest are dropped until it holds)."""
+    max_token_staleness: Optional[int] = None
+    """Tokens generated more than this many weight versions before the step are left out of the loss (per token:
+    a trajectory can mix versions under ``in_place``/``retract`` pauses); unset: none is. Any correction."""
 
     def __post_init__(self):
         positive(self.group_size, "algorithm.group_size")
@@ -168,6 +187,12 @@ class AlgorithmConfig:
             require(self.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {self.dual_clip!r}")
         non_negative(self.kl_coef, "algorithm.kl_coef")
         positive(self.tis_cap, "algorithm.tis_cap")
+        for lo, hi in (("geo_mask_low", "geo_mask_high"), ("icepop_low", "icepop_high")):  # 1: on-policy
+            a, b = getattr(self, lo), getattr(self, hi)
+            require(0 < a <= 1 <= b, f"algorithm.{lo}", f"must satisfy 0 < {lo} <= 1 <= {hi}, got {a!r} and {b!r}")
+        for key in ("dppo_mask_low", "dppo_mask_high", "m2po_tau"):
+            positive(getattr(self, key), f"algorithm.{key}")
+        non_negative(self.max_token_staleness, "algorithm.max_token_staleness")
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,14 @@ class PythonToolConfig:
     """stdout + stderr kept; past it the program is killed and the observation says so."""
     max_concurrent: Optional[int] = None
     """Calls running at once per worker (unset: the CPU count)."""
+    file_size_mb: int = 64
+    """Largest file a program may write (RLIMIT_FSIZE) in its temporary directory."""
+    network_isolation: Literal["auto", "userns", "netns", "socket-guard"] = "auto"
+    """How the network is cut off: ``auto`` takes the strongest this machine allows (a network namespace inside a
+    user namespace, a bare network namespace, else a guard on Python's sockets) and logs which."""
 
     def __post_init__(self):
+        positive(self.file_size_mb, "agentloop.python.file_size_mb")
         positive(self.timeout_s, "agentloop.python.timeout_s")
         positive(self.cpu_s, "agentloop.python.cpu_s")
         positive(self.memory_mb, "agentloop.python.memory_mb")
@@ -208,8 +214,8 @@ class RolloutBufferConfig:
     """In-flight limit (engine load). Derived: ceil(max_running_requests x instances x 1.2 / group_size);
     ``"auto"``: the broker starts there and tunes it to the smallest value that keeps the engines saturated."""
     max_concurrent_samples: Optional[int] = None
-    """Miles ``--async-max-concurrent-samples``: in-flight cap in trajectories; when set,
-    max_inflight_groups defaults to ``value // group_size`` instead."""
+    """Miles ``--async-max-concurrent-samples``: in-flight cap in trajectories under ``sample`` granularity (derived
+    when this is set in async mode); max_inflight_groups defaults to ``value // group_size`` (the ``group`` cap)."""
     max_buffered_groups: Optional[int] = None
     """Buffer limit (data age): in-flight + buffered < this. Derived: 2 x data.rollout_batch_size."""
     async_data_buffer_capacity_factor: Optional[float] = None
@@ -218,8 +224,9 @@ class RolloutBufferConfig:
     max_dropped_groups_per_step: Optional[int] = None
     """Stop the run past this many drops in one step. Derived: 10 x data.rollout_batch_size."""
     submission_granularity: Optional[Literal["group", "sample"]] = None
-    """When a finished unit frees an in-flight slot (Miles ``--rollout-submission-granularity``).
-    Derived: ``sample`` in async mode, ``group`` otherwise."""
+    """When a finished unit frees an in-flight slot (Miles ``--rollout-submission-granularity``): ``group`` counts
+    groups (RLinf), ``sample`` trajectories (Miles: each frees its own slot). Derived: ``sample`` when
+    max_concurrent_samples is set in async mode, else ``group``."""
     unused_groups: Literal["drop", "retry"] = "drop"
     """Aborted or too-stale groups: ``drop`` (prompt returns next epoch) or ``retry`` (re-queued now)
     (Miles ``--async-unused-samples-handler``)."""
@@ -228,7 +235,8 @@ class RolloutBufferConfig:
     sample_filter_path: Optional[str] = None
     """``module:function(groups) -> groups`` run on the assembled batch (Miles ``--rollout-sample-filter-path``)."""
     custom_data_buffer_path: Optional[str] = None
-    """``module:Class`` replacing the built-in DataBuffer (Miles ``--custom-async-data-buffer-path``)."""
+    """``module:Class`` replacing the built-in DataBuffer (Miles ``--custom-async-data-buffer-path``): Miles' contract
+    (``asyncrl.broker.miles_buffer``: async put/get) or a subclass of ``asyncrl.broker.buffer.DataBuffer``."""
     no_data_warning_s: float = 30.0
     """Warn ``No completed rollout groups for 30.0s`` when the actor waits that long for nothing."""
     worker_heartbeat_timeout_s: float = 15.0

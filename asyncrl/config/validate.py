@@ -123,6 +123,17 @@ def _validate_buffer(cfg: Config) -> None:
             f"rollout_batch_size], empty with max_buffered_groups = {rb.max_buffered_groups} and "
             f"data.rollout_batch_size = {B}; raise rollout_buffer.max_buffered_groups to at least {2 * B}"
         )
+    gs = cfg.algorithm.group_size
+    if (
+        rb.submission_granularity == "sample"
+        and rb.max_concurrent_samples is not None
+        and rb.max_concurrent_samples < gs
+    ):
+        raise ConfigError(
+            f"rollout_buffer.max_concurrent_samples: {rb.max_concurrent_samples} is below algorithm.group_size = {gs}: "
+            f'under submission_granularity = "sample" a group goes out once {gs} trajectory slots are free, so '
+            f"nothing would ever be issued; raise it to at least {gs}"
+        )
     if rb.max_dropped_groups_per_step < 1:  # pragma: no cover - __post_init__ catches it
         raise ConfigError("rollout_buffer.max_dropped_groups_per_step: must be >= 1")
 
@@ -153,8 +164,34 @@ def _validate_paths_tools_eval(cfg: Config, placement) -> list[str]:
             f"algorithm.off_policy_correction = {cfg.algorithm.off_policy_correction!r} in synchronous mode: "
             f"data is on-policy up to engine/actor numerics; the correction only guards that mismatch"
         )
+    warnings += _warn_correction_params(cfg)
 
     return warnings
+
+
+# the algorithm keys each correction reads (beyond off_policy_correction): any other one set is ignored
+_CORRECTION_KEYS = {
+    "tis_cap": ("tis", "decoupled", "token_mis", "seq_mis"),
+    "geo_mask_low": ("geo_mask",),
+    "geo_mask_high": ("geo_mask",),
+    "icepop_low": ("icepop",),
+    "icepop_high": ("icepop",),
+    "dppo_mask_low": ("dppo",),
+    "dppo_mask_high": ("dppo",),
+    "m2po_tau": ("m2po",),
+}
+
+
+def _warn_correction_params(cfg: Config) -> list[str]:
+    """A warning per correction bound set away from its default that the chosen correction does not read."""
+    a, default = cfg.algorithm, type(cfg.algorithm)()
+    used = a.off_policy_correction
+    return [
+        f"algorithm.{key} = {getattr(a, key)!r} is ignored: algorithm.off_policy_correction = {used!r} does not "
+        f"read it (it is read by {', '.join(by)})"
+        for key, by in _CORRECTION_KEYS.items()
+        if used not in by and getattr(a, key) != getattr(default, key)
+    ]
 
 
 def _warn_limits(cfg: Config) -> list[str]:
@@ -173,6 +210,16 @@ def _warn_limits(cfg: Config) -> list[str]:
             f"rollout_buffer.max_buffered_groups = {rb.max_buffered_groups} < max_inflight_groups "
             f"({rb.max_inflight_groups}) + rollout_batch_size ({B}): when generation is the bottleneck, buffered "
             f"groups take budget from in-flight ones and the engines run short of work"
+        )
+    sample_budget = rb.submission_granularity == "sample" and rb.max_concurrent_samples is not None
+    if (
+        sample_budget
+        and isinstance(rb.max_inflight_groups, int)
+        and "rollout_buffer.max_inflight_groups" not in cfg.derived
+    ):
+        warnings.append(
+            f"rollout_buffer.max_inflight_groups = {rb.max_inflight_groups} is ignored: under submission_granularity "
+            f'= "sample" the in-flight limit counts trajectories, max_concurrent_samples = {rb.max_concurrent_samples}'
         )
     if rb.max_buffered_groups < 2 * B:
         warnings.append(
@@ -362,7 +409,7 @@ def check_inputs(cfg: Config) -> None:
 
 def check_hooks(cfg: Config) -> None:
     """Every ``module:attr`` hook the config names imports and is callable (``ConfigError`` naming the key): run by
-    the dry run too, before anything starts."""
+    the dry run too, before anything starts (the broker's ``check_custom_buffer`` then checks the buffer's contract)."""
     for key, spec in _hooks(cfg):
         import_hook(spec, key)
 

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from asyncrl.actor.memory import GIB, USABLE_FRACTION, ModelShape, estimate_actor_memory, known_shape
 from asyncrl.agent.envs import check_agent
+from asyncrl.broker.buffer_plugin import check_custom_buffer
 from asyncrl.cluster import process
 from asyncrl.cluster.malloc import retain_freed_memory
 from asyncrl.config import Config, ConfigError, load_config, validate
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         check_models(cfg)  # before the memory estimate, which reads the same config.json
         memory_line = actor_memory(cfg, placement)
         check_hooks(cfg)  # every module:attr imports, and the environment, its tools and reward: dry run or not
-        agent_lines = check_agent(cfg)
+        agent_lines = check_custom_buffer(cfg) + check_agent(cfg)  # the buffer meets a contract
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -55,6 +55,8 @@ class SimConfig:
     seed: int = 0
     measure_from: int = 10
     """Throughput and staleness are measured over steps measure_from.. (after the settling deadline)."""
+    auto_start: Optional[int] = None
+    """Where auto starts (None: the derived limit); within the buffer bound either way."""
 
     def derived_inflight(self) -> int:
         return max(1, math.ceil(self.engine.max_running * self.engines * 1.2 / self.group_size))
@@ -126,7 +128,9 @@ class _Sim:
         self.now = 0.0
         auto = cfg.inflight == "auto"
         buffered = cfg.resolved_buffered()
-        start = min(cfg.derived_inflight(), max(1, buffered - cfg.batch)) if auto else int(cfg.inflight)
+        start = (
+            min(cfg.auto_start or cfg.derived_inflight(), max(1, buffered - cfg.batch)) if auto else int(cfg.inflight)
+        )
         self.core = BrokerCore(
             [PromptItem(i, f"q{i}") for i in range(4096)],
             clock=lambda: self.now,
@@ -136,7 +140,7 @@ class _Sim:
                 max_inflight_groups=start,
                 max_buffered_groups=buffered,
                 max_dropped_groups_per_step=10 * cfg.batch,
-                submission_granularity="sample",
+                submission_granularity="group",  # RLinf's counting, the derived default
                 seed=cfg.seed,
                 no_data_warning_s=1e9,
                 worker_heartbeat_timeout_s=1e9,

@@ -68,6 +68,8 @@ LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
             ("loss", ("train/loss", "train/pg_loss")),
             ("gradient norm", ("train/grad_norm",)),
             ("off-policy", ("train/logprob_mismatch", "train/clip_fraction", "train/is_truncated_fraction")),
+            ("off-policy masks", ("train/is_dropped_fraction", "train/stale_masked_fraction")),
+            ("per-token staleness (versions)", ("train/token_staleness/mean", "train/token_staleness/max")),
             ("response tokens per trajectory", ("rollout/response_length/mean", "rollout/generated_tokens/mean")),
         ),
     ),

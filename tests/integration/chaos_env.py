@@ -13,11 +13,7 @@ PROGRAMS = {
     "hang": "while True:\n    pass\n",
     "raise": "raise ValueError('chaos: the program raised')\n",
     "flood": "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\n",
-    "network": (
-        "import socket\n"
-        "s = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
-        "print('connected')\n"
-    ),
+    "network": ("import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')\n"),
 }
 
 

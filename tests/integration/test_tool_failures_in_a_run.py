@@ -29,8 +29,6 @@ def test_hanging_raising_flooding_and_networking_tools_never_stop_a_run(prepared
             run_dir,
             'agentloop.task_name="chaos_env:ENV"',
             "agentloop.max_turns=2",
-            "agentloop.max_total_tokens=4096",
-            "agentloop.tool.max_obs_tokens=400",
             "agentloop.python.timeout_s=2",
             "agentloop.python.max_output_bytes=2048",
             f"runner.max_steps={STEPS}",

@@ -133,6 +133,7 @@ def test_samples_from_wire_arrays_match_samples_from_lists():
     long = groups[0].trajectories[0]
     n = 300
     long.response_ids, long.loss_mask, long.rollout_logprobs = list(range(n)), [1] * n, [-0.1] * n
+    long.weight_versions = [0] * n  # every token field aligns with the response
     table, frames = P.pack_groups(groups)
     wired = P.unpack_groups(table, frames)
     assert isinstance(wired[0].trajectories[0].loss_mask, np.ndarray)

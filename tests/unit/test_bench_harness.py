@@ -65,3 +65,88 @@ def test_speed_measures_both_probes_and_leaves_the_thread_count(harness):
     assert set(s) == {"matmul_gflops_1t", "python_mops"}
     assert s["matmul_gflops_1t"] > 0.1 and s["python_mops"] > 0.1  # any CPU of this century does more
     assert torch.get_num_threads() == threads
+
+
+def _cpu_ticks(pid: int) -> int:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(f[11]) + int(f[12])  # utime + stime
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _until(cond, what: str, deadline_s: float = 30.0) -> None:
+    import time
+
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < end, f"still not {what} after {deadline_s} s"
+        time.sleep(0.05)
+
+
+def test_background_load_runs_busy_processes_and_stops_them_by_pid(harness):
+    with harness.background_load() as pids:
+        assert len(pids) == harness.LOAD_PROCS == 2
+        start = {p: _cpu_ticks(p) for p in pids}
+        _until(lambda: all(_cpu_ticks(p) > start[p] + 5 for p in pids), "burning CPU")  # 50 ms of CPU each
+    assert all(_gone(p) for p in pids)
+
+
+def test_background_load_ends_with_its_parent(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        f"import sys, time\nsys.path.insert(0, {str(HARNESS.parent)!r})\nimport harness\n"
+        "cm = harness.background_load()\nprint(' '.join(map(str, cm.__enter__())), flush=True)\ntime.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        os.kill(parent.pid, signal.SIGKILL)  # no finally, no cleanup: the busy processes must notice by themselves
+        parent.wait(30)
+        _until(lambda: all(_gone(p) for p in pids), "ended after their parent's death")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(30)
+
+
+def test_conditions_file_ratios_and_figures_under_idle_and_loaded(harness, capsys):
+    assert harness.conditions("both") == ["idle", "loaded"] and harness.conditions("loaded") == ["loaded"]
+    with pytest.raises(ValueError, match="--load"):
+        harness.conditions("busy")
+    rep = harness.Report("demo", [])
+    with rep.condition("idle"):
+        rep.ratio("speed_ratio", [2.0], [1.0], target=1.5)
+        rep.record({"n": 1})
+    with rep.condition("loaded"):
+        rep.ratio("speed_ratio", [1.0], [1.0], target=1.5)
+        rep.record({"n": 2})
+    with pytest.raises(RuntimeError, match="outside"):
+        rep.record({"n": 3})
+    doc = rep.emit({"common": True})
+    assert doc["idle"]["speed_ratio"]["median"] == 2.0 and doc["idle"]["n"] == 1
+    assert doc["loaded"]["speed_ratio"]["median"] == 1.0 and doc["loaded"]["n"] == 2
+    assert doc["idle"]["background"]["busy_processes"] == 0 and doc["loaded"]["background"]["busy_processes"] == 2
+    assert {"load_start", "load_end", "speed_start"} <= set(doc["loaded"])
+    assert doc["targets_missed"] == [] and doc["targets_missed_loaded"] == ["speed_ratio"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["common"] is True
+
+
+def test_only_a_benchmark_that_runs_conditions_takes_load(harness):
+    import argparse
+
+    with_load, without = argparse.ArgumentParser(), argparse.ArgumentParser()
+    harness.add_args(with_load, load=True)
+    harness.add_args(without)
+    assert with_load.parse_args([]).load == "both" and with_load.parse_args(["--load", "idle"]).load == "idle"
+    with pytest.raises(SystemExit):  # not silently ignored where the benchmark has no idle/loaded split
+        without.parse_args(["--load", "idle"])

@@ -103,7 +103,8 @@ def test_engine_queue_backs_off_at_once():
 
 
 def test_core_logs_the_limit_and_tunes_it_down():
-    """The core with ``inflight_autotune``: a generation-bound toy where throughput saturates at 6 groups."""
+    """The core with ``inflight_autotune``: a generation-bound toy where throughput saturates at 6 groups (the
+    engines' 6 slots: more queue, and the queue is what lowers the limit while the actor waits for data)."""
     now = [0.0]
     core = BrokerCore(
         [PromptItem(i, f"q{i}") for i in range(64)],
@@ -125,7 +126,8 @@ def test_core_logs_the_limit_and_tunes_it_down():
             gids = core.inflight_group_ids()
             rate = min(len(gids), 6) / len(gids)  # each group's share of a saturating engine
             now[0] += 1.0 / rate
-            core.engine_figures(running_reqs=len(gids), queue_reqs=0, gen_tokens_per_s=100 * min(len(gids), 6))
+            running = min(len(gids), 6)
+            core.engine_figures(running_reqs=running, queue_reqs=len(gids) - running, gen_tokens_per_s=100 * running)
             core.group_finished(gids[0], [Trajectory([0], [1], [1], [0.0])])
         limits.append(batch.metrics["rollout/buffer/inflight_limit"])
     assert limits[0] == 24 and 6 <= core.inflight_limit <= 9, limits

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 
 from asyncrl.broker import protocol as P
-from asyncrl.broker.buffer import BufferSettings, DataBuffer, DefaultDataBuffer, make_data_buffer
+from asyncrl.broker.buffer import BufferSettings, DataBuffer, DefaultDataBuffer
+from asyncrl.broker.buffer_plugin import make_data_buffer
 from asyncrl.broker.core import BrokerCore, CoreSettings, TooManyDropsError
 from asyncrl.broker.dataloader import Dataloader
 from asyncrl.broker.types import PromptItem, Trajectory
@@ -94,35 +94,11 @@ def test_group_granularity_and_buffer_limit():
     assert core.num_inflight_groups == 3  # hand-off freed capacity, re-checked at once
 
 
-def test_sample_granularity_frees_a_slot_per_trajectory():
-    """Miles' per-sample freeing, kept as an option: a trajectory budget (max_concurrent_samples = 4) under a group
-    limit set above it (3 groups)."""
+def test_the_inflight_limit_counts_groups_under_group_granularity():
+    """RLinf's max_inflight_groups = 2 is a budget of 2 groups: finished trajectories of unfinished groups never let
+    a third group out (``sample``, Miles' counting, is tested in test_sample_granularity.py)."""
     core, _ = make(
-        submission_granularity="sample",
-        max_inflight_groups=3,
-        max_inflight_samples=4,
-        max_buffered_groups=10,
-        rollout_batch_size=2,
-    )
-    core.add_worker("w", capacity=8)
-    first = core.take_issues()
-    assert len(first) == 2
-    core.trajectory_finished(first[0].group_id, 0)
-    assert core.take_issues() == []  # one freed sample < group_size
-    core.trajectory_finished(first[1].group_id, 1)
-    assert len(core.take_issues()) == 1  # group_size samples freed, whichever groups they came from
-    assert core.num_inflight_samples == 4 and core.num_inflight_groups == 3
-    core.trajectory_finished(first[0].group_id, 1)
-    core.trajectory_finished(first[1].group_id, 0)
-    assert core.take_issues() == [] and core.num_inflight_groups == 3  # the group limit still holds
-
-
-@pytest.mark.parametrize("granularity", ["group", "sample"])
-def test_the_inflight_limit_counts_groups_in_both_granularities(granularity):
-    """RLinf's max_inflight_groups = 2 is a budget of 2 groups, also under the derived ``sample`` granularity:
-    finished trajectories of unfinished groups never let a third group out."""
-    core, _ = make(
-        submission_granularity=granularity,
+        submission_granularity="group",
         max_inflight_groups=2,
         max_buffered_groups=10,
         rollout_batch_size=2,
@@ -353,7 +329,7 @@ def test_settings_from_config():
     cfg = load_config(None, ["data.rollout_batch_size=4", "runner.async_mode=true"])
     s = CoreSettings.from_config(cfg)
     assert s.max_buffered_groups == 8 and s.max_dropped_groups_per_step == 40
-    assert s.submission_granularity == "sample" and not s.sync_mode
+    assert s.submission_granularity == "group" and not s.sync_mode  # RLinf's counting unless a Miles user asks
 
 
 def test_settings_take_the_derived_values_from_the_resolved_config():
@@ -410,51 +386,6 @@ def test_miles_staleness_is_against_the_engines_version_rlinf_against_the_actors
     assert m["rollout/fully_async/avg_staleness"] == 0.5 and m["rollout/fully_async/max_staleness"] == 1.0
     assert m["rollout/fully_async/stale_groups_filtered"] == 1.0
     assert m["rollout/data_staleness/mean"] == 1.5 and m["rollout/data_staleness/max"] == 2.0
-
-
-class MilesStyleBuffer:
-    """Written to Miles' interface only: put(group), a blocking get() of one group, get_metrics()."""
-
-    def __init__(self):
-        self._q, self._cv, self.puts = [], threading.Condition(), 0
-
-    def put(self, group):
-        self.puts += 1
-        if group.item.index == 0:
-            return False  # rejected: dropped
-        with self._cv:
-            self._q.append(group)
-            self._cv.notify()
-
-    def get(self):
-        with self._cv:
-            assert self._cv.wait_for(lambda: self._q, timeout=5.0), "get() called with nothing available"
-            return self._q.pop(0)
-
-    def get_metrics(self):
-        return {"rollout/fully_async/queue_size": len(self._q), "custom/puts": self.puts}
-
-
-def test_a_miles_interface_buffer_drops_in_through_the_adapter():
-    from asyncrl.broker.buffer import MilesBufferAdapter
-
-    buf = make_data_buffer(BufferSettings(), f"{__name__}:MilesStyleBuffer")
-    assert isinstance(buf, MilesBufferAdapter) and isinstance(buf.inner, MilesStyleBuffer)
-    core, _ = make(
-        custom_data_buffer_path=f"{__name__}:MilesStyleBuffer",
-        max_inflight_groups=3,
-        shuffle=False,
-        max_buffered_groups=6,
-    )
-    core.add_worker("w", capacity=8)
-    issues = core.take_issues()
-    for i in issues:
-        finish(core, i.group_id)
-    core.request_batch(0)
-    batch = core.take_batch()
-    assert [g.item.index for g in batch.groups] == [1, 2]  # prompt 0 rejected by put(), the rest in put order
-    assert [d.reason for d in core.take_drops()] == ["rejected"]
-    assert batch.metrics["custom/puts"] == 3.0 and core.buffer.inner.engine_version == 0
 
 
 def test_max_prompt_tokens_skips_long_prompts_with_a_counted_warning_and_a_metric(tmp_path, caplog):

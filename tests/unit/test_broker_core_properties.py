@@ -151,7 +151,9 @@ class Model:
 
     def check_invariants(self):
         c, s = self.core, self.core.s
-        assert c.num_inflight_groups <= s.max_inflight_groups  # it counts groups in both granularities
+        if s.submission_granularity == "group":  # RLinf: the limit counts groups
+            assert c.num_inflight_groups <= s.max_inflight_groups
+        # Miles under ``sample``: trajectories (group granularity keeps it too: a group holds group_size of them)
         assert c.num_inflight_samples <= s.max_inflight_groups * s.group_size
         assert c.num_inflight_groups + c.num_buffered_groups <= s.max_buffered_groups
         if s.sync_mode:

@@ -184,7 +184,7 @@ CHILD = textwrap.dedent(
                    difficulty=0.75, extra={"search_calls": 4})
     u = Trajectory([5], [7], [1], [-0.5], reward=0.0, ref_logprobs=[-4.0], difficulty=0.5)
     head, frame = P.finished_groups_frames([(1, [t, u], False, "")])
-    assert len(frame) == wire.token_nbytes(2, 3) + wire.token_nbytes(1, 1) == (8 + 3 * 13 + 1) + (4 + 13 + 3)
+    assert len(frame) == wire.token_nbytes(2, 3) + wire.token_nbytes(1, 1) == (8 + 3 * 17 + 1) + (4 + 17 + 3)
     _, ((_, got, _, _),) = P.unpack_finished_groups(P.decode([head, frame], allowed=P.WORKER_TYPES))
     (g,) = P.unpack_groups(*P.pack_groups([Group(1, PromptItem(1, "q"), 0, got)]))
     w = g.trajectories[0]

@@ -62,8 +62,10 @@ def test_what_travels_and_what_stays_in_the_worker():
     assert t.truncated and t.finish_reason == "answer" and t.extra == {"tool_errors": 2}  # the runner's metrics
     assert t.response_ids.tolist() == [4, 5] and t.loss_mask.tolist() == [1, 0]
     assert t.rollout_logprobs.tolist() == [-0.25, 0.0] and t.prompt_ids.tolist() == [1, 2, 3]
-    # per-token versions, timings and unread extra stay in the worker
-    assert t.weight_versions.tolist() == [] and t.timings == {} and done == []
+    assert t.weight_versions.tolist() == [3, -1]  # per-token versions travel (the loss's token staleness)
+    assert got[0][1][1].weight_versions.tolist() == [1, 1, 1]  # built without them: min_version per generated token
+    # timings and unread extra stay in the worker
+    assert t.timings == {} and done == []
 
 
 def test_batch_roundtrip_and_malformed_frames():
@@ -100,7 +102,7 @@ def test_batch_roundtrip_and_malformed_frames():
 def test_token_frames_are_aligned_and_padded():
     msg = worker_message([(1, [traj(n=1), traj(n=2), traj(n=5)], False, "")])
     (frame,) = msg.blobs
-    assert len(frame) == sum(4 * 4 + 9 * n + (-n % 4) for n in (1, 2, 5))
+    assert len(frame) == sum(4 * 4 + 13 * n + (-n % 4) for n in (1, 2, 5))  # ids, logprobs, versions, mask
     _, ((_, ts, _, _),) = P.unpack_finished_groups(msg)
     for t in ts:
         assert t.prompt_ids.ctypes.data % 4 == 0 and t.rollout_logprobs.ctypes.data % 4 == 0
@@ -123,6 +125,7 @@ def test_forwarded_groups_are_slices_of_the_received_frame():
     # a changed trajectory is packed afresh with its new values; the others are still forwarded
     t = got[1][1][0]
     t.response_ids, t.loss_mask, t.rollout_logprobs = np.array([9, 9], np.int32), [1, 1], [0.0, 0.0]
+    t.weight_versions = [0, 0]
     got[0][1][1].reward = -1.0
     table, frames = P.pack_groups(groups)
     back = P.unpack_groups(table, frames)

@@ -66,7 +66,7 @@ def test_searchr1_derived_values_follow_the_seeds():
     assert rb.max_dropped_groups_per_step == 5120  # 10 x 512
     # ceil(max_running_requests x instances x 1.2 / group_size) with 8 rollout GPUs at TP 1
     assert rb.max_inflight_groups == math.ceil(128 * 8 * 1.2 / 4) == 308
-    assert rb.submission_granularity == "sample"
+    assert rb.submission_granularity == "group"  # RLinf's group counting: no Miles setting asks for samples
     assert {"rollout_buffer.max_inflight_groups", "rollout_buffer.max_buffered_groups"} <= cfg.derived
 
 
@@ -348,12 +348,23 @@ def test_capacity_factor_and_max_buffered_groups_together_are_an_error(tmp_path)
     assert "set only one" in msg
 
 
-def test_dry_run_explains_what_the_derived_sample_granularity_changes(tmp_path):
+def test_dry_run_says_which_counting_is_in_force(tmp_path):
+    """RLinf's group counting by default; Miles' trajectory counting when a Miles user sets max_concurrent_samples
+    (derived) or asks for ``sample``; the line names the bound in force."""
     from asyncrl.config.derive import explain
 
-    cfg = load(tmp_path, overrides=["rollout_buffer.max_inflight_groups=77"])
-    line = next(x for x in explain(cfg) if "submission_granularity" in x)
-    assert '"sample" (derived from runner.async_mode)' in line and "at most max_inflight_groups = 77 groups" in line
+    def line(*overrides):
+        cfg = load(tmp_path, overrides=list(overrides))
+        return next(x for x in explain(cfg) if "submission_granularity" in x)
+
+    default = line("rollout_buffer.max_inflight_groups=77")
+    assert '"group" (derived: RLinf\'s default): the in-flight limit counts groups' in default, default
+    assert "at most max_inflight_groups = 77 groups in flight" in default, default
+    miles = line("rollout_buffer.max_concurrent_samples=12")
+    assert '"sample" (derived: max_concurrent_samples is set in async mode' in miles, miles
+    assert "counts trajectories" in miles and "max_concurrent_samples = 12 trajectories" in miles, miles
+    asked = line('rollout_buffer.submission_granularity="sample"', "rollout_buffer.max_inflight_groups=5")
+    assert '"sample" (set)' in asked and "at most max_inflight_groups = 5 x group_size = " in asked, asked
 
 
 @pytest.mark.parametrize("granularity", ["sample", "group"])
@@ -375,7 +386,7 @@ def test_dry_run_explains_an_auto_in_flight_limit_with_its_start(tmp_path, granu
     assert f"max_inflight_groups = auto (tuned by the broker, starting at {start})" in line, line
     if granularity == "sample":
         gs = cfg.algorithm.group_size
-        assert f"starting at {start} x {gs} = {start * gs}" in line, line
+        assert f"starting at {start} x {gs} = {start * gs}" in line and "counts trajectories" in line, line
 
 
 MILES_PAGE_FLAGS = [  # every flag named on Miles' fully-async page

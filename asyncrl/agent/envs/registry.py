@@ -199,6 +199,8 @@ async def make_tools(specs: Sequence[Any], cfg, *, retriever=None) -> dict[str, 
                     memory_mb=p.memory_mb,
                     max_output_bytes=p.max_output_bytes,
                     max_concurrent=p.max_concurrent,
+                    file_size_mb=p.file_size_mb,
+                    network_isolation=p.network_isolation,
                 ),
                 spec,
             )
@@ -209,7 +211,8 @@ async def make_tools(specs: Sequence[Any], cfg, *, retriever=None) -> dict[str, 
         elif spec.startswith("http:"):
             from asyncrl.agent.tools.http_tool import HttpTool
 
-            for tool in await HttpTool.discover(spec[len("http:") :], timeout_s=cfg.agentloop.tool_timeout_s):
+            t = cfg.agentloop.tool_timeout_s
+            for tool in await HttpTool.discover(spec[len("http:") :], timeout_s=t, call_timeout_s=t):
                 add(tool, spec)
         else:
             add(_instance(resolve_hook(spec, "agentloop.tools"), spec, "agentloop.tools", "tool"), spec)
