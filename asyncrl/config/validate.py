@@ -143,12 +143,8 @@ def _validate_paths_tools_eval(cfg: Config, placement) -> list[str]:
     warnings: list[str] = []
     if r.resume_from is not None and not (Path(r.resume_from) / "meta.json").is_file():
         raise ConfigError(f"runner.resume_from: {r.resume_from!r} is not an actor checkpoint (no meta.json)")
-    tool = cfg.agentloop.tool
-    if cfg.agentloop.task_name:
-        if tool.retriever == "http" and not tool.retriever_url:
-            raise ConfigError('agentloop.tool.retriever_url: required when agentloop.tool.retriever = "http"')
-        if tool.retriever == "bm25" and not tool.corpus_path:
-            raise ConfigError('agentloop.tool.corpus_path: required when agentloop.tool.retriever = "bm25"')
+    # the retriever's settings are required only by an environment that uses the search tool: checked with the
+    # environment (asyncrl.agent.envs.registry.check_agent), which this floor cannot import
     if cfg.eval.eval_num_gpus and cfg.eval.eval_function_path:
         raise ConfigError(
             "eval.eval_function_path: an external eval backend and a dedicated fleet (eval.eval_num_gpus) "

@@ -249,8 +249,14 @@ def test_engine_tp_divides_rollout_devices(tmp_path):
     check(tmp_path, ["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size")
 
 
-def test_http_retriever_needs_url(tmp_path):
-    check(tmp_path, ['agentloop.tool.retriever="http"'], "agentloop.tool.retriever_url")
+def test_http_retriever_needs_url_when_the_environment_searches(tmp_path):
+    """Checked with the environment (check_agent: the dry run and the launcher), which knows whether it searches."""
+    from asyncrl.agent.envs import check_agent
+
+    cfg = load(tmp_path, BASE, ['agentloop.tool.retriever="http"', 'agentloop.task_name="searchr1"'])
+    with pytest.raises(ConfigError, match="agentloop.tool.retriever_url: required"):
+        check_agent(cfg)
+    check_agent(load(tmp_path, BASE, ['agentloop.tool.retriever="http"', 'agentloop.task_name="arith"']))
 
 
 def test_eval_backends_are_exclusive(tmp_path):

@@ -142,6 +142,14 @@ def check_agent(cfg) -> list[str]:
     dup = sorted({n for n in known if known.count(n) > 1})
     if dup:
         raise ConfigError(f"{key}: two tools named {dup[0]!r}")
+    if "search" in specs:
+        tool = a.tool
+        if tool.retriever == "http" and not tool.retriever_url:
+            raise ConfigError('agentloop.tool.retriever_url: required when agentloop.tool.retriever = "http"')
+        if tool.retriever == "bm25" and not tool.corpus_path:
+            raise ConfigError(
+                f'agentloop.tool.corpus_path: required when agentloop.tool.retriever = "bm25" ({key} uses search)'
+            )
     fmt = getattr(env, "format", None)
     if None not in names and hasattr(fmt, "calls"):
         for tag, (tool, _) in fmt.calls.items():
