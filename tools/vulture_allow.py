@@ -51,6 +51,10 @@ _.synthetic_groups  # actor/synthetic.py: tests/integration/test_actor_*.py, ben
 _.tiny_actor_config  # actor/synthetic.py: tests/integration/test_actor_*.py, benchmarks/actor_bench.py
 _.in_flight  # agent/engine_handle.py EngineHandle (generate calls in flight): tests/unit/test_agent_loop.py
 _.num_waiting  # agent/loop.py TurnGate: tests/unit/test_agent_loop.py waits for a turn to reach the closed gate
+_.SearchR1Task  # agent/envs/searchr1.py: the name user subclasses of the Search-R1 task import (docs/environments.md)
+_.TASK  # agent/envs/searchr1.py: the module attribute `asyncrl.agent.envs.searchr1:TASK` names for older configs
+_.on_evict  # broker/miles_buffer.py DataBufferConstructorInput: Miles' field, read by the user's buffer
+_.group_oldest_weight_version  # broker/miles_buffer.py: Miles' helper, for user buffers ported with one import
 _.discover  # agent/tools/http_tool.py HttpTool: tests/integration/test_http_tool_server.py (agent wiring: issue 44)
 _.num_running  # agent/tools/python_sandbox.py PythonTool: tests/integration/test_python_sandbox.py (concurrency bound)
 _.num_retries  # agent/tools/http_retriever.py: tests/integration/test_retriever_bad_answers.py, test_retrieval_server.py

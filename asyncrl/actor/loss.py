@@ -121,23 +121,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k
     raise ValueError(f"algorithm.kl_estimator={estimator!r} is not one of k1, k3")
 
 
-def behaviour_weights(
-    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mode: Literal["none", "tis", "decoupled"], cap: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Importance weight of each token and which tokens stay in the loss, for the token-level ``none``, ``tis``
-    and ``decoupled`` (the others: ``asyncrl.actor.corrections.correct``).
-
-    Returns ``(weight_t, keep_t, raw_ratio_t)`` with ``raw_ratio = exp(prox - behav)`` (detached).
-    """
-    raw = torch.exp((prox_logp - behav_logp).detach())
-    if mode == "none":
-        return torch.ones_like(raw), torch.ones_like(raw, dtype=torch.bool), raw
-    if mode not in ("tis", "decoupled"):
-        raise ValueError(f"algorithm.off_policy_correction={mode!r} is not one of none, tis, decoupled")
-    c = correct(mode, prox_logp, behav_logp, mask=None, seq=None, advantages=raw, params=CorrectionParams(cap))
-    return c.weight, c.keep, raw
-
-
 SUM_KEYS = (
     "num_tokens",
     "loss",

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from asyncrl.actor.corrections import CorrectionParams, correct
 from asyncrl.actor.loss import (
     aggregation_weights,
-    behaviour_weights,
     finalize_metrics,
     grpo_advantages,
     kl_penalty,
@@ -145,10 +145,11 @@ def test_kl_and_entropy_terms():
 def test_off_policy_corrections():
     behav = torch.log(t([0.25, 1 / 1.5]))  # rollout probs relative to the proximal policy (logp 0)
     prox = torch.zeros(2)
-    w, keep, raw = behaviour_weights(prox, behav, "tis", cap=2.0)
-    assert raw.tolist() == near([4.0, 1.5]) and w.tolist() == near([2.0, 1.5]) and keep.all()
-    w, keep, _ = behaviour_weights(prox, behav, "decoupled", cap=2.0)
-    assert w.tolist() == near([0.0, 1.5]) and keep.tolist() == [False, True]
+    raw = torch.exp(prox - behav)
+    c = correct("tis", prox, behav, mask=None, seq=None, advantages=raw, params=CorrectionParams(2.0))
+    assert raw.tolist() == near([4.0, 1.5]) and c.weight.tolist() == near([2.0, 1.5]) and c.keep.all()
+    c = correct("decoupled", prox, behav, mask=None, seq=None, advantages=raw, params=CorrectionParams(2.0))
+    assert (c.weight * c.keep).tolist() == near([0.0, 1.5]) and c.keep.tolist() == [False, True]
     common = dict(
         behav_logp=behav,
         prox_logp=prox,
