@@ -278,6 +278,11 @@ class SyncConfig:
     step_timeout_s: float = 600.0
     """Timeout of each HTTP step of one sync."""
     group_name: str = "weight_update_group"
+    topology: Literal["broadcast", "sharded"] = "broadcast"
+    """Who sends the weights: ``broadcast``, actor rank 0 alone (TP all-gather, one weight-update group
+    ``group_name``); ``sharded``, every TP rank of rank 0's group its own share (gathered to it over TP), each as rank 0
+    of its own group ``<group_name>.r<k>``, so rank 0 carries ~1/TP of the bytes (``asyncrl.sync.sharded``; TP and
+    DP actors, not PP nor EP)."""
     verify_interval: int = 10
     """Read a few parameters back from every engine (``/get_weights_by_name``) after the first sync and every N-th,
     and fail the run when one differs from what the actor sent (0: never)."""

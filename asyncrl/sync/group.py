@@ -165,13 +165,16 @@ class WeightSyncGroup:
     def master_address(self) -> str:
         return self._master_address or default_master_address(self.urls)
 
-    def init(self) -> None:
-        """Form the group (see contract). Raises ``GroupJoinError`` naming the engine(s) at fault."""
+    def init(self, *, root: Optional[tuple[str, int]] = None) -> None:
+        """Form the group (see contract). Raises ``GroupJoinError`` naming the engine(s) at fault. With ``root``
+        (``(master_address, master_port)``), another process joins as rank 0 and hosts the store there (a sharded
+        sync's sender, ``asyncrl.sync.sharded``): this end only makes the engines' join calls and waits for them;
+        ``pg`` stays None."""
         if self.pg is not None:
             raise RuntimeError(f"weight-sync group {self.group_name!r} already initialised; destroy() first")
         self._preflight()
-        addr = self.master_address
-        port = free_port(addr)
+        addr, port = root if root is not None else (self.master_address, None)
+        port = port if port is not None else free_port(addr)
         world = self.world_size
         timeout_s = self.cfg.join_timeout_s
         t0 = time.monotonic()
@@ -197,22 +200,26 @@ class WeightSyncGroup:
             spawn(engine_join, e, off, name="sync-join"): e.url
             for e, off in zip(self.engines, rank_offsets(self.engines))
         }
-        trainer = spawn(
-            _pgmod.init_weight_update_group,
-            addr,
-            port,
-            rank=0,
-            world_size=world,
-            group_name=self.group_name,
-            backend=self.backend,
-            timeout_s=timeout_s,
-            collective_timeout_s=self.cfg.broadcast_timeout_s,
-            name="sync-join-trainer",
+        trainer = (
+            None
+            if root is not None
+            else spawn(
+                _pgmod.init_weight_update_group,
+                addr,
+                port,
+                rank=0,
+                world_size=world,
+                group_name=self.group_name,
+                backend=self.backend,
+                timeout_s=timeout_s,
+                collective_timeout_s=self.cfg.broadcast_timeout_s,
+                name="sync-join-trainer",
+            )
         )
         try:
             self._wait_joined(http, trainer, timeout_s + _JOIN_HTTP_GRACE_S)
         except GroupJoinError:
-            if not trainer.done():
+            if trainer is not None and not trainer.done():
                 _ABANDONED[trainer] = t0 + timeout_s + _JOIN_HTTP_GRACE_S
             raise
         self.master_port = port
@@ -237,9 +244,9 @@ class WeightSyncGroup:
         except EngineStepError as e:
             raise GroupJoinError(e.urls, f"not reachable before joining the group: {e.detail}") from e
 
-    def _wait_joined(self, http: dict[cf.Future, str], trainer: cf.Future, timeout_s: float) -> None:
+    def _wait_joined(self, http: dict[cf.Future, str], trainer: Optional[cf.Future], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        pending = set(http) | {trainer}
+        pending = set(http) | ({trainer} if trainer is not None else set())
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -251,14 +258,14 @@ class WeightSyncGroup:
                     exc = f.exception()
                     detail = exc.detail if isinstance(exc, EngineStepError) else repr(exc)
                     raise GroupJoinError([http[f]], f"refused to join: {detail}") from exc
-            if trainer in done and trainer.exception() is not None:
+            if trainer is not None and trainer in done and trainer.exception() is not None:
                 # Our rendezvous timed out: whoever has not answered is who never joined.
                 late = [u for f, u in http.items() if not (f.done() and f.exception() is None)]
                 raise GroupJoinError(
                     late or self.urls,
                     f"did not join within sync.join_timeout_s={self.cfg.join_timeout_s:g} s ({trainer.exception()})",
                 ) from trainer.exception()
-        self.pg = trainer.result()
+        self.pg = trainer.result() if trainer is not None else None
 
     def destroy(self) -> None:
         """Engines drop the group (a restarted/dead engine only warns), then the trainer's end."""

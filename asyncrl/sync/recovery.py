@@ -85,10 +85,16 @@ class EngineRecovery:
         """An engine restarted and has not been synced since."""
         return any(c > s for c, s in zip(self._counts(), self.synced))
 
+    def restarted(self) -> Optional[list[int]]:
+        """The restart counts when an engine restarted since the group was formed (None: none did). The sharded
+        topology re-forms its groups on every actor rank, then sets ``joined`` to them."""
+        counts = self._counts()
+        return None if counts == self.joined else counts
+
     def before_sync(self) -> None:
         """Re-form the group if an engine restarted since it was formed (the restarted one left it)."""
-        counts = self._counts()
-        if counts == self.joined:
+        counts = self.restarted()
+        if counts is None:
             return
         moved = [self.group.engines[i].url for i, (c, j) in enumerate(zip(counts, self.joined)) if c != j]
         log.warning("engine(s) %s restarted: re-forming the weight-sync group", ", ".join(moved))

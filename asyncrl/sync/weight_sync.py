@@ -139,6 +139,10 @@ class SyncResult:
     verify: VerifyResult = VerifyResult(checked=0, unsupported=False)
     """what the served-weights check read back (``asyncrl.sync.verify``; nothing when it was not due)"""
     verify_s: float = 0.0
+    rank0_bytes: int = 0
+    """bytes actor rank 0 received + sent for this sync (its TP gather share and its broadcasts; ``shard_plan``)"""
+    max_rank_bytes: int = 0
+    """the same for the busiest actor rank"""
 
     @property
     def control_s(self) -> float:
@@ -159,6 +163,8 @@ class SyncResult:
             "sync/verified_params": float(self.verify.checked),
             "sync/verify_unsupported": float(self.verify.unsupported),
             "time/sync_verify": self.verify_s,
+            "sync/rank0_bytes": float(self.rank0_bytes),
+            "sync/bytes_max_rank": float(self.max_rank_bytes),
         }
 
 

@@ -1,0 +1,170 @@
+"""Who sends which bytes in a sharded weight sync (pure: no process groups, no I/O).
+
+Contract
+- Input: the actor's parameters as ``ParamMeta`` (its Megatron name, whether it is TP-sharded, the bytes of one TP
+  shard, and the HF tensors it becomes: name, shape, dtype), in model order, the same list on every actor rank
+  (``asyncrl.sync.sharded.param_metas`` builds it from the model's shapes alone, on the meta device), the number of
+  senders and ``sync.bucket_bytes``.
+- ``plan_shards(params, num_senders=, bucket_bytes=)`` -> ``ShardPlan``, the same on every rank:
+    * each parameter gets ONE owner (a sender index, ``0 .. num_senders - 1``; sender i is TP rank i of the TP group
+      that holds actor rank 0): largest first, to the least loaded sender (by HF bytes; ties to the lowest index),
+      so the senders' shares differ by at most one parameter's bytes;
+    * each sender's parameters, in model order, are cut into buckets of at most ``bucket_bytes`` (a larger
+      parameter travels alone; a parameter's HF tensors never straddle two buckets: the owner converts it whole);
+    * ONE global bucket order, round-robin over the senders (sender 0's first bucket, sender 1's first, ...): every
+      actor rank gathers, and the leader sends the engines their update calls, in that order; the last bucket is
+      ``is_last`` (its update call carries the new weight version).
+- ``rank_bytes(params, plan, tp=)``: what each sender moves in one sharded sync (bytes received + sent in the TP
+  gathers to owners + the bytes it broadcasts), ``funnel_rank_bytes(params, tp=, ...)`` the same for today's
+  broadcast topology (TP all-gather on every rank, actor rank 0 broadcasts everything). These are the figures of
+  ``sync/rank0_bytes`` and ``sync/bytes_max_rank``; the sharded sender also counts what it really moved
+  (``asyncrl.sync.sharded.SendCounts``) and a test holds the two equal.
+
+    plan = plan_shards(params, num_senders=2, bucket_bytes=512 << 20)
+    for b in plan.buckets: print(b.owner, b.params, b.is_last)
+    rank_bytes(params, plan, tp=2)   # [bytes of sender 0, bytes of sender 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+TOPOLOGIES = ("broadcast", "sharded")
+
+
+@dataclass(frozen=True)
+class HfMeta:
+    """One HF tensor of the update call: what ``bucketing.BucketMeta`` needs, without the data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """SGLang's spelling (``bucketing.dtype_name``)"""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """One Megatron parameter of the actor, as the sync sees it."""
+
+    name: str
+    """canonical global Megatron name"""
+    sharded: bool
+    """split over the TP ranks (gathered to its owner); False: every TP rank holds it whole (no gather)"""
+    shard_nbytes: int
+    """bytes of one TP rank's piece"""
+    hf: tuple[HfMeta, ...]
+    """the HF tensors it becomes, in order (empty for the tied output copy, never exported)"""
+
+    @property
+    def hf_nbytes(self) -> int:
+        return sum(h.nbytes for h in self.hf)
+
+
+@dataclass(frozen=True)
+class PlannedBucket:
+    owner: int
+    """sender index that gathers, converts and broadcasts it"""
+    params: tuple[str, ...]
+    """Megatron names, in the order they are gathered and converted"""
+    hf: tuple[HfMeta, ...]
+    """the update call's tensors, in ``names`` order"""
+    is_last: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.hf)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    num_senders: int
+    owners: dict[str, int]
+    """Megatron name -> sender index"""
+    buckets: tuple[PlannedBucket, ...]
+    """the global order"""
+
+    def share_bytes(self) -> list[int]:
+        """HF bytes each sender broadcasts."""
+        out = [0] * self.num_senders
+        for b in self.buckets:
+            out[b.owner] += b.nbytes
+        return out
+
+
+def assign_owners(params: Sequence[ParamMeta], num_senders: int) -> dict[str, int]:
+    """Largest parameter first, each to the least loaded sender (HF bytes; ties: lowest index, then model order)."""
+    if num_senders < 1:
+        raise ValueError(f"a sharded sync needs at least one sender, got {num_senders}")
+    load = [0] * num_senders
+    owners: dict[str, int] = {}
+    order = sorted(range(len(params)), key=lambda i: (-params[i].hf_nbytes, i))
+    for i in order:
+        s = min(range(num_senders), key=lambda k: (load[k], k))
+        owners[params[i].name] = s
+        load[s] += params[i].hf_nbytes
+    return owners
+
+
+def _sender_buckets(params: Sequence[ParamMeta], bucket_bytes: int) -> list[list[ParamMeta]]:
+    """Greedy, order-preserving cut of one sender's parameters (whole parameters; one too large goes alone)."""
+    out: list[list[ParamMeta]] = []
+    cur: list[ParamMeta] = []
+    size = 0
+    for p in params:
+        if not p.hf:
+            continue
+        if cur and size + p.hf_nbytes > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += p.hf_nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def plan_shards(params: Sequence[ParamMeta], *, num_senders: int, bucket_bytes: int) -> ShardPlan:
+    """The plan (see module contract); deterministic in its inputs."""
+    if bucket_bytes < 1:
+        raise ValueError(f"sync.bucket_bytes must be >= 1, got {bucket_bytes}")
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        raise ValueError("plan_shards: a parameter name appears twice")
+    owners = assign_owners(params, num_senders)
+    per_sender = [_sender_buckets([p for p in params if owners[p.name] == s], bucket_bytes) for s in range(num_senders)]
+    order: list[PlannedBucket] = []
+    for k in range(max((len(b) for b in per_sender), default=0)):
+        for s in range(num_senders):
+            if k < len(per_sender[s]):
+                ps = per_sender[s][k]
+                order.append(PlannedBucket(s, tuple(p.name for p in ps), tuple(h for p in ps for h in p.hf)))
+    if order:
+        last = order[-1]
+        order[-1] = PlannedBucket(last.owner, last.params, last.hf, is_last=True)
+    return ShardPlan(num_senders, owners, tuple(order))
+
+
+def rank_bytes(params: Sequence[ParamMeta], plan: ShardPlan, *, tp: int) -> list[int]:
+    """Bytes each sender receives + sends in one sharded sync: the TP gather of its own parameters (``tp - 1``
+    shards in), its shard of every other sender's (one shard out), and its broadcasts (each bucket's HF bytes once,
+    whatever the number of engines)."""
+    out = plan.share_bytes()
+    for p in params:
+        if not p.sharded or tp == 1 or not p.hf:
+            continue
+        owner = plan.owners[p.name]
+        for s in range(plan.num_senders):
+            out[s] += (tp - 1) * p.shard_nbytes if s == owner else p.shard_nbytes
+    return out
+
+
+def funnel_rank_bytes(params: Sequence[ParamMeta], *, tp: int, broadcast_bytes: int) -> list[int]:
+    """The same for the broadcast topology, per TP rank of actor rank 0's group: every rank all-gathers every
+    sharded parameter (``tp - 1`` shards in, its own out to ``tp - 1`` peers); rank 0 also broadcasts
+    ``broadcast_bytes`` (the whole model; at PP > 1 it first received the other stages' share of it)."""
+    gather = sum(2 * (tp - 1) * p.shard_nbytes for p in params if p.sharded and tp > 1)
+    stage_bytes = sum(p.hf_nbytes for p in params)
+    received = max(0, broadcast_bytes - stage_bytes)  # the other pipeline stages' tensors, sent to rank 0
+    return [gather + received + broadcast_bytes] + [gather] * (tp - 1)
