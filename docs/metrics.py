@@ -121,6 +121,9 @@ DESCRIPTIONS = {
     "sync/bytes_per_s": "weight bytes / whole sync seconds",
     "sync/transfer_bytes_per_s": "weight bytes / broadcast seconds",
     "sync/num_bytes": "bytes broadcast per sync",
+    "sync/rank0_bytes": "bytes actor rank 0 received + sent for the sync: its TP gather share and its broadcasts "
+    "(sync.topology: broadcast sends everything from rank 0, sharded ~1/TP of it)",
+    "sync/bytes_max_rank": "the same for the busiest actor rank (the sharded plan's largest share)",
     "sync/num_buckets": "buckets per sync",
     "sync/verified_params": "(engine, parameter) pairs read back after this sync and found equal to what the actor "
     "sent (0 when the check was not due: sync.verify_interval)",

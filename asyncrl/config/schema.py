@@ -1,3 +1,4 @@
+# long: one documented dataclass per config section, every field with its one-line doc
 """The TOML schema: one frozen dataclass per component, every field typed, defaulted and documented.
 
 Contract

@@ -200,22 +200,7 @@ class WeightSyncGroup:
             spawn(engine_join, e, off, name="sync-join"): e.url
             for e, off in zip(self.engines, rank_offsets(self.engines))
         }
-        trainer = (
-            None
-            if root is not None
-            else spawn(
-                _pgmod.init_weight_update_group,
-                addr,
-                port,
-                rank=0,
-                world_size=world,
-                group_name=self.group_name,
-                backend=self.backend,
-                timeout_s=timeout_s,
-                collective_timeout_s=self.cfg.broadcast_timeout_s,
-                name="sync-join-trainer",
-            )
-        )
+        trainer = None if root is not None else self._join_as_root(addr, port)
         try:
             self._wait_joined(http, trainer, timeout_s + _JOIN_HTTP_GRACE_S)
         except GroupJoinError:
@@ -231,6 +216,21 @@ class WeightSyncGroup:
             port,
             time.monotonic() - t0,
             self.backend,
+        )
+
+    def _join_as_root(self, addr: str, port: int) -> cf.Future:
+        """This process's join as rank 0 (hosting the store), on a thread."""
+        return spawn(
+            _pgmod.init_weight_update_group,
+            addr,
+            port,
+            rank=0,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+            timeout_s=self.cfg.join_timeout_s,
+            collective_timeout_s=self.cfg.broadcast_timeout_s,
+            name="sync-join-trainer",
         )
 
     def _preflight(self) -> None:

@@ -105,7 +105,8 @@ class Leader:
         self.group = WeightSyncGroup(
             [EngineEndpoint(u, tp_size=cfg.rollout.tensor_parallel_size) for u in engine_urls], cfg.sync
         )
-        self.group.init()
+        if cfg.sync.topology == "broadcast":  # the sharded groups form on every actor rank (Trainer, sync.sharded)
+            self.group.init()
         self.syncer = WeightSyncer(
             self.group,
             pause_mode=cfg.rollout.pause_mode,

@@ -64,9 +64,11 @@ import torch.distributed as dist
 
 from asyncrl.actor.checkpoint import CheckpointManager
 from asyncrl.actor.megatron_actor import Actor
+from asyncrl.actor.shard_source import ShardSource, param_metas
 from asyncrl.broker.serve import freeze_setup_objects
 from asyncrl.eval.backends import PeriodicEval
 from asyncrl.sync.recovery import SyncAbandoned, sync_weights
+from asyncrl.sync.sharded import ShardedSync, funnel_bytes, sync_weights_sharded, with_bytes
 from asyncrl.trainer.guards import PREEMPT_SIGNAL, NonFiniteError, Preempted, Preemption
 from asyncrl.trainer.leader import PREEMPT, Batch, Leader, NullLeader, batch_timeout_s
 from asyncrl.trainer.resume import establish_identity
@@ -143,6 +145,11 @@ class Trainer:
             ),
         )
         self.leader = leader if actor_rank == 0 else NullLeader()
+        self._metas = None  # the model's parameters as the sync plans them (the broadcast topology's byte figures)
+        self.sharded = None  # sync.topology = "sharded": every actor rank's part, its groups formed here (collective)
+        if cfg.sync.topology == "sharded":
+            self.sharded = ShardedSync(ShardSource(self.actor), cfg.sync, bcast=_bcast_obj, syncer=self.leader.syncer)
+            self.sharded.form()
         built = phases.run("build the evaluator (checks the tool URLs)", lambda: self._evaluation(eval_engine_urls))
         self.periodic = built if self.leader.is_leader else self._evaluation(None)
         self.preempt = Preemption()
@@ -252,8 +259,11 @@ class Trainer:
                 return None
 
     def _sync(self):
-        """A weight sync at the actor's version (collective), surviving engine restarts (``sync.recovery``)."""
-        return sync_weights(
+        """A weight sync at the actor's version (collective), surviving engine restarts (``sync.recovery``), with the
+        bytes through actor rank 0 and the busiest rank (``sync/rank0_bytes``, ``sync/bytes_max_rank``)."""
+        if self.sharded is not None:
+            return sync_weights_sharded(self.sharded, self.leader.recovery, bcast=_bcast_obj)
+        res = sync_weights(
             self.actor,
             self.leader.syncer,
             self.leader.recovery,
@@ -261,6 +271,11 @@ class Trainer:
             is_leader=self.leader.is_leader,
             bcast=_bcast_obj,
         )
+        if res is None:
+            return None
+        if self._metas is None:
+            self._metas = param_metas(self.actor.model, self.actor.spec, tp=self.actor.tp)
+        return with_bytes(res, *funnel_bytes(self._metas, tp=self.actor.tp, num_bytes=res.num_bytes))
 
     def _log(self, step: int, batch, m: dict, t_step: float) -> None:
         self.leader.log_step(step, batch, m, t_step=t_step, version=self.actor.version, periodic=self.periodic)

@@ -77,6 +77,7 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
     import torch.distributed as dist
 
     from asyncrl.actor.megatron_actor import Actor
+    from asyncrl.actor.shard_source import ShardSource, param_metas
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
     from asyncrl.config.schema import SyncConfig
     from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
@@ -105,8 +106,6 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
     for _ in range(REPEATS):
         res = sync_weights(actor, syncer, None, bucket_bytes=sync_cfg.bucket_bytes, is_leader=rank == 0, bcast=_bcast)
         if rank == 0:
-            from asyncrl.sync.sharded import param_metas
-
             r0, mx = funnel_bytes(
                 param_metas(actor.model, actor.spec, tp=actor.tp), tp=actor.tp, num_bytes=res.num_bytes
             )
@@ -121,13 +120,13 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
     if rank == 0:
         base = WeightSyncGroup(engines, sync_cfg, master_address="127.0.0.1", control_timeout_s=TIMEOUT_S)
         lead = WeightSyncer(base, pause_mode="retract", sync_cfg=sync_cfg)
-    sharded = ShardedSync(actor, sync_cfg, bcast=_bcast, syncer=lead)
+    sharded = ShardedSync(ShardSource(actor), sync_cfg, bcast=_bcast, syncer=lead)
     sharded.form()
-    planned = rank_bytes(sharded.metas, sharded.plan, tp=actor.tp)
+    planned = rank_bytes(sharded.source.metas, sharded.plan, tp=actor.tp)
     counted = []
     for _ in range(REPEATS):
         res = sync_weights_sharded(sharded, None, bcast=_bcast)
-        counted.append(sharded.counts.total)
+        counted.append(sharded.bytes_moved())
         if rank == 0:
             r["sharded"].append(
                 {

@@ -1,0 +1,119 @@
+"""The sharded sync's plan (``asyncrl.sync.shard_plan``): owners balanced by bytes, one global bucket order, bytes per
+rank; the plan's input from a real model's shapes (``sharded.param_metas``); the ``sync.topology`` config rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.sync.shard_plan import HfMeta, ParamMeta, funnel_rank_bytes, plan_shards, rank_bytes
+
+
+def _param(name: str, nbytes: int, *, sharded: bool = True, tp: int = 2) -> ParamMeta:
+    return ParamMeta(
+        name=name,
+        sharded=sharded,
+        shard_nbytes=nbytes // tp if sharded else nbytes,
+        hf=(HfMeta(f"hf.{name}", (nbytes // 4,), "float32", nbytes),),
+    )
+
+
+def _model() -> list[ParamMeta]:
+    return [
+        _param("embedding", 4000),
+        *(_param(f"layer{i}.qkv", 1200) for i in range(4)),
+        *(_param(f"layer{i}.norm", 40, sharded=False) for i in range(4)),
+        *(_param(f"layer{i}.fc1", 2400) for i in range(4)),
+        _param("head", 4000),
+    ]
+
+
+def test_owners_are_balanced_by_bytes_and_every_parameter_is_sent_once():
+    params = _model()
+    plan = plan_shards(params, num_senders=2, bucket_bytes=3000)
+    sent = [h.name for b in plan.buckets for h in b.hf]
+    assert sorted(sent) == sorted(h.name for p in params for h in p.hf)  # each once
+    share = plan.share_bytes()
+    assert abs(share[0] - share[1]) <= max(p.hf_nbytes for p in params)
+    assert sum(share) == sum(p.hf_nbytes for p in params)
+    for b in plan.buckets:
+        assert b.nbytes <= 3000 or len(b.params) == 1  # a larger parameter travels alone
+        assert all(plan.owners[n] == b.owner for n in b.params)
+
+
+def test_global_order_alternates_owners_and_only_the_final_bucket_is_last():
+    plan = plan_shards(_model(), num_senders=2, bucket_bytes=3000)
+    owners = [b.owner for b in plan.buckets]
+    k = min(owners.count(0), owners.count(1))
+    assert owners[: 2 * k] == [0, 1] * k  # round-robin while both have buckets
+    assert [b.is_last for b in plan.buckets] == [False] * (len(owners) - 1) + [True]
+
+
+def test_the_plan_is_deterministic_and_a_single_sender_owns_everything():
+    a = plan_shards(_model(), num_senders=3, bucket_bytes=5000)
+    assert a == plan_shards(_model(), num_senders=3, bucket_bytes=5000)
+    one = plan_shards(_model(), num_senders=1, bucket_bytes=5000)
+    assert set(one.owners.values()) == {0}
+    with pytest.raises(ValueError, match="sender"):
+        plan_shards(_model(), num_senders=0, bucket_bytes=5000)
+
+
+def test_rank0_moves_half_the_bytes_of_the_funnel_at_tp2():
+    params = [p for p in _model() if p.sharded]  # every parameter TP-split: the exact 1/2
+    total = sum(p.hf_nbytes for p in params)
+    funnel = funnel_rank_bytes(params, tp=2, broadcast_bytes=total)
+    assert funnel == [2 * total, total]  # rank 0: all-gather in + out, then broadcast everything
+    plan = plan_shards(params, num_senders=2, bucket_bytes=3000)
+    per_rank = rank_bytes(params, plan, tp=2)
+    assert sum(per_rank) == 2 * total  # the same gather traffic, the broadcast split
+    assert per_rank[0] <= 0.55 * funnel[0] and max(per_rank) <= 0.55 * funnel[0]
+
+
+def test_replicated_parameters_and_the_tied_copy_cost_no_gather():
+    norm = _param("norm", 40, sharded=False)
+    tied = ParamMeta(name="output_layer.weight", sharded=True, shard_nbytes=2000, hf=())
+    plan = plan_shards([norm, tied], num_senders=2, bucket_bytes=100)
+    assert [b.params for b in plan.buckets] == [("norm",)]
+    assert sum(rank_bytes([norm, tied], plan, tp=2)) == 40
+
+
+def test_param_metas_follow_the_converter_on_a_real_model(tmp_path):
+    """The shapes the plan is built from equal what the converter yields for the full tensors."""
+    import torch
+
+    from asyncrl.actor.convert import hf_state_to_megatron, megatron_to_hf, tp_merge, tp_shard
+    from asyncrl.actor.shard_source import param_metas
+    from asyncrl.models.safetensors_io import SafetensorsReader
+    from asyncrl.models.spec import ModelSpec
+    from asyncrl.models.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", arch="qwen2", num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+    spec = ModelSpec.from_pretrained(ckpt)
+
+    reader = SafetensorsReader(ckpt)
+    mg = hf_state_to_megatron({k: reader.get(k) for k in reader.keys()}, spec, tp=2)
+
+    class _Model(torch.nn.Module):  # this TP rank's shards, named as Megatron names them
+        def named_parameters(self, *a, **k):
+            return [(n, torch.nn.Parameter(tp_shard(n, t, rank=0, tp=2))) for n, t in mg.items()]
+
+    metas = param_metas(_Model(), spec, tp=2)
+    for m in metas:
+        shard = tp_shard(m.name, mg[m.name], rank=0, tp=2)
+        full = tp_merge(m.name, [shard, tp_shard(m.name, mg[m.name], rank=1, tp=2)]) if m.sharded else shard
+        got = [(n, tuple(t.shape), t.numel() * t.element_size()) for n, t in megatron_to_hf(m.name, full, spec)]
+        assert got == [(h.name, h.shape, h.nbytes) for h in m.hf], m.name
+
+
+def test_sharded_topology_is_rejected_with_pipeline_parallelism(tmp_path):
+    from asyncrl.config import ConfigError, load_config, validate
+
+    root = Path(__file__).resolve().parents[2]
+    ok = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded"])
+    validate(ok)  # TP / DP only: accepted
+    bad = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded", "actor.pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"sync.topology: .*broadcast"):
+        validate(bad)
+    with pytest.raises(ConfigError, match="sync.topology"):
+        load_config(root / "configs/searchr1.toml", ["sync.topology=ring"])
