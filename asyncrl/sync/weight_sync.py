@@ -54,7 +54,8 @@ Contract
   iterator: the actor's TP gather and HF conversion) + ``time/sync_transfer`` (broadcasts and update calls, with
   the end riding behind the final one); ``time/sync_pause`` (steps 1-3 not hidden behind the first gather) and
   ``time/sync_finish``; ``sync/bytes_per_s``, ``sync/transfer_bytes_per_s``, ``sync/num_bytes``,
-  ``sync/num_buckets``; step 8's ``time/sync_verify``, ``sync/verified_params``, ``sync/verify_unsupported``.
+  ``sync/num_buckets``; step 8's ``time/sync_verify``, ``sync/verified_params``, ``sync/verify_unsupported``;
+  ``sync/rank0_bytes`` and ``sync/bytes_max_rank`` (bytes actor rank 0 / the busiest rank moved; see Topology).
 
     group = WeightSyncGroup(engines, cfg.sync); group.init()
     syncer = WeightSyncer(group, pause_mode=cfg.rollout.pause_mode, sync_cfg=cfg.sync,
@@ -63,6 +64,12 @@ Contract
 
 Pipeline parallelism: one group still; the actor's ``iter_hf_buckets`` brings every stage's tensors to global
 rank 0 (``asyncrl.actor.pipeline.gather_to_rank0``), which pushes them all.
+
+Topology (``sync.topology``): this module is the ``broadcast`` one, every byte through actor rank 0 (``rank0_bytes``:
+its TP all-gather + everything it broadcasts). ``sharded`` (``asyncrl.sync.sharded``) reuses this syncer's pause,
+``send_bucket`` (the buckets the leader owns), ``finish``, ``close_sessions`` and read-back, while each TP rank of
+rank 0's group broadcasts its own share from its own group ``<sync.group_name>.r<k>``, the leader still making every
+HTTP call, one bucket at a time in one global order. Both report ``sync/rank0_bytes`` and ``sync/bytes_max_rank``.
 """
 
 from __future__ import annotations
