@@ -9,7 +9,7 @@ rank (``sync/bytes_max_rank``), with ``/proc/loadavg`` before and after (a 2-cor
 times are only comparable within one run).
 
     python benchmarks/sync_sharded.py --quick      # 2 layers, hidden 256: ~1 min
-    python benchmarks/sync_sharded.py              # 8 layers, hidden 512 (~140 MB fp32): a few minutes
+    python benchmarks/sync_sharded.py              # 8 layers, hidden 512 (~110 MB fp32): about a minute
 
 The last stdout line is one JSON object with the figures (``--out`` also writes it to a file).
 """
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 TIMEOUT_S = 120.0
 SIZES = {  # make_tiny_checkpoint overrides
     "quick": dict(num_hidden_layers=2, hidden_size=256, intermediate_size=768, num_attention_heads=8,

@@ -221,9 +221,9 @@ class ShardedSync:
         flat = [flatten_bucket(tensors)] if self.cfg.flattened_bucket else [t.contiguous() for _, t in tensors]
         return [_pgmod.broadcast_from_rank0(t, self.pg) for t in flat]
 
-    def _start(self, version: Any) -> tuple[Optional[SentRows], Optional[SentRows]]:
+    def _start(self, version: Any) -> tuple[bool, Optional[SentRows], Optional[SentRows]]:
         """The leader pauses the engines and opens their sessions; every rank learns whether the read-back is due.
-        Returns (the leader's rows of everything sent, this sender's own rows), each None when not due."""
+        Returns that, the leader's rows of everything sent and this sender's own rows (each None when not due)."""
         self.source.begin()
         self.broadcast_bytes = 0
         sent, err = None, None
@@ -239,7 +239,7 @@ class ShardedSync:
         due = self.bcast(sent is not None if err is None else None)
         if due is None:
             self._fail(err, version)
-        return sent, (SentRows() if due and self.sender is not None else None)
+        return due, sent, (SentRows() if due and self.sender is not None else None)
 
     def _push(self, version: Any, rows: Optional[SentRows]) -> tuple[list[Any], float, float]:
         """Every planned bucket, in the global order (see module contract). Returns the last bucket's answers (the
@@ -274,11 +274,11 @@ class ShardedSync:
         elsewhere. Raises the leader's error there, ``FollowerStopped`` elsewhere."""
         assert self.formed, "form() the groups first"
         t0 = time.perf_counter()
-        sent, rows = self._start(version)
+        due, sent, rows = self._start(version)
         t1 = time.perf_counter()
         answers, gather_s, transfer_s = self._push(version, rows)
         t2 = time.perf_counter()
-        if sent is not None or rows is not None:  # every rank knows it is due: the senders' rows to the leader
+        if due:  # every rank knows it is due (collective): the senders' rows to the leader
             got: Optional[list[Any]] = [None] * dist.get_world_size() if self.is_leader else None
             dist.gather_object(rows.rows if rows is not None else {}, got, dst=0)
             for r in got or []:

@@ -242,7 +242,8 @@ class Leader:
         self.summary["prepare_s"] = ctx.timings.get("prepare", 0.0)
         print_summary(cfg, self.summary, ctx.run_dir)
         self.scraper.close()
-        self.group.destroy()  # while the engines are up: the broker's shutdown stops the workers and their engines
+        if self.cfg.sync.topology == "broadcast":  # (the sharded groups are dropped by the Trainer, every rank)
+            self.group.destroy()  # while the engines are up: the broker's shutdown stops the workers and their engines
         if broker_child is not None:
             broker_child.stopping = True  # its exit from here on is asked for (see fail_fast_on_exit)
         self.broker.shutdown()

@@ -182,6 +182,8 @@ class Trainer:
                 self._step(step)
         finally:
             self.preempt.restore()
+        if self.sharded is not None:  # while the engines are up (the leader's finish stops them)
+            self.sharded.destroy()
         self.phases.run("finish the run", lambda: self.leader.finish(self.ctx, self.periodic, self.broker_child))
         dist.barrier()
         return 0
