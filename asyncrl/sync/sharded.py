@@ -30,7 +30,11 @@ Contract
   becomes the verdict: every rank stops at that bucket (an owner abandons its queued broadcasts), the leader closes
   the engines' sessions and raises; other ranks raise ``FollowerStopped``. ``sync_weights_sharded`` (the
   ``recovery.sync_weights`` of this topology) then lets the leader's ``EngineRecovery`` decide retry or not, and
-  all ranks follow that verdict; a retry re-forms the groups when an engine restarted.
+  all ranks follow that verdict; a retry re-forms the groups when an engine restarted. An owner waits on its own
+  broadcasts only after the verdict said every engine answered success (they have every tensor by then).
+- Limits: one bucket in flight at a time (no overlap of two owners' broadcasts; each bucket costs one small object
+  broadcast over the actor ranks for the verdict), senders are TP ranks only (the config refuses PP and EP), and
+  every engine TP rank still receives whole tensors (no per-slice receive).
 - Bytes: ``bytes_moved()`` is what this rank received and sent in the gathers and broadcast in the last sync;
   ``sync/rank0_bytes`` is the leader's, ``sync/bytes_max_rank`` the plan's busiest sender
   (``shard_plan.rank_bytes``); the broadcast topology reports both too (``funnel_bytes``).
