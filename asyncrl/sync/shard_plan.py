@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class HfMeta:
     """One HF tensor of the update call: what ``bucketing.BucketMeta`` needs, without the data."""
