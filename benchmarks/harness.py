@@ -148,12 +148,7 @@ def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS, load: bool = 
     ap.add_argument("--reps", type=int, default=reps, help=f"timed repetitions of each side (default {reps})")
     ap.add_argument("--save", action="store_true", help="also write the JSON to benchmarks/baselines/<name>.json")
     if load:
-        ap.add_argument(
-            "--load",
-            choices=("both", "idle", "loaded"),
-            default="both",
-            help=f"measure idle, under the fixed background load ({LOAD_PROCS} busy processes), or both (default)",
-        )
+        add_load_arg(ap)
 
 
 LOAD_PROCS = 2  # the fixed background load: one busy process per core of the 2-core machine the baselines come from
@@ -199,6 +194,40 @@ def background_load(n: int = LOAD_PROCS) -> Iterator[list[int]]:
                 p.wait(LOAD_STOP_S)
 
 
+@contextlib.contextmanager
+def under_condition(name: str) -> Iterator[dict[str, Any]]:
+    """One condition of ``--load`` for the duration: ``loaded`` runs ``background_load`` meanwhile. Yields the
+    condition's record (``background``: the busy processes' count and PIDs; ``load_start``, ``speed_start``; and
+    ``load_end`` once the block is done), for a benchmark with a JSON of its own to file beside its figures under
+    ``doc[name]`` (``Report.condition`` does it for a ``Report``)."""
+    if name not in ("idle", "loaded"):
+        raise ValueError(f"condition {name!r}: expected 'idle' or 'loaded'")
+    print(f"--- {name}" + (f" (fixed background load: {LOAD_PROCS} busy processes)" if name == "loaded" else ""))
+    with background_load() if name == "loaded" else contextlib.nullcontext([]) as pids:
+        info: dict[str, Any] = {"background": {"busy_processes": len(pids), "pids": pids}}
+        info["load_start"], info["speed_start"] = loadavg(), speed()
+        yield info
+        info["load_end"] = loadavg()
+
+
+def condition_view(doc: dict[str, Any], name: str = "idle") -> dict[str, Any]:
+    """A benchmark's JSON as its readers knew it before ``--load``: ``doc[name]``'s ratios and figures over the top
+    level (``doc`` itself where it has no such condition: a run from before ``--load``, or one of the other
+    condition only)."""
+    inner = doc.get(name)
+    return {**doc, **inner} if isinstance(inner, dict) else doc
+
+
+def add_load_arg(ap: argparse.ArgumentParser) -> None:
+    """``--load`` alone, for a benchmark with options of its own instead of ``add_args``'s."""
+    ap.add_argument(
+        "--load",
+        choices=("both", "idle", "loaded"),
+        default="both",
+        help=f"measure idle, under the fixed background load ({LOAD_PROCS} busy processes), or both (default)",
+    )
+
+
 class Report:
     """Collects one benchmark run's ratios and figures; ``emit`` prints the JSON (last) and saves it."""
 
@@ -223,13 +252,11 @@ class Report:
             raise RuntimeError(f"condition {name!r} inside {self._cond!r}")
         c = self.conditions.setdefault(name, {"ratios": {}, "figures": {}})
         self._cond = name
-        print(f"--- {name}" + (f" (fixed background load: {LOAD_PROCS} busy processes)" if name == "loaded" else ""))
         try:
-            with background_load() if name == "loaded" else contextlib.nullcontext([]) as pids:
-                c["background"] = {"busy_processes": len(pids), "pids": pids}
-                c["load_start"], c["speed_start"] = loadavg(), speed()
+            with under_condition(name) as info:
+                c.update(info)
                 yield
-                c["load_end"] = loadavg()
+            c.update(info)  # its load_end
         finally:
             self._cond = None
 
