@@ -348,16 +348,24 @@ class Report:
         )
 
 
-def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, what: str) -> tuple[float, list[dict]]:
+def run_tiny_job(
+    run_dir: Path, overrides: Sequence[str], *, timeout_s: float, what: str, threads: int = 1
+) -> tuple[float, list[dict]]:
     """``torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml <overrides>`` to its end (inherited
-    rendezvous variables dropped, one OpenMP thread per process): its wall seconds and ``run_dir``'s metrics
-    records. A failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
+    rendezvous variables dropped, ``threads`` torch threads per process: ``OMP_NUM_THREADS`` for the ranks and
+    ``NUM_THREADS_ENV`` for the CPU engine, which the launcher otherwise starts on one): its wall seconds and
+    ``run_dir``'s metrics records. A failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
     (``keep_failed_run``); a job during which the checkout's code changed says which files (``source_stamps``), failed
     or not: on a tree others edit, a job whose processes started at different moments can run half an edit."""
     import subprocess
 
+    from asyncrl.cpu_engine.args import NUM_THREADS_ENV  # here: it imports torch, which the harness itself need not
+
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
+    env["OMP_NUM_THREADS"] = str(threads)
+    env.pop(NUM_THREADS_ENV, None)
+    if threads != 1:
+        env[NUM_THREADS_ENV] = str(threads)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     cmd += ["--log-dir", str(run_dir / "torchelastic")]  # not a /tmp/torchelastic_* of its own, never removed
     cmd += [str(REPO / "launch/train.py"), "configs/tiny.toml", *overrides]
