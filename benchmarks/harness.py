@@ -353,8 +353,8 @@ def run_tiny_job(
 ) -> tuple[float, list[dict]]:
     """``torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml <overrides>`` to its end (inherited
     rendezvous variables dropped, ``threads`` torch threads per process: ``OMP_NUM_THREADS`` for the ranks and
-    ``NUM_THREADS_ENV`` for the CPU engine, which the launcher otherwise starts on one): its wall seconds and
-    ``run_dir``'s metrics records. A failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
+    ``NUM_THREADS_ENV`` for the CPU engine, which the launcher otherwise starts on one; above one, also
+    ``OMP_WAIT_POLICY=PASSIVE``, ``OMP_WAIT_POLICY_NOTE``): its wall seconds and ``run_dir``'s metrics records. A failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
     (``keep_failed_run``); a job during which the checkout's code changed says which files (``source_stamps``), failed
     or not: on a tree others edit, a job whose processes started at different moments can run half an edit."""
     import subprocess
@@ -366,6 +366,8 @@ def run_tiny_job(
     env.pop(NUM_THREADS_ENV, None)
     if threads != 1:
         env[NUM_THREADS_ENV] = str(threads)
+        # OpenMP threads that wait at a barrier sleep instead of spinning (OMP_WAIT_POLICY_NOTE)
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     cmd += ["--log-dir", str(run_dir / "torchelastic")]  # not a /tmp/torchelastic_* of its own, never removed
     cmd += [str(REPO / "launch/train.py"), "configs/tiny.toml", *overrides]
@@ -384,6 +386,11 @@ def run_tiny_job(
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return wall_s, recs
 
+
+OMP_WAIT_POLICY_NOTE = """Two threads a process on 2 shared cores: with OpenMP's default wait policy (spin at a
+barrier before sleeping) the CPU engine generated 12-18 tok/s instead of 510-1188 with one thread (the tiny model,
+concurrency 1 and 4, load 6-12 on 2 cores, 2026-12-07: ``engine_curve.py --levels 1,4 --rounds 1 --threads 2``);
+with ``OMP_WAIT_POLICY=PASSIVE`` 694-753 tok/s. A thread spinning at a barrier holds the core its partner needs."""
 
 SOURCE_DIRS = ("asyncrl", "launch", "configs")
 """What a tiny job's processes import or read from the checkout: every rank, the broker and the engine import it anew

@@ -43,7 +43,8 @@ cores' threads (``--sync-threads``, default 2), so the part that runs alone (the
 training) uses the core the turn-taking would leave idle. How: the job's ``OMP_NUM_THREADS`` (the torchrun ranks:
 the actor's torch threads) and ``ASYNCRL_CPU_ENGINE_NUM_THREADS`` (``asyncrl.cpu_engine.args.NUM_THREADS_ENV``: the
 CPU engine's ``--num-threads``, which the launcher leaves out, starting it with ``OMP_NUM_THREADS=1``) both set to
-it (``harness.run_tiny_job(threads=...)``). ``both_cores_sync_over_async_ratio`` = its time/step / async's, per
+it (``harness.run_tiny_job(threads=...)``), with ``OMP_WAIT_POLICY=PASSIVE`` (without it two spinning threads a
+process slowed the engine 40-fold on the shared 2 cores: ``harness.OMP_WAIT_POLICY_NOTE``). ``both_cores_sync_over_async_ratio`` = its time/step / async's, per
 round (target >= 1.0: the overlap must beat a sync run that leaves no core idle), and ``best_sync_over_async_ratio``
 the faster of the round's two sync runs / async (the baseline a user would pick: where other jobs hold a core, two
 threads a process run slower than one, OpenMP's barriers waiting on a preempted thread); ``second_core_speedup`` says

@@ -184,11 +184,13 @@ def test_a_tiny_job_gives_every_process_and_the_cpu_engine_its_threads(harness, 
 
     monkeypatch.setattr("subprocess.run", fake_run)
     monkeypatch.setenv(NUM_THREADS_ENV, "7")  # a stale setting of the benchmark's own environment does not leak
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     for threads in (2, 1):
         with pytest.raises(SystemExit, match="stop"):
             harness.run_tiny_job(tmp_path, [], timeout_s=1, what="t", threads=threads)
     assert seen[0]["OMP_NUM_THREADS"] == "2" and seen[0][NUM_THREADS_ENV] == "2"
-    assert seen[1]["OMP_NUM_THREADS"] == "1" and NUM_THREADS_ENV not in seen[1]
+    assert seen[0]["OMP_WAIT_POLICY"] == "PASSIVE"  # harness.OMP_WAIT_POLICY_NOTE
+    assert seen[1]["OMP_NUM_THREADS"] == "1" and NUM_THREADS_ENV not in seen[1] and "OMP_WAIT_POLICY" not in seen[1]
     argv = ["--model-path", "m", "--port", "1"]
     assert parse_args(argv).num_threads == 7 and parse_args([*argv, "--num-threads", "3"]).num_threads == 3
     monkeypatch.setenv(NUM_THREADS_ENV, "two")
