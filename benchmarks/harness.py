@@ -20,7 +20,9 @@ machine shared with other jobs the load changes from second to second, so:
     PID after, each ending by itself if the benchmark dies); each condition's ratios and figures go under
     ``idle`` and ``loaded`` in the JSON, with the load measured during it. Targets hold at ``idle``
     (``targets_missed``); the ``loaded`` misses are listed apart (``targets_missed_loaded``). ``--load``
-    picks ``both`` (default), ``idle`` or ``loaded``.
+    picks ``both`` (default), ``idle`` or ``loaded``. A benchmark with a JSON of its own (no ``Report``) runs each
+    condition under ``under_condition`` and files its record beside its figures; ``condition_view`` reads a run as
+    its readers knew it before ``--load`` (the idle condition's figures over the top level).
 
     rep = Report("engine_bench", argv)
     t = interleave({"engine": run_engine, "hf": run_hf}, reps=5)   # seconds of each repetition
@@ -354,7 +356,8 @@ def run_tiny_job(
     """``torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml <overrides>`` to its end (inherited
     rendezvous variables dropped, ``threads`` torch threads per process: ``OMP_NUM_THREADS`` for the ranks and
     ``NUM_THREADS_ENV`` for the CPU engine, which the launcher otherwise starts on one; above one, also
-    ``OMP_WAIT_POLICY=PASSIVE``, ``OMP_WAIT_POLICY_NOTE``): its wall seconds and ``run_dir``'s metrics records. A failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
+    ``OMP_WAIT_POLICY=PASSIVE``, ``OMP_WAIT_POLICY_NOTE``): its wall seconds and ``run_dir``'s metrics records. A
+    failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
     (``keep_failed_run``); a job during which the checkout's code changed says which files (``source_stamps``), failed
     or not: on a tree others edit, a job whose processes started at different moments can run half an edit."""
     import subprocess

@@ -44,12 +44,13 @@ training) uses the core the turn-taking would leave idle. How: the job's ``OMP_N
 the actor's torch threads) and ``ASYNCRL_CPU_ENGINE_NUM_THREADS`` (``asyncrl.cpu_engine.args.NUM_THREADS_ENV``: the
 CPU engine's ``--num-threads``, which the launcher leaves out, starting it with ``OMP_NUM_THREADS=1``) both set to
 it (``harness.run_tiny_job(threads=...)``), with ``OMP_WAIT_POLICY=PASSIVE`` (without it two spinning threads a
-process slowed the engine 40-fold on the shared 2 cores: ``harness.OMP_WAIT_POLICY_NOTE``). ``both_cores_sync_over_async_ratio`` = its time/step / async's, per
-round (target >= 1.0: the overlap must beat a sync run that leaves no core idle), and ``best_sync_over_async_ratio``
-the faster of the round's two sync runs / async (the baseline a user would pick: where other jobs hold a core, two
-threads a process run slower than one, OpenMP's barriers waiting on a preempted thread); ``second_core_speedup`` says
-what the second core's threads bought each part (one-core s / both-cores s; below 1: they cost). The three sides run interleaved, the order
-alternating; ``sync_over_async_ratio`` and ``overlap_efficiency_ratio`` keep their meaning (the one-core sync run).
+process slowed the engine 40-fold on the shared 2 cores: ``harness.OMP_WAIT_POLICY_NOTE``).
+``both_cores_sync_over_async_ratio`` = its time/step / async's, per round (target >= 1.0: the overlap must beat a
+sync run that leaves no core idle), and ``best_sync_over_async_ratio`` the faster of the round's two sync runs /
+async (the baseline a user would pick: where other jobs hold a core, two threads a process can run slower than one,
+OpenMP's barriers waiting on a preempted thread); ``second_core_speedup`` says what the second core's threads bought
+each part (one-core s / both-cores s; below 1: they cost). The three sides run interleaved, the order alternating;
+``sync_over_async_ratio`` and ``overlap_efficiency_ratio`` keep their meaning (the one-core sync run).
 
 Every mode runs idle and under the harness's fixed background load (``--load``; both by default, under ``idle``
 and ``loaded`` in the JSON): twice the time above (and the third side adds half again); ``--load idle`` for one.
