@@ -8,13 +8,13 @@
     gloo world of one, one torch thread as a torchrun rank has, ``train_step`` on synthetic GRPO groups in a loop);
 both switched on before the timed sync and off after it (``DuringLoad.on`` / ``off``), so the quiet and busy syncs
 run interleaved on the same engines. ``on`` returns once the load really runs: every engine has answered a request
-since, and the trainer has finished a step since it was resumed. ``off`` returns once no request is in flight and
+since, and the trainer's CPU time has grown since it was resumed. ``off`` returns once no request is in flight and
 the trainer is stopped (``SIGSTOP`` by its PID; ``SIGCONT`` resumes it, so its start-up is paid once). The sync's
 own pause (``retract``) holds the engines' running requests meanwhile; they finish after it.
 
     with DuringLoad(urls, "generate+train", checkpoint=ckpt, tmp=tmp) as load:
         load.on(); t = timed_sync(); load.off()
-        load.figures()   # tokens/s generated and trainer steps/s while on
+        load.figures()   # tokens/s generated and the trainer's CPU (cores) while on
 
 Every wait has a deadline (``LOAD_TIMEOUT_S``); the trainer ends with its parent (it watches ``getppid``) and is
 stopped by PID (SIGCONT, SIGTERM, SIGKILL after a grace) when the block ends. A failed request ends the benchmark
@@ -44,6 +44,7 @@ from asyncrl.cluster.ports import free_port  # noqa: E402
 LOADS = ("generate", "train", "generate+train")
 LOAD_TIMEOUT_S = 120.0  # a switch of the load (the trainer's start-up: Megatron's import and the model's build)
 STOP_GRACE_S = 10.0
+RUNNING_CPU_S = 0.02  # the trainer's CPU time that shows it running again after SIGCONT (two clock ticks)
 NEW_TOKENS = 16  # per request: short, so the stream drains within a decode step or two when switched off
 PROMPT_TOKENS = 32
 
@@ -174,12 +175,23 @@ class Trainer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the trainer has used (``/proc/<pid>/stat``: user + system, every thread)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def on(self) -> None:
-        """Resume; return once it has finished a step since."""
-        with self._cond:
-            start = self.steps
+        """Resume; return once it is running again: its CPU time has grown by ``RUNNING_CPU_S`` (a step of the default
+        575 MB model takes seconds on one thread: waiting for one would make every busy repetition that long)."""
+        start = self.cpu_s()
         self._signal(signal.SIGCONT)
-        self._wait(lambda: self.steps > start, "stepping")
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while self.cpu_s() < start + RUNNING_CPU_S:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"trainer pid {self.proc.pid} exited with {self.proc.returncode} ({self._log.name})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer pid {self.proc.pid}: not running {LOAD_TIMEOUT_S} s after SIGCONT")
+            time.sleep(0.005)
 
     def off(self) -> None:
         self._signal(signal.SIGSTOP)
@@ -216,7 +228,7 @@ class DuringLoad:
             raise
         self.on_s = 0.0
         self.tokens_on = 0
-        self.steps_on = 0
+        self.trainer_cpu_s = 0.0
         self._t_on: float | None = None
         self._at_on = (0, 0)
 
@@ -231,8 +243,8 @@ class DuringLoad:
             if self.trainer:
                 self.trainer.close()
 
-    def _counts(self) -> tuple[int, int]:
-        return (self.stream.tokens if self.stream else 0, self.trainer.steps if self.trainer else 0)
+    def _counts(self) -> tuple[int, float]:
+        return (self.stream.tokens if self.stream else 0, self.trainer.cpu_s() if self.trainer else 0.0)
 
     def on(self) -> None:
         self._t_on, self._at_on = time.perf_counter(), self._counts()
@@ -248,20 +260,22 @@ class DuringLoad:
         if self.stream:
             self.stream.off()
         self.on_s += time.perf_counter() - self._t_on
-        tokens, steps = self._counts()
+        tokens, cpu_s = self._counts()
         self.tokens_on += tokens - self._at_on[0]
-        self.steps_on += steps - self._at_on[1]
+        self.trainer_cpu_s += cpu_s - self._at_on[1]
         self._t_on = None
 
     def figures(self) -> dict:
-        """While on (from ``on`` to the end of ``off``: the ramp, the busy sync, the drain): generated tokens/s and
-        trainer steps/s. Each ``on`` waits for a step and an answer per engine, so neither is 0 where it ran."""
+        """While on (from ``on`` to the end of ``off``: the ramp, the busy sync, the drain): generated tokens/s and the
+        trainer's CPU (cores: CPU seconds / second). Each ``on`` waits for an answer per engine and for the trainer's
+        CPU time to grow, so neither is 0 where it ran."""
         on = self.on_s or float("nan")
         return {
             "load": self.load,
             "on_s": self.on_s,
             "generated_tokens_per_s": self.tokens_on / on if self.stream else None,
-            "trainer_steps_per_s": self.steps_on / on if self.trainer else None,
+            "trainer_cpu_cores": self.trainer_cpu_s / on if self.trainer else None,
+            "trainer_steps_total": self.trainer.steps if self.trainer else None,
             "stream_concurrency_per_engine": self.stream.concurrency if self.stream else None,
         }
 

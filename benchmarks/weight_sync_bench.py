@@ -32,7 +32,7 @@ interleaved with the two: the same sync while the engines serve a steady stream 
 in flight on each) and an actor process trains the synced model (the project's Megatron ``Actor``, one thread),
 the load switched on before the timed sync and off after it. ``engines<N>_quiet_over_busy_sync_ratio`` = quiet
 sync s / busy sync s (no target: what the load costs the sync), its parts as ``busy_control_s`` etc., and the
-load's own rate while on (``during_load``: tokens/s generated, trainer steps/s), printed beside the quiet figures.
+load's own rate while on (``during_load``: tokens/s generated, the trainer's CPU in cores), printed beside the quiet figures.
 
     python benchmarks/weight_sync_bench.py --quick --during-load generate+train --reps 9 --engines 1 --load idle
 
