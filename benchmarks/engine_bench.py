@@ -24,6 +24,9 @@ and server, the hop between the engine's HTTP process and its scheduler process,
 rather than the model. Cores: the model runs on one torch thread on every side; the engine, as SGLang, answers
 HTTP in a process of its own beside its scheduler (the HF side has no HTTP to answer), so ``direct_s`` against
 ``hf_s`` is the model-and-scheduler comparison with no second process at all.
+``--load`` (``benchmarks/harness.py``): idle, under the fixed background load (two busy processes), or both (the
+default: the engine and the in-process sides serve both; each condition's ratios and ``levels`` under ``idle`` /
+``loaded``). ``--quick``: ~20 s idle + loaded on 2 cores.
 Prints ONE JSON object on the last line.
 """
 

@@ -1,6 +1,6 @@
 """The CPU engine's throughput curve: generated tokens/s and per-request latency against concurrency.
 
-    python benchmarks/engine_curve.py --quick      # concurrency 1, 2, 4, 8, 16, 32, 64; 3 rounds, ~2 min
+    python benchmarks/engine_curve.py --quick      # concurrency 1, 2, 4, 8, 16, 32, 64; 3 rounds, ~2 min a condition
     python benchmarks/engine_curve.py --out benchmarks/baselines/engine_curve.json
 
 What the simulator's engine model is fitted to (``asyncrl.simulate``: ``--engine-curve`` takes the

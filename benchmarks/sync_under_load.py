@@ -1,9 +1,9 @@
 """What runs while a weight sync runs in a real run: engines generating and an actor training, switched on and off.
 
 ``weight_sync_bench.py --during-load generate+train`` times the same sync on quiet engines and while
-  * ``generate``: a steady stream of ``/generate`` requests keeps every engine full (``GenerationStream``: per
-    engine ``concurrency`` client loops, each sending its next request as the last one returns, the agent loop's
-    pattern; short requests, ``ignore_eos``, so a pause drains quickly);
+  * ``generate``: a steady stream of ``/generate`` requests keeps every engine full (``GenerationStream``: a process
+    of its own, as the agent workers are, with per engine ``concurrency`` client loops, each sending its next request
+    as the last one returns, the agent loop's pattern; short requests, ``ignore_eos``, so a pause drains quickly);
   * ``train``: an actor process steps (``Trainer``: the project's Megatron ``Actor`` on the synced checkpoint, a
     gloo world of one, one torch thread as a torchrun rank has, ``train_step`` on synthetic GRPO groups in a loop);
 both switched on before the timed sync and off after it (``DuringLoad.on`` / ``off``), so the quiet and busy syncs
@@ -16,9 +16,10 @@ own pause (``retract``) holds the engines' running requests meanwhile; they fini
         load.on(); t = timed_sync(); load.off()
         load.figures()   # tokens/s generated and the trainer's CPU (cores) while on
 
-Every wait has a deadline (``LOAD_TIMEOUT_S``); the trainer ends with its parent (it watches ``getppid``) and is
-stopped by PID (SIGCONT, SIGTERM, SIGKILL after a grace) when the block ends. A failed request ends the benchmark
-naming the engine.
+Every wait has a deadline (``LOAD_TIMEOUT_S``; the trainer's start ``START_TIMEOUT_S``); both processes end with
+their parent (the trainer watches ``getppid``, the stream ends at the end of its stdin) and are stopped by PID
+(SIGCONT, SIGTERM, SIGKILL after a grace) when the block ends. A failed request ends the benchmark naming the
+engine.
 """
 
 from __future__ import annotations
@@ -42,138 +43,199 @@ if str(REPO) not in sys.path:
 from asyncrl.cluster.ports import free_port  # noqa: E402
 
 LOADS = ("generate", "train", "generate+train")
-LOAD_TIMEOUT_S = 120.0  # a switch of the load (the trainer's start-up: Megatron's import and the model's build)
+LOAD_TIMEOUT_S = 120.0  # a switch of the load on or off
+START_TIMEOUT_S = 600.0  # the trainer's start-up: Megatron's import, the model's build and a first step of 575 MB
 STOP_GRACE_S = 10.0
 RUNNING_CPU_S = 0.02  # the trainer's CPU time that shows it running again after SIGCONT (two clock ticks)
 NEW_TOKENS = 16  # per request: short, so the stream drains within a decode step or two when switched off
 PROMPT_TOKENS = 32
 
 
-class GenerationStream:
-    """``concurrency`` closed-loop clients per engine on a thread of its own (an asyncio loop); ``on``/``off``."""
+class _Lines:
+    """A child's stdout read on a thread of its own, line by line; ``next`` waits with a deadline."""
 
-    def __init__(self, urls: list[str], *, concurrency: int, vocab_size: int):
-        self.urls, self.concurrency, self.vocab_size = urls, concurrency, vocab_size
+    def __init__(self, proc: subprocess.Popen, what: str, log: Path):
+        self.proc, self.what, self.log = proc, what, log
         self._cond = threading.Condition()
-        self._active = False
-        self._closing = False
-        self.in_flight = 0
-        self.completed = {u: 0 for u in urls}
-        self.tokens = 0
-        self.error: str | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),), daemon=True)
+        self._lines: list[str] = []
+        self._closed = False
+        self.count = 0
+        """Lines read so far."""
+        self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
-
-    async def _main(self) -> None:
-        from asyncrl.engine.client import SGLangClient
-
-        clients = [SGLangClient(u, request_timeout_s=LOAD_TIMEOUT_S) for u in self.urls]
-        try:
-            await asyncio.gather(*(self._client(c, k) for c in clients for k in range(self.concurrency)))
-        finally:
-            for c in clients:
-                await c.close()
-
-    async def _client(self, client, k: int) -> None:
-        rng = random.Random(k)
-        while True:
-            with self._cond:
-                if self._closing:
-                    return
-                go = self._active and self.error is None
-                if go:
-                    self.in_flight += 1
-            if not go:
-                await asyncio.sleep(0.01)  # switched off: look again (the switch is a flag under the condition)
-                continue
-            prompt = [rng.randrange(3, self.vocab_size) for _ in range(PROMPT_TOKENS)]
-            try:
-                r = await client.generate(
-                    prompt, {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}, return_logprob=False
-                )
-                err = None if len(r.output_ids) == NEW_TOKENS else f"{len(r.output_ids)} tokens of {NEW_TOKENS}"
-            except Exception as e:  # noqa: BLE001 - any failure of the stream is reported, naming its engine
-                err, r = f"{type(e).__name__}: {e}", None
-            with self._cond:
-                self.in_flight -= 1
-                if err is not None:
-                    self.error = self.error or f"generation stream to {client.url}: {err}"
-                else:
-                    self.completed[client.url] += 1
-                    self.tokens += NEW_TOKENS
-                self._cond.notify_all()
-
-    def _wait(self, pred, what: str) -> None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: pred() or self.error is not None, timeout=LOAD_TIMEOUT_S):
-                raise TimeoutError(f"generation stream: still not {what} after {LOAD_TIMEOUT_S} s")
-            if self.error:
-                raise RuntimeError(self.error)
-
-    def on(self) -> None:
-        """Switch on; return once every engine has answered a request since."""
-        with self._cond:
-            start = dict(self.completed)
-            self._active = True
-        self._wait(lambda: all(self.completed[u] > start[u] for u in self.urls), "answered by every engine")
-
-    def off(self) -> None:
-        """Switch off; return once no request is in flight."""
-        with self._cond:
-            self._active = False
-        self._wait(lambda: self.in_flight == 0, "drained")
-
-    def close(self) -> None:
-        with self._cond:
-            self._active, self._closing = False, True
-        self._thread.join(LOAD_TIMEOUT_S)
-        if self._thread.is_alive():
-            raise TimeoutError(f"generation stream: its thread still running after {LOAD_TIMEOUT_S} s")
-
-
-class Trainer:
-    """The actor process (``python sync_under_load.py --trainer``), stopped (SIGSTOP) until ``on``."""
-
-    def __init__(self, checkpoint: Path, log: Path):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"}
-        env.update(MASTER_PORT=str(free_port("127.0.0.1")), LOCAL_RANK="0", PYTHONPATH=str(REPO))
-        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--trainer", str(checkpoint), str(os.getpid())],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        self._cond = threading.Condition()
-        self.steps = 0
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._wait(lambda: self.steps >= 1, "through its warm-up step")
-        self._signal(signal.SIGSTOP)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            if line.startswith("step "):
-                with self._cond:
-                    self.steps += 1
-                    self._cond.notify_all()
+            with self._cond:
+                self._lines.append(line.rstrip("\n"))
+                self.count += 1
+                self._cond.notify_all()
         with self._cond:
+            self._closed = True
             self._cond.notify_all()
 
-    def _wait(self, pred, what: str) -> None:
+    def next(self, what: str, timeout_s: float = LOAD_TIMEOUT_S) -> str:
+        """The next line not taken yet; an error naming the child if it ends first or ``timeout_s`` passes."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: pred() or self.proc.poll() is not None, timeout=LOAD_TIMEOUT_S)
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"trainer pid {self.proc.pid} exited with {self.proc.returncode} (log {self._log.name})")
-        if not ok:
-            raise TimeoutError(f"trainer pid {self.proc.pid}: still not {what} after {LOAD_TIMEOUT_S} s")
+            got = self._cond.wait_for(lambda: self._lines or self._closed, timeout=timeout_s)
+            if self._lines:
+                return self._lines.pop(0)
+        if got:
+            raise RuntimeError(
+                f"{self.what} pid {self.proc.pid} ended (exit {self.proc.wait(STOP_GRACE_S)}; {self.log})"
+            )
+        raise TimeoutError(f"{self.what} pid {self.proc.pid}: still not {what} after {timeout_s} s ({self.log})")
 
-    def _signal(self, sig: int) -> None:
+    def join(self) -> None:
+        self._thread.join(STOP_GRACE_S)
+
+
+def _spawn(args: list[str], *, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python sync_under_load.py <args> <this pid>``: its own process group, stdout a pipe, stderr to ``log``."""
+    with open(log, "w") as err:
+        return subprocess.Popen(
+            [sys.executable, __file__, *args, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
+            start_new_session=True,
+        )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """By its process group: SIGCONT (a stopped one cannot die), SIGTERM, SIGKILL after ``STOP_GRACE_S``."""
+    for sig in (signal.SIGCONT, signal.SIGTERM):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
+            os.killpg(proc.pid, sig)
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(STOP_GRACE_S)
+
+
+class GenerationStream:
+    """The request stream, a process of its own as the agent workers are (``_stream_main``), driven over its stdin:
+    ``on`` / ``off``, each answered on its stdout once done (``on <tokens>``, ``off <tokens>``: tokens generated so
+    far), or ``error <what>``."""
+
+    def __init__(self, urls: list[str], *, concurrency: int, vocab_size: int, log: Path):
+        self.concurrency = concurrency
+        self.tokens = 0
+        self.proc = _spawn(
+            ["--stream", json.dumps({"urls": urls, "concurrency": concurrency, "vocab": vocab_size})], log=log
+        )
+        self._out = _Lines(self.proc, "generation stream", log)
+
+    def _say(self, cmd: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        kind, _, rest = self._out.next(f"answering {cmd!r}").partition(" ")
+        if kind != cmd:
+            raise RuntimeError(f"generation stream: {kind} {rest}")
+        self.tokens = int(rest)
+
+    def on(self) -> None:
+        """Switch on; return once every engine has answered a request since."""
+        self._say("on")
+
+    def off(self) -> None:
+        """Switch off; return once no request is in flight."""
+        self._say("off")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # its end of input: it ends by itself
+            self.proc.wait(STOP_GRACE_S)
+        except (subprocess.TimeoutExpired, BrokenPipeError):
+            pass
+        finally:
+            if self.proc.poll() is None:
+                _stop(self.proc)
+            self._out.join()
+
+
+async def _stream_main(spec: dict) -> int:
+    """The stream process: ``concurrency`` closed-loop clients per engine, switched by stdin lines (see
+    ``GenerationStream``); ends at the end of its input (its parent gone or done). A failed request is answered
+    ``error``, naming the engine."""
+    from asyncrl.engine.client import SGLangClient
+
+    loop = asyncio.get_running_loop()
+    active, idle, closing = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    idle.set()
+    state = {"in_flight": 0, "tokens": 0, "error": None, "answered": {u: 0 for u in spec["urls"]}}
+    changed = asyncio.Condition()
+
+    async def client(c, k: int) -> None:
+        rng = random.Random(k)
+        while not closing.is_set():
+            await active.wait()
+            if closing.is_set():
+                return
+            state["in_flight"] += 1
+            prompt = [rng.randrange(3, spec["vocab"]) for _ in range(PROMPT_TOKENS)]
+            try:
+                r = await c.generate(prompt, {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}, return_logprob=False)
+                err = None if len(r.output_ids) == NEW_TOKENS else f"{len(r.output_ids)} tokens of {NEW_TOKENS}"
+            except Exception as e:  # noqa: BLE001 - any failure of the stream is reported, naming its engine
+                err = f"{type(e).__name__}: {e}"
+            state["in_flight"] -= 1
+            if err:
+                state["error"] = state["error"] or f"request to {c.url}: {err}"
+                active.clear()
+            else:
+                state["answered"][c.url] += 1
+                state["tokens"] += NEW_TOKENS
+            async with changed:
+                changed.notify_all()
+
+    async def command(cmd: str) -> str:
+        async with changed:
+            if cmd == "on":
+                start = dict(state["answered"])
+                active.set()
+                await changed.wait_for(
+                    lambda: state["error"] or all(state["answered"][u] > start[u] for u in spec["urls"])
+                )
+            else:
+                active.clear()
+                await changed.wait_for(lambda: state["in_flight"] == 0)
+        return f"error {state['error']}" if state["error"] else f"{cmd} {state['tokens']}"
+
+    clients = [SGLangClient(u, request_timeout_s=LOAD_TIMEOUT_S) for u in spec["urls"]]
+    tasks = [asyncio.create_task(client(c, k)) for c in clients for k in range(spec["concurrency"])]
+    try:
+        while cmd := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+            print(await command(cmd), flush=True)
+    finally:
+        closing.set()
+        active.set()  # let the waiting clients see the close
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in clients:
+            await c.close()
+    return 0
+
+
+class Trainer:
+    """The actor process (``_trainer_main``), stopped (SIGSTOP, by its PID) until ``on``."""
+
+    def __init__(self, checkpoint: Path, log: Path):
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1"))}
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        self.log = log
+        self.proc = _spawn(["--trainer", str(checkpoint)], log=log, env=env)
+        self._out = _Lines(self.proc, "trainer", log)
+        self._out.next("through its warm-up step", START_TIMEOUT_S)
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    @property
+    def steps(self) -> int:
+        """Steps finished so far (its warm-up included)."""
+        return self._out.count
 
     def cpu_s(self) -> float:
         """CPU seconds the trainer has used (``/proc/<pid>/stat``: user + system, every thread)."""
@@ -184,30 +246,23 @@ class Trainer:
         """Resume; return once it is running again: its CPU time has grown by ``RUNNING_CPU_S`` (a step of the default
         575 MB model takes seconds on one thread: waiting for one would make every busy repetition that long)."""
         start = self.cpu_s()
-        self._signal(signal.SIGCONT)
+        os.killpg(self.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while self.cpu_s() < start + RUNNING_CPU_S:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"trainer pid {self.proc.pid} exited with {self.proc.returncode} ({self._log.name})")
+                raise RuntimeError(f"trainer pid {self.proc.pid} exited with {self.proc.returncode} ({self.log})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainer pid {self.proc.pid}: not running {LOAD_TIMEOUT_S} s after SIGCONT")
             time.sleep(0.005)
 
     def off(self) -> None:
-        self._signal(signal.SIGSTOP)
+        os.killpg(self.proc.pid, signal.SIGSTOP)
 
     def close(self) -> None:
         try:
-            self._signal(signal.SIGCONT)
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.proc.wait(STOP_GRACE_S)
+            _stop(self.proc)
         finally:
-            self._reader.join(STOP_GRACE_S)
-            self._log.close()
+            self._out.join()
 
 
 class DuringLoad:
@@ -218,7 +273,9 @@ class DuringLoad:
             raise ValueError(f"--during-load {load!r}: expected one of {', '.join(LOADS)}")
         self.load = load
         self.stream = (
-            GenerationStream(urls, concurrency=concurrency, vocab_size=vocab_size) if "generate" in load else None
+            GenerationStream(urls, concurrency=concurrency, vocab_size=vocab_size, log=tmp / "stream.log")
+            if "generate" in load
+            else None
         )
         try:
             self.trainer = Trainer(checkpoint, tmp / "trainer.log") if "train" in load else None
@@ -310,6 +367,9 @@ def _trainer_main(checkpoint: str, parent: int) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--trainer":
         sys.exit(_trainer_main(sys.argv[2], int(sys.argv[3])))
+    if len(sys.argv) == 4 and sys.argv[1] == "--stream":
+        sys.exit(asyncio.run(_stream_main(json.loads(sys.argv[2]))))
     raise SystemExit(
-        f"usage: {sys.argv[0]} --trainer CHECKPOINT PARENT_PID (weight_sync_bench.py --during-load runs it)"
+        f"usage: {sys.argv[0]} --trainer CHECKPOINT PARENT_PID | --stream SPEC PARENT_PID (weight_sync_bench.py "
+        "--during-load runs them)"
     )
