@@ -26,7 +26,7 @@ HTTP in a process of its own beside its scheduler (the HF side has no HTTP to an
 ``hf_s`` is the model-and-scheduler comparison with no second process at all.
 ``--load`` (``benchmarks/harness.py``): idle, under the fixed background load (two busy processes), or both (the
 default: the engine and the in-process sides serve both; each condition's ratios and ``levels`` under ``idle`` /
-``loaded``). ``--quick``: ~20 s idle + loaded on 2 cores.
+``loaded``). ``--quick --reps 1``: ~20 s idle + loaded on 2 cores; ``--quick`` (11 repetitions): ~3 min.
 Prints ONE JSON object on the last line.
 """
 
