@@ -23,6 +23,10 @@ staleness from each run's ``metrics.jsonl`` (minutes a run; not part of the simu
     python benchmarks/autotune.py --reps 5 --save      # the figures (<= 5 min idle); appended to baselines/autotune.json
     python benchmarks/autotune.py --real --reps 2 --steps 8
 
+``--load`` (``benchmarks/harness.py``): idle, under the fixed background load (two busy processes), or both (the
+default; each condition's cases and ratios under ``idle`` and ``loaded`` in the JSON). The simulated figures are the
+same in both (the clock is simulated: a check that the load does not leak in); ``--real``'s are not.
+
 The last stdout line is one JSON object with the figures.
 """
 
@@ -170,17 +174,21 @@ def run_case(name: str, reps: int) -> dict:
     return out
 
 
-def simulated(argv: list[str], reps: int, save: bool) -> int:
+def simulated(argv: list[str], reps: int, save: bool, load: str) -> int:
     rep = harness.Report("autotune", argv)
-    figures = {}
-    for name in cases():
-        c = run_case(name, reps)
-        for k, (auto_g, best_g) in c.pop("_pairs").items():
-            key = f"{name}_{k.replace('@', '_from_')}_throughput_ratio"
-            rep.ratio(key, auto_g, best_g, target=GOAL_THROUGHPUT, note=f"{k} / best fixed, per repetition")
-        figures[name] = c
-    ok = all(c["ok"] for c in figures.values())
-    doc = rep.emit({"cases": figures, "all_ok": ok, "reps": reps, "order": "interleaved, alternating; rep i: seed i"})
+    for cond in harness.conditions(load):
+        with rep.condition(cond):
+            t0 = time.perf_counter()
+            figures = {}
+            for name in cases():
+                c = run_case(name, reps)
+                for k, (auto_g, best_g) in c.pop("_pairs").items():
+                    key = f"{name}_{k.replace('@', '_from_')}_throughput_ratio"
+                    rep.ratio(key, auto_g, best_g, target=GOAL_THROUGHPUT, note=f"{k} / best fixed, per repetition")
+                figures[name] = c
+            ok = all(c["ok"] for c in figures.values())
+            rep.record({"cases": figures, "all_ok": ok, "cases_wall_s": time.perf_counter() - t0})
+    doc = rep.emit({"reps": reps, "order": "interleaved, alternating; rep i: seed i"})
     if save:
         _save(doc)
     return 0  # the verdict is in the JSON (all_ok, targets_missed), as in every benchmark here
@@ -230,35 +238,32 @@ def _real_run(prep_dir: Path, run_dir: Path, inflight: str, steps: int) -> dict:
     }
 
 
-def real(argv: list[str], reps: int, steps: int, prep: str | None, save: bool) -> int:
+def real(argv: list[str], reps: int, steps: int, prep: str | None, save: bool, load: str) -> int:
     rep = harness.Report("autotune", argv)
     with tempfile.TemporaryDirectory(prefix="autotune_") as tmp:
         prep_dir = Path(prep).resolve() if prep else Path(tmp) / "prep"
         d = _prepare(prep_dir)
-        sides = {"auto": '"auto"', f"derived={d}": str(d), f"2x={2 * d}": str(2 * d)}
-        runs: dict[str, list[dict]] = {k: [] for k in sides}
-        for i in range(reps):
-            for k in list(sides) if i % 2 == 0 else list(sides)[::-1]:
-                runs[k].append(_real_run(prep_dir, Path(tmp) / f"{k.split('=')[0]}_{i}", sides[k], steps))
-                r = runs[k][-1]
-                print(
-                    f"  rep {i} {k:>10}: step {r['time_step_s']:.2f}s wait {r['wait_data_s']:.2f}s limits {r['limits']}"
-                )
-    step = {k: [r["time_step_s"] for r in v] for k, v in runs.items()}
-    rep.ratio("real_step_time_ratio", step["auto"], step[f"derived={d}"], target=1 / GOAL_THROUGHPUT, at_least=False)
-    doc = rep.emit(
-        {
-            "real": {
-                "steps": steps,
-                "derived": d,
-                "runs": runs,
-                "step_s": {k: harness.summary(v) for k, v in step.items()},
-            }
-        }
-    )
+        for cond in harness.conditions(load):
+            with rep.condition(cond):
+                rep.record({"real": _real_condition(rep, prep_dir, Path(tmp) / cond, d, reps=reps, steps=steps)})
+    doc = rep.emit({})
     if save:
         _save(doc)
     return 0
+
+
+def _real_condition(rep, prep_dir: Path, tmp: Path, d: int, *, reps: int, steps: int) -> dict:
+    """The three settings' runs under the current condition, interleaved; the ratio to ``rep``, the figures back."""
+    sides = {"auto": '"auto"', f"derived={d}": str(d), f"2x={2 * d}": str(2 * d)}
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    for i in range(reps):
+        for k in list(sides) if i % 2 == 0 else list(sides)[::-1]:
+            runs[k].append(_real_run(prep_dir, tmp / f"{k.split('=')[0]}_{i}", sides[k], steps))
+            r = runs[k][-1]
+            print(f"  rep {i} {k:>10}: step {r['time_step_s']:.2f}s wait {r['wait_data_s']:.2f}s limits {r['limits']}")
+    step = {k: [r["time_step_s"] for r in v] for k, v in runs.items()}
+    rep.ratio("real_step_time_ratio", step["auto"], step[f"derived={d}"], target=1 / GOAL_THROUGHPUT, at_least=False)
+    return {"steps": steps, "derived": d, "runs": runs, "step_s": {k: harness.summary(v) for k, v in step.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,11 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real", action="store_true", help="the CPU default under torchrun instead of the simulator")
     p.add_argument("--steps", type=int, default=8, help="--real: steps per run")
     p.add_argument("--prep-dir", help="--real: prepared tiny model and data (default: a temp dir)")
+    harness.add_load_arg(p)
     a = p.parse_args(argv)
     reps = a.reps or (2 if a.quick else 5)
     if a.real:
-        return real(argv, reps, a.steps, a.prep_dir, a.save)
-    return simulated(argv, reps, a.save)
+        return real(argv, reps, a.steps, a.prep_dir, a.save, a.load)
+    return simulated(argv, reps, a.save, a.load)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ and server, the hop between the engine's HTTP process and its scheduler process,
 rather than the model. Cores: the model runs on one torch thread on every side; the engine, as SGLang, answers
 HTTP in a process of its own beside its scheduler (the HF side has no HTTP to answer), so ``direct_s`` against
 ``hf_s`` is the model-and-scheduler comparison with no second process at all.
+``--load`` (``benchmarks/harness.py``): idle, under the fixed background load (two busy processes), or both (the
+default: the engine and the in-process sides serve both; each condition's ratios and ``levels`` under ``idle`` /
+``loaded``). ``--quick --reps 1``: ~20 s idle + loaded on 2 cores; ``--quick`` (11 repetitions): ~3 min.
 Prints ONE JSON object on the last line.
 """
 
@@ -172,11 +175,55 @@ def _hf_run(hf, prompts, lengths, concurrency: int, pad_id: int) -> tuple[float,
     return time.perf_counter() - t0, toks
 
 
+def _levels(rep, url: str, hf, direct, *, n_req: dict[int, int], max_len: int, reps: int) -> dict:
+    """Both concurrencies under the current condition (the same prompts in each: a fresh ``Random(0)``); the
+    ratios to ``rep``, the figures per level back."""
+    rng = random.Random(0)
+    targets = {1: 1.0, 64: 1.5}
+    levels: dict = {}
+    for c, n in n_req.items():
+        prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(16, 48))] for _ in range(n)]
+        lengths = [rng.randint(8, max_len) for _ in range(n)]
+        gen = sum(lengths)
+        t = harness.interleave(
+            {
+                "engine": lambda p=prompts, n=lengths, c=c: asyncio.run(_engine_run(url, p, n, c))[0],
+                "hf": lambda p=prompts, n=lengths, c=c: _hf_run(hf, p, n, c, pad_id=0)[0],
+                "direct": lambda p=prompts, n=lengths, c=c: direct.run(p, n, c),
+            },
+            reps=reps,
+            warmup=1,
+        )
+        computed = _hf_computed(sorted(lengths), c)
+        rep.ratio(
+            f"c{c}_speedup_ratio",
+            t["hf"],
+            t["engine"],
+            target=targets[c],
+            note="HF s / engine s for the same generated tokens = speed-up per generated token (HF batched by length)",
+        )
+        levels[str(c)] = {
+            "requests": n,
+            "generated_tokens": gen,
+            "hf_computed_tokens": computed,
+            "hf_computed_over_generated": computed / gen,
+            "engine_s": harness.summary(t["engine"]),
+            "hf_s": harness.summary(t["hf"]),
+            "direct_s": harness.summary(t["direct"]),
+            "http_path_share": 1 - statistics.median(t["direct"]) / statistics.median(t["engine"]),
+            "engine_generated_tok_s": gen / statistics.median(t["engine"]),
+            "hf_generated_tok_s": gen / statistics.median(t["hf"]),
+            "hf_computed_tok_s": computed / statistics.median(t["hf"]),
+        }
+        print(f"concurrency {c}: {levels[str(c)]}", file=sys.stderr)
+    return levels
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 11 by default: with 5, the c64 median moved between 1.29 and 1.77 across five --quick runs within one hour
     # (2026-12-03 evening, 2 cores): one repetition of each side is ~0.5 s and the machine's speed swings
-    harness.add_args(ap, reps=11)
+    harness.add_args(ap, reps=11, load=True)
     ap.add_argument(
         "--threads",
         type=int,
@@ -193,13 +240,10 @@ def main(argv=None) -> int:
     from asyncrl.models.tiny import make_tiny_checkpoint
 
     torch.set_num_threads(a.threads)
-    rng = random.Random(0)
-    targets = {1: 1.0, 64: 1.5}
     # more requests than the concurrency: a client keeps `concurrency` in flight (the agent loop's
     # pattern); transformers takes them `concurrency` at a time, sorted by length
     n_req = {1: 3, 64: 128} if a.quick else {1: 8, 64: 256}
     max_len = 48 if a.quick else 128
-    levels: dict = {}
     with tempfile.TemporaryDirectory() as d:
         model = make_tiny_checkpoint(Path(d) / "model", arch="qwen2", seed=0)  # 4 layers, hidden 128
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -207,49 +251,15 @@ def main(argv=None) -> int:
         with running_cpu_engine(
             model, log_dir=Path(d) / "logs", max_running_requests=64, extra=["--num-threads", str(a.threads)]
         ) as sup:
-            for c, n in n_req.items():
-                prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(16, 48))] for _ in range(n)]
-                lengths = [rng.randint(8, max_len) for _ in range(n)]
-                gen = sum(lengths)
-                t = harness.interleave(
-                    {
-                        "engine": lambda p=prompts, n=lengths, c=c: asyncio.run(_engine_run(sup.url, p, n, c))[0],
-                        "hf": lambda p=prompts, n=lengths, c=c: _hf_run(hf, p, n, c, pad_id=0)[0],
-                        "direct": lambda p=prompts, n=lengths, c=c: direct.run(p, n, c),
-                    },
-                    reps=a.reps,
-                    warmup=1,
-                )
-                computed = _hf_computed(sorted(lengths), c)
-                rep.ratio(
-                    f"c{c}_speedup_ratio",
-                    t["hf"],
-                    t["engine"],
-                    target=targets[c],
-                    note="HF s / engine s for the same generated tokens = speed-up per generated token "
-                    "(HF batched by length)",
-                )
-                levels[str(c)] = {
-                    "requests": n,
-                    "generated_tokens": gen,
-                    "hf_computed_tokens": computed,
-                    "hf_computed_over_generated": computed / gen,
-                    "engine_s": harness.summary(t["engine"]),
-                    "hf_s": harness.summary(t["hf"]),
-                    "direct_s": harness.summary(t["direct"]),
-                    "http_path_share": 1 - statistics.median(t["direct"]) / statistics.median(t["engine"]),
-                    "engine_generated_tok_s": gen / statistics.median(t["engine"]),
-                    "hf_generated_tok_s": gen / statistics.median(t["hf"]),
-                    "hf_computed_tok_s": computed / statistics.median(t["hf"]),
-                }
-                print(f"concurrency {c}: {levels[str(c)]}", file=sys.stderr)
+            for cond in harness.conditions(a.load):
+                with rep.condition(cond):
+                    rep.record({"levels": _levels(rep, sup.url, hf, direct, n_req=n_req, max_len=max_len, reps=a.reps)})
         direct.close()
     rep.emit(
         {
             "model": "tiny qwen2 (4 layers, hidden 128, vocab ~1k), fp32",
             "threads": a.threads,
             "hf_batching": "by length (requests sorted by output length, then cut into batches of the concurrency)",
-            "levels": levels,
         },
         save=a.save,
     )

@@ -12,7 +12,9 @@ Each figure is a ``*_ratio`` against its target (``wall_over_target_ratio``: wal
 5 minutes on 2 cores and uses both, so ``--reps`` defaults to 1 (it is not part of the 2-minute ``--quick``
 set); run it alone on an idle machine.
 
-    python benchmarks/first_run.py --save          # ~5 min
+    python benchmarks/first_run.py --save          # ~5 min idle + ~10 min under the load
+``--load`` (``benchmarks/harness.py``): idle, under the fixed background load (two busy processes: the wall target
+holds idle only, its ``loaded`` miss is listed apart), or both (default; each under ``idle`` / ``loaded``).
 The last stdout line is one JSON object with the figures.
 """
 
@@ -85,14 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=1, help="runs (each ~5 min on 2 cores; default 1)")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/baselines/first_run.json")
+    harness.add_load_arg(ap)
     a = ap.parse_args(argv)
     rep = harness.Report("first_run", argv)
     cmd = readme_command()
-    runs = [one_run(cmd) for _ in range(a.reps)]
-    for key, field, target, at_least, note in CHECKS:
-        got = [r[field] for r in runs]
-        rep.ratio(key, got, [target] * len(runs), target=1.0, at_least=at_least, note=note)
-    rep.emit({"readme_command": cmd, "first_runs": runs}, save=a.save)
+    for cond in harness.conditions(a.load):
+        with rep.condition(cond):
+            runs = [one_run(cmd) for _ in range(a.reps)]
+            for key, field, target, at_least, note in CHECKS:
+                got = [r[field] for r in runs]
+                rep.ratio(key, got, [target] * len(runs), target=1.0, at_least=at_least, note=note)
+            rep.record({"first_runs": runs})
+    rep.emit({"readme_command": cmd}, save=a.save)
     return 0
 
 

@@ -12,6 +12,9 @@ default), so the engines stay full when lengths vary. Three regimes, ``group_siz
 Each repetition is one seed, both sides run on it one after the other (order alternating); the figures are
 simulated (groups trained per simulated second, staleness), so the machine's load moves the wall time only; the
 load is recorded all the same. The ratio per regime is sample / group throughput, median and spread over seeds.
+``--load`` (``benchmarks/harness.py``): idle, under the fixed background load, or both (default; the JSON's ``idle``
+and ``loaded``): the simulated figures are the same in both (a check that the load does not leak into them), the
+wall seconds (``figures.wall_s``) are not.
 
     python benchmarks/granularity.py --reps 10 [--save]
 """
@@ -20,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Report, add_args, interleave, summary  # noqa: E402
+from harness import Report, add_args, conditions, interleave, summary  # noqa: E402
 from simulate import SimSetup, simulate  # noqa: E402
 
 REGIMES = {
@@ -35,12 +39,10 @@ REGIMES = {
 BASE = dict(batch=16, group_size=8, buffered=64, engines=2, max_running=48, n_sat=16, tail_sigma=1.2, max_turns=4)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(ap, reps=10)
-    args = ap.parse_args(argv)
-    steps = 12 if args.quick else 24
-    rep = Report("granularity", argv)
+def _regimes(rep: Report, *, steps: int, reps: int) -> dict:
+    """Every regime under the current condition: the ratios to ``rep``, the figures back (the simulated figures
+    are the load's to move only through their wall time, recorded as ``wall_s``)."""
+    t0 = time.perf_counter()
     figures: dict[str, dict] = {}
     for regime, knobs in REGIMES.items():
         seed = iter(range(10_000))
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
             results[gran].append(r)
             return r.groups_per_s
 
-        tput = interleave({"group": lambda: side("group"), "sample": lambda: side("sample")}, reps=args.reps, warmup=0)
+        tput = interleave({"group": lambda: side("group"), "sample": lambda: side("sample")}, reps=reps, warmup=0)
         rep.ratio(
             f"{regime}_sample_over_group_throughput_ratio",
             tput["sample"],
@@ -81,7 +83,20 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{f['inflight_samples_mean']['median']:.1f} trajectories",
                 flush=True,
             )
-    return rep.emit({"setup": {**BASE, "steps": steps, "regimes": REGIMES}, "figures": figures}, save=args.save)
+    figures["wall_s"] = time.perf_counter() - t0
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(ap, reps=10, load=True)
+    args = ap.parse_args(argv)
+    steps = 12 if args.quick else 24
+    rep = Report("granularity", argv)
+    for cond in conditions(args.load):
+        with rep.condition(cond):
+            rep.record({"figures": _regimes(rep, steps=steps, reps=args.reps)})
+    return rep.emit({"setup": {**BASE, "steps": steps, "regimes": REGIMES}}, save=args.save)
 
 
 if __name__ == "__main__":

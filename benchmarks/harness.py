@@ -20,7 +20,9 @@ machine shared with other jobs the load changes from second to second, so:
     PID after, each ending by itself if the benchmark dies); each condition's ratios and figures go under
     ``idle`` and ``loaded`` in the JSON, with the load measured during it. Targets hold at ``idle``
     (``targets_missed``); the ``loaded`` misses are listed apart (``targets_missed_loaded``). ``--load``
-    picks ``both`` (default), ``idle`` or ``loaded``.
+    picks ``both`` (default), ``idle`` or ``loaded``. A benchmark with a JSON of its own (no ``Report``) runs each
+    condition under ``under_condition`` and files its record beside its figures; ``condition_view`` reads a run as
+    its readers knew it before ``--load`` (the idle condition's figures over the top level).
 
     rep = Report("engine_bench", argv)
     t = interleave({"engine": run_engine, "hf": run_hf}, reps=5)   # seconds of each repetition
@@ -148,12 +150,7 @@ def add_args(ap: argparse.ArgumentParser, *, reps: int = MIN_REPS, load: bool = 
     ap.add_argument("--reps", type=int, default=reps, help=f"timed repetitions of each side (default {reps})")
     ap.add_argument("--save", action="store_true", help="also write the JSON to benchmarks/baselines/<name>.json")
     if load:
-        ap.add_argument(
-            "--load",
-            choices=("both", "idle", "loaded"),
-            default="both",
-            help=f"measure idle, under the fixed background load ({LOAD_PROCS} busy processes), or both (default)",
-        )
+        add_load_arg(ap)
 
 
 LOAD_PROCS = 2  # the fixed background load: one busy process per core of the 2-core machine the baselines come from
@@ -199,6 +196,40 @@ def background_load(n: int = LOAD_PROCS) -> Iterator[list[int]]:
                 p.wait(LOAD_STOP_S)
 
 
+@contextlib.contextmanager
+def under_condition(name: str) -> Iterator[dict[str, Any]]:
+    """One condition of ``--load`` for the duration: ``loaded`` runs ``background_load`` meanwhile. Yields the
+    condition's record (``background``: the busy processes' count and PIDs; ``load_start``, ``speed_start``; and
+    ``load_end`` once the block is done), for a benchmark with a JSON of its own to file beside its figures under
+    ``doc[name]`` (``Report.condition`` does it for a ``Report``)."""
+    if name not in ("idle", "loaded"):
+        raise ValueError(f"condition {name!r}: expected 'idle' or 'loaded'")
+    print(f"--- {name}" + (f" (fixed background load: {LOAD_PROCS} busy processes)" if name == "loaded" else ""))
+    with background_load() if name == "loaded" else contextlib.nullcontext([]) as pids:
+        info: dict[str, Any] = {"background": {"busy_processes": len(pids), "pids": pids}}
+        info["load_start"], info["speed_start"] = loadavg(), speed()
+        yield info
+        info["load_end"] = loadavg()
+
+
+def condition_view(doc: dict[str, Any], name: str = "idle") -> dict[str, Any]:
+    """A benchmark's JSON as its readers knew it before ``--load``: ``doc[name]``'s ratios and figures over the top
+    level (``doc`` itself where it has no such condition: a run from before ``--load``, or one of the other
+    condition only)."""
+    inner = doc.get(name)
+    return {**doc, **inner} if isinstance(inner, dict) else doc
+
+
+def add_load_arg(ap: argparse.ArgumentParser) -> None:
+    """``--load`` alone, for a benchmark with options of its own instead of ``add_args``'s."""
+    ap.add_argument(
+        "--load",
+        choices=("both", "idle", "loaded"),
+        default="both",
+        help=f"measure idle, under the fixed background load ({LOAD_PROCS} busy processes), or both (default)",
+    )
+
+
 class Report:
     """Collects one benchmark run's ratios and figures; ``emit`` prints the JSON (last) and saves it."""
 
@@ -223,13 +254,11 @@ class Report:
             raise RuntimeError(f"condition {name!r} inside {self._cond!r}")
         c = self.conditions.setdefault(name, {"ratios": {}, "figures": {}})
         self._cond = name
-        print(f"--- {name}" + (f" (fixed background load: {LOAD_PROCS} busy processes)" if name == "loaded" else ""))
         try:
-            with background_load() if name == "loaded" else contextlib.nullcontext([]) as pids:
-                c["background"] = {"busy_processes": len(pids), "pids": pids}
-                c["load_start"], c["speed_start"] = loadavg(), speed()
+            with under_condition(name) as info:
+                c.update(info)
                 yield
-                c["load_end"] = loadavg()
+            c.update(info)  # its load_end
         finally:
             self._cond = None
 
@@ -321,16 +350,27 @@ class Report:
         )
 
 
-def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, what: str) -> tuple[float, list[dict]]:
+def run_tiny_job(
+    run_dir: Path, overrides: Sequence[str], *, timeout_s: float, what: str, threads: int = 1
+) -> tuple[float, list[dict]]:
     """``torchrun --nproc_per_node 2 launch/train.py configs/tiny.toml <overrides>`` to its end (inherited
-    rendezvous variables dropped, one OpenMP thread per process): its wall seconds and ``run_dir``'s metrics
-    records. A failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
+    rendezvous variables dropped, ``threads`` torch threads per process: ``OMP_NUM_THREADS`` for the ranks and
+    ``NUM_THREADS_ENV`` for the CPU engine, which the launcher otherwise starts on one; above one, also
+    ``OMP_WAIT_POLICY=PASSIVE``, ``OMP_WAIT_POLICY_NOTE``): its wall seconds and ``run_dir``'s metrics records. A
+    failed job ends the benchmark naming ``what``, with the tail of its output and where its logs are kept
     (``keep_failed_run``); a job during which the checkout's code changed says which files (``source_stamps``), failed
     or not: on a tree others edit, a job whose processes started at different moments can run half an edit."""
     import subprocess
 
+    from asyncrl.cpu_engine.args import NUM_THREADS_ENV  # here: it imports torch, which the harness itself need not
+
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
+    env["OMP_NUM_THREADS"] = str(threads)
+    env.pop(NUM_THREADS_ENV, None)
+    if threads != 1:
+        env[NUM_THREADS_ENV] = str(threads)
+        # OpenMP threads that wait at a barrier sleep instead of spinning (OMP_WAIT_POLICY_NOTE)
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     cmd += ["--log-dir", str(run_dir / "torchelastic")]  # not a /tmp/torchelastic_* of its own, never removed
     cmd += [str(REPO / "launch/train.py"), "configs/tiny.toml", *overrides]
@@ -349,6 +389,11 @@ def run_tiny_job(run_dir: Path, overrides: Sequence[str], *, timeout_s: float, w
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return wall_s, recs
 
+
+OMP_WAIT_POLICY_NOTE = """Two threads a process on 2 shared cores: with OpenMP's default wait policy (spin at a
+barrier before sleeping) the CPU engine generated 12-18 tok/s instead of 510-1188 with one thread (the tiny model,
+concurrency 1 and 4, load 6-12 on 2 cores, 2026-12-07: ``engine_curve.py --levels 1,4 --rounds 1 --threads 2``);
+with ``OMP_WAIT_POLICY=PASSIVE`` 694-753 tok/s. A thread spinning at a barrier holds the core its partner needs."""
 
 SOURCE_DIRS = ("asyncrl", "launch", "configs")
 """What a tiny job's processes import or read from the checkout: every rank, the broker and the engine import it anew

@@ -13,6 +13,10 @@ The machine's load and speed are recorded around every run.
     python benchmarks/offpolicy_ab.py --arms none tis icepop --seeds 1 2 3 --save   # ~9 runs of ~2 min
     python benchmarks/offpolicy_ab.py --plot benchmarks/baselines/offpolicy_ab.json  # redraw docs/offpolicy_ab.png
 
+``--load`` (``benchmarks/harness.py``): idle, under the fixed background load (two busy processes), or both (the
+default; each condition's runs under ``idle`` / ``loaded``; ``--plot`` draws a run's idle ones). Each run's seed fixes
+its data, not its schedule: the load moves the staleness each trajectory meets, so both are kept.
+
 ``--screen`` runs every correction once (one seed) to choose the mask for the A/B (say which seed; a choice made on
 the A/B's own seeds would favour it). The last stdout line is the JSON (``--save``: also
 ``benchmarks/baselines/offpolicy_ab.json``).
@@ -140,7 +144,8 @@ def pooled(files: list[dict]) -> dict:
     docs = []
     for f in files:
         last = f.get("latest", f)
-        docs += [d for d in f.get("runs", [f]) if (d.get("arms"), d.get("steps")) == (last["arms"], last["steps"])]
+        mine = [d for d in f.get("runs", [f]) if (d.get("arms"), d.get("steps")) == (last["arms"], last["steps"])]
+        docs += [v for d in mine for v in _condition_views(d)]
     arms = docs[0]["arms"]
     runs = [r for d in docs for r in d["ab_runs"] if r["arm"] in arms]
     dates = sorted(d["date"] for d in docs)
@@ -150,6 +155,15 @@ def pooled(files: list[dict]) -> dict:
         diff = [_heldout(runs, arm, s) - _heldout(runs, arms[0], s) for s in seeds]
         agg[arm][f"heldout_after_minus_{arms[0]}"] = harness.summary(diff) | {"note": "paired by seed"}
     return {"arms": arms, "ab_runs": runs, "per_arm": agg, "date": " + ".join(dates)}
+
+
+def _condition_views(doc: dict) -> list[dict]:
+    """A run's JSON as the A/B reads it: its ``idle`` condition's runs (a ``--load loaded`` run's ``loaded`` ones; a
+    run from before ``--load``: as it is). One condition a run, so each seed pairs once."""
+    for c in ("idle", "loaded"):
+        if isinstance(doc.get(c), dict):
+            return [harness.condition_view(doc, c)]
+    return [doc]
 
 
 def _heldout(runs: list[dict], arm: str, seed: int) -> float:
@@ -209,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, nargs="+", help="only draw the plot from these JSONs (their runs pooled)")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "offpolicy_ab.png")
     ap.add_argument("--save", action="store_true", help="also write benchmarks/baselines/offpolicy_ab.json")
+    harness.add_load_arg(ap)
     a = ap.parse_args(argv)
     if a.plot:
         doc = pooled([json.loads(p.read_text()) for p in a.plot])
@@ -217,11 +232,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     arms, seeds = (list(ALL_CORRECTIONS), a.seeds[:1]) if a.screen else (a.arms, a.seeds)
     rep = harness.Report("offpolicy_ab", argv)
+    for cond in harness.conditions(a.load):
+        with rep.condition(cond):
+            rep.record(_ab(rep, a, a.out / cond, arms, seeds))
+    doc = rep.emit({"arms": arms, "seeds": seeds, "forced": list(FORCED), "steps": a.steps}, save=a.save)
+    if not a.screen:
+        plot(pooled([doc]), a.png)
+    return 0
+
+
+def _ab(rep, a, out_dir: Path, arms: list[str], seeds: list[int]) -> dict:
+    """Every arm on every seed under the current condition; the ratios to ``rep``, the runs and per-arm figures back."""
     runs = []
     for i, seed in enumerate(seeds):
         order = arms[i % len(arms) :] + arms[: i % len(arms)]  # rotated: each arm leads once in len(arms) seeds
         for arm in order:
-            r = run_once(a.prep, a.out, seed=seed, arm=arm, steps=a.steps)
+            r = run_once(a.prep, out_dir, seed=seed, arm=arm, steps=a.steps)
             print(
                 f"{arm} seed {seed}: held-out {r['heldout_before']} -> {r['heldout_after']}, reward last "
                 f"{TAIL_STEPS} {r['reward_tail']:.3f}, dropped {r['is_dropped_fraction']:.4f}, "
@@ -247,13 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             target=1.0,
             note=f"held-out accuracy after RL, {arm} / {base}, paired by seed (>= 1: no worse)",
         )
-    doc = rep.emit(
-        {"arms": arms, "seeds": seeds, "forced": list(FORCED), "steps": a.steps, "per_arm": agg, "ab_runs": runs},
-        save=a.save,
-    )
-    if not a.screen:
-        plot(doc, a.png)
-    return 0
+    return {"per_arm": agg, "ab_runs": runs}
 
 
 if __name__ == "__main__":

@@ -33,15 +33,27 @@ alternating (``benchmarks/harness.py``), and the ratios are taken per pair (medi
 ``sync_over_async_ratio`` (target >= 1.5) and ``overlap_efficiency_ratio`` (target >= 0.9). The
 pause mode is the default ``retract``.
 
-    python benchmarks/overlap.py --quick          # 12 steps per run, 5 pairs: ~3-4 min once prepared
+    python benchmarks/overlap.py --quick          # 12 steps per run, 5 rounds of 3 runs: ~5-6 min a condition
     python benchmarks/overlap.py                  # 20 steps per run, 3 pairs
     python benchmarks/overlap.py --quick --save   # also write benchmarks/baselines/overlap.json
     python benchmarks/overlap.py --quick --workload long_tail   # generation-bound with a long tail (RLinf's regime)
 
+A third side, ``sync_both_cores``, is the honest baseline (issue 45): a sync run in which every process has both
+cores' threads (``--sync-threads``, default 2), so the part that runs alone (the engine generating, then the actor
+training) uses the core the turn-taking would leave idle. How: the job's ``OMP_NUM_THREADS`` (the torchrun ranks:
+the actor's torch threads) and ``ASYNCRL_CPU_ENGINE_NUM_THREADS`` (``asyncrl.cpu_engine.args.NUM_THREADS_ENV``: the
+CPU engine's ``--num-threads``, which the launcher leaves out, starting it with ``OMP_NUM_THREADS=1``) both set to
+it (``harness.run_tiny_job(threads=...)``), with ``OMP_WAIT_POLICY=PASSIVE`` (without it two spinning threads a
+process slowed the engine 40-fold on the shared 2 cores: ``harness.OMP_WAIT_POLICY_NOTE``).
+``both_cores_sync_over_async_ratio`` = its time/step / async's, per round (target >= 1.0: the overlap must beat a
+sync run that leaves no core idle), and ``best_sync_over_async_ratio`` the faster of the round's two sync runs /
+async (the baseline a user would pick: where other jobs hold a core, two threads a process can run slower than one,
+OpenMP's barriers waiting on a preempted thread); ``second_core_speedup`` says what the second core's threads bought
+each part (one-core s / both-cores s; below 1: they cost). The three sides run interleaved, the order alternating;
+``sync_over_async_ratio`` and ``overlap_efficiency_ratio`` keep their meaning (the one-core sync run).
+
 Every mode runs idle and under the harness's fixed background load (``--load``; both by default, under ``idle``
-and ``loaded`` in the JSON): twice the time above; ``--load idle`` for one. The sync baseline still runs one
-core at a time (the CPU engine is started with one thread, ``asyncrl/engine/launch.py``): a sync baseline that
-uses both cores needs a thread setting for the CPU engine and the actor (issue 45, open).
+and ``loaded`` in the JSON): twice the time above (and the third side adds half again); ``--load idle`` for one.
 
 The tiny model and data are prepared once under ``--prep-dir`` (default runs/overlap_bench,
 a short warm start; the first run pays ~1-3 min for it, not counted in the figures).
@@ -121,16 +133,31 @@ def job_overrides(
 
 
 def run_job(
-    prep_dir: Path, run_dir: Path, *, async_mode: bool, steps: int, extra: list[str], workload: str = "balanced"
+    prep_dir: Path,
+    run_dir: Path,
+    *,
+    async_mode: bool,
+    steps: int,
+    extra: list[str],
+    workload: str = "balanced",
+    threads: int = 1,
 ) -> dict:
+    """One torchrun job to its end; ``threads``: torch threads of every process, the CPU engine's included
+    (``harness.run_tiny_job``)."""
     overrides = job_overrides(prep_dir, run_dir, async_mode=async_mode, steps=steps, extra=extra, workload=workload)
-    what = f"overlap: the {'async' if async_mode else 'sync'} job"
-    wall_s, recs = harness.run_tiny_job(run_dir, overrides, timeout_s=RUN_TIMEOUT_S, what=what)
+    what = f"overlap: the {'async' if async_mode else 'sync'} job ({threads} thread(s) a process)"
+    wall_s, recs = harness.run_tiny_job(run_dir, overrides, timeout_s=RUN_TIMEOUT_S, what=what, threads=threads)
     return {"wall_s": wall_s, "records": recs}
 
 
+SIDES = {"sync": (False, 1), "sync_both_cores": (False, 0), "async": (True, 1)}
+"""Each side: (async mode, threads a process; 0: ``--sync-threads``). ``sync`` takes turns on one core at a time
+(the overlap's ideal comes from it: each part on the one core async gives it); ``sync_both_cores`` takes turns with
+every process on both cores' threads (the honest baseline: a sync run that leaves no core idle while one part runs);
+``async`` runs the parts at once, one core each."""
 SPLIT = {
     "sync": ("time/rollout", "time/training", "time/sync_weights"),
+    "sync_both_cores": ("time/rollout", "time/training", "time/sync_weights"),
     "async": ("time/wait_data", "time/training", "time/sync_weights"),
 }
 
@@ -195,19 +222,22 @@ def _round(x):
 
 
 def _one_condition(rep, prep_dir: Path, *, steps: int, args) -> dict:
-    """``args.reps`` pairs of runs (sync, async) under the current condition; ratios to ``rep``; figures back."""
-    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    """``args.reps`` rounds of runs (``SIDES``: sync, sync on both cores, async) under the current condition; ratios
+    to ``rep``; figures back."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in SIDES}
     with tempfile.TemporaryDirectory(prefix="overlap_") as tmp:
 
         def one(mode: str) -> float:
             i = len(runs[mode])
+            async_mode, threads = SIDES[mode]
             res = run_job(
                 prep_dir,
                 Path(tmp) / f"{mode}{i}",
-                async_mode=mode == "async",
+                async_mode=async_mode,
                 steps=steps,
                 extra=args.extra,
                 workload=args.workload,
+                threads=threads or args.sync_threads,
             )
             runs[mode].append(res)
             s = summarize(mode, [res])
@@ -218,8 +248,26 @@ def _one_condition(rep, prep_dir: Path, *, steps: int, args) -> dict:
             )
             return s["time_step_s"]
 
-        t = harness.interleave({"sync": lambda: one("sync"), "async": lambda: one("async")}, reps=args.reps, warmup=0)
+        t = harness.interleave({m: lambda m=m: one(m) for m in SIDES}, reps=args.reps, warmup=0)
     pairs = [figures(summarize("sync", [s]), summarize("async", [x])) for s, x in zip(runs["sync"], runs["async"])]
+    both = [summarize("sync_both_cores", [r]) for r in runs["sync_both_cores"]]
+    one_core = [summarize("sync", [r]) for r in runs["sync"]]
+    rep.ratio(
+        "both_cores_sync_over_async_ratio",
+        t["sync_both_cores"],
+        t["async"],
+        target=1.0,
+        note=f"time/step of a sync run whose every process has {args.sync_threads} threads (the CPU engine's too) / "
+        "async time/step, per round: the overlap against a sync baseline that leaves no core idle",
+    )
+    rep.ratio(
+        "best_sync_over_async_ratio",
+        [min(a, b) for a, b in zip(t["sync"], t["sync_both_cores"])],
+        t["async"],
+        target=1.0,
+        note="the faster sync run of the round (one core or both cores' threads) / async time/step: on a shared "
+        "machine more threads than free cores can be slower than one (OpenMP barriers wait on preempted threads)",
+    )
     rep.ratio(
         "sync_over_async_ratio",
         t["sync"],
@@ -237,7 +285,16 @@ def _one_condition(rep, prep_dir: Path, *, steps: int, args) -> dict:
     return {
         "pairs": _round(pairs),
         "sync": _round(summarize("sync", runs["sync"])),
+        "sync_both_cores": _round(summarize("sync_both_cores", runs["sync_both_cores"]))
+        | {"threads": args.sync_threads},
         "async": _round(summarize("async", runs["async"])),
+        "second_core_speedup": _round(
+            {  # what the sync baseline gains from the second core's threads, per part (one-core s / both-cores s)
+                k: statistics.median(a["split_s"][k] / b["split_s"][k] for a, b in zip(one_core, both))
+                for k in SPLIT["sync"]
+                if all(b["split_s"][k] > 0 for b in both)
+            }
+        ),
     }
 
 
@@ -246,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_args(p, reps=5, load=True)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced", help="WORKLOADS (module docstring)")
     p.add_argument("--steps", type=int, help="steps per run (default 12 quick, 20 full)")
+    p.add_argument(
+        "--sync-threads",
+        type=int,
+        default=2,
+        help="torch threads of every process of the both-cores sync run (default 2: the two cores the baselines use)",
+    )
     p.add_argument("--prep-dir", default=str(REPO / "runs/overlap_bench"), help="prepared tiny model and data (cached)")
     p.add_argument(
         "--set",
@@ -258,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.reps < 3:
         raise SystemExit(f"--reps {a.reps}: at least 3 paired runs (one pair is noise on a shared machine)")
+    if a.sync_threads < 2:
+        raise SystemExit(f"--sync-threads {a.sync_threads}: at least 2 (the both-cores baseline; 1 is the sync side)")
     rep = harness.Report("overlap", argv)
     steps = a.steps or (12 if a.quick else 20)
     prep_dir = Path(a.prep_dir).resolve()

@@ -33,7 +33,9 @@
     python benchmarks/scale.py --quick      # < 2 minutes
     python benchmarks/scale.py              # the full grid (about 10 minutes on 2 loaded cores)
     python benchmarks/scale.py --quick --write   # also writes benchmarks/baselines/scale.json
-The last stdout line is one JSON object with the figures.
+The last stdout line is one JSON object with the figures. ``--load`` (``benchmarks/harness.py``): idle, under the
+fixed background load (two busy processes), or both (the default): each condition's figures under ``idle`` /
+``loaded``, the first's also at the top level (``top_level_condition``), the keys as before.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 from asyncrl.broker.core import BrokerCore, CoreSettings  # noqa: E402
@@ -332,7 +336,8 @@ def sync_on_paper(
 def _committed_sync_control() -> dict:
     p = BASELINES / "weight_sync_bench.json"
     try:
-        d = json.loads(p.read_text())["latest"]  # harness.Report's file: the newest run, then the history
+        # harness.Report's file: the newest run, then the history; its idle condition where it has one (--load)
+        d = harness.condition_view(json.loads(p.read_text())["latest"])
         r = d["results"]["engines1"]
         return {
             "file": str(p.relative_to(BASELINES.parents[1])),
@@ -346,35 +351,8 @@ def _committed_sync_control() -> dict:
 
 
 # --------------------------------------------------------------------------- main
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 points per curve, 1 timed step, 5 repetitions")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--params", type=float, default=30.5e9, help="model parameters (default: a 30B MoE)")
-    ap.add_argument(
-        "--tensors",
-        type=int,
-        default=18_867,
-        help="tensors in the model (Qwen3-30B-A3B: 48 layers x (128 experts x 3 + 9) + 3)",
-    )
-    ap.add_argument("--link-gb-s", type=float, default=50.0, help="broadcast bandwidth, GB/s (400 Gb/s InfiniBand)")
-    ap.add_argument("--engines", type=int, default=1, help="engines the sync fans out to (Miles' example: one)")
-    ap.add_argument("--bucket-bytes", type=int, default=512 * 1024 * 1024, help="sync.bucket_bytes")
-    ap.add_argument("--write", action="store_true", help="write benchmarks/baselines/scale.json")
-    ap.add_argument(
-        "--old-membership",
-        choices=("ids", "owner"),
-        default="ids",
-        help="a core without is_inflight (measuring the old code): ask inflight_group_ids (the "
-        "simulator's pattern) or owner (the server's)",
-    )
-    args = ap.parse_args()
-    global OLD_MEMBERSHIP
-    OLD_MEMBERSHIP = args.old_membership
-    if args.reps < 5:
-        ap.error("--reps: at least 5 repetitions")
-    t_start = time.time()
-    load0 = open("/proc/loadavg").read().split()[:3]
+def _measure(args) -> dict:
+    """The three parts under the current condition; their figures (the JSON's keys as before ``--load``)."""
     steps = 1 if args.quick else 3
     inflights = (1000, 4000, 16000) if args.quick else (1000, 2000, 4000, 8000, 16000)
     workerss = (8, 64, 1000) if args.quick else (8, 64, 256, 1000)
@@ -443,12 +421,7 @@ def main() -> int:
             f"{p['control_s']:.2f} s = {p['sync_s']:.2f} s   (Miles, 30B MoE, NCCL broadcast: {MILES_30B_SYNC_S} s)"
         )
     main_paper = next(p for p in paper if p["link_GB_s"] == args.link_gb_s)
-    load1 = open("/proc/loadavg").read().split()[:3]
-    out = {
-        "benchmark": "scale",
-        "command": "python benchmarks/scale.py" + (" --quick" if args.quick else ""),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1},
+    return {
         "core_per_event_vs_inflight": curve_n,
         "core_per_event_vs_workers": curve_w,
         "step_model": model
@@ -466,6 +439,54 @@ def main() -> int:
         "sync_on_paper": paper,
         "sync_vs_miles_ratio": main_paper["sync_s"] / MILES_30B_SYNC_S,
         "sync_vs_miles_target": "<= 1.0",
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="3 points per curve, 1 timed step, 5 repetitions")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--params", type=float, default=30.5e9, help="model parameters (default: a 30B MoE)")
+    ap.add_argument(
+        "--tensors",
+        type=int,
+        default=18_867,
+        help="tensors in the model (Qwen3-30B-A3B: 48 layers x (128 experts x 3 + 9) + 3)",
+    )
+    ap.add_argument("--link-gb-s", type=float, default=50.0, help="broadcast bandwidth, GB/s (400 Gb/s InfiniBand)")
+    ap.add_argument("--engines", type=int, default=1, help="engines the sync fans out to (Miles' example: one)")
+    ap.add_argument("--bucket-bytes", type=int, default=512 * 1024 * 1024, help="sync.bucket_bytes")
+    ap.add_argument("--write", action="store_true", help="write benchmarks/baselines/scale.json")
+    harness.add_load_arg(ap)
+    ap.add_argument(
+        "--old-membership",
+        choices=("ids", "owner"),
+        default="ids",
+        help="a core without is_inflight (measuring the old code): ask inflight_group_ids (the "
+        "simulator's pattern) or owner (the server's)",
+    )
+    args = ap.parse_args()
+    global OLD_MEMBERSHIP
+    OLD_MEMBERSHIP = args.old_membership
+    if args.reps < 5:
+        ap.error("--reps: at least 5 repetitions")
+    t_start = time.time()
+    load0 = open("/proc/loadavg").read().split()[:3]
+    by_cond = {}
+    for cond in harness.conditions(args.load):
+        with harness.under_condition(cond) as info:
+            by_cond[cond] = _measure(args)
+        by_cond[cond] = info | by_cond[cond]
+    first = next(iter(by_cond))  # idle where it ran: the top level's figures, as before --load
+    load1 = open("/proc/loadavg").read().split()[:3]
+    out = {
+        "benchmark": "scale",
+        "command": " ".join(["python benchmarks/scale.py", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": load1},
+        **{k: v for k, v in by_cond[first].items() if k not in ("background", "load_start", "load_end", "speed_start")},
+        "top_level_condition": first,
+        **by_cond,
         "miles_30b_sync_s": MILES_30B_SYNC_S,
         "wall_s": round(time.time() - t_start, 1),
     }

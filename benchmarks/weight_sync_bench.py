@@ -27,6 +27,15 @@ cores, printed as ``overhead_s``), so the ratio rises with the model. On 2026-12
 (110 -> 214 MB) to clear a 0.9 target; issue 45 undid that: ``--quick`` is the 110 MB smoke size again (no target:
 its fixed cost alone is 8-10% of the sync) and the target moved instead, to 0.95 of bare at the default size, idle.
 
+``--during-load generate+train`` (or ``generate``, ``train``; ``benchmarks/sync_under_load.py``) adds a third side,
+interleaved with the two: the same sync while the engines serve a steady stream of requests (``ENGINE_MAX_RUNNING``
+in flight on each) and an actor process trains the synced model (the project's Megatron ``Actor``, one thread),
+the load switched on before the timed sync and off after it. ``engines<N>_quiet_over_busy_sync_ratio`` = quiet
+sync s / busy sync s (no target: what the load costs the sync), its parts as ``busy_control_s`` etc., and the
+load's own rate while on (``during_load``: tokens/s generated, the trainer's CPU in cores), printed beside the quiet figures.
+
+    python benchmarks/weight_sync_bench.py --quick --during-load generate+train --reps 9 --engines 1 --load idle
+
 The last stdout line is one JSON object with the figures.
 """
 
@@ -49,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from sync_under_load import LOADS, DuringLoad  # noqa: E402
 
 from asyncrl.cluster import weight_update_group as pgmod  # noqa: E402
 from asyncrl.cluster.ports import free_port  # noqa: E402
@@ -61,6 +71,7 @@ TIMEOUT_S = 120.0
 TARGET = 0.95  # bare / sync at the default size, idle (issue 45): what is left is the fixed cost of ~10 ms
 DEFAULT_SIZE = (1024, 2816, 12)  # hidden, intermediate, layers: 575 MB
 QUICK_SIZE = (768, 2048, 4)  # 110 MB: the original quick size
+ENGINE_MAX_RUNNING = 4  # each engine's running requests; --during-load keeps this many in flight on each
 
 
 def _receiver(args_path: str) -> int:
@@ -149,35 +160,49 @@ class _BareGroup:
                     p.wait(10)
 
 
-def _measure(sups, state, buckets, sync_cfg: SyncConfig, reps: int, tmp: Path) -> dict[str, list[float]]:
+def _measure(
+    sups, state, buckets, sync_cfg: SyncConfig, reps: int, tmp: Path, load: DuringLoad | None = None
+) -> dict[str, list[float]]:
     """One full sync into the engines ``sups`` and one bare broadcast to as many plain receivers per
-    repetition, interleaved (harness.interleave), after one warm-up of each."""
+    repetition, interleaved (harness.interleave), after one warm-up of each; with ``load``, a third side: the same
+    sync while the load runs (``busy_sync``: switched on before it, off after it; its parts ``busy_<part>``)."""
     n = len(sups)
     group = WeightSyncGroup(
         [EngineEndpoint(s.url) for s in sups], sync_cfg, master_address="127.0.0.1", control_timeout_s=TIMEOUT_S
     )
     group.init()
     bare = _BareGroup(buckets, n, reps + 1, sync_cfg.flattened_bucket, tmp)
-    parts: dict[str, list[float]] = {"control": [], "gather": [], "transfer": []}
+    parts: dict[str, list[float]] = {k: [] for k in ("control", "gather", "transfer")}
+    busy_parts: dict[str, list[float]] = {f"busy_{k}": [] for k in parts}
     version = iter(range(1, 1 << 30))
     try:
         syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=sync_cfg)
 
-        def one_sync() -> float:
+        def one_sync(into: dict[str, list[float]], prefix: str = "") -> float:
             r = syncer.sync(iter_buckets(state.items(), sync_cfg.bucket_bytes), version=next(version))
             for k, v in (("control", r.control_s), ("gather", r.gather_s), ("transfer", r.transfer_s)):
-                parts[k].append(v)
+                into[prefix + k].append(v)
             return r.time_s
 
-        out = harness.interleave({"sync": one_sync, "bare": bare.rep}, reps=reps, warmup=1)
-        out.update({k: v[1:] for k, v in parts.items()})  # drop the warm-up's
+        def busy_sync() -> float:
+            load.on()
+            try:
+                return one_sync(busy_parts, "busy_")
+            finally:
+                load.off()
+
+        sides = {"sync": lambda: one_sync(parts), "bare": bare.rep}
+        if load is not None:
+            sides["busy_sync"] = busy_sync
+        out = harness.interleave(sides, reps=reps, warmup=1)
+        out.update({k: v[1:] for k, v in (parts | (busy_parts if load else {})).items()})  # drop the warm-up's
         return out
     finally:
         bare.close()
         group.destroy()
 
 
-def _conditions_results(rep, *, sups, counts, state, buckets, sync_cfg, a, tmp) -> dict:
+def _conditions_results(rep, *, sups, counts, state, buckets, sync_cfg, a, tmp, ckpt, vocab_size) -> dict:
     """Measure every engine count in ``counts`` under the current condition; ratios to ``rep``; the figures back."""
     default = (a.hidden_size, a.intermediate_size, a.layers) == DEFAULT_SIZE
     target = TARGET if default else 0.0
@@ -185,7 +210,19 @@ def _conditions_results(rep, *, sups, counts, state, buckets, sync_cfg, a, tmp) 
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     results = {}
     for n in counts:
-        t = _measure(sups[:n], state, buckets, sync_cfg, a.reps, tmp)
+        with (
+            DuringLoad(
+                [s.url for s in sups[:n]],
+                a.during_load,
+                checkpoint=ckpt,
+                tmp=tmp,
+                concurrency=ENGINE_MAX_RUNNING,
+                vocab_size=vocab_size,
+            )
+            if a.during_load
+            else contextlib.nullcontext()
+        ) as load:
+            t = _measure(sups[:n], state, buckets, sync_cfg, a.reps, tmp, load)
         overhead_s = statistics.median(t["sync"]) - statistics.median(t["bare"])  # the fixed cost (docstring)
         print(
             f"engines={n}: "
@@ -213,6 +250,19 @@ def _conditions_results(rep, *, sups, counts, state, buckets, sync_cfg, a, tmp) 
             "sync_bytes_per_s": model_bytes / statistics.median(t["sync"]),
             "bare_bytes_per_s": model_bytes / statistics.median(t["bare"]),
         }
+        if load is not None:
+            rep.ratio(
+                f"engines{n}_quiet_over_busy_sync_ratio",
+                t["sync"],
+                t["busy_sync"],
+                target=0.0,
+                note=f"the sync on quiet engines s / the same sync while {a.during_load} runs s (no target: what the "
+                "load costs the sync)",
+            )
+            results[f"engines{n}"]["during_load"] = load.figures() | {
+                "busy_sync_bytes_per_s": model_bytes / statistics.median(t["busy_sync"])
+            }
+            print(f"engines={n} during {a.during_load}: {results[f'engines{n}']['during_load']}", flush=True)
     return results
 
 
@@ -227,6 +277,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mib", type=float, default=512.0, help="sync.bucket_bytes in MiB")
     ap.add_argument("--flattened", action="store_true", help="sync.flattened_bucket = true")
     ap.add_argument("--engines", default="1,2", help="comma-separated engine counts")
+    ap.add_argument(
+        "--during-load",
+        choices=LOADS,
+        help="also time the sync while the engines generate and/or an actor trains (benchmarks/sync_under_load.py)",
+    )
     ap.add_argument("--receiver", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.receiver:
@@ -238,6 +293,7 @@ def main(argv=None) -> int:
     rep = harness.Report("weight_sync_bench", argv)
 
     from asyncrl.cpu_engine.testing import running_cpu_engine
+    from asyncrl.models.spec import ModelSpec
     from asyncrl.models.tiny import make_tiny_checkpoint
     from asyncrl.models.torch_decoder import TorchDecoder
 
@@ -263,6 +319,7 @@ def main(argv=None) -> int:
             num_key_value_heads=4,
         )
         state = {k: v.detach() for k, v in TorchDecoder.from_pretrained(ckpt).state_dict().items()}
+        vocab_size = ModelSpec.from_pretrained(ckpt).vocab_size
         model_bytes = sum(t.numel() * t.element_size() for t in state.values())
         buckets = list(iter_buckets(state.items(), sync_cfg.bucket_bytes))
         with contextlib.ExitStack() as stack:
@@ -271,7 +328,7 @@ def main(argv=None) -> int:
                     running_cpu_engine(
                         ckpt,
                         log_dir=tmp / "logs",
-                        max_running_requests=4,
+                        max_running_requests=ENGINE_MAX_RUNNING,
                         weight_version="0",
                         extra=["--weight-sync-timeout-s", str(TIMEOUT_S), "--num-threads", "1"],
                     )
@@ -291,6 +348,8 @@ def main(argv=None) -> int:
                                 sync_cfg=sync_cfg,
                                 a=a,
                                 tmp=tmp,
+                                ckpt=ckpt,
+                                vocab_size=vocab_size,
                             )
                         }
                     )
@@ -305,6 +364,7 @@ def main(argv=None) -> int:
             "reps": a.reps,
             "backend": "gloo",
             "torch": torch.__version__,
+            "during_load": a.during_load,
         },
         save=a.save,
     )

@@ -29,6 +29,11 @@ from asyncrl.cluster.ports import free_port
 log = logging.getLogger("asyncrl.cpu_engine")
 
 PROG = "python -m asyncrl.cpu_engine.server"
+NUM_THREADS_ENV = "ASYNCRL_CPU_ENGINE_NUM_THREADS"
+"""``--num-threads`` where the command line leaves it out. The launcher starts the CPU engine with
+``OMP_NUM_THREADS=1`` (one core, the other the actor's) and no ``--num-threads``; a run's processes inherit this
+variable, so a benchmark gives the engine both cores of a sync (turn-taking) run with it (``benchmarks/overlap.py``).
+Not SGLang's: a GPU engine has no CPU threads to size."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class EngineArgs:
     context_length: Optional[int] = None
     """Defaults to the model's max_position_embeddings."""
     num_threads: Optional[int] = None
-    """torch intra-op threads (default: torch's choice)."""
+    """torch intra-op threads (default: ``NUM_THREADS_ENV`` where set, else torch's choice)."""
     weight_sync_timeout_s: float = 600.0
     """Timeout of the weight-update group (join and each broadcast)."""
     nccl_port: Optional[int] = None
@@ -83,6 +88,11 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
     a = ap.parse_args(argv)
     if a.max_running_requests < 1:
         ap.error("--max-running-requests must be >= 1")
+    if a.num_threads is None and os.environ.get(NUM_THREADS_ENV):
+        value = os.environ[NUM_THREADS_ENV]
+        if not value.isdigit() or int(value) < 1:
+            ap.error(f"{NUM_THREADS_ENV}={value!r}: expected a whole number of threads >= 1")
+        a.num_threads = int(value)
     return EngineArgs(
         model_path=a.model_path,
         port=a.port,

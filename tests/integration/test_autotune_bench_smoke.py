@@ -10,8 +10,10 @@ import pytest
 
 @pytest.mark.slow
 def test_autotune_bench_quick_runs_both_regimes():
-    r = proc_helpers.run_benchmark("autotune.py", "--quick", "--reps", "1")
-    assert r["benchmark"] == "autotune" and r["reps"] == 1 and "load_start" in r and "load_end" in r
+    doc = proc_helpers.run_benchmark("autotune.py", "--quick", "--reps", "1", "--load", "idle")
+    assert doc["benchmark"] == "autotune" and doc["reps"] == 1 and "load_start" in doc and "load_end" in doc
+    assert "loaded" not in doc and doc["idle"]["background"]["busy_processes"] == 0
+    r = doc | doc["idle"]  # the idle condition's cases over the top level (harness.condition_view), as before --load
     sr1, knee = r["cases"]["searchr1"], r["cases"]["knee"]
     assert set(sr1["settings"]) == {"77", "154", "308", "512", "auto", "auto@512"}
     assert all(row["groups_s"]["n"] == 1 for row in sr1["settings"].values())

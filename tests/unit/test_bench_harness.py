@@ -150,3 +150,51 @@ def test_only_a_benchmark_that_runs_conditions_takes_load(harness):
     assert with_load.parse_args([]).load == "both" and with_load.parse_args(["--load", "idle"]).load == "idle"
     with pytest.raises(SystemExit):  # not silently ignored where the benchmark has no idle/loaded split
         without.parse_args(["--load", "idle"])
+
+
+def test_under_condition_records_the_load_for_a_json_of_its_own(harness):
+    with harness.under_condition("loaded") as info:
+        pids = info["background"]["pids"]
+        assert info["background"]["busy_processes"] == 2 and not any(_gone(p) for p in pids)
+        assert {"load_start", "speed_start"} <= set(info) and "load_end" not in info
+    assert "load_end" in info and all(_gone(p) for p in pids)
+    with pytest.raises(ValueError, match="busy"):
+        with harness.under_condition("busy"):
+            pass
+
+
+def test_condition_view_reads_a_run_as_before_load(harness):
+    run = {"date": "d", "ratio_x": 1, "idle": {"ratio_x": 2, "results": {"a": 1}}, "loaded": {"ratio_x": 3}}
+    assert harness.condition_view(run)["ratio_x"] == 2 and harness.condition_view(run)["results"] == {"a": 1}
+    assert harness.condition_view(run, "loaded")["ratio_x"] == 3 and harness.condition_view(run)["date"] == "d"
+    old = {"date": "d", "results": {"a": 0}}  # a baseline from before --load: as it is
+    assert harness.condition_view(old) == old
+
+
+def test_a_tiny_job_gives_every_process_and_the_cpu_engine_its_threads(harness, tmp_path, monkeypatch):
+    """``run_tiny_job(threads=2)``: the job's environment says 2 to the ranks (OMP_NUM_THREADS) and to the CPU engine
+    (its ``--num-threads`` default, which the launcher leaves out); 1 (the default) leaves the engine's unset."""
+    from asyncrl.cpu_engine.args import NUM_THREADS_ENV, parse_args
+
+    seen = []
+
+    def fake_run(cmd, *, env, **kw):  # the torchrun job itself is the outside edge here: only its environment matters
+        seen.append(env)
+        raise SystemExit("stop")
+
+    monkeypatch.setattr("subprocess.run", fake_run)
+    monkeypatch.setenv(NUM_THREADS_ENV, "7")  # a stale setting of the benchmark's own environment does not leak
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for threads in (2, 1):
+        with pytest.raises(SystemExit, match="stop"):
+            harness.run_tiny_job(tmp_path, [], timeout_s=1, what="t", threads=threads)
+    assert seen[0]["OMP_NUM_THREADS"] == "2" and seen[0][NUM_THREADS_ENV] == "2"
+    assert seen[0]["OMP_WAIT_POLICY"] == "PASSIVE"  # harness.OMP_WAIT_POLICY_NOTE
+    assert seen[1]["OMP_NUM_THREADS"] == "1" and NUM_THREADS_ENV not in seen[1] and "OMP_WAIT_POLICY" not in seen[1]
+    argv = ["--model-path", "m", "--port", "1"]
+    assert parse_args(argv).num_threads == 7 and parse_args([*argv, "--num-threads", "3"]).num_threads == 3
+    monkeypatch.setenv(NUM_THREADS_ENV, "two")
+    with pytest.raises(SystemExit):  # named by argparse's error: ASYNCRL_CPU_ENGINE_NUM_THREADS='two'
+        parse_args(argv)
+    monkeypatch.delenv(NUM_THREADS_ENV)
+    assert parse_args(argv).num_threads is None
