@@ -44,7 +44,6 @@ class Puller:
         self.num_pulls = 0
         self.pull_s = 0.0
         """Seconds spent pulling since the last ``take_metrics``."""
-        self._pulls_since = 0
 
     def source(self) -> tuple[int, Path]:
         """The version to pull and the directory that holds it (materialized from the store, verified)."""
@@ -72,15 +71,21 @@ class Puller:
                 raise EngineStepError([url], STEP, f"/model_info.weight_version is {got!r}, not {v!r}, after the pull")
         took = time.perf_counter() - t0
         self.num_pulls += 1
-        self._pulls_since += 1
         self.pull_s += took
         log.info("engine %s caught up by pulling version %s from %s in %.3f s", url, v, path, took)
         return version, took
 
     def take_metrics(self) -> dict[str, float]:
-        """``sync/catchup_pulls`` (since the start) and ``time/sync_catchup`` (seconds pulling since the last call)."""
-        m = {"sync/catchup_pulls": float(self.num_pulls), "time/sync_catchup": self.pull_s}
-        self.pull_s, self._pulls_since = 0.0, 0
+        """Since the last call: ``time/sync_catchup`` (seconds pulling), ``time/sync_store`` and ``sync/store_bytes``
+        (the store's writes); ``sync/catchup_pulls`` counts from the start."""
+        put_s, put_bytes = self.store.take_put_figures()
+        m = {
+            "sync/catchup_pulls": float(self.num_pulls),
+            "time/sync_catchup": self.pull_s,
+            "time/sync_store": put_s,
+            "sync/store_bytes": float(put_bytes),
+        }
+        self.pull_s = 0.0
         return m
 
 

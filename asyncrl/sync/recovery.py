@@ -83,8 +83,6 @@ class EngineRecovery:
         """Restart count of each engine that the last successful sync (or its catch-up pull) covered."""
         self.puller: Optional[Puller] = None
         """Set under ``sync.catchup = "pull"``: syncs write the weight store, restarted engines pull from it."""
-        self.num_pushed_catchups = 0
-        """Restarts brought to the current weights by a sync's push (not by a pull)."""
 
     def _counts(self) -> list[int]:
         return [self.read_restarts(i) for i in range(len(self.joined))]
@@ -133,7 +131,6 @@ class EngineRecovery:
     def after_sync(self) -> None:
         for i, (j, s) in enumerate(zip(self.joined, self.synced)):
             if j > s:
-                self.num_pushed_catchups += 1
                 self.publish_synced(i, j)
                 log.info("engine %s (restart %d) carries the current weights again", self.group.engines[i].url, j)
         self.synced = list(self.joined)

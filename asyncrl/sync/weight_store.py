@@ -43,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +237,10 @@ class WeightStore:
         self.captured: dict[str, torch.Tensor] = {}
         """The weights of the sync in progress (``capture``), name -> host tensor."""
         self._prev: Optional[tuple[Manifest, dict[str, torch.Tensor]]] = None
+        self.put_s = 0.0
+        """Seconds in ``put`` (encoding and writing) since ``take_put_figures``."""
+        self.put_bytes = 0
+        """Bytes of the weights files ``put`` wrote since ``take_put_figures``."""
         self._torn = self._remove_torn(self.root) + self._remove_torn(self.root / MATERIALIZED)
         if self._torn:
             log.warning("weight store %s: removed %d torn write(s): %s", self.root, len(self._torn), self._torn)
@@ -256,8 +261,15 @@ class WeightStore:
                 self.captured[name] = t.detach().to("cpu", copy=True)
             yield bucket
 
+    def take_put_figures(self) -> tuple[float, int]:
+        """``put_s`` and ``put_bytes``, then both reset."""
+        out = (self.put_s, self.put_bytes)
+        self.put_s, self.put_bytes = 0.0, 0
+        return out
+
     def put(self, version: int, state: dict[str, torch.Tensor]) -> Manifest:
         """Write ``version`` atomically (a base or a delta, ``VersionPlan``), then apply the retention."""
+        t0 = time.perf_counter()
         for v in [v for v in self.versions() if v >= version]:  # a resumed attempt's future: not this run's weights
             shutil.rmtree(self.root / _dir_name(v))
             shutil.rmtree(self.root / MATERIALIZED / _dir_name(v), ignore_errors=True)
@@ -269,11 +281,13 @@ class WeightStore:
         tmp.mkdir()
         save_file({k: v.contiguous() for k, v in payload.items()}, str(tmp / WEIGHTS_FILE))
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
+        self.put_bytes += (tmp / WEIGHTS_FILE).stat().st_size
         _publish(tmp, self.root / _dir_name(version))
         self.plan.wrote(kind)
         self._prev = (manifest, state)
         for v in self.plan.dropped(self.manifests()):
             shutil.rmtree(self.root / _dir_name(v), ignore_errors=True)
+        self.put_s += time.perf_counter() - t0
         log.info(
             "weight store: version %d (%s, %d of %d tensors changed) in %s",
             version,

@@ -123,6 +123,8 @@ class Leader:
         self.summary = new_summary()
         self.evaluator: EngineEvaluator | None = None
         self.fleet: FleetEval | None = None
+        self.num_catchup_syncs = 0
+        """Catch-up syncs (a full push for restarted engines, outside a step's sync) so far."""
 
     def build_evaluators(self, eval_engine_urls: list[str] | None) -> None:
         """The shared-engine evaluator (built once; it checks the tool URLs it will call) and the eval fleet."""
@@ -164,6 +166,8 @@ class Leader:
             t0=t0,
             preempt=preempt,
         )
+        if got is None:
+            self.num_catchup_syncs += 1  # the step loop runs a full sync for the restarted engine(s) next
         if got is None or got is PREEMPT:
             return got
         groups = self.batch_filter(got.groups)
@@ -204,7 +208,7 @@ class Leader:
         m.update(broker_accounting(self.broker.status()))
         m["actor/weight_version"] = float(version)
         m["rollout/engine_restarts"] = float(self.recovery.total_restarts())
-        m["sync/catchup_pushes"] = float(self.recovery.num_pushed_catchups)
+        m["sync/catchup_pushes"] = float(self.num_catchup_syncs)
         if self.recovery.puller is not None:
             m.update(self.recovery.puller.take_metrics())
         self.writer.log(self.hooks.step(step, batch.groups if batch is not None else [], m), step)

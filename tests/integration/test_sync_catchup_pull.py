@@ -5,6 +5,9 @@
   serves version 3 with the trainer's weights (its own log names the store's directory) before anything generates
   on it, no push happened, and the next sync re-forms the group and broadcasts as before. Then the same engine is
   killed again and caught up by the old full push, timed side by side with the pull.
+- A whole CPU-default run with ``sync.catchup = "pull"``: its engine is SIGKILLed after step 2; the rollout rank
+  restarts it, actor rank 0 makes it pull the store's version before the worker takes work again, no catch-up push
+  happens, and the run finishes with nothing dropped.
 - The store's writer is SIGKILLed in the middle of writing a version: no version that looks complete is left, the
   previous one reads back verified, and the next opening removes the torn write.
 
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from proc_helpers import REPO
+from proc_helpers import REPO, TinyJob
 
 from asyncrl.config.schema import SyncConfig
 from asyncrl.cpu_engine.testing import running_cpu_engine
@@ -138,7 +141,7 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -
             pull_s = time.perf_counter() - t0
             # served the store's version before anything generated on it, published synced, no push
             assert _version(sup.url) == "4" and published == {0: 1} and not rec.pending()
-            assert rec.num_pushed_catchups == 0 and rec.puller.num_pulls == 1
+            assert rec.puller.num_pulls == 1
             log = sup.log_path.read_text()
             assert f"from {store.root}/materialized/v00000004 in" in log, log[-3000:]
             _assert_serves(sup.url, trainer)
@@ -153,7 +156,7 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -
             t0 = time.perf_counter()
             sync()  # the step loop's catch-up sync: re-forms the group, pushes every byte
             push_s = time.perf_counter() - t0
-            assert _version(sup.url) == "5" and published == {0: 2} and rec.num_pushed_catchups == 1
+            assert _version(sup.url) == "5" and published == {0: 2}
             return {
                 "pull_s": pull_s,
                 "push_s": push_s,
@@ -201,3 +204,41 @@ def test_a_writer_killed_mid_write_leaves_no_version_that_looks_complete(tmp_pat
     assert store.versions() == [1]
     assert torch.equal(store.read(1)["w"], torch.zeros(4))
     assert not list(root.glob(".tmp-*")), "the torn write was not removed on open"
+
+
+def test_a_run_whose_engine_is_killed_catches_it_up_by_pulling(prepared, tmp_path):
+    run = tmp_path / "run"
+    # a sync every 4 steps: the kill lands after step 4's sync, the buffer (max_buffered_groups 8 = 2 steps) feeds
+    # steps 5-6, and the leader waits for step 7's data while the engine restarts: no sync can bring it back
+    job = TinyJob(prepared, run, "runner.max_steps=8", "rollout.update_weights_interval=4", 'sync.catchup="pull"')
+    try:
+        job.wait_step(4, timeout_s=240)
+        first = job.wait_for("the engine's pid", job.engine_pid)
+        os.kill(first, signal.SIGKILL)
+        job.wait_for("the restarted engine's pid", lambda: (p := job.engine_pid()) not in (None, first) and p)
+        rc = job.finish(timeout_s=300)
+    except BaseException:
+        job.kill_all()
+        raise
+    out = job.output()
+    assert rc == 0, out[-6000:]
+    recs = job.records()
+    last = recs[-1]
+    assert [r["actor/weight_version"] for r in recs] == list(range(1, 9))
+    assert last["rollout/engine_restarts"] == 1
+    assert last["sync/catchup_pulls"] == 1 and last["sync/catchup_pushes"] == 0, last
+    assert sum(r["time/sync_catchup"] for r in recs) > 0
+    assert last["broker/dropped_groups"] == 0, "groups of the killed engine were dropped instead of re-issued"
+    assert last["broker/issued_groups"] == (
+        last["broker/trained_groups"]
+        + last["broker/dropped_groups"]
+        + last["broker/held_groups"]
+        + last["broker/reissued_groups"]
+    ), last
+    assert "catch-up weight sync" not in out, "a full catch-up push ran"
+    # the leader's pull came before the worker took work again (one output file, written in time order)
+    pulled = out.index("caught up by pulling version")
+    assert f"from {run}/weight_store/materialized/v" in out[pulled : pulled + 1000]
+    assert pulled < out.index("synced; taking work again"), out[-6000:]
+    engine_logs = "".join(p.read_text(errors="replace") for p in run.rglob("*.log") if "engine" in p.name)
+    assert f"from {run}/weight_store/materialized/v" in engine_logs  # the engine's own word: it loaded the store's
