@@ -44,6 +44,8 @@ class Puller:
         self.num_pulls = 0
         self.pull_s = 0.0
         """Seconds spent pulling since the last ``take_metrics``."""
+        self.last_materialize_s = 0.0
+        """Of the last pull, the seconds making its directory (0 when the latest version was materialized already)."""
 
     def source(self) -> tuple[int, Path]:
         """The version to pull and the directory that holds it (materialized from the store, verified)."""
@@ -56,6 +58,7 @@ class Puller:
         """Load the latest version into the engine at ``url``; its version and the seconds it took."""
         t0 = time.perf_counter()
         version, path = self.source()
+        self.last_materialize_s = time.perf_counter() - t0
         v = str(version)
         body = {
             "model_path": str(path),
@@ -72,7 +75,14 @@ class Puller:
         took = time.perf_counter() - t0
         self.num_pulls += 1
         self.pull_s += took
-        log.info("engine %s caught up by pulling version %s from %s in %.3f s", url, v, path, took)
+        log.info(
+            "engine %s caught up by pulling version %s from %s in %.3f s (%.3f s materializing it)",
+            url,
+            v,
+            path,
+            took,
+            self.last_materialize_s,
+        )
         return version, took
 
     def take_metrics(self) -> dict[str, float]:

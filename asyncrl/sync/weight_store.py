@@ -344,17 +344,21 @@ class WeightStore:
 
     def materialize(self, version: int) -> Path:
         """A directory ``/update_weights_from_disk`` loads ``version`` from (``materialized/v.../model.safetensors``),
-        written atomically from verified weights; the latest one is cached (older ones removed)."""
+        written atomically from verified weights (a base's file is hard-linked, a delta's chain written out); the latest
+        one is cached (older ones removed)."""
         mat = self.root / MATERIALIZED
         final = mat / _dir_name(version)
         if (final / MATERIALIZED_FILE).is_file():
             return final
-        state = self.read(version)
+        state = self.read(version)  # verified, also for a base
         mat.mkdir(exist_ok=True)
         tmp = mat / f"{_TMP_PREFIX}{_dir_name(version)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / MATERIALIZED_FILE))
+        if self.manifest(version).kind == "base":  # its file holds every tensor already: no copy
+            os.link(self.root / _dir_name(version) / WEIGHTS_FILE, tmp / MATERIALIZED_FILE)
+        else:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / MATERIALIZED_FILE))
         _publish(tmp, final)
         for old in mat.iterdir():
             if old.name != final.name and _VERSION_DIR.match(old.name):

@@ -101,9 +101,10 @@ def _assert_serves(url: str, trainer: _Trainer) -> None:
     torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
 
 
-def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -> dict:
+def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int, check_empty_store: bool) -> dict:
     """Kill and restart one engine twice: catch it up by pulling, then by the full push; the figures (and the
-    assertions of the pull's contract on the way)."""
+    assertions of the pull's contract on the way). ``check_empty_store``: first a restart before any sync, caught up
+    from the engines' own checkpoint."""
     ckpt = make_tiny_checkpoint(
         tmp_path / "model",
         arch="qwen2",
@@ -116,7 +117,7 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -
     cfg = SyncConfig(bucket_bytes=64 << 20, backend="gloo", join_timeout_s=60, step_timeout_s=120, verify_interval=0)
     store = WeightStore(tmp_path / "run" / "weight_store", base_interval=8, keep_bases=2)
     with running_cpu_engine(ckpt, log_dir=tmp_path / "logs") as sup:
-        sup.max_restarts = 2
+        sup.max_restarts = 3
         group = WeightSyncGroup([EngineEndpoint(sup.url)], cfg, master_address="127.0.0.1", control_timeout_s=30)
         group.init()
         counts, published = [0], {}
@@ -130,6 +131,10 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -
             return sync_weights(trainer, syncer, rec, bucket_bytes=cfg.bucket_bytes, is_leader=True, bcast=lambda x: x)
 
         try:
+            if check_empty_store:  # before any sync the store is empty: the engines' own checkpoint is version 0
+                _kill_and_restart(sup, counts)
+                assert rec.catch_up() and published == {0: 1} and _version(sup.url) == "0"
+                assert f"from {ckpt} in" in sup.log_path.read_text()
             for _ in range(2):  # versions 3 (a base) and 4 (a delta) in the store
                 trainer.train()
                 sync()
@@ -138,17 +143,18 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -
             assert _version(sup.url) == "0" and rec.pending()
             t0 = time.perf_counter()
             assert rec.catch_up()  # the leader's batch wait does this
-            pull_s = time.perf_counter() - t0
+            pull_s, materialize_s = time.perf_counter() - t0, rec.puller.last_materialize_s
             # served the store's version before anything generated on it, published synced, no push
-            assert _version(sup.url) == "4" and published == {0: 1} and not rec.pending()
-            assert rec.puller.num_pulls == 1
+            first = counts[0]
+            assert _version(sup.url) == "4" and published == {0: first} and not rec.pending()
+            assert rec.puller.num_pulls == 1 + check_empty_store
             log = sup.log_path.read_text()
             assert f"from {store.root}/materialized/v00000004 in" in log, log[-3000:]
             _assert_serves(sup.url, trainer)
             # the run goes on: the next sync re-forms the group (the restarted engine left it) and broadcasts
             trainer.train()
             res = sync()
-            assert res.version == "5" and _version(sup.url) == "5" and rec.joined == [1]
+            assert res.version == "5" and _version(sup.url) == "5" and rec.joined == [first]
             _assert_serves(sup.url, trainer)
             # the old way, side by side: the same engine killed again, caught up by a full push
             _kill_and_restart(sup, counts)
@@ -156,9 +162,10 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -
             t0 = time.perf_counter()
             sync()  # the step loop's catch-up sync: re-forms the group, pushes every byte
             push_s = time.perf_counter() - t0
-            assert _version(sup.url) == "5" and published == {0: 2}
+            assert _version(sup.url) == "5" and published == {0: first + 1}
             return {
                 "pull_s": pull_s,
+                "pull_materialize_s": materialize_s,
                 "push_s": push_s,
                 "model_bytes": sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values()),
             }
@@ -167,7 +174,7 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int) -
 
 
 def test_restarted_engine_catches_up_by_pulling_then_rejoins_the_broadcast(tmp_path):
-    figures = catchup_pull_vs_push(tmp_path, hidden_size=64, num_layers=2)
+    figures = catchup_pull_vs_push(tmp_path, hidden_size=64, num_layers=2, check_empty_store=True)
     print(f"catch-up of a restarted engine: {figures}")
 
 
