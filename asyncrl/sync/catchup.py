@@ -13,7 +13,8 @@ Contract
 - The engine must confirm the version: its answer says " Weight version updated to V." (``confirms_weight_version``)
   or ``/model_info.weight_version`` equals V; otherwise ``EngineStepError`` names the engine.
 - ``model_path`` is a path on the engine's host: on a cluster the store (by default in the run directory) must be on
-  a filesystem every engine node mounts at the same path (``check_store_shared``, called at startup).
+  a filesystem every engine node mounts at the same path (``asyncrl.config.validate`` warns, in the dry run and at
+  startup, when the engines are on other nodes than actor rank 0).
 - The group is not re-formed here: the next broadcast does that (``EngineRecovery.before_sync``); the broadcast stays
   the fast path of every sync.
 
@@ -97,15 +98,3 @@ class Puller:
         }
         self.pull_s = 0.0
         return m
-
-
-def check_store_shared(store_dir: Path, *, engine_hosts: list[str], local_hosts: set[str]) -> list[str]:
-    """Warnings for a dry run / startup: engines on other hosts read ``store_dir`` by its path, so it must be on a
-    filesystem they mount at the same path (the run directory on a shared filesystem)."""
-    remote = sorted({h for h in engine_hosts if h not in local_hosts})
-    if not remote:
-        return []
-    return [
-        f"sync.catchup = 'pull': engines on {', '.join(remote)} load restarted engines' weights from "
-        f"{str(store_dir)!r} (sync.store_dir): it must be on a filesystem those nodes mount at the same path"
-    ]

@@ -1,0 +1,31 @@
+"""The catch-up keys (``sync.catchup``, ``sync.store_*``): bad values fail naming the key, store keys without the
+pull are rejected, and engines on other nodes than actor rank 0 get the shared-filesystem warning."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config.loader import load_config
+from asyncrl.config.validate import validate
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ('sync.catchup="pulled"', "sync.catchup"),
+        ("sync.store_base_interval=0", "sync.store_base_interval"),
+        ('sync.catchup="pull"\nsync.store_keep_bases=0', "sync.store_keep_bases"),
+        ('sync.store_dir="/tmp/x"', "sync.store_dir"),  # set, but nothing writes the store under push
+    ],
+)
+def test_a_bad_catchup_setting_fails_naming_the_key(override, named):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        load_config("configs/tiny.toml", override.split("\n"))
+
+
+def test_engines_on_other_nodes_get_the_shared_filesystem_warning():
+    two_nodes = load_config("configs/searchr1.toml", ['sync.catchup="pull"', 'sync.store_dir="/shared/ws"'])
+    (w,) = [w for w in validate(two_nodes) if "sync.catchup" in w]
+    assert "node(s) [1]" in w and "'/shared/ws'" in w and "every node mounts" in w
+    assert not [w for w in validate(load_config("configs/searchr1.toml")) if "sync.catchup" in w]
+    assert not [w for w in validate(load_config("configs/tiny.toml", ['sync.catchup="pull"'])) if "sync.catchup" in w]
