@@ -135,8 +135,8 @@ DESCRIPTIONS = {
     "sync/verify_unsupported": "1 when the engines cannot read parameters by name (SGLang 0.5.23 with a Qwen2/Qwen3 "
     "model): the served weights were not verified",
     "time/sync_catchup": "seconds restarted engines spent pulling the store's version since the last step",
-    "time/sync_store": "seconds actor rank 0 spent writing the weight store since the last step (after each sync, outside "
-    "time/sync_weights; the engines generate meanwhile)",
+    "time/sync_store": "seconds the weight store's writer thread on actor rank 0 spent writing versions since the last "
+    "step (after each sync, off the step's path: the actor trains meanwhile)",
     "time/sync_verify": "seconds reading parameters back from the engines after the sync (step 8)",
     "time/step": "seconds of the whole step",
     "time/wait_data": "seconds the actor waited for its batch (async)",

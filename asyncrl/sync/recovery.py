@@ -187,7 +187,7 @@ def sync_weights(
             verdict = "retry" if recovery.after_failure(err) else "abandon"
         elif is_leader and recovery is not None:
             if store is not None:  # before the restarts are published synced: a pull from here on finds this version
-                store.put(int(actor.version), store.captured)
+                store.put_async(int(actor.version), store.captured)
             recovery.after_sync()
         verdict = bcast(verdict)
         if verdict is None:

@@ -2,9 +2,11 @@
 
 Contract
 - Who writes: actor rank 0, from the HF buckets it already holds during a weight sync (``WeightStore.capture`` passes
-  them on to the syncer unchanged and keeps a host copy; no extra gather), then ``put(version, state)`` once the sync
-  succeeded (``asyncrl.sync.recovery.sync_weights``). Who reads: ``materialize(version)`` for the catch-up pull
-  (``asyncrl.sync.catchup``), on actor rank 0; the engine reads the directory it returns.
+  them on to the syncer unchanged and keeps a host copy; no extra gather), then ``put_async(version, state)`` once the
+  sync succeeded (``asyncrl.sync.recovery.sync_weights``): the write runs on the store's one writer thread while the
+  actor trains on; ``latest()`` (hence a pull) and the next ``put_async`` wait for it, and raise its failure.
+  Who reads: ``materialize(version)`` for the catch-up pull (``asyncrl.sync.catchup``), on actor rank 0; the engine
+  reads the directory it returns.
 - Layout under ``root`` (``sync.store_dir``, default ``<run_dir>/weight_store``)::
 
       v00000012/weights.safetensors   a base: every tensor; a delta: only what changed since the previous version
@@ -25,14 +27,15 @@ Contract
 - Retention (``sync.store_keep_bases``): the newest N chains (a base and its deltas) are kept, older ones deleted
   after each ``put``. Writing version v removes every version >= v first (left by an attempt that resumed from an
   earlier checkpoint: not this run's weights any more).
-- Memory: two versions on the host, the sync in progress (``captured``) and the previous one (the deltas' base).
+- Memory: two versions on the host, the last one (the next delta's base) and the sync in progress (``captured``); a
+  third while a write is still in flight when the next sync captures.
 - Pure core, thin shell: ``VersionPlan``, ``encode_version`` and ``decode_chain`` do no I/O (the delta codec and the
   checksums are ``asyncrl.sync.delta``'s);
   ``WeightStore`` only moves bytes between them and the files.
 
     store = WeightStore(run_dir / "weight_store", base_interval=8, keep_bases=2)
     for bucket in store.capture(actor.iter_hf_buckets(bucket_bytes)): ...   # the sync sends it
-    store.put(version, store.captured)                                      # after the sync succeeded
+    store.put_async(version, store.captured)                                # after the sync succeeded
     path = store.materialize(store.latest())  # POST /update_weights_from_disk {"model_path": str(path), ...}
 """
 
@@ -43,8 +46,10 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -241,6 +246,9 @@ class WeightStore:
         """Seconds in ``put`` (encoding and writing) since ``take_put_figures``."""
         self.put_bytes = 0
         """Bytes of the weights files ``put`` wrote since ``take_put_figures``."""
+        self._figures_lock = threading.Lock()
+        self._writer: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
         self._torn = self._remove_torn(self.root) + self._remove_torn(self.root / MATERIALIZED)
         if self._torn:
             log.warning("weight store %s: removed %d torn write(s): %s", self.root, len(self._torn), self._torn)
@@ -263,9 +271,24 @@ class WeightStore:
 
     def take_put_figures(self) -> tuple[float, int]:
         """``put_s`` and ``put_bytes``, then both reset."""
-        out = (self.put_s, self.put_bytes)
-        self.put_s, self.put_bytes = 0.0, 0
+        with self._figures_lock:  # the writer thread adds to them
+            out = (self.put_s, self.put_bytes)
+            self.put_s, self.put_bytes = 0.0, 0
         return out
+
+    def put_async(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """``put`` on the store's writer thread (the step goes on meanwhile); the previous write is waited for first
+        (one at a time, in order), and its failure raised here."""
+        self.wait()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="weight-store")
+        self._pending = self._writer.submit(self.put, version, state)
+
+    def wait(self) -> None:
+        """Until the write in flight (``put_async``) is on disk; its failure is raised here."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def put(self, version: int, state: dict[str, torch.Tensor]) -> Manifest:
         """Write ``version`` atomically (a base or a delta, ``VersionPlan``), then apply the retention."""
@@ -281,13 +304,15 @@ class WeightStore:
         tmp.mkdir()
         save_file({k: v.contiguous() for k, v in payload.items()}, str(tmp / WEIGHTS_FILE))
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
-        self.put_bytes += (tmp / WEIGHTS_FILE).stat().st_size
+        num_bytes = (tmp / WEIGHTS_FILE).stat().st_size
         _publish(tmp, self.root / _dir_name(version))
         self.plan.wrote(kind)
         self._prev = (manifest, state)
         for v in self.plan.dropped(self.manifests()):
             shutil.rmtree(self.root / _dir_name(v), ignore_errors=True)
-        self.put_s += time.perf_counter() - t0
+        with self._figures_lock:
+            self.put_s += time.perf_counter() - t0
+            self.put_bytes += num_bytes
         log.info(
             "weight store: version %d (%s, %d of %d tensors changed) in %s",
             version,
@@ -309,6 +334,8 @@ class WeightStore:
         return sorted(out)
 
     def latest(self) -> Optional[int]:
+        """The newest complete version (a write in flight is waited for first: ``wait``)."""
+        self.wait()
         vs = self.versions()
         return vs[-1] if vs else None
 

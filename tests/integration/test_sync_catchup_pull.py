@@ -138,6 +138,7 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int, c
             for _ in range(2):  # versions 3 (a base) and 4 (a delta) in the store
                 trainer.train()
                 sync()
+            store.wait()  # the last version's write runs on the store's thread
             assert store.versions() == [3, 4] and store.manifest(4).kind == "delta"
             _kill_and_restart(sup, counts)
             assert _version(sup.url) == "0" and rec.pending()

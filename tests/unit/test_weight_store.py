@@ -155,3 +155,25 @@ def test_a_corrupted_file_is_caught_naming_version_file_and_tensor(tmp_path):
     f.write_bytes(b"not a safetensors file")
     with pytest.raises(StoreCorruption, match=r"v00000001/weights\.safetensors: not a readable safetensors file"):
         store.read(2)
+
+
+def test_put_async_writes_in_order_and_a_reader_waits_for_it(tmp_path):
+    store = WeightStore(tmp_path / "ws", base_interval=4, keep_bases=2)
+    states = [_state()]
+    for s in range(1, 4):
+        states.append(_step(states[-1], frac=0.02, seed=s))
+    for v, st in enumerate(states, start=1):
+        store.put_async(v, st)
+    assert store.latest() == 4  # waits for the write in flight
+    assert _same(store.read(4), states[-1])
+    seconds, num_bytes = store.take_put_figures()
+    assert seconds > 0 and num_bytes > 0 and store.take_put_figures() == (0.0, 0)
+
+
+def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
+    store = WeightStore(tmp_path / "ws", base_interval=4, keep_bases=2)
+    store.put_async(1, {"w": torch.zeros(3), "bad": "not a tensor"})
+    with pytest.raises(AttributeError):
+        store.wait()
+    store.put_async(2, _state())  # the store goes on: the failed version left nothing visible
+    assert store.latest() == 2 and store.versions() == [2]
