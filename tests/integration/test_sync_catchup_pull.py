@@ -17,6 +17,7 @@ subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -101,10 +102,12 @@ def _assert_serves(url: str, trainer: _Trainer) -> None:
     torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
 
 
-def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int, check_empty_store: bool) -> dict:
-    """Kill and restart one engine twice: catch it up by pulling, then by the full push; the figures (and the
-    assertions of the pull's contract on the way). ``check_empty_store``: first a restart before any sync, caught up
-    from the engines' own checkpoint."""
+def catchup_pull_vs_push(
+    tmp_path: Path, *, hidden_size: int, num_layers: int, check_empty_store: bool, num_engines: int = 1
+) -> dict:
+    """Kill and restart the first of ``num_engines`` engines twice: catch it up by pulling, then by the full push; the
+    figures (and the assertions of the pull's contract on the way). ``check_empty_store``: first a restart before any
+    sync, caught up from the engines' own checkpoint."""
     ckpt = make_tiny_checkpoint(
         tmp_path / "model",
         arch="qwen2",
@@ -116,11 +119,14 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int, c
     trainer = _Trainer(TorchDecoder.from_pretrained(ckpt), version=2)
     cfg = SyncConfig(bucket_bytes=64 << 20, backend="gloo", join_timeout_s=60, step_timeout_s=120, verify_interval=0)
     store = WeightStore(tmp_path / "run" / "weight_store", base_interval=8, keep_bases=2)
-    with running_cpu_engine(ckpt, log_dir=tmp_path / "logs") as sup:
+    with contextlib.ExitStack() as stack:
+        sups = [stack.enter_context(running_cpu_engine(ckpt, log_dir=tmp_path / "logs")) for _ in range(num_engines)]
+        sup = sups[0]
         sup.max_restarts = 3
-        group = WeightSyncGroup([EngineEndpoint(sup.url)], cfg, master_address="127.0.0.1", control_timeout_s=30)
+        endpoints = [EngineEndpoint(s.url) for s in sups]
+        group = WeightSyncGroup(endpoints, cfg, master_address="127.0.0.1", control_timeout_s=30)
         group.init()
-        counts, published = [0], {}
+        counts, published = [0] * num_engines, {}
         rec = EngineRecovery(
             group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__, wait_s=60, max_failures=2
         )
@@ -155,7 +161,7 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int, c
             # the run goes on: the next sync re-forms the group (the restarted engine left it) and broadcasts
             trainer.train()
             res = sync()
-            assert res.version == "5" and _version(sup.url) == "5" and rec.joined == [first]
+            assert res.version == "5" and {_version(s.url) for s in sups} == {"5"} and rec.joined[0] == first
             _assert_serves(sup.url, trainer)
             # the old way, side by side: the same engine killed again, caught up by a full push
             _kill_and_restart(sup, counts)
@@ -163,12 +169,13 @@ def catchup_pull_vs_push(tmp_path: Path, *, hidden_size: int, num_layers: int, c
             t0 = time.perf_counter()
             sync()  # the step loop's catch-up sync: re-forms the group, pushes every byte
             push_s = time.perf_counter() - t0
-            assert _version(sup.url) == "5" and published == {0: first + 1}
+            assert {_version(s.url) for s in sups} == {"5"} and published == {0: first + 1}
             return {
                 "pull_s": pull_s,
                 "pull_materialize_s": materialize_s,
                 "push_s": push_s,
                 "model_bytes": sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values()),
+                "num_engines": num_engines,
             }
         finally:
             group.destroy()
