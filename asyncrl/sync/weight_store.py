@@ -371,13 +371,17 @@ class WeightStore:
 
     def materialize(self, version: int) -> Path:
         """A directory ``/update_weights_from_disk`` loads ``version`` from (``materialized/v.../model.safetensors``),
-        written atomically from verified weights (a base's file is hard-linked, a delta's chain written out); the latest
-        one is cached (older ones removed)."""
+        written atomically from verified weights (the chain read back and checked, or the last version this store
+        wrote, still in memory; a base's file is hard-linked); the latest one is cached (older ones removed)."""
         mat = self.root / MATERIALIZED
         final = mat / _dir_name(version)
         if (final / MATERIALIZED_FILE).is_file():
             return final
-        state = self.read(version)  # verified, also for a base
+        self.wait()
+        if self._prev is not None and self._prev[0].version == version:  # the last version written: in memory
+            state = self._prev[1]
+        else:
+            state = self.read(version)  # verified, also for a base
         mat.mkdir(exist_ok=True)
         tmp = mat / f"{_TMP_PREFIX}{_dir_name(version)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

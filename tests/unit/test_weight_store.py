@@ -150,8 +150,9 @@ def test_a_corrupted_file_is_caught_naming_version_file_and_tensor(tmp_path):
     raw = bytearray(f.read_bytes())
     raw[-5] ^= 0xFF  # one byte of the last tensor's data
     f.write_bytes(bytes(raw))
+    reopened = WeightStore(tmp_path / "ws", base_interval=8, keep_bases=2)  # a restarted actor rank 0 reads the disk
     with pytest.raises(StoreCorruption, match=r"v00000001/weights\.safetensors: tensor '[^']+' of version 1 fails"):
-        store.materialize(2)
+        reopened.materialize(2)
     f.write_bytes(b"not a safetensors file")
     with pytest.raises(StoreCorruption, match=r"v00000001/weights\.safetensors: not a readable safetensors file"):
         store.read(2)
