@@ -361,12 +361,12 @@ def make_recovery(cfg, group, discovery, *, run_dir: Path):
     )
     if cfg.sync.catchup == "pull":
         s = cfg.sync
-        store = WeightStore(
-            Path(s.store_dir) if s.store_dir else run_dir / "weight_store",
+        store = WeightStore(  # absolute: the engine resolves model_path in its own working directory
+            (Path(s.store_dir) if s.store_dir else Path(run_dir) / "weight_store").resolve(),
             base_interval=s.store_base_interval,
             keep_bases=s.store_keep_bases,
         )
-        rec.puller = Puller(store, initial_path=r.model_path, timeout_s=s.step_timeout_s)
+        rec.puller = Puller(store, initial_path=str(Path(r.model_path).resolve()), timeout_s=s.step_timeout_s)
     return rec
 
 

@@ -3,10 +3,16 @@ pull are rejected, and engines on other nodes than actor rank 0 get the shared-f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from asyncrl.config.loader import load_config
 from asyncrl.config.validate import validate
+from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+from asyncrl.trainer.leader import make_recovery
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 
 
 @pytest.mark.parametrize(
@@ -29,3 +35,15 @@ def test_engines_on_other_nodes_get_the_shared_filesystem_warning():
     assert "node(s) [1]" in w and "'/shared/ws'" in w and "every node mounts" in w
     assert not [w for w in validate(load_config("configs/searchr1.toml")) if "sync.catchup" in w]
     assert not [w for w in validate(load_config("configs/tiny.toml", ['sync.catchup="pull"'])) if "sync.catchup" in w]
+
+
+def test_pull_recovery_names_the_store_and_checkpoint_by_absolute_path(tmp_path, monkeypatch):
+    """The engine resolves ``model_path`` in its own working directory: the leader sends absolute paths."""
+    cfg = load_config(TINY, ['sync.catchup="pull"', 'rollout.model_path="prep/model_sft"'])
+    monkeypatch.chdir(tmp_path)
+    group = WeightSyncGroup([EngineEndpoint("http://127.0.0.1:1")], cfg.sync)
+    rec = make_recovery(cfg, group, None, run_dir=Path("runs/x"))
+    assert rec.puller.store.root == tmp_path / "runs/x/weight_store" and rec.puller.store.root.is_dir()
+    assert rec.puller.source() == (0, tmp_path / "prep/model_sft")  # nothing synced yet: the engines' checkpoint
+    push = make_recovery(load_config(TINY), group, None, run_dir=Path("runs/y"))
+    assert push.puller is None and not (tmp_path / "runs/y").exists()
