@@ -43,6 +43,7 @@ from typing import Any, Optional
 from asyncrl.engine.blocking import EngineStepError
 from asyncrl.sync.catchup import Puller
 from asyncrl.sync.group import GroupJoinError, WeightSyncGroup
+from asyncrl.sync.weight_store import StoreCorruption
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class EngineRecovery:
             url = self.group.engines[i].url
             try:
                 self.puller.pull(url)
-            except (EngineStepError, OSError) as e:  # a dead engine again, or the store: the push path covers it
+            except (EngineStepError, StoreCorruption, OSError) as e:  # a dead engine again, or the store
                 log.warning("catch-up pull into engine %s (restart %d) failed: %s; a full sync will push", url, c, e)
                 return False
             self.synced[i] = c

@@ -1,15 +1,20 @@
 """The catch-up keys (``sync.catchup``, ``sync.store_*``): bad values fail naming the key, store keys without the
-pull are rejected, and engines on other nodes than actor rank 0 get the shared-filesystem warning."""
+pull are rejected, and engines on other nodes than actor rank 0 get the shared-filesystem warning; the leader's
+recovery sends absolute paths, and a corrupted store makes it fall back to the push, naming the damage."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncrl.config.loader import load_config
 from asyncrl.config.validate import validate
+from asyncrl.sync.catchup import Puller
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+from asyncrl.sync.recovery import EngineRecovery
+from asyncrl.sync.weight_store import WEIGHTS_FILE, WeightStore
 from asyncrl.trainer.leader import make_recovery
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
@@ -47,3 +52,19 @@ def test_pull_recovery_names_the_store_and_checkpoint_by_absolute_path(tmp_path,
     assert rec.puller.source() == (0, tmp_path / "prep/model_sft")  # nothing synced yet: the engines' checkpoint
     push = make_recovery(load_config(TINY), group, None, run_dir=Path("runs/y"))
     assert push.puller is None and not (tmp_path / "runs/y").exists()
+
+
+def test_a_corrupted_store_falls_back_to_the_push_naming_the_damage(tmp_path, caplog):
+    WeightStore(tmp_path / "ws", base_interval=8, keep_bases=2).put(3, {"w": torch.ones(8)})
+    f = tmp_path / "ws" / "v00000003" / WEIGHTS_FILE
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0x01
+    f.write_bytes(bytes(raw))
+    published = {}
+    group = WeightSyncGroup([EngineEndpoint("http://127.0.0.1:1")], load_config(TINY).sync)
+    rec = EngineRecovery(
+        group, read_restarts=lambda i: 1, publish_synced=published.__setitem__, wait_s=1, max_failures=1
+    )
+    rec.puller = Puller(WeightStore(tmp_path / "ws", base_interval=8, keep_bases=2), initial_path="-", timeout_s=1)
+    assert not rec.catch_up() and rec.pending() and published == {}  # the step loop's catch-up sync pushes instead
+    assert "tensor 'w' of version 3 fails its checksum" in caplog.text and "a full sync will push" in caplog.text
