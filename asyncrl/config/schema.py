@@ -311,6 +311,8 @@ class SyncConfig:
         positive(self.store_keep_bases, "sync.store_keep_bases")
         if self.catchup not in ("push", "pull"):
             raise ValueError(f"sync.catchup must be 'push' or 'pull', got {self.catchup!r}")
+        if self.catchup == "pull" and self.topology == "sharded":  # no rank holds every tensor to write the store
+            raise ValueError('sync.catchup = "pull" needs sync.topology = "broadcast" (actor rank 0 writes the store)')
         if self.catchup == "push" and (
             self.store_dir is not None
             or self.store_base_interval != _STORE_BASE_INTERVAL

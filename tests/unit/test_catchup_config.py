@@ -27,6 +27,7 @@ TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
         ("sync.store_base_interval=0", "sync.store_base_interval"),
         ('sync.catchup="pull"\nsync.store_keep_bases=0', "sync.store_keep_bases"),
         ('sync.store_dir="/tmp/x"', "sync.store_dir"),  # set, but nothing writes the store under push
+        ('sync.catchup="pull"\nsync.topology="sharded"', "sync.catchup"),  # rank 0 holds only its shards
     ],
 )
 def test_a_bad_catchup_setting_fails_naming_the_key(override, named):
