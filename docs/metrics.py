@@ -125,10 +125,18 @@ DESCRIPTIONS = {
     "(sync.topology: broadcast sends everything from rank 0, sharded ~1/TP of it)",
     "sync/bytes_max_rank": "the same for the busiest actor rank (the sharded plan's largest share)",
     "sync/num_buckets": "buckets per sync",
+    "sync/catchup_pulls": "restarted engines caught up by pulling the weight store's latest version so far "
+    "(sync.catchup = pull)",
+    "sync/catchup_pushes": "catch-up syncs so far: full pushes run only to bring restarted engines to the current "
+    "weights (0 under sync.catchup = pull unless a pull failed or the store was empty)",
+    "sync/store_bytes": "bytes of weight-store files written since the last step (a base: the model; a delta: changes)",
     "sync/verified_params": "(engine, parameter) pairs read back after this sync and found equal to what the actor "
     "sent (0 when the check was not due: sync.verify_interval)",
     "sync/verify_unsupported": "1 when the engines cannot read parameters by name (SGLang 0.5.23 with a Qwen2/Qwen3 "
     "model): the served weights were not verified",
+    "time/sync_catchup": "seconds restarted engines spent pulling the store's version since the last step",
+    "time/sync_store": "seconds the weight store's writer thread on actor rank 0 spent writing versions since the last "
+    "step (after each sync, off the step's path: the actor trains meanwhile)",
     "time/sync_verify": "seconds reading parameters back from the engines after the sync (step 8)",
     "time/step": "seconds of the whole step",
     "time/wait_data": "seconds the actor waited for its batch (async)",

@@ -264,6 +264,12 @@ class ActorConfig:
         positive(self.max_tokens_per_microbatch, "actor.max_tokens_per_microbatch")
 
 
+# Weight store defaults (sync.catchup = "pull"): a base every 8 versions bounds a read to 1 base + 7 deltas; 2 chains
+# keep the previous base while the next chain fills.
+_STORE_BASE_INTERVAL = 8
+_STORE_KEEP_BASES = 2
+
+
 @dataclass(frozen=True)
 class SyncConfig:
     bucket_bytes: int = 512 * 1024 * 1024
@@ -287,9 +293,35 @@ class SyncConfig:
     verify_interval: int = 10
     """Read a few parameters back from every engine (``/get_weights_by_name``) after the first sync and every N-th,
     and fail the run when one differs from what the actor sent (0: never)."""
+    catchup: Literal["push", "pull"] = "push"
+    """How a restarted engine gets the current weights: ``push`` (a full sync through the re-formed group) or ``pull``
+    (actor rank 0 writes every synced version to a weight store; the engine loads the latest with
+    ``/update_weights_from_disk`` before it takes work: ``asyncrl.sync.catchup``)."""
+    store_dir: Optional[str] = None
+    """The weight store's directory under ``catchup = "pull"`` (unset: ``<run_dir>/weight_store``); engines load from
+    it by path, so on a cluster it must be on a filesystem every engine node mounts at the same path."""
+    store_base_interval: int = _STORE_BASE_INTERVAL
+    """Under ``catchup = "pull"``: a full base every N stored versions, deltas (changed tensors only) between."""
+    store_keep_bases: int = _STORE_KEEP_BASES
+    """Under ``catchup = "pull"``: chains (a base and its deltas) kept in the store; older ones are deleted."""
 
     def __post_init__(self):
         positive(self.bucket_bytes, "sync.bucket_bytes")
+        positive(self.store_base_interval, "sync.store_base_interval")
+        positive(self.store_keep_bases, "sync.store_keep_bases")
+        if self.catchup not in ("push", "pull"):
+            raise ValueError(f"sync.catchup must be 'push' or 'pull', got {self.catchup!r}")
+        if self.catchup == "pull" and self.topology == "sharded":  # no rank holds every tensor to write the store
+            raise ValueError('sync.catchup = "pull" needs sync.topology = "broadcast" (actor rank 0 writes the store)')
+        if self.catchup == "push" and (
+            self.store_dir is not None
+            or self.store_base_interval != _STORE_BASE_INTERVAL
+            or self.store_keep_bases != _STORE_KEEP_BASES
+        ):
+            raise ValueError(
+                "sync.store_dir / sync.store_base_interval / sync.store_keep_bases are set but sync.catchup is 'push' "
+                "(nothing writes the weight store): set sync.catchup = 'pull' or remove them"
+            )
         non_negative(self.verify_interval, "sync.verify_interval")
         positive(self.join_timeout_s, "sync.join_timeout_s")
         positive(self.broadcast_timeout_s, "sync.broadcast_timeout_s")

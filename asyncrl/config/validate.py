@@ -47,7 +47,24 @@ def validate(cfg: Config, *, world_size: int | None = None) -> list[str]:
     _validate_buffer(cfg)
     _validate_broker_host(cfg, world)
     warnings = _validate_paths_tools_eval(cfg, placement)
-    return warnings + _warn_limits(cfg)
+    return warnings + _warn_limits(cfg) + _warn_store_nodes(cfg, placement)
+
+
+def _warn_store_nodes(cfg: Config, placement) -> list[str]:
+    """Under ``sync.catchup = "pull"`` a restarted engine loads the weight store by its path (written by actor rank
+    0): engines on other nodes than actor rank 0 need it on a filesystem they mount at the same path."""
+    if cfg.sync.catchup != "pull" or not placement.actor_ranks:
+        return []
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.cluster.num_devices_per_node)
+    leader_node = min(placement.actor_ranks) // per_node
+    remote = sorted({r[0] // per_node for r in placement.engines if r[0] // per_node != leader_node})
+    if not remote:
+        return []
+    where = cfg.sync.store_dir or f"{cfg.logging.run_dir}/weight_store"
+    return [
+        f"sync.catchup = 'pull': engines on node(s) {remote} load restarted engines' weights from {where!r} "
+        f"(sync.store_dir), written on node {leader_node}: it must be on a filesystem every node mounts at that path"
+    ]
 
 
 def _validate_mode(cfg: Config) -> None:

@@ -20,6 +20,12 @@ Contract
   keep their old weights; the run is stopping and its checkpoint carries the new ones).
 - Invariant: after ``sync_weights`` returns, every engine, restarted or not, serves the actor's
   current version and is in the group.
+- Catch-up by pulling (``sync.catchup = "pull"``, ``puller`` set): on the leader, ``sync_weights`` keeps a copy of
+  the buckets it sends and writes the version to the weight store once the sync succeeded
+  (``asyncrl.sync.weight_store``); ``catch_up()`` (called by the leader's batch wait when ``pending()``) makes every
+  restarted engine pull the store's latest version (``asyncrl.sync.catchup``) and publishes it synced, with no
+  collective and no push; the group is re-formed at the next sync (``before_sync``) as before. A pull that fails
+  leaves the engine pending: the step loop's catch-up sync (a full push) covers it, as without a store.
 
     rec = EngineRecovery(group, read_restarts=lambda i: ..., publish_synced=lambda i, n: ..., wait_s=150,
                          max_failures=4)
@@ -35,7 +41,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from asyncrl.engine.blocking import EngineStepError
+from asyncrl.sync.catchup import Puller
 from asyncrl.sync.group import GroupJoinError, WeightSyncGroup
+from asyncrl.sync.weight_store import StoreCorruption
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +81,9 @@ class EngineRecovery:
         self.joined = [0] * n
         """Restart count of each engine when the group was last formed."""
         self.synced = [0] * n
-        """Restart count of each engine that the last successful sync covered."""
+        """Restart count of each engine that the last successful sync (or its catch-up pull) covered."""
+        self.puller: Optional[Puller] = None
+        """Set under ``sync.catchup = "pull"``: syncs write the weight store, restarted engines pull from it."""
 
     def _counts(self) -> list[int]:
         return [self.read_restarts(i) for i in range(len(self.joined))]
@@ -100,6 +110,24 @@ class EngineRecovery:
         log.warning("engine(s) %s restarted: re-forming the weight-sync group", ", ".join(moved))
         self.group.recreate()
         self.joined = counts
+
+    def catch_up(self) -> bool:
+        """Every restarted engine not synced yet pulls the store's latest version and is published synced; True
+        when none is left pending (False without a puller, or when a pull failed: the caller pushes instead)."""
+        if self.puller is None:
+            return False
+        for i, (c, s) in enumerate(zip(self._counts(), self.synced)):
+            if c <= s:
+                continue
+            url = self.group.engines[i].url
+            try:
+                self.puller.pull(url)
+            except (EngineStepError, StoreCorruption, OSError) as e:  # a dead engine again, or the store
+                log.warning("catch-up pull into engine %s (restart %d) failed: %s; a full sync will push", url, c, e)
+                return False
+            self.synced[i] = c
+            self.publish_synced(i, c)
+        return not self.pending()
 
     def after_sync(self) -> None:
         for i, (j, s) in enumerate(zip(self.joined, self.synced)):
@@ -138,8 +166,11 @@ def sync_weights(
 ):
     """One weight sync at ``actor.version`` that survives engine restarts (collective; see module contract).
     Returns the leader's ``SyncResult`` (None on other ranks)."""
+    store = recovery.puller.store if is_leader and recovery is not None and recovery.puller is not None else None
     while True:
         buckets = iter(actor.iter_hf_buckets(bucket_bytes))
+        if store is not None:
+            buckets = store.capture(buckets)
         res, err = None, None
         if is_leader:
             try:
@@ -156,6 +187,8 @@ def sync_weights(
         if err is not None:
             verdict = "retry" if recovery.after_failure(err) else "abandon"
         elif is_leader and recovery is not None:
+            if store is not None:  # before the restarts are published synced: a pull from here on finds this version
+                store.put_async(int(actor.version), store.captured)
             recovery.after_sync()
         verdict = bcast(verdict)
         if verdict is None:

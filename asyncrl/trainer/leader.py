@@ -40,8 +40,10 @@ from asyncrl.config.loader import to_dict
 from asyncrl.config.validate import resolve_hook as import_path
 from asyncrl.eval.backends import EngineEvaluator, engine_eval_metrics, select_backend
 from asyncrl.eval.fleet import FleetEval
+from asyncrl.sync.catchup import Puller
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery
+from asyncrl.sync.weight_store import WeightStore
 from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 from asyncrl.trainer.engine_scraper import EngineScraper
 from asyncrl.trainer.guards import NonFiniteGuard
@@ -113,7 +115,7 @@ class Leader:
             sync_cfg=cfg.sync,
             hooks=SyncHooks(sync_begin=self.broker.sync_begin, sync_end=self.broker.sync_end),
         )
-        self.recovery = make_recovery(cfg, self.group, discovery)
+        self.recovery = make_recovery(cfg, self.group, discovery, run_dir=run_dir)
         self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
         self.hooks = LogHooks(cfg)  # Miles' custom logging hooks
@@ -121,6 +123,8 @@ class Leader:
         self.summary = new_summary()
         self.evaluator: EngineEvaluator | None = None
         self.fleet: FleetEval | None = None
+        self.num_catchup_syncs = 0
+        """Catch-up syncs (a full push for restarted engines, outside a step's sync) so far."""
 
     def build_evaluators(self, eval_engine_urls: list[str] | None) -> None:
         """The shared-engine evaluator (built once; it checks the tool URLs it will call) and the eval fleet."""
@@ -162,6 +166,8 @@ class Leader:
             t0=t0,
             preempt=preempt,
         )
+        if got is None:
+            self.num_catchup_syncs += 1  # the step loop runs a full sync for the restarted engine(s) next
         if got is None or got is PREEMPT:
             return got
         groups = self.batch_filter(got.groups)
@@ -202,6 +208,9 @@ class Leader:
         m.update(broker_accounting(self.broker.status()))
         m["actor/weight_version"] = float(version)
         m["rollout/engine_restarts"] = float(self.recovery.total_restarts())
+        m["sync/catchup_pushes"] = float(self.num_catchup_syncs)
+        if self.recovery.puller is not None:
+            m.update(self.recovery.puller.take_metrics())
         self.writer.log(self.hooks.step(step, batch.groups if batch is not None else [], m), step)
         for eval_step, em in periodic.late_points(step):
             self.writer.log(self.hooks.eval(eval_step, em), eval_step)
@@ -283,8 +292,8 @@ def wait_batch(broker, recovery, *, step: int, version: int, timeout_s: float, t
     while True:
         if preempt is not None and preempt.requested:
             return PREEMPT
-        if recovery is not None and recovery.pending():
-            return None
+        if recovery is not None and recovery.pending() and not recovery.catch_up():
+            return None  # no store to pull from, or a pull failed: the step loop's catch-up sync pushes
         left = timeout_s - (time.monotonic() - t0)
         if left <= 0:
             raise TimeoutError(
@@ -335,8 +344,10 @@ def rollout_metrics(groups) -> dict[str, float]:
     return out
 
 
-def make_recovery(cfg, group, discovery):
-    """Actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish."""
+def make_recovery(cfg, group, discovery, *, run_dir: Path):
+    """Actor rank 0's view of engine restarts through the discovery keys the rollout ranks publish; under
+    ``sync.catchup = "pull"`` with the weight store (``sync.store_dir``, default ``<run_dir>/weight_store``) and its
+    puller."""
     r, n = cfg.rollout, len(group.engines)
     if discovery is None:
         read, publish = (lambda i: 0), (lambda i, k: None)
@@ -345,9 +356,18 @@ def make_recovery(cfg, group, discovery):
         publish = lambda i, k: discovery.publish(synced_key(i), str(k))  # noqa: E731
     # long enough for the rollout rank to call a hang, restart the engine and see it answer
     wait_s = r.unhealthy_after_s + r.health_check_interval_s + r.health_check_timeout_s + r.start_timeout_s
-    return EngineRecovery(
+    rec = EngineRecovery(
         group, read_restarts=read, publish_synced=publish, wait_s=wait_s, max_failures=2 * r.max_restarts * n + 1
     )
+    if cfg.sync.catchup == "pull":
+        s = cfg.sync
+        store = WeightStore(  # absolute: the engine resolves model_path in its own working directory
+            (Path(s.store_dir) if s.store_dir else Path(run_dir) / "weight_store").resolve(),
+            base_interval=s.store_base_interval,
+            keep_bases=s.store_keep_bases,
+        )
+        rec.puller = Puller(store, initial_path=str(Path(r.model_path).resolve()), timeout_s=s.step_timeout_s)
+    return rec
 
 
 def make_batch_filter(path: str | None):
