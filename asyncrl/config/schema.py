@@ -1,3 +1,4 @@
+# long: one frozen dataclass per component, every key of the run in one file (the schema is read as one page)
 """The TOML schema: one frozen dataclass per component, every field typed, defaulted and documented.
 
 Contract
@@ -263,6 +264,10 @@ class ActorConfig:
         positive(self.max_tokens_per_microbatch, "actor.max_tokens_per_microbatch")
 
 
+DELTA_LOADER = "asyncrl.sync.delta_loader.load_delta"
+"""The engines' ``--custom-weight-loader`` of the delta sync (``sync.delta``), also its ``load_format``."""
+
+
 @dataclass(frozen=True)
 class SyncConfig:
     bucket_bytes: int = 512 * 1024 * 1024
@@ -281,9 +286,25 @@ class SyncConfig:
     verify_interval: int = 10
     """Read a few parameters back from every engine (``/get_weights_by_name``) after the first sync and every N-th,
     and fail the run when one differs from what the actor sent (0: never)."""
+    wire_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype of the weights on the wire (``auto``: the actor's own). The CPU engines then hold their weights at
+    it too (``--dtype``); SGLang engines at their own ``--dtype`` (bf16 for a bf16 checkpoint)."""
+    delta: bool = False
+    """Send only the elements that changed since the last sync, checked per tensor on the engine and resent whole
+    where the check fails (``asyncrl.sync.delta_sync``; through ``/update_weights_from_tensor`` and a custom weight
+    loader instead of the broadcast; docs/weight_sync.md). The sender keeps one copy of the weights at the wire dtype
+    in host memory, and so does each engine rank."""
+    delta_max_density: float = 0.5
+    """A tensor whose changed fraction is above this goes whole (a delta also goes whole where it would not be
+    smaller). In (0, 1]."""
+    delta_report_dir: Optional[str] = None
+    """Where the engines' delta loaders write their reports for the trainer to read: a directory both see (same
+    node, or a shared filesystem). Unset: a temporary directory on the trainer's host (engines on its node)."""
 
     def __post_init__(self):
         positive(self.bucket_bytes, "sync.bucket_bytes")
+        if not 0 < self.delta_max_density <= 1:
+            raise ValueError(f"sync.delta_max_density must be in (0, 1], got {self.delta_max_density!r}")
         non_negative(self.verify_interval, "sync.verify_interval")
         positive(self.join_timeout_s, "sync.join_timeout_s")
         positive(self.broadcast_timeout_s, "sync.broadcast_timeout_s")

@@ -83,6 +83,7 @@ from asyncrl.engine.blocking import Call, EngineStepError, Exchange, engine_load
 from asyncrl.engine.client import confirms_weight_version
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
+from asyncrl.sync.delta_sync import DeltaSender, DeltaStats, to_wire, wire_dtype
 from asyncrl.sync.group import WeightSyncGroup
 from asyncrl.sync.verify import SentRows, VerifyResult, verify_sync
 
@@ -139,6 +140,8 @@ class SyncResult:
     verify: VerifyResult = VerifyResult(checked=0, unsupported=False)
     """what the served-weights check read back (``asyncrl.sync.verify``; nothing when it was not due)"""
     verify_s: float = 0.0
+    delta: Optional[DeltaStats] = None
+    """what a delta sync sent (``sync.delta``; ``asyncrl.sync.delta_sync``)"""
 
     @property
     def control_s(self) -> float:
@@ -159,6 +162,7 @@ class SyncResult:
             "sync/verified_params": float(self.verify.checked),
             "sync/verify_unsupported": float(self.verify.unsupported),
             "time/sync_verify": self.verify_s,
+            **(self.delta.metrics() if self.delta is not None else {}),
         }
 
 
@@ -282,6 +286,9 @@ class WeightSyncer:
         self.hooks = hooks or SyncHooks()
         self.calls = CallPool()
         self.num_syncs = 0
+        self.delta = DeltaSender(sync_cfg) if sync_cfg.delta else None
+        """the delta sender (``sync.delta``): step 4 goes through it instead of the broadcast"""
+        self._delta_stats: Optional[DeltaStats] = None
 
     @property
     def urls(self) -> list[str]:
@@ -352,10 +359,16 @@ class WeightSyncer:
         return Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).start()
 
     def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
-        """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given)."""
+        """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given), at the wire dtype;
+        with ``sync.delta`` through the delta sender (the version is then set by ``finish``)."""
+        if self.delta is not None:
+            tp = [e.tp_size for e in self.group.engines]
+            flush = self.pause_mode != "in_place"
+            st = self._delta_stats = self.delta.push(self.urls, buckets, flush_cache=flush, tp_sizes=tp)
+            return PushStats(st.bytes_sent, st.num_buckets, st.num_tensors, st.gather_s, st.transfer_s, flushed=True)
         return push_buckets(
             self.group,
-            buckets,
+            to_wire(buckets, wire_dtype(self.cfg)),
             flush_cache=self.pause_mode != "in_place",
             flattened=self.cfg.flattened_bucket,
             step_timeout_s=self.cfg.step_timeout_s,
@@ -400,6 +413,8 @@ class WeightSyncer:
                 "update_weight_version",
                 f"/model_info.weight_version is {', '.join(got)}, not {v!r}, after the update",
             )
+        if self.delta is not None:
+            self.delta.version = v  # every engine holds it now: the next delta sync's base
         self._all("/continue_generation", {}, "continue_generation")
         if self.hooks.sync_end is not None:
             self.hooks.sync_end(version)
@@ -467,6 +482,7 @@ class WeightSyncer:
             finish_s=t3 - t2,
             verify=verified,
             verify_s=time.perf_counter() - t3,
+            delta=self._delta_stats,
         )
         log.info(
             "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s): control %.3f s, gather %.3f s, "
