@@ -91,6 +91,18 @@ def to_wire(buckets: Iterable[Bucket], dtype: Optional[torch.dtype]) -> Iterable
         yield b if dtype is None else type(b)((n, t.to(dtype)) for n, t in b)
 
 
+def update_body(named: list[tuple[str, torch.Tensor]], *, report: str, tp_size: int, flush_cache: bool) -> dict:
+    """The ``/update_weights_from_tensor`` body of one engine's entries (SGLang's ``UpdateWeightsFromTensorReqInput``:
+    the same payload for each of its TP ranks; its loader reports to ``report``)."""
+    entry = serialize_named_tensors([*named, (REPORT, path_tensor(report))])
+    return {
+        "serialized_named_tensors": [entry] * tp_size,
+        "load_format": LOADER,
+        "flush_cache": flush_cache,
+        "weight_version": None,
+    }
+
+
 class DeltaSender:
     """See module contract."""
 
@@ -122,13 +134,7 @@ class DeltaSender:
                 continue
             if self.tamper is not None:
                 named = self.tamper(u, named)
-            entry = serialize_named_tensors([*named, (REPORT, path_tensor(prefix))])
-            body = {
-                "serialized_named_tensors": [entry] * self.tp_sizes[i],
-                "load_format": LOADER,
-                "flush_cache": flush_cache,
-                "weight_version": None,
-            }
+            body = update_body(named, report=prefix, tp_size=self.tp_sizes[i], flush_cache=flush_cache)
             chains.append((u, [Call("/update_weights_from_tensor", body, STEP)]))
         Exchange(chains, timeout_s=self.cfg.step_timeout_s).run()
         return [
