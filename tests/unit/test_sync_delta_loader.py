@@ -31,3 +31,26 @@ def test_delta_loader_without_a_base_reports_instead_of_raising(tmp_path):
     load_delta(m, [("w", old), (REPORT, path_tensor(str(tmp_path / "r")))])  # whole: the base
     load_delta(m, [*parts.items(), (REPORT, path_tensor(str(tmp_path / "r")))])
     assert torch.equal(_bits(m.loaded[-1][1]), _bits(new))
+
+
+def test_config_keys_reach_the_engine_commands_and_bad_values_fail_naming_the_key():
+    import pytest
+
+    from asyncrl.config.loader import load_config
+    from asyncrl.config.schema import DELTA_LOADER
+    from asyncrl.engine.launch import cpu_engine_command, sglang_command
+
+    cfg = load_config("configs/tiny.toml", ["sync.delta=true", "sync.wire_dtype=bfloat16"], resolve=False)
+    cpu = cpu_engine_command(cfg, port=1)
+    assert cpu[cpu.index("--dtype") + 1] == "bfloat16"
+    assert cpu[cpu.index("--custom-weight-loader") + 1] == DELTA_LOADER
+    gpu = sglang_command(cfg, port=1, base_gpu_id=0)
+    assert gpu[gpu.index("--custom-weight-loader") + 1] == DELTA_LOADER and "--dtype" not in gpu
+    plain = cpu_engine_command(load_config("configs/tiny.toml", [], resolve=False), port=1)
+    assert "--dtype" not in plain and "--custom-weight-loader" not in plain
+    for bad, key in (
+        ("sync.wire_dtype=bf16", "sync.wire_dtype"),
+        ("sync.delta_max_density=0", "sync.delta_max_density"),
+    ):
+        with pytest.raises(ValueError, match=key):
+            load_config("configs/tiny.toml", [bad], resolve=False)
