@@ -148,3 +148,30 @@ def test_restarted_engine_gets_a_full_send(env: Env):
     assert m["sync/checksum_failures"] == 0  # its version told the sender: no delta was tried on it
     assert whole_one < m["sync/bytes_sent"] < 2 * whole_one and m["sync/delta_density"] > 0  # one whole, one delta
     _assert_served_bit_identical(env)
+
+
+def test_update_weights_from_tensor_answers_as_sglang(env: Env):
+    """SGLang's surface of the call itself (last here: it loads weights behind the delta sender's back)."""
+    from asyncrl.cluster.tensor_payload import serialize_named_tensors
+    from asyncrl.engine.blocking import EngineStepError
+
+    url = env.engines[0].url
+    x = torch.full((128,), 0.5, dtype=torch.bfloat16)
+    body = {"serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", x)])], "load_format": None}
+
+    def call(path, b):
+        return post_json(url, path, b, timeout_s=30, step="t", check_success=False)
+
+    with pytest.raises(EngineStepError, match="must run between begin_weight_update.. and end_weight_update") as e:
+        call("/update_weights_from_tensor", body)
+    assert e.value.status == 400
+    call("/begin_weight_update", {})
+    try:
+        with pytest.raises(EngineStepError, match="Unknown load_format"):
+            post_json(url, "/update_weights_from_tensor", {**body, "load_format": "x.y"}, timeout_s=30, step="t")
+        ok = call("/update_weights_from_tensor", {**body, "weight_version": "tensor-1"})
+        assert ok == {"success": True, "message": "Success Weight version updated to tensor-1."}
+    finally:
+        call("/end_weight_update", {})
+    got = post_json(url, "/get_weights_by_name", {"name": "model.norm.weight"}, timeout_s=30, step="t")
+    assert got == [0.5] * 100  # SGLang's default truncate_size
