@@ -115,6 +115,8 @@ class DeltaSender:
         self.version: Optional[str] = None
         self.report_dir = Path(cfg.delta_report_dir or tempfile.mkdtemp(prefix="asyncrl-delta-"))
         self.report_dir.mkdir(parents=True, exist_ok=True)
+        self.stats: Optional[DeltaStats] = None
+        """the last push's figures"""
         self.tamper: Optional[Callable[[str, list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]] = None
         self._calls = 0
 
@@ -181,7 +183,7 @@ class DeltaSender:
         self.tp_sizes = list(tp_sizes)
         at_base = [self.version is not None and v == self.version for v in self._engine_versions(urls)]
         self.version = None  # until this sync finished: a failed one leaves the engines' bases unknown
-        stats = DeltaStats()
+        stats = self.stats = DeltaStats()
         failed: dict[str, list[str]] = {u: [] for u in urls}
         t0 = time.perf_counter()
         for bucket in to_wire(buckets, self.dtype):

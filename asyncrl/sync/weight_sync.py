@@ -61,6 +61,9 @@ Contract
                           hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
     result = syncer.sync(actor.iter_hf_buckets(cfg.sync.bucket_bytes), version=step)
 
+Delta sync (``sync.delta``): step 4 goes through ``asyncrl.sync.delta_sync`` (changed elements only, checked per
+tensor, resent whole on a mismatch; docs/weight_sync.md), the version by step 5. Every sync sends ``sync.wire_dtype``.
+
 Pipeline parallelism: one group still; the actor's ``iter_hf_buckets`` brings every stage's tensors to global
 rank 0 (``asyncrl.actor.pipeline.gather_to_rank0``), which pushes them all.
 """
@@ -286,9 +289,7 @@ class WeightSyncer:
         self.hooks = hooks or SyncHooks()
         self.calls = CallPool()
         self.num_syncs = 0
-        self.delta = DeltaSender(sync_cfg) if sync_cfg.delta else None
-        """the delta sender (``sync.delta``): step 4 goes through it instead of the broadcast"""
-        self._delta_stats: Optional[DeltaStats] = None
+        self.delta = DeltaSender(sync_cfg) if sync_cfg.delta else None  # sync.delta: step 4 goes through it
 
     @property
     def urls(self) -> list[str]:
@@ -362,9 +363,8 @@ class WeightSyncer:
         """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given), at the wire dtype;
         with ``sync.delta`` through the delta sender (the version is then set by ``finish``)."""
         if self.delta is not None:
-            tp = [e.tp_size for e in self.group.engines]
-            flush = self.pause_mode != "in_place"
-            st = self._delta_stats = self.delta.push(self.urls, buckets, flush_cache=flush, tp_sizes=tp)
+            tp, flush = [e.tp_size for e in self.group.engines], self.pause_mode != "in_place"
+            st = self.delta.push(self.urls, buckets, flush_cache=flush, tp_sizes=tp)
             return PushStats(st.bytes_sent, st.num_buckets, st.num_tensors, st.gather_s, st.transfer_s, flushed=True)
         return push_buckets(
             self.group,
@@ -482,7 +482,7 @@ class WeightSyncer:
             finish_s=t3 - t2,
             verify=verified,
             verify_s=time.perf_counter() - t3,
-            delta=self._delta_stats,
+            delta=self.delta.stats if self.delta is not None else None,
         )
         log.info(
             "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s): control %.3f s, gather %.3f s, "

@@ -133,7 +133,7 @@ def test_corrupted_delta_is_caught_by_its_checksum_and_resent_whole(env: Env):
     finally:
         env.syncer.delta.tamper = None
     assert hit and m["sync/checksum_failures"] == 1
-    assert env.syncer._delta_stats.resent == {victim: hit}
+    assert env.syncer.delta.stats.resent == {victim: hit}
     _assert_served_bit_identical(env)
 
 
