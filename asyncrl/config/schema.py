@@ -305,6 +305,11 @@ class SyncConfig:
         positive(self.bucket_bytes, "sync.bucket_bytes")
         if not 0 < self.delta_max_density <= 1:
             raise ValueError(f"sync.delta_max_density must be in (0, 1], got {self.delta_max_density!r}")
+        if self.delta and self.flattened_bucket:
+            raise ValueError(
+                "sync.flattened_bucket = true has no effect with sync.delta = true (the delta goes through "
+                "/update_weights_from_tensor, not the broadcast): set one of them to false"
+            )
         non_negative(self.verify_interval, "sync.verify_interval")
         positive(self.join_timeout_s, "sync.join_timeout_s")
         positive(self.broadcast_timeout_s, "sync.broadcast_timeout_s")

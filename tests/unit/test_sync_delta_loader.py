@@ -53,4 +53,4 @@ def test_config_keys_reach_the_engine_commands_and_bad_values_fail_naming_the_ke
         ("sync.delta_max_density=0", "sync.delta_max_density"),
     ):
         with pytest.raises(ValueError, match=key):
-            load_config("configs/tiny.toml", [bad], resolve=False)
+            load_config("configs/tiny.toml", bad.split(), resolve=False)
