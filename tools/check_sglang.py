@@ -913,11 +913,13 @@ def check_routed_experts() -> list[dict]:
 def check_delta_sync() -> list[dict]:
     """The delta sync's engine surface against SGLang's: the flags (``--custom-weight-loader``, ``--dtype``) read
     alike, the body is an ``UpdateWeightsFromTensorReqInput``, SGLang's own deserializer (its ``SafeUnpickler``)
-    reads the payload back bit for bit, and its ``dynamic_import`` finds the loader."""
+    reads the payload back (then unpacked as the loader unpacks it) bit for bit, and its ``dynamic_import`` finds the
+    loader."""
     import torch
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils.common import MultiprocessingSerializer, dynamic_import
 
+    from asyncrl.cluster.tensor_payload import unpack_named_tensors
     from asyncrl.config.schema import DELTA_LOADER
     from asyncrl.cpu_engine.args import parse_args
     from asyncrl.sync import delta as codec
@@ -940,7 +942,7 @@ def check_delta_sync() -> list[dict]:
     named += list(codec.to_tensors(codec.encode(old, new, max_density=0.5), "lm_head.weight").items())
     body = update_body(named, report="/tmp/report", tp_size=2, flush_cache=True)
     problems += [f"/update_weights_from_tensor: {p}" for p in check_body("/update_weights_from_tensor", body)]
-    back = MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][1])
+    back = unpack_named_tensors(MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][1]))
     sent = dict(named)
     for n, t in back:
         if n in sent and not (t.dtype == sent[n].dtype and torch.equal(t.view(torch.uint8), sent[n].view(torch.uint8))):

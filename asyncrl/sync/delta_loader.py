@@ -7,7 +7,8 @@ calls the same function the same way. It imports neither sglang nor CUDA.
 
 Contract
 - ``named_tensors`` holds, by name: whole tensors (``name``), deltas (``name`` + ``delta.SUFFIXES``, the codec's
-  wire form) and one reserved entry ``REPORT`` (uint8, the UTF-8 path prefix of the report file).
+  wire form) and one reserved entry ``REPORT`` (uint8, the UTF-8 path prefix of the report file); the tensors may
+  come packed in two entries (``tensor_payload.pack_named_tensors``).
 - The loader keeps its own base: the last value of every HF-named tensor it received (``delta`` values are
   applied to it, never to the model's fused, possibly sharded, parameters), host memory, the wire dtype: one
   more copy of the weights per TP rank. A whole tensor replaces the base; a delta is applied to it
@@ -35,6 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from asyncrl.cluster.tensor_payload import unpack_named_tensors
 from asyncrl.config.schema import DELTA_LOADER
 from asyncrl.sync import delta as codec
 
@@ -82,7 +84,7 @@ def split_entries(
 def load_delta(model: Any, named_tensors: Any) -> None:
     """SGLang's custom-loader signature (see module contract)."""
     base = _BASES.setdefault(model, {})
-    whole, parts, report = split_entries(list(named_tensors))
+    whole, parts, report = split_entries(unpack_named_tensors(named_tensors))
     loaded: list[tuple[str, torch.Tensor]] = []
     for name, t in whole:
         base[name] = t.detach().to("cpu").clone()

@@ -15,8 +15,8 @@ Contract
   at once, each bounded by ``sync.step_timeout_s``), then each engine's report read: the tensors whose delta
   failed (checksum, no base) are noted per engine. (3) the noted tensors go again whole to their engines (the same
   call, whole entries); a failure then fails the sync naming the engine and tensors.
-- The payload is built per engine (it names the engine's report file), by value (``tensor_payload``): HTTP and
-  base64 carry it, 4/3 of the tensor bytes plus ~400 bytes a tensor.
+- The payload is built per engine (it names the engine's report file), packed into two tensors and pickled by value
+  (``tensor_payload``): HTTP and base64 carry it, 4/3 of the tensor bytes plus ~60 bytes of header a tensor.
 - ``tamper(url, named)`` (tests only): given each engine's entries before they are serialized, returns what goes
   instead, the way a corrupted transfer would change them.
 - Figures (``DeltaStats.metrics``): ``sync/bytes_sent`` (tensor bytes of every payload, every engine, resends
@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from asyncrl.cluster.tensor_payload import serialize_named_tensors
+from asyncrl.cluster.tensor_payload import pack_named_tensors, serialize_named_tensors
 from asyncrl.config.schema import SyncConfig
 from asyncrl.engine.blocking import Call, EngineStepError, Exchange
 from asyncrl.sync import delta as codec
@@ -94,7 +94,7 @@ def to_wire(buckets: Iterable[Bucket], dtype: Optional[torch.dtype]) -> Iterable
 def update_body(named: list[tuple[str, torch.Tensor]], *, report: str, tp_size: int, flush_cache: bool) -> dict:
     """The ``/update_weights_from_tensor`` body of one engine's entries (SGLang's ``UpdateWeightsFromTensorReqInput``:
     the same payload for each of its TP ranks; its loader reports to ``report``)."""
-    entry = serialize_named_tensors([*named, (REPORT, path_tensor(report))])
+    entry = serialize_named_tensors([*pack_named_tensors(named), (REPORT, path_tensor(report))])
     return {
         "serialized_named_tensors": [entry] * tp_size,
         "load_format": LOADER,
