@@ -365,7 +365,7 @@ class WeightSyncer:
         if self.delta is not None:
             tp, flush = [e.tp_size for e in self.group.engines], self.pause_mode != "in_place"
             st = self.delta.push(self.urls, buckets, flush_cache=flush, tp_sizes=tp)
-            return PushStats(st.bytes_sent, st.num_buckets, st.num_tensors, st.gather_s, st.transfer_s, flushed=True)
+            return PushStats(st.bytes_sent, st.num_buckets, st.num_tensors, st.gather_s, st.transfer_s, flushed=flush)
         return push_buckets(
             self.group,
             to_wire(buckets, wire_dtype(self.cfg)),
