@@ -130,6 +130,13 @@ DESCRIPTIONS = {
     "sync/catchup_pushes": "catch-up syncs so far: full pushes run only to bring restarted engines to the current "
     "weights (0 under sync.catchup = pull unless a pull failed or the store was empty)",
     "sync/store_bytes": "bytes of weight-store files written since the last step (a base: the model; a delta: changes)",
+    "sync/bytes_sent": "delta sync (sync.delta): tensor bytes sent to all engines this sync (deltas, whole tensors, "
+    "resends)",
+    "sync/bytes_full": "delta sync: tensor bytes that sending every tensor whole to every engine would take",
+    "sync/delta_density": "delta sync: changed elements / elements at the wire dtype, over the tensors that had a "
+    "previous version (absent on a first sync)",
+    "sync/checksum_failures": "delta sync: (engine, tensor) pairs whose delta failed its checksum on the engine (each "
+    "resent whole in the same sync)",
     "sync/verified_params": "(engine, parameter) pairs read back after this sync and found equal to what the actor "
     "sent (0 when the check was not due: sync.verify_interval)",
     "sync/verify_unsupported": "1 when the engines cannot read parameters by name (SGLang 0.5.23 with a Qwen2/Qwen3 "

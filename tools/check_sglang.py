@@ -73,6 +73,7 @@ ENDPOINT_CLASSES = {
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
     "/get_weights_by_name": "GetWeightsByNameReqInput",
 }
@@ -908,6 +909,56 @@ def check_routed_experts() -> list[dict]:
     return [{"case": "routed experts: flag, request fields, meta_info encoding", "problems": problems}]
 
 
+# ------------------------------------------------------------------------------------- delta sync
+def check_delta_sync() -> list[dict]:
+    """The delta sync's engine surface against SGLang's: the flags (``--custom-weight-loader``, ``--dtype``) read
+    alike, the body is an ``UpdateWeightsFromTensorReqInput``, SGLang's own deserializer (its ``SafeUnpickler``)
+    reads the payload back (then unpacked as the loader unpacks it) bit for bit, and its ``dynamic_import`` finds the
+    loader."""
+    import torch
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils.common import MultiprocessingSerializer, dynamic_import
+
+    from asyncrl.cluster.tensor_payload import unpack_named_tensors
+    from asyncrl.config.schema import DELTA_LOADER
+    from asyncrl.cpu_engine.args import parse_args
+    from asyncrl.sync import delta as codec
+    from asyncrl.sync.delta_loader import load_delta
+    from asyncrl.sync.delta_sync import update_body
+
+    problems = []
+    argv = ["--custom-weight-loader", DELTA_LOADER, "--dtype", "bfloat16"]
+    theirs = prepare_server_args(["--model-path", "/m", *argv])
+    ours = parse_args(["--model-path", "/m", "--port", "1", *argv])
+    if list(theirs.custom_weight_loader) != list(ours.custom_weight_loader) or theirs.dtype != ours.dtype:
+        problems.append(
+            f"argv {argv}: SGLang reads {theirs.custom_weight_loader} {theirs.dtype}, the CPU engine "
+            f"{list(ours.custom_weight_loader)} {ours.dtype}"
+        )
+    old = torch.randn(64, 8).to(torch.bfloat16)
+    new = old.clone()
+    new[3, 1:5] += 1
+    named = [("model.norm.weight", torch.ones(8, dtype=torch.bfloat16))]
+    named += list(codec.to_tensors(codec.encode(old, new, max_density=0.5), "lm_head.weight").items())
+    body = update_body(named, report="/tmp/report", tp_size=2, flush_cache=True)
+    problems += [f"/update_weights_from_tensor: {p}" for p in check_body("/update_weights_from_tensor", body)]
+    back = unpack_named_tensors(MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][1]))
+    sent = dict(named)
+    for n, t in back:
+        if n in sent and not (t.dtype == sent[n].dtype and torch.equal(t.view(torch.uint8), sent[n].view(torch.uint8))):
+            problems.append(f"SGLang's deserializer reads {n!r} as another tensor")
+    if sorted(n for n, _ in back if n in sent) != sorted(sent):
+        problems.append(f"SGLang's deserializer reads names {[n for n, _ in back]}, sent {sorted(sent)}")
+    if dynamic_import(body["load_format"]) is not load_delta:
+        problems.append(f"SGLang's dynamic_import({body['load_format']!r}) is not asyncrl.sync.delta_loader.load_delta")
+    return [
+        {
+            "case": "delta sync: loader flag, dtype flag, update_weights_from_tensor body and payload",
+            "problems": problems,
+        }
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="write the whole report (every case, argv and body) there")
@@ -936,8 +987,14 @@ def main(argv: list[str] | None = None) -> int:
     report["sessions"] = check_sessions()
     report["weight_names"] = check_loader_names()
     report["routed_experts"] = check_routed_experts()
+    report["delta_sync"] = check_delta_sync()
     cases = (
-        report["commands"] + report["bodies"] + report["sessions"] + report["weight_names"] + report["routed_experts"]
+        report["commands"]
+        + report["bodies"]
+        + report["sessions"]
+        + report["weight_names"]
+        + report["routed_experts"]
+        + report["delta_sync"]
     )
     if not report["launch_module"]:
         cases.append({"case": "sglang.launch_server", "problems": ["the module is not in this sglang"]})

@@ -38,6 +38,8 @@ _.end_weight_update  # scheduler_process getattr(self.weights, op)), one per SGL
 _.init_weights_update_group  # (same)
 _.destroy_weights_update_group  # (same)
 _.update_weights_from_distributed  # (same)
+_.update_weights_from_tensor  # (same)
+_.load_delta  # sync/delta_loader.py: the engines' --custom-weight-loader, imported by its path (SGLang's dynamic_import)
 _.update_weight_version  # (same)
 _.pre_tokenizer  # models/tiny.py: tokenizers.Tokenizer properties, set for the library to use
 _.decoder  # (same)
@@ -45,6 +47,7 @@ _._wait_abandoned_rendezvous  # sync/group.py: registered with @atexit.register,
 _.input  # eval/backends.py CheckpointEvalFn.evaluate_checkpoint: the parameter name of the user-subclass interface
 
 # ---- read by the tests, benchmarks or tools (public helpers of asyncrl that only they call)
+_.density  # sync/delta.py Delta: the changed fraction of one tensor, read by the codec's tests
 _.aggregation_weights  # actor/loss.py: the per-token reference of batch.global_agg_weights; tests/unit/test_actor_loss.py
 _.compute_logprobs  # actor/megatron_actor.py Actor: tests/integration/test_actor_*.py, benchmarks/gpu_check.py
 _.synthetic_groups  # actor/synthetic.py: tests/integration/test_actor_*.py, benchmarks/actor_bench.py

@@ -268,6 +268,8 @@ class ActorConfig:
 # keep the previous base while the next chain fills.
 _STORE_BASE_INTERVAL = 8
 _STORE_KEEP_BASES = 2
+DELTA_LOADER = "asyncrl.sync.delta_loader.load_delta"
+"""The engines' ``--custom-weight-loader`` of the delta sync (``sync.delta``), also its ``load_format``."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,20 @@ class SyncConfig:
     """Under ``catchup = "pull"``: a full base every N stored versions, deltas (changed tensors only) between."""
     store_keep_bases: int = _STORE_KEEP_BASES
     """Under ``catchup = "pull"``: chains (a base and its deltas) kept in the store; older ones are deleted."""
+    wire_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype of the weights on the wire (``auto``: the actor's own). The CPU engines then hold their weights at
+    it too (``--dtype``); SGLang engines at their own ``--dtype`` (bf16 for a bf16 checkpoint)."""
+    delta: bool = False
+    """Send only the elements that changed since the last sync, checked per tensor on the engine and resent whole
+    where the check fails (``asyncrl.sync.delta_sync``; through ``/update_weights_from_tensor`` and a custom weight
+    loader instead of the broadcast; docs/weight_sync.md). The sender keeps one copy of the weights at the wire dtype
+    in host memory, and so does each engine rank."""
+    delta_max_density: float = 0.5
+    """A tensor whose changed fraction is above this goes whole (a delta also goes whole where it would not be
+    smaller). In (0, 1]."""
+    delta_report_dir: Optional[str] = None
+    """Where the engines' delta loaders write their reports for the trainer to read: a directory both see (same
+    node, or a shared filesystem). Unset: a temporary directory on the trainer's host (engines on its node)."""
 
     def __post_init__(self):
         positive(self.bucket_bytes, "sync.bucket_bytes")
@@ -321,6 +337,18 @@ class SyncConfig:
             raise ValueError(
                 "sync.store_dir / sync.store_base_interval / sync.store_keep_bases are set but sync.catchup is 'push' "
                 "(nothing writes the weight store): set sync.catchup = 'pull' or remove them"
+            )
+        if not 0 < self.delta_max_density <= 1:
+            raise ValueError(f"sync.delta_max_density must be in (0, 1], got {self.delta_max_density!r}")
+        if self.delta and self.flattened_bucket:
+            raise ValueError(
+                "sync.flattened_bucket = true has no effect with sync.delta = true (the delta goes through "
+                "/update_weights_from_tensor, not the broadcast): set one of them to false"
+            )
+        if self.topology == "sharded" and (self.delta or self.wire_dtype != "auto"):
+            raise ValueError(
+                'sync.delta / sync.wire_dtype apply to sync.topology = "broadcast" (the sharded senders send the '
+                "actor's own dtype, whole): set topology = 'broadcast' or drop them"
             )
         non_negative(self.verify_interval, "sync.verify_interval")
         positive(self.join_timeout_s, "sync.join_timeout_s")

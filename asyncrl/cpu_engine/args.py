@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from asyncrl.cluster import auth
@@ -34,6 +35,16 @@ NUM_THREADS_ENV = "ASYNCRL_CPU_ENGINE_NUM_THREADS"
 ``OMP_NUM_THREADS=1`` (one core, the other the actor's) and no ``--num-threads``; a run's processes inherit this
 variable, so a benchmark gives the engine both cores of a sync (turn-taking) run with it (``benchmarks/overlap.py``).
 Not SGLang's: a GPU engine has no CPU threads to size."""
+DTYPES = {
+    "auto": torch.float32,
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+"""SGLang 0.5.23's ``--dtype`` choices -> the dtype the CPU engine holds its weights at (``auto``: fp32, see
+``EngineArgs.dtype``)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,13 @@ class EngineArgs:
     enable_return_routed_experts: bool = False
     """SGLang's ``--enable-return-routed-experts`` (a mixture-of-experts model): a ``/generate`` with
     ``return_routed_experts`` gets ``meta_info["routed_experts"]``, every token's experts in every layer."""
+    dtype: str = "auto"
+    """SGLang's ``--dtype`` (its choices): the weights are held rounded to this dtype (``bfloat16``/``bfloat16``,
+    ``half``/``float16``); compute stays fp32. ``auto`` keeps fp32 (SGLang's auto would pick the checkpoint's
+    16-bit dtype; the CPU engine keeps its fp32 default: docs/sglang_differences.md)."""
+    custom_weight_loader: tuple[str, ...] = ()
+    """SGLang's ``--custom-weight-loader``: import paths (``module.func``) that ``/update_weights_from_tensor``
+    accepts as ``load_format``; each is called as ``func(model, named_tensors)``."""
 
 
 def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
@@ -84,6 +102,13 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
         "--enable-return-routed-experts",
         action="store_true",
         help="as SGLang's: answer return_routed_experts with each token's experts (meta_info.routed_experts)",
+    )
+    ap.add_argument("--dtype", default="auto", choices=list(DTYPES), help="as SGLang's: the weights' dtype")
+    ap.add_argument(
+        "--custom-weight-loader",
+        nargs="*",
+        default=None,
+        help="as SGLang's: import paths (module.func) accepted as /update_weights_from_tensor's load_format",
     )
     a = ap.parse_args(argv)
     if a.max_running_requests < 1:
@@ -108,7 +133,14 @@ def parse_args(argv: Optional[list[str]] = None) -> EngineArgs:
         dist_timeout_s=a.dist_timeout_s,
         api_key=a.api_key or auth.current(),
         enable_return_routed_experts=a.enable_return_routed_experts,
+        dtype=a.dtype,
+        custom_weight_loader=tuple(a.custom_weight_loader or ()),
     )
+
+
+def weight_dtype(name: str) -> torch.dtype:
+    """The dtype the CPU engine rounds its weights to for SGLang's ``--dtype`` value ``name``."""
+    return DTYPES[name]
 
 
 def init_engine_world(args: EngineArgs) -> str:

@@ -176,6 +176,16 @@ BODY_MODELS: dict[str, dict[str, Field]] = {
         "flush_cache": BOOL,
         "manifest": OPT_DICT,
     },
+    "/update_weights_from_tensor": {
+        **BASE_REQ,
+        "serialized_named_tensors": required(Field(_str_list, "a list of base64 strings")),
+        "load_format": OPT_STR,
+        "flush_cache": BOOL,
+        "abort_all_requests": BOOL,
+        "weight_version": OPT_STR,
+        "selector": one_of(*SELECTORS),
+        "torch_empty_cache": BOOL,
+    },
     "/update_weight_version": {**BASE_REQ, "new_version": required(STR), "abort_all_requests": BOOL},
     "/get_weights_by_name": {**BASE_REQ, "name": required(STR), "truncate_size": INT},
 }

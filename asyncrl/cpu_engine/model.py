@@ -107,10 +107,13 @@ class _Plan:
 
 
 class CausalLM:
-    """The decoder with HF-named parameters (views into fused buffers). fp32, no autograd."""
+    """The decoder with HF-named parameters (views into fused buffers). fp32, no autograd; ``weight_dtype``
+    (SGLang's ``--dtype``): every loaded weight is rounded to it first, so the fp32 buffers hold exactly the values
+    of a ``weight_dtype`` model (``t.to(weight_dtype).to(float32)`` is exact back and forth)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, *, weight_dtype: torch.dtype = torch.float32):
         self.spec = spec
+        self.weight_dtype = weight_dtype
         s = spec
         h = s.hidden_size
         self.params: dict[str, torch.Tensor] = {}
@@ -239,7 +242,7 @@ class CausalLM:
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, strict_names: bool = True) -> int:
-        """Copy HF-named tensors into the model (any float dtype; converted to fp32). Returns the
+        """Copy HF-named tensors into the model (any float dtype; rounded to ``weight_dtype``, held in fp32). Returns the
         number loaded. Unknown names raise ``KeyError`` naming them; ``lm_head.weight`` of a model
         with tied embeddings is skipped (as SGLang does)."""
         n = 0
@@ -252,7 +255,7 @@ class CausalLM:
                     raise KeyError(f"unknown parameter {name!r} for {self.spec.model_type}")
                 if tuple(t.shape) != tuple(dst.shape):
                     raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}")
-                dst.copy_(t.to(torch.float32))
+                dst.copy_(t.to(self.weight_dtype).to(torch.float32))
                 n += 1
         return n
 
@@ -427,12 +430,13 @@ def iter_safetensors(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:
     return SafetensorsReader(model_dir).items()
 
 
-def load_model(model_path: str | Path) -> CausalLM:
-    """Load a HF checkpoint directory into a ``CausalLM`` (fp32). Errors name the file/key."""
+def load_model(model_path: str | Path, *, weight_dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Load a HF checkpoint directory into a ``CausalLM`` (fp32 compute, weights rounded to ``weight_dtype``).
+    Errors name the file/key."""
     p = Path(model_path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model path {str(p)!r}: no config.json")
-    model = CausalLM(require(ModelSpec.from_pretrained(p), CPU_ENGINE))
+    model = CausalLM(require(ModelSpec.from_pretrained(p), CPU_ENGINE), weight_dtype=weight_dtype)
     seen: set[str] = set()
     for name, t in iter_safetensors(p):
         if model.load_weights([(name, t)]):

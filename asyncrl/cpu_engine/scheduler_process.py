@@ -50,7 +50,7 @@ import torch
 from tokenizers import Tokenizer
 
 from asyncrl.cluster.process import die_with_parent
-from asyncrl.cpu_engine.args import EngineArgs, init_engine_world
+from asyncrl.cpu_engine.args import EngineArgs, init_engine_world, weight_dtype
 from asyncrl.cpu_engine.frames import FrameReader, frame
 from asyncrl.cpu_engine.model import load_model
 from asyncrl.cpu_engine.request import Request
@@ -105,7 +105,7 @@ class Backend:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         t0 = time.monotonic()
-        self.model = load_model(args.model_path)
+        self.model = load_model(args.model_path, weight_dtype=weight_dtype(args.dtype))
         self.tokenizer = Tokenizer.from_file(str(Path(args.model_path) / "tokenizer.json"))
         self.scheduler = Scheduler(
             self.model,
@@ -119,7 +119,12 @@ class Backend:
             poll_inbox=self._poll,
             enable_return_routed_experts=args.enable_return_routed_experts,
         )
-        self.weights = WeightUpdates(self.model, call=self._on_engine, timeout_s=args.weight_sync_timeout_s)
+        self.weights = WeightUpdates(
+            self.model,
+            call=self._on_engine,
+            timeout_s=args.weight_sync_timeout_s,
+            custom_weight_loaders=args.custom_weight_loader,
+        )
         self._answers: list[tuple[str, dict]] = []
         """This step's answers (``deliver`` and ``_flush`` both run on the engine thread)."""
         self._stop = threading.Event()

@@ -77,7 +77,7 @@ HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 still generates)."""
 LOCKED_OPS = frozenset(
     {"begin_weight_update", "end_weight_update", "update_weights_from_distributed", "update_weights_from_disk"}
-)
+) | {"update_weights_from_tensor"}
 """Weight calls that SGLang runs under its model-update writer lock when the engine is not paused."""
 DISCONNECT_POLL_S = 0.2  # how often a waiting /generate checks that its client is still connected
 IDLE_POLL_S = 0.1  # longest wait between two idle checks of a /flush_cache?timeout= (one follows each output too)

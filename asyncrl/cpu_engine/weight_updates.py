@@ -45,6 +45,7 @@ from asyncrl.cpu_engine.http_shapes import SELECTORS, weight_version_field
 from asyncrl.cpu_engine.model import CausalLM, NoCheckpoint, read_checkpoint
 from asyncrl.cpu_engine.sampling_params import RequestError, check_bool, check_int
 from asyncrl.cpu_engine.scheduler import Scheduler
+from asyncrl.cpu_engine.tensor_updates import update_from_tensor
 from asyncrl.engine.client import weight_version_note
 
 log = logging.getLogger("asyncrl.cpu_engine")
@@ -57,6 +58,7 @@ WEIGHT_ROUTES = {
     "/update_weights_from_distributed": "update_weights_from_distributed",
     "/update_weight_version": "update_weight_version",
     "/update_weights_from_disk": "update_weights_from_disk",
+    "/update_weights_from_tensor": "update_weights_from_tensor",
     "/begin_weight_update": "begin_weight_update",
     "/end_weight_update": "end_weight_update",
     "/get_weights_by_name": "get_weights_by_name",
@@ -136,11 +138,8 @@ class UpdateWindow:
         """The answer to ``op`` when it must not run now (an update while no update is open), else None. A body
         whose ``group_name`` is not a string goes on: the op's own check names that field first."""
         named = isinstance(body.get("group_name", "weight_update_group"), str)
-        if op == "update_weights_from_distributed" and not self.open and named:
-            return answer(
-                False,
-                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
-            )
+        if op in ("update_weights_from_distributed", "update_weights_from_tensor") and not self.open and named:
+            return answer(False, f"{op} must run between begin_weight_update() and end_weight_update()")
         return None
 
 
@@ -148,8 +147,17 @@ class WeightUpdates:
     """The weight-update state of one engine (its groups, the open update, the standby bank) and its handlers.
     ``call(fn)`` runs ``fn(scheduler)`` on the engine thread between two model steps and returns its result."""
 
-    def __init__(self, model: CausalLM, *, call: Callable[[Callable[[Scheduler], Any]], Any], timeout_s: float):
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        call: Callable[[Callable[[Scheduler], Any]], Any],
+        timeout_s: float,
+        custom_weight_loaders: tuple[str, ...] = (),
+    ):
         self.model = model
+        self.custom_weight_loaders = custom_weight_loaders
+        """SGLang's ``--custom-weight-loader``: the ``load_format`` values ``/update_weights_from_tensor`` imports."""
         self._call = call
         self.timeout_s = timeout_s
         """Timeout of the weight-update group (join and each broadcast)."""
@@ -314,7 +322,7 @@ class WeightUpdates:
     def _standby_bank(self) -> CausalLM:
         """The standby copy of the weights that broadcasts land in (made on the first update, kept)."""
         if self._standby is None:
-            self._standby = CausalLM(self.model.spec)
+            self._standby = CausalLM(self.model.spec, weight_dtype=self.model.weight_dtype)
         return self._standby
 
     def _receive_staged(self, pg, update: CheckedUpdate) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
@@ -341,7 +349,8 @@ class WeightUpdates:
         # back inside gloo instead of one Python call and thread wake-up per tensor
         for name, s, d in zip(names, shapes, dts):
             dst = bank.params.get(name)
-            if d == torch.float32 and dst is not None and dst.is_contiguous():
+            exact = self.model.weight_dtype == torch.float32  # else the values must be rounded: load_weights
+            if d == torch.float32 and exact and dst is not None and dst.is_contiguous():
                 banked.append(name)
             else:
                 dst = torch.empty(s, dtype=d)
@@ -451,6 +460,14 @@ class WeightUpdates:
         log.info("loaded %d tensors from %s in %.3fs (weight version %s)", len(named), path, time.monotonic() - t0, v)
         note = weight_version_note(version) if version is not None else ""
         return answer(True, "Succeeded to update model weights." + note, num_paused_requests=0)
+
+    def update_weights_from_tensor(self, body: dict) -> Answer:
+        """SGLang's ``/update_weights_from_tensor`` (``tensor_updates.update_from_tensor``)."""
+        refused = self.session.refusal("update_weights_from_tensor", body)
+        if refused is not None:
+            return refused
+        loaders = self.custom_weight_loaders
+        return update_from_tensor(self.model, body, call=self._call, loaders=loaders, flush_refused=FLUSH_REFUSED)
 
     def update_weight_version(self, body: dict) -> Answer:
         if "new_version" not in body:

@@ -55,7 +55,7 @@ from asyncrl.cluster import auth
 from asyncrl.cluster.auth import redacted
 from asyncrl.cluster.ports import free_port
 from asyncrl.cluster.process import Child, ChildFailed, spawn_child, stop_child, tail_file, wait_until
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import DELTA_LOADER, Config
 from asyncrl.engine.blocking import EngineStepError, get_text
 from asyncrl.engine.liveness import HEALTH_GENERATION_ENV, liveness
 
@@ -141,6 +141,11 @@ def routed_experts_args(cfg: Config) -> list[str]:
     return ["--enable-return-routed-experts"] if cfg.actor.moe_routing_replay else []
 
 
+def delta_loader_args(cfg: Config) -> list[str]:
+    """SGLang's ``--custom-weight-loader`` of the delta sync's engine side, with ``sync.delta``."""
+    return ["--custom-weight-loader", DELTA_LOADER] if cfg.sync.delta else []
+
+
 def sglang_command(
     cfg: Config,
     *,
@@ -180,7 +185,7 @@ def sglang_command(
         str(cfg.runner.seed),
         "--skip-server-warmup",
     ]
-    cmd += routed_experts_args(cfg)
+    cmd += routed_experts_args(cfg) + delta_loader_args(cfg)
     if auth.current():  # SGLang reads its key from the command line only; one token, so a key that starts
         cmd.append(f"{auth.API_KEY_FLAG}={auth.current()}")  # with '-' is not taken for a flag by its argparse
     return cmd + [str(a) for a in r.sglang.extra_args]
@@ -213,7 +218,9 @@ def cpu_engine_command(
         "--seed",
         str(cfg.runner.seed),
     ]
-    return cmd + routed_experts_args(cfg)
+    if cfg.sync.wire_dtype != "auto":  # the CPU engine holds its weights at the wire dtype (SGLang: its own --dtype)
+        cmd += ["--dtype", cfg.sync.wire_dtype]
+    return cmd + routed_experts_args(cfg) + delta_loader_args(cfg)
 
 
 def engine_command(

@@ -196,7 +196,11 @@ def to_tensors(delta: Delta, prefix: str) -> dict[str, torch.Tensor]:
     """The delta as three named tensors (see module contract)."""
     meta = [delta.numel, delta.count, int(delta.compressed), *delta.shape]
     digest = np.frombuffer(bytes.fromhex(delta.checksum), np.int64)
-    idx = torch.frombuffer(bytearray(delta.index), dtype=torch.uint8) if delta.index else torch.zeros(0, torch.uint8)
+    idx = (
+        torch.frombuffer(bytearray(delta.index), dtype=torch.uint8)
+        if delta.index
+        else torch.zeros(0, dtype=torch.uint8)
+    )
     return {
         prefix + ".delta_idx": idx,
         prefix + ".delta_val": delta.values,

@@ -1,3 +1,4 @@
+# long: the sync's whole contract (steps 1-8, topologies, delta) is one docstring beside the one class that runs it
 """One weight sync: pause the engines, broadcast the actor's buckets, bump the version, resume.
 
 Contract
@@ -62,6 +63,9 @@ Contract
                           hooks=SyncHooks(sync_begin=broker.sync_begin, sync_end=broker.sync_end))
     result = syncer.sync(actor.iter_hf_buckets(cfg.sync.bucket_bytes), version=step)
 
+Delta sync (``sync.delta``): step 4 goes through ``asyncrl.sync.delta_sync`` (changed elements only, checked per
+tensor, resent whole on a mismatch; docs/weight_sync.md), the version by step 5. Every sync sends ``sync.wire_dtype``.
+
 Pipeline parallelism: one group still; the actor's ``iter_hf_buckets`` brings every stage's tensors to global
 rank 0 (``asyncrl.actor.pipeline.gather_to_rank0``), which pushes them all.
 
@@ -90,6 +94,7 @@ from asyncrl.engine.blocking import Call, EngineStepError, Exchange, engine_load
 from asyncrl.engine.client import confirms_weight_version
 from asyncrl.sync.bucketing import Bucket, LastBucket, bucket_meta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.call_pool import CallPool
+from asyncrl.sync.delta_sync import DeltaSender, DeltaStats, to_wire, wire_dtype
 from asyncrl.sync.group import WeightSyncGroup
 from asyncrl.sync.verify import SentRows, VerifyResult, verify_sync
 
@@ -150,6 +155,8 @@ class SyncResult:
     """bytes actor rank 0 received + sent for this sync (its TP gather share and its broadcasts; ``shard_plan``)"""
     max_rank_bytes: int = 0
     """the same for the busiest actor rank"""
+    delta: Optional[DeltaStats] = None
+    """what a delta sync sent (``sync.delta``; ``asyncrl.sync.delta_sync``)"""
 
     @property
     def control_s(self) -> float:
@@ -172,6 +179,7 @@ class SyncResult:
             "time/sync_verify": self.verify_s,
             "sync/rank0_bytes": float(self.rank0_bytes),
             "sync/bytes_max_rank": float(self.max_rank_bytes),
+            **(self.delta.metrics() if self.delta is not None else {}),
         }
 
 
@@ -295,6 +303,7 @@ class WeightSyncer:
         self.hooks = hooks or SyncHooks()
         self.calls = CallPool()
         self.num_syncs = 0
+        self.delta = DeltaSender(sync_cfg) if sync_cfg.delta else None  # sync.delta: step 4 goes through it
 
     @property
     def urls(self) -> list[str]:
@@ -365,10 +374,15 @@ class WeightSyncer:
         return Exchange([(u, [pause, begin]) for u in self.urls], timeout_s=2 * self.cfg.step_timeout_s).start()
 
     def push(self, buckets: Iterable[Bucket], *, weight_version: Optional[str] = None) -> PushStats:
-        """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given)."""
+        """Step 4 on this syncer's group (the last bucket carries ``weight_version`` when given), at the wire dtype;
+        with ``sync.delta`` through the delta sender (the version is then set by ``finish``)."""
+        if self.delta is not None:
+            tp, flush = [e.tp_size for e in self.group.engines], self.pause_mode != "in_place"
+            st = self.delta.push(self.urls, buckets, flush_cache=flush, tp_sizes=tp)
+            return PushStats(st.bytes_sent, st.num_buckets, st.num_tensors, st.gather_s, st.transfer_s, flushed=flush)
         return push_buckets(
             self.group,
-            buckets,
+            to_wire(buckets, wire_dtype(self.cfg)),
             flush_cache=self.pause_mode != "in_place",
             flattened=self.cfg.flattened_bucket,
             step_timeout_s=self.cfg.step_timeout_s,
@@ -413,6 +427,8 @@ class WeightSyncer:
                 "update_weight_version",
                 f"/model_info.weight_version is {', '.join(got)}, not {v!r}, after the update",
             )
+        if self.delta is not None:
+            self.delta.version = v  # every engine holds it now: the next delta sync's base
         self._all("/continue_generation", {}, "continue_generation")
         if self.hooks.sync_end is not None:
             self.hooks.sync_end(version)
@@ -480,6 +496,7 @@ class WeightSyncer:
             finish_s=t3 - t2,
             verify=verified,
             verify_s=time.perf_counter() - t3,
+            delta=self.delta.stats if self.delta is not None else None,
         )
         log.info(
             "weight sync v%s (%s): %d bytes in %d buckets, %.3f s (%.1f MB/s): control %.3f s, gather %.3f s, "

@@ -202,3 +202,14 @@ def test_every_weight_name_we_send_lands_whole_in_sglangs_model(tool):
 @needs_sglang
 def test_the_cpu_engines_routed_experts_are_sglangs(tool):
     assert [r["problems"] for r in tool.check_routed_experts()] == [[]]
+
+
+@needs_sglang
+def test_the_delta_sync_speaks_sglangs_update_weights_from_tensor(tool, monkeypatch):
+    assert [r["problems"] for r in tool.check_delta_sync()] == [[]]
+    # the check can fail: a body with a field SGLang's request class lacks is caught
+    from asyncrl.sync import delta_sync
+
+    real = delta_sync.update_body
+    monkeypatch.setattr(delta_sync, "update_body", lambda *a, **k: {**real(*a, **k), "bogus": 1})
+    assert any("bogus" in p for r in tool.check_delta_sync() for p in r["problems"])

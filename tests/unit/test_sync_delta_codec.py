@@ -108,3 +108,12 @@ def test_safetensors_round_trip(tmp_path):
     assert torch.equal(_bits(D.apply(old, back, name="a.b")), _bits(new))
     with pytest.raises(D.ChecksumError, match="missing"):
         D.from_tensors({}, "a.b")
+
+
+def test_unchanged_tensor_is_an_empty_delta_that_still_checks():
+    old = torch.randn(50).to(torch.bfloat16)
+    d = D.from_tensors(D.to_tensors(D.encode(old, old.clone(), max_density=0.5), "n"), "n")
+    assert d.count == 0 and d.nbytes == 0
+    assert torch.equal(_bits(D.apply(old, d, name="n")), _bits(old))
+    with pytest.raises(D.ChecksumError, match="'n'"):
+        D.apply(_changed(old, 0.1), d, name="n")
