@@ -316,12 +316,14 @@ def warm_start(
     torch.set_num_threads(threads)
     dtype = matmul_dtype(p.sft_matmul_dtype)
     log.info(
-        "prepare: warm start of %d steps on %d demos (shared prefix %d tokens, %d threads, %s products)",
+        "prepare: warm start of %d steps on %d demos (shared prefix %d tokens, %d threads, %s products, torch's %s "
+        "CPU kernels)",
         p.sft_steps,
         len(examples),
         P,
         torch.get_num_threads(),
         str(dtype).removeprefix("torch."),
+        torch.backends.cpu.get_cpu_capability(),  # the held-out figures are measured per kernel kind (first_run_history)
     )
     t_train = time.perf_counter()
     try:
