@@ -163,8 +163,12 @@ def test_async_steps(prepared, tmp_path, pause_mode):
     _assert_no_prompt_lost(recs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4
-    if pause_mode == "drain":  # drain lets requests finish before a sync: nothing is ever retracted
-        assert all(x["rollout/retractions/mean"] == 0 for x in recs)
+    if pause_mode == "drain":  # drain lets requests finish before a sync: nothing is retracted, except a turn that
+        # was on the wire when the broker stopped issuing and reached the engine between "idle" and the guard pause:
+        # the syncer sees it in its load re-read, logs it, resumes and drains again (WeightSyncer._drain)
+        retracted = [x["step"] for x in recs if x["rollout/retractions/mean"] > 0]
+        slipped = "got a request during the pause" in r.stdout + r.stderr
+        assert not retracted or slipped, f"retractions at steps {retracted} under drain with no request slipped in"
 
 
 @pytest.mark.slow
