@@ -127,6 +127,8 @@ DESCRIPTIONS = {
     "sync/num_buckets": "buckets per sync",
     "sync/catchup_pulls": "restarted engines caught up by pulling the weight store's latest version so far "
     "(sync.catchup = pull)",
+    "sync/fallback_pulls": "weight syncs whose broadcast failed (an engine died in it) finished by every live engine "
+    "pulling the version from the weight store instead of a retried push, so far (sync.catchup = pull)",
     "sync/catchup_pushes": "catch-up syncs so far: full pushes run only to bring restarted engines to the current "
     "weights (0 under sync.catchup = pull unless a pull failed or the store was empty)",
     "sync/store_bytes": "bytes of weight-store files written since the last step (a base: the model; a delta: changes)",

@@ -66,6 +66,7 @@ import torch
 
 from asyncrl.actor.convert import hf_state_to_megatron, megatron_state_to_hf, tp_merge, tp_shard
 from asyncrl.actor.model import actor_spec, padded_vocab_size
+from asyncrl.cluster.durable import fsync_dir, write_durable
 from asyncrl.models.safetensors_io import SafetensorsReader, save_safetensors
 
 log = logging.getLogger(__name__)
@@ -209,21 +210,6 @@ def _hash_files(ckpt: Path, names: list[str]) -> dict[str, tuple[int, str]]:
         return dict(zip(names, pool.map(lambda n: _digest(ckpt / n), names)))
 
 
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def seal_checkpoint(ckpt: str | Path) -> None:
     """``manifest.json`` (size and sha256 of every file in ``ckpt``), then ``complete`` naming its sha256."""
     ckpt = Path(ckpt)
@@ -232,8 +218,8 @@ def seal_checkpoint(ckpt: str | Path) -> None:
     )
     files = {n: {"size": size, "sha256": h} for n, (size, h) in _hash_files(ckpt, names).items()}
     blob = (json.dumps({"format": FORMAT, "files": files}, indent=1, sort_keys=True) + "\n").encode()
-    _write_durable(ckpt / MANIFEST, blob)
-    _write_durable(ckpt / COMPLETE, f"sha256 {hashlib.sha256(blob).hexdigest()}\n".encode())
+    write_durable(ckpt / MANIFEST, blob)
+    write_durable(ckpt / COMPLETE, f"sha256 {hashlib.sha256(blob).hexdigest()}\n".encode())
 
 
 def verify_checkpoint(ckpt: str | Path) -> str | None:
@@ -417,7 +403,7 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         else:
             part.rename(final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def prune(self, ident: dict, keep: int | None = None) -> list[Path]:
         """Delete this run's complete checkpoints older than its newest ``keep`` (default the manager's; 0: none);

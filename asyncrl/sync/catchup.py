@@ -17,6 +17,11 @@ Contract
   startup, when the engines are on other nodes than actor rank 0).
 - The group is not re-formed here: the next broadcast does that (``EngineRecovery.before_sync``); the broadcast stays
   the fast path of every sync.
+- After a failed broadcast (``EngineRecovery.pull_instead``) every engine pulls the version the failed sync carried
+  (written to the store first); ``gone(url)`` tells an engine whose process is gone (its port refuses connections:
+  it pulls once restarted) from one that is alive but failed. ``num_fallbacks`` counts those syncs.
+- ``on_pull(url)`` is called after each pull (the delta sender forgets that engine's base: a disk load leaves the
+  delta loader without one, so its next sync is whole).
 
     puller = Puller(store, initial_path=cfg.rollout.model_path, timeout_s=cfg.sync.step_timeout_s)
     version, seconds = puller.pull("http://10.0.0.2:31000")
@@ -25,8 +30,12 @@ Contract
 from __future__ import annotations
 
 import logging
+import socket
 import time
+import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 from asyncrl.engine.blocking import EngineStepError, get_json, post_json
 from asyncrl.engine.client import confirms_weight_version
@@ -35,6 +44,7 @@ from asyncrl.sync.weight_store import WeightStore
 log = logging.getLogger(__name__)
 
 STEP = "update_weights_from_disk"
+_GONE_PROBE_S = 2.0  # a connect that neither succeeds nor is refused in this long: not known to be gone
 
 
 class Puller:
@@ -47,6 +57,10 @@ class Puller:
         """Seconds spent pulling since the last ``take_metrics``."""
         self.last_materialize_s = 0.0
         """Of the last pull, the seconds making its directory (0 when the latest version was materialized already)."""
+        self.num_fallbacks = 0
+        """Syncs finished by pulling after their broadcast failed (``EngineRecovery.pull_instead``)."""
+        self.on_pull: Optional[Callable[[str], None]] = None
+        """Called with the engine's URL after each pull (see module contract)."""
 
     def source(self) -> tuple[int, Path]:
         """The version to pull and the directory that holds it (materialized from the store, verified)."""
@@ -74,6 +88,8 @@ class Puller:
             if str(got) != v:
                 raise EngineStepError([url], STEP, f"/model_info.weight_version is {got!r}, not {v!r}, after the pull")
         took = time.perf_counter() - t0
+        if self.on_pull is not None:
+            self.on_pull(url)
         self.num_pulls += 1
         self.pull_s += took
         log.info(
@@ -88,13 +104,27 @@ class Puller:
 
     def take_metrics(self) -> dict[str, float]:
         """Since the last call: ``time/sync_catchup`` (seconds pulling), ``time/sync_store`` and ``sync/store_bytes``
-        (the store's writes); ``sync/catchup_pulls`` counts from the start."""
+        (the store's writes); ``sync/catchup_pulls`` and ``sync/fallback_pulls`` count from the start."""
         put_s, put_bytes = self.store.take_put_figures()
         m = {
             "sync/catchup_pulls": float(self.num_pulls),
+            "sync/fallback_pulls": float(self.num_fallbacks),
             "time/sync_catchup": self.pull_s,
             "time/sync_store": put_s,
             "sync/store_bytes": float(put_bytes),
         }
         self.pull_s = 0.0
         return m
+
+
+def gone(url: str, *, timeout_s: float = _GONE_PROBE_S) -> bool:
+    """True when the engine's port refuses connections (nothing listens: its process is gone); False when it accepts
+    one, or when the connect neither succeeds nor is refused within ``timeout_s`` (a hung host is not known gone)."""
+    u = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or 80), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False

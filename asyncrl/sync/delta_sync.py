@@ -9,7 +9,9 @@ Contract
   model at ``sync.wire_dtype``: 2 bytes a parameter at bf16) - and ``version``, the version that every engine got
   whole (None before the first sync and after a failed one: the next sync sends everything whole).
 - One push: (1) ``GET /model_info`` of every engine: one whose ``weight_version`` is ``version`` holds ``last``
-  (the loader's base) and gets deltas; any other (restarted, late, first sync) gets every tensor whole.
+  (the loader's base) and gets deltas; any other (restarted, late, first sync) gets every tensor whole, and so does
+  one named to ``forget(url)`` since its last push (it loaded a version from disk: ``asyncrl.sync.catchup``, its
+  loader has no base although its version matches).
   (2) per bucket: each tensor converted to the wire dtype; ``delta.encode(last[name], new, max_density=
   sync.delta_max_density)``, whole where that returns None; one ``/update_weights_from_tensor`` per engine (all
   at once, each bounded by ``sync.step_timeout_s``), then each engine's report read: the tensors whose delta
@@ -117,8 +119,14 @@ class DeltaSender:
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.stats: Optional[DeltaStats] = None
         """the last push's figures"""
+        self.no_base: set[str] = set()
+        """engines that got weights past the loader since the last push (``forget``): whole next time"""
         self.tamper: Optional[Callable[[str, list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]] = None
         self._calls = 0
+
+    def forget(self, url: str) -> None:
+        """The engine at ``url`` loaded weights another way (a pull from disk): its next push is whole."""
+        self.no_base.add(url)
 
     def _engine_versions(self, urls: list[str]) -> list[str]:
         chains = [(u, [Call("/model_info", None, "model_info", method="GET")]) for u in urls]
@@ -181,7 +189,10 @@ class DeltaSender:
     ) -> DeltaStats:
         """Steps (1)-(3) of the module contract; ``version`` is None until the caller sets it after the sync."""
         self.tp_sizes = list(tp_sizes)
-        at_base = [self.version is not None and v == self.version for v in self._engine_versions(urls)]
+        versions = self._engine_versions(urls)
+        at_base = [
+            self.version is not None and v == self.version and u not in self.no_base for u, v in zip(urls, versions)
+        ]
         self.version = None  # until this sync finished: a failed one leaves the engines' bases unknown
         stats = self.stats = DeltaStats()
         failed: dict[str, list[str]] = {u: [] for u in urls}
@@ -216,4 +227,5 @@ class DeltaSender:
             if bad:
                 raise EngineStepError(bad, STEP, f"tensors failed again when resent whole: {still}")
             stats.transfer_s += time.perf_counter() - t0
+        self.no_base -= {u for u, b in zip(urls, at_base) if not b}  # they got every tensor whole: the new base
         return stats

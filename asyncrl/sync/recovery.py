@@ -26,6 +26,14 @@ Contract
   restarted engine pull the store's latest version (``asyncrl.sync.catchup``) and publishes it synced, with no
   collective and no push; the group is re-formed at the next sync (``before_sync``) as before. A pull that fails
   leaves the engine pending: the step loop's catch-up sync (a full push) covers it, as without a store.
+- An engine that misses a broadcast falls back to pulling (``sync.catchup = "pull"``): when a sync fails, the
+  leader (every rank has finished its buckets, so the capture is whole) writes that version to the store and every
+  engine pulls it (``pull_instead``), paused, then is resumed; an engine whose port refuses connections (its
+  process is gone: ``catchup.gone``) is skipped and pulls once its rollout rank restarted it (``catch_up``). The sync
+  then counts as done (no wait for the restart, no retried push); the group is marked stale and re-formed at the
+  next sync. While the dead engine has not restarted, that re-formation fails at once (its ``/model_info`` is
+  refused) and the sync falls back to pulling again. An engine that still listens but fails its pull sends the sync
+  down the old path (wait for its restart, retry the push).
 
     rec = EngineRecovery(group, read_restarts=lambda i: ..., publish_synced=lambda i, n: ..., wait_s=150,
                          max_failures=4)
@@ -41,9 +49,10 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from asyncrl.engine.blocking import EngineStepError
-from asyncrl.sync.catchup import Puller
+from asyncrl.sync.catchup import Puller, gone
 from asyncrl.sync.group import GroupJoinError, WeightSyncGroup
 from asyncrl.sync.weight_store import StoreCorruption
+from asyncrl.sync.weight_sync import SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +93,8 @@ class EngineRecovery:
         """Restart count of each engine that the last successful sync (or its catch-up pull) covered."""
         self.puller: Optional[Puller] = None
         """Set under ``sync.catchup = "pull"``: syncs write the weight store, restarted engines pull from it."""
+        self.stale = False
+        """The group is broken (a sync failed and was finished by pulling): re-formed before the next sync."""
 
     def _counts(self) -> list[int]:
         return [self.read_restarts(i) for i in range(len(self.joined))]
@@ -104,12 +115,17 @@ class EngineRecovery:
     def before_sync(self) -> None:
         """Re-form the group if an engine restarted since it was formed (the restarted one left it)."""
         counts = self.restarted()
-        if counts is None:
+        if counts is None and not self.stale:
             return
-        moved = [self.group.engines[i].url for i, (c, j) in enumerate(zip(counts, self.joined)) if c != j]
-        log.warning("engine(s) %s restarted: re-forming the weight-sync group", ", ".join(moved))
+        if counts is None:
+            log.warning("the last sync broke the weight-sync group: re-forming it")
+            counts = self._counts()
+        else:
+            moved = [self.group.engines[i].url for i, (c, j) in enumerate(zip(counts, self.joined)) if c != j]
+            log.warning("engine(s) %s restarted: re-forming the weight-sync group", ", ".join(moved))
+        self.stale = True  # until the re-formation succeeded
         self.group.recreate()
-        self.joined = counts
+        self.joined, self.stale = counts, False
 
     def catch_up(self) -> bool:
         """Every restarted engine not synced yet pulls the store's latest version and is published synced; True
@@ -128,6 +144,45 @@ class EngineRecovery:
             self.synced[i] = c
             self.publish_synced(i, c)
         return not self.pending()
+
+    def pull_instead(
+        self, err: BaseException, *, version: int, state: dict, resume: Callable[[list[str]], None]
+    ) -> bool:
+        """After the failed sync ``err`` at ``version`` (leader; ``state``: that version's every tensor, captured
+        whole): the store gets the version and every engine pulls it, an engine whose process is gone excepted (see
+        module contract); ``resume`` gets the engines that pulled. True when the sync counts as done; False without
+        a puller, once ``abandon()`` holds, or when an engine that still listens failed its pull."""
+        if self.puller is None or self.abandon():
+            return False
+        log.warning(
+            "weight sync to version %d failed (%s): the engines pull it from the weight store instead", version, err
+        )
+        store = self.puller.store
+        store.wait()
+        store.put(version, state)
+        counts, pulled, skipped = self._counts(), [], []
+        for i, e in enumerate(self.group.engines):
+            try:
+                self.puller.pull(e.url)
+            except (EngineStepError, StoreCorruption, OSError) as pe:
+                if not gone(e.url):
+                    log.warning("engine %s failed its pull (%s) and still listens: waiting for its restart", e.url, pe)
+                    return False
+                skipped.append(e.url)
+                continue
+            pulled.append(i)
+        self.stale = True
+        resume([self.group.engines[i].url for i in pulled])
+        for i in pulled:
+            if counts[i] > self.synced[i]:  # restarted meanwhile and pulled: its worker may take work
+                self.synced[i] = counts[i]
+                self.publish_synced(i, counts[i])
+        self.puller.num_fallbacks += 1
+        if skipped:
+            log.warning(
+                "engine(s) %s gone (connection refused): each pulls version %d once restarted", skipped, version
+            )
+        return True
 
     def after_sync(self) -> None:
         for i, (j, s) in enumerate(zip(self.joined, self.synced)):
@@ -185,17 +240,52 @@ def sync_weights(
             pass
         verdict = None
         if err is not None:
-            verdict = "retry" if recovery.after_failure(err) else "abandon"
+            t0 = time.perf_counter()
+            if (
+                store is not None
+                and store.captured_whole
+                and recovery.pull_instead(
+                    err,
+                    version=int(actor.version),
+                    state=store.captured,
+                    resume=lambda urls: syncer.resume(urls, actor.version),
+                )
+            ):
+                res = pulled_result(actor.version, store.captured, time.perf_counter() - t0)
+            else:
+                verdict = "retry" if recovery.after_failure(err) else "abandon"
         elif is_leader and recovery is not None:
             if store is not None:  # before the restarts are published synced: a pull from here on finds this version
                 store.put_async(int(actor.version), store.captured)
             recovery.after_sync()
-        verdict = bcast(verdict)
-        if verdict is None:
+        if follow_verdict(bcast(verdict), version=actor.version, err=err):
             return res
-        if verdict == "abandon":
-            raise SyncAbandoned(
-                f"weight sync at version {actor.version} abandoned: the run is stopping"
-                + (f" ({err})" if err is not None else "")
-            )
-        log.info("retrying the weight sync at version %s", actor.version)
+
+
+def follow_verdict(verdict: Optional[str], *, version: Any, err: Optional[BaseException]) -> bool:
+    """Every actor rank, after a sync attempt, with the leader's broadcast verdict: True when the sync is done, False
+    to retry it; ``SyncAbandoned`` when the leader gave it up (the run is stopping)."""
+    if verdict is None:
+        return True
+    if verdict == "abandon":
+        raise SyncAbandoned(
+            f"weight sync at version {version} abandoned: the run is stopping"
+            + (f" ({err})" if err is not None else "")
+        )
+    log.info("retrying the weight sync at version %s", version)
+    return False
+
+
+def pulled_result(version: Any, state: dict, seconds: float) -> SyncResult:
+    """The figures of a sync the engines finished by pulling (``pull_instead``): every tensor, no bucket broadcast."""
+    return SyncResult(
+        version=str(version),
+        num_bytes=sum(int(t.numel() * t.element_size()) for t in state.values()),
+        num_buckets=0,
+        num_tensors=len(state),
+        time_s=seconds,
+        pause_s=0.0,
+        gather_s=0.0,
+        transfer_s=seconds,
+        finish_s=0.0,
+    )

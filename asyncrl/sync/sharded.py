@@ -63,7 +63,7 @@ from asyncrl.engine.client import confirms_weight_version
 from asyncrl.sync import group as _group
 from asyncrl.sync.bucketing import BucketMeta, flatten_bucket, tensor_nbytes, update_request
 from asyncrl.sync.group import GroupJoinError, WeightSyncGroup, default_master_address
-from asyncrl.sync.recovery import SyncAbandoned
+from asyncrl.sync.recovery import follow_verdict
 from asyncrl.sync.shard_plan import ParamMeta, PlannedBucket, ShardPlan, funnel_rank_bytes, plan_shards, rank_bytes
 from asyncrl.sync.verify import SentRows, verify_sync
 from asyncrl.sync.weight_sync import SyncResult, WeightSyncer, send_bucket
@@ -352,11 +352,5 @@ def sync_weights_sharded(sharded: ShardedSync, recovery, *, bcast: Callable[[Any
             verdict = "retry" if recovery.after_failure(err) else "abandon"
         elif sharded.is_leader and recovery is not None:
             recovery.after_sync()
-        verdict = bcast(verdict)
-        if verdict is None:
+        if follow_verdict(bcast(verdict), version=version, err=err):
             return res
-        if verdict == "abandon":
-            raise SyncAbandoned(
-                f"weight sync at version {version} abandoned: the run is stopping" + (f" ({err})" if err else "")
-            )
-        log.info("retrying the sharded weight sync at version %s", version)

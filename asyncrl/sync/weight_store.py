@@ -58,6 +58,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from asyncrl.cluster.durable import fsync_dir, fsync_file
 from asyncrl.sync import delta
 
 log = logging.getLogger(__name__)
@@ -208,28 +209,15 @@ def _dir_name(version: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------- file shell
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: Path, final: Path) -> None:
     """Make the fully written ``tmp`` directory visible as ``final`` in one rename (fsynced before and after)."""
     for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
+        fsync_file(f)
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 class WeightStore:
@@ -241,6 +229,8 @@ class WeightStore:
         self.plan = VersionPlan(base_interval=base_interval, keep_bases=keep_bases)
         self.captured: dict[str, torch.Tensor] = {}
         """The weights of the sync in progress (``capture``), name -> host tensor."""
+        self.captured_whole = False
+        """``captured`` holds every tensor of its version (the capture ran to the end)."""
         self._prev: Optional[tuple[Manifest, dict[str, torch.Tensor]]] = None
         self.put_s = 0.0
         """Seconds in ``put`` (encoding and writing) since ``take_put_figures``."""
@@ -262,12 +252,14 @@ class WeightStore:
 
     # -- writing
     def capture(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Pass ``buckets`` on unchanged, keeping a host copy of every tensor in ``captured`` (reset first)."""
-        self.captured = {}
+        """Pass ``buckets`` on unchanged, keeping a host copy of every tensor in ``captured`` (reset first);
+        ``captured_whole`` turns true once ``buckets`` ran out (not when it raised: a partial version)."""
+        self.captured, self.captured_whole = {}, False
         for bucket in buckets:
             for name, t in bucket:
                 self.captured[name] = t.detach().to("cpu", copy=True)
             yield bucket
+        self.captured_whole = True
 
     def take_put_figures(self) -> tuple[float, int]:
         """``put_s`` and ``put_bytes``, then both reset."""

@@ -82,7 +82,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -430,6 +430,16 @@ class WeightSyncer:
         if self.delta is not None:
             self.delta.version = v  # every engine holds it now: the next delta sync's base
         self._all("/continue_generation", {}, "continue_generation")
+        if self.hooks.sync_end is not None:
+            self.hooks.sync_end(version)
+
+    def resume(self, urls: Sequence[str], version: Any) -> None:
+        """After a failed sync that the engines at ``urls`` finished by pulling ``version``
+        (``EngineRecovery.pull_instead``): resume them and tell the broker the sync is over. The delta sender's base
+        is unknown after a failed push already (``version`` None): every engine's next sync is whole."""
+        if urls:
+            chains = [(u, [Call("/continue_generation", {}, "continue_generation")]) for u in urls]
+            Exchange(chains, timeout_s=self.cfg.step_timeout_s).run()
         if self.hooks.sync_end is not None:
             self.hooks.sync_end(version)
 

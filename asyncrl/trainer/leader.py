@@ -116,6 +116,8 @@ class Leader:
             hooks=SyncHooks(sync_begin=self.broker.sync_begin, sync_end=self.broker.sync_end),
         )
         self.recovery = make_recovery(cfg, self.group, discovery, run_dir=run_dir)
+        if self.recovery.puller is not None and self.syncer.delta is not None:
+            self.recovery.puller.on_pull = self.syncer.delta.forget  # a disk load leaves the delta loader no base
         self.scraper = EngineScraper(engine_urls, interval_s=cfg.logging.engine_metrics_interval_s)
         self.batch_filter = make_batch_filter(cfg.rollout_buffer.sample_filter_path)
         self.hooks = LogHooks(cfg)  # Miles' custom logging hooks

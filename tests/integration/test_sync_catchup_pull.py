@@ -28,39 +28,19 @@ from pathlib import Path
 import pytest
 import torch
 from proc_helpers import REPO, TinyJob
+from sync_helpers import KillsAfterFirstBucket, Trainer, assert_serves, served_version
 
 from asyncrl.config.schema import SyncConfig
 from asyncrl.cpu_engine.testing import running_cpu_engine
-from asyncrl.engine.blocking import get_json, post_json
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
-from asyncrl.sync.bucketing import iter_buckets
 from asyncrl.sync.catchup import Puller
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery, sync_weights
 from asyncrl.sync.weight_store import WeightStore
-from asyncrl.sync.weight_sync import WeightSyncer
+from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 
 pytestmark = pytest.mark.slow
-
-PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
-
-
-class _Trainer:
-    """What ``sync_weights`` needs of the actor: a version and the HF buckets."""
-
-    def __init__(self, model: TorchDecoder, version: int):
-        self.model, self.version = model, version
-
-    def iter_hf_buckets(self, bucket_bytes: int):
-        return iter_buckets(self.model.state_dict().items(), bucket_bytes)
-
-    def train(self) -> None:
-        """A "step": every parameter moves, the version goes up."""
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(0.01)
-        self.version += 1
 
 
 def _kill_and_restart(sup, counts: list[int]) -> None:
@@ -73,33 +53,6 @@ def _kill_and_restart(sup, counts: list[int]) -> None:
     sup.wait_ready()
     assert sup.pid != old
     counts[0] = sup.restarts
-
-
-def _version(url: str) -> str:
-    return str(get_json(url, "/model_info", timeout_s=10, step="model_info")["weight_version"])
-
-
-def _assert_serves(url: str, trainer: _Trainer) -> None:
-    """The engine's greedy log-probs equal the trainer's model's."""
-    out = post_json(
-        url,
-        "/generate",
-        {
-            "input_ids": PROMPT,
-            "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-        },
-        timeout_s=30,
-        step="generate",
-        check_success=False,
-    )
-    lps = out["meta_info"]["output_token_logprobs"]
-    ids = [t for _, t, _ in lps]
-    with torch.no_grad():
-        logp = torch.log_softmax(trainer.model(torch.tensor([PROMPT + ids]))[0].float(), dim=-1)
-    n = len(PROMPT)
-    expected = logp[n - 1 : n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
 
 
 def catchup_pull_vs_push(
@@ -116,7 +69,7 @@ def catchup_pull_vs_push(
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
     )
-    trainer = _Trainer(TorchDecoder.from_pretrained(ckpt), version=2)
+    trainer = Trainer(TorchDecoder.from_pretrained(ckpt), version=2)
     cfg = SyncConfig(bucket_bytes=64 << 20, backend="gloo", join_timeout_s=60, step_timeout_s=120, verify_interval=0)
     store = WeightStore(tmp_path / "run" / "weight_store", base_interval=8, keep_bases=2)
     with contextlib.ExitStack() as stack:
@@ -139,7 +92,7 @@ def catchup_pull_vs_push(
         try:
             if check_empty_store:  # before any sync the store is empty: the engines' own checkpoint is version 0
                 _kill_and_restart(sup, counts)
-                assert rec.catch_up() and published == {0: 1} and _version(sup.url) == "0"
+                assert rec.catch_up() and published == {0: 1} and served_version(sup.url) == "0"
                 assert f"from {ckpt} in" in sup.log_path.read_text()
             for _ in range(2):  # versions 3 (a base) and 4 (a delta) in the store
                 trainer.train()
@@ -147,29 +100,29 @@ def catchup_pull_vs_push(
             store.wait()  # the last version's write runs on the store's thread
             assert store.versions() == [3, 4] and store.manifest(4).kind == "delta"
             _kill_and_restart(sup, counts)
-            assert _version(sup.url) == "0" and rec.pending()
+            assert served_version(sup.url) == "0" and rec.pending()
             t0 = time.perf_counter()
             assert rec.catch_up()  # the leader's batch wait does this
             pull_s, materialize_s = time.perf_counter() - t0, rec.puller.last_materialize_s
             # served the store's version before anything generated on it, published synced, no push
             first = counts[0]
-            assert _version(sup.url) == "4" and published == {0: first} and not rec.pending()
+            assert served_version(sup.url) == "4" and published == {0: first} and not rec.pending()
             assert rec.puller.num_pulls == 1 + check_empty_store
             log = sup.log_path.read_text()
             assert f"from {store.root}/materialized/v00000004 in" in log, log[-3000:]
-            _assert_serves(sup.url, trainer)
+            assert_serves(sup.url, trainer)
             # the run goes on: the next sync re-forms the group (the restarted engine left it) and broadcasts
             trainer.train()
             res = sync()
-            assert res.version == "5" and {_version(s.url) for s in sups} == {"5"} and rec.joined[0] == first
-            _assert_serves(sup.url, trainer)
+            assert res.version == "5" and {served_version(s.url) for s in sups} == {"5"} and rec.joined[0] == first
+            assert_serves(sup.url, trainer)
             # the old way, side by side: the same engine killed again, caught up by a full push
             _kill_and_restart(sup, counts)
             rec.puller = None
             t0 = time.perf_counter()
             sync()  # the step loop's catch-up sync: re-forms the group, pushes every byte
             push_s = time.perf_counter() - t0
-            assert {_version(s.url) for s in sups} == {"5"} and published == {0: first + 1}
+            assert {served_version(s.url) for s in sups} == {"5"} and published == {0: first + 1}
             return {
                 "pull_s": pull_s,
                 "pull_materialize_s": materialize_s,
@@ -184,6 +137,73 @@ def catchup_pull_vs_push(
 def test_restarted_engine_catches_up_by_pulling_then_rejoins_the_broadcast(tmp_path):
     figures = catchup_pull_vs_push(tmp_path, hidden_size=64, num_layers=2, check_empty_store=True)
     print(f"catch-up of a restarted engine: {figures}")
+
+
+def test_an_engine_that_misses_a_broadcast_falls_back_to_pulling(tmp_path):
+    """Two engines; one is SIGKILLed in the middle of a sync. Under ``sync.catchup = "pull"`` the sync is finished by
+    the survivor pulling the version from the store (no wait for the dead engine's restart, no retried push), and
+    the survivor generates again at once; a sync while the dead engine is still down falls back the same way; once
+    restarted, the dead engine pulls the latest version before it takes work, and the next sync re-forms the group
+    and broadcasts to both."""
+    ckpt = make_tiny_checkpoint(
+        tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=2, hidden_size=32, intermediate_size=64
+    )
+    cfg = SyncConfig(bucket_bytes=16 * 1024, backend="gloo", join_timeout_s=30, step_timeout_s=120, verify_interval=0)
+    extra = ["--weight-sync-timeout-s", "5"]  # the survivor's receive of the lost bucket gives up after 5 s
+    store = WeightStore(tmp_path / "weight_store", base_interval=8, keep_bases=2)
+    with (
+        running_cpu_engine(ckpt, log_dir=tmp_path / "logs", extra=extra) as a,
+        running_cpu_engine(ckpt, log_dir=tmp_path / "logs", extra=extra) as b,
+    ):
+        b.max_restarts = 1
+        trainer = KillsAfterFirstBucket(TorchDecoder.from_pretrained(ckpt), version=4, victim=b)
+        trainer.train(0.05)  # version 5, away from the checkpoint the engines (and a restart) start from
+        group = WeightSyncGroup(
+            [EngineEndpoint(a.url), EngineEndpoint(b.url)], cfg, master_address="127.0.0.1", control_timeout_s=10
+        )
+        group.init()
+        counts, published = [0, 0], {}
+        rec = EngineRecovery(
+            group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__, wait_s=60, max_failures=2
+        )
+        rec.puller = Puller(store, initial_path=str(ckpt), timeout_s=cfg.step_timeout_s)
+        ended = []
+        syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=cfg, hooks=SyncHooks(sync_end=ended.append))
+
+        def sync():
+            return sync_weights(trainer, syncer, rec, bucket_bytes=cfg.bucket_bytes, is_leader=True, bcast=lambda x: x)
+
+        try:
+            res = sync()
+            assert not trainer.armed, "the victim was not killed: the sync had a single bucket"
+            # finished by pulling, with no restart seen and no failure counted toward a retry
+            assert res.version == "5" and res.num_buckets == 0 and counts == [0, 0] and rec.failures == 0
+            assert rec.puller.num_fallbacks == 1 and rec.puller.num_pulls == 1 and store.versions() == [5]
+            assert ended == [5] and not b.alive() and rec.stale
+            assert served_version(a.url) == "5"
+            assert_serves(a.url, trainer)  # resumed, with the trainer's weights
+            # a sync while the dead engine is still down: the group cannot re-form (refused at once): pulled again
+            trainer.train()
+            res = sync()
+            assert res.version == "6" and rec.puller.num_fallbacks == 2 and served_version(a.url) == "6"
+            assert_serves(a.url, trainer)
+            # the rollout rank restarts it: it pulls version 6 before it takes work
+            b.relaunch("dead")
+            b.wait_ready()
+            counts[1] = b.restarts
+            assert served_version(b.url) == "0" and rec.pending()
+            assert rec.catch_up() and published == {1: 1} and served_version(b.url) == "6"
+            assert_serves(b.url, trainer)
+            # the broadcast is the fast path again: the group re-forms with both, every bucket is pushed
+            trainer.train()
+            res = sync()
+            assert res.version == "7" and res.num_buckets > 1 and not rec.stale and rec.joined == [0, 1]
+            assert rec.puller.num_fallbacks == 2 and rec.puller.num_pulls == 3
+            for sup in (a, b):
+                assert served_version(sup.url) == "7"
+                assert_serves(sup.url, trainer)
+        finally:
+            group.destroy()
 
 
 _WRITER = """

@@ -20,7 +20,9 @@ from asyncrl.engine.blocking import get_json, post_json
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
 from asyncrl.sync.bucketing import iter_buckets
+from asyncrl.sync.catchup import Puller
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
+from asyncrl.sync.weight_store import WeightStore
 from asyncrl.sync.weight_sync import WeightSyncer
 
 pytestmark = pytest.mark.slow
@@ -147,6 +149,28 @@ def test_restarted_engine_gets_a_full_send(env: Env):
     whole_one = m["sync/bytes_full"] / 2
     assert m["sync/checksum_failures"] == 0  # its version told the sender: no delta was tried on it
     assert whole_one < m["sync/bytes_sent"] < 2 * whole_one and m["sync/delta_density"] > 0  # one whole, one delta
+    _assert_served_bit_identical(env)
+
+
+def test_an_engine_that_pulled_its_weights_gets_a_full_send(env: Env, tmp_path):
+    """A restarted engine caught up by pulling (``sync.catchup = "pull"``) serves the sender's version but its loader
+    has no base: the puller tells the sender, so its next sync is whole and no delta fails on it."""
+    e2 = env.engines[1]
+    e2.stop()
+    e2.start()
+    store = WeightStore(tmp_path / "weight_store", base_interval=8, keep_bases=2)
+    store.put(env.version, {n: t.detach().clone() for n, t in env.trainer.state_dict().items()})
+    puller = Puller(store, initial_path="(unused: the store holds a version)", timeout_s=TIMEOUT_S)
+    puller.on_pull = env.syncer.delta.forget  # as the leader wires it
+    puller.pull(e2.url)
+    assert get_json(e2.url, "/model_info", timeout_s=10, step="t")["weight_version"] == env.syncer.delta.version
+    env.group.recreate()
+    _step(env.trainer, 5)
+    m = env.sync()
+    whole_one = m["sync/bytes_full"] / 2
+    assert m["sync/checksum_failures"] == 0, env.syncer.delta.stats.resent
+    assert whole_one < m["sync/bytes_sent"] < 2 * whole_one and m["sync/delta_density"] > 0  # one whole, one delta
+    assert not env.syncer.delta.no_base
     _assert_served_bit_identical(env)
 
 

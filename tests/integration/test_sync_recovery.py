@@ -15,53 +15,24 @@ import time
 
 import pytest
 import torch
+from sync_helpers import KillsAfterFirstBucket, Trainer, assert_serves, served_version, watch_and_restart
 
 from asyncrl.config.schema import SyncConfig
 from asyncrl.cpu_engine.testing import running_cpu_engine
-from asyncrl.engine.blocking import get_json, post_json
-from asyncrl.engine.liveness import HealthTracker
 from asyncrl.models.tiny import make_tiny_checkpoint
 from asyncrl.models.torch_decoder import TorchDecoder
-from asyncrl.sync.bucketing import iter_buckets
 from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
 from asyncrl.sync.recovery import EngineRecovery, sync_weights
 from asyncrl.sync.weight_sync import WeightSyncer
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
-
-
-class _Trainer:
-    """What ``sync_weights`` needs of the actor: a version and the HF buckets."""
-
-    def __init__(self, model: TorchDecoder, version: int):
-        self.model, self.version = model, version
-
-    def iter_hf_buckets(self, bucket_bytes: int):
-        return iter_buckets(self.model.state_dict().items(), bucket_bytes)
-
-
-def _watch_and_restart(sup, counts: list[int], stop: threading.Event, unhealthy_after_s: float, index: int = 0) -> None:
-    """The rollout rank's part: probe, call the hang, relaunch, announce. Stays alive until ``stop``: the engine's
-    death signal follows the thread that spawned it."""
-    tracker = HealthTracker(unhealthy_after_s=unhealthy_after_s)
-    while not stop.is_set():
-        ok = sup.alive() and sup.probe(timeout_s=0.5)
-        verdict = tracker.observe(alive=sup.alive(), ok=ok, t=time.monotonic(), exit_code=sup.exit_code())
-        if verdict is not None:
-            sup.relaunch(verdict)
-            sup.wait_ready()
-            counts[index] = sup.restarts
-            tracker.reset()
-        stop.wait(0.2)
-
 
 def test_sync_survives_a_hung_engine(tmp_path):
     ckpt = make_tiny_checkpoint(
         tmp_path / "model", arch="qwen2", seed=0, num_hidden_layers=1, hidden_size=32, intermediate_size=64
     )
-    trainer = _Trainer(TorchDecoder.from_pretrained(ckpt), version=3)
+    trainer = Trainer(TorchDecoder.from_pretrained(ckpt), version=3)
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(0.05)  # "trained": differs from the checkpoint the engine restarts with
@@ -75,7 +46,7 @@ def test_sync_survives_a_hung_engine(tmp_path):
             group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__, wait_s=60, max_failures=2
         )
         syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=cfg)
-        watcher = threading.Thread(target=_watch_and_restart, args=(sup, counts, stop, 2.0), daemon=True)
+        watcher = threading.Thread(target=watch_and_restart, args=(sup, counts, stop, 2.0), daemon=True)
         watcher.start()
         try:
             os.kill(sup.pid, signal.SIGSTOP)
@@ -84,47 +55,12 @@ def test_sync_survives_a_hung_engine(tmp_path):
             took = time.monotonic() - t0
             assert res.version == "3" and counts == [1] and published == {0: 1}
             assert took < 30, f"the sync took {took:.0f}s with a hung engine"
-            assert str(get_json(sup.url, "/model_info", timeout_s=10, step="t")["weight_version"]) == "3"
-            out = post_json(
-                sup.url,
-                "/generate",
-                {
-                    "input_ids": PROMPT,
-                    "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-                },
-                timeout_s=30,
-                step="generate",
-                check_success=False,
-            )
-            lps = out["meta_info"]["output_token_logprobs"]
-            ids = [t for _, t, _ in lps]
-            with torch.no_grad():
-                logp = torch.log_softmax(trainer.model(torch.tensor([PROMPT + ids]))[0].float(), dim=-1)
-            n = len(PROMPT)
-            expected = logp[n - 1 : n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
+            assert served_version(sup.url) == "3"
+            assert_serves(sup.url, trainer)
         finally:
             stop.set()
             group.destroy()
             watcher.join(timeout=30)
-
-
-class _KillsAfterFirstBucket(_Trainer):
-    """A trainer whose first sync loses an engine for real: after the first bucket went out (every engine had begun
-    the update and received it), ``victim`` is SIGKILLed before the second bucket is handed over."""
-
-    def __init__(self, model: TorchDecoder, version: int, victim):
-        super().__init__(model, version)
-        self.victim, self.armed = victim, True
-
-    def iter_hf_buckets(self, bucket_bytes: int):
-        for i, bucket in enumerate(iter_buckets(self.model.state_dict().items(), bucket_bytes)):
-            if i == 1 and self.armed:
-                self.armed = False
-                os.kill(self.victim.pid, signal.SIGKILL)
-                self.victim.child.popen.wait(timeout=30)
-            yield bucket
 
 
 def test_sync_that_fails_after_begin_is_retried_and_the_survivor_accepts_it(tmp_path):
@@ -142,7 +78,7 @@ def test_sync_that_fails_after_begin_is_retried_and_the_survivor_accepts_it(tmp_
         running_cpu_engine(ckpt, log_dir=tmp_path / "logs", extra=extra) as b,
     ):
         b.max_restarts = 1
-        trainer = _KillsAfterFirstBucket(TorchDecoder.from_pretrained(ckpt), version=5, victim=b)
+        trainer = KillsAfterFirstBucket(TorchDecoder.from_pretrained(ckpt), version=5, victim=b)
         with torch.no_grad():
             for p in trainer.model.parameters():
                 p.add_(0.05)
@@ -155,14 +91,14 @@ def test_sync_that_fails_after_begin_is_retried_and_the_survivor_accepts_it(tmp_
             group, read_restarts=lambda i: counts[i], publish_synced=published.__setitem__, wait_s=60, max_failures=2
         )
         syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=cfg)
-        watcher = threading.Thread(target=_watch_and_restart, args=(b, counts, stop, 2.0, 1), daemon=True)
+        watcher = threading.Thread(target=watch_and_restart, args=(b, counts, stop, 2.0, 1), daemon=True)
         watcher.start()
         try:
             res = sync_weights(trainer, syncer, rec, bucket_bytes=cfg.bucket_bytes, is_leader=True, bcast=lambda x: x)
             assert not trainer.armed, "the victim was not killed: the sync had a single bucket"
             assert res.version == "5" and counts == [0, 1] and published == {1: 1} and rec.failures == 1
             for url in (a.url, b.url):
-                assert str(get_json(url, "/model_info", timeout_s=10, step="t")["weight_version"]) == "5"
+                assert served_version(url) == "5"
             assert "a weight-update session is already open" not in a.log_path.read_text()
         finally:
             stop.set()
