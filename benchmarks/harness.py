@@ -18,7 +18,8 @@ machine shared with other jobs the load changes from second to second, so:
     its load is recorded, not controlled) and ``loaded``, under a FIXED background load that the harness adds
     itself (``background_load``: ``LOAD_PROCS`` busy-looping Python processes, started before and stopped by
     PID after, each ending by itself if the benchmark dies); each condition's ratios and figures go under
-    ``idle`` and ``loaded`` in the JSON, with the load measured during it. Targets hold at ``idle``
+    ``idle`` and ``loaded`` in the JSON, with the load measured during it (and at its start the cores busy right
+    then, ``load_start.busy_cores`` from ``/proc/stat``: the 1-minute average lags a previous run). Targets hold at ``idle``
     (``targets_missed``); the ``loaded`` misses are listed apart (``targets_missed_loaded``). ``--load``
     picks ``both`` (default), ``idle`` or ``loaded``. A benchmark with a JSON of its own (no ``Report``) runs each
     condition under ``under_condition`` and files its record beside its figures; ``condition_view`` reads a run as
@@ -55,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from asyncrl.cluster.cpu_load import busy_cores  # noqa: E402
 from asyncrl.cluster.malloc import retain_freed_memory  # noqa: E402
 from asyncrl.cluster.ports import free_port  # noqa: E402
 from asyncrl.engine.launch import free_rollout_port  # noqa: E402
@@ -208,6 +210,8 @@ def under_condition(name: str) -> Iterator[dict[str, Any]]:
     with background_load() if name == "loaded" else contextlib.nullcontext([]) as pids:
         info: dict[str, Any] = {"background": {"busy_processes": len(pids), "pids": pids}}
         info["load_start"], info["speed_start"] = loadavg(), speed()
+        # the load now: the 1-minute average still counts a previous benchmark's busy processes for a minute or more
+        info["load_start"]["busy_cores"] = busy_cores(0.5)
         yield info
         info["load_end"] = loadavg()
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.agent.tokenizer import AgentTokenizer
+from asyncrl.cluster.cpu_load import BUSY_WINDOW_S, busy_cores
 from asyncrl.embedded import data_module
 from asyncrl.models.torch_decoder import TorchDecoder
 
@@ -248,32 +249,42 @@ def _train(
     return losses
 
 
-def choose_threads(*, requested: int, usable: int, cpus: int, load: Optional[float]) -> tuple[int, str]:
+def choose_threads(
+    *, requested: int, usable: int, cpus: int, load: Optional[float], source: str = "load average"
+) -> tuple[int, str]:
     """The warm start's torch thread count, and why in words (pure).
 
     ``requested``: ``prepare.num_threads`` (0: choose); ``usable``: the cores this process may run on
-    (``sched_getaffinity``); ``cpus``: the machine's (``os.cpu_count()``, what the load average counts over);
-    ``load``: the 1-minute load average (None: unknown). This process is up to one of the runnable tasks (it has
-    been building the demonstrations); the rest is other work. It gets as many threads as cores stay idle of that
-    work, rounded, at least 1 and at most ``usable``: a thread more than the idle cores waits on the others at every
-    matrix product (measured, 2 cores shared by other jobs at load 7-14: 2.2-3 s a step on one thread, 7-9 s on
-    two)."""
+    (``sched_getaffinity``); ``cpus``: the machine's (``os.cpu_count()``, what the load counts over);
+    ``load``: the runnable tasks, this process counted (None: unknown), as ``source`` says it was read: the cores
+    other work kept busy over the last second plus this process (``busy_cores``), or the 1-minute load average where
+    ``/proc/stat`` is absent. This process is up to one of the runnable tasks; the rest is other work. It gets as many
+    threads as cores stay idle of that work, rounded, at least 1 and at most ``usable``: a thread more than the idle
+    cores waits on the others at every matrix product (measured, 2 cores shared by other jobs at load 7-14: 2.2-3 s a
+    step on one thread, 7-9 s on two)."""
     if requested:
         return requested, f"prepare.num_threads = {requested}"
     if load is None:
         return usable, f"every usable core ({usable}; no load average on this system)"
     idle = cpus - max(0.0, load - 1.0)
     n = max(1, min(usable, int(idle + 0.5)))
-    why = f"load average {load:.1f} on {cpus} CPUs (this process counts for up to 1) leaves {max(0.0, idle):.1f} idle"
+    why = f"{source} {load:.1f} on {cpus} CPUs (this process counts for up to 1) leaves {max(0.0, idle):.1f} idle"
     if n == usable:
         return n, f"every usable core ({usable}): {why}"
     return n, f"{n} of {usable} usable cores: {why}; more threads would oversubscribe (prepare.num_threads sets it)"
 
 
 def _thread_choice(requested: int) -> tuple[int, str]:
-    """``choose_threads`` on this machine, now."""
+    """``choose_threads`` on this machine, now (the 1-minute load average lags: after a heavy job ends it still
+    counts it for a minute or more, and the warm start would take 1 thread on idle cores)."""
     cpus = os.cpu_count() or 1
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    if requested:
+        return choose_threads(requested=requested, usable=usable, cpus=cpus, load=None)
+    busy = busy_cores()
+    if busy is not None:
+        source = f"cores busy over the last {BUSY_WINDOW_S:g} s (/proc/stat) + this process:"
+        return choose_threads(requested=0, usable=usable, cpus=cpus, load=busy + 1.0, source=source)
     try:
         load: Optional[float] = os.getloadavg()[0]
     except (OSError, AttributeError):  # not on every platform

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.cluster.cpu_load import busy_cores
 from asyncrl.config import load_config
+from asyncrl.embedded import warm_start as ws
 from asyncrl.embedded.warm_start import choose_threads, warm_start
 from asyncrl.runner.prepare import prepare_if_needed
 
@@ -47,7 +49,7 @@ def test_the_warm_start_runs_on_the_chosen_threads_and_says_why(tmp_path, monkey
     small = ["prepare.num_entities=40", "prepare.num_layers=2", "prepare.sft_steps=2", "prepare.sft_batch_size=4"]
     cfg = load_config(root / "configs/tiny.toml", [f'prepare.dir="{tmp_path}"', *small])
     stages = prepare_if_needed(cfg, upto="model")
-    monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    monkeypatch.setattr(ws, "busy_cores", lambda: 6.0)  # other work keeps 6 cores' worth busy: load 7 with this one
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     before, during = torch.get_num_threads(), []
@@ -62,6 +64,26 @@ def test_the_warm_start_runs_on_the_chosen_threads_and_says_why(tmp_path, monkey
     assert during == [1, 1] and torch.get_num_threads() == before
     said = [r.getMessage() for r in caplog.records if "torch thread" in r.getMessage()]
     assert said == [
-        "prepare: warm start on 1 torch thread(s): 1 of 2 usable cores: load average 7.0 on 2 CPUs (this process "
-        "counts for up to 1) leaves 0.0 idle; more threads would oversubscribe (prepare.num_threads sets it)"
+        "prepare: warm start on 1 torch thread(s): 1 of 2 usable cores: cores busy over the last 1 s (/proc/stat) + "
+        "this process: 7.0 on 2 CPUs (this process counts for up to 1) leaves 0.0 idle; more threads would "
+        "oversubscribe (prepare.num_threads sets it)"
     ]
+
+
+def test_the_busy_cores_are_read_now_and_follow_real_work():
+    """``busy_cores`` sees work that runs during its window (two busy processes on this machine), not the minute's
+    average: with them it reads at least one core busier than without."""
+    import subprocess
+    import sys
+
+    quiet = busy_cores(0.5)
+    assert quiet is not None and 0.0 <= quiet <= (os.cpu_count() or 1) + 1e-6
+    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])]
+    spin.append(subprocess.Popen(spin[0].args))
+    try:
+        busy = busy_cores(0.5)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert busy is not None and busy >= min(quiet + 0.8, (os.cpu_count() or 1) * 0.9), (quiet, busy)
