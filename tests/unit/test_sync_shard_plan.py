@@ -176,14 +176,20 @@ def test_param_metas_follow_the_converter_on_a_real_model(tmp_path):
         assert got == [(h.name, h.shape, h.nbytes) for h in m.hf], m.name
 
 
-def test_sharded_topology_is_rejected_with_pipeline_parallelism(tmp_path):
+def test_sharded_topology_takes_pipeline_parallelism_and_refuses_expert_parallelism(tmp_path):
     from asyncrl.config import ConfigError, load_config, validate
 
     root = Path(__file__).resolve().parents[2]
     ok = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded"])
-    validate(ok)  # TP / DP only: accepted
-    bad = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded", "actor.pipeline_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"sync.topology: .*broadcast"):
+    validate(ok)  # TP / DP: accepted
+    pp = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded", "actor.pipeline_model_parallel_size=2"])
+    validate(pp)  # PP: accepted, every stage's TP ranks send
+    ep = ["sync.topology=sharded", "actor.expert_model_parallel_size=2", "actor.pipeline_model_parallel_size=2"]
+    bad = load_config(root / "configs/searchr1.toml", ep)
+    with pytest.raises(
+        ConfigError, match=r"sync.topology: .*actor.expert_model_parallel_size = 1 \(got EP 2\).*broadcast"
+    ):
         validate(bad)
+    validate(load_config(root / "configs/searchr1.toml", ep[1:]))  # EP is fine with the broadcast topology
     with pytest.raises(ConfigError, match="sync.topology"):
         load_config(root / "configs/searchr1.toml", ["sync.topology=ring"])
