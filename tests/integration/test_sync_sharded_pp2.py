@@ -29,7 +29,8 @@ TIMEOUT_S = 60.0
 REPEATS = 3  # syncs per topology: the times printed are medians
 
 
-def _worker(hf: str, out: str, urls: list[str]) -> None:
+def _worker(hf: str, out: str, tp: int, urls: list[str]) -> None:
+    """``tp``: the actor's TP (the test runs 1: 2 ranks; 2 needs 4 ranks)."""
     import torch.distributed as dist
     from test_sync_sharded_tp2 import _bcast, _gather, _served_equal  # the neighbour's helpers (same directory)
 
@@ -45,7 +46,7 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    actor = Actor(tiny_actor_config(hf, actor={"pipeline_model_parallel_size": 2}))
+    actor = Actor(tiny_actor_config(hf, actor={"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": tp}))
     vocab = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
     sync_cfg = SyncConfig(
         bucket_bytes=64 * 1024, backend="gloo", join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S, verify_interval=1
@@ -90,7 +91,7 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
     local = {n for n, _ in actor.model.named_parameters()}
     r["metas_everywhere"] = _gather([(m.name, m.stage) for m in source.metas])
     r["own_stage_metas"] = _gather(sum(m.stage == actor.pp_rank for m in source.metas) == len(local))
-    r["owner_stage_ok"] = all(sharded.plan.owners[m.name] == m.stage for m in source.metas)  # TP 1: sender = stage
+    r["owner_stage_ok"] = all(sharded.plan.owners[m.name] // tp == m.stage for m in source.metas)
     if rank == 0:
         r["sharded"] = {
             "time_s": median(times),
@@ -129,7 +130,7 @@ def test_sharded_sync_pp2_each_stage_sends_its_own_parameters(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
         with open(tmp_path / "worker.log", "w") as log:
             proc = subprocess.Popen(
-                [*cmd, str(hf), str(out), e1.url, e2.url],
+                [*cmd, str(hf), str(out), "1", e1.url, e2.url],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -161,4 +162,4 @@ def test_sharded_sync_pp2_each_stage_sends_its_own_parameters(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2], sys.argv[3:])
+    _worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:])
