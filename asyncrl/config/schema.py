@@ -290,8 +290,8 @@ class SyncConfig:
     topology: Literal["broadcast", "sharded"] = "broadcast"
     """Who sends the weights: ``broadcast``, actor rank 0 alone (TP all-gather, one weight-update group
     ``group_name``); ``sharded``, every TP rank of rank 0's group its own share (gathered to it over TP), each as rank 0
-    of its own group ``<group_name>.r<k>``, so rank 0 carries ~1/TP of the bytes (``asyncrl.sync.sharded``; TP and
-    DP actors, not PP nor EP)."""
+    of its own group ``<group_name>.r<k>``, so rank 0 carries ~1/TP of the bytes; with PP every stage's TP ranks
+    send their stage's share (``asyncrl.sync.sharded``; TP, PP and DP actors, not EP)."""
     verify_interval: int = 10
     """Read a few parameters back from every engine (``/get_weights_by_name``) after the first sync and every N-th,
     and fail the run when one differs from what the actor sent (0: never)."""

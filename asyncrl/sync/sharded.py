@@ -1,12 +1,16 @@
-"""Sharded weight sync (``sync.topology = "sharded"``): every TP rank of actor rank 0's group sends its own share.
+"""Sharded weight sync (``sync.topology = "sharded"``): every TP rank of every pipeline stage of actor rank 0's
+data-parallel replica sends its own share.
 
 Contract
-- Why: with the broadcast topology every byte goes through actor rank 0 (TP all-gather, then one broadcast). Here
-  the senders are the TP ranks of the TP group holding actor rank 0 (other data-parallel replicas hold copies and
-  send nothing); ``asyncrl.sync.shard_plan`` gives each parameter one owner (balanced by bytes) and ONE global
-  bucket order, computed identically on every actor rank from the model's shapes. The actor's side
-  (``asyncrl.actor.shard_source.ShardSource``, the ``source`` here) gathers a parameter over TP to its owner only
-  (not all-gathered), converts it to HF there, and the owner broadcasts it.
+- Why: with the broadcast topology every byte goes through actor rank 0 (TP all-gather, the other pipeline stages'
+  tensors sent to it, then one broadcast). Here the senders are the TP ranks of every pipeline stage of the
+  data-parallel replica holding actor rank 0 (other replicas hold copies and send nothing), ``source.senders``,
+  stage-major; ``asyncrl.sync.shard_plan`` gives each parameter one owner among the TP ranks of the stage that
+  holds it (balanced by bytes within the stage) and ONE global bucket order, computed identically on every actor
+  rank from the model's shapes (every stage's, all-gathered once by the source). The actor's side
+  (``asyncrl.actor.shard_source.ShardSource``, the ``source`` here) gathers a parameter over its stage's TP group to
+  its owner only (not all-gathered), converts it to HF there, and the owner broadcasts it: no tensor crosses from
+  one stage to another.
 - Groups: SGLang receives ``update_weights_from_distributed`` by ``broadcast(src=0, group=groups[group_name])``,
   so each sender is rank 0 of its OWN weight-update group, ``<sync.group_name>.r<sender>`` (the engines keep
   groups by name, SGLang's ``_model_update_group`` dict and the CPU engine's ``WeightUpdates.groups``). ``form()``
@@ -18,9 +22,10 @@ Contract
   destroy every group (the leader asks the engines, each sender drops its end) + ``form()``.
 - ``sync(version)`` (collective): the leader pauses the engines and opens their update session
   (``WeightSyncer.pause``); then for each planned bucket, in the global order: its owner's TP group gathers it to
-  the owner, the owner queues the bucket's broadcasts on its group, the leader (actor rank 0) writes every engine's
-  ``/update_weights_from_distributed`` (``group_name`` of the owner; the last bucket carries the weight version and
-  ``/end_weight_update`` rides behind it) and reads the answers, then broadcasts its verdict to every actor rank.
+  the owner (the other stages' ranks sit it out), the owner queues the bucket's broadcasts on its group, the leader
+  (actor rank 0) writes every engine's ``/update_weights_from_distributed`` (``group_name`` of the owner; the last
+  bucket carries the weight version and ``/end_weight_update`` rides behind it) and reads the answers, then
+  broadcasts its verdict to every actor rank.
   One bucket at a time, the same order to every engine: an engine runs its updates one at a time (the CPU engine on
   its engine thread; SGLang under ``is_pause_cond`` while paused, under the model-update writer lock otherwise), so
   no owner's collective ever waits on an engine busy with another owner's bucket. Then the leader finishes as the
@@ -33,8 +38,9 @@ Contract
   all ranks follow that verdict; a retry re-forms the groups when an engine restarted. An owner waits on its own
   broadcasts only after the verdict said every engine answered success (they have every tensor by then).
 - Limits: one bucket in flight at a time (no overlap of two owners' broadcasts; each bucket costs one small object
-  broadcast over the actor ranks for the verdict), senders are TP ranks only (the config refuses PP and EP), and
-  every engine TP rank still receives whole tensors (no per-slice receive).
+  broadcast over the actor ranks for the verdict: a stage's sender waits while another stage's bucket is sent),
+  no expert parallelism (the config refuses EP: an EP rank holds only its share of the experts), and every engine
+  TP rank still receives whole tensors (no per-slice receive).
 - Bytes: ``bytes_moved()`` is what this rank received and sent in the gathers and broadcast in the last sync;
   ``sync/rank0_bytes`` is the leader's, ``sync/bytes_max_rank`` the plan's busiest sender
   (``shard_plan.rank_bytes``); the broadcast topology reports both too (``funnel_bytes``).
@@ -95,7 +101,8 @@ def with_bytes(res: SyncResult, rank0_bytes: int, max_rank_bytes: int) -> SyncRe
 
 class ShardedSync:
     """One actor rank's part in sharded syncs (see module contract). ``source``: the actor's weights
-    (``ShardSource``: ``metas``, ``tp_ranks``, ``version``, ``begin()``, ``gather(bucket, owner=)``, ``counts``);
+    (``ShardSource``: ``metas``, ``senders``, ``pp``, ``version``, ``begin()``, ``gather(bucket, owner=)``,
+    ``counts``);
     ``syncer`` on the leader only: its group's engines are the engines, its settings the sync's."""
 
     def __init__(self, source, sync_cfg, *, bcast: Callable[[Any], Any], syncer: Optional[WeightSyncer] = None):
@@ -103,11 +110,11 @@ class ShardedSync:
         self.is_leader = syncer is not None
         self.rank = dist.get_rank()
         assert self.is_leader == (self.rank == 0), "the leader is actor rank 0"
-        self.senders: list[int] = self.bcast(source.tp_ranks if self.is_leader else None)
-        """global ranks of the senders: the TP group of actor rank 0, in TP-rank order"""
+        self.senders: list[int] = list(source.senders)
+        """global ranks of the senders: every stage's TP ranks in actor rank 0's replica, stage-major"""
         self.sender: Optional[int] = self.senders.index(self.rank) if self.rank in self.senders else None
         self.plan: ShardPlan = plan_shards(
-            source.metas, num_senders=len(self.senders), bucket_bytes=sync_cfg.bucket_bytes
+            source.metas, num_senders=len(self.senders), bucket_bytes=sync_cfg.bucket_bytes, pp=source.pp
         )
         self.groups: list[WeightSyncGroup] = []
         """the leader's end of every sender's group (the engines' calls; ``groups[0].pg`` is its own)"""
@@ -312,7 +319,7 @@ class ShardedSync:
             verify=verified,
             verify_s=time.perf_counter() - t3,
             rank0_bytes=self.bytes_moved(),
-            max_rank_bytes=max(rank_bytes(self.source.metas, self.plan, tp=len(self.senders))),
+            max_rank_bytes=max(rank_bytes(self.source.metas, self.plan, tp=self.plan.tp)),
         )
 
     def _fail(self, err: Optional[BaseException], version: Any) -> None:

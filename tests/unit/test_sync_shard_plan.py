@@ -1,5 +1,6 @@
 """The sharded sync's plan (``asyncrl.sync.shard_plan``): owners balanced by bytes, one global bucket order, bytes per
-rank; the plan's input from a real model's shapes (``sharded.param_metas``); the ``sync.topology`` config rule."""
+rank, with pipeline stages (owners within a parameter's stage); the plan's input from a real model's shapes
+(``shard_source.param_metas``); the ``sync.topology`` config rule."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import pytest
 from asyncrl.sync.shard_plan import HfMeta, ParamMeta, funnel_rank_bytes, plan_shards, rank_bytes
 
 
-def _param(name: str, nbytes: int, *, sharded: bool = True, tp: int = 2) -> ParamMeta:
+def _param(name: str, nbytes: int, *, sharded: bool = True, tp: int = 2, stage: int = 0) -> ParamMeta:
     return ParamMeta(
         name=name,
         sharded=sharded,
         shard_nbytes=nbytes // tp if sharded else nbytes,
         hf=(HfMeta(f"hf.{name}", (nbytes // 4,), "float32", nbytes),),
+        stage=stage,
     )
 
 
@@ -70,6 +72,74 @@ def test_rank0_moves_half_the_bytes_of_the_funnel_at_tp2():
     assert per_rank[0] <= 0.55 * funnel[0] and max(per_rank) <= 0.55 * funnel[0]
 
 
+def _pp_model(pp: int = 2, tp: int = 2) -> list[ParamMeta]:
+    """Stage 0: the embedding and the first layers; the last stage: the rest, the final norm and the head."""
+    per_stage = 4 // pp
+    out = [_param("embedding", 4000, tp=tp)]
+    for i in range(4):
+        st = i // per_stage
+        out += [
+            _param(f"layer{i}.qkv", 1200 + 400 * i, tp=tp, stage=st),
+            _param(f"layer{i}.fc1", 2400, tp=tp, stage=st),
+        ]
+        out.append(_param(f"layer{i}.norm", 40, sharded=False, tp=tp, stage=st))
+    return out + [
+        _param("final_norm", 40, sharded=False, tp=tp, stage=pp - 1),
+        _param("head", 4000, tp=tp, stage=pp - 1),
+    ]
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (2, 4), (3, 2)])
+def test_pp_owners_sit_in_the_parameters_stage_balanced_within_it(tp, pp):
+    params = _pp_model(pp=pp, tp=tp)
+    plan = plan_shards(params, num_senders=tp * pp, bucket_bytes=3000, pp=pp)
+    assert plan.tp == tp and plan.pp == pp
+    for p in params:  # sender i is TP rank i % tp of stage i // tp
+        assert plan.owners[p.name] // tp == p.stage, p
+        assert plan.owners[p.name] in plan.stage_senders(p.stage)
+    share = plan.share_bytes()
+    for st in range(pp):
+        mine = [p for p in params if p.stage == st]
+        got = [share[s] for s in plan.stage_senders(st)]
+        assert sum(got) == sum(p.hf_nbytes for p in mine)
+        assert max(got) - min(got) <= max(p.hf_nbytes for p in mine)  # balanced within the stage
+    sent = [h.name for b in plan.buckets for h in b.hf]
+    assert sorted(sent) == sorted(h.name for p in params for h in p.hf)  # every tensor once
+    stage_of = {p.name: p.stage for p in params}
+    for b in plan.buckets:
+        assert {stage_of[n] for n in b.params} == {b.owner // tp}  # a bucket never spans two stages
+    assert len({b.owner for b in plan.buckets}) == tp * pp  # every sender of every stage sends
+    # ONE global order: round-robin over all senders while each has buckets, only the final bucket is last
+    owners = [b.owner for b in plan.buckets]
+    k = min(owners.count(s) for s in range(tp * pp))
+    assert owners[: tp * pp * k] == list(range(tp * pp)) * k
+    assert [b.is_last for b in plan.buckets] == [False] * (len(owners) - 1) + [True]
+    assert plan == plan_shards(list(params), num_senders=tp * pp, bucket_bytes=3000, pp=pp)  # shapes alone decide
+
+
+def test_pp_bytes_stay_in_the_stage_and_rank0_is_below_the_funnel():
+    tp, pp = 2, 2
+    params = _pp_model(pp=pp, tp=tp)
+    plan = plan_shards(params, num_senders=tp * pp, bucket_bytes=3000, pp=pp)
+    per_rank = rank_bytes(params, plan, tp=tp)
+    for st in range(pp):  # each stage's gathers move that stage's shards only
+        mine = [p for p in params if p.stage == st]
+        gather = sum(2 * (tp - 1) * p.shard_nbytes for p in mine if p.sharded)
+        assert sum(per_rank[s] for s in plan.stage_senders(st)) == gather + sum(p.hf_nbytes for p in mine)
+    total = sum(p.hf_nbytes for p in params)
+    funnel = funnel_rank_bytes([p for p in params if p.stage == 0], tp=tp, broadcast_bytes=total)
+    assert per_rank[0] < 0.5 * funnel[0] and max(per_rank) < 0.5 * funnel[0]
+    one = plan_shards(params, num_senders=pp, bucket_bytes=3000, pp=pp)  # TP 1: no gather, each stage its own
+    assert rank_bytes(params, one, tp=1) == [sum(p.hf_nbytes for p in params if p.stage == st) for st in range(pp)]
+
+
+def test_pp_plan_refuses_a_stage_it_has_no_sender_for():
+    with pytest.raises(ValueError, match="stage 1 outside"):
+        plan_shards(_pp_model(pp=2), num_senders=2, bucket_bytes=3000, pp=1)
+    with pytest.raises(ValueError, match="pipeline stages"):
+        plan_shards(_pp_model(pp=2), num_senders=3, bucket_bytes=3000, pp=2)
+
+
 def test_replicated_parameters_and_the_tied_copy_cost_no_gather():
     norm = _param("norm", 40, sharded=False)
     tied = ParamMeta(name="output_layer.weight", sharded=True, shard_nbytes=2000, hf=())
@@ -106,14 +176,20 @@ def test_param_metas_follow_the_converter_on_a_real_model(tmp_path):
         assert got == [(h.name, h.shape, h.nbytes) for h in m.hf], m.name
 
 
-def test_sharded_topology_is_rejected_with_pipeline_parallelism(tmp_path):
+def test_sharded_topology_takes_pipeline_parallelism_and_refuses_expert_parallelism(tmp_path):
     from asyncrl.config import ConfigError, load_config, validate
 
     root = Path(__file__).resolve().parents[2]
     ok = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded"])
-    validate(ok)  # TP / DP only: accepted
-    bad = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded", "actor.pipeline_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"sync.topology: .*broadcast"):
+    validate(ok)  # TP / DP: accepted
+    pp = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded", "actor.pipeline_model_parallel_size=2"])
+    validate(pp)  # PP: accepted, every stage's TP ranks send
+    ep = ["sync.topology=sharded", "actor.expert_model_parallel_size=2", "actor.pipeline_model_parallel_size=2"]
+    bad = load_config(root / "configs/searchr1.toml", ep)
+    with pytest.raises(
+        ConfigError, match=r"sync.topology: .*actor.expert_model_parallel_size = 1 \(got EP 2\).*broadcast"
+    ):
         validate(bad)
+    validate(load_config(root / "configs/searchr1.toml", ep[1:]))  # EP is fine with the broadcast topology
     with pytest.raises(ConfigError, match="sync.topology"):
         load_config(root / "configs/searchr1.toml", ["sync.topology=ring"])
