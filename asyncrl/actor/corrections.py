@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.config.schema import AlgorithmConfig as _ALGO
+
 CORRECTIONS = ("none", "tis", "decoupled", "token_mis", "seq_mis", "geo_mask", "icepop", "dppo", "m2po")
 """The values of ``algorithm.off_policy_correction``."""
 
@@ -57,16 +59,17 @@ MAX_LOG_RATIO = 20.0
 
 @dataclass(frozen=True)
 class CorrectionParams:
-    """The bounds of the corrections (``algorithm.*`` of the same names; the defaults are the config's)."""
+    """The bounds of the corrections (``algorithm.*`` of the same names; the defaults are the config's, read from
+    ``AlgorithmConfig`` so they are written once)."""
 
-    tis_cap: float = 2.0
-    geo_mask_low: float = 0.9
-    geo_mask_high: float = 1.1
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
-    dppo_mask_low: float = 0.2
-    dppo_mask_high: float = 0.2
-    m2po_tau: float = 0.04
+    tis_cap: float = _ALGO.tis_cap
+    geo_mask_low: float = _ALGO.geo_mask_low
+    geo_mask_high: float = _ALGO.geo_mask_high
+    icepop_low: float = _ALGO.icepop_low
+    icepop_high: float = _ALGO.icepop_high
+    dppo_mask_low: float = _ALGO.dppo_mask_low
+    dppo_mask_high: float = _ALGO.dppo_mask_high
+    m2po_tau: float = _ALGO.m2po_tau
 
 
 @dataclass
