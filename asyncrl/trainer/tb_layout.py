@@ -7,7 +7,7 @@ the engines' running and queued requests) sit screens down there. The CUSTOM SCA
 (``http://<host>:6006/#custom_scalars``) shows this layout instead, in this order: ``health`` first.
 
 The layout is data: categories of charts, each chart a list of metric names as ``docs/metrics.py`` lists
-them (``{}`` = an index, e.g. the engine's); ``custom_scalars_layout`` turns it into what
+them (``{}`` = an engine's index, a tool's name, an environment metric's name); ``custom_scalars_layout`` turns it into what
 ``SummaryWriter.add_custom_scalars`` writes (a ``custom_scalars__config__`` summary). A chart's names
 become anchored regular expressions (TensorBoard matches a chart's tags with ``re.match``), so
 ``time/step`` does not also draw ``time/step_...`` and ``engine/{}/...`` draws one line per engine.
@@ -63,6 +63,15 @@ LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
         ),
     ),
     (
+        "agent",
+        (
+            ("turns and tool calls per trajectory", ("rollout/turns/mean", "rollout/tool_calls/mean")),
+            ("tool calls per step, by tool", ("tool/{}/calls",)),
+            ("failed tool calls per step (all tools, by tool)", ("tool/errors", "tool/{}/errors")),
+            ("the environment's own metrics (Score.metrics)", ("env/{}",)),
+        ),
+    ),
+    (
         "training",
         (
             ("loss", ("train/loss", "train/pg_loss")),
@@ -78,8 +87,10 @@ LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
 
 
 def _tag_regex(name: str) -> str:
-    """A metric name as docs/metrics.py writes it -> the anchored regex of its TensorBoard tags."""
-    return re.escape(name).replace(re.escape("{}"), r"\d+") + "$"
+    """A metric name as docs/metrics.py writes it -> the anchored regex of its TensorBoard tags: ``{}`` is an index
+    under ``engine/`` (digits), a name elsewhere (a tool's, an environment metric's: anything)."""
+    part = r"\d+" if name.startswith("engine/") else ".+"
+    return re.escape(name).replace(re.escape("{}"), part) + "$"
 
 
 def custom_scalars_layout() -> dict[str, dict[str, list]]:

@@ -53,12 +53,15 @@ def test_the_layout_is_in_the_event_file_health_first_and_draws_exactly_its_metr
     """Every layout name logged once (engines 0 and 1 for ``{}``) plus near-miss tags: each chart's regexes,
     read back from the event file, match exactly the tags of its own names."""
     names = [n for _, charts in LAYOUT for _, ns in charts for n in ns]
-    concrete = {n: [n.replace("{}", str(i)) for i in (0, 1)] if "{}" in n else [n] for n in names}
+    fill = lambda n: ("0", "1") if n.startswith("engine/") else ("search", "lookup_2")  # noqa: E731  an index, a name
+    concrete = {n: [n.replace("{}", x) for x in fill(n)] if "{}" in n else [n] for n in names}
     decoys = [
         "time/step_extra",
         "rollout/data_staleness/ratio_0",
         "engine/x/num_queue_reqs",
         "engine/0/num_queue_reqs2",
+        "tool/search/calls_total",
+        "tool/errors_total",
     ]
     w = MetricsWriter(tmp_path, console=False, jsonl=False)
     w.log({t: 1.0 for ts in concrete.values() for t in ts} | dict.fromkeys(decoys, 1.0), step=1)
