@@ -1,4 +1,5 @@
-"""Funnel vs sharded weight sync, side by side: a TP = 2 Megatron actor (torchrun, gloo, 2 ranks) into 2 CPU engines.
+"""Funnel vs sharded weight sync, side by side: a TP = 2 Megatron actor (torchrun, gloo, 2 ranks) into 2 CPU engines
+(``--tp`` / ``--pp``: another layout, TP x PP ranks).
 
 Both topologies' groups are formed once on the same engines (``sync.group_name`` for the broadcast topology,
 ``<group_name>.r0`` / ``.r1`` for the sharded one), then ``--repeats`` syncs of each, interleaved (broadcast, sharded,
@@ -10,6 +11,7 @@ times are only comparable within one run).
 
     python benchmarks/sync_sharded.py --quick      # 2 layers, hidden 256: ~1 min
     python benchmarks/sync_sharded.py              # 8 layers, hidden 512 (~110 MB fp32): about a minute
+    python benchmarks/sync_sharded.py --tp 1 --pp 2   # the same model in two pipeline stages
 
 The last stdout line is one JSON object with the figures (``--out`` also writes it to a file).
 """
@@ -45,7 +47,7 @@ def _bcast(obj):
     return box[0]
 
 
-def _worker(hf: str, out: str, repeats: int, urls: list[str]) -> None:
+def _worker(hf: str, out: str, repeats: int, tp: int, pp: int, urls: list[str]) -> None:
     import torch.distributed as dist
 
     from asyncrl.actor.megatron_actor import Actor
@@ -59,7 +61,7 @@ def _worker(hf: str, out: str, repeats: int, urls: list[str]) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    actor = Actor(tiny_actor_config(hf, actor={"tensor_model_parallel_size": 2}))
+    actor = Actor(tiny_actor_config(hf, actor={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}))
     cfg = SyncConfig(bucket_bytes=32 << 20, backend="gloo", join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S)
     engines = [EngineEndpoint(u) for u in urls]
     funnel = lead = None
@@ -117,6 +119,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tp", type=int, default=2, help="the actor's TP size")
+    ap.add_argument("--pp", type=int, default=1, help="the actor's pipeline stages")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from asyncrl.cpu_engine.testing import running_cpu_engine
@@ -133,10 +137,21 @@ def main() -> None:
             running_cpu_engine(hf, log_dir=d / "logs", extra=extra) as e2,
         ):
             env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+            ranks = args.tp * args.pp
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__]
             t0 = time.monotonic()
             proc = subprocess.run(
-                [*cmd, "--worker", str(hf), str(d / "out.json"), str(args.repeats), e1.url, e2.url],
+                [
+                    *cmd,
+                    "--worker",
+                    str(hf),
+                    str(d / "out.json"),
+                    str(args.repeats),
+                    str(args.tp),
+                    str(args.pp),
+                    e1.url,
+                    e2.url,
+                ],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -151,7 +166,8 @@ def main() -> None:
         "benchmark": "sync_sharded",
         "size": size,
         "command": " ".join(["python", "benchmarks/sync_sharded.py", *sys.argv[1:]]),
-        "setup": "TP=2 Megatron actor (torchrun, gloo, fp32) -> 2 CPU engines, bucket 32 MiB, pause retract",
+        "setup": f"TP={args.tp} x PP={args.pp} Megatron actor (torchrun, gloo, fp32) -> 2 CPU engines, bucket 32 MiB, "
+        "pause retract",
         "broadcast": b,
         "sharded": s,
         "rank0_bytes_ratio": s["rank0_bytes"] / b["rank0_bytes"],
@@ -168,6 +184,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
+        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:])
     else:
         main()
