@@ -8,7 +8,7 @@ One torchrun launch (this file's ``__main__``, 2 ranks = the two EP ranks) again
    every expert is owned by the rank that holds it, the dense parameters by either; the plan (identical on both
    ranks, built from both ranks' metas: all 8 experts of every layer) is sent, ``REPEATS`` syncs, timed; each rank's
    bytes as counted while sending equal the plan's, rank 0's are below the broadcast topology's;
-3. a training step, then rank 1 scales its own experts by 1.5 (a change only a sync that carries EP rank 1's share
+3. a training step, then EP rank 1 scales its own experts by 1.5 (a change only a sync that carries EP rank 1's share
    can ship), a sharded sync: the engine (which refuses ``/get_weights_by_name`` for Qwen3-MoE, as SGLang does)
    must serve the actor's weights: its greedy ``/generate`` log-probs equal the actor's own log-probs of the same
    tokens (``compute_logprobs``), they differ before that sync, and the engine reports the new version.
@@ -56,7 +56,9 @@ def _served_gap(actor, url: str) -> float:
     return float((mine.double() - torch.tensor([lp for lp, _ in served], dtype=torch.float64)).abs().max())
 
 
-def _worker(hf: str, out: str, url: str) -> None:
+def _worker(hf: str, out: str, pp: int, url: str) -> None:
+    """``pp``: the actor's PP (the test runs 1 on 2 ranks; by hand, ``_launch`` on 4 ranks: PP=2 x EP=2, or EP=2 with
+    expert-DP=2)."""
     import torch
     import torch.distributed as dist
     from sync_helpers import served_version
@@ -76,7 +78,7 @@ def _worker(hf: str, out: str, url: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    actor = Actor(tiny_actor_config(hf, actor={"expert_model_parallel_size": 2}))
+    actor = Actor(tiny_actor_config(hf, actor={"expert_model_parallel_size": 2, "pipeline_model_parallel_size": pp}))
     vocab = json.loads((Path(hf) / "config.json").read_text())["vocab_size"]
     sync_cfg = SyncConfig(
         bucket_bytes=64 * 1024, backend="gloo", join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S, verify_interval=1
@@ -122,8 +124,12 @@ def _worker(hf: str, out: str, url: str) -> None:
     held = dict(local_params(actor.model, actor.layer_offset, actor.experts.offset))  # this rank's, global names
     mine = [m.name for m in source.metas if sharded.plan.owners[m.name] == sharded.sender]
     r["owns_only_what_it_holds"] = _gather(all(n in held for n in mine))
+    tp, ep = sharded.plan.tp, sharded.plan.ep  # sender i: TP rank i % tp of EP rank (i // tp) % ep, stage i // (tp ep)
+    owner = sharded.plan.owners
     r["expert_owner_is_holder"] = all(
-        sharded.plan.owners[m.name] == m.ep_rank for m in source.metas if is_expert(m.name)
+        (owner[m.name] // tp) % ep == m.ep_rank and owner[m.name] // (tp * ep) == m.stage
+        for m in source.metas
+        if is_expert(m.name)
     )
     if rank == 0:
         r["sharded"] = {
@@ -142,7 +148,7 @@ def _worker(hf: str, out: str, url: str) -> None:
     r["step_skipped"] = m["train/step_skipped"]
     with torch.no_grad():
         for name, p in held.items():
-            if rank == 1 and is_expert(name):
+            if actor.experts.rank == 1 and is_expert(name):  # on every replica of EP rank 1
                 p.mul_(1.5)
     r["gap_before_sync"] = _served_gap(actor, url)
     res = sync_weights_sharded(sharded, None, bcast=_bcast)
@@ -157,8 +163,8 @@ def _worker(hf: str, out: str, url: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_sharded_sync_ep2_each_ep_rank_sends_its_own_experts(tmp_path):
+def _launch(tmp_path: Path, *, nproc: int = 2, pp: int = 1) -> dict:
+    """One CPU engine and the torchrun launch of ``_worker``; its results."""
     from asyncrl.cpu_engine.testing import running_cpu_engine
     from asyncrl.models.tiny import make_tiny_checkpoint
 
@@ -166,10 +172,10 @@ def test_sharded_sync_ep2_each_ep_rank_sends_its_own_experts(tmp_path):
     out = tmp_path / "out.json"
     with running_cpu_engine(hf, log_dir=tmp_path / "logs") as e1:
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__]
         with open(tmp_path / "worker.log", "w") as log:
             proc = subprocess.Popen(
-                [*cmd, str(hf), str(out), e1.url],
+                [*cmd, str(hf), str(out), str(pp), e1.url],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -184,7 +190,12 @@ def test_sharded_sync_ep2_each_ep_rank_sends_its_own_experts(tmp_path):
                     proc.wait()
     if proc.returncode != 0:
         pytest.fail("torchrun worker failed:\n" + (tmp_path / "worker.log").read_text()[-4000:])
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_sharded_sync_ep2_each_ep_rank_sends_its_own_experts(tmp_path):
+    r = _launch(tmp_path)
     print(json.dumps({k: r[k] for k in ("broadcast", "sharded", "planned", "counted", "owners")}, indent=1))
     print(json.dumps({k: r[k] for k in ("gap_v0", "gap_before_sync", "gap_after_sync")}))
     b, s = r["broadcast"], r["sharded"]
@@ -209,4 +220,4 @@ def test_sharded_sync_ep2_each_ep_rank_sends_its_own_experts(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
+    _worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
