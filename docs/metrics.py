@@ -122,7 +122,7 @@ DESCRIPTIONS = {
     "sync/transfer_bytes_per_s": "weight bytes / broadcast seconds",
     "sync/num_bytes": "bytes broadcast per sync",
     "sync/rank0_bytes": "bytes actor rank 0 received + sent for the sync: its TP gather share and its broadcasts "
-    "(sync.topology: broadcast sends everything from rank 0, sharded about stage 0's share / TP of it)",
+    "(sync.topology: broadcast sends everything from rank 0, sharded about stage 0's share / (TP x EP) of it)",
     "sync/bytes_max_rank": "the same for the busiest actor rank (the sharded plan's largest share)",
     "sync/num_buckets": "buckets per sync",
     "sync/catchup_pulls": "restarted engines caught up by pulling the weight store's latest version so far "

@@ -291,7 +291,8 @@ class SyncConfig:
     """Who sends the weights: ``broadcast``, actor rank 0 alone (TP all-gather, one weight-update group
     ``group_name``); ``sharded``, every TP rank of rank 0's group its own share (gathered to it over TP), each as rank 0
     of its own group ``<group_name>.r<k>``, so rank 0 carries ~1/TP of the bytes; with PP every stage's TP ranks
-    send their stage's share (``asyncrl.sync.sharded``; TP, PP and DP actors, not EP)."""
+    send their stage's share, with EP every EP rank of rank 0's expert-data-parallel replica sends its own experts
+    (``asyncrl.sync.sharded``; TP, PP, DP and EP actors)."""
     verify_interval: int = 10
     """Read a few parameters back from every engine (``/get_weights_by_name``) after the first sync and every N-th,
     and fail the run when one differs from what the actor sent (0: never)."""

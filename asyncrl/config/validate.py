@@ -114,12 +114,6 @@ def _validate_parallelism(cfg: Config, placement) -> None:
         raise ConfigError(
             f"actor.tensor_model_parallel_size: TP {tp} x PP {pp} = {tp * pp} does not divide the {n_actor} actor devices"
         )
-    if cfg.sync.topology == "sharded" and ep > 1:
-        raise ConfigError(
-            f'sync.topology: "sharded" needs actor.expert_model_parallel_size = 1 (got EP {ep}): its plan gathers '
-            "each parameter over its stage's TP group to one owner, and an EP rank holds only its share of the "
-            'experts; use sync.topology = "broadcast" with EP (PP and TP are fine)'
-        )
     if n_actor % (tp * ep * pp):
         raise ConfigError(
             f"actor.expert_model_parallel_size: TP {tp} x EP {ep} x PP {pp} = {tp * ep * pp} does not divide the "

@@ -1,16 +1,18 @@
-"""Sharded weight sync (``sync.topology = "sharded"``): every TP rank of every pipeline stage of actor rank 0's
-data-parallel replica sends its own share.
+"""Sharded weight sync (``sync.topology = "sharded"``): every TP rank of every pipeline stage (and every EP rank) of
+actor rank 0's data-parallel (expert-data-parallel) replica sends its own share.
 
 Contract
 - Why: with the broadcast topology every byte goes through actor rank 0 (TP all-gather, the other pipeline stages'
-  tensors sent to it, then one broadcast). Here the senders are the TP ranks of every pipeline stage of the
-  data-parallel replica holding actor rank 0 (other replicas hold copies and send nothing), ``source.senders``,
-  stage-major; ``asyncrl.sync.shard_plan`` gives each parameter one owner among the TP ranks of the stage that
-  holds it (balanced by bytes within the stage) and ONE global bucket order, computed identically on every actor
-  rank from the model's shapes (every stage's, all-gathered once by the source). The actor's side
-  (``asyncrl.actor.shard_source.ShardSource``, the ``source`` here) gathers a parameter over its stage's TP group to
-  its owner only (not all-gathered), converts it to HF there, and the owner broadcasts it: no tensor crosses from
-  one stage to another.
+  tensors and the other EP ranks' experts sent to it, then one broadcast). Here the senders are the TP ranks of
+  every pipeline stage of the data-parallel replica holding actor rank 0 (other replicas hold copies and send
+  nothing), and with expert parallelism those of every EP rank of its expert-data-parallel replica,
+  ``source.senders``, stage-major then EP-major; ``asyncrl.sync.shard_plan`` gives each parameter one owner among the
+  senders that hold it (an expert's: its EP rank's TP ranks; a dense one: any sender of its stage; balanced by
+  bytes within the stage) and ONE global bucket order, computed identically on every actor rank from the model's
+  shapes (every stage's and EP rank's, all-gathered once by the source). The actor's side
+  (``asyncrl.actor.shard_source.ShardSource``, the ``source`` here) gathers a parameter over its owner's TP group to
+  the owner only (not all-gathered), converts it to HF there, and the owner broadcasts it: no tensor crosses from
+  one stage or EP rank to another.
 - Groups: SGLang receives ``update_weights_from_distributed`` by ``broadcast(src=0, group=groups[group_name])``,
   so each sender is rank 0 of its OWN weight-update group, ``<sync.group_name>.r<sender>`` (the engines keep
   groups by name, SGLang's ``_model_update_group`` dict and the CPU engine's ``WeightUpdates.groups``). ``form()``
@@ -38,9 +40,8 @@ Contract
   all ranks follow that verdict; a retry re-forms the groups when an engine restarted. An owner waits on its own
   broadcasts only after the verdict said every engine answered success (they have every tensor by then).
 - Limits: one bucket in flight at a time (no overlap of two owners' broadcasts; each bucket costs one small object
-  broadcast over the actor ranks for the verdict: a stage's sender waits while another stage's bucket is sent),
-  no expert parallelism (the config refuses EP: an EP rank holds only its share of the experts), and every engine
-  TP rank still receives whole tensors (no per-slice receive).
+  broadcast over the actor ranks for the verdict: a stage's sender waits while another stage's bucket is sent), and
+  every engine TP rank still receives whole tensors (no per-slice receive).
 - Bytes: ``bytes_moved()`` is what this rank received and sent in the gathers and broadcast in the last sync;
   ``sync/rank0_bytes`` is the leader's, ``sync/bytes_max_rank`` the plan's busiest sender
   (``shard_plan.rank_bytes``); the broadcast topology reports both too (``funnel_bytes``).
@@ -101,7 +102,7 @@ def with_bytes(res: SyncResult, rank0_bytes: int, max_rank_bytes: int) -> SyncRe
 
 class ShardedSync:
     """One actor rank's part in sharded syncs (see module contract). ``source``: the actor's weights
-    (``ShardSource``: ``metas``, ``senders``, ``pp``, ``version``, ``begin()``, ``gather(bucket, owner=)``,
+    (``ShardSource``: ``metas``, ``senders``, ``pp``, ``ep``, ``version``, ``begin()``, ``gather(bucket, owner=)``,
     ``counts``);
     ``syncer`` on the leader only: its group's engines are the engines, its settings the sync's."""
 
@@ -111,10 +112,10 @@ class ShardedSync:
         self.rank = dist.get_rank()
         assert self.is_leader == (self.rank == 0), "the leader is actor rank 0"
         self.senders: list[int] = list(source.senders)
-        """global ranks of the senders: every stage's TP ranks in actor rank 0's replica, stage-major"""
+        """global ranks of the senders: every stage's (and EP rank's) TP ranks in actor rank 0's replica"""
         self.sender: Optional[int] = self.senders.index(self.rank) if self.rank in self.senders else None
         self.plan: ShardPlan = plan_shards(
-            source.metas, num_senders=len(self.senders), bucket_bytes=sync_cfg.bucket_bytes, pp=source.pp
+            source.metas, num_senders=len(self.senders), bucket_bytes=sync_cfg.bucket_bytes, pp=source.pp, ep=source.ep
         )
         self.groups: list[WeightSyncGroup] = []
         """the leader's end of every sender's group (the engines' calls; ``groups[0].pg`` is its own)"""

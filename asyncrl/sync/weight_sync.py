@@ -71,8 +71,9 @@ rank 0 (``asyncrl.actor.pipeline.gather_to_rank0``), which pushes them all.
 
 Topology (``sync.topology``): this module is the ``broadcast`` one, every byte through actor rank 0 (``rank0_bytes``:
 its TP all-gather + everything it broadcasts). ``sharded`` (``asyncrl.sync.sharded``) reuses this syncer's pause,
-``send_bucket`` (the buckets the leader owns), ``finish``, ``close_sessions`` and read-back, while each TP rank of
-rank 0's group broadcasts its own share from its own group ``<sync.group_name>.r<k>``, the leader still making every
+``send_bucket`` (the buckets the leader owns), ``finish``, ``close_sessions`` and read-back, while each sender (a TP
+rank of each stage, and each EP rank, of rank 0's replica) broadcasts its own share from its own group
+``<sync.group_name>.r<k>``, the leader still making every
 HTTP call, one bucket at a time in one global order. Both report ``sync/rank0_bytes`` and ``sync/bytes_max_rank``.
 """
 

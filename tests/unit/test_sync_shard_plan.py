@@ -4,6 +4,7 @@ rank, with pipeline stages (owners within a parameter's stage); the plan's input
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,103 @@ def test_replicated_parameters_and_the_tied_copy_cost_no_gather():
     assert sum(rank_bytes([norm, tied], plan, tp=2)) == 40
 
 
+def _moe_model(*, pp: int, tp: int, ep: int, experts: int = 8) -> list[ParamMeta]:
+    """``_pp_model``'s dense parameters and, in every layer, ``experts`` experts (fc1 + fc2), split evenly over the
+    EP ranks as megatron-core does (EP rank r holds experts ``[r * n, (r + 1) * n)``)."""
+    out = []
+    n = experts // ep
+    for p in _pp_model(pp=pp, tp=tp):
+        out.append(p)
+        if p.name.endswith(".norm"):  # after each layer's dense part: its experts, in global order
+            for e in range(experts):
+                for k, nbytes in (("fc1", 1600), ("fc2", 800)):
+                    name = f"{p.name[: -len('.norm')]}.expert{e}.{k}"
+                    out.append(dataclasses.replace(_param(name, nbytes, tp=tp, stage=p.stage), ep_rank=e // n))
+    if ep == 1:
+        out = [dataclasses.replace(p, ep_rank=None) for p in out]
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 2), (2, 2, 2)])
+def test_ep_experts_are_owned_by_a_holder_in_one_global_order_balanced(tp, pp, ep):
+    params = _moe_model(pp=pp, tp=tp, ep=ep)
+    n = tp * ep * pp
+    plan = plan_shards(params, num_senders=n, bucket_bytes=3000, pp=pp, ep=ep)
+    assert (plan.tp, plan.ep, plan.pp) == (tp, ep, pp)
+    for p in params:  # sender i: TP rank i % tp of EP rank (i // tp) % ep of stage i // (tp * ep)
+        o = plan.owners[p.name]
+        assert o in plan.stage_senders(p.stage), p
+        if p.ep_rank is not None:  # an expert only on a sender of the EP rank that holds it
+            assert (o // tp) % ep == p.ep_rank and o // (tp * ep) == p.stage, (p, o)
+    dense_owners = {plan.owners[p.name] for p in params if p.ep_rank is None}
+    assert {(o // tp) % ep for o in dense_owners} == set(range(ep))  # the dense share spreads over the EP ranks
+    share = plan.share_bytes()
+    for st in range(pp):
+        mine = [p for p in params if p.stage == st]
+        got = [share[s] for s in plan.stage_senders(st)]
+        assert sum(got) == sum(p.hf_nbytes for p in mine)
+        assert max(got) - min(got) <= max(p.hf_nbytes for p in mine)  # balanced within the stage
+    sent = [h.name for b in plan.buckets for h in b.hf]
+    assert sorted(sent) == sorted(h.name for p in params for h in p.hf)  # every tensor once
+    ep_of = {p.name: p.ep_rank for p in params}
+    for b in plan.buckets:  # a bucket's experts all sit on its owner's EP rank
+        assert {ep_of[x] for x in b.params} <= {None, (b.owner // tp) % ep}
+    owners = [b.owner for b in plan.buckets]
+    assert set(owners) == set(range(n))  # every sender sends
+    k = min(owners.count(s) for s in range(n))
+    assert owners[: n * k] == list(range(n)) * k  # ONE global order, round-robin
+    assert [b.is_last for b in plan.buckets] == [False] * (len(owners) - 1) + [True]
+    assert plan == plan_shards(list(params), num_senders=n, bucket_bytes=3000, pp=pp, ep=ep)  # shapes alone decide
+
+
+def test_ep_rank0_moves_less_than_the_funnel_and_no_expert_byte_is_gathered_across_ep():
+    tp, pp, ep = 1, 1, 2
+    params = _moe_model(pp=pp, tp=tp, ep=ep)
+    plan = plan_shards(params, num_senders=ep, bucket_bytes=3000, ep=ep)
+    per_rank = rank_bytes(params, plan, tp=tp)
+    total = sum(p.hf_nbytes for p in params)
+    assert per_rank == plan.share_bytes() and sum(per_rank) == total  # TP 1: each byte broadcast once, no gather
+    rank0_own = [p for p in params if p.ep_rank in (None, 0)]
+    funnel = funnel_rank_bytes(rank0_own, tp=tp, broadcast_bytes=total)
+    assert funnel[0] == total + sum(p.hf_nbytes for p in params if p.ep_rank == 1)  # receives EP 1's, sends all
+    assert max(per_rank) <= 0.55 * total < 0.4 * funnel[0]
+    # TP 2 x EP 2: each TP group's gathers move its own owners' shards only
+    params = _moe_model(pp=1, tp=2, ep=2)
+    plan = plan_shards(params, num_senders=4, bucket_bytes=3000, ep=2)
+    per_rank = rank_bytes(params, plan, tp=2)
+    for first in (0, 2):
+        mine = [p for p in params if plan.owners[p.name] in plan.tp_peers(first)]
+        gather = sum(2 * p.shard_nbytes for p in mine if p.sharded)
+        assert per_rank[first] + per_rank[first + 1] == gather + sum(p.hf_nbytes for p in mine)
+
+
+def test_ep_plan_refuses_an_expert_of_an_ep_rank_it_has_no_sender_for():
+    with pytest.raises(ValueError, match="EP rank 1 outside the 1 EP ranks"):
+        plan_shards(_moe_model(pp=1, tp=1, ep=2), num_senders=1, bucket_bytes=3000)
+    with pytest.raises(ValueError, match="EP ranks"):
+        plan_shards(_moe_model(pp=1, tp=1, ep=2), num_senders=3, bucket_bytes=3000, ep=2)
+
+
+def test_ep_metas_merge_into_global_expert_order():
+    from asyncrl.actor.shard_source import _merge_experts
+
+    def expert(layer: int, e: int, k: int) -> ParamMeta:
+        return _param(f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc{k}.weight", 64, tp=1)
+
+    dense = [_param("embedding", 64, tp=1), _param("decoder.layers.0.mlp.router.weight", 64, tp=1)]
+    tail = [_param("decoder.layers.1.self_attention.linear_qkv.weight", 64, tp=1)]
+    ranks = [
+        [*dense, *(expert(0, e, k) for e in range(r * 2, r * 2 + 2) for k in (1, 2)), *tail]
+        + [expert(1, e, k) for e in range(r * 2, r * 2 + 2) for k in (1, 2)]
+        for r in range(2)
+    ]
+    merged = [m.name for m in _merge_experts(ranks)]
+    want = [m.name for m in dense]
+    want += [expert(0, e, k).name for e in range(4) for k in (1, 2)] + [m.name for m in tail]
+    want += [expert(1, e, k).name for e in range(4) for k in (1, 2)]
+    assert merged == want
+
+
 def test_param_metas_follow_the_converter_on_a_real_model(tmp_path):
     """The shapes the plan is built from equal what the converter yields for the full tensors."""
     import torch
@@ -176,7 +274,7 @@ def test_param_metas_follow_the_converter_on_a_real_model(tmp_path):
         assert got == [(h.name, h.shape, h.nbytes) for h in m.hf], m.name
 
 
-def test_sharded_topology_takes_pipeline_parallelism_and_refuses_expert_parallelism(tmp_path):
+def test_sharded_topology_takes_pipeline_and_expert_parallelism(tmp_path):
     from asyncrl.config import ConfigError, load_config, validate
 
     root = Path(__file__).resolve().parents[2]
@@ -185,11 +283,10 @@ def test_sharded_topology_takes_pipeline_parallelism_and_refuses_expert_parallel
     pp = load_config(root / "configs/searchr1.toml", ["sync.topology=sharded", "actor.pipeline_model_parallel_size=2"])
     validate(pp)  # PP: accepted, every stage's TP ranks send
     ep = ["sync.topology=sharded", "actor.expert_model_parallel_size=2", "actor.pipeline_model_parallel_size=2"]
-    bad = load_config(root / "configs/searchr1.toml", ep)
-    with pytest.raises(
-        ConfigError, match=r"sync.topology: .*actor.expert_model_parallel_size = 1 \(got EP 2\).*broadcast"
-    ):
-        validate(bad)
-    validate(load_config(root / "configs/searchr1.toml", ep[1:]))  # EP is fine with the broadcast topology
+    validate(load_config(root / "configs/searchr1.toml", ep))  # EP: accepted, every EP rank sends its experts
+    validate(load_config(root / "configs/searchr1.toml", ep[1:]))  # and with the broadcast topology
+    grid = load_config(root / "configs/searchr1.toml", [*ep, "actor.expert_model_parallel_size=64"])
+    with pytest.raises(ConfigError, match="actor.expert_model_parallel_size: TP"):
+        validate(grid)  # the experts' grid must still divide the actor ranks
     with pytest.raises(ConfigError, match="sync.topology"):
         load_config(root / "configs/searchr1.toml", ["sync.topology=ring"])
