@@ -68,14 +68,15 @@ TORCHRUN_SHUTDOWN_TIMEOUT_S = 30
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
 def test_preemption_signal_checkpoints_the_last_step_and_the_run_resumes_from_it(prepared, tmp_path, sig):
-    """``sig`` to every process of the job mid-run, torchrun included, as Slurm sends its ``--signal=USR1@...``
-    notice or, at the time limit or on ``scancel``, SIGTERM: the job writes a complete checkpoint of its last
-    trained step (no checkpoint interval set; with the broker's buffered groups) and exits non-zero, the actor rank
-    with 75; resuming continues from it and every step shows once in metrics.jsonl. Under SIGTERM the broker defers
-    the signal until actor rank 0 checkpointed, torchrun never has to SIGKILL a rank, and nothing of the job is
-    left."""
+    """``sig`` to every process of the job mid-run, torchrun included, as Slurm sends SIGTERM at the time limit or
+    on ``scancel``: the job writes a complete checkpoint of its last trained step (no checkpoint interval set; with
+    the broker's buffered groups) and exits non-zero, the actor rank with 75; resuming continues from it and every
+    step shows once in metrics.jsonl. Under SIGTERM the broker defers the signal until actor rank 0 checkpointed,
+    torchrun never has to SIGKILL a rank, and nothing of the job is left. Slurm's ``--signal=USR1@...`` notice
+    (SIGUSR1) takes the same path; a real Slurm sends it in ``test_slurm_real.py`` (the job checkpoints, requeues
+    itself and resumes), so it is not run twice here."""
     run_dir = tmp_path / "run"
     job = _start(prepared, run_dir, "runner.max_steps=30", 'runner.resume="auto"')
     try:

@@ -127,11 +127,12 @@ def _stop_once(model: Path, tmp: Path, how: str) -> None:
             p.wait(timeout=10)
 
 
-def test_engine_stops_within_its_grace_20_times_with_calls_in_flight(model, tmp_path):
-    """20 stops (5 rounds of 4 engines at once, one of each kind of signal each round)."""
+def test_engine_stops_within_its_grace_12_times_with_calls_in_flight(model, tmp_path):
+    """12 stops (3 rounds of 4 engines at once, one of each kind of signal each round; 5 rounds until the suite's
+    time was cut, 2026-12-07)."""
     kinds = ("group", "twice", "engine", "sigint")
     failed = []
-    for _ in range(5):
+    for _ in range(3):
         with ThreadPoolExecutor(len(kinds)) as pool:
             futs = {how: pool.submit(_stop_once, model, tmp_path, how) for how in kinds}
             failed += [f"{how}: {fut.exception()}" for how, fut in futs.items() if fut.exception() is not None]

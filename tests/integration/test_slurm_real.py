@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from proc_helpers import REPO, free_port, read_metrics, tiny_env, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]  # its own CI step: python -m pytest -m slurm tests
 
 CRED_EXPIRE_S = 20
 """Seconds a requeued job waits before it may start again (Slurm: cred_expire + 1)."""
