@@ -72,6 +72,7 @@ _.num_pending  # (same)
 _.hidden_states_shared_prefix  # models/torch_decoder.py: tests/unit/test_torch_decoder.py, test_warm_start_buckets.py
 _.start_broker  # runner/broker_process.py: tests/integration/test_broker_*.py, benchmarks/broker_bench.py
 _.unflatten_bucket  # sync/bucketing.py: the inverse of flatten_bucket, tests/unit/test_sync_bucketing.py
+_.stage_senders  # sync/shard_plan.py ShardPlan: the senders of one stage, tests/unit/test_sync_shard_plan.py
 
 # ---- in files other engineers own for now (the lead decides)
 _.inflight_group_ids  # broker/core.py BrokerCore: tests/unit/test_broker_core*.py, benchmarks/scale.py
