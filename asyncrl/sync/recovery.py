@@ -123,8 +123,7 @@ class EngineRecovery:
         else:
             moved = [self.group.engines[i].url for i, (c, j) in enumerate(zip(counts, self.joined)) if c != j]
             log.warning("engine(s) %s restarted: re-forming the weight-sync group", ", ".join(moved))
-        self.stale = True  # until the re-formation succeeded
-        self.group.recreate()
+        self.group.recreate()  # a failure leaves joined and stale as they were: the next sync tries again
         self.joined, self.stale = counts, False
 
     def catch_up(self) -> bool:

@@ -73,24 +73,33 @@ def served_version(url: str) -> str:
     return str(get_json(url, "/model_info", timeout_s=10, step="model_info")["weight_version"])
 
 
-def assert_serves(url: str, trainer: Trainer) -> None:
-    """The engine generates (it is not paused) and its greedy log-probs equal the trainer's model's."""
+def greedy_logprobs(url: str, *, max_new_tokens: int = 4, timeout_s: float = 30) -> tuple[list[int], list[float], dict]:
+    """The engine's greedy continuation of ``PROMPT``: its token ids, their log-probs, and the answer's meta_info."""
     out = post_json(
         url,
         "/generate",
         {
             "input_ids": PROMPT,
             "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
         },
-        timeout_s=30,
+        timeout_s=timeout_s,
         step="generate",
         check_success=False,
     )
     lps = out["meta_info"]["output_token_logprobs"]
-    ids = [t for _, t, _ in lps]
+    return [t for _, t, _ in lps], [lp for lp, _, _ in lps], out["meta_info"]
+
+
+def trainer_logprobs(model: TorchDecoder, ids: list[int]) -> torch.Tensor:
+    """The model's log-probs of ``ids`` continuing ``PROMPT``."""
     with torch.no_grad():
-        logp = torch.log_softmax(trainer.model(torch.tensor([PROMPT + ids]))[0].float(), dim=-1)
+        logp = torch.log_softmax(model(torch.tensor([PROMPT + ids]))[0].float(), dim=-1)
     n = len(PROMPT)
-    expected = logp[n - 1 : n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor([lp for lp, _, _ in lps]), expected, atol=1e-4, rtol=0)
+    return logp[n - 1 : n - 1 + len(ids)].gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def assert_serves(url: str, trainer: Trainer) -> None:
+    """The engine generates (it is not paused) and its greedy log-probs equal the trainer's model's."""
+    ids, lps, _ = greedy_logprobs(url)
+    torch.testing.assert_close(torch.tensor(lps), trainer_logprobs(trainer.model, ids), atol=1e-4, rtol=0)

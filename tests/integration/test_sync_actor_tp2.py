@@ -27,7 +27,8 @@ def _worker(hf: str, out: str, urls: list[str]) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_sync_cpu_engines import PROMPT, TIMEOUT_S, Traffic, _engine_logprobs, _versions
+    from sync_helpers import PROMPT
+    from test_sync_cpu_engines import TIMEOUT_S, Traffic, _engine_logprobs, _versions
 
     from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config

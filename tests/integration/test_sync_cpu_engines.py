@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from proc_helpers import wait_for
+from sync_helpers import greedy_logprobs, trainer_logprobs
 
 from asyncrl.config.schema import SyncConfig
 from asyncrl.cpu_engine.testing import running_cpu_engine
@@ -29,7 +30,6 @@ from asyncrl.sync.weight_sync import SyncHooks, WeightSyncer
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 TIMEOUT_S = 60.0
 LONG_TOKENS = 160  # long enough that requests are still decoding when the sync starts
 
@@ -87,28 +87,7 @@ def _train_step(model: TorchDecoder, seed: int) -> None:
 
 
 def _engine_logprobs(url: str) -> tuple[list[int], list[float], dict]:
-    out = post_json(
-        url,
-        "/generate",
-        {
-            "input_ids": PROMPT,
-            "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
-        },
-        timeout_s=TIMEOUT_S,
-        step="generate",
-        check_success=False,
-    )
-    lps = out["meta_info"]["output_token_logprobs"]
-    return [t for _, t, _ in lps], [lp for lp, _, _ in lps], out["meta_info"]
-
-
-def _trainer_logprobs(model: TorchDecoder, out_ids: list[int]) -> torch.Tensor:
-    ids = torch.tensor([PROMPT + out_ids])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids)[0].float(), dim=-1)
-    n = len(PROMPT)
-    return logp[n - 1 : n - 1 + len(out_ids)].gather(1, torch.tensor(out_ids)[:, None])[:, 0]
+    return greedy_logprobs(url, max_new_tokens=8, timeout_s=TIMEOUT_S)
 
 
 def _assert_engines_match_trainer(env: Env) -> None:
@@ -116,7 +95,7 @@ def _assert_engines_match_trainer(env: Env) -> None:
         assert str(get_json(url, "/model_info", timeout_s=10, step="t")["weight_version"]) == str(env.version)
         ids, lps, meta = _engine_logprobs(url)
         assert meta["weight_versions"] == [{"version": str(env.version), "start": 0, "end": len(ids)}]
-        expected = _trainer_logprobs(env.trainer, ids)
+        expected = trainer_logprobs(env.trainer, ids)
         torch.testing.assert_close(torch.tensor(lps), expected, atol=1e-4, rtol=0)
 
 

@@ -17,17 +17,12 @@ One torchrun launch (this file's ``__main__``, 2 ranks = the two EP ranks) again
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
-from statistics import median
 
 import pytest
+from sharded_helpers import TIMEOUT_S, run_torchrun_worker
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 60.0
 REPEATS = 3  # syncs per topology before the training step: the times printed are medians
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11, 64, 128, 31, 9]
 LP_TOL = 1e-4  # the engine's decode path against the actor's forward, both fp32 (the dense tests' assert_serves)
@@ -37,7 +32,7 @@ def _served_gap(actor, url: str) -> float:
     """Collective: rank 0 asks the engine for a greedy continuation of ``PROMPT`` with log-probs; every rank computes
     the actor's log-probs of those tokens. The largest difference (on every rank)."""
     import torch
-    from test_sync_sharded_tp2 import _bcast  # the neighbour's helper (same directory)
+    from sharded_helpers import bcast
 
     from asyncrl.engine.blocking import post_json
 
@@ -50,7 +45,7 @@ def _served_gap(actor, url: str) -> float:
         }
         out = post_json(url, "/generate", body, timeout_s=TIMEOUT_S, step="generate")
         served = [(lp, t) for lp, t, _ in out["meta_info"]["output_token_logprobs"]]
-    served = _bcast(served)
+    served = bcast(served)
     ids = [t for _, t in served]
     (mine, _), *_ = actor.compute_logprobs([PROMPT + ids], [len(PROMPT)])
     return float((mine.double() - torch.tensor([lp for lp, _ in served], dtype=torch.float64)).abs().max())
@@ -61,20 +56,16 @@ def _worker(hf: str, out: str, pp: int, url: str) -> None:
     expert-DP=2)."""
     import torch
     import torch.distributed as dist
+    from sharded_helpers import bcast, broadcast_then_sharded, gather
     from sync_helpers import served_version
-    from test_sync_sharded_tp2 import _bcast, _gather
 
     from asyncrl.actor.megatron_actor import Actor
     from asyncrl.actor.names import is_expert
-    from asyncrl.actor.shard_source import ShardSource, param_metas
+    from asyncrl.actor.shard_source import param_metas
     from asyncrl.actor.synthetic import synthetic_groups, tiny_actor_config
     from asyncrl.actor.weights import local_params
     from asyncrl.config.schema import SyncConfig
-    from asyncrl.sync.group import EngineEndpoint, WeightSyncGroup
-    from asyncrl.sync.recovery import sync_weights
-    from asyncrl.sync.shard_plan import rank_bytes
-    from asyncrl.sync.sharded import ShardedSync, funnel_bytes, sync_weights_sharded
-    from asyncrl.sync.weight_sync import WeightSyncer
+    from asyncrl.sync.sharded import sync_weights_sharded
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -83,47 +74,22 @@ def _worker(hf: str, out: str, pp: int, url: str) -> None:
     sync_cfg = SyncConfig(
         bucket_bytes=64 * 1024, backend="gloo", join_timeout_s=TIMEOUT_S, step_timeout_s=TIMEOUT_S, verify_interval=1
     )
-    engines = [EngineEndpoint(url)]
-    r: dict = {"ep_rank": _gather(actor.experts.rank)}
-
-    # 1. the broadcast topology: every byte through actor rank 0
-    syncer = group = None
-    if rank == 0:
-        group = WeightSyncGroup(engines, sync_cfg, master_address="127.0.0.1", control_timeout_s=TIMEOUT_S)
-        group.init()
-        syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=sync_cfg)
-    times = []
-    for _ in range(REPEATS):
-        res = sync_weights(actor, syncer, None, bucket_bytes=sync_cfg.bucket_bytes, is_leader=rank == 0, bcast=_bcast)
-        times.append(res.time_s if rank == 0 else 0.0)
-    if rank == 0:
-        own = param_metas(actor.model, actor.spec, tp=actor.tp, experts=actor.experts)  # what rank 0 holds
-        r0, mx = funnel_bytes(own, tp=actor.tp, num_bytes=res.num_bytes)
-        r["broadcast"] = {"time_s": median(times), "rank0_bytes": r0, "max_rank_bytes": mx, "bytes": res.num_bytes}
-        group.destroy()
-
-    # 2. the sharded topology: each EP rank sends its own experts (and a share of the dense parameters)
-    lead = None
-    if rank == 0:
-        base = WeightSyncGroup(engines, sync_cfg, master_address="127.0.0.1", control_timeout_s=TIMEOUT_S)
-        lead = WeightSyncer(base, pause_mode="retract", sync_cfg=sync_cfg)
-    source = ShardSource(actor)
-    sharded = ShardedSync(source, sync_cfg, bcast=_bcast, syncer=lead)
-    sharded.form()
-    times, counted = [], []
-    for _ in range(REPEATS):
-        res = sync_weights_sharded(sharded, None, bcast=_bcast)
-        times.append(res.time_s if rank == 0 else 0.0)
-        counted.append(sharded.bytes_moved())
-    assert len(set(counted)) == 1, counted  # every sync moves the same bytes
-    r["counted"] = _gather(counted[0])
-    r["planned"] = rank_bytes(source.metas, sharded.plan, tp=actor.tp)
+    # 1. the broadcast topology: every byte through actor rank 0 (its own metas: what it holds); 2. the sharded
+    # topology: each EP rank sends its own experts (and a share of the dense parameters)
+    r, sharded, source, _ = broadcast_then_sharded(
+        actor,
+        [url],
+        sync_cfg,
+        repeats=REPEATS,
+        rank0_metas=lambda: param_metas(actor.model, actor.spec, tp=actor.tp, experts=actor.experts),
+    )
+    r["ep_rank"] = gather(actor.experts.rank)
     r["senders"] = sharded.senders
     r["owners"] = [b.owner for b in sharded.plan.buckets]
-    r["metas_everywhere"] = _gather([(m.name, m.ep_rank) for m in source.metas])
+    r["metas_everywhere"] = gather([(m.name, m.ep_rank) for m in source.metas])
     held = dict(local_params(actor.model, actor.layer_offset, actor.experts.offset))  # this rank's, global names
     mine = [m.name for m in source.metas if sharded.plan.owners[m.name] == sharded.sender]
-    r["owns_only_what_it_holds"] = _gather(all(n in held for n in mine))
+    r["owns_only_what_it_holds"] = gather(all(n in held for n in mine))
     tp, ep = sharded.plan.tp, sharded.plan.ep  # sender i: TP rank i % tp of EP rank (i // tp) % ep, stage i // (tp ep)
     owner = sharded.plan.owners
     r["expert_owner_is_holder"] = all(
@@ -131,16 +97,6 @@ def _worker(hf: str, out: str, pp: int, url: str) -> None:
         for m in source.metas
         if is_expert(m.name)
     )
-    if rank == 0:
-        r["sharded"] = {
-            "time_s": median(times),
-            "rank0_bytes": res.rank0_bytes,
-            "max_rank_bytes": res.max_rank_bytes,
-            "bytes": res.num_bytes,
-            "verified": res.verify.checked,
-            "unsupported": res.verify.unsupported,
-            "version": res.version,
-        }
     r["gap_v0"] = _served_gap(actor, url)
 
     # 3. train, change EP rank 1's experts, sync, compare what the engine serves with the actor's own log-probs
@@ -151,7 +107,7 @@ def _worker(hf: str, out: str, pp: int, url: str) -> None:
             if actor.experts.rank == 1 and is_expert(name):  # on every replica of EP rank 1
                 p.mul_(1.5)
     r["gap_before_sync"] = _served_gap(actor, url)
-    res = sync_weights_sharded(sharded, None, bcast=_bcast)
+    res = sync_weights_sharded(sharded, None, bcast=bcast)
     r["gap_after_sync"] = _served_gap(actor, url)
     sharded.destroy()
     if rank == 0:
@@ -171,25 +127,7 @@ def _launch(tmp_path: Path, *, nproc: int = 2, pp: int = 1) -> dict:
     hf = make_tiny_checkpoint(tmp_path / "hf", arch="qwen3_moe", num_hidden_layers=2)
     out = tmp_path / "out.json"
     with running_cpu_engine(hf, log_dir=tmp_path / "logs") as e1:
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__]
-        with open(tmp_path / "worker.log", "w") as log:
-            proc = subprocess.Popen(
-                [*cmd, str(hf), str(out), str(pp), e1.url],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
-            try:
-                proc.wait(timeout=240)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-    if proc.returncode != 0:
-        pytest.fail("torchrun worker failed:\n" + (tmp_path / "worker.log").read_text()[-4000:])
+        run_torchrun_worker(__file__, [str(hf), str(out), str(pp), e1.url], tmp_path / "worker.log", nproc=nproc)
     return json.loads(out.read_text())
 
 

@@ -26,18 +26,9 @@ import time
 from pathlib import Path
 
 import pytest
+from sharded_helpers import TIMEOUT_S, bcast, gather, run_torchrun_worker, served_equal
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 60.0
 REPEATS = int(os.environ.get("ASYNCRL_SHARDED_REPEATS", "3"))
-
-
-def _bcast(obj):
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _wait_file(path: Path, timeout_s: float) -> str:
@@ -47,32 +38,6 @@ def _wait_file(path: Path, timeout_s: float) -> str:
             raise TimeoutError(f"{path} did not appear in {timeout_s:g} s")
         time.sleep(0.05)
     return path.read_text()
-
-
-def _served_equal(actor, urls: list[str]) -> int:
-    """Every tensor of the actor's full HF export against both engines, bit for bit (collective: every rank
-    iterates the export; rank 0 compares). The number of tensors compared (0 elsewhere)."""
-    import torch
-    import torch.distributed as dist
-
-    from asyncrl.engine.blocking import post_json
-
-    full = {n: t.clone() for b in actor.iter_hf_buckets(1 << 20) for n, t in b}
-    if dist.get_rank() != 0:
-        return 0
-    for url in urls:
-        for name, t in full.items():
-            got = post_json(
-                url,
-                "/get_weights_by_name",
-                {"name": name, "truncate_size": t.shape[0]},
-                timeout_s=TIMEOUT_S,
-                step="get_weights_by_name",
-            )
-            served = torch.tensor(got, dtype=torch.float32)
-            assert served.shape == t.shape, (url, name, served.shape, t.shape)
-            assert torch.equal(served, t.float()), f"engine {url} serves {name} different from the actor's"
-    return len(full)
 
 
 def _killing_source(actor, flags: Path):
@@ -128,7 +93,7 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
         group.init()
         syncer = WeightSyncer(group, pause_mode="retract", sync_cfg=sync_cfg)
     for _ in range(REPEATS):
-        res = sync_weights(actor, syncer, None, bucket_bytes=sync_cfg.bucket_bytes, is_leader=rank == 0, bcast=_bcast)
+        res = sync_weights(actor, syncer, None, bucket_bytes=sync_cfg.bucket_bytes, is_leader=rank == 0, bcast=bcast)
         if rank == 0:
             r0, mx = funnel_bytes(
                 param_metas(actor.model, actor.spec, tp=actor.tp), tp=actor.tp, num_bytes=res.num_bytes
@@ -145,12 +110,12 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
         base = WeightSyncGroup(engines, sync_cfg, master_address="127.0.0.1", control_timeout_s=TIMEOUT_S)
         lead = WeightSyncer(base, pause_mode="retract", sync_cfg=sync_cfg)
     source = _killing_source(actor, flag_dir)
-    sharded = ShardedSync(source, sync_cfg, bcast=_bcast, syncer=lead)
+    sharded = ShardedSync(source, sync_cfg, bcast=bcast, syncer=lead)
     sharded.form()
     planned = rank_bytes(sharded.source.metas, sharded.plan, tp=actor.tp)
     counted = []
     for _ in range(REPEATS):
-        res = sync_weights_sharded(sharded, None, bcast=_bcast)
+        res = sync_weights_sharded(sharded, None, bcast=bcast)
         counted.append(sharded.bytes_moved())
         if rank == 0:
             r["sharded"].append(
@@ -162,14 +127,14 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
                     "verified": res.verify.checked,
                 }
             )
-    r["counted"] = _gather(counted)
+    r["counted"] = gather(counted)
     r["planned"] = planned
     r["owners"] = sorted(set(b.owner for b in sharded.plan.buckets))
 
     # 3. train, sync, compare every tensor
     actor.train_step(synthetic_groups(seed=1, num_groups=2, group_size=4, vocab_size=vocab) if rank == 0 else None)
-    res = sync_weights_sharded(sharded, None, bcast=_bcast)
-    r["compared_after_train"] = _served_equal(actor, urls)
+    res = sync_weights_sharded(sharded, None, bcast=bcast)
+    r["compared_after_train"] = served_equal(actor, urls)
     r["version_after_train"] = res.version if rank == 0 else None
 
     # 4. an engine dies in a sync, under sender 1's bucket; the recovery re-forms both groups once it restarted
@@ -186,9 +151,9 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
     actor.train_step(synthetic_groups(seed=2, num_groups=2, group_size=4, vocab_size=vocab) if rank == 0 else None)
     source.armed = True
     t0 = time.monotonic()
-    res = sync_weights_sharded(sharded, recovery, bcast=_bcast)
+    res = sync_weights_sharded(sharded, recovery, bcast=bcast)
     took = time.monotonic() - t0
-    r["compared_after_restart"] = _served_equal(actor, urls)
+    r["compared_after_restart"] = served_equal(actor, urls)
     if rank == 0:
         r["version_after_restart"] = res.version
         r["failures"] = recovery.failures
@@ -201,14 +166,6 @@ def _worker(hf: str, out: str, flags: str, urls: list[str]) -> None:
         sharded.destroy()
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _gather(x):
-    import torch.distributed as dist
-
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, x)
-    return got
 
 
 def _play_the_rollout_rank(proc: subprocess.Popen, victim, flags: Path) -> None:
@@ -259,26 +216,13 @@ def _run_worker(tmp_path, hf, mode: str) -> dict:
         running_cpu_engine(hf, log_dir=tmp_path / "logs", extra=extra) as e2,
     ):
         e2.max_restarts = 1
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, mode]
-        with open(tmp_path / f"{mode}.log", "w") as log:
-            proc = subprocess.Popen(
-                [*cmd, str(hf), str(out), str(flags), e1.url, e2.url],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
-            try:
-                _play_the_rollout_rank(proc, e2, flags)
-                proc.wait(timeout=300)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-    if proc.returncode != 0:
-        pytest.fail("torchrun worker failed:\n" + (tmp_path / f"{mode}.log").read_text()[-4000:])
+        run_torchrun_worker(
+            __file__,
+            [mode, str(hf), str(out), str(flags), e1.url, e2.url],
+            tmp_path / f"{mode}.log",
+            timeout_s=300,
+            meanwhile=lambda proc: _play_the_rollout_rank(proc, e2, flags),
+        )
     return json.loads(out.read_text())
 
 

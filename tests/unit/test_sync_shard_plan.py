@@ -90,14 +90,8 @@ def _pp_model(pp: int = 2, tp: int = 2) -> list[ParamMeta]:
     ]
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (2, 4), (3, 2)])
-def test_pp_owners_sit_in_the_parameters_stage_balanced_within_it(tp, pp):
-    params = _pp_model(pp=pp, tp=tp)
-    plan = plan_shards(params, num_senders=tp * pp, bucket_bytes=3000, pp=pp)
-    assert plan.tp == tp and plan.pp == pp
-    for p in params:  # sender i is TP rank i % tp of stage i // tp
-        assert plan.owners[p.name] // tp == p.stage, p
-        assert plan.owners[p.name] in plan.stage_senders(p.stage)
+def _assert_balanced_per_stage_and_complete(plan, params, *, pp: int) -> None:
+    """Each stage's senders share its bytes, at most one parameter apart; every tensor is sent once."""
     share = plan.share_bytes()
     for st in range(pp):
         mine = [p for p in params if p.stage == st]
@@ -106,6 +100,17 @@ def test_pp_owners_sit_in_the_parameters_stage_balanced_within_it(tp, pp):
         assert max(got) - min(got) <= max(p.hf_nbytes for p in mine)  # balanced within the stage
     sent = [h.name for b in plan.buckets for h in b.hf]
     assert sorted(sent) == sorted(h.name for p in params for h in p.hf)  # every tensor once
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (2, 4), (3, 2)])
+def test_pp_owners_sit_in_the_parameters_stage_balanced_within_it(tp, pp):
+    params = _pp_model(pp=pp, tp=tp)
+    plan = plan_shards(params, num_senders=tp * pp, bucket_bytes=3000, pp=pp)
+    assert plan.tp == tp and plan.pp == pp
+    for p in params:  # sender i is TP rank i % tp of stage i // tp
+        assert plan.owners[p.name] // tp == p.stage, p
+        assert plan.owners[p.name] in plan.stage_senders(p.stage)
+    _assert_balanced_per_stage_and_complete(plan, params, pp=pp)
     stage_of = {p.name: p.stage for p in params}
     for b in plan.buckets:
         assert {stage_of[n] for n in b.params} == {b.owner // tp}  # a bucket never spans two stages
@@ -179,14 +184,7 @@ def test_ep_experts_are_owned_by_a_holder_in_one_global_order_balanced(tp, pp, e
             assert (o // tp) % ep == p.ep_rank and o // (tp * ep) == p.stage, (p, o)
     dense_owners = {plan.owners[p.name] for p in params if p.ep_rank is None}
     assert {(o // tp) % ep for o in dense_owners} == set(range(ep))  # the dense share spreads over the EP ranks
-    share = plan.share_bytes()
-    for st in range(pp):
-        mine = [p for p in params if p.stage == st]
-        got = [share[s] for s in plan.stage_senders(st)]
-        assert sum(got) == sum(p.hf_nbytes for p in mine)
-        assert max(got) - min(got) <= max(p.hf_nbytes for p in mine)  # balanced within the stage
-    sent = [h.name for b in plan.buckets for h in b.hf]
-    assert sorted(sent) == sorted(h.name for p in params for h in p.hf)  # every tensor once
+    _assert_balanced_per_stage_and_complete(plan, params, pp=pp)
     ep_of = {p.name: p.ep_rank for p in params}
     for b in plan.buckets:  # a bucket's experts all sit on its owner's EP rank
         assert {ep_of[x] for x in b.params} <= {None, (b.owner // tp) % ep}
